@@ -1,0 +1,30 @@
+"""The async engine interface both engines implement (native: backend/engine/llm.py,
+vllm: backend/vllm_engine.py). The Triton backend talks to nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from backend.engine.request import GenerationRequest, RequestOutput
+
+
+class AsyncEngine(Protocol):
+    async def start(self) -> None:
+        """Load the model and start stepping. Raises on a bad configuration."""
+
+    def add(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Admit a request and stream its deltas; the last one has finished=True.
+        Raises InvalidRequest (client's mistake) or EngineOverloaded before the first delta."""
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request and free its cache; its stream ends with finish_reason="abort"."""
+
+    def stats(self) -> dict:
+        """running, waiting, kv usage per pool, token counters, prefix-cache counters."""
+
+    def health(self) -> bool:
+        """False once the engine cannot serve (fatal error, shut down)."""
+
+    async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop admission, let in-flight requests finish up to the timeout, then stop."""

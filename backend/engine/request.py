@@ -1,0 +1,72 @@
+"""What crosses the engine boundary: a request in, a stream of outputs back.
+
+Both engines (native, vllm) take a `GenerationRequest` and yield `RequestOutput`
+deltas; the Triton side (backend/protocol.py) builds the first and renders the
+second, and never knows which engine runs. Names follow vLLM's SamplingParams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequest(ValueError):
+    """The client's mistake (maps to Triton INVALID_ARG)."""
+
+
+class EngineOverloaded(RuntimeError):
+    """Admission refused: too many waiting requests (maps to UNAVAILABLE)."""
+
+
+class EngineDead(RuntimeError):
+    """The engine hit a fatal error and serves nothing more (maps to UNAVAILABLE)."""
+
+
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine; others carry on (maps to INTERNAL)."""
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled (vLLM uses -1)
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-n logprobs per output token; None: off
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class GenerationRequest:
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class RequestOutput:
+    """One delta of one request. `text`/`token_ids`/`logprobs` are new since the last delta;
+    the counters are cumulative. The last delta has `finished=True` and a `finish_reason`
+    ("stop", "length" or "abort")."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
