@@ -1,0 +1,188 @@
+"""Custom Prometheus families on Triton's metrics endpoint (:8002/metrics), via pb_utils.MetricFamily.
+
+Per-request figures (latencies, lengths, finish reasons) come from backend/model.py when a request
+finishes; engine-wide figures (running/waiting requests, KV-cache usage, prefix-cache and replay
+counters) are polled from `engine.stats()`. Every metric call is an IPC to the Triton process, so
+one thread does them all, off the engine's event loop. Triton 2.51's python backend supports
+HISTOGRAM (python_backend >= 24.08), so histograms are real Prometheus histograms.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import triton_python_backend_utils as pb_utils
+
+PREFIX = "deepseek:"
+POLL_INTERVAL_S = 0.5
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0]
+TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5]
+E2E_BUCKETS = [0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0]
+
+
+def buckets_1_2_5(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    out, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return out
+            out.append(float(value))
+        exponent += 1
+
+
+@dataclass
+class RequestRecord:
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finish_reason: str
+    ttft_s: float | None
+    e2e_s: float
+    decode_s: float | None  # first token -> last token
+
+
+def gauges_from_stats(stats: dict) -> tuple[dict[str, float], dict[str, float]]:
+    """engine.stats() -> (gauges, cumulative counters) by metric name (kv usage: one per pool)."""
+    gauges = {
+        "num_requests_running": float(stats.get("running", 0)),
+        "num_requests_waiting": float(stats.get("waiting", 0)),
+    }
+    kv = stats.get("kv_usage", {})
+    if isinstance(kv, dict):
+        for pool, usage in kv.items():
+            gauges[f"kv_cache_usage_perc/{pool}"] = float(usage)
+    else:
+        gauges["kv_cache_usage_perc/all"] = float(kv)
+    counters = {
+        "prefix_cache_hit_tokens_total": float(stats.get("prefix_cache_hit_tokens", 0)),
+        "replayed_tokens_total": float(stats.get("replayed_tokens", 0)),
+    }
+    return gauges, counters
+
+
+class Metrics:
+    """Owns the families and the thread that updates them."""
+
+    def __init__(self, labels: dict, stats_fn, max_model_len: int, poll_interval_s: float = POLL_INTERVAL_S):
+        self.labels = dict(labels)
+        self.stats_fn = stats_fn
+        self.poll_interval_s = poll_interval_s
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name="deepseek-metrics", daemon=True)
+        self.stats_errors = 0
+
+        F = pb_utils.MetricFamily
+        self.families = []
+
+        def family(name, description, kind):
+            fam = F(name=PREFIX + name, description=description, kind=kind)
+            self.families.append(fam)
+            return fam
+
+        def histogram(name, description, buckets):
+            return family(name, description, F.HISTOGRAM).Metric(labels=self.labels, buckets=buckets)
+
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token in seconds.", TTFT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request, in seconds.",
+                              TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+                             E2E_BUCKETS)
+        self.prompt_len = histogram("request_prompt_tokens", "Prompt length of finished requests in tokens.",
+                                    token_buckets)
+        self.generation_len = histogram("request_generation_tokens",
+                                        "Generated length of finished requests in tokens.", token_buckets)
+        self.prompt_tokens = family("prompt_tokens_total", "Prompt tokens of finished requests.",
+                                    F.COUNTER).Metric(labels=self.labels)
+        self.generation_tokens = family("generation_tokens_total", "Generated tokens of finished requests.",
+                                        F.COUNTER).Metric(labels=self.labels)
+        self.success_family = family("request_success_total", "Finished requests by finish reason.", F.COUNTER)
+        self.success: dict[str, object] = {}
+
+        self.stat_counters = {
+            "prefix_cache_hit_tokens_total": family(
+                "prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache.",
+                F.COUNTER).Metric(labels=self.labels),
+            "replayed_tokens_total": family(
+                "replayed_tokens_total", "Tokens recomputed by SWA bounded replay after prefix-cache hits.",
+                F.COUNTER).Metric(labels=self.labels),
+        }
+        self.last_counter_values = dict.fromkeys(self.stat_counters, 0.0)
+        self.gauge_families = {
+            "num_requests_running": family("num_requests_running", "Requests running in the engine.", F.GAUGE),
+            "num_requests_waiting": family("num_requests_waiting", "Requests waiting in the engine.", F.GAUGE),
+            "kv_cache_usage_perc": family("kv_cache_usage_perc", "KV-cache block usage per pool; 1 is full.",
+                                          F.GAUGE),
+        }
+        self.gauges: dict[str, object] = {}
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout=5)
+
+    def record(self, record: RequestRecord) -> None:
+        self.queue.put(record)
+
+    # ------------------------------------------------------------------ metrics thread
+
+    def _loop(self) -> None:
+        next_poll = time.monotonic()
+        while True:
+            try:
+                item = self.queue.get(timeout=max(0.0, next_poll - time.monotonic()))
+            except queue.Empty:
+                item = ...
+            if item is None:
+                return
+            if isinstance(item, RequestRecord):
+                self._observe(item)
+            if time.monotonic() >= next_poll:
+                self._poll()
+                next_poll = time.monotonic() + self.poll_interval_s
+
+    def _observe(self, r: RequestRecord) -> None:
+        if r.ttft_s is not None:
+            self.ttft.observe(r.ttft_s)
+        if r.decode_s is not None and r.num_output_tokens > 1:
+            self.tpot.observe(r.decode_s / (r.num_output_tokens - 1))
+        self.e2e.observe(r.e2e_s)
+        self.prompt_len.observe(r.num_prompt_tokens)
+        self.generation_len.observe(r.num_output_tokens)
+        self.prompt_tokens.increment(r.num_prompt_tokens)
+        self.generation_tokens.increment(r.num_output_tokens)
+        if r.finish_reason not in self.success:
+            labels = {**self.labels, "finished_reason": r.finish_reason}
+            self.success[r.finish_reason] = self.success_family.Metric(labels=labels)
+        self.success[r.finish_reason].increment(1)
+
+    def _poll(self) -> None:
+        try:
+            gauges, counters = gauges_from_stats(self.stats_fn())
+        except Exception:
+            self.stats_errors += 1  # the engine may be gone (shutdown); keep the last values
+            return
+        for key, value in gauges.items():
+            name, _, pool = key.partition("/")
+            if key not in self.gauges:
+                labels = {**self.labels, "pool": pool} if pool else self.labels
+                self.gauges[key] = self.gauge_families[name].Metric(labels=labels)
+            self.gauges[key].set(value)
+        for name, value in counters.items():
+            delta = value - self.last_counter_values[name]
+            if delta < 0:  # the engine's counter restarted
+                delta = value
+            if delta > 0:
+                self.stat_counters[name].increment(delta)
+            self.last_counter_values[name] = value

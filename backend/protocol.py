@@ -1,0 +1,361 @@
+"""The wire protocol: Triton tensors and request parameters <-> GenerationRequest / RequestOutput.
+
+Pure Python and numpy (no pb_utils) so it is unit-tested without a server. The tensor names
+and semantics follow Triton's vLLM backend (see docs/USAGE.md); every mistake a client can
+make raises `InvalidRequest` with a message that names the input and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from backend.engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
+
+RETURN_FLAGS = (
+    "return_finish_reason",
+    "return_num_input_tokens",
+    "return_num_output_tokens",
+    "return_cumulative_logprob",
+    "return_logprobs",
+)
+BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
+INPUTS = ("text_input", "sampling_parameters", *BOOL_INPUTS)
+
+# Request parameters that Triton's frontends or clients set for themselves, not for the model.
+_RESERVED_PARAMETERS = {"binary_data_output", "priority", "timeout", "headers", "sequence_id",
+                        "sequence_start", "sequence_end", "request_id"}
+
+# vLLM sampling keys we implement: key -> parser.
+_INT, _FLOAT, _BOOL = "int", "float", "bool"
+_SAMPLING_KEYS = {
+    "max_tokens": _INT,
+    "min_tokens": _INT,
+    "temperature": _FLOAT,
+    "top_p": _FLOAT,
+    "top_k": _INT,
+    "min_p": _FLOAT,
+    "seed": _INT,
+    "stop": "stop",
+    "stop_token_ids": "int_list",
+    "ignore_eos": _BOOL,
+    "logprobs": "logprobs",
+    "skip_special_tokens": _BOOL,
+}
+# vLLM keys that clients (Triton's OpenAI frontend, genai-perf) send with their neutral value;
+# accepted at that value only, since this backend does not implement them.
+_NEUTRAL_KEYS = {
+    "n": 1,
+    "best_of": 1,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "use_beam_search": False,
+    "include_stop_str_in_output": False,
+}
+MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class ParsedRequest:
+    """What the Triton side needs to serve one request."""
+
+    request: GenerationRequest
+    stream: bool = False
+    exclude_input_in_output: bool = True
+    returns: frozenset[str] = frozenset()  # the return_* flags that are on
+
+
+def parse_request(
+    inputs: Mapping[str, object],
+    parameters: str | Mapping | None,
+    request_id: str,
+    max_model_len: int | None = None,
+) -> ParsedRequest:
+    """`inputs`: input name -> numpy array (absent inputs missing or None). `parameters`: the
+    request parameters (JSON text from pb_utils' `request.parameters()`, or a dict).
+
+    Flags and sampling keys may come either way; an input tensor wins over a request parameter,
+    and `sampling_parameters` keys win over request-parameter keys."""
+    params = _parse_parameters(parameters)
+    prompt = _text_input(inputs.get("text_input"))
+
+    flags = {}
+    for name in BOOL_INPUTS:
+        if name in params:
+            flags[name] = _to_bool(name, params.pop(name))
+        tensor = inputs.get(name)
+        if tensor is not None:
+            flags[name] = _bool_tensor(name, tensor)
+    for name in list(params):
+        if name in _RESERVED_PARAMETERS or name.startswith("triton_"):
+            params.pop(name)
+
+    sampling = dict(params)
+    tensor = inputs.get("sampling_parameters")
+    if tensor is not None:
+        sampling.update(_sampling_tensor(tensor))
+
+    stream = flags.get("stream", False)
+    if "exclude_input_in_output" in flags:
+        exclude = flags["exclude_input_in_output"]
+        if stream and not exclude:
+            raise InvalidRequest(
+                "exclude_input_in_output=false is not allowed with stream=true: "
+                "a stream sends only new text")
+    else:
+        exclude = stream  # vLLM backend's defaults: the prompt is echoed only when not streaming
+    returns = frozenset(name for name in RETURN_FLAGS if flags.get(name))
+
+    sp = parse_sampling(sampling, max_model_len)
+    if sp.logprobs is None and returns & {"return_logprobs", "return_cumulative_logprob"}:
+        sp.logprobs = 0  # the sampled token's logprob only, as vLLM
+    return ParsedRequest(GenerationRequest(request_id=request_id, prompt=prompt, sampling=sp),
+                         stream=stream, exclude_input_in_output=exclude, returns=returns)
+
+
+def parse_sampling(params: Mapping[str, object], max_model_len: int | None = None) -> SamplingParams:
+    """vLLM-named sampling parameters (values possibly strings, genai-perf style) -> SamplingParams."""
+    sp = SamplingParams()
+    for key, value in params.items():
+        if value is None:
+            continue  # unset: keep the default (vLLM's from_dict does the same)
+        if key in _NEUTRAL_KEYS:
+            neutral = _NEUTRAL_KEYS[key]
+            kind = _BOOL if isinstance(neutral, bool) else _FLOAT
+            if _coerce(key, value, kind) != neutral:
+                raise InvalidRequest(f"sampling parameter {key!r} is not supported (only {key}={neutral})")
+            continue
+        kind = _SAMPLING_KEYS.get(key)
+        if kind is None:
+            raise InvalidRequest(f"unknown sampling parameter {key!r}; supported: {', '.join(_SAMPLING_KEYS)}")
+        setattr(sp, key, _coerce(key, value, kind))
+
+    limit = max_model_len or 1 << 20
+    if not 1 <= sp.max_tokens <= limit:
+        raise InvalidRequest(f"max_tokens must be between 1 and {limit} (max_model_len), got {sp.max_tokens}")
+    if not 0 <= sp.min_tokens <= sp.max_tokens:
+        raise InvalidRequest(f"min_tokens must be between 0 and max_tokens ({sp.max_tokens}), got {sp.min_tokens}")
+    if sp.temperature < 0:
+        raise InvalidRequest(f"temperature must be >= 0, got {sp.temperature}")
+    if not 0 < sp.top_p <= 1:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {sp.top_p}")
+    if sp.top_k < -1:
+        raise InvalidRequest(f"top_k must be -1 or 0 (disabled) or a positive integer, got {sp.top_k}")
+    if sp.top_k == -1:
+        sp.top_k = 0
+    if not 0 <= sp.min_p <= 1:
+        raise InvalidRequest(f"min_p must be in [0, 1], got {sp.min_p}")
+    if sp.logprobs is not None and not 0 <= sp.logprobs <= 20:
+        raise InvalidRequest(f"logprobs must be between 0 and 20, got {sp.logprobs}")
+    if sp.seed is not None and not 0 <= sp.seed < 1 << 63:
+        raise InvalidRequest(f"seed must be a non-negative 64-bit integer, got {sp.seed}")
+    if any(t < 0 for t in sp.stop_token_ids):
+        raise InvalidRequest(f"stop_token_ids must be non-negative, got {sp.stop_token_ids}")
+    return sp
+
+
+def _parse_parameters(parameters: str | Mapping | None) -> dict:
+    if parameters is None or parameters == "":
+        return {}
+    if isinstance(parameters, Mapping):
+        return dict(parameters)
+    try:
+        params = json.loads(parameters)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"request parameters are not valid JSON: {e}") from e
+    if not isinstance(params, dict):
+        raise InvalidRequest("request parameters must be a JSON object")
+    return params
+
+
+def _single(name: str, tensor) -> object:
+    array = np.asarray(tensor)
+    if array.size != 1:
+        raise InvalidRequest(f"{name} must hold exactly one element, got shape {list(array.shape)}")
+    return array.reshape(-1)[0]
+
+
+def _text(name: str, value) -> str:
+    if isinstance(value, bytes | np.bytes_):
+        try:
+            return bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidRequest(f"{name} is not valid UTF-8 (byte {e.start}: {e.reason})") from e
+    if isinstance(value, str):
+        return value
+    raise InvalidRequest(f"{name} must be a string (TYPE_STRING / BYTES), got {type(value).__name__}")
+
+
+def _text_input(tensor) -> str:
+    if tensor is None:
+        raise InvalidRequest("missing required input 'text_input'")
+    prompt = _text("text_input", _single("text_input", tensor))
+    if not prompt:
+        raise InvalidRequest("text_input is empty: the prompt needs at least one character")
+    return prompt
+
+
+def _bool_tensor(name: str, tensor) -> bool:
+    value = _single(name, tensor)
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    return _to_bool(name, value.decode() if isinstance(value, bytes) else value)
+
+
+def _sampling_tensor(tensor) -> dict:
+    text = _text("sampling_parameters", _single("sampling_parameters", tensor))
+    if not text.strip():
+        return {}
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequest(f"sampling_parameters is not valid JSON: {e}") from e
+    if not isinstance(params, dict):
+        raise InvalidRequest(f"sampling_parameters must be a JSON object, got {type(params).__name__}")
+    return params
+
+
+def _to_bool(name: str, value) -> bool:
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0"):
+        return value.strip().lower() in ("true", "1")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise InvalidRequest(f"{name} must be a boolean, got {value!r}")
+
+
+def _to_int(name: str, value) -> int:
+    if isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be an integer, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            try:
+                as_float = float(value)
+            except ValueError:
+                as_float = math.nan
+            if as_float.is_integer():
+                return int(as_float)
+    raise InvalidRequest(f"{name} must be an integer, got {value!r}")
+
+
+def _to_float(name: str, value) -> float:
+    if isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be a number, got {value!r}")
+    try:
+        number = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        raise InvalidRequest(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(number):
+        raise InvalidRequest(f"{name} must be finite, got {value!r}")
+    return number
+
+
+def _coerce(name: str, value, kind: str):
+    if kind == _INT:
+        return _to_int(name, value)
+    if kind == _FLOAT:
+        return _to_float(name, value)
+    if kind == _BOOL:
+        return _to_bool(name, value)
+    if kind == "logprobs":  # OpenAI-style clients send a bool
+        if value is False or (isinstance(value, str) and value.strip().lower() == "false"):
+            return None
+        if value is True or (isinstance(value, str) and value.strip().lower() == "true"):
+            return 0
+        return _to_int(name, value)
+    value = _json_list(name, value)
+    if kind == "stop":
+        stops = [value] if isinstance(value, str) else value
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise InvalidRequest(f"stop must be a non-empty string or a list of them, got {value!r}")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS}")
+        return stops
+    if not isinstance(value, list):  # int_list
+        raise InvalidRequest(f"{name} must be a list of integers, got {value!r}")
+    return [_to_int(name, v) for v in value]
+
+
+def _json_list(name: str, value):
+    """A list may itself arrive as a JSON string ('["a", "b"]'); a plain string stays a string."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Outputs
+
+
+@dataclass
+class OutputState:
+    """Per-request rendering state: non-streaming requests accumulate every delta here."""
+
+    prompt: str
+    exclude_input_in_output: bool
+    returns: frozenset[str]
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    first: bool = True
+
+    def accumulate(self, delta: RequestOutput) -> None:
+        self.text.append(delta.text)
+        self.num_tokens += len(delta.token_ids)
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + list(delta.logprobs)
+
+
+def render_delta(state: OutputState, delta: RequestOutput) -> dict[str, np.ndarray]:
+    """One streamed response: the new text, the new token count, the cumulative counters."""
+    text = delta.text
+    if state.first and not state.exclude_input_in_output:
+        text = state.prompt + text
+    state.first = False
+    return _render(state.returns, delta, text, len(delta.token_ids), delta.logprobs)
+
+
+def render_final(state: OutputState, last: RequestOutput) -> dict[str, np.ndarray]:
+    """The one response of a non-streaming request, from everything `accumulate`d."""
+    text = "".join(state.text)
+    if not state.exclude_input_in_output:
+        text = state.prompt + text
+    return _render(state.returns, last, text, state.num_tokens, state.logprobs)
+
+
+def _render(returns, out: RequestOutput, text: str, num_tokens: int, logprobs) -> dict[str, np.ndarray]:
+    tensors = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+    if "return_finish_reason" in returns:
+        reason = (out.finish_reason or "") if out.finished else ""
+        tensors["finish_reason"] = np.array([reason.encode()], dtype=np.object_)
+    if "return_num_input_tokens" in returns:
+        tensors["num_input_tokens"] = np.array([out.num_prompt_tokens], dtype=np.uint32)
+    if "return_num_output_tokens" in returns:
+        tensors["num_output_tokens"] = np.array([num_tokens], dtype=np.uint32)
+    if "return_cumulative_logprob" in returns:
+        tensors["cumulative_logprob"] = np.array([out.cumulative_logprob], dtype=np.float32)
+    if "return_logprobs" in returns:
+        tensors["logprobs"] = np.array([logprobs_json(logprobs).encode()], dtype=np.object_)
+    return tensors
+
+
+def logprobs_json(logprobs: list[dict[int, float]] | None) -> str:
+    """vLLM backend's shape: one {token_id: {"logprob": x}} object per output token, or null."""
+    if logprobs is None:
+        return "null"
+    return json.dumps([{str(t): {"logprob": float(lp)} for t, lp in step.items()} for step in logprobs])

@@ -1,0 +1,385 @@
+"""Start a real Triton Inference Server serving model_repository/ with the `deepseek` backend.
+
+    python -m backend.serve [--model DIR] [--engine-args JSON] [--http-port 8000 --grpc-port 8001
+                            --metrics-port 8002] [--host 127.0.0.1] [--admin-key KEY] [--workdir DIR]
+
+Finds `tritonserver` (on PATH in NVIDIA's containers, else inside the nvidia-pytriton wheel), lays
+out a backends directory (the python backend with the stub for this Python, and ours as
+`deepseek`), copies the model repository with the model path and engine-argument overrides applied
+to model.json, binds 127.0.0.1 unless told otherwise, puts the admin APIs (model control, shared
+memory, logging, trace) behind a key, waits until ready, and stops cleanly on Ctrl-C / SIGTERM.
+Tests use the same code through the `TritonServer` context manager.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+BACKEND_NAME = "deepseek"
+ADMIN_HEADER = "admin-key"
+# APIs a client never needs: loading/unloading models, shared memory, log and trace settings.
+RESTRICTED_HTTP_APIS = "model-repository,shared-memory,logging,trace"
+# Python backend shared memory per model instance: requests and responses travel through it, so
+# it must hold a long prompt (1M characters is ~4 MB of UTF-8 at worst) without many growth steps.
+SHM_DEFAULT_BYTES = 64 << 20
+SHM_GROWTH_BYTES = 64 << 20
+EXIT_TIMEOUT_S = 30
+
+_BACKEND_SHIM = '''\
+# Written by backend.serve: Triton's python backend loads this file as the "deepseek" backend.
+# The project's code is imported from {root} (also on PYTHONPATH).
+import sys
+
+if {root!r} not in sys.path:
+    sys.path.insert(0, {root!r})
+
+from backend.model import TritonPythonModel  # noqa: E402,F401
+'''
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+@dataclass
+class TritonInstall:
+    binary: Path
+    python_backend: Path  # folder holding libtriton_python.so
+    stub: Path  # triton_python_backend_stub for the running Python
+    library_path: Path | None  # extra LD_LIBRARY_PATH (the wheel's bundled libraries)
+
+
+def find_tritonserver() -> TritonInstall:
+    """`tritonserver` on PATH (containers: /opt/tritonserver) first, else the nvidia-pytriton wheel."""
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        root = Path(on_path).resolve().parent.parent
+        python_backend = root / "backends" / "python"
+        stub = python_backend / "triton_python_backend_stub"
+        if stub.exists():
+            return TritonInstall(Path(on_path), python_backend, stub, None)
+    # find, not import: pytriton is installed without its dependencies, only for its binaries
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerError("tritonserver is not on PATH and nvidia-pytriton is not installed: "
+                          "run `make setup` (pip install --no-deps nvidia-pytriton==0.7.0)")
+    package = Path(list(spec.submodule_search_locations)[0])
+    root = package / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise ServerError(f"nvidia-pytriton has no python backend stub for Python {version} ({stub})")
+    libs = package.parent / "nvidia_pytriton.libs"
+    return TritonInstall(root / "bin" / "tritonserver", root / "backends" / "python", stub,
+                         libs if libs.is_dir() else None)
+
+
+def layout_backends(install: TritonInstall, out: Path) -> Path:
+    """backends/python (Triton's python backend + our Python's stub) and backends/deepseek/model.py."""
+    # copies, not symlinks: Triton refuses a backend library that resolves outside its folder
+    python_dir = out / "python"
+    shutil.copytree(install.python_backend, python_dir, ignore=shutil.ignore_patterns("__pycache__"),
+                    dirs_exist_ok=True)
+    shutil.copy2(install.stub, python_dir / "triton_python_backend_stub")
+    ours = out / BACKEND_NAME
+    ours.mkdir(parents=True, exist_ok=True)
+    (ours / "model.py").write_text(_BACKEND_SHIM.format(root=str(REPO_ROOT)))
+    return out
+
+
+def prepare_repository(src: Path, dst: Path, model: str | None = None, engine_args: dict | None = None) -> Path:
+    """Copy the model repository; in every model.json make relative paths absolute (the copy lives
+    elsewhere) and apply the model path and engine-argument overrides."""
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    for model_json in sorted(dst.glob("*/*/model.json")):
+        original = src / model_json.relative_to(dst)
+        args = json.loads(model_json.read_text())
+        for key in ("model", "tokenizer"):
+            value = args.get(key)
+            if value and value != "tiny" and not Path(value).expanduser().is_absolute():
+                candidate = original.parent / value
+                if candidate.exists():
+                    args[key] = str(candidate.resolve())
+        if model is not None:
+            args["model"] = model if model == "tiny" or not Path(model).exists() else str(Path(model).resolve())
+        args.update(engine_args or {})
+        model_json.write_text(json.dumps(args, indent=2) + "\n")
+    return dst
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM if the launcher dies, so no server outlives it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class TritonServer:
+    """A tritonserver process serving the model repository. Use as a context manager.
+
+    Port 0 means "pick a free port". Logs go to `<workdir>/tritonserver.log` (and to stdout with
+    echo=True)."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        engine_args: dict | None = None,
+        host: str = "127.0.0.1",
+        http_port: int = 8000,
+        grpc_port: int = 8001,
+        metrics_port: int = 8002,
+        admin_key: str | None = None,
+        workdir: str | os.PathLike | None = None,
+        model_repository: str | os.PathLike = DEFAULT_MODEL_REPOSITORY,
+        echo: bool = False,
+        startup_timeout_s: float = 600.0,
+        extra_args: list[str] | None = None,
+    ):
+        self.model = model
+        self.engine_args = engine_args
+        self.host = host
+        local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        self.http_port = http_port or free_port(local)
+        self.grpc_port = grpc_port or free_port(local)
+        self.metrics_port = metrics_port or free_port(local)
+        self.admin_key = admin_key or secrets.token_urlsafe(24)
+        self.keep_workdir = workdir is not None
+        self.workdir = Path(workdir) if workdir is not None else None
+        self.model_repository = Path(model_repository)
+        self.echo = echo
+        self.startup_timeout_s = startup_timeout_s
+        self.extra_args = list(extra_args or [])
+        self.process: subprocess.Popen | None = None
+        self._tail: collections.deque[str] = collections.deque(maxlen=200)
+        self._log_thread: threading.Thread | None = None
+        self._local = local
+
+    # URLs as clients use them (tritonclient takes host:port without a scheme).
+    @property
+    def http_url(self) -> str:
+        return f"{self._local}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self._local}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self._local}:{self.metrics_port}/metrics"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "tritonserver.log"
+
+    def command(self, install: TritonInstall) -> list[str]:
+        restricted = f"{RESTRICTED_HTTP_APIS}:{ADMIN_HEADER}={self.admin_key}"
+        return [
+            str(install.binary),
+            f"--model-repository={self.workdir / 'model_repository'}",
+            f"--backend-directory={self.workdir / 'backends'}",
+            # explicit: the backend unloads the model when its engine dies, so readiness says so
+            "--model-control-mode=explicit",
+            "--load-model=*",
+            f"--http-address={self.host}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}",
+            f"--metrics-port={self.metrics_port}",
+            f"--http-restricted-api={restricted}",
+            f"--grpc-restricted-protocol={restricted}",
+            f"--backend-config=python,shm-default-byte-size={SHM_DEFAULT_BYTES}",
+            f"--backend-config=python,shm-growth-byte-size={SHM_GROWTH_BYTES}",
+            # several servers on one host (tests, a dev server) must not share regions
+            f"--backend-config=python,shm-region-prefix-name=dsv4_{os.getpid()}_{self.http_port}_",
+            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+            *self.extra_args,
+        ]
+
+    def environment(self, install: TritonInstall) -> dict[str, str]:
+        env = dict(os.environ)
+        if install.library_path is not None:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(
+                p for p in (str(install.library_path), env.get("LD_LIBRARY_PATH")) if p)
+        # the stub embeds the first `python3` on PATH: ours, so it imports this venv's packages
+        env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(sys.executable), env.get("PATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        return env
+
+    def start(self) -> TritonServer:
+        install = find_tritonserver()
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="dsv4-triton-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for sub in ("backends", "model_repository"):
+            shutil.rmtree(self.workdir / sub, ignore_errors=True)
+        layout_backends(install, self.workdir / "backends")
+        prepare_repository(self.model_repository, self.workdir / "model_repository", self.model,
+                           self.engine_args)
+        log = open(self.log_path, "w")  # noqa: SIM115 (closed by the log thread)
+        self.process = subprocess.Popen(
+            self.command(install), env=self.environment(install), cwd=self.workdir,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,  # Ctrl-C reaches us, and we forward SIGTERM
+            preexec_fn=_die_with_parent)
+        self._log_thread = threading.Thread(target=self._pump_log, args=(log,), daemon=True)
+        self._log_thread.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _pump_log(self, log) -> None:
+        with log:
+            for raw in self.process.stdout:
+                line = raw.decode("utf-8", "replace")
+                self._tail.append(line)
+                log.write(line)
+                log.flush()
+                if self.echo:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "".join(list(self._tail)[-lines:])
+
+    def is_ready(self) -> bool:
+        try:
+            url = f"http://{self.http_url}/v2/health/ready"
+            with urllib.request.urlopen(url, timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                if self._log_thread is not None:
+                    self._log_thread.join(timeout=5)
+                raise ServerError(f"tritonserver exited with code {self.process.returncode} before it was "
+                                  f"ready; log {self.log_path}, last lines:\n{self.log_tail()}")
+            if self.is_ready():
+                return
+            time.sleep(0.25)
+        raise ServerError(f"tritonserver was not ready after {self.startup_timeout_s:.0f} s; log "
+                          f"{self.log_path}, last lines:\n{self.log_tail()}")
+
+    def stop(self, timeout_s: float = EXIT_TIMEOUT_S + 15) -> int | None:
+        """SIGTERM (Triton drains in-flight requests up to --exit-timeout-secs), wait, then kill."""
+        process, self.process = self.process, None
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)  # the server and its python stubs
+                process.wait()
+        if self._log_thread is not None:
+            self._log_thread.join(timeout=5)
+        if self.workdir is not None and not self.keep_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        return None if process is None else process.returncode
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def usage(self) -> str:
+        model = "deepseek_v4"
+        generate = json.dumps({"text_input": "Hello", "parameters": {"max_tokens": 32, "temperature": 0}})
+        stream = json.dumps({"text_input": "Hello", "stream": True, "parameters": {"max_tokens": 32}})
+        return "\n".join([
+            f"Triton is ready: HTTP {self.http_url}, gRPC {self.grpc_url}, metrics {self.metrics_url}",
+            f"admin key (header '{ADMIN_HEADER}', for model control, shared memory, logging, trace): "
+            f"{self.admin_key}",
+            "",
+            f"  curl -s http://{self.http_url}/v2/models/{model}/generate -d '{generate}'",
+            f"  curl -sN http://{self.http_url}/v2/models/{model}/generate_stream -d '{stream}'",
+            f"  curl -s {self.metrics_url} | grep deepseek:",
+            f"  python -m client 'Hello' --stream --url {self.grpc_url}",
+            "",
+            "Ctrl-C stops the server.",
+        ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backend.serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="checkpoint directory (default: model.json's; 'tiny' = tiny test model)")
+    parser.add_argument("--engine-args", default="{}", help='JSON object merged into model.json, e.g. '
+                        '\'{"max_model_len": 8192, "engine": "vllm"}\'')
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    parser.add_argument("--admin-key", help="value of the admin-key header for admin APIs (default: random)")
+    parser.add_argument("--workdir", help="keep the generated backends/, model_repository/ and log here")
+    parser.add_argument("--model-repository", default=str(DEFAULT_MODEL_REPOSITORY))
+    args = parser.parse_args(argv)
+    try:
+        engine_args = json.loads(args.engine_args)
+    except json.JSONDecodeError as e:
+        parser.error(f"--engine-args is not valid JSON: {e}")
+    if not isinstance(engine_args, dict):
+        parser.error("--engine-args must be a JSON object")
+
+    server = TritonServer(model=args.model, engine_args=engine_args, host=args.host, http_port=args.http_port,
+                          grpc_port=args.grpc_port, metrics_port=args.metrics_port, admin_key=args.admin_key,
+                          workdir=args.workdir, model_repository=args.model_repository, echo=True)
+    try:
+        server.start()
+    except ServerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # start() has stopped the server already
+        return 130
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print("\n" + server.usage() + "\n", flush=True)
+    while not stop.is_set() and server.process is not None and server.process.poll() is None:
+        stop.wait(0.5)
+    code = server.process.returncode if server.process is not None else None
+    if stop.is_set():
+        print("stopping tritonserver ...", flush=True)
+        server.stop()
+        return 0
+    server.stop()
+    print(f"tritonserver exited with code {code}", file=sys.stderr)
+    return 1 if code is None else code or 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""backend/protocol.py without Triton: tensors and parameters in, GenerationRequest out, and back."""
+
+import json
+
+import numpy as np
+import pytest
+
+from backend.engine.request import InvalidRequest, RequestOutput
+from backend.protocol import OutputState, parse_request, parse_sampling, render_delta, render_final
+
+
+def text(value) -> np.ndarray:
+    return np.array([value.encode() if isinstance(value, str) else value], dtype=np.object_)
+
+
+def flag(value: bool) -> np.ndarray:
+    return np.array([value], dtype=bool)
+
+
+def parse(prompt="Hello", parameters=None, max_model_len=128, **inputs):
+    tensors = {"text_input": text(prompt)} if prompt is not None else {}
+    for name, value in inputs.items():
+        if name == "sampling_parameters":
+            tensors[name] = text(value if isinstance(value, str) else json.dumps(value))
+        else:
+            tensors[name] = flag(value)
+    return parse_request(tensors, parameters, "r1", max_model_len)
+
+
+def test_defaults_follow_vllm_backend():
+    p = parse()
+    assert p.request.prompt == "Hello" and p.request.request_id == "r1"
+    assert not p.stream and not p.exclude_input_in_output  # non-streaming echoes the prompt
+    assert p.returns == frozenset()
+    assert parse(stream=True).exclude_input_in_output  # streaming never does
+
+
+def test_genai_perf_payload_with_string_values():
+    p = parse(stream=True, exclude_input_in_output=True,
+              sampling_parameters={"max_tokens": "16", "temperature": "0.5", "top_p": "0.9", "top_k": "-1",
+                                   "ignore_eos": "true", "seed": "7"})
+    sp = p.request.sampling
+    assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.ignore_eos, sp.seed) == (16, 0.5, 0.9, 0, True, 7)
+    assert p.stream and p.exclude_input_in_output
+
+
+def test_request_parameters_carry_flags_and_sampling():
+    params = json.dumps({"stream": False, "max_tokens": 8, "temperature": 0, "return_finish_reason": True,
+                         "exclude_input_in_output": "true", "triton_enable_empty_final_response": True,
+                         "binary_data_output": False})
+    p = parse(parameters=params)
+    assert p.request.sampling.max_tokens == 8 and p.request.sampling.greedy
+    assert p.exclude_input_in_output and p.returns == {"return_finish_reason"}
+
+
+def test_tensors_win_over_request_parameters():
+    p = parse(parameters={"max_tokens": 8, "stream": True}, stream=False, sampling_parameters={"max_tokens": 4})
+    assert p.request.sampling.max_tokens == 4 and not p.stream
+
+
+def test_stop_and_lists():
+    sp = parse_sampling({"stop": "###", "stop_token_ids": "[1, 2]"})
+    assert sp.stop == ["###"] and sp.stop_token_ids == [1, 2]
+    assert parse_sampling({"stop": ["a", "b"]}).stop == ["a", "b"]
+
+
+def test_neutral_vllm_keys_are_accepted_at_their_neutral_value():
+    sp = parse_sampling({"n": 1, "presence_penalty": "0", "frequency_penalty": 0.0, "best_of": None})
+    assert sp.max_tokens == 16
+    with pytest.raises(InvalidRequest, match="'n' is not supported"):
+        parse_sampling({"n": 2})
+
+
+def test_logprob_outputs_turn_on_sampled_token_logprobs():
+    assert parse(return_logprobs=True).request.sampling.logprobs == 0
+    assert parse(return_cumulative_logprob=True).request.sampling.logprobs == 0
+    assert parse().request.sampling.logprobs is None
+    assert parse_sampling({"logprobs": False}).logprobs is None
+    assert parse_sampling({"logprobs": "3"}).logprobs == 3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt=None), "missing required input 'text_input'"),
+    (dict(prompt=""), "text_input is empty"),
+    (dict(prompt=b"\xff\xfe"), "text_input is not valid UTF-8"),
+    (dict(sampling_parameters="{not json"), "sampling_parameters is not valid JSON"),
+    (dict(sampling_parameters="[1, 2]"), "sampling_parameters must be a JSON object"),
+    (dict(sampling_parameters={"bogus": 1}), "unknown sampling parameter 'bogus'"),
+    (dict(sampling_parameters={"max_tokens": "many"}), "max_tokens must be an integer, got 'many'"),
+    (dict(sampling_parameters={"max_tokens": 2.5}), "max_tokens must be an integer"),
+    (dict(sampling_parameters={"max_tokens": True}), "max_tokens must be an integer"),
+    (dict(sampling_parameters={"max_tokens": -1}), "max_tokens must be between 1 and 128"),
+    (dict(sampling_parameters={"max_tokens": 0}), "max_tokens must be between 1 and 128"),
+    (dict(sampling_parameters={"max_tokens": 10**12}), "max_tokens must be between 1 and 128"),
+    (dict(sampling_parameters={"temperature": -0.1}), "temperature must be >= 0"),
+    (dict(sampling_parameters={"temperature": "hot"}), "temperature must be a number"),
+    (dict(sampling_parameters={"temperature": "nan"}), "temperature must be finite"),
+    (dict(sampling_parameters={"top_p": 0}), r"top_p must be in \(0, 1\]"),
+    (dict(sampling_parameters={"top_p": 1.5}), r"top_p must be in \(0, 1\]"),
+    (dict(sampling_parameters={"top_k": -5}), "top_k must be"),
+    (dict(sampling_parameters={"min_p": 2}), "min_p must be in"),
+    (dict(sampling_parameters={"min_tokens": 99, "max_tokens": 4}), "min_tokens must be between 0 and max_tokens"),
+    (dict(sampling_parameters={"stop": 5}), "stop must be a non-empty string"),
+    (dict(sampling_parameters={"stop_token_ids": "x"}), "stop_token_ids must be a list of integers"),
+    (dict(sampling_parameters={"ignore_eos": "maybe"}), "ignore_eos must be a boolean"),
+    (dict(sampling_parameters={"seed": -3}), "seed must be a non-negative"),
+    (dict(stream=True, exclude_input_in_output=False), "exclude_input_in_output=false is not allowed with stream"),
+    (dict(parameters="{oops"), "request parameters are not valid JSON"),
+    (dict(parameters={"stream": "yes please"}), "stream must be a boolean"),
+    (dict(parameters={"unknown_knob": 1}), "unknown sampling parameter 'unknown_knob'"),
+])
+def test_bad_inputs_name_the_problem(kwargs, message):
+    with pytest.raises(InvalidRequest, match=message):
+        parse(**kwargs)
+
+
+def test_text_input_must_be_one_element():
+    with pytest.raises(InvalidRequest, match="text_input must hold exactly one element"):
+        parse_request({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, None, "r", 128)
+
+
+def deltas():
+    return [
+        RequestOutput("r", text="Hi", token_ids=[5], num_prompt_tokens=3, num_output_tokens=1,
+                      cumulative_logprob=-0.5, logprobs=[{5: -0.5}]),
+        RequestOutput("r", text=" there", token_ids=[6, 7], num_prompt_tokens=3, num_output_tokens=3,
+                      cumulative_logprob=-1.25, logprobs=[{6: -0.25}, {7: -0.5}], finished=True,
+                      finish_reason="length"),
+    ]
+
+
+ALL = frozenset({"return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
+                 "return_cumulative_logprob", "return_logprobs"})
+
+
+def test_stream_rendering_sends_new_text_and_cumulative_counters():
+    state = OutputState("Prompt", exclude_input_in_output=True, returns=ALL)
+    first, last = (render_delta(state, d) for d in deltas())
+    assert first["text_output"][0] == b"Hi" and last["text_output"][0] == b" there"
+    assert first["finish_reason"][0] == b"" and last["finish_reason"][0] == b"length"
+    assert last["num_input_tokens"].dtype == np.uint32 and last["num_input_tokens"][0] == 3
+    assert list(first["num_output_tokens"]) == [1] and list(last["num_output_tokens"]) == [2]
+    assert last["cumulative_logprob"].dtype == np.float32 and last["cumulative_logprob"][0] == -1.25
+    assert json.loads(last["logprobs"][0]) == [{"6": {"logprob": -0.25}}, {"7": {"logprob": -0.5}}]
+
+
+def test_final_rendering_accumulates_and_prepends_the_prompt():
+    state = OutputState("Prompt", exclude_input_in_output=False, returns=ALL)
+    for d in deltas():
+        state.accumulate(d)
+    out = render_final(state, deltas()[-1])
+    assert out["text_output"][0] == b"PromptHi there"
+    assert list(out["num_output_tokens"]) == [3]
+    assert len(json.loads(out["logprobs"][0])) == 3
+
+
+def test_only_requested_outputs_are_rendered():
+    state = OutputState("p", exclude_input_in_output=True, returns=frozenset())
+    assert set(render_delta(state, deltas()[0])) == {"text_output"}
+    state = OutputState("p", exclude_input_in_output=True, returns=frozenset({"return_logprobs"}))
+    assert render_delta(state, RequestOutput("r", text="x", token_ids=[1]))["logprobs"][0] == b"null"
