@@ -1,0 +1,52 @@
+"""The one API the engine calls for every hot op of DeepSeek-V4.
+
+Dispatch lives here and only here: a fused Triton kernel where one exists and the
+tensors are on CUDA, else the torch reference (kernels/reference.py, the spec).
+`DSV4_KERNELS=ref` (or `set_backend("ref")`, the engine argument `kernels`) forces the
+references everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kernels import reference
+
+_OPS = (
+    "rms_norm", "rms_norm_unweighted", "rope_cos_sin", "apply_rope", "hc_pre", "hc_post", "hc_head",
+    "router_topk", "mlp", "moe_experts", "sink_attention", "grouped_linear", "compress_blocks",
+    "indexer_scores", "select_topk",
+)
+_backend = os.environ.get("DSV4_KERNELS", "auto")
+
+
+def set_backend(name: str) -> None:
+    """'auto' (fused where available) or 'ref' (torch references only)."""
+    global _backend
+    if name not in ("auto", "ref"):
+        raise ValueError(f"kernels backend must be 'auto' or 'ref', got {name!r}")
+    _backend = name
+    _bind()
+
+
+def backend() -> str:
+    return _backend
+
+
+def _fused_ops() -> dict:
+    if _backend == "ref":
+        return {}
+    try:
+        from kernels import fused
+    except ImportError:
+        return {}
+    return fused.OPS
+
+
+def _bind() -> None:
+    fused = _fused_ops()
+    for name in _OPS:
+        globals()[name] = fused.get(name, getattr(reference, name))
+
+
+_bind()

@@ -40,7 +40,7 @@ PRESETS: dict[str, dict] = {
         qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16,
         moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
         num_hash_layers=1, sliding_window=16, compress_ratios=[0, 4, 16, 4, 0],
-        index_n_heads=2, index_head_dim=16, index_topk=4, max_position_embeddings=4096,
+        index_n_heads=8, index_head_dim=16, index_topk=4, max_position_embeddings=4096,
         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
                       "beta_fast": 32, "beta_slow": 1},
     ),

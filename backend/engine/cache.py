@@ -1,0 +1,234 @@
+"""The paged hybrid KV cache: one block pool per cache kind.
+
+DeepSeek-V4 keeps three kinds of per-sequence state per layer:
+- window KV: the last `sliding_window` tokens' latents. Blocks that slide fully out of
+  the window go back to the pool at once, so a sequence holds O(window) of it.
+- compressed KV (one entry per `ratio` tokens, per compressed layer) and the indexer's
+  keys (CSA layers): kept for the whole sequence. One "full" block covers `block_size`
+  tokens, i.e. `block_size / ratio` entries of every compressed layer, so block
+  boundaries close a block of every compressor (what prefix caching needs).
+- compressor rolling state: the not-yet-complete block's projections and (CSA) the
+  previous block's overlap slice; fixed size, one slot per running sequence.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.engine.config import CSA, ModelConfig
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+class BlockPool:
+    """Free list plus refcounts (prefix caching shares blocks between sequences)."""
+
+    def __init__(self, num_blocks: int, name: str):
+        self.name = name
+        self.num_blocks = num_blocks
+        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.refcount = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def allocate(self) -> int:
+        if not self.free_ids:
+            raise NoFreeBlocks(self.name)
+        block = self.free_ids.popleft()
+        self.refcount[block] = 1
+        return block
+
+    def retain(self, block: int) -> None:
+        self.refcount[block] += 1
+
+    def release(self, block: int) -> bool:
+        """Drop one reference; True when the block became unreferenced."""
+        self.refcount[block] -= 1
+        assert self.refcount[block] >= 0, f"{self.name}: double free of block {block}"
+        if self.refcount[block] == 0:
+            self.free_ids.append(block)
+            return True
+        return False
+
+
+@dataclass
+class CompressorState:
+    """Rolling state of one compressor (per layer), indexed by a sequence's state slot."""
+
+    pend_kv: torch.Tensor  # [slots, ratio, c * head_dim] projections of the open block
+    pend_gate: torch.Tensor  # [slots, ratio, c * head_dim] fp32, position bias added
+    prev_kv: torch.Tensor | None = None  # [slots, ratio, head_dim] CSA: Ca slice of the last closed block
+    prev_gate: torch.Tensor | None = None
+    has_prev: torch.Tensor | None = None  # [slots] bool
+
+
+@dataclass
+class SeqBlocks:
+    """A sequence's view of the cache: its block tables and state slot."""
+
+    window_table: list[int] = field(default_factory=list)  # logical window block -> block id, -1 freed
+    full_table: list[int] = field(default_factory=list)  # logical token block -> full block id
+    state_slot: int = -1
+
+
+class KVCache:
+    """Device tensors of every pool plus their allocators."""
+
+    def __init__(self, cfg: ModelConfig, block_size: int, num_window_blocks: int, num_full_blocks: int,
+                 max_num_seqs: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        for r in cfg.compress_ratios:
+            if r and block_size % r:
+                raise ValueError(f"block_size={block_size} must be a multiple of every compress ratio "
+                                 f"{sorted(set(cfg.compress_ratios) - {0})}")
+        self.cfg, self.block_size, self.dtype, self.device = cfg, block_size, dtype, device
+        hd, ihd = cfg.head_dim, cfg.index_head_dim
+        self.window = [torch.zeros(num_window_blocks, block_size, hd, dtype=dtype, device=device)
+                       for _ in range(cfg.num_layers)]
+        self.compressed: list[torch.Tensor | None] = []
+        self.index_keys: list[torch.Tensor | None] = []
+        self.comp_state: list[CompressorState | None] = []
+        self.index_state: list[CompressorState | None] = []
+        for layer, r in enumerate(cfg.compress_ratios):
+            csa = cfg.layer_types[layer] == CSA
+            if not r:
+                self.compressed.append(None)
+                self.index_keys.append(None)
+                self.comp_state.append(None)
+                self.index_state.append(None)
+                continue
+            per_block = block_size // r
+            self.compressed.append(torch.zeros(num_full_blocks, per_block, hd, dtype=dtype, device=device))
+            self.comp_state.append(self._state(max_num_seqs, r, hd, csa))
+            if csa:
+                self.index_keys.append(torch.zeros(num_full_blocks, per_block, ihd, dtype=dtype, device=device))
+                self.index_state.append(self._state(max_num_seqs, r, ihd, True))
+            else:
+                self.index_keys.append(None)
+                self.index_state.append(None)
+        self.window_pool = BlockPool(num_window_blocks, "window")
+        self.full_pool = BlockPool(num_full_blocks, "compressed")
+        self.free_slots: deque[int] = deque(range(max_num_seqs))
+        self.max_num_seqs = max_num_seqs
+
+    def _state(self, slots: int, ratio: int, head_dim: int, overlap: bool) -> CompressorState:
+        c = 2 if overlap else 1
+        z = dict(dtype=self.dtype, device=self.device)
+        f = dict(dtype=torch.promote_types(self.dtype, torch.float32), device=self.device)
+        st = CompressorState(torch.zeros(slots, ratio, c * head_dim, **z), torch.zeros(slots, ratio, c * head_dim, **f))
+        if overlap:
+            st.prev_kv = torch.zeros(slots, ratio, head_dim, **z)
+            st.prev_gate = torch.zeros(slots, ratio, head_dim, **f)
+            st.has_prev = torch.zeros(slots, dtype=torch.bool, device=self.device)
+        return st
+
+    # --- byte accounting (sizing and the replay-vs-snapshot report) ---------------------------
+
+    def window_block_bytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.window)
+
+    def full_block_bytes(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.compressed + self.index_keys if t is not None)
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> tuple[int, int]:
+        """(window block bytes, full block bytes) without allocating."""
+        el = torch.empty((), dtype=dtype).element_size()
+        window = cfg.num_layers * block_size * cfg.head_dim * el
+        full = 0
+        for layer, r in enumerate(cfg.compress_ratios):
+            if r:
+                full += (block_size // r) * cfg.head_dim * el
+                if cfg.layer_types[layer] == CSA:
+                    full += (block_size // r) * cfg.index_head_dim * el
+        return window, full
+
+    # --- slots --------------------------------------------------------------------------------
+
+    def allocate_slot(self) -> int:
+        if not self.free_slots:
+            raise NoFreeBlocks("state slots")
+        slot = self.free_slots.popleft()
+        for st in self.comp_state + self.index_state:
+            if st is not None and st.has_prev is not None:
+                st.has_prev[slot] = False
+        return slot
+
+    def release_slot(self, slot: int) -> None:
+        self.free_slots.append(slot)
+
+    # --- reads and writes used by the model ---------------------------------------------------
+
+    def write_window(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """slots [T] = block_id * block_size + offset."""
+        self.window[layer].view(-1, kv.shape[-1]).index_copy_(0, slots, kv.to(self.dtype))
+
+    def read_window(self, layer: int, table: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        pos = torch.arange(lo, hi, device=table.device)
+        flat = table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return self.window[layer].view(-1, self.window[layer].shape[-1])[flat]
+
+    @staticmethod
+    def _entry_index(pool: torch.Tensor, table: torch.Tensor, first: int, n: int) -> torch.Tensor:
+        per_block = pool.shape[1]
+        e = torch.arange(first, first + n, device=table.device)
+        return table[e // per_block] * per_block + e % per_block
+
+    def write_entries(self, pool: torch.Tensor, table: torch.Tensor, first: int, values: torch.Tensor) -> None:
+        idx = self._entry_index(pool, table, first, values.shape[0])
+        pool.view(-1, pool.shape[-1]).index_copy_(0, idx, values.to(pool.dtype))
+
+    def read_entries(self, pool: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+        return pool.view(-1, pool.shape[-1])[self._entry_index(pool, table, 0, n)]
+
+    # --- per-sequence block allocation (the scheduler asks, the runner reads the tables) ------
+
+    def _window_span(self, lo: int, hi: int) -> range:
+        return range(lo // self.block_size, (hi - 1) // self.block_size + 1) if hi > lo else range(0)
+
+    def blocks_needed(self, seq: SeqBlocks, lo: int, hi: int) -> tuple[int, int]:
+        """(window, full) blocks to allocate so a step can read window [lo, hi) and write up to hi."""
+        window = sum(1 for b in self._window_span(lo, hi) if b >= len(seq.window_table) or seq.window_table[b] < 0)
+        full = max(0, -(-hi // self.block_size) - len(seq.full_table))
+        return window, full
+
+    def can_allocate(self, seq: SeqBlocks, lo: int, hi: int) -> bool:
+        w, f = self.blocks_needed(seq, lo, hi)
+        return (w <= self.window_pool.num_free and f <= self.full_pool.num_free
+                and (seq.state_slot >= 0 or self.free_slots))
+
+    def allocate(self, seq: SeqBlocks, lo: int, hi: int) -> None:
+        if not self.can_allocate(seq, lo, hi):
+            raise NoFreeBlocks("not enough blocks for the step")
+        if seq.state_slot < 0:
+            seq.state_slot = self.allocate_slot()
+        for b in self._window_span(lo, hi):
+            while len(seq.window_table) <= b:
+                seq.window_table.append(-1)
+            if seq.window_table[b] < 0:
+                seq.window_table[b] = self.window_pool.allocate()
+        while len(seq.full_table) * self.block_size < hi:
+            seq.full_table.append(self.full_pool.allocate())
+
+    def release_window_below(self, seq: SeqBlocks, pos: int) -> None:
+        """Return window blocks holding only positions < pos (they slid out of every window)."""
+        for b in range(min(pos // self.block_size, len(seq.window_table))):
+            if seq.window_table[b] >= 0:
+                self.window_pool.release(seq.window_table[b])
+                seq.window_table[b] = -1
+
+    def free(self, seq: SeqBlocks) -> None:
+        for b in seq.window_table:
+            if b >= 0:
+                self.window_pool.release(b)
+        for b in seq.full_table:
+            self.full_pool.release(b)
+        if seq.state_slot >= 0:
+            self.release_slot(seq.state_slot)
+        seq.window_table, seq.full_table, seq.state_slot = [], [], -1

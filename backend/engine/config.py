@@ -1,0 +1,271 @@
+"""DeepSeek-V4 model configuration: official config.json or transformers-style, one dataclass.
+
+Official checkpoints carry `compress_ratios` (one per layer plus the MTP slot),
+`num_hash_layers`, `qk_rope_head_dim` and `rope_scaling`; transformers' own configs carry
+`layer_types`, `mlp_layer_types`, `compress_rates` and `rope_parameters`. Both read into
+`ModelConfig`; anything unknown or inconsistent fails here, naming the key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+LAYER_TYPE_OF_RATIO = {0: SLIDING, 4: CSA, 128: HCA}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """One RoPE flavour: plain (sliding layers) or YaRN (compressed layers)."""
+
+    theta: float
+    dim: int  # rotated dims (qk_rope_head_dim), the trailing slice of each head
+    yarn_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def inv_freq(self) -> torch.Tensor:
+        """Exactly transformers' float32 computation (default and YaRN with attention_factor 1)."""
+        dim, base = self.dim, self.theta
+        pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+        if self.yarn_factor is None:
+            return 1.0 / pos_freqs
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+                2 * math.log(base)
+            )
+
+        low = max(math.floor(correction_dim(self.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(self.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        extrapolation_factor = 1 - ramp
+        return (1.0 / (self.yarn_factor * pos_freqs)) * (1 - extrapolation_factor) + (
+            1.0 / pos_freqs
+        ) * extrapolation_factor
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    rope_dim: int
+    q_lora_rank: int
+    o_groups: int
+    o_lora_rank: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    routed_scaling_factor: float
+    scoring_func: str
+    swiglu_limit: float
+    sliding_window: int
+    compress_ratios: tuple[int, ...]  # per layer, 0 = sliding only
+    layer_types: tuple[str, ...]
+    num_hash_layers: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    rms_norm_eps: float
+    main_rope: RopeConfig
+    compress_rope: RopeConfig
+    max_position_embeddings: int
+    bos_token_id: int
+    eos_token_ids: tuple[int, ...]
+    torch_dtype: str = "bfloat16"
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_hash_layer(self) -> tuple[bool, ...]:
+        return tuple(i < self.num_hash_layers for i in range(self.num_layers))
+
+    @property
+    def compress_block_lcm(self) -> int:
+        """Every prefix-cache block boundary must close a block of every compressor."""
+        out = 1
+        for r in self.compress_ratios:
+            if r:
+                out = math.lcm(out, r)
+        return out
+
+
+# Keys we read or knowingly ignore; anything else is a typo or a model we do not serve.
+_IGNORED = {
+    "architectures", "model_type", "transformers_version", "num_key_value_heads", "norm_topk_prob",
+    "topk_method", "tie_word_embeddings", "num_nextn_predict_layers", "initializer_range", "hidden_act",
+    "use_cache", "pad_token_id", "attention_bias", "attention_dropout", "mlp_bias", "output_router_logits",
+    "router_aux_loss_coef", "router_jitter_noise", "quantization_config", "expert_dtype", "dtype",
+    "torch_dtype", "partial_rotary_factor", "n_group", "topk_group", "first_k_dense_replace",
+    "auto_map", "_name_or_path", "kv_lora_rank", "generation_config", "scale_fmt",
+}
+_READ = {
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "qk_rope_head_dim",
+    "q_lora_rank", "o_groups", "o_lora_rank", "moe_intermediate_size", "n_routed_experts",
+    "n_shared_experts", "num_experts_per_tok", "routed_scaling_factor", "scoring_func", "swiglu_limit",
+    "sliding_window", "compress_ratios", "layer_types", "compress_rates", "num_hash_layers",
+    "mlp_layer_types", "index_n_heads", "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters",
+    "hc_eps", "rms_norm_eps", "rope_theta", "compress_rope_theta", "rope_scaling", "rope_parameters",
+    "max_position_embeddings", "bos_token_id", "eos_token_id",
+}
+
+
+def _need(raw: dict, key: str):
+    if key not in raw:
+        raise ConfigError(f"config.json: missing required key {key!r}")
+    return raw[key]
+
+
+def _layer_types(raw: dict, n: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    rates = raw.get("compress_rates") or {CSA: 4, HCA: 128}
+    if "layer_types" in raw and raw["layer_types"] is not None:
+        types = tuple(raw["layer_types"][:n])
+        ratio_of = {SLIDING: 0, **rates}
+        bad = [t for t in types if t not in ratio_of]
+        if bad:
+            raise ConfigError(f"config.json: layer_types has unknown entries {bad}")
+        ratios = tuple(ratio_of[t] for t in types)
+        if "compress_ratios" in raw and tuple(raw["compress_ratios"][:n]) != ratios:
+            raise ConfigError(
+                f"config.json: compress_ratios {raw['compress_ratios'][:n]} disagrees with layer_types {list(types)}"
+            )
+    elif "compress_ratios" in raw:
+        ratios = tuple(int(r) for r in raw["compress_ratios"][:n])
+        type_of = {0: SLIDING, rates.get(CSA, 4): CSA, rates.get(HCA, 128): HCA}
+        bad = [r for r in ratios if r not in type_of]
+        if bad:
+            raise ConfigError(f"config.json: compress_ratios has ratios {bad} outside {sorted(type_of)}")
+        types = tuple(type_of[r] for r in ratios)
+    else:
+        raise ConfigError("config.json: needs compress_ratios (official) or layer_types (transformers)")
+    if len(types) != n:
+        raise ConfigError(f"config.json: {len(types)} layer types for num_hidden_layers={n}")
+    return types, ratios
+
+
+def _rope(raw: dict, rope_dim: int) -> tuple[RopeConfig, RopeConfig]:
+    main_theta = float(raw.get("rope_theta", 10000.0))
+    comp_theta = float(raw.get("compress_rope_theta", 160000.0))
+    scaling = raw.get("rope_scaling")
+    params = raw.get("rope_parameters") or {}
+    if isinstance(params.get("compress"), dict):  # transformers' nested form
+        scaling = params["compress"]
+        comp_theta = float(scaling.get("rope_theta", comp_theta))
+        main_theta = float(params.get("main", {}).get("rope_theta", main_theta))
+    elif params and scaling is None:
+        scaling = params
+    yarn = None
+    if scaling:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "yarn":
+            yarn = scaling
+        elif kind != "default":
+            raise ConfigError(f"config.json: rope_scaling type {kind!r} is not supported (yarn or default)")
+    main = RopeConfig(theta=main_theta, dim=rope_dim)
+    if yarn is None:
+        return main, RopeConfig(theta=comp_theta, dim=rope_dim)
+    for key in ("factor", "original_max_position_embeddings"):
+        if key not in yarn:
+            raise ConfigError(f"config.json: rope_scaling (yarn) needs {key!r}")
+    comp = RopeConfig(
+        theta=comp_theta, dim=rope_dim, yarn_factor=float(yarn["factor"]),
+        original_max_position_embeddings=int(yarn["original_max_position_embeddings"]),
+        beta_fast=float(yarn.get("beta_fast") or 32), beta_slow=float(yarn.get("beta_slow") or 1),
+    )
+    return main, comp
+
+
+def parse_config(raw: dict) -> ModelConfig:
+    unknown = sorted(k for k in raw if k not in _READ and k not in _IGNORED)
+    if unknown:
+        raise ConfigError(f"config.json: unknown keys {unknown} (not a DeepSeek-V4 config?)")
+    if raw.get("model_type", "deepseek_v4") != "deepseek_v4":
+        raise ConfigError(f"config.json: model_type {raw['model_type']!r} is not deepseek_v4")
+    n = int(_need(raw, "num_hidden_layers"))
+    head_dim = int(_need(raw, "head_dim"))
+    if "qk_rope_head_dim" in raw:
+        rope_dim = int(raw["qk_rope_head_dim"])
+    elif raw.get("partial_rotary_factor"):
+        rope_dim = int(head_dim * float(raw["partial_rotary_factor"]))
+    else:
+        rope_dim = 64
+    types, ratios = _layer_types(raw, n)
+    if "mlp_layer_types" in raw and raw["mlp_layer_types"] is not None:
+        mlp = list(raw["mlp_layer_types"][:n])
+        num_hash = sum(1 for t in mlp if t == "hash_moe")
+        if mlp != ["hash_moe"] * num_hash + ["moe"] * (n - num_hash):
+            raise ConfigError(f"config.json: mlp_layer_types must be hash_moe* then moe*, got {mlp}")
+    else:
+        num_hash = min(n, int(raw.get("num_hash_layers", 3)))
+    scoring = raw.get("scoring_func", "sqrtsoftplus")
+    if scoring not in ("sqrtsoftplus", "sigmoid", "softmax"):
+        raise ConfigError(f"config.json: scoring_func {scoring!r} is not supported")
+    heads = int(_need(raw, "num_attention_heads"))
+    groups = int(raw.get("o_groups", 8))
+    if heads % groups:
+        raise ConfigError(f"config.json: num_attention_heads={heads} is not divisible by o_groups={groups}")
+    if rope_dim % 2 or rope_dim > head_dim:
+        raise ConfigError(f"config.json: qk_rope_head_dim={rope_dim} must be even and <= head_dim={head_dim}")
+    main_rope, compress_rope = _rope(raw, rope_dim)
+    eos = raw.get("eos_token_id", 1)
+    return ModelConfig(
+        vocab_size=int(_need(raw, "vocab_size")),
+        hidden_size=int(_need(raw, "hidden_size")),
+        num_layers=n,
+        num_heads=heads,
+        head_dim=head_dim,
+        rope_dim=rope_dim,
+        q_lora_rank=int(_need(raw, "q_lora_rank")),
+        o_groups=groups,
+        o_lora_rank=int(raw.get("o_lora_rank", 1024)),
+        moe_intermediate_size=int(_need(raw, "moe_intermediate_size")),
+        n_routed_experts=int(_need(raw, "n_routed_experts")),
+        n_shared_experts=int(raw.get("n_shared_experts", 1)),
+        num_experts_per_tok=int(_need(raw, "num_experts_per_tok")),
+        routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.5)),
+        scoring_func=scoring,
+        swiglu_limit=float(raw.get("swiglu_limit", 10.0)),
+        sliding_window=int(raw.get("sliding_window", 128)),
+        compress_ratios=ratios,
+        layer_types=types,
+        num_hash_layers=num_hash,
+        index_n_heads=int(raw.get("index_n_heads", 64)),
+        index_head_dim=int(raw.get("index_head_dim", 128)),
+        index_topk=int(raw.get("index_topk", 512)),
+        hc_mult=int(raw.get("hc_mult", 4)),
+        hc_sinkhorn_iters=int(raw.get("hc_sinkhorn_iters", 20)),
+        hc_eps=float(raw.get("hc_eps", 1e-6)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        main_rope=main_rope,
+        compress_rope=compress_rope,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 1 << 20)),
+        bos_token_id=int(raw.get("bos_token_id", 0)),
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
+        torch_dtype=str(raw.get("torch_dtype", raw.get("dtype", "bfloat16"))),
+        extra={k: raw[k] for k in raw if k in _IGNORED},
+    )
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise ConfigError(f"{path} does not exist")
+    return parse_config(json.loads(path.read_text()))

@@ -1,0 +1,27 @@
+"""What the runner hands the model for one step: packed tokens of several sequences plus
+per-sequence metadata. Built by runner.py, read by model.py; nothing else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] tokens of all sequences, packed
+    positions: torch.Tensor  # [T] absolute position of each token
+    seq_lens: list[int]  # new tokens per sequence this step
+    starts: list[int]  # position of each sequence's first new token
+    replay_starts: list[int]  # window attention reads no position below this (bounded replay)
+    compress_from: list[int]  # compressors absorb only positions >= this (earlier ones are cached)
+    window_slots: torch.Tensor  # [T] block_id * block_size + offset where each token's window KV goes
+    window_tables: list[torch.Tensor]  # per sequence: logical window block -> block id (-1: freed)
+    full_tables: list[torch.Tensor]  # per sequence: logical token block -> compressed-pool block id
+    state_slots: list[int]  # per sequence: compressor rolling-state slot
+    logits_rows: torch.Tensor  # rows of the packed batch whose logits are wanted
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)

@@ -1,0 +1,312 @@
+"""The DeepSeek-V4 network over packed tokens of several sequences.
+
+Module and parameter names are DeepSeek's official checkpoint names (`layers.N.attn.wq_a`,
+`hc_attn_fn`, ...), except routed experts, stacked per layer as `ffn.experts_w{1,2,3}`.
+Every hot op goes through `kernels` (torch references today, fused kernels behind the same
+calls). State lives in the paged `KVCache`; the model reads and writes it through the
+`ForwardBatch` the runner built, one step at a time (prefill chunks and decode alike).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels as K
+from backend.engine.cache import CompressorState, KVCache
+from backend.engine.config import CSA, SLIDING, ModelConfig
+from backend.engine.forward_batch import ForwardBatch
+
+
+def _linear(out_f: int, in_f: int) -> nn.Linear:
+    return nn.Linear(in_f, out_f, bias=False)
+
+
+class Norm(nn.Module):
+    """RMSNorm weight holder (fp32 as in the reference)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return K.rms_norm(x, self.weight, self.eps)
+
+
+class Compressor(nn.Module):
+    """Pools blocks of `ratio` tokens into one KV entry (paper 2.3.1 eq. 9-12, 2.3.2 eq. 20-23):
+    softmax(gate + position bias)-weighted sum, RMSNorm, RoPE at the block's first position.
+    CSA (overlap=True) pools overlapping windows of 2*ratio tokens via two series Ca/Cb."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, overlap: bool):
+        super().__init__()
+        c = 2 if overlap else 1
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlap
+        self.wkv = _linear(c * head_dim, cfg.hidden_size)
+        self.wgate = _linear(c * head_dim, cfg.hidden_size)
+        self.norm = Norm(head_dim, cfg.rms_norm_eps)
+        self.ape = nn.Parameter(torch.zeros(ratio, c * head_dim, dtype=torch.float32))
+
+    def absorb(self, x: torch.Tensor, fb: ForwardBatch, state: CompressorState, pool: torch.Tensor,
+               cache: KVCache, rope: tuple[torch.Tensor, ...]) -> None:
+        """Feed this step's tokens (those at positions >= compress_from) and write closed blocks."""
+        m = self.ratio
+        kv_all = self.wkv(x)
+        gate_all = self.wgate(x) + self.ape[fb.positions % m]  # promotes to >= fp32, as the reference
+        row = 0
+        for s, n in enumerate(fb.seq_lens):
+            start, cfrom, slot = fb.starts[s], fb.compress_from[s], fb.state_slots[s]
+            skip = max(0, min(n, cfrom - start))  # replayed tokens: their entries are cached already
+            rows = slice(row + skip, row + n)
+            row += n
+            if rows.start == rows.stop:
+                continue
+            pending = cfrom % m
+            kv = torch.cat([state.pend_kv[slot, :pending], kv_all[rows]])
+            gate = torch.cat([state.pend_gate[slot, :pending], gate_all[rows]])
+            usable = (kv.shape[0] // m) * m
+            if usable:
+                prev = None
+                if self.overlap and bool(state.has_prev[slot]):
+                    prev = (state.prev_kv[slot], state.prev_gate[slot])
+                pooled = K.compress_blocks(kv[:usable], gate[:usable], *(prev or (None, None)),
+                                           m, self.head_dim, self.overlap)
+                first = (cfrom - pending) // m
+                entries = self.norm(pooled)
+                epos = (torch.arange(usable // m, device=x.device) + first) * m
+                cos, sin = K.rope_cos_sin(epos, rope[0], entries.dtype)
+                entries = K.apply_rope(entries, cos, sin)
+                cache.write_entries(pool, fb.full_tables[s], first, entries)
+                if self.overlap:
+                    state.prev_kv[slot] = kv[usable - m:usable, : self.head_dim]
+                    state.prev_gate[slot] = gate[usable - m:usable, : self.head_dim]
+                    state.has_prev[slot] = True
+            rest = kv.shape[0] - usable
+            state.pend_kv[slot, :rest] = kv[usable:]
+            state.pend_gate[slot, :rest] = gate[usable:]
+
+
+class Indexer(nn.Module):
+    """Lightning indexer (paper 2.3.1 eq. 13-17): its own small compressor over the same
+    blocks, queries from the q LoRA residual, score sum_h w_h relu(q_h . k)."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = _linear(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
+        self.weights_proj = _linear(cfg.index_n_heads, cfg.hidden_size)
+        self.compressor = Compressor(cfg, ratio, cfg.index_head_dim, overlap=True)
+
+
+class Attention(nn.Module):
+    """Shared-KV MQA with q LoRA, partial interleaved RoPE, sinks, a sliding window and (CSA/HCA)
+    a compressed long-range branch; grouped low-rank output projection."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.layer_type, self.ratio = cfg.layer_types[layer], cfg.compress_ratios[layer]
+        H, hd = cfg.num_heads, cfg.head_dim
+        self.wq_a = _linear(cfg.q_lora_rank, cfg.hidden_size)
+        self.q_norm = Norm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = _linear(H * hd, cfg.q_lora_rank)
+        self.wkv = _linear(hd, cfg.hidden_size)
+        self.kv_norm = Norm(hd, cfg.rms_norm_eps)
+        self.wo_a = _linear(cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups)
+        self.wo_b = _linear(cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank)
+        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        csa = self.layer_type == CSA
+        if self.layer_type != SLIDING:
+            self.compressor = Compressor(cfg, self.ratio, hd, overlap=csa)
+        if csa:
+            self.indexer = Indexer(cfg, self.ratio)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, cache: KVCache, ropes: dict) -> torch.Tensor:
+        cfg, T = self.cfg, x.shape[0]
+        H, hd, W = cfg.num_heads, cfg.head_dim, cfg.sliding_window
+        cos, sin = ropes["main" if self.layer_type == SLIDING else "compress"]
+        q_res = self.q_norm(self.wq_a(x))
+        q = K.rms_norm_unweighted(self.wq_b(q_res).view(T, H, hd), cfg.rms_norm_eps)
+        q = K.apply_rope(q, cos, sin)
+        kv = K.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        cache.write_window(self.layer, fb.window_slots, kv)
+
+        if self.layer_type != SLIDING:
+            inv = ropes["compress_inv_freq"]
+            self.compressor.absorb(x, fb, cache.comp_state[self.layer], cache.compressed[self.layer], cache, (inv,))
+            if self.layer_type == CSA:
+                ix = self.indexer
+                ix.compressor.absorb(x, fb, cache.index_state[self.layer], cache.index_keys[self.layer], cache, (inv,))
+                iq = K.apply_rope(ix.wq_b(q_res).view(T, ix.n_heads, ix.head_dim), cos, sin)
+                iw = ix.weights_proj(x).float() * ix.n_heads**-0.5
+
+        out = torch.empty_like(q)
+        row = 0
+        for s, n in enumerate(fb.seq_lens):
+            rows = slice(row, row + n)
+            row += n
+            start, pos = fb.starts[s], fb.positions[rows]
+            lo, hi = max(0, start - W + 1, fb.replay_starts[s]), start + n
+            keys = cache.read_window(self.layer, fb.window_tables[s], lo, hi)
+            kpos = torch.arange(lo, hi, device=x.device)
+            allowed = (kpos[None] <= pos[:, None]) & (kpos[None] > pos[:, None] - W)
+            if self.layer_type != SLIDING:
+                n_entries = hi // self.ratio
+                comp = cache.read_entries(cache.compressed[self.layer], fb.full_tables[s], n_entries)
+                # a query at i sees entry e once its block is complete: (e + 1) * ratio <= i + 1
+                visible = torch.arange(n_entries, device=x.device)[None] < ((pos + 1) // self.ratio)[:, None]
+                if self.layer_type == CSA:
+                    ikeys = cache.read_entries(cache.index_keys[self.layer], fb.full_tables[s], n_entries)
+                    scores = K.indexer_scores(iq[rows], ikeys, iw[rows], ix.head_dim)
+                    visible = K.select_topk(scores, visible, ix.topk)
+                keys = torch.cat([keys, comp])
+                allowed = torch.cat([allowed, visible], dim=1)
+            out[rows] = K.sink_attention(q[rows], keys, allowed, self.attn_sink, hd**-0.5)
+
+        out = K.apply_rope(out, cos, -sin)  # undo RoPE on the value's rope slice (K = V)
+        o = K.grouped_linear(out.view(T, cfg.o_groups, -1), self.wo_a.weight, cfg.o_groups)
+        return self.wo_b(o)
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: ModelConfig, hashed: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
+            self.bias = None
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+            self.tid2eid = None
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        inter = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.w1, self.w3 = _linear(inter, cfg.hidden_size), _linear(inter, cfg.hidden_size)
+        self.w2 = _linear(cfg.hidden_size, inter)
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (sqrt-softplus scores, selection-only bias) or hash routing, plus
+    one shared expert; clamped SwiGLU."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        E, inter, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate = Gate(cfg, hashed=cfg.is_hash_layer[layer])
+        self.experts_w1 = nn.Parameter(torch.empty(E, inter, D))
+        self.experts_w3 = nn.Parameter(torch.empty(E, inter, D))
+        self.experts_w2 = nn.Parameter(torch.empty(E, D, inter))
+        self.shared_experts = SharedExpert(cfg)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        hash_ids = self.gate.tid2eid[input_ids] if self.gate.tid2eid is not None else None
+        weights, indices = K.router_topk(x, self.gate.weight, self.gate.bias, cfg.num_experts_per_tok,
+                                         cfg.routed_scaling_factor, cfg.scoring_func, hash_ids)
+        routed = K.moe_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights, indices,
+                               cfg.swiglu_limit)
+        se = self.shared_experts
+        return routed + K.mlp(x, se.w1.weight, se.w3.weight, se.w2.weight, cfg.swiglu_limit)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg = cfg
+        mix, hc, D = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult, cfg.hidden_size
+        self.attn_norm = Norm(D, cfg.rms_norm_eps)
+        self.ffn_norm = Norm(D, cfg.rms_norm_eps)
+        for kind in ("attn", "ffn"):
+            setattr(self, f"hc_{kind}_fn", nn.Parameter(torch.zeros(mix, hc * D, dtype=torch.float32)))
+            setattr(self, f"hc_{kind}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
+            setattr(self, f"hc_{kind}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+        self.attn = Attention(cfg, layer)
+        self.ffn = MoE(cfg, layer)
+
+    def _hc(self, kind: str, h: torch.Tensor):
+        c = self.cfg
+        return K.hc_pre(h, getattr(self, f"hc_{kind}_fn"), getattr(self, f"hc_{kind}_base"),
+                        getattr(self, f"hc_{kind}_scale"), c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters)
+
+    def forward(self, h: torch.Tensor, fb: ForwardBatch, cache: KVCache, ropes: dict) -> torch.Tensor:
+        post, comb, x = self._hc("attn", h)
+        h = K.hc_post(h, self.attn(self.attn_norm(x), fb, cache, ropes), post, comb)
+        post, comb, x = self._hc("ffn", h)
+        return K.hc_post(h, self.ffn(self.ffn_norm(x), fb.input_ids), post, comb)
+
+
+class DeepseekV4(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        hc, D = cfg.hc_mult, cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, D)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = Norm(D, cfg.rms_norm_eps)
+        self.head = _linear(cfg.vocab_size, D)
+        self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * D, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.register_buffer("main_inv_freq", cfg.main_rope.inv_freq(), persistent=False)
+        self.register_buffer("compress_inv_freq", cfg.compress_rope.inv_freq(), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """One step over packed tokens; returns logits [len(fb.logits_rows), vocab] in fp32."""
+        cfg = self.cfg
+        x = self.embed(fb.input_ids)
+        dtype = x.dtype
+        ropes = {
+            "main": K.rope_cos_sin(fb.positions, self.main_inv_freq, dtype),
+            "compress": K.rope_cos_sin(fb.positions, self.compress_inv_freq, dtype),
+            "compress_inv_freq": self.compress_inv_freq,
+        }
+        h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # mHC: 4 copies of the residual
+        for block in self.layers:
+            h = block(h, fb, cache, ropes)
+        h = h[fb.logits_rows]
+        x = K.hc_head(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps)
+        return F.linear(self.norm(x), self.head.weight).float()
+
+    # --- loading ------------------------------------------------------------------------------
+
+    _FP32 = ("hc_", "attn_sink", ".ape", "gate.bias", "norm.weight", "q_norm", "kv_norm")
+
+    def expected_names(self) -> set[str]:
+        """Official checkpoint names this model needs."""
+        names = set()
+        for name, _ in list(self.named_parameters()) + [(n, b) for n, b in self.named_buffers() if "tid2eid" in n]:
+            if ".experts_w" in name:
+                layer, w = name.split(".ffn.experts_")
+                names.update(f"{layer}.ffn.experts.{e}.{w}.weight" for e in range(self.cfg.n_routed_experts))
+            else:
+                names.add(name)
+        return names
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        if ".ffn.experts." in name:  # layers.N.ffn.experts.E.wK.weight -> stacked experts_wK[E]
+            prefix, rest = name.split(".ffn.experts.")
+            e, w, _ = rest.split(".")
+            target = self.get_parameter(f"{prefix}.ffn.experts_{w}")[int(e)]
+        elif name.endswith("tid2eid"):
+            target = self.get_buffer(name)
+        else:
+            target = self.get_parameter(name)
+        if target.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor.to(target.dtype))
+
+    def cast(self, dtype: torch.dtype) -> DeepseekV4:
+        """Model dtype for weights; norms, mHC, sinks, position biases and gate bias stay fp32
+        (as the reference keeps them), except in float64 runs where everything is float64."""
+        for name, p in self.named_parameters():
+            keep32 = dtype != torch.float64 and any(k in name for k in self._FP32)
+            p.data = p.data.to(torch.float32 if keep32 else dtype)
+        return self

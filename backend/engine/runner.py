@@ -1,0 +1,45 @@
+"""Turns scheduled sequences into one packed ForwardBatch, runs the model, returns logits."""
+
+from __future__ import annotations
+
+import torch
+
+from backend.engine.cache import KVCache
+from backend.engine.forward_batch import ForwardBatch
+from backend.engine.model import DeepseekV4
+from backend.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekV4, cache: KVCache):
+        self.model, self.cache = model, cache
+        self.device = next(model.parameters()).device
+
+    def build_batch(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> ForwardBatch:
+        """scheduled: (sequence, number of new tokens) in batch order. Logits come for each
+        sequence whose chunk reaches its last known token (it samples next), or every row."""
+        bs, dev = self.cache.block_size, self.device
+        ids, pos, slots, rows = [], [], [], []
+        seq_lens, starts, replay, cfrom, wt, ft, st = [], [], [], [], [], [], []
+        for seq, n in scheduled:
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids[start:start + n])
+            p = range(start, start + n)
+            pos.extend(p)
+            slots.extend(seq.blocks.window_table[i // bs] * bs + i % bs for i in p)
+            if all_logits:
+                rows.extend(range(len(pos) - n, len(pos)))
+            elif start + n == seq.num_tokens:
+                rows.append(len(pos) - 1)
+            seq_lens.append(n)
+            starts.append(start)
+            replay.append(seq.replay_start)
+            cfrom.append(max(seq.compress_from, start))
+            wt.append(torch.tensor(seq.blocks.window_table, dtype=torch.long, device=dev))
+            ft.append(torch.tensor(seq.blocks.full_table, dtype=torch.long, device=dev))
+            st.append(seq.blocks.state_slot)
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
+        return ForwardBatch(t(ids), t(pos), seq_lens, starts, replay, cfrom, t(slots), wt, ft, st, t(rows))
+
+    def run(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> torch.Tensor:
+        return self.model(self.build_batch(scheduled, all_logits), self.cache)

@@ -1,0 +1,203 @@
+"""Torch references for every hot op of DeepSeek-V4: the spec the fused kernels must match.
+
+Plain code, one function per equation block, dtype policy mirroring transformers'
+DeepseekV4 (norms, mHC, Sinkhorn, router scores and softmaxes in fp32; the rest in the
+model dtype), so the engine's logits match the reference model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# --- norms ------------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weighted RMSNorm; weights are fp32, multiply in fp32, cast once."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype)
+
+
+def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+# --- RoPE (interleaved pairs, on the trailing rope_dim slice of each head) ---------------------
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """cos/sin [T, rope_dim/2], angles in fp32 as the reference computes them."""
+    freqs = positions[:, None].float() * inv_freq.float()
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, ..., d]; cos/sin [T, r/2] broadcast over the middle dims; rotates x[..., -r:]."""
+    cos = cos.repeat_interleave(2, dim=-1)
+    sin = sin.repeat_interleave(2, dim=-1)
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+    nope, rope = x[..., :-r], x[..., -r:]
+    rotated_half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    rotated = (rope.float() * cos + rotated_half.float() * sin).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
+# --- mHC (manifold-constrained hyper-connections, paper section 2.2) ---------------------------
+
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+           hc_eps: float, norm_eps: float, sinkhorn_iters: int):
+    """x [T, hc, D] -> (post [T, hc], comb [T, hc, hc], collapsed [T, D])."""
+    T, hc, _ = x.shape
+    flat = rms_norm_unweighted(x.reshape(T, -1).float(), norm_eps)
+    mixes = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(T, hc, hc) * scale[2] + comb_b.view(hc, hc), dim=-1) + hc_eps
+    # Sinkhorn-Knopp onto doubly-stochastic matrices (20 iterations in V4)
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+    return post, comb, collapsed
+
+
+def hc_post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """new streams = post * block output + comb^T @ old streams."""
+    dtype = x.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
+
+
+def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+            hc_eps: float, norm_eps: float) -> torch.Tensor:
+    flat = rms_norm_unweighted(x.flatten(1).float(), norm_eps)
+    pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+
+
+# --- MoE --------------------------------------------------------------------------------------
+
+def _scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    if scoring_func == "sqrtsoftplus":
+        return torch.sqrt(F.softplus(logits))
+    if scoring_func == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                routed_scaling: float, scoring_func: str, hash_ids: torch.Tensor | None = None):
+    """Router gate: scores, selection (bias only for choosing, or a hash table), renormalise, scale.
+    Returns (weights [T, k], indices [T, k])."""
+    scores = _scores(F.linear(x, weight), scoring_func)
+    if hash_ids is not None:
+        indices = hash_ids.long()
+    else:
+        indices = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
+    w = scores.gather(1, indices)
+    w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * routed_scaling, indices
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.linear(swiglu(F.linear(x, w1), F.linear(x, w3), limit), w2)
+
+
+def moe_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                weights: torch.Tensor, indices: torch.Tensor, limit: float) -> torch.Tensor:
+    """Routed experts: w1/w3 [E, I, D], w2 [E, D, I]; tokens grouped per expert."""
+    out = torch.zeros_like(x)
+    flat_idx = indices.reshape(-1)
+    order = torch.argsort(flat_idx, stable=True)
+    counts = torch.bincount(flat_idx, minlength=w1.shape[0]).tolist()
+    token_of = order // indices.shape[1]
+    w_sorted = weights.reshape(-1)[order]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok = token_of[start:start + n]
+        h = mlp(x[tok], w1[e], w3[e], w2[e], limit) * w_sorted[start:start + n, None]
+        out.index_add_(0, tok, h.to(out.dtype))
+        start += n
+    return out
+
+
+# --- attention --------------------------------------------------------------------------------
+
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """Shared-KV MQA with per-head sinks. q [n, H, d], kv [K, d] (key = value),
+    allowed [n, K] bool -> [n, H, d]."""
+    logits = torch.einsum("nhd,kd->nhk", q, kv) * scale
+    logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
+    sink = sinks.view(1, -1, 1).expand(q.shape[0], -1, 1)
+    combined = torch.cat([logits, sink.to(torch.promote_types(logits.dtype, sinks.dtype))], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return torch.einsum("nhk,kd->nhd", probs.to(kv.dtype), kv)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """Grouped low-rank output projection wo_a: x [T, G, in/G], weight [G*r, in/G] -> [T, G*r]."""
+    T = x.shape[0]
+    w = weight.view(groups, -1, x.shape[-1]).transpose(1, 2)  # [G, in/G, r]
+    return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).reshape(T, -1)
+
+
+# --- compressor + lightning indexer (paper sections 2.3.1-2.3.2) ------------------------------
+
+def compress_blocks(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
+                    prev_gate: torch.Tensor | None, ratio: int, head_dim: int, overlap: bool) -> torch.Tensor:
+    """Pool complete blocks into compressed entries (before norm and RoPE).
+
+    kv/gate [n_blocks * ratio, c * head_dim] (gate already has the position bias added);
+    overlap (CSA): entry w softmax-pools window w-1's Ca slice with window w's Cb slice,
+    prev_* [ratio, head_dim] is the Ca slice of the block before the first (None: none).
+    Returns [n_blocks, head_dim].
+    """
+    n = kv.shape[0] // ratio
+    kv = kv.view(n, ratio, -1)
+    gate = gate.view(n, ratio, -1)
+    if overlap:
+        new_kv = kv.new_zeros((n, 2 * ratio, head_dim))
+        new_gate = gate.new_full((n, 2 * ratio, head_dim), float("-inf"))
+        new_kv[:, ratio:] = kv[..., head_dim:]
+        new_gate[:, ratio:] = gate[..., head_dim:]
+        if n > 1:
+            new_kv[1:, :ratio] = kv[:-1, :, :head_dim]
+            new_gate[1:, :ratio] = gate[:-1, :, :head_dim]
+        if prev_kv is not None:
+            new_kv[0, :ratio] = prev_kv.to(new_kv.dtype)
+            new_gate[0, :ratio] = prev_gate.to(new_gate.dtype)
+        kv, gate = new_kv, new_gate
+    return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+
+
+def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Lightning indexer: sum_h w[t,h] * relu(q[t,h] . k[s]) * head_dim^-0.5.
+    q [n, Hi, d], keys [E, d], weights [n, Hi] (already scaled by Hi^-0.5) -> [n, E] fp32."""
+    s = torch.einsum("nhd,ed->nhe", q.float(), keys.float())
+    s = F.relu(s) * head_dim**-0.5
+    return (s * weights.float().unsqueeze(-1)).sum(dim=1)
+
+
+def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k visible entries per query as a bool mask [n, E] (fewer when fewer are visible)."""
+    n, E = scores.shape
+    if E == 0:
+        return torch.zeros((n, 0), dtype=torch.bool, device=scores.device)
+    k = min(k, E)
+    masked = scores.masked_fill(~visible, float("-inf"))
+    idx = masked.topk(k, dim=-1).indices
+    chosen = torch.zeros((n, E), dtype=torch.bool, device=scores.device)
+    chosen.scatter_(1, idx, True)
+    return chosen & visible
