@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import locale
 import os
 import queue
 import threading
@@ -26,6 +27,10 @@ from backend import protocol
 from backend.engine.request import EngineDead, EngineOverloaded, InvalidRequest, RequestFailed
 from backend.engines import build_engine, load_engine_args
 from backend.metrics import Metrics, RequestRecord
+
+# The stub's embedded interpreter starts in the C locale (ASCII text files); take the environment's
+# (backend.serve sets a UTF-8 one), as a `python` process would.
+locale.setlocale(locale.LC_CTYPE, "")
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_POLL_S = 0.1  # how often in-flight requests are checked for client cancellation

@@ -232,6 +232,10 @@ class TritonServer:
         # the stub embeds the first `python3` on PATH: ours, so it imports this venv's packages
         env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(sys.executable), env.get("PATH")) if p)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        # the stub's embedded Python takes its file encoding from the locale: make it UTF-8
+        env.setdefault("PYTHONUTF8", "1")
+        if "UTF-8" not in (env.get("LC_ALL") or env.get("LC_CTYPE") or env.get("LANG") or "").upper():
+            env["LC_ALL"] = "C.UTF-8"
         return env
 
     def start(self) -> TritonServer:
@@ -273,6 +277,16 @@ class TritonServer:
     def log_tail(self, lines: int = 40) -> str:
         return "".join(list(self._tail)[-lines:])
 
+    def failure_report(self) -> str:
+        """Why a start failed: the models' load errors (the table rows), then the log's last lines."""
+        try:
+            log = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            log = []
+        errors = [line for line in log if "UNAVAILABLE" in line or "Traceback" in line or "Error" in line[:60]]
+        tail = [line for line in self.log_tail(60).splitlines() if not line.startswith(("+-", "| "))]
+        return "\n".join(["model load errors:", *errors[-20:], "last lines:", *tail[-25:]])
+
     def is_ready(self) -> bool:
         try:
             url = f"http://{self.http_url}/v2/health/ready"
@@ -288,12 +302,12 @@ class TritonServer:
                 if self._log_thread is not None:
                     self._log_thread.join(timeout=5)
                 raise ServerError(f"tritonserver exited with code {self.process.returncode} before it was "
-                                  f"ready; log {self.log_path}, last lines:\n{self.log_tail()}")
+                                  f"ready; log {self.log_path}\n{self.failure_report()}")
             if self.is_ready():
                 return
             time.sleep(0.25)
         raise ServerError(f"tritonserver was not ready after {self.startup_timeout_s:.0f} s; log "
-                          f"{self.log_path}, last lines:\n{self.log_tail()}")
+                          f"{self.log_path}\n{self.failure_report()}")
 
     def stop(self, timeout_s: float = EXIT_TIMEOUT_S + 15) -> int | None:
         """SIGTERM (Triton drains in-flight requests up to --exit-timeout-secs), wait, then kill."""

@@ -1,0 +1,287 @@
+"""A real tritonserver (backend.serve) with the deepseek backend and the tiny checkpoint:
+the wire protocol end to end over gRPC and HTTP, cancellation, errors, metrics, admin APIs."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import http.client
+import json
+import math
+import re
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from backend.engine.request import GenerationRequest, SamplingParams
+from backend.engines import build_engine, load_engine_args
+from client.grpc import GrpcClient
+from client.http import HttpClient
+from client.types import ServerError
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The quick brown fox"
+ALL_RETURNS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
+               "return_cumulative_logprob", "return_logprobs")
+
+
+@pytest.fixture(scope="module")
+def grpc_client(triton_server):
+    with GrpcClient(triton_server.grpc_url) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def http_client(triton_server):
+    return HttpClient(triton_server.http_url)
+
+
+@pytest.fixture(scope="module")
+def offline(triton_server):
+    """Greedy text from the same engine, same model.json, run in this process."""
+    args = load_engine_args(triton_server.workdir / "model_repository" / "deepseek_v4" / "1" / "model.json")
+
+    async def run(prompts, max_tokens):
+        engine = build_engine(args)
+        await engine.start()
+        try:
+            texts = []
+            for i, prompt in enumerate(prompts):
+                sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+                request = GenerationRequest(request_id=f"offline-{i}", prompt=prompt, sampling=sampling)
+                texts.append("".join([out.text async for out in engine.add(request)]))
+            return texts
+        finally:
+            await engine.shutdown()
+
+    return dict(zip([PROMPT, "Hello"], asyncio.run(run([PROMPT, "Hello"], 12))))
+
+
+def scrape(server) -> str:
+    with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
+        return response.read().decode()
+
+
+def metric(text: str, name: str, **labels) -> float | None:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = None
+    for line in text.splitlines():
+        match = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
+        if not match:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total = (total or 0.0) + float(match.group(2))
+    return total
+
+
+def raw_generate(server, body: dict, headers: dict | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection(server.http_url.split(":")[0], int(server.http_url.split(":")[1]), timeout=60)
+    conn.request("POST", "/v2/models/deepseek_v4/generate", body=json.dumps(body), headers=headers or {})
+    response = conn.getresponse()
+    status, payload = response.status, json.loads(response.read() or b"{}")
+    conn.close()
+    return status, payload
+
+
+# ------------------------------------------------------------------------------------------ outputs
+
+
+def test_greedy_matches_the_engine_offline_over_grpc_and_http(grpc_client, http_client, offline):
+    for prompt, expected in offline.items():
+        assert expected, "the offline run generated nothing"
+        assert grpc_client.generate(prompt, max_tokens=12, temperature=0).text == expected
+        assert http_client.generate(prompt, max_tokens=12, temperature=0).text == expected
+        assert "".join(d.text for d in grpc_client.generate_stream(prompt, max_tokens=12, temperature=0)) == expected
+        assert "".join(d.text for d in http_client.generate_stream(prompt, max_tokens=12, temperature=0)) == expected
+
+
+def test_streams_arrive_as_several_deltas(grpc_client, http_client):
+    for client in (grpc_client, http_client):
+        deltas = list(client.generate_stream(PROMPT, max_tokens=8, temperature=0, ignore_eos=True))
+        assert len(deltas) >= 2
+        assert [d.finish_reason for d in deltas[:-1]] == [None] * (len(deltas) - 1)
+        assert deltas[-1].finish_reason == "length"
+        assert sum(d.num_output_tokens for d in deltas) == 8
+        assert deltas[0].time_s <= deltas[-1].time_s
+
+
+def test_exclude_input_in_output(triton_server, grpc_client, http_client, offline):
+    for client in (grpc_client, http_client):
+        echoed = client.generate(PROMPT, max_tokens=12, temperature=0, exclude_input_in_output=False)
+        assert echoed.text == PROMPT + offline[PROMPT]
+    # without the flag a non-streaming request echoes the prompt (Triton's vLLM backend default);
+    # sampling keys also arrive as request parameters (HTTP generate's "parameters" object)
+    status, payload = raw_generate(triton_server, {"text_input": PROMPT,
+                                                   "parameters": {"max_tokens": 12, "temperature": 0}})
+    assert status == 200, payload
+    assert payload["text_output"] == PROMPT + offline[PROMPT]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_return_output(grpc_client, stream):
+    kwargs = dict(max_tokens=6, temperature=0, ignore_eos=True, returns=ALL_RETURNS)
+    if stream:
+        deltas = list(grpc_client.generate_stream(PROMPT, **kwargs))
+    else:
+        deltas = grpc_client.generate(PROMPT, **kwargs).deltas
+        assert len(deltas) == 1
+    last = deltas[-1]
+    assert last.finish_reason == "length"
+    assert last.num_input_tokens and last.num_input_tokens >= 3
+    assert sum(d.num_output_tokens for d in deltas) == 6
+    logprobs = [step for d in deltas for step in d.logprobs]
+    assert len(logprobs) == 6 and all(len(step) >= 1 for step in logprobs)
+    sampled = [max(step.values(), key=lambda v: v["logprob"])["logprob"] for step in logprobs]
+    assert all(lp <= 0 for lp in sampled)
+    assert last.cumulative_logprob <= 0 and math.isfinite(last.cumulative_logprob)
+    assert last.cumulative_logprob == pytest.approx(sum(sampled), abs=1e-3)
+
+
+def test_genai_perf_style_payload(triton_server):
+    """Exactly what genai-perf --backend vllm sends: no return flags, max_tokens as a string."""
+    responses = []
+    client = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.append((result, error)))
+    inputs = []
+    for name, value, dtype in [("text_input", PROMPT.encode(), "BYTES"), ("stream", True, "BOOL"),
+                               ("exclude_input_in_output", True, "BOOL"),
+                               ("sampling_parameters", json.dumps({"max_tokens": "16"}).encode(), "BYTES")]:
+        tensor = grpcclient.InferInput(name, [1], dtype)
+        tensor.set_data_from_numpy(np.array([value], dtype=np.object_ if dtype == "BYTES" else bool))
+        inputs.append(tensor)
+    client.async_stream_infer("deepseek_v4", inputs)
+    client.stop_stream()  # waits for the stream to end: the model sent its final response
+    client.close()
+    assert responses and all(error is None for _, error in responses), responses
+    text = "".join(r.as_numpy("text_output")[0].decode() for r, _ in responses)
+    assert 1 <= len(responses) <= 16 and text
+
+
+# ------------------------------------------------------------------------------------------ cancel
+
+
+def test_cancelling_a_stream_aborts_the_engine_request(triton_server, grpc_client):
+    before = scrape(triton_server)
+    aborted_before = metric(before, "deepseek:request_success_total", finished_reason="abort") or 0
+    stream = grpc_client.generate_stream(PROMPT, max_tokens=480, ignore_eos=True)
+    seen_running = False
+    received = 0
+    for _ in stream:
+        received += 1
+        if received % 5 == 0:
+            seen_running = seen_running or (metric(scrape(triton_server), "deepseek:num_requests_running") or 0) >= 1
+        if seen_running and received >= 3:
+            break
+    stream.close()  # stop_stream(cancel_requests=True)
+    assert seen_running and received < 480
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        text = scrape(triton_server)
+        aborted = metric(text, "deepseek:request_success_total", finished_reason="abort") or 0
+        if aborted == aborted_before + 1 and metric(text, "deepseek:num_requests_running") == 0:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the cancelled request was not aborted in the engine:\n{triton_server.log_tail()}")
+
+
+# ------------------------------------------------------------------------------------------ errors
+
+BAD_HTTP_BODIES = [
+    ({"sampling_parameters": "{not json"}, "sampling_parameters is not valid JSON"),
+    ({"sampling_parameters": "[1]"}, "sampling_parameters must be a JSON object"),
+    ({"sampling_parameters": json.dumps({"bogus": 1})}, "unknown sampling parameter 'bogus'"),
+    ({"sampling_parameters": json.dumps({"max_tokens": "lots"})}, "max_tokens must be an integer"),
+    ({"sampling_parameters": json.dumps({"max_tokens": -1})}, "max_tokens must be between 1 and 512"),
+    ({"sampling_parameters": json.dumps({"max_tokens": 10**9})}, "max_tokens must be between 1 and 512"),
+    ({"sampling_parameters": json.dumps({"temperature": -1})}, "temperature must be >= 0"),
+    ({"sampling_parameters": json.dumps({"top_p": 0})}, "top_p must be in"),
+    ({"sampling_parameters": json.dumps({"top_p": 2})}, "top_p must be in"),
+    ({"parameters": {"temperature": "warm"}}, "temperature must be a number"),
+    ({"text_input": ""}, "text_input is empty"),
+    ({"stream": True, "exclude_input_in_output": False}, "exclude_input_in_output=false is not allowed"),
+    ({"text_input": "token " * 2000}, "max_model_len"),  # the engine's InvalidRequest
+]
+
+
+def test_bad_inputs_are_invalid_arg_while_a_good_request_completes(triton_server, grpc_client):
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        good = pool.submit(lambda: list(grpc_client.generate_stream(PROMPT, max_tokens=24, ignore_eos=True)))
+        for override, message in BAD_HTTP_BODIES:
+            body = {"text_input": PROMPT, **override}
+            status, payload = raw_generate(triton_server, body)
+            assert status == 400, (override, payload)
+            assert message in payload.get("error", ""), (override, payload)
+        status, payload = raw_generate(triton_server, {"parameters": {"max_tokens": 4}})
+        assert status == 400 and "text_input" in payload["error"], payload
+        # non-UTF-8 bytes can only travel in a binary tensor: gRPC
+        with pytest.raises(ServerError, match="text_input is not valid UTF-8"):
+            inputs = [grpcclient.InferInput("text_input", [1], "BYTES")]
+            inputs[0].set_data_from_numpy(np.array([b"\xff\xfe bad"], dtype=np.object_))
+            _grpc_raw(triton_server, inputs)
+        deltas = good.result(timeout=120)
+    assert deltas[-1].finish_reason == "length" and sum(d.num_output_tokens for d in deltas) == 24
+    assert triton_server.is_ready()
+
+
+def _grpc_raw(server, inputs):
+    responses = []
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: responses.append((result, error)))
+    client.async_stream_infer("deepseek_v4", inputs)
+    client.stop_stream()
+    client.close()
+    for _, error in responses:
+        if error is not None:
+            raise ServerError("ERROR", error.message())
+    return responses
+
+
+# ------------------------------------------------------------------------------------------ server
+
+
+def test_metrics_families_have_plausible_values(triton_server, grpc_client):
+    grpc_client.generate(PROMPT, max_tokens=5, ignore_eos=True)
+    time.sleep(1.2)  # the metrics thread records finished requests and polls engine stats
+    text = scrape(triton_server)
+    assert metric(text, "deepseek:time_to_first_token_seconds_count") >= 1
+    assert 0 < metric(text, "deepseek:time_to_first_token_seconds_sum") < 60
+    assert metric(text, "deepseek:time_per_output_token_seconds_count") >= 1
+    assert metric(text, "deepseek:e2e_request_latency_seconds_count") >= 1
+    assert metric(text, "deepseek:e2e_request_latency_seconds_sum") >= metric(
+        text, "deepseek:time_to_first_token_seconds_sum")
+    assert metric(text, "deepseek:request_prompt_tokens_count") >= 1
+    assert metric(text, "deepseek:request_generation_tokens_bucket", le="+Inf") >= 1
+    assert metric(text, "deepseek:prompt_tokens_total") >= 3
+    assert metric(text, "deepseek:generation_tokens_total") >= 5
+    assert metric(text, "deepseek:request_success_total", finished_reason="length") >= 1
+    assert metric(text, "deepseek:num_requests_running") == 0
+    assert metric(text, "deepseek:num_requests_waiting") == 0
+    usage = metric(text, "deepseek:kv_cache_usage_perc")
+    assert usage is not None and usage >= 0
+    assert metric(text, "deepseek:prefix_cache_hit_tokens_total") is not None
+    assert metric(text, "deepseek:replayed_tokens_total") is not None
+
+
+def test_admin_apis_need_the_key(triton_server):
+    host, port = triton_server.http_url.split(":")
+
+    def repository_index(headers):
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("POST", "/v2/repository/index", body="{}", headers=headers)
+        response = conn.getresponse()
+        status, body = response.status, response.read().decode()
+        conn.close()
+        return status, body
+
+    status, body = repository_index({})
+    assert status != 200 and "admin-key" in body, (status, body)
+    status, body = repository_index({"admin-key": triton_server.admin_key})
+    assert status == 200 and "deepseek_v4" in body
+    # inference stays open
+    assert urllib.request.urlopen(f"http://{triton_server.http_url}/v2/models/deepseek_v4/ready").status == 200

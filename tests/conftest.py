@@ -1,0 +1,18 @@
+"""Shared fixtures. `triton_server`: one real tritonserver (backend.serve) for the whole session,
+serving the tiny checkpoint with the native engine on free loopback ports."""
+
+from __future__ import annotations
+
+import pytest
+
+# Small enough that "prompt longer than max_model_len" is a short string.
+SERVER_ENGINE_ARGS = {"max_model_len": 512, "max_num_seqs": 16}
+
+
+@pytest.fixture(scope="session")
+def triton_server():
+    from backend.serve import TritonServer
+
+    with TritonServer(engine_args=SERVER_ENGINE_ARGS, http_port=0, grpc_port=0, metrics_port=0,
+                      startup_timeout_s=300) as server:
+        yield server
