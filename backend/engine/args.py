@@ -1,0 +1,92 @@
+"""Engine arguments: vLLM's names where the meaning is the same, read once at the edge."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class InvalidEngineArgs(ValueError):
+    pass
+
+
+@dataclass
+class EngineArgs:
+    model: str = ""  # checkpoint dir; "" or "tiny": the tiny default checkpoint
+    tokenizer: str | None = None  # default: the model dir
+    dtype: str = "auto"  # auto: the checkpoint's torch_dtype
+    device: str = "auto"  # auto: cuda when available
+    max_model_len: int | None = None  # default: min(max_position_embeddings, 8192)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int | None = None  # default: lcm of compress ratios, >= 16
+    enable_prefix_caching: bool = False
+    swa_bounded_replay: bool = True
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # CPU (or explicit) byte budget for the KV pools
+    num_gpu_blocks_override: int | None = None  # fixed number of compressed-KV blocks (tests)
+    enforce_eager: bool = False
+    seed: int = 0
+    max_waiting_requests: int = 1024
+    max_logprobs: int = 20
+    max_stop_strings: int = 16
+    max_stop_string_len: int = 256
+    kernels: str = "auto"  # auto | ref
+    engine: str = "native"
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> EngineArgs:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(fields))
+        if unknown:
+            raise InvalidEngineArgs(f"unknown engine argument(s) {unknown}; known: {sorted(fields)}")
+        args = cls(**raw)
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        checks = [
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
+            (self.max_waiting_requests >= 0, "max_waiting_requests must be >= 0"),
+            (self.kernels in ("auto", "ref"), "kernels must be 'auto' or 'ref'"),
+            (self.engine == "native", "this is the native engine; engine must be 'native'"),
+            (self.block_size is None or self.block_size >= 1, "block_size must be >= 1"),
+            (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise InvalidEngineArgs(msg)
+
+
+def tiny_checkpoint_dir() -> Path:
+    """The tiny default checkpoint, written once into the user cache (atomically)."""
+    root = Path(os.environ.get("DSV4_CACHE_DIR", Path.home() / ".cache" / "deepseek-v4-triton"))
+    out = root / "tiny"
+    if (out / "config.json").exists():
+        return out
+    from tools.make_tiny_checkpoint import write_checkpoint
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-"))
+    write_checkpoint(tmp, preset="tiny", seed=0)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process won the race; theirs is identical
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_model_dir(model: str) -> Path:
+    if model in ("", "tiny", None):
+        return tiny_checkpoint_dir()
+    path = Path(model).expanduser()
+    if not (path / "config.json").exists():
+        raise InvalidEngineArgs(f"model {model!r}: no config.json there (a local DeepSeek-V4 checkpoint dir)")
+    return path

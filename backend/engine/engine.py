@@ -1,0 +1,246 @@
+"""The synchronous engine core: requests in, one step at a time, deltas out.
+
+request -> tokenizer -> scheduler -> runner -> model -> sampler -> detokenizer -> RequestOutput.
+llm.py wraps it: `LLM` for offline use, `AsyncLLM` (the step loop in its own thread) for serving.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+import kernels
+from backend.engine.args import EngineArgs, resolve_model_dir
+from backend.engine.cache import KVCache
+from backend.engine.loader import load_model
+from backend.engine.request import GenerationRequest, InvalidRequest, RequestOutput
+from backend.engine.runner import ModelRunner
+from backend.engine.sampler import sample
+from backend.engine.scheduler import Scheduler
+from backend.engine.sequence import Sequence
+from backend.engine.tokenizer import Detokenizer, Tokenizer
+
+CPU_KV_BYTES = 256 << 20  # default KV budget on CPU
+
+
+@dataclass
+class RequestState:
+    seq: Sequence
+    detok: Detokenizer
+    eos_ids: set[int]
+    text: str = ""
+    sent_chars: int = 0
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    first_token_time: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs | dict):
+        args = EngineArgs.from_dict(args) if isinstance(args, dict) else args
+        args.validate()
+        self.args = args
+        kernels.set_backend(args.kernels)
+        model_dir = resolve_model_dir(args.model)
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+        self.model = load_model(model_dir, args.dtype, self.device)
+        self.cfg = cfg = self.model.cfg
+        self.tokenizer = Tokenizer(args.tokenizer or model_dir)
+        self.max_model_len = args.max_model_len or min(cfg.max_position_embeddings, 8192)
+        self.block_size = args.block_size or max(16, cfg.compress_block_lcm)
+        if self.block_size % cfg.compress_block_lcm:
+            raise ValueError(f"block_size {self.block_size} must be a multiple of {cfg.compress_block_lcm} "
+                             "(every compress ratio)")
+        self.cache = self._make_cache()
+        self.scheduler = Scheduler(self.cache, cfg.sliding_window, args.max_num_seqs,
+                                   args.max_num_batched_tokens, prefix_cache=self._make_prefix_cache())
+        self.runner = ModelRunner(self.model, self.cache)
+        self.requests: dict[str, RequestState] = {}
+        self.generator = torch.Generator().manual_seed(args.seed)
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+
+    # --- construction -------------------------------------------------------------------------
+
+    def _make_prefix_cache(self):
+        return None
+
+    def _kv_budget(self) -> int:
+        a = self.args
+        if a.kv_cache_memory_bytes:
+            return int(a.kv_cache_memory_bytes)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used_elsewhere = total - free
+            return max(0, int(total * a.gpu_memory_utilization) - used_elsewhere - (2 << 30))  # 2 GiB activations
+        return CPU_KV_BYTES
+
+    def _make_cache(self) -> KVCache:
+        """Window pool: enough for every running sequence's window plus one full prefill chunk;
+        the rest of the budget to the compressed-KV pool."""
+        a, cfg, bs = self.args, self.cfg, self.block_size
+        dtype = self.model.embed.weight.dtype
+        window_bytes, full_bytes = KVCache.bytes_per_block(cfg, bs, dtype)
+        per_seq = math.ceil((cfg.sliding_window - 1) / bs) + 2
+        num_window = a.max_num_seqs * per_seq + math.ceil(a.max_num_batched_tokens / bs) + 1
+        if a.num_gpu_blocks_override:
+            num_full = a.num_gpu_blocks_override
+        else:
+            num_full = (self._kv_budget() - num_window * window_bytes) // max(full_bytes, 1)
+        min_full = math.ceil(self.max_model_len / bs)
+        if num_full < min_full:
+            raise ValueError(f"KV cache too small: {num_full} blocks of {bs} tokens cannot hold one "
+                             f"sequence of max_model_len={self.max_model_len}; raise the memory budget "
+                             "or lower max_model_len")
+        return KVCache(cfg, bs, num_window, int(num_full), a.max_num_seqs, dtype, self.device)
+
+    # --- requests -----------------------------------------------------------------------------
+
+    def validate(self, req: GenerationRequest) -> list[int]:
+        """All request checks in one place; returns the prompt token ids."""
+        p, a = req.sampling, self.args
+        if req.request_id in self.requests:
+            raise InvalidRequest(f"request id {req.request_id!r} is already in flight")
+        ids = req.prompt_token_ids
+        if ids is None:
+            if not req.prompt:
+                raise InvalidRequest("the prompt is empty")
+            ids = self.tokenizer.encode(req.prompt)
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        if any(not 0 <= t < self.cfg.vocab_size for t in ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                                 "(prompt plus at least one generated token)")
+        checks = [
+            (1 <= p.max_tokens <= self.max_model_len, f"max_tokens must be in [1, {self.max_model_len}]"),
+            (0 <= p.min_tokens <= p.max_tokens, "min_tokens must be in [0, max_tokens]"),
+            (p.temperature >= 0, "temperature must be >= 0"),
+            (0 < p.top_p <= 1, "top_p must be in (0, 1]"),
+            (p.top_k >= -1, "top_k must be -1 (off), 0 (off) or positive"),
+            (0 <= p.min_p <= 1, "min_p must be in [0, 1]"),
+            (p.logprobs is None or 0 <= p.logprobs <= a.max_logprobs, f"logprobs must be in [0, {a.max_logprobs}]"),
+            (len(p.stop) <= a.max_stop_strings, f"at most {a.max_stop_strings} stop strings"),
+            (all(0 < len(s) <= a.max_stop_string_len for s in p.stop),
+             f"stop strings must be 1..{a.max_stop_string_len} characters"),
+            (all(0 <= t < self.cfg.vocab_size for t in p.stop_token_ids), "stop_token_ids out of vocabulary"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise InvalidRequest(msg)
+        return ids
+
+    def add_request(self, req: GenerationRequest) -> Sequence:
+        ids = self.validate(req)
+        seq = Sequence(req.request_id, list(ids), req.sampling)
+        eos = set() if req.sampling.ignore_eos else set(self.cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and not req.sampling.ignore_eos:
+            eos.add(self.tokenizer.eos_token_id)
+        self.requests[req.request_id] = RequestState(
+            seq, Detokenizer(self.tokenizer, req.sampling.skip_special_tokens), eos)
+        self.scheduler.add(seq)
+        self.counters["prompt_tokens"] += len(ids)
+        return seq
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        st = self.requests.pop(request_id, None)
+        if st is None:
+            return None
+        self.scheduler.finish(st.seq, "abort")
+        self.counters["requests_finished"] += 1
+        return self._output(st, finished=True)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # --- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        logits = self.runner.run(scheduled)
+        self.scheduler.advance(scheduled)
+        samplers = [seq for seq, n in scheduled if seq.num_computed_tokens == seq.num_tokens]
+        params = [s.sampling for s in samplers]
+        steps = [len(s.output_token_ids) for s in samplers]
+        masks = [sorted(self.requests[s.request_id].eos_ids | set(s.sampling.stop_token_ids))
+                 if len(s.output_token_ids) < s.sampling.min_tokens else [] for s in samplers]
+        outputs = []
+        for seq, smp in zip(samplers, sample(logits, params, steps, masks, self.generator)):
+            st = self.requests[seq.request_id]
+            reason = self._append(st, smp.token_id, smp.logprob, smp.top_logprobs)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                del self.requests[seq.request_id]
+                self.counters["requests_finished"] += 1
+            out = self._output(st, finished=reason is not None)
+            if out.finished or out.text or out.token_ids:
+                outputs.append(out)
+        return outputs
+
+    def _append(self, st: RequestState, token: int, logprob: float, top: dict | None) -> str | None:
+        seq, p = st.seq, st.seq.sampling
+        if st.first_token_time is None:
+            st.first_token_time = time.monotonic()
+        seq.output_token_ids.append(token)
+        seq.cumulative_logprob += logprob
+        st.new_token_ids.append(token)
+        if top is not None:
+            st.new_logprobs.append(top)
+        self.counters["generation_tokens"] += 1
+        n_out = len(seq.output_token_ids)
+        if token in st.eos_ids or token in p.stop_token_ids:
+            return "stop"
+        st.text += st.detok.push(token)
+        if p.stop and n_out >= p.min_tokens:
+            hits = [i for s in p.stop if (i := st.text.find(s)) >= 0]
+            if hits:
+                st.text = st.text[: min(hits)]
+                return "stop"
+        if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, st: RequestState, finished: bool) -> RequestOutput:
+        seq = st.seq
+        # never stream the start of a stop string that may still complete
+        hold = 0 if finished or not seq.sampling.stop else max(len(s) for s in seq.sampling.stop) - 1
+        end = max(st.sent_chars, len(st.text) - hold)
+        text, st.sent_chars = st.text[st.sent_chars:end], end
+        out = RequestOutput(
+            request_id=seq.request_id, text=text, token_ids=st.new_token_ids,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(seq.output_token_ids),
+            num_cached_tokens=seq.num_cached_tokens, cumulative_logprob=seq.cumulative_logprob,
+            logprobs=st.new_logprobs if seq.sampling.logprobs is not None else None,
+            finished=finished, finish_reason=seq.finish_reason if finished else None,
+        )
+        st.new_token_ids, st.new_logprobs = [], []
+        return out
+
+    # --- introspection ------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        c = self.cache
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_usage": {
+                "window": 1 - c.window_pool.num_free / c.window_pool.num_blocks,
+                "compressed": 1 - c.full_pool.num_free / c.full_pool.num_blocks,
+            },
+            "kv_blocks": {
+                "window": {"total": c.window_pool.num_blocks, "free": c.window_pool.num_free},
+                "compressed": {"total": c.full_pool.num_blocks, "free": c.full_pool.num_free},
+            },
+            "num_preemptions": self.scheduler.num_preemptions,
+            **self.counters,
+        }

@@ -1,0 +1,72 @@
+"""Next-token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+A seeded request draws token i from a generator seeded by (seed, i), so its tokens do not
+depend on batch mates, step boundaries or preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backend.engine.request import SamplingParams
+
+
+@dataclass
+class Sample:
+    token_id: int
+    logprob: float
+    top_logprobs: dict[int, float] | None
+
+
+def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Apply temperature, top-k, top-p and min-p to one row of fp32 logits."""
+    logits = logits / p.temperature
+    if p.top_k and p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token once the mass before it already reaches top_p (the first always stays)
+        drop = (probs.cumsum(-1) - probs) >= p.top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if p.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return logits
+
+
+def _generator(seed: int | None, step: int, fallback: torch.Generator) -> torch.Generator:
+    if seed is None:
+        return fallback
+    return torch.Generator().manual_seed((int(seed) * 1_000_003 + step) % (2**63 - 1))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+           extra_masks: list[list[int]] | None = None, fallback: torch.Generator | None = None) -> list[Sample]:
+    """logits [n, V] fp32; steps[i] = how many tokens request i has already generated;
+    extra_masks[i] = token ids forbidden for this step (EOS before min_tokens)."""
+    fallback = fallback or torch.Generator().manual_seed(0)
+    logits = logits.float().cpu()
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    out = []
+    for i, p in enumerate(params):
+        row = logits[i]
+        if extra_masks and extra_masks[i]:
+            row = row.clone()
+            row[extra_masks[i]] = float("-inf")
+        if p.greedy:
+            token = int(row.argmax())
+        else:
+            probs = _filter(row, p).softmax(-1)
+            token = int(torch.multinomial(probs, 1, generator=_generator(p.seed, steps[i], fallback)))
+        top = None
+        if p.logprobs is not None:
+            n = min(int(p.logprobs), logprobs_all.shape[-1])
+            values, ids = torch.topk(logprobs_all[i], n) if n > 0 else (torch.empty(0), torch.empty(0))
+            top = {int(t): float(v) for t, v in zip(ids, values)}
+            top[token] = float(logprobs_all[i, token])
+        out.append(Sample(token, float(logprobs_all[i, token]), top))
+    return out

@@ -1,0 +1,111 @@
+"""Continuous batching: who runs this step and with how many tokens.
+
+Each step mixes decodes and prefill chunks under `max_num_batched_tokens` and
+`max_num_seqs`. Running sequences go first (FCFS), then waiting ones in arrival order
+(no overtaking). When blocks run out, the newest running sequence is preempted by
+recompute: its blocks go back and it re-queues at the front, later re-prefilling its
+prompt plus what it already generated, so its output is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from backend.engine.cache import KVCache
+from backend.engine.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, cache: KVCache, sliding_window: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefix_cache=None):
+        self.cache, self.window = cache, sliding_window
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.prefix_cache = prefix_cache
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _window_lo(self, seq: Sequence) -> int:
+        return max(0, seq.num_computed_tokens - self.window + 1, seq.replay_start)
+
+    def _try_allocate(self, seq: Sequence, n: int) -> bool:
+        lo, hi = self._window_lo(seq), seq.num_computed_tokens + n
+        if not self.cache.can_allocate(seq.blocks, lo, hi):
+            return False
+        self.cache.allocate(seq.blocks, lo, hi)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.release(seq)
+        seq.status = Status.WAITING
+        seq.num_computed_tokens = seq.compress_from = seq.replay_start = seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        kept: list[Sequence] = []
+        queue = list(self.running)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self._try_allocate(seq, n):
+                victim = queue.pop() if queue else None
+                if victim is None:  # nothing newer to evict: give way ourselves
+                    self._preempt(seq)
+                    break
+                self._preempt(victim)
+            else:
+                scheduled.append((seq, n))
+                kept.append(seq)
+                budget -= n
+        kept.extend(queue)  # not scheduled this step (budget spent) but still running
+        self.running = kept
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_computed_tokens == 0 and self.prefix_cache is not None:
+                self.prefix_cache.match(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._try_allocate(seq, n):
+                if self.prefix_cache is not None:
+                    self.prefix_cache.unmatch(seq)
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def advance(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """After the forward: record progress and return window blocks that slid out."""
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            seq.compress_from = max(seq.compress_from, seq.num_computed_tokens)
+            self.cache.release_window_below(seq.blocks, seq.num_computed_tokens - self.window + 1)
+            if self.prefix_cache is not None:
+                self.prefix_cache.commit(seq)
+
+    def release(self, seq: Sequence) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(seq)
+        self.cache.free(seq.blocks)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.release(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
