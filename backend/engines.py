@@ -23,6 +23,12 @@ def build_engine(engine_args: dict) -> AsyncEngine:
     The engine gets every other key unchanged. Engines are imported lazily: vllm is optional."""
     args = dict(engine_args)
     name = args.pop("engine", "native")
+    if os.environ.get("DSV4_DEV_FAKE_ENGINE"):  # DEV-ONLY-REMOVE
+        import importlib.util  # DEV-ONLY-REMOVE
+        spec = importlib.util.spec_from_file_location("fake_engine", os.environ["DSV4_DEV_FAKE_ENGINE"])  # DEV-ONLY-REMOVE
+        mod = importlib.util.module_from_spec(spec)  # DEV-ONLY-REMOVE
+        spec.loader.exec_module(mod)  # DEV-ONLY-REMOVE
+        return mod.FakeEngine(args)  # DEV-ONLY-REMOVE
     if name == "native":
         from backend.engine.llm import AsyncLLM
 

@@ -170,8 +170,8 @@ class AsyncLLM:
                     raise EngineOverloaded(f"{eng.num_waiting} requests waiting (max_waiting_requests="
                                            f"{self.args.max_waiting_requests}); retry later")
                 eng.add_request(request)
-            except (InvalidRequest, EngineOverloaded):
-                loop.call_soon_threadsafe(lambda: admitted.done() or admitted.set_exception(e))
+            except (InvalidRequest, EngineOverloaded) as e:
+                loop.call_soon_threadsafe(lambda err=e: admitted.done() or admitted.set_exception(err))
                 return
             self._streams[request.request_id] = (loop, stream)
             loop.call_soon_threadsafe(lambda: admitted.done() or admitted.set_result(True))
