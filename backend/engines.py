@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from backend.engine.interface import AsyncEngine
@@ -23,12 +21,6 @@ def build_engine(engine_args: dict) -> AsyncEngine:
     The engine gets every other key unchanged. Engines are imported lazily: vllm is optional."""
     args = dict(engine_args)
     name = args.pop("engine", "native")
-    if os.environ.get("DSV4_DEV_FAKE_ENGINE"):  # DEV-ONLY-REMOVE
-        import importlib.util  # DEV-ONLY-REMOVE
-        spec = importlib.util.spec_from_file_location("fake_engine", os.environ["DSV4_DEV_FAKE_ENGINE"])  # DEV-ONLY-REMOVE
-        mod = importlib.util.module_from_spec(spec)  # DEV-ONLY-REMOVE
-        spec.loader.exec_module(mod)  # DEV-ONLY-REMOVE
-        return mod.FakeEngine(args)  # DEV-ONLY-REMOVE
     if name == "native":
         from backend.engine.llm import AsyncLLM
 
@@ -61,7 +53,9 @@ def resolve_model_path(model: str | None, base_dir: str | os.PathLike) -> str:
     relative to `base_dir` (model.json's folder) when it exists there; anything else (a hub name
     for vllm) is passed through."""
     if model is None or model.strip() in TINY_MODEL_NAMES:
-        return str(tiny_checkpoint())
+        from backend.engine.args import tiny_checkpoint_dir
+
+        return str(tiny_checkpoint_dir())
     return _resolve(model, base_dir)
 
 
@@ -71,29 +65,3 @@ def _resolve(name: str, base_dir: str | os.PathLike) -> str:
         return str(path)
     candidate = Path(base_dir) / path
     return str(candidate.resolve()) if candidate.exists() else name
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "deepseek-v4-triton"
-
-
-def tiny_checkpoint(out_dir: str | os.PathLike | None = None) -> Path:
-    """The tiny test checkpoint, written once (atomically: concurrent servers may race)."""
-    out = Path(out_dir) if out_dir is not None else cache_dir() / "tiny"
-    if (out / "config.json").exists():
-        return out
-    from tools.make_tiny_checkpoint import write_checkpoint
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out.parent))
-    try:
-        write_checkpoint(str(tmp), preset="tiny", seed=0)
-        try:
-            tmp.rename(out)
-        except OSError:  # another process won the race
-            if not (out / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out

@@ -230,7 +230,7 @@ class TritonPythonModel:
         readiness says so (needs --model-control-mode=explicit, which backend.serve uses)."""
         if self.engine.health():
             return True
-        if not self.unloading:
+        if not self.unloading and not self.stopping:  # finalize shuts the engine down on purpose
             self.unloading = True
             self.logger.log_error("[deepseek] the engine is not healthy; unloading the model")
             try:

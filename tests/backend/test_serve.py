@@ -1,0 +1,89 @@
+"""backend/serve.py: repository preparation, the command line it builds, and the CLI end to end."""
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from backend.serve import (
+    REPO_ROOT,
+    TritonServer,
+    find_tritonserver,
+    free_port,
+    layout_backends,
+    prepare_repository,
+)
+
+
+def write_repo(root):
+    (root / "ckpt").mkdir(parents=True)
+    version = root / "repo" / "deepseek_v4" / "1"
+    version.mkdir(parents=True)
+    (version / "model.json").write_text(json.dumps({"engine": "native", "model": "../../../ckpt", "seed": 0}))
+    (root / "repo" / "deepseek_v4" / "config.pbtxt").write_text('backend: "deepseek"\n')
+    return root / "repo"
+
+
+def test_prepare_repository_keeps_paths_valid_and_applies_overrides(tmp_path):
+    src = write_repo(tmp_path)
+    out = prepare_repository(src, tmp_path / "copy")
+    args = json.loads((out / "deepseek_v4" / "1" / "model.json").read_text())
+    assert args["model"] == str((tmp_path / "ckpt").resolve())  # relative to the original
+    out = prepare_repository(src, tmp_path / "copy2", model="tiny", engine_args={"max_model_len": 99})
+    args = json.loads((out / "deepseek_v4" / "1" / "model.json").read_text())
+    assert args["model"] == "tiny" and args["max_model_len"] == 99 and args["seed"] == 0
+    assert json.loads((src / "deepseek_v4" / "1" / "model.json").read_text())["model"] == "../../../ckpt"
+
+
+def test_backends_layout_has_the_stub_and_our_backend(tmp_path):
+    install = find_tritonserver()
+    out = layout_backends(install, tmp_path / "backends")
+    assert (out / "python" / "libtriton_python.so").is_file()
+    assert (out / "python" / "triton_python_backend_stub").is_file()
+    assert "from backend.model import TritonPythonModel" in (out / "deepseek" / "model.py").read_text()
+
+
+def test_command_binds_loopback_and_restricts_admin_apis(tmp_path):
+    server = TritonServer(workdir=tmp_path, admin_key="k3y", http_port=0, grpc_port=0, metrics_port=0)
+    command = server.command(find_tritonserver())
+    assert "--http-address=127.0.0.1" in command and "--grpc-address=127.0.0.1" in command
+    assert "--metrics-address=127.0.0.1" in command
+    restricted = "model-repository,shared-memory,logging,trace:admin-key=k3y"
+    assert f"--http-restricted-api={restricted}" in command
+    assert f"--grpc-restricted-protocol={restricted}" in command
+    assert any(arg.startswith("--backend-config=python,shm-default-byte-size=") for arg in command)
+    assert len({server.http_port, server.grpc_port, server.metrics_port}) == 3
+
+
+def serve_cli(*args):
+    return subprocess.Popen([sys.executable, "-m", "backend.serve", "--http-port", str(free_port()),
+                             "--grpc-port", str(free_port()), "--metrics-port", str(free_port()), *args],
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_cli_starts_prints_usage_and_stops_on_ctrl_c():
+    process = serve_cli("--engine-args", '{"max_model_len": 256}')
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if "Ctrl-C stops the server" in line:
+                break
+        assert any("curl -s http://127.0.0.1:" in line for line in lines), "".join(lines[-30:])
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 0
+        assert any("stopping tritonserver" in line for line in process.stdout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.slow
+def test_cli_fails_clearly_when_the_model_cannot_load():
+    process = serve_cli("--engine-args", '{"engine": "bogus"}')
+    out, _ = process.communicate(timeout=120)
+    assert process.returncode == 1
+    assert "unknown engine 'bogus'" in out and "error: tritonserver exited" in out
