@@ -9,8 +9,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_site import PY, add_dist, elf_bytes, good_cu129_site, pytriton_layout, seed_failure_site, so
 
+from tests.tools.fake_site import (
+    PY,
+    add_dist,
+    elf_bytes,
+    good_cu129_site,
+    pytriton_layout,
+    seed_failure_site,
+    so,
+)
 from tools import doctor
 from tools.doctor import ERROR, SKIPPED, WARNING, Env
 
@@ -330,6 +338,16 @@ def test_elf_needed_on_objects_built_by_cc(tmp_path):
     add_dist(site, "torchcodec", "0.9.1", {"torchcodec/libtorchcodec_image.so": image.read_bytes()})
     [p] = doctor.check_cuda_libs(Env([site]))
     assert "torchcodec/libtorchcodec_image.so NEEDs libnvrtc.so.13" in p.message
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="no readelf (binutils)")
+def test_elf_needed_agrees_with_readelf_on_this_venvs_libraries():
+    libs = sorted(doctor.Env(doctor.default_sites()).shared_libraries())[:60]
+    if not libs:
+        pytest.skip("no shared libraries in this environment")
+    for lib in libs:
+        out = subprocess.run(["readelf", "-d", lib], capture_output=True, text=True).stdout
+        assert doctor.elf_needed(lib) == re.findall(r"\(NEEDED\)\s+Shared library: \[(.*?)\]", out), lib
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Serve the checkpoint mounted at $MODEL_DIR on every interface, admin APIs behind a key.
+#
+#   docker run --gpus all -v /data/DeepSeek-V4-Flash:/models/DeepSeek-V4-Flash:ro IMAGE
+#   docker run ... IMAGE serve --engine-args '{"max_model_len": 32768}'   # extra backend.serve flags
+#   docker run ... IMAGE python3 -m tools.doctor                          # anything else runs as given
+#
+# Environment: MODEL_DIR (a checkpoint directory, or "tiny" for the built-in test model), ENGINE
+# (native | vllm; the image's default), ENGINE_ARGS (JSON merged into model.json), HTTP_PORT,
+# GRPC_PORT, METRICS_PORT, ADMIN_KEY or the file /run/secrets/admin_key (else backend.serve picks a
+# random key and prints it), SERVE_WORKDIR (generated backends/, model_repository/ and log).
+set -euo pipefail
+
+if [[ $# -gt 0 && "$1" != serve && "$1" != -* ]]; then
+    exec "$@"
+fi
+[[ "${1:-}" == serve ]] && shift
+
+MODEL_DIR="${MODEL_DIR:-/models/DeepSeek-V4-Flash}"
+if [[ "$MODEL_DIR" != tiny && ! -f "$MODEL_DIR/config.json" ]]; then
+    echo "error: no checkpoint at MODEL_DIR=$MODEL_DIR (no config.json)." >&2
+    echo "Mount one read-only, e.g. -v /data/DeepSeek-V4-Flash:$MODEL_DIR:ro, or set MODEL_DIR=tiny." >&2
+    exit 2
+fi
+
+# ENGINE picks the engine unless ENGINE_ARGS names one itself.
+ENGINE_ARGS="$(python3 -c '
+import json, os, sys
+args = json.loads(os.environ.get("ENGINE_ARGS") or "{}")
+if not isinstance(args, dict):
+    sys.exit("error: ENGINE_ARGS must be a JSON object")
+args.setdefault("engine", os.environ.get("ENGINE", "native"))
+print(json.dumps(args))
+')"
+
+admin=()
+if [[ -n "${ADMIN_KEY:-}" ]]; then
+    admin=(--admin-key "$ADMIN_KEY")
+elif [[ -r /run/secrets/admin_key ]]; then
+    admin=(--admin-key "$(< /run/secrets/admin_key)")
+fi
+
+# exec: backend.serve replaces this shell, so `docker stop`'s SIGTERM reaches it (it lets Triton
+# drain in-flight requests, then stops it). Run with --init so an init process reaps zombies.
+exec python3 -m backend.serve \
+    --model "$MODEL_DIR" \
+    --engine-args "$ENGINE_ARGS" \
+    --host 0.0.0.0 \
+    --http-port "${HTTP_PORT:-8000}" \
+    --grpc-port "${GRPC_PORT:-8001}" \
+    --metrics-port "${METRICS_PORT:-8002}" \
+    --model-repository /opt/deepseek/model_repository \
+    --workdir "${SERVE_WORKDIR:-/tmp/deepseek-triton}" \
+    "${admin[@]}" \
+    "$@"
