@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -51,20 +52,22 @@ def _scale_name(names: set[str], name: str) -> str | None:
 
 
 def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (official name, tensor) one at a time; FP8 dequantised to fp32, scales consumed."""
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            names = set(f.keys())
-            scales = {s for n in names if (s := _scale_name(names, n)) is not None and n != s}
-            for name in sorted(names):
-                if _SKIP.search(name) or name in scales:
-                    continue
-                t = f.get_tensor(name)
-                if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-                    scale_name = _scale_name(names, name)
-                    if scale_name is None:
-                        raise WeightsError(f"{path.name}: FP8 tensor {name} has no .scale / _scale_inv beside it")
-                    t = dequantize_fp8(t, f.get_tensor(scale_name))
-                elif t.dtype == torch.uint8 or t.dtype == torch.int8 and "tid2eid" not in name:
-                    raise WeightsError(f"{path.name}: {name} is packed {t.dtype} (FP4 experts?) - not supported")
-                yield name, t
+    """Yield (official name, tensor) one at a time; FP8 dequantised to fp32, scales consumed.
+    A scale may live in another shard than its weight."""
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in checkpoint_files(model_dir)]
+        where = {name: h for h in handles for name in h.keys()}
+        names = set(where)
+        scales = {s for n in names if (s := _scale_name(names, n)) is not None and s != n}
+        for name in sorted(names):
+            if _SKIP.search(name) or name in scales:
+                continue
+            t = where[name].get_tensor(name)
+            if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                scale_name = _scale_name(names, name)
+                if scale_name is None:
+                    raise WeightsError(f"FP8 tensor {name} has no .scale / _scale_inv beside it")
+                t = dequantize_fp8(t, where[scale_name].get_tensor(scale_name))
+            elif t.dtype in (torch.uint8, torch.int8) and "tid2eid" not in name:
+                raise WeightsError(f"{name} is packed {t.dtype} (FP4 experts?): not supported")
+            yield name, t

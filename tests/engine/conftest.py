@@ -1,0 +1,64 @@
+"""Checkpoints and drivers shared by the engine tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.engine.cache import KVCache
+from backend.engine.request import SamplingParams
+from backend.engine.runner import ModelRunner
+from backend.engine.sequence import Sequence
+from tools.make_tiny_checkpoint import write_checkpoint
+
+# Three shapes: the tiny preset and two others with a different window, ratios, heads,
+# layer mix and index_topk (always below the number of compressed entries the tests reach).
+SHAPES = {
+    "tiny": None,
+    "narrow-window": {"sliding_window": 8, "num_hidden_layers": 4, "compress_ratios": [4, 32, 4, 0],
+                      "num_attention_heads": 2, "head_dim": 64, "qk_rope_head_dim": 16, "o_groups": 2,
+                      "index_topk": 3, "num_hash_layers": 2, "n_routed_experts": 4},
+    "official-ratios": {"sliding_window": 24, "num_hidden_layers": 3, "compress_ratios": [128, 4, 0],
+                        "num_attention_heads": 8, "head_dim": 16, "qk_rope_head_dim": 4, "o_groups": 4,
+                        "index_topk": 6, "index_head_dim": 8, "num_hash_layers": 0, "n_routed_experts": 6,
+                        "num_experts_per_tok": 3},
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("ckpt")
+    return {name: write_checkpoint(root / name, "tiny", seed=7, override=o) for name, o in SHAPES.items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(checkpoints):
+    return checkpoints["tiny"]
+
+
+def reference_model(path, dtype):
+    from transformers import DeepseekV4ForCausalLM
+
+    # eager experts: transformers' grouped_mm path has no float64
+    return DeepseekV4ForCausalLM.from_pretrained(str(path), experts_implementation="eager").to(dtype).eval()
+
+
+def incremental_logits(model, ids: list[int], chunks: list[int], block_size: int | None = None) -> torch.Tensor:
+    """Run `ids` through the engine's model in prefill chunks then one token per step, as the
+    scheduler would; logits of every position [len(ids), vocab]."""
+    cfg, dtype = model.cfg, model.embed.weight.dtype
+    block_size = block_size or max(16, cfg.compress_block_lcm)
+    cache = KVCache(cfg, block_size, 64, 64, 2, dtype)
+    runner = ModelRunner(model, cache)
+    seq = Sequence("t", list(ids), SamplingParams())
+    out, W = [], cfg.sliding_window
+    sizes = list(chunks) + [1] * (len(ids) - sum(chunks))
+    for n in sizes:
+        s = seq.num_computed_tokens
+        cache.allocate(seq.blocks, max(0, s - W + 1), s + n)
+        out.append(runner.run([(seq, n)], all_logits=True))
+        seq.num_computed_tokens = seq.compress_from = s + n
+        cache.release_window_below(seq.blocks, s + n - W + 1)
+        held = sum(b >= 0 for b in seq.blocks.window_table)
+        assert held <= -(-(W - 1 + n) // block_size) + 1, "window blocks must stay bounded by the window"
+    return torch.cat(out)
