@@ -652,7 +652,8 @@ class Report:
 
     def as_text(self, env: Env, strict: bool = False) -> str:
         lines = []
-        for p in sorted(self.problems, key=lambda p: (p.level, CHECKS.index(p.check))):
+        rank = {ERROR: 0, WARNING: 1, SKIPPED: 2}
+        for p in sorted(self.problems, key=lambda p: (rank[p.level], CHECKS.index(p.check))):
             lines.append(
                 f"{p.level.upper():8}[{p.check}] {p.message}" + (f" -- fix: {p.fix}" if p.fix else "")
             )
