@@ -1,0 +1,99 @@
+"""Sampler options, stop strings, finish reasons, logprobs, UTF-8-safe incremental detokenization."""
+
+import math
+
+import pytest
+import torch
+
+from backend.engine.engine import LLMEngine
+from backend.engine.llm import LLM
+from backend.engine.request import GenerationRequest, InvalidRequest, SamplingParams
+from backend.engine.sampler import _filter, sample
+from backend.engine.tokenizer import Detokenizer, Tokenizer
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dir):
+    return LLM(str(tiny_dir), dtype="float32")
+
+
+def test_detokenizer_never_emits_half_a_character(tiny_dir):
+    tok = Tokenizer(tiny_dir)
+    text = "a 龘 b 🙂 c ﷺ d"  # rare characters: byte-level BPE splits them over several tokens
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in tok.decode([i]) for i in ids), "the test needs a character split across tokens"
+    detok = Detokenizer(tok)
+    deltas = [detok.push(i) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text
+
+
+def test_stop_string_cuts_exactly_and_streams_no_part_of_it(llm):
+    base = llm.generate(["Once upon"], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    text = base.text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    assert len(stop.strip()) >= 2
+    eng = llm.engine
+    eng.add_request(GenerationRequest("s", prompt="Once upon",
+                                      sampling=SamplingParams(max_tokens=40, temperature=0, stop=[stop])))
+    deltas = []
+    while eng.has_unfinished():
+        deltas += eng.step()
+    streamed = "".join(d.text for d in deltas)
+    assert streamed == text[: text.index(stop)]
+    assert deltas[-1].finish_reason == "stop"
+    assert all(stop not in d.text for d in deltas)
+
+
+def test_finish_reasons_and_token_counts(llm):
+    out = llm.generate(["x"], SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 7
+    first = out.token_ids[2]
+    stopped = llm.generate(["x"], SamplingParams(max_tokens=7, temperature=0, stop_token_ids=[first]))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == out.token_ids[: out.token_ids.index(first) + 1]
+    held = llm.generate(["x"], SamplingParams(max_tokens=7, min_tokens=5, temperature=0, stop_token_ids=[first]))[0]
+    assert len(held.token_ids) >= 5 and first not in held.token_ids[:5]
+
+
+def test_logprobs_top_n_and_cumulative(llm):
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=5, temperature=0, logprobs=3, ignore_eos=True))[0]
+    assert len(out.logprobs) == 5
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert tok in lp and 3 <= len(lp) <= 4 and all(v <= 0 for v in lp.values())
+        assert lp[tok] == max(lp.values())  # greedy picks the most likely token
+    assert math.isclose(out.cumulative_logprob, sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs)),
+                        rel_tol=1e-5)
+
+
+def test_filters_keep_what_they_should():
+    logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+    k = _filter(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.isfinite(k).tolist() == [True, True, False, False, False]
+    probs = logits.softmax(-1)  # 0.64, 0.24, 0.09, ...
+    p = _filter(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert torch.isfinite(p).tolist() == [True, True, False, False, False] and probs[0] < 0.8
+    m = _filter(logits, SamplingParams(temperature=1.0, min_p=0.3))
+    assert torch.isfinite(m).tolist() == [True, True, False, False, False]
+    draws = {sample(logits[None], [SamplingParams(temperature=1.0, top_k=2, seed=s)], [0])[0].token_id
+             for s in range(40)}
+    assert draws == {0, 1}
+
+
+@pytest.mark.parametrize("sp, message", [
+    (SamplingParams(max_tokens=0), "max_tokens"),
+    (SamplingParams(max_tokens=10**7), "max_tokens"),
+    (SamplingParams(temperature=-1), "temperature"),
+    (SamplingParams(top_p=0), "top_p"),
+    (SamplingParams(top_p=1.5), "top_p"),
+    (SamplingParams(min_p=2), "min_p"),
+    (SamplingParams(logprobs=1000), "logprobs"),
+    (SamplingParams(stop=["x" * 1000]), "stop"),
+])
+def test_bad_sampling_parameters_are_refused(tiny_dir, sp, message):
+    eng = LLMEngine({"model": str(tiny_dir), "dtype": "float32"})
+    with pytest.raises(InvalidRequest, match=message):
+        eng.add_request(GenerationRequest("bad", prompt="hi", sampling=sp))
+    with pytest.raises(InvalidRequest, match="max_model_len"):
+        eng.add_request(GenerationRequest("long", prompt_token_ids=[5] * eng.max_model_len))
+    with pytest.raises(InvalidRequest, match="empty"):
+        eng.add_request(GenerationRequest("empty", prompt=""))
