@@ -24,9 +24,6 @@ from client.types import DEFAULT_RETURNS, MODEL, Delta, Result, ServerError, del
 
 _OUTPUTS = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "cumulative_logprob",
             "logprobs")
-_STATUS = {"StatusCode.INVALID_ARGUMENT": "INVALID_ARG", "StatusCode.UNAVAILABLE": "UNAVAILABLE",
-           "StatusCode.INTERNAL": "INTERNAL", "StatusCode.CANCELLED": "CANCELLED",
-           "StatusCode.NOT_FOUND": "NOT_FOUND", "StatusCode.UNAUTHENTICATED": "UNAUTHENTICATED"}
 
 
 def build_inputs(prompt: str, stream: bool, sampling: str, exclude_input_in_output: bool | None,
@@ -46,8 +43,9 @@ def build_inputs(prompt: str, stream: bool, sampling: str, exclude_input_in_outp
 
 
 def to_server_error(error: InferenceServerException) -> ServerError:
-    status = str(error.status())
-    return ServerError(_STATUS.get(status, status), error.message())
+    # errors inside the stream carry only a message; connection-level ones a gRPC status
+    status = error.status()
+    return ServerError(str(status).removeprefix("StatusCode.") if status else "UNKNOWN", error.message())
 
 
 class GrpcClient:

@@ -16,8 +16,6 @@ from collections.abc import Iterator
 
 from client.types import DEFAULT_RETURNS, MODEL, Delta, Result, ServerError, delta_from_outputs, sampling_json
 
-_HTTP_CODES = {400: "INVALID_ARG", 404: "NOT_FOUND", 499: "CANCELLED", 500: "INTERNAL", 503: "UNAVAILABLE"}
-
 
 def request_body(prompt: str, stream: bool, sampling: str, exclude_input_in_output: bool | None,
                  returns: tuple[str, ...]) -> dict:
@@ -90,5 +88,5 @@ def _json(raw: bytes) -> dict:
 
 
 def _error(status: int | None, payload: dict) -> ServerError:
-    code = _HTTP_CODES.get(status, f"HTTP {status}") if status is not None else "ERROR"
-    return ServerError(code, str(payload.get("error", payload)))
+    # Triton 2.51 answers generate with 400 for any error the model sends (INVALID_ARG or not)
+    return ServerError(f"HTTP {status}" if status is not None else "UNKNOWN", str(payload.get("error", payload)))

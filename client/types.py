@@ -11,8 +11,10 @@ DEFAULT_RETURNS = ("return_finish_reason", "return_num_input_tokens", "return_nu
 
 
 class ServerError(RuntimeError):
-    """The server refused or failed a request. `code`: Triton's name for it where known
-    (INVALID_ARG, UNAVAILABLE, INTERNAL, CANCELLED, ...), else the transport's status."""
+    """The server refused or failed a request. `message` is the model's (or Triton's) message;
+    `code` is what the transport kept of the status: "HTTP 400" (Triton 2.51's generate endpoints
+    answer 400 for every error the model sends), a gRPC status name ("UNAVAILABLE" when the server
+    is unreachable), or "UNKNOWN" (errors inside a gRPC stream carry only the message)."""
 
     def __init__(self, code: str, message: str):
         super().__init__(f"{code}: {message}")

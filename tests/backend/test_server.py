@@ -285,3 +285,14 @@ def test_admin_apis_need_the_key(triton_server):
     assert status == 200 and "deepseek_v4" in body
     # inference stays open
     assert urllib.request.urlopen(f"http://{triton_server.http_url}/v2/models/deepseek_v4/ready").status == 200
+
+
+def test_an_overloaded_engine_refuses_with_a_clear_message():
+    """max_waiting_requests=0: the engine admits nothing (UNAVAILABLE), and the server stays up."""
+    from backend.serve import TritonServer
+
+    with TritonServer(engine_args={"max_model_len": 128, "max_waiting_requests": 0}, http_port=0, grpc_port=0,
+                      metrics_port=0) as server:
+        status, payload = raw_generate(server, {"text_input": PROMPT})
+        assert status != 200 and "engine overloaded" in payload["error"], payload
+        assert server.is_ready()
