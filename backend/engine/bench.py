@@ -1,0 +1,214 @@
+"""Engine benchmark (a script, not a test): offline throughput and online TTFT / ITL through
+the async API, on random or multi-turn agentic prompts. Prints a table, writes JSON.
+
+    python -m backend.engine.bench [--model DIR | --preset tiny|flash-shaped] \
+        [--concurrency 1,8,32] [--workload random|agentic] [--input-len 256] [--output-len 64] \
+        [--engine-args JSON] [--baseline] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from backend.engine.args import EngineArgs
+from backend.engine.llm import LLM, AsyncLLM
+from backend.engine.request import GenerationRequest, SamplingParams
+
+BASELINE = {"kernels": "ref", "enforce_eager": True, "enable_prefix_caching": False}
+
+
+@dataclass
+class Result:
+    mode: str
+    workload: str
+    concurrency: int
+    requests: int
+    duration_s: float
+    output_tokens: int
+    prompt_tokens: int
+    cached_tokens: int = 0
+    ttft_ms: dict = field(default_factory=dict)
+    itl_ms: dict = field(default_factory=dict)
+    e2e_ms: dict = field(default_factory=dict)
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.duration_s if self.duration_s else 0.0
+
+
+def _pct(xs: list[float]) -> dict:
+    if not xs:
+        return {}
+    xs = sorted(xs)
+    at = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))]
+    return {"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "mean": statistics.fmean(xs)}
+
+
+def random_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(5, vocab, (n, input_len), generator=g).tolist()
+
+
+def agentic_conversations(n_conv: int, turns: int, system_len: int, turn_len: int, vocab: int, seed: int):
+    """Per conversation: a list of turn prompts; turn t's prompt is the shared system prompt, the
+    whole conversation so far (earlier prompts and stand-in replies) and new text."""
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(5, vocab, (system_len,), generator=g).tolist()
+    convs = []
+    for _ in range(n_conv):
+        history, prompts = list(system), []
+        for _ in range(turns):
+            history = history + torch.randint(5, vocab, (turn_len,), generator=g).tolist()
+            prompts.append(list(history))
+            history = history + torch.randint(5, vocab, (turn_len // 2,), generator=g).tolist()  # the reply
+        convs.append(prompts)
+    return convs
+
+
+def offline(llm: LLM, prompts: list[list[int]], output_len: int) -> Result:
+    sp = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    dt = time.perf_counter() - t
+    return Result("offline", "random", len(prompts), len(prompts), dt, sum(len(o.token_ids) for o in outs),
+                  sum(len(p) for p in prompts))
+
+
+async def _one(engine: AsyncLLM, rid: str, prompt: list[int], output_len: int, rec: dict) -> None:
+    sp = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    last, first = t0, None
+    async for out in engine.add(GenerationRequest(rid, prompt_token_ids=prompt, sampling=sp)):
+        now = time.perf_counter()
+        if out.token_ids:
+            if first is None:
+                first = now
+                rec["ttft"].append((now - t0) * 1e3)
+            else:
+                rec["itl"].append((now - last) * 1e3 / len(out.token_ids))
+            last = now
+        if out.finished:
+            rec["out"] += out.num_output_tokens
+            rec["cached"] += out.num_cached_tokens
+    rec["e2e"].append((time.perf_counter() - t0) * 1e3)
+    rec["prompt"] += len(prompt)
+
+
+async def online(engine: AsyncLLM, workload: str, concurrency: int, jobs: list[list[list[int]]],
+                 output_len: int) -> Result:
+    """jobs: one list of prompts per worker stream (agentic: the turns of a conversation, in order)."""
+    rec = {"ttft": [], "itl": [], "e2e": [], "out": 0, "prompt": 0, "cached": 0}
+    queue: asyncio.Queue = asyncio.Queue()
+    for j in jobs:
+        queue.put_nowait(j)
+
+    async def worker(w: int) -> None:
+        while not queue.empty():
+            for t, prompt in enumerate(queue.get_nowait()):
+                await _one(engine, f"{workload}-{concurrency}-{w}-{id(prompt)}-{t}", prompt, output_len, rec)
+
+    t = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    dt = time.perf_counter() - t
+    return Result("online", workload, concurrency, len(rec["e2e"]), dt, rec["out"], rec["prompt"], rec["cached"],
+                  _pct(rec["ttft"]), _pct(rec["itl"]), _pct(rec["e2e"]))
+
+
+def print_table(results: list[Result]) -> None:
+    cols = ["mode", "workload", "conc", "reqs", "out tok/s", "TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms",
+            "E2E p50 ms", "cached %"]
+    rows = [[r.mode, r.workload, r.concurrency, r.requests, f"{r.output_tok_s:.1f}",
+             f"{r.ttft_ms.get('p50', 0):.1f}", f"{r.ttft_ms.get('p90', 0):.1f}", f"{r.itl_ms.get('p50', 0):.2f}",
+             f"{r.e2e_ms.get('p50', 0):.1f}", f"{100 * r.cached_tokens / max(r.prompt_tokens, 1):.0f}"]
+            for r in results]
+    widths = [max(len(str(c)), *(len(str(row[i])) for row in rows)) for i, c in enumerate(cols)]
+    print(" | ".join(str(c).ljust(w) for c, w in zip(cols, widths)))
+    print("-+-".join("-" * w for w in widths))
+    for row in rows:
+        print(" | ".join(str(c).ljust(w) for c, w in zip(row, widths)))
+
+
+def resolve_model(args) -> str:
+    if args.model:
+        return args.model
+    if args.preset == "tiny":
+        return ""
+    from tools.make_tiny_checkpoint import write_checkpoint
+
+    out = Path(args.cache_dir) / args.preset
+    if not (out / "config.json").exists():
+        write_checkpoint(out, args.preset, seed=0)
+    return str(out)
+
+
+async def run_online(engine_args: dict, args, vocab_hint: list[int]) -> list[Result]:
+    engine = AsyncLLM(engine_args)
+    await engine.start()
+    vocab = engine.engine.cfg.vocab_size
+    vocab_hint.append(vocab)
+    results = []
+    try:
+        for c in args.concurrency:
+            if args.workload == "agentic":
+                convs = agentic_conversations(c, args.turns, args.input_len, args.turn_len, vocab, seed=c)
+                results.append(await online(engine, "agentic", c, convs, args.output_len))
+            else:
+                n = max(c * args.requests_per_user, 1)
+                prompts = random_prompts(n, args.input_len, vocab, seed=c)
+                results.append(await online(engine, "random", c, [[p] for p in prompts], args.output_len))
+            print(f"  done: {args.workload} concurrency {c}", flush=True)
+    finally:
+        await engine.shutdown()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--preset", default="tiny", choices=["tiny", "flash-shaped"])
+    ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "deepseek-v4-triton"))
+    ap.add_argument("--workload", default="random", choices=["random", "agentic"])
+    ap.add_argument("--concurrency", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--input-len", type=int, default=128, help="random: prompt tokens; agentic: system prompt")
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--requests-per-user", type=int, default=2)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turn-len", type=int, default=64)
+    ap.add_argument("--offline", type=int, default=0, help="also run N prompts offline")
+    ap.add_argument("--engine-args", default="{}")
+    ap.add_argument("--baseline", action="store_true", help="kernels=ref, enforce_eager, no prefix cache")
+    ap.add_argument("--label", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    engine_args = {"model": resolve_model(args), **json.loads(args.engine_args)}
+    if args.baseline:
+        engine_args.update(BASELINE)
+    EngineArgs.from_dict(engine_args)  # fail fast on a typo
+    results, vocab = [], []
+    if args.offline:
+        llm = LLM(**engine_args)
+        results.append(offline(llm, random_prompts(args.offline, args.input_len, llm.engine.cfg.vocab_size, 0),
+                               args.output_len))
+        del llm
+    results += asyncio.run(run_online(engine_args, args, vocab))
+    print_table(results)
+    if args.json:
+        meta = {"label": args.label, "engine_args": engine_args, "machine": platform.platform(),
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                "torch": torch.__version__, "argv": vars(args)}
+        payload = {"meta": meta, "results": [asdict(r) | {"output_tok_s": r.output_tok_s} for r in results]}
+        Path(args.json).write_text(json.dumps(payload, indent=2, default=str))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
