@@ -39,9 +39,10 @@ ADMIN_HEADER = "admin-key"
 # APIs a client never needs: loading/unloading models, shared memory, log and trace settings.
 RESTRICTED_HTTP_APIS = "model-repository,shared-memory,logging,trace"
 # Python backend shared memory per model instance: requests and responses travel through it, so
-# it must hold a long prompt (1M characters is ~4 MB of UTF-8 at worst) without many growth steps.
-SHM_DEFAULT_BYTES = 64 << 20
-SHM_GROWTH_BYTES = 64 << 20
+# it must hold a long prompt (1M tokens is ~4 MB of text) without many growth steps, yet fit in
+# Docker's default 64 MB /dev/shm.
+SHM_DEFAULT_BYTES = 16 << 20
+SHM_GROWTH_BYTES = 16 << 20
 EXIT_TIMEOUT_S = 30
 
 _BACKEND_SHIM = '''\
@@ -295,6 +296,22 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
+    def model_names(self) -> list[str]:
+        return sorted(p.parent.name for p in self.model_repository.glob("*/config.pbtxt"))
+
+    def models_ready(self) -> bool:
+        """Every model of the repository ready (the server's own readiness ignores unloaded ones,
+        and the backend unloads its model when the engine dies)."""
+        for name in self.model_names():
+            try:
+                url = f"http://{self.http_url}/v2/models/{name}/ready"
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status != 200:
+                        return False
+            except (urllib.error.URLError, OSError):
+                return False
+        return True
+
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
@@ -383,16 +400,25 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print("\n" + server.usage() + "\n", flush=True)
-    while not stop.is_set() and server.process is not None and server.process.poll() is None:
-        stop.wait(0.5)
-    code = server.process.returncode if server.process is not None else None
+    not_ready = 0
+    while not stop.is_set() and server.process.poll() is None:
+        stop.wait(2.0)
+        # a model that stops being ready (its engine died) takes the server down with exit code 1,
+        # so that a supervisor restarts it: Triton's /v2/health/ready would stay up without it
+        not_ready = 0 if stop.is_set() or server.models_ready() else not_ready + 1
+        if not_ready >= 2:
+            print(f"error: model(s) {', '.join(server.model_names())} no longer ready; stopping. Last log "
+                  f"lines:\n{server.log_tail()}", file=sys.stderr, flush=True)
+            server.stop()
+            return 1
     if stop.is_set():
         print("stopping tritonserver ...", flush=True)
         server.stop()
         return 0
+    code = server.process.returncode
     server.stop()
     print(f"tritonserver exited with code {code}", file=sys.stderr)
-    return 1 if code is None else code or 1
+    return code or 1
 
 
 if __name__ == "__main__":
