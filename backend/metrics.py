@@ -39,6 +39,16 @@ def buckets_1_2_5(max_value: int) -> list[float]:
         exponent += 1
 
 
+# engine.stats() key (cumulative) -> counter family and description
+STAT_COUNTERS = {
+    "prefix_cache_queries": ("prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache."),
+    "prefix_cache_replayed_tokens": ("replayed_tokens_total",
+                                     "Tokens recomputed by SWA bounded replay after prefix-cache hits."),
+    "num_preemptions": ("num_preemptions_total", "Requests preempted (their KV freed, recomputed later)."),
+}
+
+
 @dataclass
 class RequestRecord:
     num_prompt_tokens: int
@@ -61,10 +71,7 @@ def gauges_from_stats(stats: dict) -> tuple[dict[str, float], dict[str, float]]:
             gauges[f"kv_cache_usage_perc/{pool}"] = float(usage)
     else:
         gauges["kv_cache_usage_perc/all"] = float(kv)
-    counters = {
-        "prefix_cache_hit_tokens_total": float(stats.get("prefix_cache_hit_tokens", 0)),
-        "replayed_tokens_total": float(stats.get("replayed_tokens", 0)),
-    }
+    counters = {name: float(stats.get(key, 0)) for key, (name, _) in STAT_COUNTERS.items()}
     return gauges, counters
 
 
@@ -108,14 +115,8 @@ class Metrics:
         self.success_family = family("request_success_total", "Finished requests by finish reason.", F.COUNTER)
         self.success: dict[str, object] = {}
 
-        self.stat_counters = {
-            "prefix_cache_hit_tokens_total": family(
-                "prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache.",
-                F.COUNTER).Metric(labels=self.labels),
-            "replayed_tokens_total": family(
-                "replayed_tokens_total", "Tokens recomputed by SWA bounded replay after prefix-cache hits.",
-                F.COUNTER).Metric(labels=self.labels),
-        }
+        self.stat_counters = {name: family(name, description, F.COUNTER).Metric(labels=self.labels)
+                              for name, description in STAT_COUNTERS.values()}
         self.last_counter_values = dict.fromkeys(self.stat_counters, 0.0)
         self.gauge_families = {
             "num_requests_running": family("num_requests_running", "Requests running in the engine.", F.GAUGE),

@@ -54,7 +54,7 @@ def test_requests_and_polled_stats_reach_the_families(metrics_module):
     stats = iter([
         {"running": 2, "waiting": 1, "kv_usage": {"swa": 0.5, "compressed": 0.25}, "prefix_cache_hit_tokens": 10},
         {"running": 0, "waiting": 0, "kv_usage": {"swa": 0.0, "compressed": 0.0}, "prefix_cache_hit_tokens": 30,
-         "replayed_tokens": 16},
+         "prefix_cache_replayed_tokens": 16, "prefix_cache_queries": 40},
     ])
     m = metrics_module.Metrics({"model": "m", "version": "1"}, lambda: next(stats), 1024, poll_interval_s=0.05)
     m.start()
@@ -72,4 +72,6 @@ def test_requests_and_polled_stats_reach_the_families(metrics_module):
     assert pools == {"swa": 0.0, "compressed": 0.0}
     assert fam["deepseek:prefix_cache_hit_tokens_total"].metrics[0].value == 30  # cumulative, not 10 + 30
     assert fam["deepseek:replayed_tokens_total"].metrics[0].value == 16
+    assert fam["deepseek:prefix_cache_queries_total"].metrics[0].value == 40
+    assert fam["deepseek:num_preemptions_total"].metrics[0].value == 0
     assert fam["deepseek:num_requests_running"].metrics[0].value == 0

@@ -266,6 +266,7 @@ def test_metrics_families_have_plausible_values(triton_server, grpc_client):
     assert usage is not None and usage >= 0
     assert metric(text, "deepseek:prefix_cache_hit_tokens_total") is not None
     assert metric(text, "deepseek:replayed_tokens_total") is not None
+    assert metric(text, "deepseek:num_preemptions_total") == 0
 
 
 def test_admin_apis_need_the_key(triton_server):
