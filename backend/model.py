@@ -30,7 +30,10 @@ from backend.metrics import Metrics, RequestRecord
 
 # The stub's embedded interpreter starts in the C locale (ASCII text files); take the environment's
 # (backend.serve sets a UTF-8 one), as a `python` process would.
-locale.setlocale(locale.LC_CTYPE, "")
+try:
+    locale.setlocale(locale.LC_CTYPE, "")
+except locale.Error:  # the environment names a locale this system lacks: keep C
+    pass
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_POLL_S = 0.1  # how often in-flight requests are checked for client cancellation
