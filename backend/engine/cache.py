@@ -13,7 +13,8 @@ DeepSeek-V4 keeps three kinds of per-sequence state per layer:
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -26,13 +27,16 @@ class NoFreeBlocks(RuntimeError):
 
 
 class BlockPool:
-    """Free list plus refcounts (prefix caching shares blocks between sequences)."""
+    """Free list plus refcounts. Unreferenced blocks keep their contents (a prefix-cache hit can
+    take them back) until allocation reuses them, least recently released first; `on_evict`
+    then tells the prefix cache the block's old contents are gone."""
 
     def __init__(self, num_blocks: int, name: str):
         self.name = name
         self.num_blocks = num_blocks
-        self.free_ids: deque[int] = deque(range(num_blocks))
+        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.refcount = [0] * num_blocks
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -41,11 +45,16 @@ class BlockPool:
     def allocate(self) -> int:
         if not self.free_ids:
             raise NoFreeBlocks(self.name)
-        block = self.free_ids.popleft()
+        block, _ = self.free_ids.popitem(last=False)
+        if self.on_evict is not None:
+            self.on_evict(block)
         self.refcount[block] = 1
         return block
 
     def retain(self, block: int) -> None:
+        """Take one more reference (a free block leaves the free list with its contents)."""
+        if self.refcount[block] == 0:
+            del self.free_ids[block]
         self.refcount[block] += 1
 
     def release(self, block: int) -> bool:
@@ -53,7 +62,7 @@ class BlockPool:
         self.refcount[block] -= 1
         assert self.refcount[block] >= 0, f"{self.name}: double free of block {block}"
         if self.refcount[block] == 0:
-            self.free_ids.append(block)
+            self.free_ids[block] = None
             return True
         return False
 
@@ -67,6 +76,9 @@ class CompressorState:
     prev_kv: torch.Tensor | None = None  # [slots, ratio, head_dim] CSA: Ca slice of the last closed block
     prev_gate: torch.Tensor | None = None
     has_prev: torch.Tensor | None = None  # [slots] bool
+    # prefix caching: the overlap slice at the end of each full block, so a hit can resume
+    bnd_kv: torch.Tensor | None = None  # [full blocks, ratio, head_dim]
+    bnd_gate: torch.Tensor | None = None
 
 
 @dataclass
@@ -82,7 +94,11 @@ class KVCache:
     """Device tensors of every pool plus their allocators."""
 
     def __init__(self, cfg: ModelConfig, block_size: int, num_window_blocks: int, num_full_blocks: int,
-                 max_num_seqs: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 max_num_seqs: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 boundary_state: bool = False, window_snapshots: bool = False):
+        """boundary_state: keep CSA overlap state per full block (prefix caching);
+        window_snapshots: also one window-KV snapshot per full block (prefix caching without
+        bounded replay, the baseline)."""
         for r in cfg.compress_ratios:
             if r and block_size % r:
                 raise ValueError(f"block_size={block_size} must be a multiple of every compress ratio "
@@ -105,19 +121,22 @@ class KVCache:
                 continue
             per_block = block_size // r
             self.compressed.append(torch.zeros(num_full_blocks, per_block, hd, dtype=dtype, device=device))
-            self.comp_state.append(self._state(max_num_seqs, r, hd, csa))
+            self.comp_state.append(self._state(max_num_seqs, r, hd, csa, boundary_state and num_full_blocks))
             if csa:
                 self.index_keys.append(torch.zeros(num_full_blocks, per_block, ihd, dtype=dtype, device=device))
-                self.index_state.append(self._state(max_num_seqs, r, ihd, True))
+                self.index_state.append(self._state(max_num_seqs, r, ihd, True, boundary_state and num_full_blocks))
             else:
                 self.index_keys.append(None)
                 self.index_state.append(None)
+        W = cfg.sliding_window
+        self.snapshots = (torch.zeros(num_full_blocks, cfg.num_layers, max(W - 1, 1), hd, dtype=dtype, device=device)
+                          if window_snapshots else None)
         self.window_pool = BlockPool(num_window_blocks, "window")
         self.full_pool = BlockPool(num_full_blocks, "compressed")
         self.free_slots: deque[int] = deque(range(max_num_seqs))
         self.max_num_seqs = max_num_seqs
 
-    def _state(self, slots: int, ratio: int, head_dim: int, overlap: bool) -> CompressorState:
+    def _state(self, slots: int, ratio: int, head_dim: int, overlap: bool, boundary_blocks: int = 0) -> CompressorState:
         c = 2 if overlap else 1
         z = dict(dtype=self.dtype, device=self.device)
         f = dict(dtype=torch.promote_types(self.dtype, torch.float32), device=self.device)
@@ -126,6 +145,9 @@ class KVCache:
             st.prev_kv = torch.zeros(slots, ratio, head_dim, **z)
             st.prev_gate = torch.zeros(slots, ratio, head_dim, **f)
             st.has_prev = torch.zeros(slots, dtype=torch.bool, device=self.device)
+            if boundary_blocks:
+                st.bnd_kv = torch.zeros(boundary_blocks, ratio, head_dim, **z)
+                st.bnd_gate = torch.zeros(boundary_blocks, ratio, head_dim, **f)
         return st
 
     # --- byte accounting (sizing and the replay-vs-snapshot report) ---------------------------
@@ -134,19 +156,31 @@ class KVCache:
         return sum(t[0].numel() * t.element_size() for t in self.window)
 
     def full_block_bytes(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in self.compressed + self.index_keys if t is not None)
+        """Compressed KV + indexer keys + boundary compressor state of one full block."""
+        n = sum(t[0].numel() * t.element_size() for t in self.compressed + self.index_keys if t is not None)
+        for st in self.comp_state + self.index_state:
+            if st is not None and st.bnd_kv is not None:
+                n += st.bnd_kv[0].numel() * st.bnd_kv.element_size() + st.bnd_gate[0].numel() * st.bnd_gate.element_size()
+        return n
+
+    def snapshot_bytes(self) -> int:
+        return 0 if self.snapshots is None else self.snapshots[0].numel() * self.snapshots.element_size()
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> tuple[int, int]:
-        """(window block bytes, full block bytes) without allocating."""
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, boundary_state: bool = False,
+                        window_snapshots: bool = False) -> tuple[int, int]:
+        """(window block bytes, full block bytes incl. its prefix-cache extras) without allocating."""
         el = torch.empty((), dtype=dtype).element_size()
+        el32 = max(el, 4)
         window = cfg.num_layers * block_size * cfg.head_dim * el
-        full = 0
+        full = cfg.num_layers * max(cfg.sliding_window - 1, 1) * cfg.head_dim * el if window_snapshots else 0
         for layer, r in enumerate(cfg.compress_ratios):
             if r:
                 full += (block_size // r) * cfg.head_dim * el
                 if cfg.layer_types[layer] == CSA:
                     full += (block_size // r) * cfg.index_head_dim * el
+                    if boundary_state:
+                        full += r * (cfg.head_dim + cfg.index_head_dim) * (el + el32)
         return window, full
 
     # --- slots --------------------------------------------------------------------------------

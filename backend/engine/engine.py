@@ -16,6 +16,7 @@ import kernels
 from backend.engine.args import EngineArgs, resolve_model_dir
 from backend.engine.cache import KVCache
 from backend.engine.loader import load_model
+from backend.engine.prefix_cache import PrefixCache
 from backend.engine.request import GenerationRequest, InvalidRequest, RequestOutput
 from backend.engine.runner import ModelRunner
 from backend.engine.sampler import sample
@@ -65,8 +66,10 @@ class LLMEngine:
 
     # --- construction -------------------------------------------------------------------------
 
-    def _make_prefix_cache(self):
-        return None
+    def _make_prefix_cache(self) -> PrefixCache | None:
+        if not self.args.enable_prefix_caching:
+            return None
+        return PrefixCache(self.cache, self.cfg.sliding_window, self.args.swa_bounded_replay)
 
     def _kv_budget(self) -> int:
         a = self.args
@@ -83,7 +86,9 @@ class LLMEngine:
         the rest of the budget to the compressed-KV pool."""
         a, cfg, bs = self.args, self.cfg, self.block_size
         dtype = self.model.embed.weight.dtype
-        window_bytes, full_bytes = KVCache.bytes_per_block(cfg, bs, dtype)
+        pc = a.enable_prefix_caching
+        snapshots = pc and not a.swa_bounded_replay
+        window_bytes, full_bytes = KVCache.bytes_per_block(cfg, bs, dtype, boundary_state=pc, window_snapshots=snapshots)
         per_seq = math.ceil((cfg.sliding_window - 1) / bs) + 2
         num_window = a.max_num_seqs * per_seq + math.ceil(a.max_num_batched_tokens / bs) + 1
         if a.num_gpu_blocks_override:
@@ -95,7 +100,8 @@ class LLMEngine:
             raise ValueError(f"KV cache too small: {num_full} blocks of {bs} tokens cannot hold one "
                              f"sequence of max_model_len={self.max_model_len}; raise the memory budget "
                              "or lower max_model_len")
-        return KVCache(cfg, bs, num_window, int(num_full), a.max_num_seqs, dtype, self.device)
+        return KVCache(cfg, bs, num_window, int(num_full), a.max_num_seqs, dtype, self.device,
+                       boundary_state=pc, window_snapshots=snapshots)
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -170,6 +176,7 @@ class LLMEngine:
         logits = self.runner.run(scheduled)
         self.scheduler.advance(scheduled)
         samplers = [seq for seq, n in scheduled if seq.num_computed_tokens == seq.num_tokens]
+        self.last_logits = dict(zip((s.request_id for s in samplers), logits))  # measurements read these
         params = [s.sampling for s in samplers]
         steps = [len(s.output_token_ids) for s in samplers]
         masks = [sorted(self.requests[s.request_id].eos_ids | set(s.sampling.stop_token_ids))
@@ -243,4 +250,5 @@ class LLMEngine:
             },
             "num_preemptions": self.scheduler.num_preemptions,
             **self.counters,
+            **(self.scheduler.prefix_cache.stats() if self.scheduler.prefix_cache else {}),
         }

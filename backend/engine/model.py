@@ -79,6 +79,14 @@ class Compressor(nn.Module):
                 cos, sin = K.rope_cos_sin(epos, rope[0], entries.dtype)
                 entries = K.apply_rope(entries, cos, sin)
                 cache.write_entries(pool, fb.full_tables[s], first, entries)
+                if self.overlap and state.bnd_kv is not None:  # prefix caching: state at block ends
+                    bs = cache.block_size
+                    for j in range(usable // m):
+                        end = (first + j + 1) * m
+                        if end % bs == 0:
+                            block = fb.full_tables[s][end // bs - 1]
+                            state.bnd_kv[block] = kv[j * m:(j + 1) * m, : self.head_dim]
+                            state.bnd_gate[block] = gate[j * m:(j + 1) * m, : self.head_dim]
                 if self.overlap:
                     state.prev_kv[slot] = kv[usable - m:usable, : self.head_dim]
                     state.prev_gate[slot] = gate[usable - m:usable, : self.head_dim]

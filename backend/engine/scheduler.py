@@ -45,6 +45,7 @@ class Scheduler:
         self.release(seq)
         seq.status = Status.WAITING
         seq.num_computed_tokens = seq.compress_from = seq.replay_start = seq.num_cached_tokens = 0
+        seq.registered_blocks, seq.pending_restore = 0, False
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -78,6 +79,8 @@ class Scheduler:
                 if self.prefix_cache is not None:
                     self.prefix_cache.unmatch(seq)
                 break
+            if self.prefix_cache is not None:
+                self.prefix_cache.restore(seq)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -95,9 +98,7 @@ class Scheduler:
                 self.prefix_cache.commit(seq)
 
     def release(self, seq: Sequence) -> None:
-        if self.prefix_cache is not None:
-            self.prefix_cache.release(seq)
-        self.cache.free(seq.blocks)
+        self.cache.free(seq.blocks)  # cached blocks stay reusable until the pool hands them out
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason

@@ -29,6 +29,8 @@ class Sequence:
     replay_start: int = 0  # window attention reads no position below this (bounded replay)
     compress_from: int = 0  # tokens below this are already absorbed by the compressors
     blocks: SeqBlocks = field(default_factory=SeqBlocks)
+    registered_blocks: int = 0  # full blocks already in the prefix cache's hash table
+    pending_restore: bool = False  # a prefix-cache hit waits for its state to be restored
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
