@@ -203,7 +203,7 @@ def write_tokenizer(out: Path) -> None:
         "add_bos_token": True,
         "model_max_length": 1048576,
         "chat_template": CHAT_TEMPLATE,
-    }, indent=2, ensure_ascii=False))
+    }, indent=2, ensure_ascii=False), encoding="utf-8")
 
 
 def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, override: dict | None = None) -> Path:
