@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.setup-stamp
 PYTRITON := nvidia-pytriton==0.7.0
 
 .DEFAULT_GOAL := help
-.PHONY: help setup serve test test-fast lint doctor tiny clean
+.PHONY: help setup serve test test-fast lint doctor tiny bench clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -43,6 +43,9 @@ doctor: setup ## check the environment is consistent
 
 tiny: setup ## write the tiny checkpoint to .cache/tiny
 	$(PY) -m tools.make_tiny_checkpoint .cache/tiny --preset tiny
+
+bench: setup ## engine benchmark on the tiny model (CPU); ARGS="--preset flash-shaped ..." on a GPU
+	$(PY) -m backend.engine.bench $(ARGS)
 
 clean: ## remove the venv and caches
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache
