@@ -201,3 +201,66 @@ def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Te
     chosen = torch.zeros((n, E), dtype=torch.bool, device=scores.device)
     chosen.scatter_(1, idx, True)
     return chosen & visible
+
+
+# --- paged attention over the hybrid cache ----------------------------------------------------
+
+def _entry_slots(table: torch.Tensor, per_block: int, entries: torch.Tensor) -> torch.Tensor:
+    return table[entries // per_block] * per_block + entries % per_block
+
+
+def indexer_topk(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, full_tables: torch.Tensor,
+                 positions: torch.Tensor, token_seq: torch.Tensor, ratio: int, topk: int) -> torch.Tensor:
+    """Lightning indexer selection per query token: indices [T, topk] of the compressed entries to
+    attend (-1: none). A query at i sees entry e once its block is complete: (e + 1) * ratio <= i + 1."""
+    T, per_block, d = iq.shape[0], index_pool.shape[1], index_pool.shape[-1]
+    out = torch.full((T, topk), -1, dtype=torch.long, device=iq.device)
+    flat = index_pool.view(-1, d)
+    for s in torch.unique(token_seq).tolist():
+        rows = (token_seq == s).nonzero().flatten()
+        pos = positions[rows]
+        n = int(pos.max().item() + 1) // ratio
+        if n == 0:
+            continue
+        keys = flat[_entry_slots(full_tables[s], per_block, torch.arange(n, device=iq.device))]
+        scores = indexer_scores(iq[rows], keys, iw[rows], d)
+        visible = torch.arange(n, device=iq.device)[None] < ((pos + 1) // ratio)[:, None]
+        k = min(topk, n)
+        idx = scores.masked_fill(~visible, float("-inf")).topk(k, dim=-1).indices
+        ok = idx < ((pos + 1) // ratio)[:, None]
+        out[rows, :k] = torch.where(ok, idx, torch.full_like(idx, -1))
+    return out
+
+
+def paged_attention(q: torch.Tensor, positions: torch.Tensor, token_seq: torch.Tensor, window_pool: torch.Tensor,
+                    window_tables: torch.Tensor, replay_starts: torch.Tensor, sliding_window: int,
+                    comp_pool: torch.Tensor | None, full_tables: torch.Tensor | None, ratio: int,
+                    selected: torch.Tensor | None, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """Shared-KV attention for packed query tokens over the paged caches: the sliding window
+    (positions (i - W, i], none below the sequence's replay_start) plus, on compressed layers,
+    every complete entry (HCA, selected=None) or the indexer's selection (CSA). -> [T, H, d]"""
+    out = torch.empty_like(q)
+    bs, d = window_pool.shape[1], q.shape[-1]
+    wflat = window_pool.view(-1, d)
+    for s in torch.unique(token_seq).tolist():
+        rows = (token_seq == s).nonzero().flatten()
+        pos = positions[rows]
+        lo = max(0, int(pos.min()) - sliding_window + 1, int(replay_starts[s]))
+        hi = int(pos.max()) + 1
+        kpos = torch.arange(lo, hi, device=q.device)
+        keys = wflat[window_tables[s][kpos // bs] * bs + kpos % bs]
+        allowed = (kpos[None] <= pos[:, None]) & (kpos[None] > pos[:, None] - sliding_window)
+        if comp_pool is not None:
+            per_block = comp_pool.shape[1]
+            n = hi // ratio
+            comp = comp_pool.view(-1, d)[_entry_slots(full_tables[s], per_block, torch.arange(n, device=q.device))]
+            visible = torch.arange(n, device=q.device)[None] < ((pos + 1) // ratio)[:, None]
+            if selected is not None:
+                sel = selected[rows]
+                chosen = torch.zeros((len(rows), n + 1), dtype=torch.bool, device=q.device)
+                chosen.scatter_(1, torch.where(sel >= 0, sel, n), True)
+                visible = visible & chosen[:, :n]
+            keys = torch.cat([keys, comp])
+            allowed = torch.cat([allowed, visible], dim=1)
+        out[rows] = sink_attention(q[rows], keys, allowed, sinks, scale)
+    return out

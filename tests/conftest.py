@@ -3,7 +3,14 @@ serving the tiny checkpoint with the native engine on free loopback ports."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Triton kernels run on the CPU through Triton's interpreter; it must be chosen before any
+# kernel module is imported (the @triton.jit decorator reads it), so here, first.
+if os.environ.get("CUDA_VISIBLE_DEVICES", None) != "" and not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Small enough that "prompt longer than max_model_len" is a short string.
 SERVER_ENGINE_ARGS = {"max_model_len": 512, "max_num_seqs": 16}

@@ -17,10 +17,12 @@ class ForwardBatch:
     replay_starts: list[int]  # window attention reads no position below this (bounded replay)
     compress_from: list[int]  # compressors absorb only positions >= this (earlier ones are cached)
     window_slots: torch.Tensor  # [T] block_id * block_size + offset where each token's window KV goes
-    window_tables: list[torch.Tensor]  # per sequence: logical window block -> block id (-1: freed)
-    full_tables: list[torch.Tensor]  # per sequence: logical token block -> compressed-pool block id
+    window_tables: torch.Tensor  # [S, max blocks] logical window block -> block id (-1: freed or none)
+    full_tables: torch.Tensor  # [S, max blocks] logical token block -> compressed-pool block id
     state_slots: list[int]  # per sequence: compressor rolling-state slot
     logits_rows: torch.Tensor  # rows of the packed batch whose logits are wanted
+    token_seq: torch.Tensor  # [T] which sequence each token belongs to (kernels read per-token metadata)
+    replay_start_t: torch.Tensor  # [S] replay_starts as a tensor
 
     @property
     def num_seqs(self) -> int:

@@ -141,38 +141,21 @@ class Attention(nn.Module):
         kv = K.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
         cache.write_window(self.layer, fb.window_slots, kv)
 
+        comp_pool, selected = None, None
         if self.layer_type != SLIDING:
             inv = ropes["compress_inv_freq"]
-            self.compressor.absorb(x, fb, cache.comp_state[self.layer], cache.compressed[self.layer], cache, (inv,))
+            comp_pool = cache.compressed[self.layer]
+            self.compressor.absorb(x, fb, cache.comp_state[self.layer], comp_pool, cache, (inv,))
             if self.layer_type == CSA:
                 ix = self.indexer
                 ix.compressor.absorb(x, fb, cache.index_state[self.layer], cache.index_keys[self.layer], cache, (inv,))
                 iq = K.apply_rope(ix.wq_b(q_res).view(T, ix.n_heads, ix.head_dim), cos, sin)
                 iw = ix.weights_proj(x).float() * ix.n_heads**-0.5
-
-        out = torch.empty_like(q)
-        row = 0
-        for s, n in enumerate(fb.seq_lens):
-            rows = slice(row, row + n)
-            row += n
-            start, pos = fb.starts[s], fb.positions[rows]
-            lo, hi = max(0, start - W + 1, fb.replay_starts[s]), start + n
-            keys = cache.read_window(self.layer, fb.window_tables[s], lo, hi)
-            kpos = torch.arange(lo, hi, device=x.device)
-            allowed = (kpos[None] <= pos[:, None]) & (kpos[None] > pos[:, None] - W)
-            if self.layer_type != SLIDING:
-                n_entries = hi // self.ratio
-                comp = cache.read_entries(cache.compressed[self.layer], fb.full_tables[s], n_entries)
-                # a query at i sees entry e once its block is complete: (e + 1) * ratio <= i + 1
-                visible = torch.arange(n_entries, device=x.device)[None] < ((pos + 1) // self.ratio)[:, None]
-                if self.layer_type == CSA:
-                    ikeys = cache.read_entries(cache.index_keys[self.layer], fb.full_tables[s], n_entries)
-                    scores = K.indexer_scores(iq[rows], ikeys, iw[rows], ix.head_dim)
-                    visible = K.select_topk(scores, visible, ix.topk)
-                keys = torch.cat([keys, comp])
-                allowed = torch.cat([allowed, visible], dim=1)
-            out[rows] = K.sink_attention(q[rows], keys, allowed, self.attn_sink, hd**-0.5)
-
+                selected = K.indexer_topk(iq, iw, cache.index_keys[self.layer], fb.full_tables, fb.positions,
+                                          fb.token_seq, self.ratio, ix.topk)
+        out = K.paged_attention(q, fb.positions, fb.token_seq, cache.window[self.layer], fb.window_tables,
+                                fb.replay_start_t, W, comp_pool, fb.full_tables, self.ratio, selected,
+                                self.attn_sink, hd**-0.5)
         out = K.apply_rope(out, cos, -sin)  # undo RoPE on the value's rope slice (K = V)
         o = K.grouped_linear(out.view(T, cfg.o_groups, -1), self.wo_a.weight, cfg.o_groups)
         return self.wo_b(o)

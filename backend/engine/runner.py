@@ -10,6 +10,11 @@ from backend.engine.model import DeepseekV4
 from backend.engine.sequence import Sequence
 
 
+def _pad(rows: list[list[int]], value: int) -> list[list[int]]:
+    width = max(1, max(len(r) for r in rows))
+    return [r + [value] * (width - len(r)) for r in rows]
+
+
 class ModelRunner:
     def __init__(self, model: DeepseekV4, cache: KVCache):
         self.model, self.cache = model, cache
@@ -35,11 +40,13 @@ class ModelRunner:
             starts.append(start)
             replay.append(seq.replay_start)
             cfrom.append(max(seq.compress_from, start))
-            wt.append(torch.tensor(seq.blocks.window_table, dtype=torch.long, device=dev))
-            ft.append(torch.tensor(seq.blocks.full_table, dtype=torch.long, device=dev))
+            wt.append(seq.blocks.window_table)
+            ft.append(seq.blocks.full_table)
             st.append(seq.blocks.state_slot)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
-        return ForwardBatch(t(ids), t(pos), seq_lens, starts, replay, cfrom, t(slots), wt, ft, st, t(rows))
+        token_seq = [s for s, n in enumerate(seq_lens) for _ in range(n)]
+        return ForwardBatch(t(ids), t(pos), seq_lens, starts, replay, cfrom, t(slots), t(_pad(wt, -1)),
+                            t(_pad(ft, 0)), st, t(rows), t(token_seq), t(replay))
 
     def run(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> torch.Tensor:
         return self.model(self.build_batch(scheduled, all_logits), self.cache)

@@ -1,0 +1,64 @@
+"""Fused RMSNorm, mHC and router kernels against their torch references (TRITON_INTERPRET=1 on CPU).
+Awkward sizes, one-token batches, output buffers poisoned by torch.empty; tolerances stated."""
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from kernels.fused_norm_mhc import (
+    hc_post_fused,
+    hc_pre_fused,
+    rms_norm_fused,
+    rms_norm_unweighted_fused,
+    router_topk_fused,
+)
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _close(a, b, dtype):
+    scale = max(b.abs().max().item(), 1.0)
+    assert (a.float() - b.float()).abs().max().item() <= TOL[dtype] * scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, dim", [(1, 7), (5, 64), (3, 300)])
+def test_rms_norm(dtype, rows, dim):
+    x = torch.randn(rows, dim).to(dtype)
+    w = torch.rand(dim) + 0.5
+    _close(rms_norm_fused(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), dtype)
+    _close(rms_norm_unweighted_fused(x.view(rows, 1, dim), 1e-6), ref.rms_norm_unweighted(x.view(rows, 1, dim), 1e-6), dtype)
+
+
+@pytest.mark.parametrize("T, D", [(1, 24), (17, 40), (33, 8)])
+def test_hc_pre_matches_reference(T, D):
+    torch.manual_seed(T)
+    x = torch.randn(T, 4, D)
+    fn, base, scale = torch.randn(24, 4 * D) * 0.1, torch.randn(24) * 0.3, torch.rand(3) + 0.5
+    got = hc_pre_fused(x, fn, base, scale, 1e-6, 1e-6, 20)
+    want = ref.hc_pre(x, fn, base, scale, 1e-6, 1e-6, 20)
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() <= 1e-5 * max(w.abs().max(), 1), (g - w).abs().max()
+    comb = got[1]
+    assert torch.allclose(comb.sum(-2), torch.ones(T, 4), atol=1e-4)  # doubly stochastic columns
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_post_matches_reference(dtype):
+    T, D = 9, 50
+    x, out = torch.randn(T, 4, D).to(dtype), torch.randn(T, D).to(dtype)
+    post, comb = torch.rand(T, 4) * 2, torch.rand(T, 4, 4)
+    _close(hc_post_fused(x, out, post, comb), ref.hc_post(x, out, post, comb), dtype)
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("T, E, k", [(1, 8, 2), (13, 256, 6), (4, 30, 3)])
+def test_router_topk(scoring, T, E, k):
+    torch.manual_seed(E + k)
+    x, w, bias = torch.randn(T, 32), torch.randn(E, 32), torch.randn(E) * 0.1
+    gw, gi = router_topk_fused(x, w, bias, k, 1.5, scoring)
+    rw, ri = ref.router_topk(x, w, bias, k, 1.5, scoring)
+    order_g, order_r = gi.sort(-1), ri.sort(-1)
+    assert torch.equal(order_g.values, order_r.values)
+    assert torch.allclose(gw.gather(1, order_g.indices), rw.gather(1, order_r.indices), atol=1e-5)
+    assert torch.allclose(gw.sum(-1), torch.full((T,), 1.5), atol=1e-5)
