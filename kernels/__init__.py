@@ -3,7 +3,8 @@
 Dispatch lives here and only here: a fused Triton kernel where one exists and the
 tensors are on CUDA, else the torch reference (kernels/reference.py, the spec).
 `DSV4_KERNELS=ref` (or `set_backend("ref")`, the engine argument `kernels`) forces the
-references everywhere.
+references everywhere; `set_backend("fused")` forces the kernels on any device (tests, with
+TRITON_INTERPRET=1 on the CPU).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ _backend = os.environ.get("DSV4_KERNELS", "auto")
 
 
 def set_backend(name: str) -> None:
-    """'auto' (fused where available) or 'ref' (torch references only)."""
+    """'auto' (fused on CUDA), 'ref' (torch references only) or 'fused' (kernels everywhere)."""
     global _backend
-    if name not in ("auto", "ref"):
-        raise ValueError(f"kernels backend must be 'auto' or 'ref', got {name!r}")
+    if name not in ("auto", "ref", "fused"):
+        raise ValueError(f"kernels backend must be 'auto', 'ref' or 'fused', got {name!r}")
     _backend = name
     _bind()
 
@@ -38,9 +39,9 @@ def _fused_ops() -> dict:
         return {}
     try:
         from kernels import fused
-    except ImportError:
+    except ImportError:  # no triton: references only
         return {}
-    return fused.OPS
+    return fused.FUSED if _backend == "fused" else fused.OPS
 
 
 def _bind() -> None:

@@ -1,0 +1,40 @@
+"""The fused ops the dispatcher in kernels/__init__.py may bind. Each runs its Triton kernel
+on CUDA tensors and the torch reference otherwise (CPU serving stays on the references; the
+tests call the kernels directly under TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kernels import reference
+from kernels.fused_attention import paged_attention_fused
+from kernels.fused_moe import moe_experts_fused
+from kernels.fused_norm_mhc import (
+    hc_post_fused,
+    hc_pre_fused,
+    rms_norm_fused,
+    rms_norm_unweighted_fused,
+    router_topk_fused,
+)
+
+
+def _on_cuda(fused, ref):
+    @functools.wraps(ref)
+    def op(*args, **kwargs):
+        first = next(a for a in args if isinstance(a, torch.Tensor))
+        return fused(*args, **kwargs) if first.is_cuda else ref(*args, **kwargs)
+    return op
+
+
+FUSED = {
+    "rms_norm": rms_norm_fused,
+    "rms_norm_unweighted": rms_norm_unweighted_fused,
+    "hc_pre": hc_pre_fused,
+    "hc_post": hc_post_fused,
+    "router_topk": router_topk_fused,
+    "paged_attention": paged_attention_fused,
+    "moe_experts": moe_experts_fused,
+}
+OPS = {name: _on_cuda(fn, getattr(reference, name)) for name, fn in FUSED.items()}

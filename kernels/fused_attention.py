@@ -1,0 +1,115 @@
+"""Fused paged attention for DeepSeek-V4: sliding window + compressed entries + sinks, one pass.
+
+One program per (query token, block of heads). K = V (shared-KV MQA), so every head of a
+token reads the same keys: heads form the M side of the matmuls (as FlashMLA does for
+decode). Keys stream in blocks from the paged window pool (positions (i - W, i], none below
+the sequence's replay_start), then from the compressed pool: every complete entry (HCA) or
+the indexer's selection (CSA). Online softmax; the sink joins the denominator at the end.
+Same signature as kernels.reference.paged_attention.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton's CPU interpreter computes bf16 tl.dot wrongly (seen with Triton 3.9: errors of 1e10),
+# so under TRITON_INTERPRET the dots run in fp32; on the GPU they stay in the model dtype.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _update(q, k, valid, m_i, l_i, acc, scale, DOT_F32: tl.constexpr):
+    if DOT_F32:
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k)) * scale
+    s = tl.where(valid[None, :], s, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, out_ptr, pos_ptr, seq_ptr, win_ptr, wtab_ptr, wtab_stride, replay_ptr, comp_ptr, ftab_ptr, ftab_stride,
+    sel_ptr, sink_ptr, scale, H, W, BS, RATIO, PER_BLOCK,
+    HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, TOPK: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, HD)
+    q = tl.load(q_ptr + (t * H + heads)[:, None] * HD + d[None, :], mask=hmask[:, None], other=0.0)
+    pos = tl.load(pos_ptr + t)
+    s = tl.load(seq_ptr + t)
+    lo = tl.maximum(tl.maximum(pos - W + 1, tl.load(replay_ptr + s)), 0)
+    m_i = tl.full((BLOCK_H,), -float("inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, HD), tl.float32)
+    n_off = tl.arange(0, BLOCK_N)
+    for start in range(lo, pos + 1, BLOCK_N):  # the window, from the paged window pool
+        p = start + n_off
+        valid = p <= pos
+        blk = tl.load(wtab_ptr + s * wtab_stride + p // BS, mask=valid, other=0)
+        k = tl.load(win_ptr + (blk * BS + p % BS)[:, None] * HD + d[None, :], mask=valid[:, None], other=0.0)
+        m_i, l_i, acc = _update(q, k, valid, m_i, l_i, acc, scale, DOT_F32)
+    if MODE == 1:  # HCA: every complete entry (e + 1) * ratio <= pos + 1
+        n_vis = (pos + 1) // RATIO
+        for start in range(0, n_vis, BLOCK_N):
+            e = start + n_off
+            valid = e < n_vis
+            blk = tl.load(ftab_ptr + s * ftab_stride + e // PER_BLOCK, mask=valid, other=0)
+            k = tl.load(comp_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * HD + d[None, :],
+                        mask=valid[:, None], other=0.0)
+            m_i, l_i, acc = _update(q, k, valid, m_i, l_i, acc, scale, DOT_F32)
+    if MODE == 2:  # CSA: the indexer's top-k (-1 padded)
+        for start in range(0, TOPK, BLOCK_N):
+            j = start + n_off
+            e = tl.load(sel_ptr + t * TOPK + j, mask=j < TOPK, other=-1)
+            valid = e >= 0
+            e = tl.where(valid, e, 0)
+            blk = tl.load(ftab_ptr + s * ftab_stride + e // PER_BLOCK, mask=valid, other=0)
+            k = tl.load(comp_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * HD + d[None, :],
+                        mask=valid[:, None], other=0.0)
+            m_i, l_i, acc = _update(q, k, valid, m_i, l_i, acc, scale, DOT_F32)
+    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
+    m_all = tl.maximum(m_i, sink)
+    l_all = l_i * tl.exp(m_i - m_all) + tl.exp(sink - m_all)
+    o = acc * (tl.exp(m_i - m_all) / l_all)[:, None]
+    tl.store(out_ptr + (t * H + heads)[:, None] * HD + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=hmask[:, None])
+
+
+def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, replay_starts, sliding_window,
+                          comp_pool, full_tables, ratio, selected, sinks, scale):
+    T, H, hd = q.shape
+    assert hd & (hd - 1) == 0, "head_dim must be a power of two for the fused attention kernel"
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    mode = 0 if comp_pool is None else (2 if selected is not None else 1)
+    dummy = window_pool
+    topk = selected.shape[1] if selected is not None else 1
+    BLOCK_H = 16
+    BLOCK_N = 32 if hd <= 128 else 16
+    grid = (T, triton.cdiv(H, BLOCK_H))
+    _paged_attention_kernel[grid](
+        q, out, positions, token_seq, window_pool, window_tables, window_tables.stride(0), replay_starts,
+        comp_pool if comp_pool is not None else dummy,
+        full_tables if full_tables is not None else window_tables,
+        full_tables.stride(0) if full_tables is not None else 0,
+        selected.contiguous() if selected is not None else positions,
+        sinks.float().contiguous(), scale, H, sliding_window, window_pool.shape[1], max(ratio, 1),
+        comp_pool.shape[1] if comp_pool is not None else 1,
+        HD=hd, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, MODE=mode, TOPK=topk, DOT_F32=_INTERPRET,
+        num_warps=4 if hd <= 128 else 8,
+    )
+    return out

@@ -1,0 +1,115 @@
+"""Fused MoE: grouped expert GEMMs with the clamped SwiGLU in the epilogue.
+
+Token->expert pairs are sorted by expert and each expert's run padded to BLOCK_M rows, so
+one program computes one (expert, BLOCK_M rows, BLOCK_N columns) tile with that expert's
+weights only. Kernel 1: h = swiglu(x @ w1^T, x @ w3^T) with both accumulators in one pass
+over x. Kernel 2: y = (h @ w2^T) * routing weight, then the k rows of a token are summed
+(un-permutation). Same signature as kernels.reference.moe_experts.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
+BLOCK_M = 16
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, expert_ptr, n_pairs, D, I, TOPK, limit,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(expert_ptr + pid_m)
+    if e < 0:
+        return
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < n_pairs
+    tok = tl.where(valid, rows // TOPK, 0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < I
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    w_off = e.to(tl.int64) * I * D
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < D
+        a = tl.load(x_ptr + tok[:, None] * D + k[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+        b1 = tl.load(w1_ptr + w_off + n[None, :] * D + k[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
+        b3 = tl.load(w3_ptr + w_off + n[None, :] * D + k[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
+        if DOT_F32:
+            a, b1, b3 = a.to(tl.float32), b1.to(tl.float32), b3.to(tl.float32)
+        acc1 += tl.dot(a, b1)
+        acc3 += tl.dot(a, b3)
+    gate = tl.minimum(acc1, limit)
+    up = tl.minimum(tl.maximum(acc3, -limit), limit)
+    h = gate * tl.sigmoid(gate) * up
+    tl.store(h_ptr + rows[:, None] * I + n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=valid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w2_ptr, y_ptr, rw_ptr, sorted_ptr, expert_ptr, n_pairs, D, I,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(expert_ptr + pid_m)
+    if e < 0:
+        return
+    rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < n_pairs
+    safe = tl.where(valid, rows, 0)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < D
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    w_off = e.to(tl.int64) * D * I
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < I
+        a = tl.load(h_ptr + safe[:, None] * I + k[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(w2_ptr + w_off + n[None, :] * I + k[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
+        if DOT_F32:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc += tl.dot(a, b)
+    rw = tl.load(rw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows[:, None] * D + n[None, :], acc * rw[:, None], mask=valid[:, None] & nmask[None, :])
+
+
+def align_by_expert(indices: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
+    """Pair ids sorted by expert, each expert's run padded to block_m (padding = n_pairs), and the
+    expert of every block (-1: unused). Sizes are upper bounds, so no host sync."""
+    flat = indices.reshape(-1)
+    n_pairs = flat.numel()
+    max_blocks = triton.cdiv(n_pairs, block_m) + num_experts
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    seg_start = torch.cumsum(padded, 0) - padded
+    order = torch.argsort(flat, stable=True)
+    rank = torch.arange(n_pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[flat[order]]
+    sorted_ids = torch.full((max_blocks * block_m,), n_pairs, dtype=torch.long, device=flat.device)
+    sorted_ids[seg_start[flat[order]] + rank] = order
+    block_start = torch.arange(max_blocks, device=flat.device) * block_m
+    expert_of_block = torch.searchsorted(seg_start + padded, block_start, right=True)
+    expert_of_block = torch.where(expert_of_block < num_experts, expert_of_block, -1)
+    used = block_start < padded.sum()
+    return sorted_ids, torch.where(used, expert_of_block, -1), max_blocks
+
+
+def moe_experts_fused(x, w1, w3, w2, weights, indices, limit):
+    T, D = x.shape
+    E, I, _ = w1.shape
+    k = indices.shape[1]
+    sorted_ids, expert_of_block, max_blocks = align_by_expert(indices, E)
+    h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
+    y = torch.empty(T * k, D, dtype=torch.float32, device=x.device)
+    BN, BK = 64, 64
+    x = x.contiguous()
+    _gate_up_kernel[(max_blocks, triton.cdiv(I, BN))](x, w1, w3, h, sorted_ids, expert_of_block, T * k, D, I, k,
+                                                     limit, BLOCK_M=BLOCK_M, BLOCK_N=BN, BLOCK_K=BK,
+                                                     DOT_F32=_INTERPRET)
+    _down_kernel[(max_blocks, triton.cdiv(D, BN))](h, w2, y, weights.reshape(-1).float().contiguous(), sorted_ids,
+                                                  expert_of_block, T * k, D, I, BLOCK_M=BLOCK_M, BLOCK_N=BN,
+                                                  BLOCK_K=BK, DOT_F32=_INTERPRET)
+    return y.view(T, k, D).sum(dim=1).to(x.dtype)

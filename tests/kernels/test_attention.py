@@ -1,0 +1,61 @@
+"""Fused paged attention vs the torch reference: window boundaries, replay_start, one token,
+HCA dense entries, CSA selections with -1 padding (top-k larger than what is visible)."""
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from kernels.fused_attention import paged_attention_fused
+
+
+def _setup(seq_specs, H, hd, W, bs, ratio, dtype, seed):
+    """seq_specs: list of (first position, n query tokens, replay_start). Random pools; tables
+    are random permutations of blocks so paging is exercised."""
+    g = torch.Generator().manual_seed(seed)
+    nb = 64
+    window = torch.randn(nb, bs, hd, generator=g).to(dtype)
+    per_block = bs // ratio if ratio else 1
+    comp = torch.randn(nb, per_block, hd, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g)
+    wt, ft, pos, seq, rs = [], [], [], [], []
+    for s, (start, n, replay) in enumerate(seq_specs):
+        blocks = (start + n) // bs + 1
+        wt.append(perm[s * 8: s * 8 + blocks].tolist())
+        ft.append(perm[32 + s * 8: 32 + s * 8 + blocks].tolist())
+        pos += list(range(start, start + n))
+        seq += [s] * n
+        rs.append(replay)
+    width = max(len(r) for r in wt)
+    t = lambda x: torch.tensor(x, dtype=torch.long)
+    wt = t([r + [-1] * (width - len(r)) for r in wt])
+    ft = t([r + [0] * (width - len(r)) for r in ft])
+    q = torch.randn(len(pos), H, hd, generator=g).to(dtype)
+    sinks = torch.randn(H, generator=g)
+    return q, t(pos), t(seq), window, wt, t(rs), comp, ft, sinks
+
+
+SPECS = [
+    [(0, 1, 0)],  # one token, first position
+    [(5, 1, 0), (40, 1, 0), (17, 9, 0)],  # decodes and a prefill chunk across the window boundary
+    [(30, 12, 20), (63, 1, 50)],  # bounded replay: nothing below replay_start
+]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
+def test_paged_attention(dtype, tol, spec, mode):
+    H, hd, W, bs, ratio = 5, 32, 16, 16, (0 if mode == "sliding" else 4)
+    q, pos, seq, window, wt, rs, comp, ft, sinks = _setup(spec, H, hd, W, bs, ratio or 1, dtype, seed=len(spec))
+    selected = None
+    if mode == "csa":  # a selection of up to 6 visible entries, -1 padded (top-k > available)
+        g = torch.Generator().manual_seed(3)
+        selected = torch.full((len(pos), 6), -1, dtype=torch.long)
+        for i, p in enumerate(pos.tolist()):
+            n_vis = (p + 1) // ratio
+            pick = torch.randperm(max(n_vis, 1), generator=g)[: min(n_vis, 6)]
+            selected[i, : len(pick)] = pick
+    args = (q, pos, seq, window, wt, rs, W, None if mode == "sliding" else comp, ft, ratio, selected, sinks, 32**-0.5)
+    want = ref.paged_attention(*args)
+    got = paged_attention_fused(*args)
+    assert (got.float() - want.float()).abs().max() <= tol * max(want.abs().max().item(), 1.0)
