@@ -137,6 +137,62 @@ def print_table(results: list[Result]) -> None:
         print(" | ".join(str(c).ljust(w) for c, w in zip(row, widths)))
 
 
+def hf_peer(model_dir: str, batches: list[int], input_len: int, steps: int = 32) -> list[dict]:
+    """transformers' eager DeepseekV4ForCausalLM on the same checkpoint: TTFT and decode ms/step."""
+    from transformers import DeepseekV4ForCausalLM
+
+    model = DeepseekV4ForCausalLM.from_pretrained(model_dir).to(torch.bfloat16).cuda().eval()  # load, then cast
+    vocab, rows = model.config.vocab_size, []
+
+    def timed(ids, n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    for b in batches:
+        ids = torch.randint(5, vocab, (b, input_len), device="cuda")
+        timed(ids[:, :16], 2)  # warm-up
+        prefill = timed(ids, 1)
+        total = timed(ids, steps + 1)
+        step_ms = (total - prefill) / steps * 1e3
+        rows.append({"peer": "transformers-eager", "batch": b, "input_len": input_len, "ttft_ms": prefill * 1e3,
+                     "decode_ms_per_step": step_ms, "output_tok_s": b * 1e3 / step_ms})
+        print(f"  transformers eager: batch {b}: TTFT {prefill * 1e3:.1f} ms, decode {step_ms:.1f} ms/step", flush=True)
+    return rows
+
+
+def decode_floor(engine_args: dict, batch: int) -> dict:
+    """Bytes a decode step must read (active weights + KV) over the measured copy bandwidth."""
+    from backend.engine.args import resolve_model_dir
+    from backend.engine.loader import load_model
+
+    model = load_model(resolve_model_dir(engine_args.get("model", "")), "bfloat16", "cuda")
+    cfg = model.cfg
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts_w" in n)
+    other = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                if ".experts_w" not in n and not n.startswith("embed"))
+    touched = min(cfg.n_routed_experts, batch * cfg.num_experts_per_tok) / cfg.n_routed_experts
+    embed_rows = batch * cfg.hidden_size * 2
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    copy_bw = 2 * x.numel() * 10 / (time.perf_counter() - t)
+    weight_bytes = other + experts * touched + embed_rows
+    del model, x, y
+    torch.cuda.empty_cache()
+    return {"batch": batch, "weight_bytes": weight_bytes, "copy_TB_s": copy_bw / 1e12,
+            "floor_ms": weight_bytes / copy_bw * 1e3}
+
+
 def resolve_model(args) -> str:
     if args.model:
         return args.model
@@ -146,7 +202,7 @@ def resolve_model(args) -> str:
 
     out = Path(args.cache_dir) / args.preset
     if not (out / "config.json").exists():
-        write_checkpoint(out, args.preset, seed=0)
+        write_checkpoint(out, args.preset, seed=0, device="cuda" if torch.cuda.is_available() else "cpu")
     return str(out)
 
 
@@ -186,6 +242,8 @@ def main() -> None:
     ap.add_argument("--offline", type=int, default=0, help="also run N prompts offline")
     ap.add_argument("--engine-args", default="{}")
     ap.add_argument("--baseline", action="store_true", help="kernels=ref, enforce_eager, no prefix cache")
+    ap.add_argument("--hf-peer", default="", help="also time transformers eager at these batch sizes, e.g. 1,8,32")
+    ap.add_argument("--floor", action="store_true", help="report the decode memory floor (GPU)")
     ap.add_argument("--label", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -193,7 +251,15 @@ def main() -> None:
     if args.baseline:
         engine_args.update(BASELINE)
     EngineArgs.from_dict(engine_args)  # fail fast on a typo
-    results, vocab = [], []
+    results, vocab, extra = [], [], {}
+    if args.floor:
+        extra["decode_floor"] = [decode_floor(engine_args, b) for b in args.concurrency]
+        for f in extra["decode_floor"]:
+            print(f"  decode floor at batch {f['batch']}: {f['weight_bytes'] / 1e9:.2f} GB / "
+                  f"{f['copy_TB_s']:.2f} TB/s = {f['floor_ms']:.3f} ms", flush=True)
+    if args.hf_peer:
+        extra["hf_peer"] = hf_peer(engine_args["model"], [int(b) for b in args.hf_peer.split(",")], args.input_len)
+        torch.cuda.empty_cache()
     if args.offline:
         llm = LLM(**engine_args)
         results.append(offline(llm, random_prompts(args.offline, args.input_len, llm.engine.cfg.vocab_size, 0),
@@ -205,7 +271,7 @@ def main() -> None:
         meta = {"label": args.label, "engine_args": engine_args, "machine": platform.platform(),
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 "torch": torch.__version__, "argv": vars(args)}
-        payload = {"meta": meta, "results": [asdict(r) | {"output_tok_s": r.output_tok_s} for r in results]}
+        payload = {"meta": meta, "results": [asdict(r) | {"output_tok_s": r.output_tok_s} for r in results], **extra}
         Path(args.json).write_text(json.dumps(payload, indent=2, default=str))
         print(f"wrote {args.json}")
 
