@@ -5,6 +5,8 @@ Each `*_fused` function has the signature of its torch reference in kernels/refe
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -44,83 +46,106 @@ def rms_norm_unweighted_fused(x: torch.Tensor, eps: float) -> torch.Tensor:
     return out.view_as(x)
 
 
-# --- mHC pre: one pass over the 4 streams for the mixing GEMV and the RMS, Sinkhorn in
-# registers, then the weighted collapse ----------------------------------------------------------
+# --- mHC pre: split-K mixing GEMV (+ the RMS) over many programs, then one kernel that reduces
+# the partials, runs Sinkhorn in registers and collapses the 4 streams ---------------------------
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# fp32-accurate tensor-core dots (3 tf32 passes); the interpreter knows only "ieee"
+_PRECISION = "ieee" if _INTERPRET else "tf32x3"
+
 
 @triton.jit
-def _hc_pre_kernel(x_ptr, fn_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, T, D, hc_eps, norm_eps,
-                   ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    HC: tl.constexpr = 4
-    pid = tl.program_id(0)
-    t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, K_SPLIT, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+    """part[split, t, 0:24] = x[t, ks] @ fn[:, ks]^T, part[split, t, 24] = sum x[t, ks]^2"""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    split = tl.program_id(1)
     tmask = t < T
-    K = HC * D
-    r16 = tl.arange(0, 16)
-    acc_pre = tl.zeros((BLOCK_T, 16), tl.float32)
-    acc_post = tl.zeros((BLOCK_T, 16), tl.float32)
-    acc_comb = tl.zeros((BLOCK_T, 16), tl.float32)
+    r32 = tl.arange(0, 32)
+    acc = tl.zeros((BLOCK_T, 32), tl.float32)
     sumsq = tl.zeros((BLOCK_T,), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = split * K_SPLIT
+    for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < K
         x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
         x = x.to(tl.float32)
         sumsq += tl.sum(x * x, axis=1)
-        # fn rows: 0..3 pre, 4..7 post, 8..23 comb (padded to 16 rows each for tl.dot)
-        f_pre = tl.load(fn_ptr + r16[:, None] * K + k[None, :], mask=(r16[:, None] < HC) & kmask[None, :], other=0.0)
-        f_post = tl.load(fn_ptr + (r16[:, None] + HC) * K + k[None, :], mask=(r16[:, None] < HC) & kmask[None, :],
-                         other=0.0)
-        f_comb = tl.load(fn_ptr + (r16[:, None] + 2 * HC) * K + k[None, :], mask=kmask[None, :], other=0.0)
-        acc_pre += tl.dot(x, tl.trans(f_pre), input_precision="ieee")
-        acc_post += tl.dot(x, tl.trans(f_post), input_precision="ieee")
-        acc_comb += tl.dot(x, tl.trans(f_comb), input_precision="ieee")
+        f = tl.load(fn_ptr + r32[:, None] * K + k[None, :], mask=(r32[:, None] < 24) & kmask[None, :], other=0.0)
+        acc += tl.dot(x, tl.trans(f), input_precision=PRECISION)
+    acc = tl.where(r32[None, :] == 24, sumsq[:, None], acc)
+    tl.store(part_ptr + (split * T + t[:, None]) * 32 + r32[None, :], acc, mask=tmask[:, None] & (r32[None, :] < 25))
+
+
+@triton.jit
+def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, T, D, N_SPLIT, hc_eps,
+                      norm_eps, ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    HC: tl.constexpr = 4
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    pid_d = tl.program_id(1)
+    tmask = t < T
+    r16 = tl.arange(0, 16)
+    pre_w = tl.zeros((BLOCK_T, 16), tl.float32)
+    post_w = tl.zeros((BLOCK_T, 16), tl.float32)
+    comb_w = tl.zeros((BLOCK_T, 16), tl.float32)
+    sumsq = tl.zeros((BLOCK_T,), tl.float32)
+    small = tmask[:, None] & (r16[None, :] < HC)
+    for sp in range(N_SPLIT):
+        row = part_ptr + (sp * T + t[:, None]) * 32
+        pre_w += tl.load(row + r16[None, :], mask=small, other=0.0)
+        post_w += tl.load(row + HC + r16[None, :], mask=small, other=0.0)
+        comb_w += tl.load(row + 2 * HC + r16[None, :], mask=tmask[:, None], other=0.0)
+        sumsq += tl.load(part_ptr + (sp * T + t) * 32 + 24, mask=tmask, other=0.0)
     # the unweighted RMSNorm of the flattened streams is one scalar per token: it factors out
-    r = tl.rsqrt(sumsq / K + norm_eps)[:, None]
-    s_pre = tl.load(scale_ptr)
-    s_post = tl.load(scale_ptr + 1)
-    s_comb = tl.load(scale_ptr + 2)
+    r = tl.rsqrt(sumsq / (HC * D) + norm_eps)[:, None]
     b_pre = tl.load(base_ptr + r16, mask=r16 < HC, other=0.0)
-    b_post = tl.load(base_ptr + HC + r16, mask=r16 < HC, other=0.0)
-    b_comb = tl.load(base_ptr + 2 * HC + r16)
-    pre = tl.sigmoid(acc_pre * r * s_pre + b_pre[None, :]) + hc_eps
-    post = 2 * tl.sigmoid(acc_post * r * s_post + b_post[None, :])
-    logits = tl.reshape(acc_comb * r * s_comb + b_comb[None, :], (BLOCK_T, HC, HC))
-    logits = logits - tl.max(logits, axis=2)[:, :, None]
-    e = tl.exp(logits)
-    comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
-    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    for _ in range(ITERS - 1):  # Sinkhorn-Knopp, in registers
-        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+    pre = tl.sigmoid(pre_w * r * tl.load(scale_ptr) + b_pre[None, :]) + hc_eps
+    if pid_d == 0:
+        b_post = tl.load(base_ptr + HC + r16, mask=r16 < HC, other=0.0)
+        post = 2 * tl.sigmoid(post_w * r * tl.load(scale_ptr + 1) + b_post[None, :])
+        logits = comb_w * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + r16)[None, :]
+        logits = tl.reshape(logits, (BLOCK_T, HC, HC))
+        e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+        comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
         comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    tl.store(comb_ptr + t[:, None] * 16 + r16[None, :], tl.reshape(comb, (BLOCK_T, 16)), mask=tmask[:, None])
-    tl.store(post_ptr + t[:, None] * HC + r16[None, :], post, mask=tmask[:, None] & (r16[None, :] < HC))
+        for _ in range(ITERS - 1):  # Sinkhorn-Knopp, in registers
+            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+        tl.store(comb_ptr + t[:, None] * 16 + r16[None, :], tl.reshape(comb, (BLOCK_T, 16)), mask=tmask[:, None])
+        tl.store(post_ptr + t[:, None] * HC + r16[None, :], post, mask=small)
     p0 = tl.sum(tl.where(r16[None, :] == 0, pre, 0.0), axis=1)[:, None]
     p1 = tl.sum(tl.where(r16[None, :] == 1, pre, 0.0), axis=1)[:, None]
     p2 = tl.sum(tl.where(r16[None, :] == 2, pre, 0.0), axis=1)[:, None]
     p3 = tl.sum(tl.where(r16[None, :] == 3, pre, 0.0), axis=1)[:, None]
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        m = tmask[:, None] & (d[None, :] < D)
-        base = x_ptr + t[:, None] * K + d[None, :]
-        y = p0 * tl.load(base, mask=m, other=0.0).to(tl.float32)
-        y += p1 * tl.load(base + D, mask=m, other=0.0).to(tl.float32)
-        y += p2 * tl.load(base + 2 * D, mask=m, other=0.0).to(tl.float32)
-        y += p3 * tl.load(base + 3 * D, mask=m, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t[:, None] * D + d[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = tmask[:, None] & (d[None, :] < D)
+    base = x_ptr + t[:, None] * (HC * D) + d[None, :]
+    y = p0 * tl.load(base, mask=m, other=0.0).to(tl.float32)
+    y += p1 * tl.load(base + D, mask=m, other=0.0).to(tl.float32)
+    y += p2 * tl.load(base + 2 * D, mask=m, other=0.0).to(tl.float32)
+    y += p3 * tl.load(base + 3 * D, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t[:, None] * D + d[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def hc_pre_fused(x, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
     T, hc, D = x.shape
     assert hc == 4, "the fused mHC kernel is written for 4 streams (DeepSeek-V4's hc_mult)"
     x = x.contiguous()
+    K = hc * D
+    BLOCK_T, BLOCK_K = 16, min(128, triton.next_power_of_2(K))
+    n_split = max(1, min(64, triton.cdiv(K, BLOCK_K)))  # enough programs to fill the GPU at T = 1
+    k_split = triton.cdiv(triton.cdiv(K, n_split), BLOCK_K) * BLOCK_K
+    n_split = triton.cdiv(K, k_split)
+    part = torch.empty(n_split, T, 32, dtype=torch.float32, device=x.device)
+    _hc_mix_partial_kernel[(triton.cdiv(T, BLOCK_T), n_split)](
+        x, fn.float().contiguous(), part, T, K, k_split, PRECISION=_PRECISION, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K)
     post = torch.empty(T, hc, dtype=torch.float32, device=x.device)
     comb = torch.empty(T, hc, hc, dtype=torch.float32, device=x.device)
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
-    BLOCK_T = 16
-    _hc_pre_kernel[(triton.cdiv(T, BLOCK_T),)](
-        x, fn.float().contiguous(), base.float().contiguous(), scale.float().contiguous(), post, comb, out, T, D,
-        hc_eps, norm_eps, ITERS=sinkhorn_iters, BLOCK_T=BLOCK_T, BLOCK_K=min(128, triton.next_power_of_2(hc * D)),
-        BLOCK_D=min(128, triton.next_power_of_2(D)))
+    BLOCK_D = min(512, triton.next_power_of_2(D))
+    _hc_finish_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D))](
+        x, part, base.float().contiguous(), scale.float().contiguous(), post, comb, out, T, D, n_split, hc_eps,
+        norm_eps, ITERS=sinkhorn_iters, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
     return post, comb, out
 
 

@@ -17,7 +17,7 @@ from backend.engine.args import EngineArgs, resolve_model_dir
 from backend.engine.cache import KVCache
 from backend.engine.loader import load_model
 from backend.engine.prefix_cache import PrefixCache
-from backend.engine.request import GenerationRequest, InvalidRequest, RequestOutput
+from backend.engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
 from backend.engine.runner import ModelRunner
 from backend.engine.sampler import sample
 from backend.engine.scheduler import Scheduler
@@ -63,6 +63,22 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator().manual_seed(args.seed)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+        if self.device.type == "cuda":
+            self.warmup()
+
+    def warmup(self) -> None:
+        """Run two short requests through every path (prefill chunks, mixed decode, each attention
+        kind) so Triton's JIT compiles before the first real request, not during its TTFT."""
+        n = min(2 * self.block_size + 3, self.max_model_len - 4)
+        sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        for i, length in enumerate((n, max(1, n // 3))):
+            self.add_request(GenerationRequest(f"__warmup-{i}__", prompt_token_ids=[5 + j % 100 for j in range(length)],
+                                               sampling=sp))
+        while self.has_unfinished():
+            self.step()
+        self.counters = dict.fromkeys(self.counters, 0)
+        if self.scheduler.prefix_cache is not None:
+            self.scheduler.prefix_cache.counters = dict.fromkeys(self.scheduler.prefix_cache.counters, 0)
 
     # --- construction -------------------------------------------------------------------------
 
