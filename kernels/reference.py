@@ -182,6 +182,18 @@ def compress_blocks(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor 
     return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
 
 
+def compress_pending(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
+                     prev_gate: torch.Tensor | None, has_prev: torch.Tensor | None, head_dim: int) -> torch.Tensor:
+    """One block per sequence (the decode path): kv/gate [S, ratio, c * head_dim]; CSA pools it with
+    that sequence's previous Ca slice prev_* [S, ratio, head_dim] where has_prev. -> [S, head_dim]"""
+    if prev_kv is None:
+        return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+    have = has_prev[:, None, None]
+    new_kv = torch.cat([torch.where(have, prev_kv.to(kv.dtype), 0), kv[..., head_dim:]], dim=1)
+    new_gate = torch.cat([torch.where(have, prev_gate.to(gate.dtype), float("-inf")), gate[..., head_dim:]], dim=1)
+    return (new_kv * new_gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+
+
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Lightning indexer: sum_h w[t,h] * relu(q[t,h] . k[s]) * head_dim^-0.5.
     q [n, Hi, d], keys [E, d], weights [n, Hi] (already scaled by Hi^-0.5) -> [n, E] fp32."""
@@ -210,12 +222,27 @@ def _entry_slots(table: torch.Tensor, per_block: int, entries: torch.Tensor) -> 
 
 
 def indexer_topk(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, full_tables: torch.Tensor,
-                 positions: torch.Tensor, token_seq: torch.Tensor, ratio: int, topk: int) -> torch.Tensor:
+                 positions: torch.Tensor, token_seq: torch.Tensor, ratio: int, topk: int,
+                 max_pos: int | None = None, one_per_seq: bool = False) -> torch.Tensor:
     """Lightning indexer selection per query token: indices [T, topk] of the compressed entries to
-    attend (-1: none). A query at i sees entry e once its block is complete: (e + 1) * ratio <= i + 1."""
+    attend (-1: none). A query at i sees entry e once its block is complete: (e + 1) * ratio <= i + 1.
+    one_per_seq (decode): all sequences at once, padded to the largest, no host sync."""
     T, per_block, d = iq.shape[0], index_pool.shape[1], index_pool.shape[-1]
     out = torch.full((T, topk), -1, dtype=torch.long, device=iq.device)
     flat = index_pool.view(-1, d)
+    if one_per_seq:
+        n = (max_pos + 1) // ratio
+        if n == 0:
+            return out
+        e = torch.arange(n, device=iq.device)
+        keys = flat[full_tables[token_seq][:, e // per_block] * per_block + e % per_block]  # [T, n, d]
+        s = torch.einsum("thd,ted->the", iq.float(), keys.float())
+        scores = (torch.relu(s) * d**-0.5 * iw.float().unsqueeze(-1)).sum(dim=1)
+        limit = ((positions + 1) // ratio)[:, None]
+        k = min(topk, n)
+        idx = scores.masked_fill(e[None] >= limit, float("-inf")).topk(k, dim=-1).indices
+        out[:, :k] = torch.where(idx < limit, idx, -1)
+        return out
     for s in torch.unique(token_seq).tolist():
         rows = (token_seq == s).nonzero().flatten()
         pos = positions[rows]

@@ -23,6 +23,9 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # rows of the packed batch whose logits are wanted
     token_seq: torch.Tensor  # [T] which sequence each token belongs to (kernels read per-token metadata)
     replay_start_t: torch.Tensor  # [S] replay_starts as a tensor
+    state_slot_t: torch.Tensor  # [S] state_slots as a tensor
+    is_decode: bool  # one new token per sequence, none replayed: the vectorised, sync-free path
+    max_pos: int  # the largest position in the batch (host copy: sizes without a device sync)
 
     @property
     def num_seqs(self) -> int:

@@ -55,6 +55,8 @@ class Compressor(nn.Module):
         m = self.ratio
         kv_all = self.wkv(x)
         gate_all = self.wgate(x) + self.ape[fb.positions % m]  # promotes to >= fp32, as the reference
+        if fb.is_decode:
+            return self._absorb_decode(kv_all, gate_all, fb, state, pool, cache, rope[0])
         row = 0
         for s, n in enumerate(fb.seq_lens):
             start, cfrom, slot = fb.starts[s], fb.compress_from[s], fb.state_slots[s]
@@ -94,6 +96,36 @@ class Compressor(nn.Module):
             rest = kv.shape[0] - usable
             state.pend_kv[slot, :rest] = kv[usable:]
             state.pend_gate[slot, :rest] = gate[usable:]
+
+
+    def _absorb_decode(self, kv_all, gate_all, fb: ForwardBatch, state: CompressorState, pool: torch.Tensor,
+                       cache: KVCache, inv_freq: torch.Tensor) -> None:
+        """One token per sequence, all sequences at once, no host sync: add each token to its
+        open block; pool every open block and write only those the token closed."""
+        m, hd, slots, pos = self.ratio, self.head_dim, fb.state_slot_t, fb.positions
+        rows = torch.arange(pos.shape[0], device=pos.device)
+        state.pend_kv[slots, pos % m] = kv_all.to(state.pend_kv.dtype)
+        state.pend_gate[slots, pos % m] = gate_all.to(state.pend_gate.dtype)
+        closing = pos % m == m - 1
+        pk, pg = state.pend_kv[slots], state.pend_gate[slots]
+        prev = (state.prev_kv[slots], state.prev_gate[slots], state.has_prev[slots]) if self.overlap else (None,) * 3
+        entries = self.norm(K.compress_pending(pk, pg, *prev, hd))
+        cos, sin = K.rope_cos_sin((pos // m) * m, inv_freq, entries.dtype)
+        entries = K.apply_rope(entries, cos, sin)
+        per_block, e = pool.shape[1], pos // m
+        flat = pool.view(-1, pool.shape[-1])
+        idx = fb.full_tables[rows, e // per_block] * per_block + e % per_block  # its own, allocated block
+        flat[idx] = torch.where(closing[:, None], entries.to(pool.dtype), flat[idx])
+        if self.overlap:
+            c = closing[:, None, None]
+            if state.bnd_kv is not None:  # prefix caching: the state at block ends
+                at_end = (c & ((pos + 1) % cache.block_size == 0)[:, None, None])
+                blk = fb.full_tables[rows, pos // cache.block_size]
+                state.bnd_kv[blk] = torch.where(at_end, pk[..., :hd], state.bnd_kv[blk])
+                state.bnd_gate[blk] = torch.where(at_end, pg[..., :hd], state.bnd_gate[blk])
+            state.prev_kv[slots] = torch.where(c, pk[..., :hd], state.prev_kv[slots])
+            state.prev_gate[slots] = torch.where(c, pg[..., :hd], state.prev_gate[slots])
+            state.has_prev[slots] = state.has_prev[slots] | closing
 
 
 class Indexer(nn.Module):
@@ -152,7 +184,7 @@ class Attention(nn.Module):
                 iq = K.apply_rope(ix.wq_b(q_res).view(T, ix.n_heads, ix.head_dim), cos, sin)
                 iw = ix.weights_proj(x).float() * ix.n_heads**-0.5
                 selected = K.indexer_topk(iq, iw, cache.index_keys[self.layer], fb.full_tables, fb.positions,
-                                          fb.token_seq, self.ratio, ix.topk)
+                                          fb.token_seq, self.ratio, ix.topk, fb.max_pos, fb.is_decode)
         out = K.paged_attention(q, fb.positions, fb.token_seq, cache.window[self.layer], fb.window_tables,
                                 fb.replay_start_t, W, comp_pool, fb.full_tables, self.ratio, selected,
                                 self.attn_sink, hd**-0.5)

@@ -45,8 +45,9 @@ class ModelRunner:
             st.append(seq.blocks.state_slot)
         t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
         token_seq = [s for s, n in enumerate(seq_lens) for _ in range(n)]
+        is_decode = all(n == 1 for n in seq_lens) and cfrom == starts
         return ForwardBatch(t(ids), t(pos), seq_lens, starts, replay, cfrom, t(slots), t(_pad(wt, -1)),
-                            t(_pad(ft, 0)), st, t(rows), t(token_seq), t(replay))
+                            t(_pad(ft, 0)), st, t(rows), t(token_seq), t(replay), t(st), is_decode, max(pos))
 
     def run(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> torch.Tensor:
         return self.model(self.build_batch(scheduled, all_logits), self.cache)

@@ -49,24 +49,29 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
     """logits [n, V] fp32; steps[i] = how many tokens request i has already generated;
     extra_masks[i] = token ids forbidden for this step (EOS before min_tokens)."""
     fallback = fallback or torch.Generator().manual_seed(0)
-    logits = logits.float().cpu()
-    logprobs_all = torch.log_softmax(logits, dim=-1)
+    logits = logits.float()
+    if extra_masks and any(extra_masks):
+        logits = logits.clone()
+        for i, mask in enumerate(extra_masks):
+            if mask:
+                logits[i, mask] = float("-inf")
+    # greedy rows need only their argmax: decide on the device, copy back token ids, not logits
+    greedy = [p.greedy for p in params]
+    tokens = logits.argmax(dim=-1).tolist() if any(greedy) else [0] * len(params)
+    want_lp = [p.logprobs is not None for p in params]
+    logprobs_dev = torch.log_softmax(logits, dim=-1)
+    for i, p in enumerate(params):
+        if not greedy[i]:
+            probs = _filter(logits[i].cpu(), p).softmax(-1)
+            tokens[i] = int(torch.multinomial(probs, 1, generator=_generator(p.seed, steps[i], fallback)))
+    chosen = logprobs_dev.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1).tolist()
     out = []
     for i, p in enumerate(params):
-        row = logits[i]
-        if extra_masks and extra_masks[i]:
-            row = row.clone()
-            row[extra_masks[i]] = float("-inf")
-        if p.greedy:
-            token = int(row.argmax())
-        else:
-            probs = _filter(row, p).softmax(-1)
-            token = int(torch.multinomial(probs, 1, generator=_generator(p.seed, steps[i], fallback)))
         top = None
-        if p.logprobs is not None:
-            n = min(int(p.logprobs), logprobs_all.shape[-1])
-            values, ids = torch.topk(logprobs_all[i], n) if n > 0 else (torch.empty(0), torch.empty(0))
-            top = {int(t): float(v) for t, v in zip(ids, values)}
-            top[token] = float(logprobs_all[i, token])
-        out.append(Sample(token, float(logprobs_all[i, token]), top))
+        if want_lp[i]:
+            n = min(int(p.logprobs), logprobs_dev.shape[-1])
+            values, ids = torch.topk(logprobs_dev[i], n) if n > 0 else (torch.empty(0), torch.empty(0))
+            top = {int(t): float(v) for t, v in zip(ids.tolist(), values.tolist())}
+            top[tokens[i]] = chosen[i]
+        out.append(Sample(tokens[i], chosen[i], top))
     return out
