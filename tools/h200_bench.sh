@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Every GPU measurement in docs/PERF.md, one device call per part:
+#   bash tools/h200_bench.sh kernels|engine|agentic|peer  (writes JSON + logs under $OUT)
+# Checkpoint: flash-shaped (V4-Flash per-layer shapes, 4 layers, 16 experts), drawn on the GPU.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+CK=/tmp/ckpt
+EA='"max_model_len":8192,"max_num_seqs":256,"block_size":128,"gpu_memory_utilization":0.6'
+bench() { python3 -m backend.engine.bench --preset flash-shaped --cache-dir $CK "$@"; }
+case "${1:-all}" in
+kernels)
+  timeout 200 python3 -m kernels.bench --batches 1,8,32,128,256 --no-compile --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -32
+  timeout 240 python3 -m kernels.bench --batches 32 --json "$OUT/kernels_compile.json" > "$OUT/kernels_compile.log" 2>&1
+  tail -8 "$OUT/kernels_compile.log" ;;
+engine)
+  bench --concurrency 1,8,32,64,150 --input-len 512 --output-len 64 --requests-per-user 1 --floor \
+    --engine-args "{$EA}" --json "$OUT/engine_opt.json" 2>&1 | tee "$OUT/engine_opt.log" | tail -14
+  bench --concurrency 1,32 --input-len 512 --output-len 32 --requests-per-user 1 --baseline \
+    --engine-args "{$EA}" --json "$OUT/engine_base.json" 2>&1 | tee "$OUT/engine_base.log" | tail -6 ;;
+agentic)
+  for mode in none snapshot replay; do
+    case $mode in none) pc=false; rp=true;; snapshot) pc=true; rp=false;; replay) pc=true; rp=true;; esac
+    bench --workload agentic --concurrency 4 --turns 4 --input-len 2048 --turn-len 256 --output-len 16 \
+      --engine-args "{$EA,\"enable_prefix_caching\":$pc,\"swa_bounded_replay\":$rp}" --label $mode \
+      --json "$OUT/agentic_$mode.json" 2>&1 | tee "$OUT/agentic_$mode.log" | tail -4
+  done ;;
+peer)
+  bench --concurrency 1 --input-len 1024 --output-len 32 --requests-per-user 2 --hf-peer 1,8 \
+    --engine-args "{$EA}" --json "$OUT/peer_1024.json" 2>&1 | tee "$OUT/peer_1024.log" | tail -6
+  bench --concurrency 32 --input-len 512 --output-len 32 --requests-per-user 1 --hf-peer 32 \
+    --engine-args "{$EA}" --json "$OUT/peer_512.json" 2>&1 | tee "$OUT/peer_512.log" | tail -6 ;;
+esac
