@@ -83,7 +83,8 @@ def align_by_expert(indices: torch.Tensor, num_experts: int, block_m: int = BLOC
     flat = indices.reshape(-1)
     n_pairs = flat.numel()
     max_blocks = triton.cdiv(n_pairs, block_m) + num_experts
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync to size its output
     padded = (counts + block_m - 1) // block_m * block_m
     seg_start = torch.cumsum(padded, 0) - padded
     order = torch.argsort(flat, stable=True)

@@ -193,6 +193,26 @@ def decode_floor(engine_args: dict, batch: int) -> dict:
             "floor_ms": weight_bytes / copy_bw * 1e3}
 
 
+def check_graphs(engine_args: dict, n_prompts: int = 8, steps: int = 32) -> dict:
+    """Greedy tokens and logprobs with CUDA graphs vs eager on the same prompts."""
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(**{**engine_args, "enforce_eager": eager})
+        vocab = llm.engine.cfg.vocab_size
+        prompts = random_prompts(n_prompts, 300, vocab, seed=11)
+        outs[eager] = llm.generate(prompts, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True,
+                                                           logprobs=1))
+        del llm
+        torch.cuda.empty_cache()
+    same = sum(a.token_ids == b.token_ids for a, b in zip(outs[True], outs[False]))
+    first = max(abs(a.logprobs[0][a.token_ids[0]] - b.logprobs[0][b.token_ids[0]])
+                for a, b in zip(outs[True], outs[False]))
+    r = {"prompts": n_prompts, "identical_token_streams": same, "max_first_logprob_diff": first}
+    print(f"  CUDA graphs vs eager: {same}/{n_prompts} identical greedy streams of {steps} tokens, "
+          f"first-token logprob diff {first:.2e}", flush=True)
+    return r
+
+
 def resolve_model(args) -> str:
     if args.model:
         return args.model
@@ -244,6 +264,7 @@ def main() -> None:
     ap.add_argument("--baseline", action="store_true", help="kernels=ref, enforce_eager, no prefix cache")
     ap.add_argument("--hf-peer", default="", help="also time transformers eager at these batch sizes, e.g. 1,8,32")
     ap.add_argument("--floor", action="store_true", help="report the decode memory floor (GPU)")
+    ap.add_argument("--check-graphs", action="store_true", help="compare CUDA graphs with eager first (GPU)")
     ap.add_argument("--label", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -252,6 +273,8 @@ def main() -> None:
         engine_args.update(BASELINE)
     EngineArgs.from_dict(engine_args)  # fail fast on a typo
     results, vocab, extra = [], [], {}
+    if args.check_graphs:
+        extra["check_graphs"] = check_graphs(engine_args)
     if args.floor:
         extra["decode_floor"] = [decode_floor(engine_args, b) for b in args.concurrency]
         for f in extra["decode_floor"]:

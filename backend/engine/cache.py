@@ -105,6 +105,10 @@ class KVCache:
                                  f"{sorted(set(cfg.compress_ratios) - {0})}")
         self.cfg, self.block_size, self.dtype, self.device = cfg, block_size, dtype, device
         hd, ihd = cfg.head_dim, cfg.index_head_dim
+        # one scratch block per pool and one scratch slot, never handed out: the padding rows of
+        # a CUDA-graph batch write there
+        self.scratch_window, self.scratch_full, self.scratch_slot = num_window_blocks, num_full_blocks, max_num_seqs
+        num_window_blocks, num_full_blocks, max_num_seqs = num_window_blocks + 1, num_full_blocks + 1, max_num_seqs + 1
         self.window = [torch.zeros(num_window_blocks, block_size, hd, dtype=dtype, device=device)
                        for _ in range(cfg.num_layers)]
         self.compressed: list[torch.Tensor | None] = []
@@ -131,10 +135,10 @@ class KVCache:
         W = cfg.sliding_window
         self.snapshots = (torch.zeros(num_full_blocks, cfg.num_layers, max(W - 1, 1), hd, dtype=dtype, device=device)
                           if window_snapshots else None)
-        self.window_pool = BlockPool(num_window_blocks, "window")
-        self.full_pool = BlockPool(num_full_blocks, "compressed")
-        self.free_slots: deque[int] = deque(range(max_num_seqs))
-        self.max_num_seqs = max_num_seqs
+        self.window_pool = BlockPool(self.scratch_window, "window")
+        self.full_pool = BlockPool(self.scratch_full, "compressed")
+        self.free_slots: deque[int] = deque(range(self.scratch_slot))
+        self.max_num_seqs = self.scratch_slot
 
     def _state(self, slots: int, ratio: int, head_dim: int, overlap: bool, boundary_blocks: int = 0) -> CompressorState:
         c = 2 if overlap else 1

@@ -59,7 +59,10 @@ class LLMEngine:
         self.cache = self._make_cache()
         self.scheduler = Scheduler(self.cache, cfg.sliding_window, args.max_num_seqs,
                                    args.max_num_batched_tokens, prefix_cache=self._make_prefix_cache())
-        self.runner = ModelRunner(self.model, self.cache)
+        # CUDA graphs need the fused kernels (the references sync with the host)
+        graphs = self.device.type == "cuda" and not args.enforce_eager and kernels.backend() != "ref"
+        self.runner = ModelRunner(self.model, self.cache, self.max_model_len, cuda_graphs=graphs,
+                                  max_num_seqs=args.max_num_seqs)
         self.requests: dict[str, RequestState] = {}
         self.generator = torch.Generator().manual_seed(args.seed)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
