@@ -39,13 +39,16 @@ def _update(q, k, valid, m_i, l_i, acc, scale, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, out_ptr, pos_ptr, seq_ptr, win_ptr, wtab_ptr, wtab_stride, replay_ptr, comp_ptr, ftab_ptr, ftab_stride,
-    sel_ptr, sink_ptr, scale, H, W, BS, RATIO, PER_BLOCK,
+    q_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, seq_ptr, win_ptr, wtab_ptr, wtab_stride,
+    replay_ptr, comp_ptr, ftab_ptr, ftab_stride, sel_ptr, sink_ptr, scale, H, W, BS, RATIO, PER_BLOCK,
     HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, TOPK: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    NSPLIT: tl.constexpr, DOT_F32: tl.constexpr,
 ):
+    """Split j of NSPLIT takes the j-th slice of the window, of the entries and of the selection
+    (flash-decoding: enough programs for one token); NSPLIT > 1 writes partials to combine."""
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    j = tl.program_id(2)
     hmask = heads < H
     d = tl.arange(0, HD)
     q = tl.load(q_ptr + (t * H + heads)[:, None] * HD + d[None, :], mask=hmask[:, None], other=0.0)
@@ -56,60 +59,111 @@ def _paged_attention_kernel(
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, HD), tl.float32)
     n_off = tl.arange(0, BLOCK_N)
-    for start in range(lo, pos + 1, BLOCK_N):  # the window, from the paged window pool
+    cw = tl.cdiv(pos + 1 - lo, NSPLIT)
+    w_lo = lo + j * cw
+    w_hi = tl.minimum(w_lo + cw, pos + 1)
+    for start in range(w_lo, w_hi, BLOCK_N):  # the window, from the paged window pool
         p = start + n_off
-        valid = p <= pos
+        valid = p < w_hi
         blk = tl.load(wtab_ptr + s * wtab_stride + p // BS, mask=valid, other=0)
         k = tl.load(win_ptr + (blk * BS + p % BS)[:, None] * HD + d[None, :], mask=valid[:, None], other=0.0)
         m_i, l_i, acc = _update(q, k, valid, m_i, l_i, acc, scale, DOT_F32)
     if MODE == 1:  # HCA: every complete entry (e + 1) * ratio <= pos + 1
         n_vis = (pos + 1) // RATIO
-        for start in range(0, n_vis, BLOCK_N):
+        ce = tl.cdiv(n_vis, NSPLIT)
+        e_hi = tl.minimum((j + 1) * ce, n_vis)
+        for start in range(j * ce, e_hi, BLOCK_N):
             e = start + n_off
-            valid = e < n_vis
+            valid = e < e_hi
             blk = tl.load(ftab_ptr + s * ftab_stride + e // PER_BLOCK, mask=valid, other=0)
             k = tl.load(comp_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * HD + d[None, :],
                         mask=valid[:, None], other=0.0)
             m_i, l_i, acc = _update(q, k, valid, m_i, l_i, acc, scale, DOT_F32)
     if MODE == 2:  # CSA: the indexer's top-k (-1 padded)
-        for start in range(0, TOPK, BLOCK_N):
-            j = start + n_off
-            e = tl.load(sel_ptr + t * TOPK + j, mask=j < TOPK, other=-1)
+        cs = tl.cdiv(TOPK, NSPLIT)
+        s_hi = tl.minimum((j + 1) * cs, TOPK)
+        for start in range(j * cs, s_hi, BLOCK_N):
+            i = start + n_off
+            e = tl.load(sel_ptr + t * TOPK + i, mask=i < s_hi, other=-1)
             valid = e >= 0
             e = tl.where(valid, e, 0)
             blk = tl.load(ftab_ptr + s * ftab_stride + e // PER_BLOCK, mask=valid, other=0)
             k = tl.load(comp_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * HD + d[None, :],
                         mask=valid[:, None], other=0.0)
             m_i, l_i, acc = _update(q, k, valid, m_i, l_i, acc, scale, DOT_F32)
+    if NSPLIT == 1:
+        sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
+        m_all = tl.maximum(m_i, sink)
+        l_all = l_i * tl.exp(m_i - m_all) + tl.exp(sink - m_all)
+        o = acc * (tl.exp(m_i - m_all) / l_all)[:, None]
+        tl.store(out_ptr + (t * H + heads)[:, None] * HD + d[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=hmask[:, None])
+    else:
+        row = (t * H + heads) * NSPLIT + j
+        tl.store(part_m_ptr + row, m_i, mask=hmask)
+        tl.store(part_l_ptr + row, l_i, mask=hmask)
+        tl.store(part_acc_ptr + row[:, None] * HD + d[None, :], acc, mask=hmask[:, None])
+
+
+@triton.jit
+def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
+                    HD: tl.constexpr, BLOCK_H: tl.constexpr, NSPLIT: tl.constexpr):
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, HD)
+    sp = tl.arange(0, NSPLIT)
+    rows = (t * H + heads)[:, None] * NSPLIT + sp[None, :]
+    m = tl.load(part_m_ptr + rows, mask=hmask[:, None], other=-float("inf"))
+    l = tl.load(part_l_ptr + rows, mask=hmask[:, None], other=0.0)
     sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
-    m_all = tl.maximum(m_i, sink)
-    l_all = l_i * tl.exp(m_i - m_all) + tl.exp(sink - m_all)
-    o = acc * (tl.exp(m_i - m_all) / l_all)[:, None]
+    m_all = tl.maximum(tl.max(m, axis=1), sink)
+    w = tl.exp(m - m_all[:, None])
+    l_all = tl.sum(l * w, axis=1) + tl.exp(sink - m_all)
+    o = tl.zeros((BLOCK_H, HD), tl.float32)
+    for i in tl.static_range(NSPLIT):
+        wi = tl.sum(tl.where(sp[None, :] == i, w, 0.0), axis=1)
+        a = tl.load(part_acc_ptr + ((t * H + heads) * NSPLIT + i)[:, None] * HD + d[None, :], mask=hmask[:, None],
+                    other=0.0)
+        o += a * wi[:, None]
+    o = o / l_all[:, None]
     tl.store(out_ptr + (t * H + heads)[:, None] * HD + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=hmask[:, None])
 
 
 def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, replay_starts, sliding_window,
-                          comp_pool, full_tables, ratio, selected, sinks, scale):
+                          comp_pool, full_tables, ratio, selected, sinks, scale, nsplit: int | None = None):
     T, H, hd = q.shape
     assert hd & (hd - 1) == 0, "head_dim must be a power of two for the fused attention kernel"
     q = q.contiguous()
     out = torch.empty_like(q)
     mode = 0 if comp_pool is None else (2 if selected is not None else 1)
-    dummy = window_pool
     topk = selected.shape[1] if selected is not None else 1
     BLOCK_H = 16
     BLOCK_N = 32 if hd <= 128 else 16
-    grid = (T, triton.cdiv(H, BLOCK_H))
-    _paged_attention_kernel[grid](
-        q, out, positions, token_seq, window_pool, window_tables, window_tables.stride(0), replay_starts,
-        comp_pool if comp_pool is not None else dummy,
+    head_blocks = triton.cdiv(H, BLOCK_H)
+    if nsplit is None:  # enough programs for ~2 waves on a 132-SM GPU when few tokens decode
+        nsplit = 1
+        while nsplit < 16 and T * head_blocks * nsplit < 256:
+            nsplit *= 2
+    if nsplit > 1:
+        part_m = torch.empty(T, H, nsplit, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(T, H, nsplit, hd, dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = sinks
+    _paged_attention_kernel[(T, head_blocks, nsplit)](
+        q, out, part_m, part_l, part_acc, positions, token_seq, window_pool, window_tables, window_tables.stride(0),
+        replay_starts, comp_pool if comp_pool is not None else window_pool,
         full_tables if full_tables is not None else window_tables,
         full_tables.stride(0) if full_tables is not None else 0,
         selected.contiguous() if selected is not None else positions,
         sinks.float().contiguous(), scale, H, sliding_window, window_pool.shape[1], max(ratio, 1),
         comp_pool.shape[1] if comp_pool is not None else 1,
-        HD=hd, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, MODE=mode, TOPK=topk, DOT_F32=_INTERPRET,
+        HD=hd, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, MODE=mode, TOPK=topk, NSPLIT=nsplit, DOT_F32=_INTERPRET,
         num_warps=4 if hd <= 128 else 8,
     )
+    if nsplit > 1:
+        _combine_kernel[(T, head_blocks)](out, part_m, part_l, part_acc, sinks.float().contiguous(), H,
+                                          HD=hd, BLOCK_H=BLOCK_H, NSPLIT=nsplit)
     return out

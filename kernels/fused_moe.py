@@ -19,8 +19,19 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong i
 BLOCK_M = 16
 
 
+def _configs():
+    """Decode streams expert weights (memory bound): wide K tiles and deep pipelines; the
+    autotuner picks per (D, I, few or many rows) during warm-up, before graph capture."""
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_N": 64, "BLOCK_K": 64})]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+            for n, k, w, st in ((32, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4),
+                                (128, 64, 8, 3), (32, 128, 2, 5))]
+
+
+@triton.autotune(configs=_configs(), key=["D", "I", "FEW_ROWS"])
 @triton.jit
-def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, expert_ptr, n_pairs, D, I, TOPK, limit,
+def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, expert_ptr, n_pairs, D, I, TOPK, limit, FEW_ROWS,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + pid_m)
@@ -51,8 +62,9 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, expert_ptr, n_pair
              mask=valid[:, None] & nmask[None, :])
 
 
+@triton.autotune(configs=_configs(), key=["D", "I", "FEW_ROWS"])
 @triton.jit
-def _down_kernel(h_ptr, w2_ptr, y_ptr, rw_ptr, sorted_ptr, expert_ptr, n_pairs, D, I,
+def _down_kernel(h_ptr, w2_ptr, y_ptr, rw_ptr, sorted_ptr, expert_ptr, n_pairs, D, I, FEW_ROWS,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + pid_m)
@@ -105,12 +117,11 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit):
     sorted_ids, expert_of_block, max_blocks = align_by_expert(indices, E)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * k, D, dtype=torch.float32, device=x.device)
-    BN, BK = 64, 64
     x = x.contiguous()
-    _gate_up_kernel[(max_blocks, triton.cdiv(I, BN))](x, w1, w3, h, sorted_ids, expert_of_block, T * k, D, I, k,
-                                                     limit, BLOCK_M=BLOCK_M, BLOCK_N=BN, BLOCK_K=BK,
-                                                     DOT_F32=_INTERPRET)
-    _down_kernel[(max_blocks, triton.cdiv(D, BN))](h, w2, y, weights.reshape(-1).float().contiguous(), sorted_ids,
-                                                  expert_of_block, T * k, D, I, BLOCK_M=BLOCK_M, BLOCK_N=BN,
-                                                  BLOCK_K=BK, DOT_F32=_INTERPRET)
+    few = int(T * k <= 64)
+    _gate_up_kernel[lambda m: (max_blocks, triton.cdiv(I, m["BLOCK_N"]))](
+        x, w1, w3, h, sorted_ids, expert_of_block, T * k, D, I, k, limit, few, BLOCK_M=BLOCK_M, DOT_F32=_INTERPRET)
+    _down_kernel[lambda m: (max_blocks, triton.cdiv(D, m["BLOCK_N"]))](
+        h, w2, y, weights.reshape(-1).float().contiguous(), sorted_ids, expert_of_block, T * k, D, I, few,
+        BLOCK_M=BLOCK_M, DOT_F32=_INTERPRET)
     return y.view(T, k, D).sum(dim=1).to(x.dtype)

@@ -16,7 +16,7 @@ kernels)
 engine)
   bench --concurrency 1,8,32,64,150 --input-len 512 --output-len 64 --requests-per-user 1 --floor --check-graphs \
     --engine-args "{$EA}" --json "$OUT/engine_opt.json" 2>&1 | tee "$OUT/engine_opt.log" | tail -14
-  bench --concurrency 1,32 --input-len 512 --output-len 32 --requests-per-user 1 --baseline \
+  bench --concurrency 1,32,150 --input-len 512 --output-len 64 --requests-per-user 1 --baseline \
     --engine-args "{$EA}" --json "$OUT/engine_base.json" 2>&1 | tee "$OUT/engine_base.log" | tail -6 ;;
 agentic)
   for mode in none snapshot replay; do
