@@ -1,0 +1,70 @@
+"""What the server saw during a load level: Triton's metrics endpoint read before and after.
+
+The native engine's counters (docs/USAGE.md, backend/metrics.py) give the prefix-cache hit ratio
+(`deepseek:prefix_cache_hit_tokens_total / deepseek:prefix_cache_queries_total`), replayed tokens,
+preemptions, and the server's own request and token totals to check the client's against.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.error
+import urllib.request
+
+# counter families summed over their labels; request_success is also kept per finish reason
+COUNTERS = {
+    "deepseek:prefix_cache_queries_total": "prefix_cache_queries",
+    "deepseek:prefix_cache_hit_tokens_total": "prefix_cache_hit_tokens",
+    "deepseek:replayed_tokens_total": "replayed_tokens",
+    "deepseek:num_preemptions_total": "num_preemptions",
+    "deepseek:prompt_tokens_total": "prompt_tokens",
+    "deepseek:generation_tokens_total": "generation_tokens",
+    "deepseek:request_success_total": "requests_finished",
+    "nv_inference_request_failure": "triton_request_failures",
+}
+# the engine-stats counters are polled every 0.5 s (backend/metrics.py): wait this long for them
+SETTLE_S = 1.5
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})?\s+(\S+)')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def parse(text: str) -> dict[str, float]:
+    """Prometheus text -> {short name: sum over labels}, plus `requests_finished/<reason>`."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or m.group(1) not in COUNTERS:
+            continue
+        name = COUNTERS[m.group(1)]
+        try:
+            value = float(m.group(4))
+        except ValueError:
+            continue
+        out[name] = out.get(name, 0.0) + value
+        labels = dict(_LABEL.findall(m.group(3) or ""))
+        if "finished_reason" in labels:
+            key = f"{name}/{labels['finished_reason']}"
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def scrape(url: str | None, timeout_s: float = 5.0) -> dict[str, float] | None:
+    """None when there is no metrics URL or it cannot be read (the sweep carries on without it)."""
+    if not url:
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return parse(response.read().decode("utf-8", "replace"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def delta(before: dict | None, after: dict | None) -> dict | None:
+    """Counter increase over a level, and the prefix-cache hit ratio the server saw."""
+    if before is None or after is None:
+        return None
+    out = {k: after[k] - before.get(k, 0.0) for k in sorted(after)}
+    queries = out.get("prefix_cache_queries", 0.0)
+    out["prefix_hit_ratio"] = out.get("prefix_cache_hit_tokens", 0.0) / queries if queries else None
+    return out

@@ -1,0 +1,191 @@
+"""Plots and a side-by-side table from one or more sweeps (loadtest.sweep's JSON).
+
+    python -m loadtest.report out/prefix-on.json out/prefix-off.json --out docs/loadtest
+
+Writes throughput.png (output tok/s and request/s vs concurrency), ttft.png, itl.png (p50 solid,
+p90 dashed, p99 dotted), e2e.png, and report.md: each sweep's command and settings, then one table
+per figure with the configurations side by side (and their ratio when there are two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+STYLES = {"p50": "-", "p90": "--", "p99": ":"}
+
+
+def load(paths: list[str]) -> list[dict]:
+    sweeps = []
+    for p in paths:
+        data = json.loads(Path(p).read_text())
+        if "levels" not in data:
+            raise ValueError(f"{p}: not a loadtest.sweep result (no 'levels')")
+        sweeps.append(data)
+    labels = [s["label"] for s in sweeps]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"two sweeps share a label: {labels}")
+    return sweeps
+
+
+def _series(sweep: dict, metric: str, key: str | None = None) -> tuple[list[int], list[float | None]]:
+    xs, ys = [], []
+    for lv in sweep["levels"]:
+        value = lv.get(metric)
+        if key is not None:
+            value = (value or {}).get(key)
+        xs.append(lv["concurrency"])
+        ys.append(value)
+    return xs, ys
+
+
+def plot(sweeps: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    levels = sorted({lv["concurrency"] for s in sweeps for lv in s["levels"]})
+    written = []
+
+    def axis(ax, ylabel: str, title: str) -> None:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels)
+        ax.set_xticklabels([str(c) for c in levels])
+        ax.set_xlabel("concurrent users")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+
+    def save(fig, name: str) -> None:
+        path = out / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, s in enumerate(sweeps):
+        a.plot(*_series(s, "output_tok_per_s"), "o-", color=colors[i % len(colors)], label=s["label"])
+        b.plot(*_series(s, "request_per_s"), "o-", color=colors[i % len(colors)], label=s["label"])
+    axis(a, "output tokens / s", "Throughput (output tokens)")
+    axis(b, "requests / s", "Throughput (completed requests)")
+    a.set_ylim(bottom=0)
+    b.set_ylim(bottom=0)
+    save(fig, "throughput.png")
+
+    for metric, name, title in (("ttft_ms", "ttft.png", "Time to first token"),
+                                ("itl_ms", "itl.png", "Inter-token latency (gap between deltas)"),
+                                ("e2e_ms", "e2e.png", "End-to-end request latency")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for i, s in enumerate(sweeps):
+            for p, style in STYLES.items():
+                ax.plot(*_series(s, metric, p), marker="o", markersize=3, linestyle=style,
+                        color=colors[i % len(colors)], label=f"{s['label']} {p}")
+        axis(ax, "ms", title)
+        ax.set_yscale("log")
+        plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+        save(fig, name)
+    return written
+
+
+def _fmt(value, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+# (title, getter, digits, higher is better)
+TABLES = [
+    ("Output tokens/s", lambda lv: lv["output_tok_per_s"], 1, True),
+    ("Requests/s", lambda lv: lv["request_per_s"], 2, True),
+    ("TTFT p50 (ms)", lambda lv: lv["ttft_ms"].get("p50"), 1, False),
+    ("TTFT p90 (ms)", lambda lv: lv["ttft_ms"].get("p90"), 1, False),
+    ("TTFT p99 (ms)", lambda lv: lv["ttft_ms"].get("p99"), 1, False),
+    ("ITL p50 (ms)", lambda lv: lv["itl_ms"].get("p50"), 2, False),
+    ("ITL p99 (ms)", lambda lv: lv["itl_ms"].get("p99"), 2, False),
+    ("TPOT p50 (ms)", lambda lv: lv["tpot_ms"].get("p50"), 2, False),
+    ("E2E p50 (ms)", lambda lv: lv["e2e_ms"].get("p50"), 1, False),
+    ("E2E p99 (ms)", lambda lv: lv["e2e_ms"].get("p99"), 1, False),
+    ("Error rate (%)", lambda lv: 100 * lv["error_rate"], 2, False),
+    ("Prefix-cache hit ratio (%, server)",
+     lambda lv: None if (lv.get("server") or {}).get("prefix_hit_ratio") is None
+     else 100 * lv["server"]["prefix_hit_ratio"], 1, True),
+]
+
+
+def markdown(sweeps: list[dict], pngs: list[Path] = ()) -> str:
+    labels = [s["label"] for s in sweeps]
+    lines = ["# Load-test report", "", *[f"![{p.stem}]({p.name})" for p in pngs], ""]
+    for s in sweeps:
+        w = s["workload"]
+        shape = {"random": f"input {w['input_len']} tokens, output {w['output_len']}",
+                 "agentic": f"system prompt {w['system_len']} tokens, user turns {w['turn_len']}, "
+                            f"{w['turns']} turns per conversation, output {w['output_len']}",
+                 "prompts": f"prompts from {w['prompts_file']}, output {w['output_len']}"}[w["kind"]]
+        server = s["server"]
+        engine = (f"started by the sweep, engine args `{json.dumps(server.get('engine_args') or {})}` over "
+                  f"model.json's" if server.get("serve") else f"a running server at {server['url']}")
+        lines += [f"## {s['label']}", "",
+                  f"- command: `{s['command']}`",
+                  f"- {s['protocol']} via {s.get('driver', 'locust')}, {w['kind']} workload: {shape}; "
+                  f"temperature {s['sampling']['temperature']}, ignore_eos {s['sampling']['ignore_eos']}",
+                  f"- server: {engine}; {s['duration_s']:g} s per level",
+                  f"- host: {s['host']['platform']}, {s['host']['cpus']} CPUs; {s['started']}", ""]
+    levels = sorted({lv["concurrency"] for s in sweeps for lv in s["levels"]})
+    by = [{lv["concurrency"]: lv for lv in s["levels"]} for s in sweeps]
+    ratio = len(sweeps) == 2
+    for title, get, digits, _ in TABLES:
+        values = [[None if c not in b else get(b[c]) for b in by] for c in levels]
+        if all(v is None for row in values for v in row):
+            continue
+        head = ["concurrency", *labels] + ([f"{labels[1]} / {labels[0]}"] if ratio else [])
+        lines += [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for c, row in zip(levels, values):
+            cells = [str(c), *(_fmt(v, digits) for v in row)]
+            if ratio:
+                a, b = row
+                cells.append(f"{b / a:.2f}x" if a and b is not None else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    problems = [f"{s['label']} c={lv['concurrency']}: load process killed" for s in sweeps for lv in s["levels"]
+                if lv.get("driver", lv.get("locust", {})).get("killed")]
+    if problems:
+        lines += ["### Problems", "", *[f"- {p}" for p in problems], ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.report", description=__doc__.split("\n\n")[0])
+    p.add_argument("results", nargs="+", help="loadtest.sweep JSON files, one per configuration")
+    p.add_argument("--out", required=True, help="folder for the PNGs and report.md")
+    args = p.parse_args(argv)
+    try:
+        sweeps = load(args.results)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        pngs = plot(sweeps, out)
+    except ImportError:
+        pngs = []
+        print("matplotlib is not installed: writing the tables only (pip install matplotlib)", file=sys.stderr)
+    report = out / "report.md"
+    report.write_text(markdown(sweeps, pngs))
+    for path in [report, *pngs]:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

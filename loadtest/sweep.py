@@ -1,0 +1,415 @@
+"""Concurrency sweep: Locust headless at each level, against a running server or one it starts.
+
+    python -m loadtest.sweep --url 127.0.0.1:8001 --concurrency 1,2,4,8,16,32,64,100,150 \\
+        --duration 60s --workload agentic [--protocol grpc|http] [--label A] [--out DIR]
+    python -m loadtest.sweep --serve --engine-args '{"enable_prefix_caching": false}' ...
+
+Each level runs `locust -f loadtest/locustfile.py` in its own process group, closed-loop users
+(each sends its next request when the last one ends), for --duration; then in-flight requests get
+--stop-timeout to finish (the rest are cancelled). A level that outlives duration + stop-timeout
++ a grace period is killed (process group, SIGTERM then SIGKILL) and marked so. Triton's metrics
+are read before and after each level (prefix-cache hits, the server's own token totals).
+
+Writes OUT/LABEL.json (settings, one summary per level: p50/p90/p99 TTFT, ITL, TPOT, E2E,
+request/s, output tok/s, error rate, server counters, and every request's record) and
+OUT/LABEL.csv (one row per level); Locust's logs, CSV and raw records go to OUT/raw/LABEL/cN/.
+`python -m loadtest.report` plots and compares sweeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from loadtest import metrics
+from loadtest.workloads import Length, WorkloadConfig, resolve_tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
+USER_CLASSES = {"grpc": "GrpcStreamUser", "http": "HttpSseUser"}
+DEFAULT_URLS = {"grpc": ("TRITON_GRPC_URL", "127.0.0.1:8001"), "http": ("TRITON_HTTP_URL", "127.0.0.1:8000")}
+STARTUP_GRACE_S = 60.0  # Locust's own start (imports, tokenizer) and exit, beyond run + stop timeouts
+PROGRESS_EVERY_S = 10.0
+PERCENTILES = (50, 90, 99)
+
+
+def parse_seconds(text: str) -> float:
+    """'60', '60s', '2m', '1h', '1m30s' -> seconds."""
+    parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s?)?\s*", text)
+    if not parts or not any(parts.groups()):
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (60, 60s, 2m, 1m30s)")
+    h, m, s = (float(g or 0) for g in parts.groups())
+    return h * 3600 + m * 60 + s
+
+
+def parse_levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError("concurrency levels must be integers >= 1")
+    return levels
+
+
+# ------------------------------------------------------------------------------------------ stats
+
+
+def percentiles(values: list[float]) -> dict:
+    """p50/p90/p99 (linear interpolation, as numpy's default), mean, count."""
+    if not values:
+        return {"count": 0}
+    xs = sorted(values)
+
+    def at(q: float) -> float:
+        pos = (len(xs) - 1) * q / 100
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return {**{f"p{q}": at(q) for q in PERCENTILES}, "mean": statistics.fmean(xs), "count": len(xs)}
+
+
+def read_records(path: Path) -> tuple[list[dict], dict]:
+    """The load process's JSON lines (PATH, and PATH.<pid> of Locust's worker processes) ->
+    (request records, {"start"|"stopping"|"stop": earliest time})."""
+    requests, marks = [], {}
+    for part in [path, *sorted(path.parent.glob(path.name + ".*"))]:
+        if not part.exists():
+            continue
+        for line in part.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a killed process
+            kind = rec.pop("kind", None)
+            if kind == "request":
+                requests.append(rec)
+            elif kind in ("start", "stopping", "stop"):
+                marks[kind] = min(rec["t"], marks.get(kind, rec["t"]))
+    return requests, marks
+
+
+def summarize(requests: list[dict], marks: dict, concurrency: int) -> dict:
+    """One level's figures. Rates count what happened inside the run window (test start until
+    Locust began stopping): requests completed and tokens received in it, over its length.
+    Latencies cover every completed request, the ones finishing during the stop included."""
+    ok = [r for r in requests if r["ok"]]
+    errors = [r for r in requests if not r["ok"] and not r["cancelled"]]
+    cancelled = [r for r in requests if r["cancelled"]]
+    start = marks.get("start") or min((r["start"] for r in requests), default=0.0)
+    stop = marks.get("stopping") or max((r["start"] + r["e2e_ms"] / 1e3 for r in requests), default=start)
+    window = max(stop - start, 1e-9)
+    tokens_in_window = 0
+    for r in ok + cancelled:
+        counts = r.get("delta_tokens") or [1] * len(r.get("delta_ms", []))
+        tokens_in_window += sum(n for t, n in zip(r.get("delta_ms", []), counts)
+                                if start <= r["start"] + t / 1e3 <= stop)
+    completed_in_window = sum(1 for r in ok if r["start"] + r["e2e_ms"] / 1e3 <= stop)
+    itl = [b - a for r in ok for a, b in zip(r["delta_ms"], r["delta_ms"][1:])]
+    sent = len(ok) + len(errors)
+    return {
+        "concurrency": concurrency,
+        "window_s": window,
+        "requests": len(ok),
+        "errors": len(errors),
+        "cancelled": len(cancelled),
+        "error_rate": len(errors) / sent if sent else 0.0,
+        "request_per_s": completed_in_window / window,
+        "output_tok_per_s": tokens_in_window / window,
+        "input_tok_per_s": sum(r["prompt_tokens"] for r in ok if r["start"] + r["e2e_ms"] / 1e3 <= stop) / window,
+        "output_tokens": sum(r["server_num_output_tokens"] or 0 for r in ok),
+        "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in ok) if ok else None,
+        "ttft_ms": percentiles([r["ttft_ms"] for r in ok]),
+        "itl_ms": percentiles(itl),
+        "tpot_ms": percentiles([r["tpot_ms"] for r in ok if r["tpot_ms"] is not None]),
+        "e2e_ms": percentiles([r["e2e_ms"] for r in ok]),
+        "error_samples": sorted({r["error"] for r in errors})[:5],
+    }
+
+
+# ------------------------------------------------------------------------------------------ locust
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the sweep dies, so no Locust outlives it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_driver(cmd: list[str], log_path: Path, records: Path, hard_timeout_s: float, say) -> dict:
+    """Run one load process (Locust, or the thread driver) in its own process group; print progress;
+    kill the group past the bound."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    t0 = time.monotonic()
+    killed = False
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            next_progress = t0 + PROGRESS_EVERY_S
+            while proc.poll() is None:
+                now = time.monotonic()
+                if now - t0 > hard_timeout_s:
+                    say(f"    load process still running after {hard_timeout_s:.0f} s: killing its process group")
+                    killed = True
+                    _kill_group(proc)
+                    break
+                if now >= next_progress:
+                    reqs, _ = read_records(records)
+                    bad = sum(1 for r in reqs if not r["ok"] and not r["cancelled"])
+                    toks = sum(r["server_num_output_tokens"] or 0 for r in reqs if r["ok"])
+                    say(f"    {now - t0:5.0f} s: {len(reqs)} requests, {bad} errors, {toks} output tokens")
+                    next_progress = now + PROGRESS_EVERY_S
+                time.sleep(0.2)
+        except BaseException:
+            _kill_group(proc, grace_s=2.0)
+            raise
+    log_text = log_path.read_text(errors="replace")
+    return {"exit_code": proc.returncode, "elapsed_s": time.monotonic() - t0, "killed": killed,
+            "cpu_warning": "CPU usage above" in log_text, "log": str(log_path)}
+
+
+# ------------------------------------------------------------------------------------------ sweep
+
+
+def workload_config(args) -> WorkloadConfig:
+    return WorkloadConfig(kind=args.workload, tokenizer=str(args.tokenizer), input_len=args.input_len,
+                          output_len=args.output_len, system_len=args.system_len, turn_len=args.turn_len,
+                          turns=args.turns, prompts_file=args.prompts_file, seed=args.seed)
+
+
+def run_level(args, concurrency: int, url: str, metrics_url: str | None, level_dir: Path, say) -> dict:
+    level_dir.mkdir(parents=True, exist_ok=True)
+    records = level_dir / "records.jsonl"
+    for old in [records, *level_dir.glob("records.jsonl.*")]:
+        old.unlink(missing_ok=True)
+    config = {"workload": asdict(workload_config(args)), "url": url, "temperature": args.temperature,
+              "ignore_eos": not args.no_ignore_eos, "request_timeout_s": args.request_timeout,
+              "level_seed": concurrency, "records": str(records)}
+    config_path = level_dir / "config.json"
+    config_path.write_text(json.dumps(config, indent=2))
+    if args.driver == "locust":
+        cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
+               "-u", str(concurrency), "-r", str(concurrency), "-t", f"{args.duration:g}s",
+               "--stop-timeout", f"{args.stop_timeout:g}", "--only-summary", "--csv", str(level_dir / "locust"),
+               "--host", url, "--exit-code-on-error", "0", "--loadtest-config", str(config_path),
+               *(["--processes", str(args.processes)] if args.processes > 1 else []), USER_CLASSES[args.protocol]]
+    else:
+        cmd = [sys.executable, "-m", "loadtest.threads", str(config_path), "--protocol", args.protocol,
+               "--users", str(concurrency), "--duration", f"{args.duration:g}",
+               "--stop-timeout", f"{args.stop_timeout:g}"]
+    before = metrics.scrape(metrics_url)
+    load_before = os.getloadavg()
+    run = run_driver(cmd, level_dir / f"{args.driver}.log", records,
+                     args.duration + args.stop_timeout + STARTUP_GRACE_S, say)
+    if metrics_url:
+        time.sleep(metrics.SETTLE_S)
+    server = metrics.delta(before, metrics.scrape(metrics_url))
+    requests, marks = read_records(records)
+    summary = summarize(requests, marks, concurrency)
+    return {**summary, "server": server, "driver": run,
+            "load_avg": {"before": load_before, "after": os.getloadavg()},
+            "records": [{k: v for k, v in r.items() if k not in ("delta_ms", "delta_tokens")} for r in requests]}
+
+
+def describe_level(level: dict) -> str:
+    ttft, itl, e2e = level["ttft_ms"], level["itl_ms"], level["e2e_ms"]
+    hit = (level["server"] or {}).get("prefix_hit_ratio")
+    parts = [f"c={level['concurrency']:<4}", f"{level['requests']:5d} req", f"{level['request_per_s']:7.2f} req/s",
+             f"{level['output_tok_per_s']:8.1f} tok/s",
+             f"TTFT p50 {ttft.get('p50', float('nan')):7.1f} p99 {ttft.get('p99', float('nan')):7.1f} ms",
+             f"ITL p50 {itl.get('p50', float('nan')):6.1f} ms", f"E2E p50 {e2e.get('p50', float('nan')):7.1f} ms",
+             f"err {level['error_rate']:.1%}"]
+    if hit is not None:
+        parts.append(f"prefix hit {hit:.0%}")
+    if level["driver"]["killed"]:
+        parts.append("LOAD PROCESS KILLED")
+    return " | ".join(parts)
+
+
+CSV_FIELDS = ["label", "protocol", "workload", "concurrency", "requests", "errors", "cancelled", "error_rate",
+              "request_per_s", "output_tok_per_s", "input_tok_per_s"] + [
+    f"{m}_{p}" for m in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms") for p in ("p50", "p90", "p99", "mean")] + [
+    "prefix_hit_ratio", "driver_killed", "driver_elapsed_s"]
+
+
+def write_outputs(result: dict, out: Path, label: str) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, csv_path = out / f"{label}.json", out / f"{label}.csv"
+    tmp = json_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(json_path)  # a sweep stopped half-way still leaves a readable file
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for lv in result["levels"]:
+            row = {k: lv.get(k) for k in CSV_FIELDS}
+            row.update(label=label, protocol=result["protocol"], workload=result["workload"]["kind"],
+                       prefix_hit_ratio=(lv["server"] or {}).get("prefix_hit_ratio"),
+                       driver_killed=lv["driver"]["killed"], driver_elapsed_s=round(lv["driver"]["elapsed_s"], 2))
+            for m in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+                for p in ("p50", "p90", "p99", "mean"):
+                    row[f"{m}_{p}"] = lv[m].get(p)
+            w.writerow(row)
+    return json_path, csv_path
+
+
+def sweep(args, url: str, metrics_url: str | None, server_info: dict, say=print) -> dict:
+    label = args.label
+    out = Path(args.out)
+    result = {
+        "label": label,
+        "command": "python -m loadtest.sweep " + shlex.join(args.argv),
+        "protocol": args.protocol,
+        "driver": args.driver,
+        "processes": args.processes,
+        "workload": asdict(workload_config(args)),
+        "sampling": {"temperature": args.temperature, "ignore_eos": not args.no_ignore_eos},
+        "duration_s": args.duration, "stop_timeout_s": args.stop_timeout,
+        "server": {"url": url, "metrics_url": metrics_url, **server_info},
+        "host": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "levels": [],
+    }
+    levels = args.concurrency
+    budget = len(levels) * (args.duration + 5)
+    say(f"sweep {label}: {args.protocol} {args.workload} ({args.driver}) against {url}, levels {levels}, {args.duration:g} s "
+        f"each (about {budget / 60:.1f} min, plus up to {args.stop_timeout:g} s per level for in-flight requests)")
+    for i, c in enumerate(levels, 1):
+        say(f"[{i}/{len(levels)}] concurrency {c} ...")
+        level = run_level(args, c, url, metrics_url, out / "raw" / label / f"c{c}", say)
+        result["levels"].append(level)
+        say(f"  {describe_level(level)}")
+        write_outputs(result, out, label)
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    json_path, csv_path = write_outputs(result, out, label)
+    say(f"wrote {json_path} and {csv_path}")
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m loadtest.sweep", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="server address for --protocol, host:port (default $TRITON_GRPC_URL or "
+                   "127.0.0.1:8001 for grpc, $TRITON_HTTP_URL or 127.0.0.1:8000 for http)")
+    p.add_argument("--protocol", choices=sorted(USER_CLASSES), default="grpc")
+    p.add_argument("--driver", choices=["locust", "threads"], default="locust",
+                   help="locust: Locust's users (gevent); threads: the same load from OS threads, a reference")
+    p.add_argument("--processes", type=int, default=1, help="Locust processes (one core each): more for "
+                   "high token rates, where one gevent process would be the bottleneck (docs/LOADTEST.md)")
+    p.add_argument("--metrics-url", help="Triton metrics (default $TRITON_METRICS_URL or http://HOST:8002/metrics); "
+                   "'none' to skip")
+    p.add_argument("--serve", action="store_true", help="start a server (backend.serve, free loopback ports) "
+                   "for the sweep and stop it after")
+    p.add_argument("--model", help="with --serve: checkpoint dir (default model.json's, the tiny model)")
+    p.add_argument("--engine-args", default="{}", help="with --serve: JSON merged into model.json")
+    p.add_argument("--concurrency", type=parse_levels, default=parse_levels("1,2,4,8,16,32,64,100,150"))
+    p.add_argument("--duration", type=parse_seconds, default=60.0, help="per level (60, 60s, 2m)")
+    p.add_argument("--stop-timeout", type=parse_seconds, default=30.0,
+                   help="after each level, time for in-flight requests to finish before they are cancelled")
+    p.add_argument("--workload", choices=["random", "agentic", "prompts"], default="random")
+    p.add_argument("--input-len", default="256", help="random: prompt tokens, N or LOW:HIGH")
+    p.add_argument("--output-len", default="64", help="max_tokens, N or LOW:HIGH (exact with ignore_eos)")
+    p.add_argument("--system-len", type=int, default=512, help="agentic: shared system prompt tokens")
+    p.add_argument("--turn-len", default="64", help="agentic: tokens per new user message, N or LOW:HIGH")
+    p.add_argument("--turns", type=int, default=6, help="agentic: turns per conversation")
+    p.add_argument("--prompts-file", default="", help="prompts: .jsonl (prompt, max_tokens) or .txt")
+    p.add_argument("--tokenizer", default="", help="dir with the model's tokenizer.json (default: --model's "
+                   "with --serve, else the tiny checkpoint's)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (lengths vary)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds, per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--label", help="name of this configuration (default PROTOCOL-WORKLOAD)")
+    p.add_argument("--out", default="loadtest-results")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = argv
+    args.label = args.label or f"{args.protocol}-{args.workload}" + ("-threads" if args.driver == "threads" else "")
+    if not re.fullmatch(r"[\w.-]+", args.label):
+        parser.error("--label: letters, digits, '.', '_' and '-' only (it names files)")
+    for name in ("input_len", "output_len", "turn_len"):
+        try:
+            Length.parse(getattr(args, name))
+        except ValueError as e:
+            parser.error(f"--{name.replace('_', '-')}: {e}")
+    try:
+        engine_args = json.loads(args.engine_args)
+    except json.JSONDecodeError as e:
+        parser.error(f"--engine-args is not valid JSON: {e}")
+    if not isinstance(engine_args, dict):
+        parser.error("--engine-args must be a JSON object")
+    if not args.tokenizer and args.serve and args.model and args.model != "tiny":
+        args.tokenizer = args.model
+    args.tokenizer = str(resolve_tokenizer(args.tokenizer))
+
+    try:
+        if not args.serve:
+            env, default = DEFAULT_URLS[args.protocol]
+            url = args.url or os.environ.get(env) or default
+            metrics_url = args.metrics_url or os.environ.get("TRITON_METRICS_URL") or \
+                f"http://{url.rpartition(':')[0] or '127.0.0.1'}:8002/metrics"
+            if metrics_url == "none":
+                metrics_url = None
+            sweep(args, url, metrics_url, {"serve": False})
+            return 0
+        from backend.serve import ServerError, TritonServer
+
+        print(f"starting a server (engine args {engine_args or 'from model.json'}) ...", flush=True)
+        try:
+            server = TritonServer(model=args.model, engine_args=engine_args, http_port=0, grpc_port=0,
+                                  metrics_port=0).start()
+        except ServerError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        try:
+            url = server.grpc_url if args.protocol == "grpc" else server.http_url
+            info = {"serve": True, "model": args.model or "model.json's", "engine_args": engine_args}
+            sweep(args, url, server.metrics_url, info)
+        finally:
+            server.stop()
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted; results so far are in the JSON", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
