@@ -18,6 +18,7 @@ from kernels.fused_norm_mhc import (
     rms_norm_unweighted_fused,
     router_topk_fused,
 )
+from kernels.fused_rope import apply_rope_fused, kv_norm_rope_insert_fused, norm_rope_fused
 
 
 def _on_cuda(fused, ref):
@@ -36,5 +37,8 @@ FUSED = {
     "router_topk": router_topk_fused,
     "paged_attention": paged_attention_fused,
     "moe_experts": moe_experts_fused,
+    "norm_rope": norm_rope_fused,
+    "apply_rope": apply_rope_fused,
+    "kv_norm_rope_insert": kv_norm_rope_insert_fused,
 }
 OPS = {name: _on_cuda(fn, getattr(reference, name)) for name, fn in FUSED.items()}

@@ -44,6 +44,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([nope, rotated], dim=-1)
 
 
+def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+              eps: float) -> torch.Tensor:
+    """RMSNorm (weighted, or per-head unweighted for q) then RoPE."""
+    y = rms_norm(x, weight, eps) if weight is not None else rms_norm_unweighted(x, eps)
+    return apply_rope(y, cos, sin)
+
+
+def kv_norm_rope_insert(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                        pool: torch.Tensor, slots: torch.Tensor) -> None:
+    """The shared K=V latent: norm, RoPE, straight into the window cache at `slots`."""
+    y = apply_rope(rms_norm(kv, weight, eps), cos, sin)
+    pool.view(-1, pool.shape[-1]).index_copy_(0, slots, y.to(pool.dtype))
+
+
 # --- mHC (manifold-constrained hyper-connections, paper section 2.2) ---------------------------
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,

@@ -168,10 +168,9 @@ class Attention(nn.Module):
         H, hd, W = cfg.num_heads, cfg.head_dim, cfg.sliding_window
         cos, sin = ropes["main" if self.layer_type == SLIDING else "compress"]
         q_res = self.q_norm(self.wq_a(x))
-        q = K.rms_norm_unweighted(self.wq_b(q_res).view(T, H, hd), cfg.rms_norm_eps)
-        q = K.apply_rope(q, cos, sin)
-        kv = K.apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
-        cache.write_window(self.layer, fb.window_slots, kv)
+        q = K.norm_rope(self.wq_b(q_res).view(T, H, hd), None, cos, sin, cfg.rms_norm_eps)
+        K.kv_norm_rope_insert(self.wkv(x), self.kv_norm.weight, cos, sin, cfg.rms_norm_eps, cache.window[self.layer],
+                              fb.window_slots)
 
         comp_pool, selected = None, None
         if self.layer_type != SLIDING:

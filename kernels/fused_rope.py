@@ -1,0 +1,72 @@
+"""Fused RMSNorm + interleaved RoPE (q per head, kv with the window-cache insert) and plain RoPE.
+
+One program per (token, head) row: the norm's sum of squares over the whole row, then the
+nope slice scaled and the rope slice rotated pairwise (2i, 2i+1), in fp32, cast once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slot_ptr, D, R, HEADS, eps, sin_sign,
+                      NORM: tl.constexpr, HAS_W: tl.constexpr, INSERT: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_R: tl.constexpr):
+    row = tl.program_id(0)
+    t = row // HEADS
+    cols = tl.arange(0, BLOCK_D)
+    m = cols < D
+    x = tl.load(x_ptr + row * D + cols, mask=m, other=0.0).to(tl.float32)
+    scale = 1.0
+    if NORM:
+        scale = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+    y = x * scale
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    dst = row * D
+    if INSERT:
+        dst = tl.load(slot_ptr + t) * D
+    nope = D - R
+    tl.store(out_ptr + dst + cols, y.to(out_ptr.dtype.element_ty), mask=cols < nope)
+    i = tl.arange(0, BLOCK_R)
+    im = i < R // 2
+    ev = nope + 2 * i
+    xe = tl.load(x_ptr + row * D + ev, mask=im, other=0.0).to(tl.float32) * scale
+    xo = tl.load(x_ptr + row * D + ev + 1, mask=im, other=0.0).to(tl.float32) * scale
+    if HAS_W:
+        xe = xe * tl.load(w_ptr + ev, mask=im, other=0.0).to(tl.float32)
+        xo = xo * tl.load(w_ptr + ev + 1, mask=im, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * (R // 2) + i, mask=im, other=1.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * (R // 2) + i, mask=im, other=0.0).to(tl.float32) * sin_sign
+    tl.store(out_ptr + dst + ev, (xe * c - xo * s).to(out_ptr.dtype.element_ty), mask=im)
+    tl.store(out_ptr + dst + ev + 1, (xo * c + xe * s).to(out_ptr.dtype.element_ty), mask=im)
+
+
+def _launch(x, weight, cos, sin, eps, norm, out, slots=None, sin_sign=1.0):
+    D, R = x.shape[-1], 2 * cos.shape[-1]
+    heads = x[0].numel() // D if x.dim() > 1 else 1
+    rows = x.numel() // D
+    _norm_rope_kernel[(rows,)](x, weight if weight is not None else x, cos.contiguous(), sin.contiguous(), out,
+                               slots if slots is not None else x, D, R, heads, eps, sin_sign, NORM=norm,
+                               HAS_W=weight is not None, INSERT=slots is not None,
+                               BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(max(R // 2, 1)))
+    return out
+
+
+def norm_rope_fused(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    x = x.contiguous()
+    return _launch(x, weight, cos, sin, eps, True, torch.empty_like(x))
+
+
+def apply_rope_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    return _launch(x, None, cos, sin, 0.0, False, torch.empty_like(x))
+
+
+def kv_norm_rope_insert_fused(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                              eps: float, pool: torch.Tensor, slots: torch.Tensor) -> None:
+    _launch(kv.contiguous(), weight, cos, sin, eps, True, pool, slots=slots)

@@ -1,0 +1,39 @@
+"""Fused norm + RoPE kernels vs the references: q (per-head unweighted), kv (weighted, into
+the window cache), plain and inverse RoPE; odd token counts, one token."""
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from kernels.fused_rope import apply_rope_fused, kv_norm_rope_insert_fused, norm_rope_fused
+
+
+def _cos_sin(T, r, dtype):
+    inv = 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
+    return ref.rope_cos_sin(torch.randint(0, 5000, (T,)), inv, dtype)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("T, H, d, r", [(1, 4, 32, 8), (7, 3, 64, 16), (5, 1, 48, 8)])
+def test_q_norm_rope_and_inverse(dtype, tol, T, H, d, r):
+    x = torch.randn(T, H, d).to(dtype)
+    cos, sin = _cos_sin(T, r, dtype)
+    got, want = norm_rope_fused(x, None, cos, sin, 1e-6), ref.norm_rope(x, None, cos, sin, 1e-6)
+    assert (got.float() - want.float()).abs().max() <= tol * want.abs().max()
+    inv = apply_rope_fused(got, cos, -sin)  # the output's inverse rotation undoes it
+    assert (inv.float() - ref.apply_rope(got, cos, -sin).float()).abs().max() <= tol * want.abs().max()
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_kv_norm_rope_insert_writes_only_its_slots(dtype, tol):
+    T, d, r, nb, bs = 9, 32, 8, 4, 16
+    kv, w = torch.randn(T, d).to(dtype), torch.rand(d) + 0.5
+    cos, sin = _cos_sin(T, r, dtype)
+    slots = torch.randperm(nb * bs)[:T]
+    pools = [torch.full((nb, bs, d), 7.0, dtype=dtype) for _ in range(2)]
+    kv_norm_rope_insert_fused(kv, w, cos, sin, 1e-6, pools[0], slots)
+    ref.kv_norm_rope_insert(kv, w, cos, sin, 1e-6, pools[1], slots)
+    assert (pools[0].float() - pools[1].float()).abs().max() <= tol * 7
+    untouched = torch.ones(nb * bs, dtype=torch.bool)
+    untouched[slots] = False
+    assert (pools[0].view(-1, d)[untouched] == 7.0).all()
