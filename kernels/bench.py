@@ -54,6 +54,17 @@ def cases(B: int):
     x = torch.randn(B, D, device=dev, dtype=bf)
     w = torch.rand(D, device=dev) + 0.5
     yield "rms_norm", fused.rms_norm_fused, reference.rms_norm, (x, w, 1e-6), 2 * B * D * 2, 0
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2, device=dev).float() / 64))
+    cos, sin = reference.rope_cos_sin(torch.randint(0, 4096, (B,), device=dev), inv, bf)
+    qh = torch.randn(B, H, hd, device=dev, dtype=bf)
+    yield ("q norm + rope (64 x 512)", fused.norm_rope_fused, reference.norm_rope, (qh, None, cos, sin, 1e-6),
+           2 * B * H * hd * 2, 0)
+    kvp = torch.randn(4096, 128, hd, device=dev, dtype=bf)
+    slots = torch.randperm(4096 * 128, device=dev)[:B]
+    kvx = torch.randn(B, hd, device=dev, dtype=bf)
+    yield ("kv norm + rope + cache insert", lambda *a: (fused.kv_norm_rope_insert_fused(*a), kvp.view(-1, hd)[slots])[1],
+           lambda *a: (reference.kv_norm_rope_insert(*a), kvp.view(-1, hd)[slots])[1],
+           (kvx, torch.rand(hd, device=dev) + 0.5, cos, sin, 1e-6, kvp, slots), 2 * B * hd * 2, 0)
     h4 = torch.randn(B, 4, D, device=dev, dtype=bf)
     fn, base, scale = torch.randn(24, 4 * D, device=dev) * 0.02, torch.randn(24, device=dev) * 0.1, torch.rand(3, device=dev)
     yield ("hc_pre", fused.hc_pre_fused, reference.hc_pre, (h4, fn, base, scale, 1e-6, 1e-6, 20),
