@@ -12,13 +12,16 @@ config's `records` file, which the sweep reads.
 
 gevent: Locust monkey-patches the process, and tritonclient streams through a gRPC thread.
 `grpc.experimental.gevent.init_gevent()` (before any gRPC object exists) makes gRPC's waits
-cooperative; without it a streaming user hangs the process. With it, one more trap remains: a
-tritonclient client finalised by the interpreter's last garbage collection (after Locust's
-`sys.exit`, the gevent hub no longer running) calls `channel.close()` from `__del__`, which blocks
-on a gRPC-core mutex forever (seen in gdb: Py_FinalizeEx -> gc -> InferenceServerClient.__del__
--> Channel.close -> pthread_mutex_lock), about one run in three at 64 users. So the users close
-their clients in `on_stop`, `test_stop` collects them while the hub still runs, and an atexit hook
-ends the process with Locust's exit code once Locust is done (nothing useful is left to run).
+cooperative; without it a streaming user hangs the process. With it, Locust could still hang
+after its summary (about one run in three at 64 users): gRPC's gevent integration hands each
+completion to the hub through a threadpool thread waiting on a C++ condition variable; at exit
+gRPC's atexit hook wakes it, it re-takes that mutex and asks for the GIL, and Python 3.11 ends a
+thread that asks for the GIL during finalization, mutex held. A tritonclient client collected by
+the interpreter's last garbage collection then closes its channel from `__del__` and blocks on
+the mutex forever (gdb: Py_FinalizeEx -> gc -> InferenceServerClient.__del__ -> Channel.close ->
+pthread_mutex_lock). So users close their clients in `on_stop`, `test_stop` collects them while
+the hub still runs, and an atexit hook (registered after gRPC's, so it runs first) ends the
+process with Locust's exit code once Locust has written everything. docs/LOADTEST.md has more.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ def _init(environment, **_):
     options = environment.parsed_options
     STATE.config = LoadConfig.load(getattr(options, "loadtest_config", "") if options else "")
     STATE.workload = make_workload(WorkloadConfig.from_dict(STATE.config.workload))
+    STATE.csv = bool(getattr(options, "csv_prefix", None))
     records = STATE.config.records
     if records and getattr(options, "worker", False):  # `--processes N`: one file per worker process
         records = f"{records}.{os.getpid()}"
@@ -100,11 +104,6 @@ def _test_stopping(**_):
 def _test_stop(**_):
     STATE.records.mark("stop")
     gc.collect()  # closed tritonclient clients are finalised now, while the gevent hub runs
-
-
-@events.init.add_listener
-def _remember_options(environment, **_):
-    STATE.csv = bool(getattr(environment.parsed_options, "csv_prefix", None))
 
 
 @events.quit.add_listener

@@ -122,6 +122,12 @@ TABLES = [
 ]
 
 
+def _load(sweep: dict) -> str:
+    """The host's 1-minute load average around the levels: how busy the machine was."""
+    loads = [v[0] for lv in sweep["levels"] for v in (lv.get("load_avg") or {}).values()]
+    return f"; load average {min(loads):.1f}-{max(loads):.1f}" if loads else ""
+
+
 def markdown(sweeps: list[dict], pngs: list[Path] = ()) -> str:
     labels = [s["label"] for s in sweeps]
     lines = ["# Load-test report", "", *[f"![{p.stem}]({p.name})" for p in pngs], ""]
@@ -139,7 +145,7 @@ def markdown(sweeps: list[dict], pngs: list[Path] = ()) -> str:
                   f"- {s['protocol']} via {s.get('driver', 'locust')}, {w['kind']} workload: {shape}; "
                   f"temperature {s['sampling']['temperature']}, ignore_eos {s['sampling']['ignore_eos']}",
                   f"- server: {engine}; {s['duration_s']:g} s per level",
-                  f"- host: {s['host']['platform']}, {s['host']['cpus']} CPUs; {s['started']}", ""]
+                  f"- host: {s['host']['platform']}, {s['host']['cpus']} CPUs; {s['started']}{_load(s)}", ""]
     levels = sorted({lv["concurrency"] for s in sweeps for lv in s["levels"]})
     by = [{lv["concurrency"]: lv for lv in s["levels"]} for s in sweeps]
     ratio = len(sweeps) == 2

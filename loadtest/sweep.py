@@ -34,7 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from loadtest import metrics
-from loadtest.workloads import Length, WorkloadConfig, resolve_tokenizer
+from loadtest.workloads import Length, LoadConfig, WorkloadConfig, resolve_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
@@ -215,11 +215,11 @@ def run_level(args, concurrency: int, url: str, metrics_url: str | None, level_d
     records = level_dir / "records.jsonl"
     for old in [records, *level_dir.glob("records.jsonl.*")]:
         old.unlink(missing_ok=True)
-    config = {"workload": asdict(workload_config(args)), "url": url, "temperature": args.temperature,
-              "ignore_eos": not args.no_ignore_eos, "request_timeout_s": args.request_timeout,
-              "level_seed": concurrency, "records": str(records)}
+    config = LoadConfig(workload=asdict(workload_config(args)), url=url, temperature=args.temperature,
+                        ignore_eos=not args.no_ignore_eos, request_timeout_s=args.request_timeout,
+                        level_seed=concurrency, records=str(records))
     config_path = level_dir / "config.json"
-    config_path.write_text(json.dumps(config, indent=2))
+    config_path.write_text(json.dumps(asdict(config), indent=2))
     if args.driver == "locust":
         cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
                "-u", str(concurrency), "-r", str(concurrency), "-t", f"{args.duration:g}s",
@@ -256,6 +256,8 @@ def describe_level(level: dict) -> str:
         parts.append(f"prefix hit {hit:.0%}")
     if level["driver"]["killed"]:
         parts.append("LOAD PROCESS KILLED")
+    if level["driver"]["cpu_warning"]:
+        parts.append("Locust CPU > 90%: it may be the bottleneck (--processes)")
     return " | ".join(parts)
 
 
