@@ -46,7 +46,11 @@ STAT_COUNTERS = {
     "prefix_cache_replayed_tokens": ("replayed_tokens_total",
                                      "Tokens recomputed by SWA bounded replay after prefix-cache hits."),
     "num_preemptions": ("num_preemptions_total", "Requests preempted (their KV freed, recomputed later)."),
+    "num_step_failures": ("engine_step_failures_total",
+                          "Engine steps that raised (the failing request is isolated and failed)."),
 }
+# Triton error codes the backend sends (model.py), as labels of request_failure_total
+ERROR_CODES = ("INVALID_ARG", "UNAVAILABLE", "INTERNAL", "CANCELLED")
 
 
 @dataclass
@@ -71,6 +75,10 @@ def gauges_from_stats(stats: dict) -> tuple[dict[str, float], dict[str, float]]:
             gauges[f"kv_cache_usage_perc/{pool}"] = float(usage)
     else:
         gauges["kv_cache_usage_perc/all"] = float(kv)
+    for pool, blocks in (stats.get("kv_blocks") or {}).items():  # the native engine's
+        if isinstance(blocks, dict) and {"free", "total"} <= blocks.keys():
+            gauges[f"kv_cache_free_blocks/{pool}"] = float(blocks["free"])
+            gauges[f"kv_cache_blocks/{pool}"] = float(blocks["total"])
     counters = {name: float(stats.get(key, 0)) for key, (name, _) in STAT_COUNTERS.items()}
     return gauges, counters
 
@@ -114,6 +122,9 @@ class Metrics:
                                         F.COUNTER).Metric(labels=self.labels)
         self.success_family = family("request_success_total", "Finished requests by finish reason.", F.COUNTER)
         self.success: dict[str, object] = {}
+        failure_family = family("request_failure_total",
+                                "Requests answered with an error, by Triton error code.", F.COUNTER)
+        self.failures = {code: failure_family.Metric(labels={**self.labels, "code": code}) for code in ERROR_CODES}
 
         self.stat_counters = {name: family(name, description, F.COUNTER).Metric(labels=self.labels)
                               for name, description in STAT_COUNTERS.values()}
@@ -123,6 +134,8 @@ class Metrics:
             "num_requests_waiting": family("num_requests_waiting", "Requests waiting in the engine.", F.GAUGE),
             "kv_cache_usage_perc": family("kv_cache_usage_perc", "KV-cache block usage per pool; 1 is full.",
                                           F.GAUGE),
+            "kv_cache_free_blocks": family("kv_cache_free_blocks", "Free KV-cache blocks per pool.", F.GAUGE),
+            "kv_cache_blocks": family("kv_cache_blocks", "KV-cache blocks per pool.", F.GAUGE),
         }
         self.gauges: dict[str, object] = {}
 
@@ -136,10 +149,16 @@ class Metrics:
     def record(self, record: RequestRecord) -> None:
         self.queue.put(record)
 
+    def record_error(self, code: str) -> None:
+        """One request answered with an error (`code`: a pb_utils.TritonError code name)."""
+        self.queue.put(("error", code))
+
     # ------------------------------------------------------------------ metrics thread
 
     def _loop(self) -> None:
-        next_poll = time.monotonic()
+        # first poll one period in: its metric IPC then never overlaps the model's initialize
+        # handshake (a start-up once hung there, under heavy load, with the poll at once)
+        next_poll = time.monotonic() + self.poll_interval_s
         while True:
             try:
                 item = self.queue.get(timeout=max(0.0, next_poll - time.monotonic()))
@@ -149,6 +168,8 @@ class Metrics:
                 return
             if isinstance(item, RequestRecord):
                 self._observe(item)
+            elif isinstance(item, tuple) and item[1] in self.failures:
+                self.failures[item[1]].increment(1)
             if time.monotonic() >= next_poll:
                 self._poll()
                 next_poll = time.monotonic() + self.poll_interval_s

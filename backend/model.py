@@ -6,6 +6,11 @@ Three threads, no model logic:
   queues rendered responses for
 - the response thread, the only one that touches response senders after admission: it sends,
   and polls `is_cancelled()` so a cancelled request is aborted in the engine (freeing its cache).
+
+Every error message starts with its Triton code ("UNAVAILABLE: engine overloaded: ..."): Triton
+2.51's HTTP generate endpoints answer 400 for any error a decoupled model sends, and errors inside
+a gRPC stream carry only the message, so the message is the one place a client finds the code.
+Prompt text is logged only with `"enable_log_requests": true` in model.json.
 """
 
 from __future__ import annotations
@@ -38,6 +43,12 @@ except locale.Error:  # the environment names a locale this system lacks: keep C
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_POLL_S = 0.1  # how often in-flight requests are checked for client cancellation
 DRAIN_TIMEOUT_S = 30.0  # finalize: how long in-flight requests may run on
+# model.json keys for this file, not for the engine (taken out before the engine is built)
+BACKEND_OPTIONS = {
+    "enable_log_requests": False,  # log each request's prompt and sampling parameters
+    "max_prompt_bytes": None,  # text_input size limit; default 128 bytes per token of max_model_len
+}
+PROMPT_BYTES_PER_TOKEN = 128  # far above any tokenizer's average: a bound, not an estimate
 
 
 @dataclass(eq=False)
@@ -62,8 +73,12 @@ class TritonPythonModel:
 
         model_json = os.path.join(args["model_repository"], args["model_version"], "model.json")
         engine_args = load_engine_args(model_json)
-        self.max_model_len = engine_args.get("max_model_len")
         self.logger.log_info(f"[deepseek] engine arguments: {json.dumps(engine_args)}")
+        options = {key: engine_args.pop(key, default) for key, default in BACKEND_OPTIONS.items()}
+        self.log_requests = bool(options["enable_log_requests"])
+        self.max_model_len = engine_args.get("max_model_len")
+        self.max_prompt_bytes = int(options["max_prompt_bytes"] or
+                                    PROMPT_BYTES_PER_TOKEN * (self.max_model_len or 1 << 17))
 
         self.loop = asyncio.new_event_loop()
         self.loop_thread = threading.Thread(target=self.loop.run_forever, name="deepseek-engine", daemon=True)
@@ -100,8 +115,8 @@ class TritonPythonModel:
             arrival = time.monotonic()
             sender = request.get_response_sender()
             if self.stopping or not self._healthy():
-                _send_error(sender, "the model is unavailable: the engine is not healthy or shutting down",
-                            pb_utils.TritonError.UNAVAILABLE)
+                self._send_now(sender, "the model is unavailable: the engine is not healthy or shutting down",
+                               "UNAVAILABLE")
                 continue
             request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
             inputs = {}
@@ -110,10 +125,18 @@ class TritonPythonModel:
                 if tensor is not None:
                     inputs[name] = tensor.as_numpy()
             try:
-                parsed = protocol.parse_request(inputs, request.parameters(), request_id, self.max_model_len)
+                parsed = protocol.parse_request(inputs, request.parameters(), request_id, self.max_model_len,
+                                                self.max_prompt_bytes)
             except InvalidRequest as e:
-                _send_error(sender, str(e), pb_utils.TritonError.INVALID_ARG)
+                self._send_now(sender, str(e), "INVALID_ARG")
                 continue
+            except Exception as e:  # a bug in parsing must not take the execute thread down
+                self.logger.log_error(f"[deepseek] parsing request {request_id} failed: {traceback.format_exc()}")
+                self._send_now(sender, f"internal error: {type(e).__name__}: {e}", "INTERNAL")
+                continue
+            if self.log_requests:
+                self.logger.log_info(f"[deepseek] request {request_id}: stream={parsed.stream} "
+                                     f"sampling={parsed.request.sampling} prompt={parsed.request.prompt!r}")
             flight = _Flight(sender, request_id, parsed.stream)
             with self.flights_lock:
                 self.flights.add(flight)
@@ -144,27 +167,26 @@ class TritonPythonModel:
                 else:
                     state.accumulate(delta)
             if flight.cancelled:
-                self._queue_error(flight, "request cancelled", pb_utils.TritonError.CANCELLED)
+                self._queue_error(flight, "request cancelled", "CANCELLED")
             elif last is None or not last.finished:
-                self._queue_error(flight, "the engine ended the request without a final output",
-                                  pb_utils.TritonError.INTERNAL)
+                self._queue_error(flight, "the engine ended the request without a final output", "INTERNAL")
             elif not parsed.stream:
                 self._queue(flight, protocol.render_final(state, last), final=True)
         except InvalidRequest as e:
-            self._queue_error(flight, str(e), pb_utils.TritonError.INVALID_ARG)
+            self._queue_error(flight, str(e), "INVALID_ARG")
         except EngineOverloaded as e:
-            self._queue_error(flight, f"engine overloaded: {e}", pb_utils.TritonError.UNAVAILABLE)
+            self._queue_error(flight, f"engine overloaded: {e}", "UNAVAILABLE")
         except EngineDead as e:
-            self._queue_error(flight, f"engine dead: {e}", pb_utils.TritonError.UNAVAILABLE)
+            self._queue_error(flight, f"engine dead: {e}", "UNAVAILABLE")
             self._healthy()
         except RequestFailed as e:
-            self._queue_error(flight, f"request failed: {e}", pb_utils.TritonError.INTERNAL)
+            self._queue_error(flight, f"request failed: {e}", "INTERNAL")
         except asyncio.CancelledError:
-            self._queue_error(flight, "the server is shutting down", pb_utils.TritonError.UNAVAILABLE)
+            self._queue_error(flight, "the server is shutting down", "UNAVAILABLE")
             raise
         except Exception as e:
             self.logger.log_error(f"[deepseek] request {request.request_id} failed: {traceback.format_exc()}")
-            self._queue_error(flight, f"internal error: {type(e).__name__}: {e}", pb_utils.TritonError.INTERNAL)
+            self._queue_error(flight, f"internal error: {type(e).__name__}: {e}", "INTERNAL")
         finally:
             self.inflight -= 1
             if self.metrics is not None and last is not None and last.finished:
@@ -180,9 +202,22 @@ class TritonPythonModel:
         outputs = [pb_utils.Tensor(name, array) for name, array in tensors.items()]
         self.responses.put((flight, pb_utils.InferenceResponse(output_tensors=outputs), FINAL if final else 0))
 
-    def _queue_error(self, flight: _Flight, message: str, code) -> None:
-        error = pb_utils.TritonError(message, code)
-        self.responses.put((flight, pb_utils.InferenceResponse(error=error), FINAL))
+    def _queue_error(self, flight: _Flight, message: str, code: str) -> None:
+        self.responses.put((flight, self._error_response(message, code), FINAL))
+
+    def _send_now(self, sender, message: str, code: str) -> None:
+        """Refuse a request on the execute thread (before it reaches the engine)."""
+        try:
+            sender.send(self._error_response(message, code), flags=FINAL)
+        except Exception:
+            self.logger.log_error(f"[deepseek] sending an error failed: {traceback.format_exc()}")
+
+    def _error_response(self, message: str, code: str):
+        """`code`: a pb_utils.TritonError code name; it also leads the message (see the docstring)."""
+        if self.metrics is not None:
+            self.metrics.record_error(code)
+        error = pb_utils.TritonError(f"{code}: {message}", getattr(pb_utils.TritonError, code))
+        return pb_utils.InferenceResponse(error=error)
 
     # ---------------------------------------------------------------- response thread
 
@@ -271,11 +306,6 @@ class TritonPythonModel:
 
 async def _call(fn):
     return fn()
-
-
-def _send_error(sender, message: str, code) -> None:
-    response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
-    sender.send(response, flags=FINAL)
 
 
 def _config_flag(model_config: dict, name: str) -> bool:

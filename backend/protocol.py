@@ -58,6 +58,8 @@ _NEUTRAL_KEYS = {
     "include_stop_str_in_output": False,
 }
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 256
+MAX_JSON_BYTES = 64 << 10  # sampling_parameters / request parameters: far more than any real use
 
 
 @dataclass
@@ -75,14 +77,16 @@ def parse_request(
     parameters: str | Mapping | None,
     request_id: str,
     max_model_len: int | None = None,
+    max_prompt_bytes: int | None = None,
 ) -> ParsedRequest:
     """`inputs`: input name -> numpy array (absent inputs missing or None). `parameters`: the
     request parameters (JSON text from pb_utils' `request.parameters()`, or a dict).
+    `max_prompt_bytes`: text_input size limit, checked before the text is decoded.
 
     Flags and sampling keys may come either way; an input tensor wins over a request parameter,
     and `sampling_parameters` keys win over request-parameter keys."""
     params = _parse_parameters(parameters)
-    prompt = _text_input(inputs.get("text_input"))
+    prompt = _text_input(inputs.get("text_input"), max_prompt_bytes)
 
     flags = {}
     for name in BOOL_INPUTS:
@@ -164,9 +168,11 @@ def _parse_parameters(parameters: str | Mapping | None) -> dict:
         return {}
     if isinstance(parameters, Mapping):
         return dict(parameters)
+    if len(parameters) > MAX_JSON_BYTES:
+        raise InvalidRequest(f"request parameters are {len(parameters)} bytes; at most {MAX_JSON_BYTES}")
     try:
         params = json.loads(parameters)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
         raise InvalidRequest(f"request parameters are not valid JSON: {e}") from e
     if not isinstance(params, dict):
         raise InvalidRequest("request parameters must be a JSON object")
@@ -191,10 +197,14 @@ def _text(name: str, value) -> str:
     raise InvalidRequest(f"{name} must be a string (TYPE_STRING / BYTES), got {type(value).__name__}")
 
 
-def _text_input(tensor) -> str:
+def _text_input(tensor, max_bytes: int | None = None) -> str:
     if tensor is None:
         raise InvalidRequest("missing required input 'text_input'")
-    prompt = _text("text_input", _single("text_input", tensor))
+    value = _single("text_input", tensor)
+    size = len(value.encode("utf-8")) if isinstance(value, str) else len(value) if isinstance(value, bytes) else 0
+    if max_bytes is not None and size > max_bytes:
+        raise InvalidRequest(f"text_input is {size} bytes; at most {max_bytes} (max_prompt_bytes)")
+    prompt = _text("text_input", value)
     if not prompt:
         raise InvalidRequest("text_input is empty: the prompt needs at least one character")
     return prompt
@@ -208,12 +218,15 @@ def _bool_tensor(name: str, tensor) -> bool:
 
 
 def _sampling_tensor(tensor) -> dict:
-    text = _text("sampling_parameters", _single("sampling_parameters", tensor))
+    value = _single("sampling_parameters", tensor)
+    if isinstance(value, bytes | str) and len(value) > MAX_JSON_BYTES:
+        raise InvalidRequest(f"sampling_parameters is {len(value)} bytes; at most {MAX_JSON_BYTES}")
+    text = _text("sampling_parameters", value)
     if not text.strip():
         return {}
     try:
         params = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
         raise InvalidRequest(f"sampling_parameters is not valid JSON: {e}") from e
     if not isinstance(params, dict):
         raise InvalidRequest(f"sampling_parameters must be a JSON object, got {type(params).__name__}")
@@ -285,6 +298,8 @@ def _coerce(name: str, value, kind: str):
         return stops
     if not isinstance(value, list):  # int_list
         raise InvalidRequest(f"{name} must be a list of integers, got {value!r}")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"{name} has {len(value)} entries; at most {MAX_STOP_TOKEN_IDS}")
     return [_to_int(name, v) for v in value]
 
 
@@ -293,7 +308,7 @@ def _json_list(name: str, value):
     if isinstance(value, str) and value.lstrip().startswith("["):
         try:
             return json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return value
     return value
 

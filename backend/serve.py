@@ -2,12 +2,14 @@
 
     python -m backend.serve [--model DIR] [--engine-args JSON] [--http-port 8000 --grpc-port 8001
                             --metrics-port 8002] [--host 127.0.0.1] [--admin-key KEY] [--workdir DIR]
+                            [--drain-timeout-s 30]
 
 Finds `tritonserver` (on PATH in NVIDIA's containers, else inside the nvidia-pytriton wheel), lays
 out a backends directory (the python backend with the stub for this Python, and ours as
 `deepseek`), copies the model repository with the model path and engine-argument overrides applied
 to model.json, binds 127.0.0.1 unless told otherwise, puts the admin APIs (model control, shared
-memory, logging, trace) behind a key, waits until ready, and stops cleanly on Ctrl-C / SIGTERM.
+memory, logging, trace) behind a key, waits until ready, and stops cleanly on Ctrl-C / SIGTERM:
+admission stops at once, in-flight requests run on up to the drain timeout, then it exits.
 Tests use the same code through the `TritonServer` context manager.
 """
 
@@ -43,7 +45,8 @@ RESTRICTED_HTTP_APIS = "model-repository,shared-memory,logging,trace"
 # Docker's default 64 MB /dev/shm.
 SHM_DEFAULT_BYTES = 16 << 20
 SHM_GROWTH_BYTES = 16 << 20
-EXIT_TIMEOUT_S = 30
+EXIT_TIMEOUT_S = 30  # default drain timeout: how long in-flight requests may run on after SIGTERM
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 _BACKEND_SHIM = '''\
 # Written by backend.serve: Triton's python backend loads this file as the "deepseek" backend.
@@ -163,6 +166,7 @@ class TritonServer:
         echo: bool = False,
         startup_timeout_s: float = 600.0,
         extra_args: list[str] | None = None,
+        drain_timeout_s: int = EXIT_TIMEOUT_S,
     ):
         self.model = model
         self.engine_args = engine_args
@@ -177,6 +181,7 @@ class TritonServer:
         self.model_repository = Path(model_repository)
         self.echo = echo
         self.startup_timeout_s = startup_timeout_s
+        self.drain_timeout_s = int(drain_timeout_s)
         self.extra_args = list(extra_args or [])
         self.process: subprocess.Popen | None = None
         self._tail: collections.deque[str] = collections.deque(maxlen=200)
@@ -221,7 +226,7 @@ class TritonServer:
             f"--backend-config=python,shm-growth-byte-size={SHM_GROWTH_BYTES}",
             # several servers on one host (tests, a dev server) must not share regions
             f"--backend-config=python,shm-region-prefix-name=dsv4_{os.getpid()}_{self.http_port}_",
-            f"--exit-timeout-secs={EXIT_TIMEOUT_S}",
+            f"--exit-timeout-secs={self.drain_timeout_s}",
             *self.extra_args,
         ]
 
@@ -326,13 +331,14 @@ class TritonServer:
         raise ServerError(f"tritonserver was not ready after {self.startup_timeout_s:.0f} s; log "
                           f"{self.log_path}\n{self.failure_report()}")
 
-    def stop(self, timeout_s: float = EXIT_TIMEOUT_S + 15) -> int | None:
-        """SIGTERM (Triton drains in-flight requests up to --exit-timeout-secs), wait, then kill."""
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """SIGTERM (Triton refuses new requests and drains in-flight ones up to
+        --exit-timeout-secs = drain_timeout_s), wait, then kill."""
         process, self.process = self.process, None
         if process is not None and process.poll() is None:
             process.send_signal(signal.SIGTERM)
             try:
-                process.wait(timeout_s)
+                process.wait(self.drain_timeout_s + 15 if timeout_s is None else timeout_s)
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)  # the server and its python stubs
                 process.wait()
@@ -377,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     parser.add_argument("--admin-key", help="value of the admin-key header for admin APIs (default: random)")
     parser.add_argument("--workdir", help="keep the generated backends/, model_repository/ and log here")
+    parser.add_argument("--drain-timeout-s", type=int, default=EXIT_TIMEOUT_S,
+                        help="on SIGTERM / Ctrl-C: how long in-flight requests may run on (default 30)")
     parser.add_argument("--model-repository", default=str(DEFAULT_MODEL_REPOSITORY))
     args = parser.parse_args(argv)
     try:
@@ -386,9 +394,13 @@ def main(argv: list[str] | None = None) -> int:
     if not isinstance(engine_args, dict):
         parser.error("--engine-args must be a JSON object")
 
+    if args.host not in LOOPBACK:
+        print(f"warning: binding {args.host}: inference is open to every host that reaches it (only the "
+              "admin APIs need the key)", file=sys.stderr)
     server = TritonServer(model=args.model, engine_args=engine_args, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, admin_key=args.admin_key,
-                          workdir=args.workdir, model_repository=args.model_repository, echo=True)
+                          workdir=args.workdir, model_repository=args.model_repository, echo=True,
+                          drain_timeout_s=args.drain_timeout_s)
     try:
         server.start()
     except ServerError as e:

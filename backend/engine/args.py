@@ -35,6 +35,9 @@ class EngineArgs:
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
     kernels: str = "auto"  # auto | ref
+    # tests only: a request whose prompt holds this text makes every step it is in raise
+    # ("<marker>:fatal": an error classed as fatal); see docs/RELIABILITY.md. Never in production.
+    fault_injection_marker: str | None = None
     engine: str = "native"
 
     @classmethod
@@ -57,6 +60,8 @@ class EngineArgs:
             (self.engine == "native", "this is the native engine; engine must be 'native'"),
             (self.block_size is None or self.block_size >= 1, "block_size must be >= 1"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
+            (self.fault_injection_marker is None or len(self.fault_injection_marker) >= 8,
+             "fault_injection_marker must be at least 8 characters (tests only)"),
         ]
         for ok, msg in checks:
             if not ok:

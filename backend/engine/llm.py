@@ -3,6 +3,11 @@
 `LLM`: offline, for tests and benchmarks: `LLM(model_dir).generate(prompts, SamplingParams(...))`.
 `AsyncLLM`: the serving front (the `AsyncEngine` interface): the step loop runs in its own
 thread; `add()` streams deltas into the caller's event loop; abort frees the cache.
+
+Failures (docs/RELIABILITY.md): a step that raises is retried request by request, each alone
+and recomputed from its tokens (preemption by recompute), so only the request that fails alone
+gets `RequestFailed`; a fatal error (CUDA, or a one-token forward that fails) marks the engine
+dead, and every request in flight or arriving gets `EngineDead`.
 """
 
 from __future__ import annotations
@@ -12,8 +17,11 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
+import torch
 
 from backend.engine.args import EngineArgs
 from backend.engine.engine import LLMEngine
@@ -26,8 +34,13 @@ from backend.engine.request import (
     RequestOutput,
     SamplingParams,
 )
+from backend.engine.sequence import Sequence
 
 log = logging.getLogger("deepseek.engine")
+
+# A request in this many failed steps is failed even when it never fails alone (a fault that
+# needs a particular batch would otherwise retry forever).
+MAX_SUSPICIONS = 3
 
 
 @dataclass
@@ -73,6 +86,25 @@ class LLM:
         return results
 
 
+class InjectedFault(RuntimeError):
+    """Raised by the test-only fault injection (EngineArgs.fault_injection_marker)."""
+
+
+class InjectedFatalFault(InjectedFault):
+    """The injected stand-in for an error that leaves the device unusable (a CUDA error)."""
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """Errors after which no step can be trusted: the device context is broken."""
+    if isinstance(exc, InjectedFatalFault | MemoryError | SystemError):
+        return True
+    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8: CUDA errors
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    text = str(exc)
+    return "CUDA error" in text or "device-side assert" in text
+
+
 class AsyncLLM:
     """The native engine behind the async interface the Triton backend uses."""
 
@@ -87,10 +119,20 @@ class AsyncLLM:
         self._stop = False
         self._accepting = False
         self._dead: str | None = None
+        # _closed: the step thread handles no more commands; set with _lock held, so an add either
+        # lands before (and is answered by the thread) or sees it (and fails at once)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pending_adds = 0  # add commands queued, not handled yet (admission fast path)
+        self._suspicions: dict[str, int] = {}  # request id -> failed steps it was in
+        self._faults: dict[str, str] = {}  # fault injection (test-only): request id -> "step" | "fatal"
+        self.counters = {"num_step_failures": 0, "num_requests_failed": 0, "num_requests_rejected": 0}
 
     async def start(self) -> None:
         self.engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, self.args)
         self.tokenizer = self.engine.tokenizer
+        if self.args.fault_injection_marker:
+            self._install_fault_injection()
         self._thread = threading.Thread(target=self._loop, name="dsv4-engine", daemon=True)
         self._thread.start()
         self._accepting = True
@@ -102,12 +144,22 @@ class AsyncLLM:
             raise EngineDead(f"engine stopped: {self._dead}")
         if not self._accepting:
             raise EngineDead("engine is not accepting requests (starting or shutting down)")
+        # fast path: refuse at once, not after the step in progress; the step thread re-checks
+        queued = self._pending_adds + self.engine.num_waiting
+        if queued >= self.args.max_waiting_requests:
+            self.counters["num_requests_rejected"] += 1
+            raise EngineOverloaded(f"{queued} requests waiting or arriving (max_waiting_requests="
+                                   f"{self.args.max_waiting_requests}); retry later")
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         admitted = loop.create_future()
-        self._cmds.put(("add", request, loop, stream, admitted))
+        with self._lock:
+            if self._closed:
+                raise EngineDead(f"engine stopped: {self._dead or 'shut down'}")
+            self._pending_adds += 1
+            self._cmds.put(("add", request, loop, stream, admitted))
         self._wake.set()
-        await admitted  # InvalidRequest / EngineOverloaded surface here, before any delta
+        await admitted  # InvalidRequest / EngineOverloaded / EngineDead surface here, before any delta
         finished = False
         try:
             while True:
@@ -121,17 +173,15 @@ class AsyncLLM:
                     return
         finally:
             if not finished:  # the consumer went away (cancelled, disconnected): free the cache
-                self._cmds.put(("abort", request.request_id))
-                self._wake.set()
+                self._command(("abort", request.request_id))
 
     async def abort(self, request_id: str) -> None:
-        self._cmds.put(("abort", request_id))
-        self._wake.set()
+        self._command(("abort", request_id))
 
     def stats(self) -> dict:
         if self.engine is None:
             return {}
-        return self.engine.stats()
+        return {**self.engine.stats(), **self.counters}
 
     def health(self) -> bool:
         return self.engine is not None and self._dead is None and self._thread is not None and self._thread.is_alive()
@@ -139,13 +189,19 @@ class AsyncLLM:
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         self._accepting = False
         deadline = time.monotonic() + drain_timeout_s
-        while self._streams and time.monotonic() < deadline:
+        while self._streams and time.monotonic() < deadline and self.health():
             await asyncio.sleep(0.05)
-        self._cmds.put(("abort_all",))
+        self._command(("abort_all",))
         self._stop = True
         self._wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+
+    def _command(self, cmd: tuple) -> None:
+        with self._lock:
+            if not self._closed:
+                self._cmds.put(cmd)
+        self._wake.set()
 
     # --- the step thread ----------------------------------------------------------------------
 
@@ -156,8 +212,24 @@ class AsyncLLM:
         loop, stream = target
         if done:
             del self._streams[request_id]
+            self._suspicions.pop(request_id, None)
+            self._faults.pop(request_id, None)
         try:
             loop.call_soon_threadsafe(stream.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed
+            pass
+
+    def _emit(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._send(out.request_id, out, done=out.finished)
+
+    @staticmethod
+    def _resolve(loop, future, error: BaseException | None = None) -> None:
+        def settle():
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(True)
+        try:
+            loop.call_soon_threadsafe(settle)
         except RuntimeError:  # the caller's loop is closed
             pass
 
@@ -165,16 +237,28 @@ class AsyncLLM:
         eng = self.engine
         if cmd[0] == "add":
             _, request, loop, stream, admitted = cmd
+            with self._lock:
+                self._pending_adds -= 1
             try:
+                if self._dead:
+                    raise EngineDead(f"engine stopped: {self._dead}")
                 if eng.num_waiting >= self.args.max_waiting_requests:
+                    self.counters["num_requests_rejected"] += 1
                     raise EngineOverloaded(f"{eng.num_waiting} requests waiting (max_waiting_requests="
                                            f"{self.args.max_waiting_requests}); retry later")
                 eng.add_request(request)
-            except (InvalidRequest, EngineOverloaded) as e:
-                loop.call_soon_threadsafe(lambda err=e: admitted.done() or admitted.set_exception(err))
+            except (InvalidRequest, EngineOverloaded, EngineDead) as e:
+                self._resolve(loop, admitted, e)
+                return
+            except Exception as e:  # noqa: BLE001 - a bug in admission (tokenizer, ...) fails this request only
+                log.exception("admitting request %s failed", request.request_id)
+                self._resolve(loop, admitted, RequestFailed(f"admission failed: {e!r}"))
                 return
             self._streams[request.request_id] = (loop, stream)
-            loop.call_soon_threadsafe(lambda: admitted.done() or admitted.set_result(True))
+            marker = self.args.fault_injection_marker
+            if marker and request.prompt and marker in request.prompt:
+                self._faults[request.request_id] = "fatal" if f"{marker}:fatal" in request.prompt else "step"
+            self._resolve(loop, admitted)
         elif cmd[0] == "abort":
             out = eng.abort(cmd[1])
             if out is not None:
@@ -186,34 +270,180 @@ class AsyncLLM:
                     self._send(rid, out, done=True)
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: stop, and say so
+            log.exception("the engine loop crashed")
+            self._dead = self._dead or f"engine loop crashed: {e!r}"
+        finally:
+            self._close()
+
+    def _run(self) -> None:
         eng = self.engine
         while not self._stop:
             while True:
                 try:
-                    self._handle(self._cmds.get_nowait())
+                    cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     break
+                self._handle(cmd)
             if not eng.has_unfinished():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
             try:
                 outputs = eng.step()
-            except Exception as e:  # noqa: BLE001 - fail the requests in flight, keep serving
-                log.exception("engine step failed")
-                self._fail_in_flight(e)
+            except Exception as e:  # noqa: BLE001 - find the request that fails, keep serving the others
+                self._recover(e)
                 continue
-            for out in outputs:
-                self._send(out.request_id, out, done=out.finished)
+            self._emit(outputs)
 
-    def _fail_in_flight(self, exc: Exception) -> None:
-        fatal = "CUDA" in str(exc) or isinstance(exc, MemoryError)
-        for seq in list(self.engine.scheduler.running):
-            self.engine.abort(seq.request_id)
-            self._send(seq.request_id, RequestFailed(f"engine step failed: {exc!r}"), done=True)
-        if fatal:
-            self._dead = repr(exc)
-            for rid in list(self.engine.requests):
+    def _close(self) -> None:
+        """The thread is ending (shutdown, or the engine died): nothing may wait on it any more."""
+        with self._lock:
+            self._closed = True
+        reason = EngineDead(f"engine stopped: {self._dead or 'shut down'}")
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                self._resolve(cmd[2], cmd[4], reason)
+        for rid in list(self.engine.requests):
+            if self._dead:
                 self.engine.abort(rid)
-                self._send(rid, EngineDead(f"engine stopped: {exc!r}"), done=True)
-            self._stop = True
+                self._send(rid, reason, done=True)
+            else:
+                out = self.engine.abort(rid)
+                if out is not None:
+                    self._send(rid, out, done=True)
+        for rid in list(self._streams):
+            self._send(rid, reason, done=True)
+
+    # --- failures -----------------------------------------------------------------------------
+
+    def _recover(self, exc: Exception) -> None:
+        """A step raised. Preempt every running request (its cache may hold half a step), then
+        run each one alone, recomputed from its tokens: the ones that fail alone are failed, the
+        others carry on. A fatal error, or an engine that cannot run a one-token forward any
+        more, kills the engine instead."""
+        eng, sch = self.engine, self.engine.scheduler
+        self.counters["num_step_failures"] += 1
+        log.error("engine step failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        if is_fatal(exc):
+            self._die(exc)
+            return
+        self._fail_orphans(exc)
+        suspects = list(sch.running)  # the failed batch is among them
+        for seq in suspects:
+            self._requeue(seq)
+            sch.waiting.remove(seq)  # out of the queue while they run one by one
+        survivors, culprits = [], 0
+        for seq in suspects:
+            error = self._solo(seq)
+            if error is not None and is_fatal(error):
+                self._die(error)
+                return
+            if error is not None:
+                culprits += 1
+                self._fail(seq.request_id, error)
+            elif seq.request_id in eng.requests:
+                survivors.append(seq)
+        if culprits == 0:  # every one passed alone: a transient fault, or one that needs this batch
+            for seq in list(survivors):
+                rid = seq.request_id
+                self._suspicions[rid] = self._suspicions.get(rid, 0) + 1
+                if self._suspicions[rid] >= MAX_SUSPICIONS:
+                    survivors.remove(seq)
+                    self._fail(rid, exc)
+        sch.waiting.extendleft(reversed(survivors))  # back at the front, in their order
+        if suspects and culprits == len(suspects) and not self._probe():
+            self._die(exc)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Free a request's cache and queue it to recompute its tokens (preemption by recompute)."""
+        sch = self.engine.scheduler
+        if seq in sch.running:
+            sch.running.remove(seq)
+        elif seq in sch.waiting:
+            sch.waiting.remove(seq)
+        sch._preempt(seq)  # release, reset progress, front of the queue; its tokens so far are kept
+
+    def _solo(self, seq: Sequence) -> Exception | None:
+        """Step `seq` alone until it has recomputed what the failed step computed (and sampled
+        one more token); its outputs stream as usual. Returns the error if a step fails. A
+        survivor is left freed and out of the scheduler's queues (the caller re-queues it)."""
+        eng, sch = self.engine, self.engine.scheduler
+        target = seq.num_tokens
+        waiting = sch.waiting
+        sch.waiting, sch.running = deque([seq]), []
+        error = None
+        try:
+            while seq.request_id in eng.requests and seq.num_computed_tokens < target:
+                before = seq.num_computed_tokens
+                self._emit(eng.step())
+                if seq.num_computed_tokens == before and seq.request_id in eng.requests:
+                    break  # could not be scheduled: nothing learnt
+        except Exception as e:  # noqa: BLE001 - that is the answer
+            error = e
+        if error is None and seq.request_id in eng.requests:
+            self._requeue(seq)  # the solo cache is not kept: it recomputes with the others
+        sch.waiting, sch.running = waiting, []
+        return error
+
+    def _probe(self) -> bool:
+        """Can the engine run a one-token forward at all? (every request of a failed step failed
+        alone: either they are all bad, or the engine is)."""
+        eng = self.engine
+        seq = Sequence("__health_probe__", [0], SamplingParams(max_tokens=1))
+        if not eng.scheduler._try_allocate(seq, 1):
+            return True  # no room to tell; the requests that failed are gone, so next time there is
+        try:
+            eng.runner.run([(seq, 1)])
+            return True
+        except Exception:  # noqa: BLE001
+            log.exception("a one-token forward failed: the engine is broken")
+            return False
+        finally:
+            eng.scheduler.release(seq)
+
+    def _fail(self, request_id: str, exc: BaseException) -> None:
+        self.counters["num_requests_failed"] += 1
+        log.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
+        self.engine.abort(request_id)  # frees its cache; its stream gets the error instead
+        self._send(request_id, RequestFailed(f"engine step failed: {type(exc).__name__}: {exc}"), done=True)
+
+    def _fail_orphans(self, exc: Exception) -> None:
+        """Requests that finished inside the failed step lost their last output: fail them."""
+        for rid in [r for r in self._streams if r not in self.engine.requests]:
+            self.counters["num_requests_failed"] += 1
+            self._send(rid, RequestFailed(f"engine step failed: {type(exc).__name__}: {exc}"), done=True)
+
+    def _die(self, exc: BaseException) -> None:
+        self._dead = f"{type(exc).__name__}: {exc}"
+        log.critical("the engine is dead: %s", self._dead)
+        self._stop = True  # _close fails every request in flight and every pending add
+
+    # --- fault injection (tests only; off unless EngineArgs.fault_injection_marker is set) -----
+
+    def _install_fault_injection(self) -> None:
+        """A request whose prompt holds the marker makes every forward it is in raise, after the
+        forward ran (the cache then holds half a step, the worst case); `<marker>:fatal` raises
+        an error classed as fatal. Never set this in production."""
+        log.warning("fault injection is ON (fault_injection_marker=%r): for tests only",
+                    self.args.fault_injection_marker)
+        runner = self.engine.runner
+        run = runner.run
+
+        def run_with_faults(scheduled, *args, **kwargs):
+            logits = run(scheduled, *args, **kwargs)
+            for seq, _ in scheduled:
+                kind = self._faults.get(seq.request_id)
+                if kind == "fatal":
+                    raise InjectedFatalFault(f"injected fatal fault (request {seq.request_id})")
+                if kind:
+                    raise InjectedFault(f"injected fault (request {seq.request_id})")
+            return logits
+
+        runner.run = run_with_faults
