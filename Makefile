@@ -14,7 +14,6 @@ ifeq ($(ENGINE),vllm)
 VLLM_SERVE_ARGS := --model-repository model_repository_vllm
 VLLM_TESTS := $(if $(ARGS),,tests/vllm)
 # Triton's stub must load this venv's libpython (pyenv's), not the system's older one (tests/vllm/conftest.py)
-VLLM_SERVE_ENV = LD_LIBRARY_PATH="$$($(PY) -c 'import sysconfig; print(sysconfig.get_config_var("LIBDIR"))')$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}"
 endif
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
@@ -42,7 +41,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 serve: setup ## serve the tiny default model on a real Triton server (127.0.0.1:8000/8001/8002)
-	$(VLLM_SERVE_ENV) $(PY) -m backend.serve $(VLLM_SERVE_ARGS) $(ARGS)
+	$(PY) -m backend.serve $(VLLM_SERVE_ARGS) $(ARGS)
 
 test: setup ## run the whole test suite
 	$(PY) -m pytest -q $(VLLM_TESTS) $(ARGS)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import glob
 import importlib.util
 import json
 import os
@@ -26,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -232,9 +234,13 @@ class TritonServer:
 
     def environment(self, install: TritonInstall) -> dict[str, str]:
         env = dict(os.environ)
-        if install.library_path is not None:
-            env["LD_LIBRARY_PATH"] = os.pathsep.join(
-                p for p in (str(install.library_path), env.get("LD_LIBRARY_PATH")) if p)
+        # The stub links the system libpython; where the running Python is another build of the
+        # same version (pyenv), its own libpython must win, or C modules such as _ssl fail to load.
+        libdir = sysconfig.get_config_var("LIBDIR")
+        own_libpython = libdir if libdir and glob.glob(os.path.join(libdir, "libpython3*.so*")) else None
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (
+            own_libpython, str(install.library_path) if install.library_path else None, env.get("LD_LIBRARY_PATH"))
+            if p)
         # the stub embeds the first `python3` on PATH: ours, so it imports this venv's packages
         env["PATH"] = os.pathsep.join(p for p in (os.path.dirname(sys.executable), env.get("PATH")) if p)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)

@@ -3,9 +3,6 @@ DeepSeek-V4 it cannot here: docs/VLLM.md) and a real tritonserver serving it wit
 
 from __future__ import annotations
 
-import os
-import sysconfig
-
 import pytest
 
 from tests.vllm import VLLM_CPU_ARGS
@@ -13,23 +10,6 @@ from tests.vllm import VLLM_CPU_ARGS
 # The repository's own model.json (every key in it is also a vLLM engine argument) with the engine
 # switched and the CPU settings; sizes as tests/conftest.py's native server.
 SERVER_ENGINE_ARGS = {**VLLM_CPU_ARGS, "max_model_len": 512, "max_num_seqs": 16}
-
-
-@pytest.fixture(scope="session", autouse=True)
-def stub_loads_this_pythons_libpython():
-    """Triton's python stub links libpython3.X.so.1.0 and finds the system's first (Debian's 3.11.2
-    here) while importing this venv's stdlib (pyenv's 3.11.7), whose `_ssl` then fails with
-    "undefined symbol: _PyModule_Add" as soon as vLLM imports huggingface_hub. Put this Python's
-    own libpython first for every server started here (backend.serve keeps LD_LIBRARY_PATH)."""
-    libdir = sysconfig.get_config_var("LIBDIR")
-    saved = os.environ.get("LD_LIBRARY_PATH")
-    if libdir and os.path.exists(os.path.join(libdir, sysconfig.get_config_var("INSTSONAME") or "")):
-        os.environ["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, saved) if p)
-    yield
-    if saved is None:
-        os.environ.pop("LD_LIBRARY_PATH", None)
-    else:
-        os.environ["LD_LIBRARY_PATH"] = saved
 
 
 @pytest.fixture(scope="session")
