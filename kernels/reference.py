@@ -216,19 +216,6 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, h
     return (s * weights.float().unsqueeze(-1)).sum(dim=1)
 
 
-def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k visible entries per query as a bool mask [n, E] (fewer when fewer are visible)."""
-    n, E = scores.shape
-    if E == 0:
-        return torch.zeros((n, 0), dtype=torch.bool, device=scores.device)
-    k = min(k, E)
-    masked = scores.masked_fill(~visible, float("-inf"))
-    idx = masked.topk(k, dim=-1).indices
-    chosen = torch.zeros((n, E), dtype=torch.bool, device=scores.device)
-    chosen.scatter_(1, idx, True)
-    return chosen & visible
-
-
 # --- paged attention over the hybrid cache ----------------------------------------------------
 
 def _entry_slots(table: torch.Tensor, per_block: int, entries: torch.Tensor) -> torch.Tensor:

@@ -156,9 +156,6 @@ class KVCache:
 
     # --- byte accounting (sizing and the replay-vs-snapshot report) ---------------------------
 
-    def window_block_bytes(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in self.window)
-
     def full_block_bytes(self) -> int:
         """Compressed KV + indexer keys + boundary compressor state of one full block."""
         n = sum(t[0].numel() * t.element_size() for t in self.compressed + self.index_keys if t is not None)
@@ -221,9 +218,6 @@ class KVCache:
     def write_entries(self, pool: torch.Tensor, table: torch.Tensor, first: int, values: torch.Tensor) -> None:
         idx = self._entry_index(pool, table, first, values.shape[0])
         pool.view(-1, pool.shape[-1]).index_copy_(0, idx, values.to(pool.dtype))
-
-    def read_entries(self, pool: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
-        return pool.view(-1, pool.shape[-1])[self._entry_index(pool, table, 0, n)]
 
     # --- per-sequence block allocation (the scheduler asks, the runner reads the tables) ------
 

@@ -7,7 +7,6 @@ llm.py wraps it: `LLM` for offline use, `AsyncLLM` (the step loop in its own thr
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +35,6 @@ class RequestState:
     sent_chars: int = 0
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
-    first_token_time: float | None = None
 
 
 class LLMEngine:
@@ -215,8 +213,6 @@ class LLMEngine:
 
     def _append(self, st: RequestState, token: int, logprob: float, top: dict | None) -> str | None:
         seq, p = st.seq, st.seq.sampling
-        if st.first_token_time is None:
-            st.first_token_time = time.monotonic()
         seq.output_token_ids.append(token)
         seq.cumulative_logprob += logprob
         st.new_token_ids.append(token)
