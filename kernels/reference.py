@@ -208,6 +208,42 @@ def compress_pending(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor
     return (new_kv * new_gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
 
 
+def compress_decode(kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    pend_kv: torch.Tensor, pend_gate: torch.Tensor, prev_kv: torch.Tensor | None,
+                    prev_gate: torch.Tensor | None, has_prev: torch.Tensor | None, bnd_kv: torch.Tensor | None,
+                    bnd_gate: torch.Tensor | None, norm_w: torch.Tensor, eps: float, inv_freq: torch.Tensor,
+                    pool: torch.Tensor, full_tables: torch.Tensor, block_size: int, ratio: int, head_dim: int) -> None:
+    """The compressor's decode step for one new token per sequence (row i of the batch, state slot
+    slots[i]): add it to the sequence's open block; where it closes the block, pool, norm, RoPE at
+    the block's first position and write the entry into `pool`; CSA (prev_* given) keeps the
+    block's Ca slice for the next, and at a full-block end also in bnd_* (prefix caching).
+    All sequences at once, no host sync (CUDA-graph safe)."""
+    m, hd, pos = ratio, head_dim, positions
+    rows = torch.arange(pos.shape[0], device=pos.device)
+    pend_kv[slots, pos % m] = kv.to(pend_kv.dtype)
+    pend_gate[slots, pos % m] = gate.to(pend_gate.dtype)
+    closing = pos % m == m - 1
+    pk, pg = pend_kv[slots], pend_gate[slots]
+    prev = (prev_kv[slots], prev_gate[slots], has_prev[slots]) if prev_kv is not None else (None,) * 3
+    entries = rms_norm(compress_pending(pk, pg, *prev, hd), norm_w, eps)
+    cos, sin = rope_cos_sin((pos // m) * m, inv_freq, entries.dtype)
+    entries = apply_rope(entries, cos, sin)
+    per_block, e = pool.shape[1], pos // m
+    flat = pool.view(-1, pool.shape[-1])
+    idx = full_tables[rows, e // per_block] * per_block + e % per_block  # its own, allocated block
+    flat[idx] = torch.where(closing[:, None], entries.to(pool.dtype), flat[idx])
+    if prev_kv is not None:
+        c = closing[:, None, None]
+        if bnd_kv is not None:
+            at_end = c & ((pos + 1) % block_size == 0)[:, None, None]
+            blk = full_tables[rows, pos // block_size]
+            bnd_kv[blk] = torch.where(at_end, pk[..., :hd], bnd_kv[blk])
+            bnd_gate[blk] = torch.where(at_end, pg[..., :hd], bnd_gate[blk])
+        prev_kv[slots] = torch.where(c, pk[..., :hd], prev_kv[slots])
+        prev_gate[slots] = torch.where(c, pg[..., :hd], prev_gate[slots])
+        has_prev[slots] = has_prev[slots] | closing
+
+
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Lightning indexer: sum_h w[t,h] * relu(q[t,h] . k[s]) * head_dim^-0.5.
     q [n, Hi, d], keys [E, d], weights [n, Hi] (already scaled by Hi^-0.5) -> [n, E] fp32."""

@@ -193,11 +193,13 @@ def decode_floor(engine_args: dict, batch: int) -> dict:
             "floor_ms": weight_bytes / copy_bw * 1e3}
 
 
-def check_graphs(engine_args: dict, n_prompts: int = 8, steps: int = 32) -> dict:
-    """Greedy tokens and logprobs with CUDA graphs vs eager on the same prompts."""
+def check_graphs(engine_args: dict, n_prompts: int = 8, steps: int = 32, against: dict | None = None) -> dict:
+    """Greedy tokens and logprobs of the default engine (fused kernels, CUDA graphs) vs eager, or vs
+    `against` (e.g. the torch references) on the same prompts."""
     outs = {}
     for eager in (True, False):
-        llm = LLM(**{**engine_args, "enforce_eager": eager})
+        variant = (against or {"enforce_eager": True}) if eager else {}
+        llm = LLM(**{**engine_args, **variant})
         vocab = llm.engine.cfg.vocab_size
         prompts = random_prompts(n_prompts, 300, vocab, seed=11)
         outs[eager] = llm.generate(prompts, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True,
@@ -208,7 +210,7 @@ def check_graphs(engine_args: dict, n_prompts: int = 8, steps: int = 32) -> dict
     first = max(abs(a.logprobs[0][a.token_ids[0]] - b.logprobs[0][b.token_ids[0]])
                 for a, b in zip(outs[True], outs[False]))
     r = {"prompts": n_prompts, "identical_token_streams": same, "max_first_logprob_diff": first}
-    print(f"  CUDA graphs vs eager: {same}/{n_prompts} identical greedy streams of {steps} tokens, "
+    print(f"  default vs {against or 'eager'}: {same}/{n_prompts} identical greedy streams of {steps} tokens, "
           f"first-token logprob diff {first:.2e}", flush=True)
     return r
 
@@ -275,6 +277,7 @@ def main() -> None:
     results, vocab, extra = [], [], {}
     if args.check_graphs:
         extra["check_graphs"] = check_graphs(engine_args)
+        extra["check_kernels"] = check_graphs(engine_args, against={"kernels": "ref", "enforce_eager": True})
     if args.floor:
         extra["decode_floor"] = [decode_floor(engine_args, b) for b in args.concurrency]
         for f in extra["decode_floor"]:

@@ -100,32 +100,11 @@ class Compressor(nn.Module):
 
     def _absorb_decode(self, kv_all, gate_all, fb: ForwardBatch, state: CompressorState, pool: torch.Tensor,
                        cache: KVCache, inv_freq: torch.Tensor) -> None:
-        """One token per sequence, all sequences at once, no host sync: add each token to its
-        open block; pool every open block and write only those the token closed."""
-        m, hd, slots, pos = self.ratio, self.head_dim, fb.state_slot_t, fb.positions
-        rows = torch.arange(pos.shape[0], device=pos.device)
-        state.pend_kv[slots, pos % m] = kv_all.to(state.pend_kv.dtype)
-        state.pend_gate[slots, pos % m] = gate_all.to(state.pend_gate.dtype)
-        closing = pos % m == m - 1
-        pk, pg = state.pend_kv[slots], state.pend_gate[slots]
-        prev = (state.prev_kv[slots], state.prev_gate[slots], state.has_prev[slots]) if self.overlap else (None,) * 3
-        entries = self.norm(K.compress_pending(pk, pg, *prev, hd))
-        cos, sin = K.rope_cos_sin((pos // m) * m, inv_freq, entries.dtype)
-        entries = K.apply_rope(entries, cos, sin)
-        per_block, e = pool.shape[1], pos // m
-        flat = pool.view(-1, pool.shape[-1])
-        idx = fb.full_tables[rows, e // per_block] * per_block + e % per_block  # its own, allocated block
-        flat[idx] = torch.where(closing[:, None], entries.to(pool.dtype), flat[idx])
-        if self.overlap:
-            c = closing[:, None, None]
-            if state.bnd_kv is not None:  # prefix caching: the state at block ends
-                at_end = (c & ((pos + 1) % cache.block_size == 0)[:, None, None])
-                blk = fb.full_tables[rows, pos // cache.block_size]
-                state.bnd_kv[blk] = torch.where(at_end, pk[..., :hd], state.bnd_kv[blk])
-                state.bnd_gate[blk] = torch.where(at_end, pg[..., :hd], state.bnd_gate[blk])
-            state.prev_kv[slots] = torch.where(c, pk[..., :hd], state.prev_kv[slots])
-            state.prev_gate[slots] = torch.where(c, pg[..., :hd], state.prev_gate[slots])
-            state.has_prev[slots] = state.has_prev[slots] | closing
+        """One token per sequence, all sequences at once, no host sync (kernels.compress_decode)."""
+        K.compress_decode(kv_all, gate_all, fb.positions, fb.state_slot_t, state.pend_kv, state.pend_gate,
+                          state.prev_kv, state.prev_gate, state.has_prev, state.bnd_kv, state.bnd_gate,
+                          self.norm.weight, self.norm.eps, inv_freq, pool, fb.full_tables, cache.block_size,
+                          self.ratio, self.head_dim)
 
 
 class Indexer(nn.Module):

@@ -1,0 +1,124 @@
+"""Fused compressor decode step: one program per sequence does what kernels.reference.compress_decode
+does in ~40 small torch ops: store the new token into the open block; when it closes the block,
+softmax-pool it (CSA: with the previous block's Ca slice), RMSNorm, RoPE at the block's first
+position, write the entry into the paged pool, and keep the Ca slice for the next block (and at a
+full-block end for the prefix cache).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _compress_decode_kernel(
+    kv_ptr, gate_ptr, pos_ptr, slot_ptr, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr, has_prev_ptr,
+    bnd_kv_ptr, bnd_gate_ptr, w_ptr, inv_freq_ptr, pool_ptr, ftab_ptr, ftab_stride, eps, BS, PER_BLOCK,
+    M: tl.constexpr, HD: tl.constexpr, C: tl.constexpr, R: tl.constexpr, OVERLAP: tl.constexpr,
+    HAS_BND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    i = tl.program_id(0)
+    pos = tl.load(pos_ptr + i)
+    slot = tl.load(slot_ptr + i).to(tl.int64)
+    off = pos % M
+    W: tl.constexpr = C * HD
+    # 1. the new token into its slot of the open block
+    for d0 in range(0, W, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dm = d < W
+        tl.store(pend_kv_ptr + (slot * M + off) * W + d, tl.load(kv_ptr + i * W + d, mask=dm), mask=dm)
+        tl.store(pend_gate_ptr + (slot * M + off) * W + d, tl.load(gate_ptr + i * W + d, mask=dm), mask=dm)
+    if off == M - 1:
+        tl.debug_barrier()  # the stores above are read back below by other threads of this program
+        r = tl.arange(0, BLOCK_M)
+        rm = r < M
+        have = 0
+        if OVERLAP:
+            have = tl.load(has_prev_ptr + slot).to(tl.int32)
+        e = pos // M
+        blk = tl.load(ftab_ptr + i * ftab_stride + e // PER_BLOCK)
+        dst = pool_ptr + (blk * PER_BLOCK + e % PER_BLOCK) * HD
+        sumsq = 0.0
+        # 2. softmax-pool over the block's slots (CSA: Ca of the previous block + Cb of this one), per feature
+        for d0 in range(0, HD, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            dm = d < HD
+            base = (slot * M + r[:, None]) * W + (C - 1) * HD + d[None, :]  # CSA: the Cb half; HCA: all
+            kv = tl.load(pend_kv_ptr + base, mask=rm[:, None] & dm[None, :], other=0.0).to(tl.float32)
+            g = tl.load(pend_gate_ptr + base, mask=rm[:, None] & dm[None, :], other=-float("inf")).to(tl.float32)
+            mx = tl.max(g, axis=0)
+            if OVERLAP:
+                pbase = (slot * M + r[:, None]) * HD + d[None, :]
+                pm = rm[:, None] & dm[None, :]
+                pkv = tl.load(prev_kv_ptr + pbase, mask=pm, other=0.0).to(tl.float32)
+                pg = tl.load(prev_gate_ptr + pbase, mask=pm, other=-float("inf")).to(tl.float32)
+                pkv = tl.where(have != 0, pkv, 0.0)  # no previous block yet: weight 0
+                pg = tl.where(have != 0, pg, -float("inf"))
+                mx = tl.maximum(mx, tl.max(pg, axis=0))
+            p = tl.exp(g - mx[None, :])
+            den = tl.sum(p, axis=0)
+            num = tl.sum(p * kv, axis=0)
+            if OVERLAP:
+                pp = tl.exp(pg - mx[None, :])
+                den += tl.sum(pp, axis=0)
+                num += tl.sum(pp * pkv, axis=0)
+            pooled = num / den
+            sumsq += tl.sum(tl.where(dm, pooled * pooled, 0.0), axis=0)
+            tl.store(dst + d, pooled.to(pool_ptr.dtype.element_ty), mask=dm)
+        tl.debug_barrier()
+        # 3. RMSNorm and RoPE at the block's first position, in place in the pool
+        rs = tl.rsqrt(sumsq / HD + eps)
+        NOPE: tl.constexpr = HD - R
+        for d0 in range(0, NOPE, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            dm = d < NOPE
+            y = tl.load(dst + d, mask=dm, other=0.0).to(tl.float32) * rs * tl.load(w_ptr + d, mask=dm, other=0.0)
+            tl.store(dst + d, y.to(pool_ptr.dtype.element_ty), mask=dm)
+        j = tl.arange(0, BLOCK_R)
+        jm = j < R // 2
+        ev = NOPE + 2 * j
+        xe = tl.load(dst + ev, mask=jm, other=0.0).to(tl.float32) * rs * tl.load(w_ptr + ev, mask=jm, other=0.0)
+        xo = tl.load(dst + ev + 1, mask=jm, other=0.0).to(tl.float32) * rs * tl.load(w_ptr + ev + 1, mask=jm, other=0.0)
+        ang = (e * M).to(tl.float32) * tl.load(inv_freq_ptr + j, mask=jm, other=0.0)
+        c, s = tl.cos(ang), tl.sin(ang)
+        tl.store(dst + ev, (xe * c - xo * s).to(pool_ptr.dtype.element_ty), mask=jm)
+        tl.store(dst + ev + 1, (xo * c + xe * s).to(pool_ptr.dtype.element_ty), mask=jm)
+        # 4. CSA: this block's Ca slice is the next block's overlap (and, at a full-block end, cached)
+        if OVERLAP:
+            at_end = (pos + 1) % BS == 0
+            bblk = tl.load(ftab_ptr + i * ftab_stride + pos // BS).to(tl.int64)
+            for d0 in range(0, HD, BLOCK_D):
+                d = d0 + tl.arange(0, BLOCK_D)
+                m2 = rm[:, None] & (d[None, :] < HD)
+                src = (slot * M + r[:, None]) * W + d[None, :]
+                ca = tl.load(pend_kv_ptr + src, mask=m2)
+                cg = tl.load(pend_gate_ptr + src, mask=m2)
+                tl.store(prev_kv_ptr + (slot * M + r[:, None]) * HD + d[None, :], ca, mask=m2)
+                tl.store(prev_gate_ptr + (slot * M + r[:, None]) * HD + d[None, :], cg, mask=m2)
+                if HAS_BND:
+                    if at_end:
+                        tl.store(bnd_kv_ptr + (bblk * M + r[:, None]) * HD + d[None, :], ca, mask=m2)
+                        tl.store(bnd_gate_ptr + (bblk * M + r[:, None]) * HD + d[None, :], cg, mask=m2)
+            tl.store(has_prev_ptr + slot, 1)
+
+
+def compress_decode_fused(kv, gate, positions, slots, pend_kv, pend_gate, prev_kv, prev_gate, has_prev, bnd_kv,
+                          bnd_gate, norm_w, eps, inv_freq, pool, full_tables, block_size, ratio, head_dim):
+    S = positions.shape[0]
+    overlap = prev_kv is not None
+    C = 2 if overlap else 1
+    R = 2 * inv_freq.shape[0]
+    kv = kv.to(pend_kv.dtype).contiguous()
+    gate = gate.to(pend_gate.dtype).contiguous()
+    dummy = pend_gate
+    hp = has_prev.view(torch.uint8) if overlap else dummy
+    _compress_decode_kernel[(S,)](
+        kv, gate, positions, slots, pend_kv, pend_gate, prev_kv if overlap else dummy,
+        prev_gate if overlap else dummy, hp, bnd_kv if bnd_kv is not None else dummy,
+        bnd_gate if bnd_gate is not None else dummy, norm_w.float().contiguous(), inv_freq.float().contiguous(),
+        pool, full_tables, full_tables.stride(0), eps, block_size, pool.shape[1],
+        M=ratio, HD=head_dim, C=C, R=R, OVERLAP=overlap, HAS_BND=bnd_kv is not None,
+        BLOCK_M=triton.next_power_of_2(ratio), BLOCK_D=min(triton.next_power_of_2(head_dim), max(16, 4096 // ratio)),
+        BLOCK_R=triton.next_power_of_2(max(R // 2, 1)))
