@@ -378,6 +378,17 @@ class TritonServer:
         ])
 
 
+def parse_engine_args(text: str) -> dict:
+    """--engine-args: a JSON object merged into model.json (ValueError with the reason)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--engine-args is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--engine-args must be a JSON object")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backend.serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="checkpoint directory (default: model.json's; 'tiny' = tiny test model)")
@@ -394,11 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-repository", default=str(DEFAULT_MODEL_REPOSITORY))
     args = parser.parse_args(argv)
     try:
-        engine_args = json.loads(args.engine_args)
-    except json.JSONDecodeError as e:
-        parser.error(f"--engine-args is not valid JSON: {e}")
-    if not isinstance(engine_args, dict):
-        parser.error("--engine-args must be a JSON object")
+        engine_args = parse_engine_args(args.engine_args)
+    except ValueError as e:
+        parser.error(str(e))
 
     if args.host not in LOOPBACK:
         print(f"warning: binding {args.host}: inference is open to every host that reaches it (only the "

@@ -45,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
+from loadtest.metrics import metric
+
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 MODEL = "deepseek_v4"
 # The chaos server: small enough that a burst overflows it; 32 soak clients and a 50-request
@@ -251,19 +253,6 @@ class Target:
 def scrape(metrics_url: str) -> str:
     with urllib.request.urlopen(metrics_url, timeout=5) as response:
         return response.read().decode()
-
-
-def metric(text: str, name: str, **labels) -> float | None:
-    """Sum of the samples of `name` whose labels include `labels` (None: no such sample)."""
-    total = None
-    for line in text.splitlines():
-        match = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
-        if not match:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            total = (total or 0.0) + float(match.group(2))
-    return total
 
 
 def engine_gauges(metrics_url: str) -> dict:

@@ -49,6 +49,19 @@ def parse(text: str) -> dict[str, float]:
     return out
 
 
+def metric(text: str, name: str, **labels) -> float | None:
+    """Sum of the samples of family `name` whose labels include `labels` (None: no such sample)."""
+    total = None
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or m.group(1) != name:
+            continue
+        found = dict(_LABEL.findall(m.group(3) or ""))
+        if all(found.get(k) == v for k, v in labels.items()):
+            total = (total or 0.0) + float(m.group(4))
+    return total
+
+
 def scrape(url: str | None, timeout_s: float = 5.0) -> dict[str, float] | None:
     """None when there is no metrics URL or it cannot be read (the sweep carries on without it)."""
     if not url:

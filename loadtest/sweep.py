@@ -372,12 +372,12 @@ def main(argv: list[str] | None = None) -> int:
             Length.parse(getattr(args, name))
         except ValueError as e:
             parser.error(f"--{name.replace('_', '-')}: {e}")
+    from backend.serve import parse_engine_args
+
     try:
-        engine_args = json.loads(args.engine_args)
-    except json.JSONDecodeError as e:
-        parser.error(f"--engine-args is not valid JSON: {e}")
-    if not isinstance(engine_args, dict):
-        parser.error("--engine-args must be a JSON object")
+        engine_args = parse_engine_args(args.engine_args)
+    except ValueError as e:
+        parser.error(str(e))
     if not args.tokenizer and args.serve and args.model and args.model != "tiny":
         args.tokenizer = args.model
     args.tokenizer = str(resolve_tokenizer(args.tokenizer))

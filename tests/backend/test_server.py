@@ -8,7 +8,6 @@ import concurrent.futures
 import http.client
 import json
 import math
-import re
 import time
 import urllib.request
 
@@ -21,6 +20,7 @@ from backend.engines import build_engine, load_engine_args
 from client.grpc import GrpcClient
 from client.http import HttpClient
 from client.types import ServerError
+from loadtest.metrics import metric
 
 pytestmark = pytest.mark.slow
 
@@ -64,19 +64,6 @@ def offline(triton_server):
 def scrape(server) -> str:
     with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
         return response.read().decode()
-
-
-def metric(text: str, name: str, **labels) -> float | None:
-    """Sum of the samples of `name` whose labels include `labels`."""
-    total = None
-    for line in text.splitlines():
-        match = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? (\S+)$", line)
-        if not match:
-            continue
-        found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1) or ""))
-        if all(found.get(k) == v for k, v in labels.items()):
-            total = (total or 0.0) + float(match.group(2))
-    return total
 
 
 def raw_generate(server, body: dict, headers: dict | None = None) -> tuple[int, dict]:
