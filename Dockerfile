@@ -56,6 +56,7 @@ RUN python3 -m pip install -c constraints.txt -c docker/constraints-cu129.txt .
 #    backends/deepseek/model.py), the model repository, and the entrypoint.
 COPY backend/ /opt/tritonserver/backends/deepseek/
 COPY model_repository/ model_repository/
+COPY model_repository_vllm/ model_repository_vllm/
 COPY --chmod=755 docker/entrypoint.sh /usr/local/bin/deepseek-entrypoint
 
 # 4. Refuse to build a mixed environment: torch family from one release and CUDA variant, no library

@@ -49,7 +49,7 @@ exec python3 -m backend.serve \
     --http-port "${HTTP_PORT:-8000}" \
     --grpc-port "${GRPC_PORT:-8001}" \
     --metrics-port "${METRICS_PORT:-8002}" \
-    --model-repository /opt/deepseek/model_repository \
+    --model-repository "/opt/deepseek/${MODEL_REPOSITORY:-$([[ "${ENGINE:-native}" == vllm ]] && echo model_repository_vllm || echo model_repository)}" \
     --workdir "${SERVE_WORKDIR:-/tmp/deepseek-triton}" \
     "${admin[@]}" \
     "$@"

@@ -173,6 +173,7 @@ def test_backend_and_repository_land_where_triton_looks():
     assert "backend/ /opt/tritonserver/backends/deepseek/" in copies
     assert (REPO / "backend/model.py").is_file()  # -> backends/deepseek/model.py
     assert "model_repository/ model_repository/" in copies
+    assert "model_repository_vllm/ model_repository_vllm/" in copies
     assert (REPO / "model_repository/deepseek_v4/config.pbtxt").is_file()
     assert any(re.search(r"pip install .* \.$", r) for r in pip_installs("base"))  # importable project
     [entry] = [rest for _, word, rest in instructions() if word == "ENTRYPOINT"]
@@ -241,7 +242,8 @@ def test_entrypoint_serves_the_mounted_checkpoint_on_every_interface(entrypoint,
     assert flags["--model"] == str(model) and flags["--host"] == "0.0.0.0"
     assert flags["--admin-key"] == "s3cret"
     assert json.loads(flags["--engine-args"]) == {"engine": "vllm"}
-    assert flags["--model-repository"] == "/opt/deepseek/model_repository"
+    # the vLLM image serves the ready V4-Flash configuration (docs/VLLM.md)
+    assert flags["--model-repository"] == "/opt/deepseek/model_repository_vllm"
     assert (flags["--http-port"], flags["--grpc-port"], flags["--metrics-port"]) == ("8000", "8001", "8002")
 
 
@@ -256,6 +258,7 @@ def test_entrypoint_keeps_engine_args_and_passes_extra_flags(entrypoint):
     assert out.returncode == 0, out.stderr
     assert json.loads(argv[argv.index("--engine-args") + 1]) == {"engine": "native", "max_model_len": 64}
     assert argv[-2:] == ["--http-port", "9000"] and "--admin-key" not in argv  # no key: serve makes one
+    assert argv[argv.index("--model-repository") + 1] == "/opt/deepseek/model_repository"
 
 
 def test_entrypoint_refuses_a_missing_checkpoint(entrypoint, tmp_path):
