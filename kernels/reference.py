@@ -179,21 +179,17 @@ def compress_blocks(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor 
     Returns [n_blocks, head_dim].
     """
     n = kv.shape[0] // ratio
-    kv = kv.view(n, ratio, -1)
-    gate = gate.view(n, ratio, -1)
-    if overlap:
-        new_kv = kv.new_zeros((n, 2 * ratio, head_dim))
-        new_gate = gate.new_full((n, 2 * ratio, head_dim), float("-inf"))
-        new_kv[:, ratio:] = kv[..., head_dim:]
-        new_gate[:, ratio:] = gate[..., head_dim:]
-        if n > 1:
-            new_kv[1:, :ratio] = kv[:-1, :, :head_dim]
-            new_gate[1:, :ratio] = gate[:-1, :, :head_dim]
-        if prev_kv is not None:
-            new_kv[0, :ratio] = prev_kv.to(new_kv.dtype)
-            new_gate[0, :ratio] = prev_gate.to(new_gate.dtype)
-        kv, gate = new_kv, new_gate
-    return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+    kv, gate = kv.view(n, ratio, -1), gate.view(n, ratio, -1)
+    if not overlap:
+        return compress_pending(kv, gate, None, None, None, head_dim)
+    # block w's "previous" is block w - 1 (the first's comes from the caller, or none)
+    first_kv = prev_kv if prev_kv is not None else kv.new_zeros((ratio, head_dim))
+    first_gate = prev_gate if prev_gate is not None else gate.new_zeros((ratio, head_dim))
+    prev_kvs = torch.cat([first_kv.to(kv.dtype)[None], kv[:-1, :, :head_dim]])
+    prev_gates = torch.cat([first_gate.to(gate.dtype)[None], gate[:-1, :, :head_dim]])
+    has_prev = torch.ones(n, dtype=torch.bool, device=kv.device)
+    has_prev[0] = prev_kv is not None
+    return compress_pending(kv, gate, prev_kvs, prev_gates, has_prev, head_dim)
 
 
 def compress_pending(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
