@@ -11,6 +11,7 @@ import torch
 from kernels import reference
 from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
+from kernels.fused_indexer import indexer_topk_fused
 from kernels.fused_moe import moe_experts_fused
 from kernels.fused_norm_mhc import (
     hc_post_fused,
@@ -42,5 +43,6 @@ FUSED = {
     "apply_rope": apply_rope_fused,
     "kv_norm_rope_insert": kv_norm_rope_insert_fused,
     "compress_decode": compress_decode_fused,
+    "indexer_topk": indexer_topk_fused,
 }
 OPS = {name: _on_cuda(fn, getattr(reference, name)) for name, fn in FUSED.items()}

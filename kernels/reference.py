@@ -169,33 +169,14 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.
 
 # --- compressor + lightning indexer (paper sections 2.3.1-2.3.2) ------------------------------
 
-def compress_blocks(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
-                    prev_gate: torch.Tensor | None, ratio: int, head_dim: int, overlap: bool) -> torch.Tensor:
+def pool_blocks(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
+                     prev_gate: torch.Tensor | None, has_prev: torch.Tensor | None, head_dim: int) -> torch.Tensor:
     """Pool complete blocks into compressed entries (before norm and RoPE).
 
-    kv/gate [n_blocks * ratio, c * head_dim] (gate already has the position bias added);
-    overlap (CSA): entry w softmax-pools window w-1's Ca slice with window w's Cb slice,
-    prev_* [ratio, head_dim] is the Ca slice of the block before the first (None: none).
-    Returns [n_blocks, head_dim].
-    """
-    n = kv.shape[0] // ratio
-    kv, gate = kv.view(n, ratio, -1), gate.view(n, ratio, -1)
-    if not overlap:
-        return compress_pending(kv, gate, None, None, None, head_dim)
-    # block w's "previous" is block w - 1 (the first's comes from the caller, or none)
-    first_kv = prev_kv if prev_kv is not None else kv.new_zeros((ratio, head_dim))
-    first_gate = prev_gate if prev_gate is not None else gate.new_zeros((ratio, head_dim))
-    prev_kvs = torch.cat([first_kv.to(kv.dtype)[None], kv[:-1, :, :head_dim]])
-    prev_gates = torch.cat([first_gate.to(gate.dtype)[None], gate[:-1, :, :head_dim]])
-    has_prev = torch.ones(n, dtype=torch.bool, device=kv.device)
-    has_prev[0] = prev_kv is not None
-    return compress_pending(kv, gate, prev_kvs, prev_gates, has_prev, head_dim)
-
-
-def compress_pending(kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
-                     prev_gate: torch.Tensor | None, has_prev: torch.Tensor | None, head_dim: int) -> torch.Tensor:
-    """One block per sequence (the decode path): kv/gate [S, ratio, c * head_dim]; CSA pools it with
-    that sequence's previous Ca slice prev_* [S, ratio, head_dim] where has_prev. -> [S, head_dim]"""
+    kv/gate [B, ratio, c * head_dim] (gate already has the position bias added). Without overlap
+    (HCA) an entry is the softmax(gate)-weighted sum of its block. With overlap (CSA) it pools the
+    block's Cb slice with the previous block's Ca slice prev_* [B, ratio, head_dim], where has_prev
+    [B] (the first block of a sequence has none). -> [B, head_dim]"""
     if prev_kv is None:
         return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
     have = has_prev[:, None, None]
@@ -221,7 +202,7 @@ def compress_decode(kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tenso
     closing = pos % m == m - 1
     pk, pg = pend_kv[slots], pend_gate[slots]
     prev = (prev_kv[slots], prev_gate[slots], has_prev[slots]) if prev_kv is not None else (None,) * 3
-    entries = rms_norm(compress_pending(pk, pg, *prev, hd), norm_w, eps)
+    entries = rms_norm(pool_blocks(pk, pg, *prev, hd), norm_w, eps)
     cos, sin = rope_cos_sin((pos // m) * m, inv_freq, entries.dtype)
     entries = apply_rope(entries, cos, sin)
     per_block, e = pool.shape[1], pos // m

@@ -209,16 +209,6 @@ class KVCache:
         flat = table[pos // self.block_size] * self.block_size + pos % self.block_size
         return self.window[layer].view(-1, self.window[layer].shape[-1])[flat]
 
-    @staticmethod
-    def _entry_index(pool: torch.Tensor, table: torch.Tensor, first: int, n: int) -> torch.Tensor:
-        per_block = pool.shape[1]
-        e = torch.arange(first, first + n, device=table.device)
-        return table[e // per_block] * per_block + e % per_block
-
-    def write_entries(self, pool: torch.Tensor, table: torch.Tensor, first: int, values: torch.Tensor) -> None:
-        idx = self._entry_index(pool, table, first, values.shape[0])
-        pool.view(-1, pool.shape[-1]).index_copy_(0, idx, values.to(pool.dtype))
-
     # --- per-sequence block allocation (the scheduler asks, the runner reads the tables) ------
 
     def _window_span(self, lo: int, hi: int) -> range:

@@ -3,7 +3,7 @@ per-sequence metadata. Built by runner.py, read by model.py; nothing else."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,7 @@ class ForwardBatch:
     state_slot_t: torch.Tensor  # [S] state_slots as a tensor
     is_decode: bool  # one new token per sequence, none replayed: the vectorised, sync-free path
     max_pos: int  # the largest position in the batch (host copy: sizes without a device sync)
+    plans: dict = field(default_factory=dict)  # per-step index plans, built once, shared by layers
 
     @property
     def num_seqs(self) -> int:

@@ -15,6 +15,7 @@ from torch import nn
 
 import kernels as K
 from backend.engine.cache import CompressorState, KVCache
+from backend.engine.compress_plan import compress_plan
 from backend.engine.config import CSA, SLIDING, ModelConfig
 from backend.engine.forward_batch import ForwardBatch
 
@@ -57,46 +58,35 @@ class Compressor(nn.Module):
         gate_all = self.wgate(x) + self.ape[fb.positions % m]  # promotes to >= fp32, as the reference
         if fb.is_decode:
             return self._absorb_decode(kv_all, gate_all, fb, state, pool, cache, rope[0])
-        row = 0
-        for s, n in enumerate(fb.seq_lens):
-            start, cfrom, slot = fb.starts[s], fb.compress_from[s], fb.state_slots[s]
-            skip = max(0, min(n, cfrom - start))  # replayed tokens: their entries are cached already
-            rows = slice(row + skip, row + n)
-            row += n
-            if rows.start == rows.stop:
-                continue
-            pending = cfrom % m
-            kv = torch.cat([state.pend_kv[slot, :pending], kv_all[rows]])
-            gate = torch.cat([state.pend_gate[slot, :pending], gate_all[rows]])
-            usable = (kv.shape[0] // m) * m
-            if usable:
-                prev = None
-                if self.overlap and bool(state.has_prev[slot]):
-                    prev = (state.prev_kv[slot], state.prev_gate[slot])
-                pooled = K.compress_blocks(kv[:usable], gate[:usable], *(prev or (None, None)),
-                                           m, self.head_dim, self.overlap)
-                first = (cfrom - pending) // m
-                entries = self.norm(pooled)
-                epos = (torch.arange(usable // m, device=x.device) + first) * m
-                cos, sin = K.rope_cos_sin(epos, rope[0], entries.dtype)
-                entries = K.apply_rope(entries, cos, sin)
-                cache.write_entries(pool, fb.full_tables[s], first, entries)
-                if self.overlap and state.bnd_kv is not None:  # prefix caching: state at block ends
-                    bs = cache.block_size
-                    for j in range(usable // m):
-                        end = (first + j + 1) * m
-                        if end % bs == 0:
-                            block = fb.full_tables[s][end // bs - 1]
-                            state.bnd_kv[block] = kv[j * m:(j + 1) * m, : self.head_dim]
-                            state.bnd_gate[block] = gate[j * m:(j + 1) * m, : self.head_dim]
-                if self.overlap:
-                    state.prev_kv[slot] = kv[usable - m:usable, : self.head_dim]
-                    state.prev_gate[slot] = gate[usable - m:usable, : self.head_dim]
-                    state.has_prev[slot] = True
-            rest = kv.shape[0] - usable
-            state.pend_kv[slot, :rest] = kv[usable:]
-            state.pend_gate[slot, :rest] = gate[usable:]
-
+        plan = compress_plan(fb, m, cache.block_size, state.pend_kv.shape[0])
+        C = kv_all.shape[-1]
+        if plan.num_blocks:
+            # every closed block of every sequence: rows from this step or from the open block
+            kv = torch.cat([kv_all, state.pend_kv.view(-1, C)])[plan.src].view(-1, m, C)
+            gate = torch.cat([gate_all.to(state.pend_gate.dtype), state.pend_gate.view(-1, C)])[plan.src].view(-1, m, C)
+            prev = (None, None, None)
+            if self.overlap:  # block b pools with block b-1's Ca slice: this step's, or the state's
+                hd = self.head_dim
+                prev = (torch.cat([state.prev_kv, kv[..., :hd]])[plan.prev],
+                        torch.cat([state.prev_gate, gate[..., :hd]])[plan.prev],
+                        torch.cat([state.has_prev, state.has_prev.new_ones(plan.num_blocks)])[plan.prev])
+            entries = self.norm(K.pool_blocks(kv, gate, *prev, self.head_dim))
+            cos, sin = K.rope_cos_sin(plan.blk_entry * m, rope[0], entries.dtype)
+            entries = K.apply_rope(entries, cos, sin)
+            per_block = pool.shape[1]
+            dst = fb.full_tables[plan.blk_seq, plan.blk_entry // per_block] * per_block + plan.blk_entry % per_block
+            pool.view(-1, pool.shape[-1]).index_copy_(0, dst, entries.to(pool.dtype))
+            if self.overlap:
+                hd = self.head_dim
+                if state.bnd_kv is not None and plan.bnd_blk.numel():  # prefix caching: state at block ends
+                    blocks = fb.full_tables[plan.bnd_seq, plan.bnd_logical]
+                    state.bnd_kv.index_copy_(0, blocks, kv[plan.bnd_blk, :, :hd])
+                    state.bnd_gate.index_copy_(0, blocks, gate[plan.bnd_blk, :, :hd])
+                state.prev_kv.index_copy_(0, plan.upd_slot, kv[plan.upd_blk, :, :hd])
+                state.prev_gate.index_copy_(0, plan.upd_slot, gate[plan.upd_blk, :, :hd])
+                state.has_prev.index_fill_(0, plan.upd_slot, True)
+        state.pend_kv.view(-1, C).index_copy_(0, plan.pend_dst, kv_all[plan.pend_row].to(state.pend_kv.dtype))
+        state.pend_gate.view(-1, C).index_copy_(0, plan.pend_dst, gate_all[plan.pend_row].to(state.pend_gate.dtype))
 
     def _absorb_decode(self, kv_all, gate_all, fb: ForwardBatch, state: CompressorState, pool: torch.Tensor,
                        cache: KVCache, inv_freq: torch.Tensor) -> None:

@@ -1,0 +1,74 @@
+"""Fused lightning-indexer scores over the paged index-key pool, then one top-k for all tokens.
+
+score[t, e] = scale * sum_h w[t, h] * relu(q[t, h] . k[e]) for every compressed entry e the
+query token t sees ((e + 1) * ratio <= pos + 1), -inf beyond. One program per (token, block of
+entries): the token's heads form the M side of one matmul against a tile of keys read straight
+from the paged pool, so no [tokens, entries, dim] gather is ever materialised. Prefill chunks of
+many sequences and CUDA-graph decode batches take the same path (no per-sequence loop, no host
+sync). Same signature as kernels.reference.indexer_topk.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fused_attention import _INTERPRET
+
+
+@triton.jit
+def _indexer_scores_kernel(q_ptr, w_ptr, keys_ptr, ftab_ptr, ftab_stride, pos_ptr, seq_ptr, out_ptr, n_max, H,
+                           RATIO, PER_BLOCK, scale, HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+                           DOT_F32: tl.constexpr):
+    t = tl.program_id(0)
+    e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    n_vis = (tl.load(pos_ptr + t) + 1) // RATIO
+    valid = e < n_vis
+    res = tl.full((BLOCK_E,), -float("inf"), tl.float32)
+    if tl.program_id(1) * BLOCK_E < n_vis:
+        s = tl.load(seq_ptr + t)
+        heads = tl.arange(0, BLOCK_H)
+        hmask = heads < H
+        d = tl.arange(0, HD)
+        q = tl.load(q_ptr + (t * H + heads)[:, None] * HD + d[None, :], mask=hmask[:, None], other=0.0)
+        w = tl.load(w_ptr + t * H + heads, mask=hmask, other=0.0).to(tl.float32)
+        blk = tl.load(ftab_ptr + s * ftab_stride + e // PER_BLOCK, mask=valid, other=0)
+        k = tl.load(keys_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * HD + d[None, :], mask=valid[:, None],
+                    other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+            k = k.to(tl.float32)
+        sc = tl.maximum(tl.dot(q, tl.trans(k)), 0.0) * w[:, None]  # [heads, entries]
+        res = tl.where(valid, tl.sum(sc, axis=0) * scale, res)
+    tl.store(out_ptr + t * n_max + e, res, mask=e < n_max)
+
+
+def indexer_scores_paged(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, full_tables: torch.Tensor,
+                         positions: torch.Tensor, token_seq: torch.Tensor, ratio: int, n_max: int) -> torch.Tensor:
+    """-> [T, n_max] fp32 scores, -inf where the entry is not (yet) visible to the token."""
+    T, H, hd = iq.shape
+    assert hd & (hd - 1) == 0 and hd >= 16, "index_head_dim must be a power of two >= 16"
+    out = torch.empty(T, n_max, dtype=torch.float32, device=iq.device)
+    BLOCK_E = 64
+    _indexer_scores_kernel[(T, triton.cdiv(n_max, BLOCK_E))](
+        iq.contiguous(), iw.float().contiguous(), index_pool, full_tables, full_tables.stride(0), positions,
+        token_seq, out, n_max, H, ratio, index_pool.shape[1], hd**-0.5,
+        HD=hd, BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_E=BLOCK_E, DOT_F32=_INTERPRET, num_warps=4)
+    return out
+
+
+def indexer_topk_fused(iq, iw, index_pool, full_tables, positions, token_seq, ratio, topk, max_pos=None,
+                       one_per_seq=False):
+    """The indexer's selection per query token: [T, topk] entry indices, -1 where fewer are visible.
+    max_pos (a host int) sizes the score rows; one_per_seq is accepted for the reference's sake."""
+    T = iq.shape[0]
+    out = torch.full((T, topk), -1, dtype=torch.long, device=iq.device)
+    n = (int(max_pos if max_pos is not None else positions.max()) + 1) // ratio
+    if n == 0 or T == 0:
+        return out
+    scores = indexer_scores_paged(iq, iw, index_pool, full_tables, positions, token_seq, ratio, n)
+    k = min(topk, n)
+    idx = scores.topk(k, dim=-1).indices
+    out[:, :k] = torch.where(idx < ((positions + 1) // ratio)[:, None], idx, -1)
+    return out

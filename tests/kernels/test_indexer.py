@@ -1,0 +1,58 @@
+"""Fused lightning-indexer scores and selection vs the reference: a prefill chunk and decodes of
+several sequences in one packed batch, paged keys, top-k above what is visible, nothing visible."""
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from kernels.fused_indexer import indexer_scores_paged, indexer_topk_fused
+
+
+def _batch(spec, H, d, ratio, bs, dtype, seed):
+    """spec: (first position, n tokens) per sequence; tables are random block permutations."""
+    g = torch.Generator().manual_seed(seed)
+    nb, per_block = 40, bs // ratio
+    pool = torch.randn(nb, per_block, d, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g)
+    tables, pos, seq = [], [], []
+    for s, (start, n) in enumerate(spec):
+        tables.append(perm[s * 10: s * 10 + (start + n) // bs + 1].tolist())
+        pos += range(start, start + n)
+        seq += [s] * n
+    width = max(map(len, tables))
+    t = lambda x: torch.tensor(x, dtype=torch.long)
+    ft = t([r + [0] * (width - len(r)) for r in tables])
+    iq = torch.randn(len(pos), H, d, generator=g).to(dtype)
+    iw = torch.randn(len(pos), H, generator=g) * H**-0.5
+    return iq, iw, pool, ft, t(pos), t(seq)
+
+
+SPECS = [
+    [(0, 3)],  # nothing visible yet
+    [(70, 1), (3, 40), (130, 1)],  # decodes around a 40-token prefill chunk crossing blocks
+    [(200, 1), (33, 1), (90, 1)],  # a decode batch
+]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("spec", SPECS)
+def test_indexer_scores_and_selection(dtype, tol, spec):
+    H, d, ratio, bs, topk = 6, 16, 4, 32, 8
+    iq, iw, pool, ft, pos, seq = _batch(spec, H, d, ratio, bs, dtype, seed=len(spec))
+    max_pos = int(pos.max())
+    n = (max_pos + 1) // ratio
+    if n:  # the scores themselves, row by row against the reference's formula
+        scores = indexer_scores_paged(iq, iw, pool, ft, pos, seq, ratio, n)
+        for t in range(pos.shape[0]):
+            vis = (int(pos[t]) + 1) // ratio
+            e = torch.arange(vis)
+            keys = pool.view(-1, d)[ft[seq[t], e // (bs // ratio)] * (bs // ratio) + e % (bs // ratio)]
+            want = ref.indexer_scores(iq[t:t + 1], keys, iw[t:t + 1], d)[0]
+            scale = max(want.abs().max().item(), 1.0) if vis else 1.0
+            assert (scores[t, :vis] - want).abs().max().item() <= tol * scale if vis else True
+            assert torch.isinf(scores[t, vis:]).all()
+    want = ref.indexer_topk(iq, iw, pool, ft, pos, seq, ratio, topk, max_pos)
+    got = indexer_topk_fused(iq, iw, pool, ft, pos, seq, ratio, topk, max_pos)
+    assert got.shape == want.shape
+    for t in range(pos.shape[0]):  # the same set of entries (order within top-k is free)
+        assert sorted(got[t].tolist()) == sorted(want[t].tolist()), t
