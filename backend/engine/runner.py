@@ -7,6 +7,7 @@ scratch block and slot, its metadata copied into the graph's static buffers.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from backend.engine.cache import KVCache
@@ -74,24 +75,31 @@ class ModelRunner:
     def _table_width(self) -> int:
         return -(-self.max_model_len // self.cache.block_size) + 1
 
-    def _padding_batch(self, size: int) -> ForwardBatch:
-        """Every row a padding row: scratch block, scratch slot, position 0."""
+    def _padding_batch(self, size: int) -> tuple[ForwardBatch, torch.Tensor]:
+        """Every row a padding row: scratch block, scratch slot, position 0. The batch's tensors
+        are contiguous views of one flat buffer (ids, positions, window slots, replay starts, state
+        slots, window tables, full tables), so each replay refreshes them with a single copy."""
         c, dev, width = self.cache, self.device, self._table_width()
-        z = lambda v: torch.full((size,), v, dtype=torch.long, device=dev)
-        return ForwardBatch(
-            input_ids=z(0), positions=z(0), seq_lens=[1] * size, starts=[0] * size, replay_starts=[0] * size,
-            compress_from=[0] * size, window_slots=z(c.scratch_window * c.block_size),
-            window_tables=torch.full((size, width), c.scratch_window, dtype=torch.long, device=dev),
-            full_tables=torch.full((size, width), c.scratch_full, dtype=torch.long, device=dev),
+        flat = torch.empty(size * (5 + 2 * width), dtype=torch.long, device=dev)
+        col = [flat[i * size:(i + 1) * size] for i in range(5)]
+        tables = flat[5 * size:].view(2, size, width)
+        for t, v in zip(col, (0, 0, c.scratch_window * c.block_size, 0, c.scratch_slot)):
+            t.fill_(v)
+        tables[0].fill_(c.scratch_window)
+        tables[1].fill_(c.scratch_full)
+        fb = ForwardBatch(
+            input_ids=col[0], positions=col[1], seq_lens=[1] * size, starts=[0] * size, replay_starts=[0] * size,
+            compress_from=[0] * size, window_slots=col[2], window_tables=tables[0], full_tables=tables[1],
             state_slots=[c.scratch_slot] * size, logits_rows=torch.arange(size, device=dev),
-            token_seq=torch.arange(size, device=dev), replay_start_t=z(0), state_slot_t=z(c.scratch_slot),
+            token_seq=torch.arange(size, device=dev), replay_start_t=col[3], state_slot_t=col[4],
             is_decode=True, max_pos=self.max_model_len - 1)  # the indexer sizes for the longest sequence
+        return fb, flat
 
     def _capture(self, buckets: list[int]) -> None:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for size in sorted(buckets, reverse=True):  # largest first: smaller graphs reuse its memory
-            fb = self._padding_batch(size)
+            fb, flat = self._padding_batch(size)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm-up outside the graph (Triton JIT, allocator)
@@ -100,33 +108,37 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.model(fb, self.cache)
-            self.graphs[size] = (graph, fb, logits)
+            staging = torch.empty(flat.shape, dtype=torch.long, pin_memory=True)
+            self.graphs[size] = (graph, flat, staging, logits)
         torch.cuda.synchronize()
 
-    def _replay(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
-        n, c = len(scheduled), self.cache
-        size = min(b for b in self.graphs if b >= n)
-        graph, fb, logits = self.graphs[size]
+    def pack_decode(self, scheduled: list[tuple[Sequence, int]], size: int, host: np.ndarray) -> None:
+        """Write a decode batch, padded to `size` rows, into `host` in the flat layout of
+        _padding_batch (what build_batch would give for the real rows)."""
+        c, n = self.cache, len(scheduled)
         bs, width = c.block_size, self._table_width()
-        pos = [s.num_computed_tokens for s, _ in scheduled]
-        pad = size - n
-        wt = _pad([s.blocks.window_table for s, _ in scheduled], -1, width) + [[c.scratch_window] * width] * pad
-        ft = _pad([s.blocks.full_table for s, _ in scheduled], 0, width) + [[c.scratch_full] * width] * pad
-        host = torch.tensor(
-            [[s.token_ids[p] for (s, _), p in zip(scheduled, pos)] + [0] * pad,
-             pos + [0] * pad,
-             [s.blocks.window_table[p // bs] * bs + p % bs for (s, _), p in zip(scheduled, pos)]
-             + [c.scratch_window * bs] * pad,
-             [s.replay_start for s, _ in scheduled] + [0] * pad,
-             [s.blocks.state_slot for s, _ in scheduled] + [c.scratch_slot] * pad], dtype=torch.long)
-        host = host.pin_memory() if torch.cuda.is_available() else host
-        dev = host.to(self.device, non_blocking=True)
-        fb.input_ids.copy_(dev[0])
-        fb.positions.copy_(dev[1])
-        fb.window_slots.copy_(dev[2])
-        fb.replay_start_t.copy_(dev[3])
-        fb.state_slot_t.copy_(dev[4])
-        fb.window_tables.copy_(torch.tensor(wt, dtype=torch.long).to(self.device, non_blocking=True))
-        fb.full_tables.copy_(torch.tensor(ft, dtype=torch.long).to(self.device, non_blocking=True))
+        cols = host[:5 * size].reshape(5, size)
+        tables = host[5 * size:].reshape(2, size, width)
+        for i, (s, _) in enumerate(scheduled):
+            p = s.num_computed_tokens
+            wt, ft = s.blocks.window_table, s.blocks.full_table
+            cols[:, i] = (s.last_token_id, p, wt[p // bs] * bs + p % bs, s.replay_start, s.blocks.state_slot)
+            tables[0, i, :len(wt)] = wt
+            tables[0, i, len(wt):] = -1
+            tables[1, i, :len(ft)] = ft
+            tables[1, i, len(ft):] = 0
+        cols[:, n:] = np.array([0, 0, c.scratch_window * bs, 0, c.scratch_slot])[:, None]
+        tables[0, n:] = c.scratch_window
+        tables[1, n:] = c.scratch_full
+
+    def _replay(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Pack into the pinned staging buffer, one host-to-device copy, replay. The staging
+        buffer is free again by the next step: the sampler's read of this step's tokens waited
+        for the copy."""
+        n = len(scheduled)
+        size = min(b for b in self.graphs if b >= n)
+        graph, flat, staging, logits = self.graphs[size]
+        self.pack_decode(scheduled, size, staging.numpy())
+        flat.copy_(staging, non_blocking=True)
         graph.replay()
         return logits[:n]

@@ -55,16 +55,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
         for i, mask in enumerate(extra_masks):
             if mask:
                 logits[i, mask] = float("-inf")
-    # greedy rows need only their argmax: decide on the device, copy back token ids, not logits
-    greedy = [p.greedy for p in params]
-    tokens = logits.argmax(dim=-1).tolist() if any(greedy) else [0] * len(params)
-    want_lp = [p.logprobs is not None for p in params]
-    logprobs_dev = torch.log_softmax(logits, dim=-1)
+    # greedy rows need only their argmax: decide on the device and copy back token ids and their
+    # logprobs in one transfer (one host sync per step), never the logits
+    tokens_dev = logits.argmax(dim=-1)
     for i, p in enumerate(params):
-        if not greedy[i]:
+        if not p.greedy:
             probs = _filter(logits[i].cpu(), p).softmax(-1)
-            tokens[i] = int(torch.multinomial(probs, 1, generator=_generator(p.seed, steps[i], fallback)))
-    chosen = logprobs_dev.gather(1, torch.tensor(tokens, device=logits.device)[:, None]).squeeze(1).tolist()
+            tokens_dev[i] = int(torch.multinomial(probs, 1, generator=_generator(p.seed, steps[i], fallback)))
+    lse = torch.logsumexp(logits, dim=-1)
+    chosen_dev = logits.gather(1, tokens_dev[:, None]).squeeze(1) - lse
+    host = torch.stack([tokens_dev.double(), chosen_dev.double()]).tolist()
+    tokens, chosen = [int(t) for t in host[0]], host[1]
+    want_lp = [p.logprobs is not None for p in params]
+    logprobs_dev = logits - lse[:, None] if any(want_lp) else None
     out = []
     for i, p in enumerate(params):
         top = None
