@@ -17,7 +17,7 @@ _OPS = (
     "rms_norm", "rms_norm_unweighted", "rope_cos_sin", "apply_rope", "hc_pre", "hc_post", "hc_head",
     "router_topk", "mlp", "moe_experts", "sink_attention", "grouped_linear",
     "indexer_scores", "indexer_topk", "paged_attention", "pool_blocks", "norm_rope",
-    "kv_norm_rope_insert", "compress_decode",
+    "kv_norm_rope_insert", "compress_decode", "greedy_pick",
 )
 _backend = os.environ.get("DSV4_KERNELS", "auto")
 

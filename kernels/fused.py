@@ -21,6 +21,7 @@ from kernels.fused_norm_mhc import (
     router_topk_fused,
 )
 from kernels.fused_rope import apply_rope_fused, kv_norm_rope_insert_fused, norm_rope_fused
+from kernels.fused_sample import greedy_pick_fused
 
 
 def _on_cuda(fused, ref):
@@ -44,5 +45,6 @@ FUSED = {
     "kv_norm_rope_insert": kv_norm_rope_insert_fused,
     "compress_decode": compress_decode_fused,
     "indexer_topk": indexer_topk_fused,
+    "greedy_pick": greedy_pick_fused,
 }
 OPS = {name: _on_cuda(fn, getattr(reference, name)) for name, fn in FUSED.items()}

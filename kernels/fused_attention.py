@@ -132,14 +132,17 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
 
 
 def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, replay_starts, sliding_window,
-                          comp_pool, full_tables, ratio, selected, sinks, scale, nsplit: int | None = None):
+                          comp_pool, full_tables, ratio, selected, sinks, scale, nsplit: int | None = None,
+                          block_h: int | None = None):
     T, H, hd = q.shape
     assert hd & (hd - 1) == 0, "head_dim must be a power of two for the fused attention kernel"
     q = q.contiguous()
     out = torch.empty_like(q)
     mode = 0 if comp_pool is None else (2 if selected is not None else 1)
     topk = selected.shape[1] if selected is not None else 1
-    BLOCK_H = 16
+    # every head of a token reads the same keys: more heads per program read them fewer times
+    # (prefill, big decode batches); a few tokens need the smaller blocks for parallelism
+    BLOCK_H = block_h or (32 if T >= 32 and H >= 32 else 16)
     BLOCK_N = 32 if hd <= 128 else 16
     head_blocks = triton.cdiv(H, BLOCK_H)
     if nsplit is None:  # enough programs for ~2 waves on a 132-SM GPU when few tokens decode

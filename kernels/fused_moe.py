@@ -16,22 +16,32 @@ import triton
 import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
-BLOCK_M = 16
+BLOCK_M = 16  # decode: a few rows per expert
+BLOCK_M_LARGE = 64  # prefill: hundreds of rows per expert, so each weight tile serves 4x more rows
+LARGE_PAIRS = 4096  # (token, expert) pairs from which the large tiles pay
 
 
 def _configs():
-    """Decode streams expert weights (memory bound): wide K tiles and deep pipelines; the
-    autotuner picks per (D, I, few or many rows) during warm-up, before graph capture."""
+    """Decode streams expert weights (memory bound): wide K tiles and deep pipelines. Prefill is
+    compute bound: wide N tiles, 8 warps. The autotuner picks per (D, I, row class) during
+    warm-up, before graph capture."""
     if _INTERPRET:
         return [triton.Config({"BLOCK_N": 64, "BLOCK_K": 64})]
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
             for n, k, w, st in ((32, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4),
-                                (128, 64, 8, 3), (32, 128, 2, 5))]
+                                (128, 64, 8, 3), (32, 128, 2, 5), (128, 64, 8, 4), (64, 64, 4, 3))]
 
 
-@triton.autotune(configs=_configs(), key=["D", "I", "FEW_ROWS"])
+def _row_class(pairs: int) -> tuple[int, int]:
+    """(BLOCK_M, class for the autotune key): 0 a few decode rows, 1 a batch, 2 a prefill."""
+    if pairs >= LARGE_PAIRS:
+        return BLOCK_M_LARGE, 2
+    return BLOCK_M, int(pairs > 64)
+
+
+@triton.autotune(configs=_configs(), key=["D", "I", "ROW_CLASS"])
 @triton.jit
-def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, expert_ptr, n_pairs, D, I, TOPK, limit, FEW_ROWS,
+def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, expert_ptr, n_pairs, D, I, TOPK, limit, ROW_CLASS,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + pid_m)
@@ -62,9 +72,9 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, expert_ptr, n_pair
              mask=valid[:, None] & nmask[None, :])
 
 
-@triton.autotune(configs=_configs(), key=["D", "I", "FEW_ROWS"])
+@triton.autotune(configs=_configs(), key=["D", "I", "ROW_CLASS"])
 @triton.jit
-def _down_kernel(h_ptr, w2_ptr, y_ptr, rw_ptr, sorted_ptr, expert_ptr, n_pairs, D, I, FEW_ROWS,
+def _down_kernel(h_ptr, w2_ptr, y_ptr, rw_ptr, sorted_ptr, expert_ptr, n_pairs, D, I, ROW_CLASS,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + pid_m)
@@ -114,14 +124,14 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit):
     T, D = x.shape
     E, I, _ = w1.shape
     k = indices.shape[1]
-    sorted_ids, expert_of_block, max_blocks = align_by_expert(indices, E)
+    block_m, rows = _row_class(T * k)
+    sorted_ids, expert_of_block, max_blocks = align_by_expert(indices, E, block_m)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * k, D, dtype=torch.float32, device=x.device)
     x = x.contiguous()
-    few = int(T * k <= 64)
     _gate_up_kernel[lambda m: (max_blocks, triton.cdiv(I, m["BLOCK_N"]))](
-        x, w1, w3, h, sorted_ids, expert_of_block, T * k, D, I, k, limit, few, BLOCK_M=BLOCK_M, DOT_F32=_INTERPRET)
+        x, w1, w3, h, sorted_ids, expert_of_block, T * k, D, I, k, limit, rows, BLOCK_M=block_m, DOT_F32=_INTERPRET)
     _down_kernel[lambda m: (max_blocks, triton.cdiv(D, m["BLOCK_N"]))](
-        h, w2, y, weights.reshape(-1).float().contiguous(), sorted_ids, expert_of_block, T * k, D, I, few,
-        BLOCK_M=BLOCK_M, DOT_F32=_INTERPRET)
+        h, w2, y, weights.reshape(-1).float().contiguous(), sorted_ids, expert_of_block, T * k, D, I, rows,
+        BLOCK_M=block_m, DOT_F32=_INTERPRET)
     return y.view(T, k, D).sum(dim=1).to(x.dtype)

@@ -305,3 +305,12 @@ def paged_attention(q: torch.Tensor, positions: torch.Tensor, token_seq: torch.T
             allowed = torch.cat([allowed, visible], dim=1)
         out[rows] = sink_attention(q[rows], keys, allowed, sinks, scale)
     return out
+
+
+# --- sampling ---------------------------------------------------------------------------------
+
+def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
+    """logits [n, V] fp32 -> [3, n] float64: argmax (first on ties), its logprob, log-sum-exp."""
+    lse = torch.logsumexp(logits.float(), dim=-1)
+    mx, idx = logits.float().max(dim=-1)
+    return torch.stack([idx.double(), (mx - lse).double(), lse.double()])

@@ -7,6 +7,9 @@ and print the kernels by total CUDA time.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
+import time
 from pathlib import Path
 
 import torch
@@ -25,23 +28,36 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--prompt-len", type=int, default=16, help="long prompts profile the prefill steps too")
+    ap.add_argument("--host", action="store_true", help="profile the host (cProfile) instead of the GPU kernels")
     a = ap.parse_args()
     model = a.model
     if model is None:
         model = str(Path(a.cache_dir) / a.preset)
         if not (Path(model) / "config.json").exists():
             write_checkpoint(model, a.preset, device="cuda")
-    llm = LLM(model, max_model_len=4096, max_num_seqs=64, block_size=128, gpu_memory_utilization=0.5)
+    llm = LLM(model, max_model_len=4096, max_num_seqs=max(64, a.batch), block_size=128, gpu_memory_utilization=0.5)
     sp = SamplingParams(max_tokens=a.steps, temperature=0, ignore_eos=True)
-    prompts = [[5 + i] * 16 for i in range(a.batch)]
+    prompts = [[5 + (i * 31 + j * 7) % 4000 for j in range(a.prompt_len)] for i in range(a.batch)]
     llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm
+    if a.host:  # where the Python time of a step goes (graph replay included, GPU waits included)
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.runcall(llm.generate, prompts, sp)
+        wall = time.perf_counter() - t0
+        pstats.Stats(prof).sort_stats("tottime").print_stats(a.rows)
+        print(f"wall time per step under cProfile: {wall / a.steps * 1e3:.3f} ms (batch {a.batch})")
+        return
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
         llm.generate(prompts, sp)
-    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=60)
     print(table)
     total = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
-    print(f"CUDA kernel time per decode step: {total / a.steps / 1e3:.3f} ms (batch {a.batch})")
+    print(f"CUDA kernel time per decode step: {total / a.steps / 1e3:.3f} ms (batch {a.batch}, prompts of "
+          f"{a.prompt_len}); wall time per step under the profiler: {wall / a.steps * 1e3:.3f} ms")
 
 
 if __name__ == "__main__":

@@ -68,9 +68,10 @@ class LLMEngine:
             self.warmup()
 
     def warmup(self) -> None:
-        """Run two short requests through every path (prefill chunks, mixed decode, each attention
-        kind) so Triton's JIT compiles before the first real request, not during its TTFT."""
-        n = min(2 * self.block_size + 3, self.max_model_len - 4)
+        """Run two requests through every path (prefill chunks, mixed decode, each attention
+        kind, a full token budget so the prefill-sized MoE tiles autotune) so Triton's JIT
+        compiles before the first real request, not during its TTFT."""
+        n = min(max(2 * self.block_size + 3, self.args.max_num_batched_tokens), self.max_model_len - 4)
         sp = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
         for i, length in enumerate((n, max(1, n // 3))):
             self.add_request(GenerationRequest(f"__warmup-{i}__", prompt_token_ids=[5 + j % 100 for j in range(length)],

@@ -29,7 +29,7 @@ class ModelRunner:
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
         self.max_model_len = max_model_len
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple] = {}  # size -> (graph, batch, flat buffer, pinned staging, logits)
         if cuda_graphs and self.device.type == "cuda":
             self._capture([b for b in GRAPH_BUCKETS if b <= max_num_seqs])
 
@@ -109,7 +109,7 @@ class ModelRunner:
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.model(fb, self.cache)
             staging = torch.empty(flat.shape, dtype=torch.long, pin_memory=True)
-            self.graphs[size] = (graph, flat, staging, logits)
+            self.graphs[size] = (graph, fb, flat, staging, logits)  # fb: the graph reads its tensors
         torch.cuda.synchronize()
 
     def pack_decode(self, scheduled: list[tuple[Sequence, int]], size: int, host: np.ndarray) -> None:
@@ -137,7 +137,7 @@ class ModelRunner:
         for the copy."""
         n = len(scheduled)
         size = min(b for b in self.graphs if b >= n)
-        graph, flat, staging, logits = self.graphs[size]
+        graph, _, flat, staging, logits = self.graphs[size]
         self.pack_decode(scheduled, size, staging.numpy())
         flat.copy_(staging, non_blocking=True)
         graph.replay()

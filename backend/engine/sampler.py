@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels as K
 from backend.engine.request import SamplingParams
 
 
@@ -55,19 +56,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
         for i, mask in enumerate(extra_masks):
             if mask:
                 logits[i, mask] = float("-inf")
-    # greedy rows need only their argmax: decide on the device and copy back token ids and their
-    # logprobs in one transfer (one host sync per step), never the logits
-    tokens_dev = logits.argmax(dim=-1)
-    for i, p in enumerate(params):
-        if not p.greedy:
-            probs = _filter(logits[i].cpu(), p).softmax(-1)
-            tokens_dev[i] = int(torch.multinomial(probs, 1, generator=_generator(p.seed, steps[i], fallback)))
-    lse = torch.logsumexp(logits, dim=-1)
-    chosen_dev = logits.gather(1, tokens_dev[:, None]).squeeze(1) - lse
-    host = torch.stack([tokens_dev.double(), chosen_dev.double()]).tolist()
-    tokens, chosen = [int(t) for t in host[0]], host[1]
+    # greedy rows need only their argmax: pick on the device (argmax, its logprob and the
+    # log-sum-exp in one pass) and copy back three numbers per row, never the logits
+    picked = K.greedy_pick(logits)
     want_lp = [p.logprobs is not None for p in params]
-    logprobs_dev = logits - lse[:, None] if any(want_lp) else None
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    rows = dict(zip(sampled, logits[sampled].cpu())) if sampled else {}  # one copy for all of them
+    tokens, chosen, lse = picked.tolist()  # the step's one host sync
+    tokens = [int(t) for t in tokens]
+    for i, row in rows.items():
+        p = params[i]
+        probs = _filter(row, p).softmax(-1)
+        tokens[i] = int(torch.multinomial(probs, 1, generator=_generator(p.seed, steps[i], fallback)))
+        chosen[i] = float(row[tokens[i]]) - lse[i]
+    logprobs_dev = logits - picked[2, :, None].float() if any(want_lp) else None
     out = []
     for i, p in enumerate(params):
         top = None

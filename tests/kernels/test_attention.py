@@ -44,8 +44,8 @@ SPECS = [
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
-@pytest.mark.parametrize("nsplit", [1, 4])
-def test_paged_attention(dtype, tol, spec, mode, nsplit):
+@pytest.mark.parametrize("nsplit, block_h", [(1, 16), (4, 16), (1, 32)])
+def test_paged_attention(dtype, tol, spec, mode, nsplit, block_h):
     H, hd, W, bs, ratio = 5, 32, 16, 16, (0 if mode == "sliding" else 4)
     q, pos, seq, window, wt, rs, comp, ft, sinks = _setup(spec, H, hd, W, bs, ratio or 1, dtype, seed=len(spec))
     selected = None
@@ -58,5 +58,5 @@ def test_paged_attention(dtype, tol, spec, mode, nsplit):
             selected[i, : len(pick)] = pick
     args = (q, pos, seq, window, wt, rs, W, None if mode == "sliding" else comp, ft, ratio, selected, sinks, 32**-0.5)
     want = ref.paged_attention(*args)
-    got = paged_attention_fused(*args, nsplit=nsplit)
+    got = paged_attention_fused(*args, nsplit=nsplit, block_h=block_h)
     assert (got.float() - want.float()).abs().max() <= tol * max(want.abs().max().item(), 1.0)

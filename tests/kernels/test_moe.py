@@ -1,4 +1,5 @@
-"""Fused MoE grouped GEMMs vs the reference: awkward sizes, one token, experts with no tokens."""
+"""Fused MoE grouped GEMMs vs the reference: awkward sizes, one token, experts with no tokens,
+and a prefill large enough for the large row tiles."""
 
 import pytest
 import torch
@@ -7,7 +8,8 @@ from kernels import reference as ref
 from kernels.fused_moe import align_by_expert, moe_experts_fused
 
 
-@pytest.mark.parametrize("T, D, I, E, k", [(1, 32, 16, 4, 2), (19, 40, 24, 8, 3), (5, 64, 72, 16, 6)])
+@pytest.mark.parametrize("T, D, I, E, k", [(1, 32, 16, 4, 2), (19, 40, 24, 8, 3), (5, 64, 72, 16, 6),
+                                        (700, 32, 24, 8, 6)])  # the last: prefill-sized tiles
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_moe_experts(T, D, I, E, k, dtype, tol):
     g = torch.Generator().manual_seed(T * E)
