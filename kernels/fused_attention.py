@@ -4,7 +4,8 @@ One program per (query token, block of heads). K = V (shared-KV MQA), so every h
 token reads the same keys: heads form the M side of the matmuls (as FlashMLA does for
 decode). Keys stream in blocks from the paged window pool (positions (i - W, i], none below
 the sequence's replay_start), then from the compressed pool: every complete entry (HCA) or
-the indexer's selection (CSA). Online softmax; the sink joins the denominator at the end.
+the indexer's selection (CSA; read only up to the visible count, since indexer_topk puts
+its valid picks before the -1 padding). Online softmax; the sink joins the denominator at the end.
 Same signature as kernels.reference.paged_attention.
 """
 
@@ -79,9 +80,10 @@ def _paged_attention_kernel(
             k = tl.load(comp_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * HD + d[None, :],
                         mask=valid[:, None], other=0.0)
             m_i, l_i, acc = _update(q, k, valid, m_i, l_i, acc, scale, DOT_F32)
-    if MODE == 2:  # CSA: the indexer's top-k (-1 padded)
-        cs = tl.cdiv(TOPK, NSPLIT)
-        s_hi = tl.minimum((j + 1) * cs, TOPK)
+    if MODE == 2:  # CSA: the indexer's top-k, its valid picks first, then -1 padding
+        n_sel = tl.minimum((pos + 1) // RATIO, TOPK)  # no more than the visible entries are valid
+        cs = tl.cdiv(n_sel, NSPLIT)
+        s_hi = tl.minimum((j + 1) * cs, n_sel)
         for start in range(j * cs, s_hi, BLOCK_N):
             i = start + n_off
             e = tl.load(sel_ptr + t * TOPK + i, mask=i < s_hi, other=-1)

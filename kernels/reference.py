@@ -239,7 +239,7 @@ def indexer_topk(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, f
                  positions: torch.Tensor, token_seq: torch.Tensor, ratio: int, topk: int,
                  max_pos: int | None = None, one_per_seq: bool = False) -> torch.Tensor:
     """Lightning indexer selection per query token: indices [T, topk] of the compressed entries to
-    attend (-1: none). A query at i sees entry e once its block is complete: (e + 1) * ratio <= i + 1.
+    attend, best first, then -1 where fewer are visible (the fused attention relies on that order). A query at i sees entry e once its block is complete: (e + 1) * ratio <= i + 1.
     one_per_seq (decode): all sequences at once, padded to the largest, no host sync."""
     T, per_block, d = iq.shape[0], index_pool.shape[1], index_pool.shape[-1]
     out = torch.full((T, topk), -1, dtype=torch.long, device=iq.device)
