@@ -44,6 +44,26 @@ def _indexer_scores_kernel(q_ptr, w_ptr, keys_ptr, ftab_ptr, ftab_stride, pos_pt
     tl.store(out_ptr + t * n_max + e, res, mask=e < n_max)
 
 
+@triton.jit
+def _topk_kernel(scores_ptr, pos_ptr, out_ptr, n, RATIO, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    """One token's top-k by a bitonic sort of (score, index) packed into int64 keys: the score's
+    bits made order-preserving in the high half, the index (reversed, so ties keep the lower
+    index first) in the low half. A whole row fits one program up to a few thousand entries."""
+    t = tl.program_id(0)
+    e = tl.arange(0, BLOCK)
+    x = tl.load(scores_ptr + t * n + e, mask=e < n, other=-float("inf"))
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # IEEE order as signed integers
+    packed = (key.to(tl.int64) << 32) | (BLOCK - 1 - e).to(tl.int64)
+    top = tl.sort(packed, descending=True)
+    idx = BLOCK - 1 - (top & 0xFFFFFFFF).to(tl.int32)
+    n_vis = (tl.load(pos_ptr + t) + 1) // RATIO
+    tl.store(out_ptr + t * TOPK + e, tl.where(idx < n_vis, idx, -1).to(tl.int64), mask=e < TOPK)
+
+
+SORT_MAX = 4096  # rows up to this many entries are sorted in one program; longer ones use torch.topk
+
+
 def indexer_scores_paged(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, full_tables: torch.Tensor,
                          positions: torch.Tensor, token_seq: torch.Tensor, ratio: int, n_max: int) -> torch.Tensor:
     """-> [T, n_max] fp32 scores, -inf where the entry is not (yet) visible to the token."""
@@ -68,6 +88,10 @@ def indexer_topk_fused(iq, iw, index_pool, full_tables, positions, token_seq, ra
     if n == 0 or T == 0:
         return out
     scores = indexer_scores_paged(iq, iw, index_pool, full_tables, positions, token_seq, ratio, n)
+    if n <= SORT_MAX:
+        _topk_kernel[(T,)](scores, positions, out, n, ratio, TOPK=topk, BLOCK=max(16, triton.next_power_of_2(n)),
+                           num_warps=4 if n <= 1024 else 8)
+        return out
     k = min(topk, n)
     idx = scores.topk(k, dim=-1).indices
     out[:, :k] = torch.where(idx < ((positions + 1) // ratio)[:, None], idx, -1)

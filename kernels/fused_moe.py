@@ -32,9 +32,13 @@ def _configs():
                                 (128, 64, 8, 3), (32, 128, 2, 5), (128, 64, 8, 4), (64, 64, 4, 3))]
 
 
-def _row_class(pairs: int) -> tuple[int, int]:
-    """(BLOCK_M, class for the autotune key): 0 a few decode rows, 1 a batch, 2 a prefill."""
+def _row_class(pairs: int, experts: int) -> tuple[int, int]:
+    """(BLOCK_M, class for the autotune key): 0 a few decode rows, 1 a decode batch, 2 a decode
+    batch with dozens of rows per expert, 3 a prefill. Once an expert averages more than 16 rows,
+    16-row tiles would stream its weights from HBM several times; 64-row tiles read them once."""
     if pairs >= LARGE_PAIRS:
+        return BLOCK_M_LARGE, 3
+    if pairs >= 24 * experts:
         return BLOCK_M_LARGE, 2
     return BLOCK_M, int(pairs > 64)
 
@@ -124,7 +128,7 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit):
     T, D = x.shape
     E, I, _ = w1.shape
     k = indices.shape[1]
-    block_m, rows = _row_class(T * k)
+    block_m, rows = _row_class(T * k, E)
     sorted_ids, expert_of_block, max_blocks = align_by_expert(indices, E, block_m)
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     y = torch.empty(T * k, D, dtype=torch.float32, device=x.device)

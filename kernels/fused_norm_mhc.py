@@ -127,6 +127,9 @@ def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, 
     tl.store(out_ptr + t[:, None] * D + d[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
 
 
+FINISH_WARPS = 4  # tuning knob for the Sinkhorn/collapse kernel (tools/tune_small_kernels.py)
+
+
 def hc_pre_fused(x, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
     T, hc, D = x.shape
     assert hc == 4, "the fused mHC kernel is written for 4 streams (DeepSeek-V4's hc_mult)"
@@ -145,7 +148,7 @@ def hc_pre_fused(x, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
     BLOCK_D = min(512, triton.next_power_of_2(D))
     _hc_finish_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D))](
         x, part, base.float().contiguous(), scale.float().contiguous(), post, comb, out, T, D, n_split, hc_eps,
-        norm_eps, ITERS=sinkhorn_iters, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D)
+        norm_eps, ITERS=sinkhorn_iters, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=FINISH_WARPS)
     return post, comb, out
 
 

@@ -56,3 +56,17 @@ def test_indexer_scores_and_selection(dtype, tol, spec):
     assert got.shape == want.shape
     for t in range(pos.shape[0]):  # the same set of entries (order within top-k is free)
         assert sorted(got[t].tolist()) == sorted(want[t].tolist()), t
+
+
+def test_sort_and_torch_topk_paths_agree_and_put_valid_picks_first(monkeypatch):
+    import kernels.fused_indexer as fi
+    iq, iw, pool, ft, pos, seq = _batch(SPECS[1], 6, 16, 4, 32, torch.float32, seed=9)
+    args = (iq, iw, pool, ft, pos, seq, 4, 8, int(pos.max()))
+    by_sort = fi.indexer_topk_fused(*args)
+    monkeypatch.setattr(fi, "SORT_MAX", 4)  # rows longer than this go through torch.topk
+    by_torch = fi.indexer_topk_fused(*args)
+    for t in range(pos.shape[0]):
+        row = by_sort[t].tolist()
+        assert sorted(row) == sorted(by_torch[t].tolist())
+        n_valid = sum(v >= 0 for v in row)
+        assert n_valid == min(8, (int(pos[t]) + 1) // 4) and all(v >= 0 for v in row[:n_valid])
