@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|engine|agentic|peer  (writes JSON + logs under $OUT)
+#   bash tools/h200_bench.sh kernels|engine|sync|agentic|ttft|peer|profile  (JSON + logs under $OUT)
 # Checkpoint: flash-shaped (V4-Flash per-layer shapes, 4 layers, 16 experts), drawn on the GPU.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -14,10 +14,19 @@ kernels)
   timeout 240 python3 -m kernels.bench --batches 32 --json "$OUT/kernels_compile.json" > "$OUT/kernels_compile.log" 2>&1
   tail -8 "$OUT/kernels_compile.log" ;;
 engine)
-  bench --concurrency 1,8,32,64,150 --input-len 512 --output-len 64 --requests-per-user 1 --floor --check-graphs \
+  bench --concurrency 1,8,32,64,150 --input-len 512 --output-len 64 --requests-per-user 1 --floor --check-graphs --steady 1,32,150 \
     --engine-args "{$EA}" --json "$OUT/engine_opt.json" 2>&1 | tee "$OUT/engine_opt.log" | tail -14
   bench --concurrency 1,32,150 --input-len 512 --output-len 64 --requests-per-user 1 --baseline \
     --engine-args "{$EA}" --json "$OUT/engine_base.json" 2>&1 | tee "$OUT/engine_base.log" | tail -6 ;;
+sync)  # the optimized engine with async scheduling off: what overlapping host and GPU buys
+  bench --concurrency 1,32,150 --input-len 512 --output-len 64 --requests-per-user 1 --label sync --steady 1,32,150 \
+    --engine-args "{$EA,\"async_scheduling\":false}" --json "$OUT/engine_sync.json" 2>&1 | tee "$OUT/engine_sync.log" | tail -5 ;;
+ttft)  # TTFT of a 1024-token prompt at batch 1, our engine alone (peer adds transformers)
+  bench --concurrency 1 --input-len 1024 --output-len 32 --requests-per-user 3 \
+    --engine-args "{$EA}" --json "$OUT/ttft_1024.json" 2>&1 | tee "$OUT/ttft_1024.log" | tail -3 ;;
+profile)
+  python3 -m tools.profile_decode --batch 1 --steps 200 --rows 40 > "$OUT/profile_b1.txt" 2>&1; tail -1 "$OUT/profile_b1.txt"
+  python3 -m tools.profile_decode --batch 1 --steps 200 --rows 30 --host > "$OUT/host_b1.txt" 2>&1; tail -1 "$OUT/host_b1.txt" ;;
 agentic)
   for mode in none snapshot replay; do
     case $mode in none) pc=false; rp=true;; snapshot) pc=true; rp=false;; replay) pc=true; rp=true;; esac

@@ -29,6 +29,9 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None  # CPU (or explicit) byte budget for the KV pools
     num_gpu_blocks_override: int | None = None  # fixed number of compressed-KV blocks (tests)
     enforce_eager: bool = False
+    # launch decode step N+1 before reading step N's tokens back (greedy steps): the host's
+    # scheduling and output work overlaps the GPU's step. None: on when running on CUDA.
+    async_scheduling: bool | None = None
     seed: int = 0
     max_waiting_requests: int = 1024
     max_logprobs: int = 20

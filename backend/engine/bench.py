@@ -23,7 +23,7 @@ from backend.engine.args import EngineArgs
 from backend.engine.llm import LLM, AsyncLLM
 from backend.engine.request import GenerationRequest, SamplingParams
 
-BASELINE = {"kernels": "ref", "enforce_eager": True, "enable_prefix_caching": False}
+BASELINE = {"kernels": "ref", "enforce_eager": True, "enable_prefix_caching": False, "async_scheduling": False}
 
 
 @dataclass
@@ -193,6 +193,35 @@ def decode_floor(engine_args: dict, batch: int) -> dict:
             "floor_ms": weight_bytes / copy_bw * 1e3}
 
 
+def steady_decode(engine_args: dict, batches: list[int], input_len: int, steps: int = 64) -> list[dict]:
+    """Decode alone, no prefill in the steps timed: `batch` requests whose prompts are prefilled
+    first, then `steps` engine steps timed on the wall clock (host work, graph replay, sampler and
+    the async read-back included). The figure the decode-throughput target is about."""
+    llm = LLM(**engine_args)
+    eng, rows = llm.engine, []
+    for b in batches:
+        sp = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
+        for i, prompt in enumerate(random_prompts(b, input_len, eng.cfg.vocab_size, seed=b)):
+            eng.add_request(GenerationRequest(f"steady-{b}-{i}", prompt_token_ids=prompt, sampling=sp))
+        while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
+            eng.step()
+        for _ in range(4):
+            eng.step()
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        sync()
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        sync()
+        step_ms = (time.perf_counter() - t) / steps * 1e3
+        for rid in list(eng.requests):
+            eng.abort(rid)
+        eng.flush()
+        rows.append({"batch": b, "input_len": input_len, "step_ms": step_ms, "output_tok_s": b * 1e3 / step_ms})
+        print(f"  steady decode: batch {b}: {step_ms:.2f} ms/step, {b * 1e3 / step_ms:.0f} tok/s", flush=True)
+    return rows
+
+
 def check_graphs(engine_args: dict, n_prompts: int = 8, steps: int = 32, against: dict | None = None) -> dict:
     """Greedy tokens and logprobs of the default engine (fused kernels, CUDA graphs) vs eager, or vs
     `against` (e.g. the torch references) on the same prompts."""
@@ -266,6 +295,7 @@ def main() -> None:
     ap.add_argument("--baseline", action="store_true", help="kernels=ref, enforce_eager, no prefix cache")
     ap.add_argument("--hf-peer", default="", help="also time transformers eager at these batch sizes, e.g. 1,8,32")
     ap.add_argument("--floor", action="store_true", help="report the decode memory floor (GPU)")
+    ap.add_argument("--steady", default=None, help="batch sizes: time decode-only steps (after prefill)")
     ap.add_argument("--check-graphs", action="store_true", help="compare CUDA graphs with eager first (GPU)")
     ap.add_argument("--label", default=None)
     ap.add_argument("--json", default=None)
@@ -278,6 +308,8 @@ def main() -> None:
     if args.check_graphs:
         extra["check_graphs"] = check_graphs(engine_args)
         extra["check_kernels"] = check_graphs(engine_args, against={"kernels": "ref", "enforce_eager": True})
+    if args.steady:
+        extra["steady_decode"] = steady_decode(engine_args, [int(b) for b in args.steady.split(",")], args.input_len)
     if args.floor:
         extra["decode_floor"] = [decode_floor(engine_args, b) for b in args.concurrency]
         for f in extra["decode_floor"]:

@@ -20,10 +20,38 @@ from backend.engine.request import GenerationRequest, InvalidRequest, RequestOut
 from backend.engine.runner import ModelRunner
 from backend.engine.sampler import sample
 from backend.engine.scheduler import Scheduler
-from backend.engine.sequence import Sequence
+from backend.engine.sequence import PENDING_TOKEN, Sequence, Status
 from backend.engine.tokenizer import Detokenizer, Tokenizer
 
 CPU_KV_BYTES = 256 << 20  # default KV budget on CPU
+
+
+@dataclass
+class InFlight:
+    """A step launched but not yet read back (async scheduling)."""
+
+    scheduled: list[tuple[Sequence, int]]
+    token_ids: torch.Tensor  # [rows] on the device: what the next step reads as its inputs
+    rows: dict[int, int]  # id(seq) -> row
+    host: torch.Tensor  # [3, rows] float64 (token, logprob, log-sum-exp), filled by an async copy
+    done: torch.cuda.Event | None
+
+    @classmethod
+    def launch(cls, scheduled: list[tuple[Sequence, int]], picked: torch.Tensor) -> InFlight:
+        """picked: kernels.greedy_pick's [3, rows] on the device; start copying it back."""
+        cuda = picked.is_cuda
+        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=cuda)
+        host.copy_(picked, non_blocking=cuda)
+        done = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return cls(scheduled, picked[0].long(), {id(s): i for i, (s, _) in enumerate(scheduled)}, host, done)
+
+    def read(self) -> list[list[float]]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
 
 
 @dataclass
@@ -62,6 +90,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, self.max_model_len, cuda_graphs=graphs,
                                   max_num_seqs=args.max_num_seqs)
         self.requests: dict[str, RequestState] = {}
+        self.pending: InFlight | None = None  # the step in flight (async scheduling)
+        self.async_scheduling = self.device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
         self.generator = torch.Generator().manual_seed(args.seed)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
         if self.device.type == "cuda":
@@ -174,12 +204,14 @@ class LLMEngine:
         st = self.requests.pop(request_id, None)
         if st is None:
             return None
+        if st.seq.has_pending_token:  # its step in flight is ignored when read back
+            st.seq.output_token_ids.pop()
         self.scheduler.finish(st.seq, "abort")
         self.counters["requests_finished"] += 1
         return self._output(st, finished=True)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.pending is not None
 
     @property
     def num_waiting(self) -> int:
@@ -188,12 +220,72 @@ class LLMEngine:
     # --- the step -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one step; returns the outputs that became known. With async
+        scheduling a greedy step stays in flight: its tokens are read back (and returned) by the
+        next call, after that call has launched its own step."""
+        try:
+            return self._step()
+        except BaseException:
+            self._drop_pending()  # callers recover by recomputing (AsyncLLM preempts and reruns)
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
         if not scheduled:
+            return self.flush()
+        prev = self.pending
+        logits = self.runner.run(scheduled, pending=(prev.token_ids, prev.rows) if prev else None)
+        # logits rows: the sequences whose chunk reaches their last token, in batch order
+        samplers = [seq for seq, n in scheduled if seq.num_computed_tokens + n == seq.num_tokens]
+        keep = self._can_keep_in_flight(scheduled)
+        if keep:  # decide on the device, start the copy back, and do not wait for it
+            flight = InFlight.launch(scheduled, kernels.greedy_pick(logits))
+        outputs = self.flush()  # the previous step's tokens, while this step runs
+        self.scheduler.advance([(s, n) for s, n in scheduled if s.status == Status.RUNNING])
+        if keep:
+            for seq, _ in scheduled:
+                if seq.request_id in self.requests:
+                    seq.output_token_ids.append(PENDING_TOKEN)
+            self.pending = flight
+            return outputs
+        return outputs + self._sample(samplers, logits)
+
+    def _can_keep_in_flight(self, scheduled: list[tuple[Sequence, int]]) -> bool:
+        """Every row samples greedily with nothing to mask or report beyond its token, and no
+        sequence can end by length on this token (so the next step may already include it)."""
+        if not self.async_scheduling:
+            return False
+        for seq, n in scheduled:
+            p = seq.sampling
+            if (seq.num_computed_tokens + n != seq.num_tokens or not p.greedy or p.logprobs is not None
+                    or len(seq.output_token_ids) < p.min_tokens or len(seq.output_token_ids) + 1 >= p.max_tokens
+                    or seq.num_tokens + 1 >= self.max_model_len):
+                return False
+        return True
+
+    def flush(self) -> list[RequestOutput]:
+        """Read back the step in flight (if any) and process its tokens."""
+        flight, self.pending = self.pending, None
+        if flight is None:
             return []
-        logits = self.runner.run(scheduled)
-        self.scheduler.advance(scheduled)
-        samplers = [seq for seq, n in scheduled if seq.num_computed_tokens == seq.num_tokens]
+        tokens, logprobs, _ = flight.read()
+        outputs = []
+        for (seq, _), token, logprob in zip(flight.scheduled, tokens, logprobs):
+            if seq.request_id in self.requests and seq.has_pending_token:  # else: finished or aborted meanwhile
+                outputs += self._process(seq, int(token), logprob, None)
+        return outputs
+
+    def _drop_pending(self) -> None:
+        """Forget the step in flight: its placeholders go, its tokens will be recomputed."""
+        flight, self.pending = self.pending, None
+        for seq, _ in flight.scheduled if flight else []:
+            if seq.has_pending_token:
+                seq.output_token_ids.pop()
+
+    def _sample(self, samplers: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
+        live = [i for i, seq in enumerate(samplers) if seq.request_id in self.requests]  # not finished meanwhile
+        if len(live) < len(samplers):
+            samplers, logits = [samplers[i] for i in live], logits[live]
         self.last_logits = dict(zip((s.request_id for s in samplers), logits))  # measurements read these
         params = [s.sampling for s in samplers]
         steps = [len(s.output_token_ids) for s in samplers]
@@ -201,20 +293,25 @@ class LLMEngine:
                  if len(s.output_token_ids) < s.sampling.min_tokens else [] for s in samplers]
         outputs = []
         for seq, smp in zip(samplers, sample(logits, params, steps, masks, self.generator)):
-            st = self.requests[seq.request_id]
-            reason = self._append(st, smp.token_id, smp.logprob, smp.top_logprobs)
-            if reason:
-                self.scheduler.finish(seq, reason)
-                del self.requests[seq.request_id]
-                self.counters["requests_finished"] += 1
-            out = self._output(st, finished=reason is not None)
-            if out.finished or out.text or out.token_ids:
-                outputs.append(out)
+            outputs += self._process(seq, smp.token_id, smp.logprob, smp.top_logprobs)
         return outputs
+
+    def _process(self, seq: Sequence, token: int, logprob: float, top: dict | None) -> list[RequestOutput]:
+        st = self.requests[seq.request_id]
+        reason = self._append(st, token, logprob, top)
+        if reason:
+            self.scheduler.finish(seq, reason)
+            del self.requests[seq.request_id]
+            self.counters["requests_finished"] += 1
+        out = self._output(st, finished=reason is not None)
+        return [out] if out.finished or out.text or out.token_ids else []
 
     def _append(self, st: RequestState, token: int, logprob: float, top: dict | None) -> str | None:
         seq, p = st.seq, st.seq.sampling
-        seq.output_token_ids.append(token)
+        if seq.has_pending_token:  # the step that sampled it ran ahead of its read-back
+            seq.output_token_ids[-1] = token
+        else:
+            seq.output_token_ids.append(token)
         seq.cumulative_logprob += logprob
         st.new_token_ids.append(token)
         if top is not None:

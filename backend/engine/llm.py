@@ -385,6 +385,7 @@ class AsyncLLM:
                 self._emit(eng.step())
                 if seq.num_computed_tokens == before and seq.request_id in eng.requests:
                     break  # could not be scheduled: nothing learnt
+            self._emit(eng.flush())  # async scheduling: its last step's token
         except Exception as e:  # noqa: BLE001 - that is the answer
             error = e
         if error is None and seq.request_id in eng.requests:

@@ -18,6 +18,15 @@ from backend.engine.sequence import Sequence
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 
 
+def _ends(scheduled: list[tuple[Sequence, int]]) -> list[int]:
+    """Row after each sequence's last token in the packed batch."""
+    out, row = [], 0
+    for _, n in scheduled:
+        row += n
+        out.append(row)
+    return out
+
+
 def _pad(rows: list[list[int]], value: int, width: int | None = None) -> list[list[int]]:
     width = width or max(1, max(len(r) for r in rows))
     return [r + [value] * (width - len(r)) for r in rows]
@@ -29,7 +38,8 @@ class ModelRunner:
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
         self.max_model_len = max_model_len
-        self.graphs: dict[int, tuple] = {}  # size -> (graph, batch, flat buffer, pinned staging, logits)
+        self.graphs: dict[int, tuple] = {}  # size -> (graph, batch, flat buffer, 2 pinned stagings, logits)
+        self.replays = 0
         if cuda_graphs and self.device.type == "cuda":
             self._capture([b for b in GRAPH_BUCKETS if b <= max_num_seqs])
 
@@ -62,13 +72,34 @@ class ModelRunner:
         return ForwardBatch(t(ids), t(pos), seq_lens, starts, replay, cfrom, t(slots), t(_pad(wt, -1)),
                             t(_pad(ft, 0)), st, t(rows), t(token_seq), t(replay), t(st), is_decode, max(pos))
 
-    def run(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> torch.Tensor:
+    def run(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False,
+            pending: tuple[torch.Tensor, dict[int, int]] | None = None) -> torch.Tensor:
+        """pending: (token ids of the step still in flight, on the device; id(seq) -> its row
+        there). A sequence whose last token is still pending reads it from there (async
+        scheduling): the ids never make a round trip through the host."""
         n = len(scheduled)
         if self.graphs and not all_logits and n <= max(self.graphs) and all(
                 k == 1 and s.num_computed_tokens == s.num_tokens - 1 and s.compress_from == s.num_computed_tokens
                 for s, k in scheduled):
-            return self._replay(scheduled)
-        return self.model(self.build_batch(scheduled, all_logits), self.cache)
+            return self._replay(scheduled, pending)
+        fb = self.build_batch(scheduled, all_logits)
+        self._fill_pending(fb.input_ids, scheduled, pending, [r - 1 for r in _ends(scheduled)])
+        return self.model(fb, self.cache)
+
+    def _fill_pending(self, input_ids: torch.Tensor, scheduled: list[tuple[Sequence, int]],
+                      pending: tuple[torch.Tensor, dict[int, int]] | None, last_rows: list[int]) -> None:
+        """Write the in-flight step's tokens into the rows that carry a placeholder."""
+        pairs = []
+        for (s, n), row in zip(scheduled, last_rows):
+            if s.has_pending_token:
+                assert pending is not None and s.num_computed_tokens + n == s.num_tokens, "pending token unreachable"
+                pairs.append((row, pending[1][id(s)]))
+        if not pairs:
+            return
+        idx = torch.tensor(pairs, dtype=torch.long).T.contiguous()
+        if input_ids.is_cuda:
+            idx = idx.pin_memory().to(input_ids.device, non_blocking=True)
+        input_ids[idx[0]] = pending[0][idx[1]]
 
     # --- CUDA graphs for decode ---------------------------------------------------------------
 
@@ -108,7 +139,9 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = self.model(fb, self.cache)
-            staging = torch.empty(flat.shape, dtype=torch.long, pin_memory=True)
+            # two pinned staging buffers, used by alternate steps: with async scheduling step N+1
+            # is packed while step N's copy may still wait behind step N-1 on the GPU
+            staging = [torch.empty(flat.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
             self.graphs[size] = (graph, fb, flat, staging, logits)  # fb: the graph reads its tensors
         torch.cuda.synchronize()
 
@@ -131,14 +164,18 @@ class ModelRunner:
         tables[0, n:] = c.scratch_window
         tables[1, n:] = c.scratch_full
 
-    def _replay(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor:
-        """Pack into the pinned staging buffer, one host-to-device copy, replay. The staging
-        buffer is free again by the next step: the sampler's read of this step's tokens waited
-        for the copy."""
+    def _replay(self, scheduled: list[tuple[Sequence, int]],
+                pending: tuple[torch.Tensor, dict[int, int]] | None = None) -> torch.Tensor:
+        """Pack into a pinned staging buffer, one host-to-device copy, replay. A buffer is packed
+        again two replays later, by when the engine has read back (so waited for) the step that
+        copied from it."""
         n = len(scheduled)
         size = min(b for b in self.graphs if b >= n)
-        graph, _, flat, staging, logits = self.graphs[size]
+        graph, _, flat, stagings, logits = self.graphs[size]
+        self.replays += 1
+        staging = stagings[self.replays % 2]  # the other one may still be on its way to the GPU
         self.pack_decode(scheduled, size, staging.numpy())
         flat.copy_(staging, non_blocking=True)
+        self._fill_pending(self.graphs[size][1].input_ids, scheduled, pending, list(range(n)))
         graph.replay()
         return logits[:n]

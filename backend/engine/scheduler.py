@@ -72,6 +72,8 @@ class Scheduler:
         self.running = kept
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.has_pending_token:  # preempted while its last token is in flight: not before it lands
+                break
             if seq.num_computed_tokens == 0 and self.prefix_cache is not None:
                 self.prefix_cache.match(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)

@@ -10,6 +10,11 @@ from backend.engine.cache import SeqBlocks
 from backend.engine.request import SamplingParams
 
 
+# An output token sampled by a step still on the GPU (async scheduling): the next step reads
+# it on the device; the engine writes the real id in when the step's results are read back.
+PENDING_TOKEN = -1
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -38,6 +43,10 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def has_pending_token(self) -> bool:
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PENDING_TOKEN
 
     @property
     def last_token_id(self) -> int:

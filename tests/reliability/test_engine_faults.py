@@ -48,9 +48,10 @@ async def _until(predicate, timeout_s: float = 30.0):
     raise AssertionError("condition never held")
 
 
-def test_step_faults_fail_only_the_faulty_requests():
+@pytest.mark.parametrize("async_scheduling", [False, True])  # True: steps in flight when the fault hits
+def test_step_faults_fail_only_the_faulty_requests(async_scheduling):
     async def main():
-        engine = AsyncLLM(ARGS)
+        engine = AsyncLLM({**ARGS, "async_scheduling": async_scheduling})
         await engine.start()
         try:
             prompts = [f"innocent request number {i}" for i in range(4)]
@@ -115,10 +116,12 @@ def test_admission_refuses_the_excess_at_once_and_recovers():
     asyncio.run(main())
 
 
-def test_cancelling_while_queued_in_prefill_and_in_decode_frees_every_block():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_cancelling_while_queued_in_prefill_and_in_decode_frees_every_block(async_scheduling):
     async def main():
         # one running sequence at a time, 16-token prefill chunks: a long prompt prefills over steps
-        engine = AsyncLLM({**ARGS, "max_num_seqs": 1, "max_num_batched_tokens": 16})
+        engine = AsyncLLM({**ARGS, "max_num_seqs": 1, "max_num_batched_tokens": 16,
+                           "async_scheduling": async_scheduling})
         await engine.start()
         try:
             long_prompt = " ".join(["word"] * 180)
