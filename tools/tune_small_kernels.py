@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from functools import partial
 
 import torch
 
@@ -49,8 +50,8 @@ def hc_pre_rows(dev):
         base, scale = torch.zeros(24, device=dev), torch.ones(3, device=dev)
         for warps in (1, 2, 4, 8):
             fn.FINISH_WARPS = warps
-            yield "hc_pre", f"T={T}", f"finish warps {warps}", graph_ms(lambda: fn.hc_pre_fused(x, w, base, scale, 1e-6,
-                                                                                               1e-6, 20))
+            yield "hc_pre", f"T={T}", f"finish warps {warps}", graph_ms(
+                partial(fn.hc_pre_fused, x, w, base, scale, 1e-6, 1e-6, 20))
     fn.FINISH_WARPS = 4
 
 
@@ -70,7 +71,7 @@ def indexer_rows(dev):
         args = (iq, iw, pool, tables, pos, seq, 4, 512, 8191)
         for label, limit in (("sort kernel", 4096), ("torch.topk", 0)):
             fi.SORT_MAX = limit
-            yield "indexer_topk (2048 entries)", f"T={T}", label, graph_ms(lambda: fi.indexer_topk_fused(*args))
+            yield "indexer_topk (2048 entries)", f"T={T}", label, graph_ms(partial(fi.indexer_topk_fused, *args))
     fi.SORT_MAX = 4096
 
 
@@ -94,7 +95,7 @@ def attention_rows(dev):
                 sel, sinks, hd**-0.5)
         for bh in (16, 32):
             yield "paged_attention CSA", f"T={T}", f"heads/program {bh}", graph_ms(
-                lambda: paged_attention_fused(*args, block_h=bh), reps=5 if T > 150 else 20)
+                partial(paged_attention_fused, *args, block_h=bh), reps=5 if T > 150 else 20)
 
 
 def moe_rows(dev):
@@ -109,7 +110,7 @@ def moe_rows(dev):
             orig = fm._row_class
             fm._row_class = lambda p, e, rows=rows: (fm.BLOCK_M_LARGE, 2) if p >= rows * e else (fm.BLOCK_M, 1)
             yield "moe_experts (16 experts)", f"T={T}", label, graph_ms(
-                lambda: fm.moe_experts_fused(x, w1, w3, w2, wts, idx, 10.0), reps=5)
+                partial(fm.moe_experts_fused, x, w1, w3, w2, wts, idx, 10.0), reps=5)
             fm._row_class = orig
 
 

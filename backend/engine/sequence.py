@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from backend.engine.cache import SeqBlocks
 from backend.engine.request import SamplingParams
 
-
 # An output token sampled by a step still on the GPU (async scheduling): the next step reads
 # it on the device; the engine writes the real id in when the step's results are read back.
 PENDING_TOKEN = -1
