@@ -14,6 +14,7 @@ import torch
 import kernels
 from backend.engine.args import EngineArgs, resolve_model_dir
 from backend.engine.cache import KVCache
+from backend.engine.config import CSA
 from backend.engine.loader import load_model
 from backend.engine.prefix_cache import PrefixCache
 from backend.engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
@@ -92,6 +93,9 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.pending: InFlight | None = None  # the step in flight (async scheduling)
         self.async_scheduling = self.device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
+        # with CUDA graphs, an eager step's launch is the slow part: read back first (see _step);
+        # without them (CPU) every step is eager and overlapping changes nothing but is exercised
+        self.flush_before_eager = bool(self.runner.graphs)
         self.generator = torch.Generator().manual_seed(args.seed)
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
         if self.device.type == "cuda":
@@ -108,9 +112,28 @@ class LLMEngine:
                                                sampling=sp))
         while self.has_unfinished():
             self.step()
+        self._warm_indexer_widths()
         self.counters = dict.fromkeys(self.counters, 0)
         if self.scheduler.prefix_cache is not None:
             self.scheduler.prefix_cache.counters = dict.fromkeys(self.scheduler.prefix_cache.counters, 0)
+
+    def _warm_indexer_widths(self) -> None:
+        """The indexer's top-k kernel is compiled per power-of-two count of compressed entries
+        (the sequence length / ratio): compile every width up to max_model_len now, not in the
+        middle of a request's step (about half a second each)."""
+        layer = next((i for i, kind in enumerate(self.cfg.layer_types) if kind == CSA), None)
+        if layer is None:
+            return
+        cfg, c, dev = self.cfg, self.cache, self.device
+        ratio, pool = cfg.compress_ratios[layer], c.index_keys[layer]
+        table = torch.full((1, -(-self.max_model_len // self.block_size) + 1), c.scratch_full, device=dev)
+        iq = torch.zeros(1, cfg.index_n_heads, cfg.index_head_dim, dtype=pool.dtype, device=dev)
+        iw, seq = torch.zeros(1, cfg.index_n_heads, device=dev), torch.zeros(1, dtype=torch.long, device=dev)
+        n = 16
+        while n <= self.max_model_len // ratio:
+            pos = torch.full((1,), n * ratio - 1, device=dev)
+            kernels.indexer_topk(iq, iw, pool, table, pos, seq, ratio, cfg.index_topk, n * ratio - 1)
+            n *= 2
 
     # --- construction -------------------------------------------------------------------------
 
@@ -233,6 +256,14 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return self.flush()
+        outputs = []
+        if self.pending is not None and self.flush_before_eager and not self.runner.replays_graph(scheduled):
+            # an eager step (prefill chunks) costs the host more than a GPU step: launching it first
+            # would only hold back the tokens in flight, so read them back now
+            outputs = self.flush()
+            scheduled = [(s, n) for s, n in scheduled if s.request_id in self.requests]  # some just ended
+            if not scheduled:
+                return outputs
         prev = self.pending
         logits = self.runner.run(scheduled, pending=(prev.token_ids, prev.rows) if prev else None)
         # logits rows: the sequences whose chunk reaches their last token, in batch order
@@ -240,7 +271,7 @@ class LLMEngine:
         keep = self._can_keep_in_flight(scheduled)
         if keep:  # decide on the device, start the copy back, and do not wait for it
             flight = InFlight.launch(scheduled, kernels.greedy_pick(logits))
-        outputs = self.flush()  # the previous step's tokens, while this step runs
+        outputs += self.flush()  # the previous step's tokens, while this step runs
         self.scheduler.advance([(s, n) for s, n in scheduled if s.status == Status.RUNNING])
         if keep:
             for seq, _ in scheduled:

@@ -77,14 +77,17 @@ class ModelRunner:
         """pending: (token ids of the step still in flight, on the device; id(seq) -> its row
         there). A sequence whose last token is still pending reads it from there (async
         scheduling): the ids never make a round trip through the host."""
-        n = len(scheduled)
-        if self.graphs and not all_logits and n <= max(self.graphs) and all(
-                k == 1 and s.num_computed_tokens == s.num_tokens - 1 and s.compress_from == s.num_computed_tokens
-                for s, k in scheduled):
+        if self.replays_graph(scheduled, all_logits):
             return self._replay(scheduled, pending)
         fb = self.build_batch(scheduled, all_logits)
         self._fill_pending(fb.input_ids, scheduled, pending, [r - 1 for r in _ends(scheduled)])
         return self.model(fb, self.cache)
+
+    def replays_graph(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> bool:
+        """A decode step within the largest captured batch: replayed as a CUDA graph."""
+        return bool(self.graphs) and not all_logits and len(scheduled) <= max(self.graphs) and all(
+            k == 1 and s.num_computed_tokens == s.num_tokens - 1 and s.compress_from == s.num_computed_tokens
+            for s, k in scheduled)
 
     def _fill_pending(self, input_ids: torch.Tensor, scheduled: list[tuple[Sequence, int]],
                       pending: tuple[torch.Tensor, dict[int, int]] | None, last_rows: list[int]) -> None:

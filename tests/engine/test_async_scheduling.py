@@ -18,9 +18,11 @@ def _prompts(n: int, vocab: int, seed: int = 0):
 
 
 def _both(tiny_dir, prompts, params, **args):
+    """Sync, async with every step overlapped, async reading back before eager steps (CUDA's policy)."""
     runs = []
-    for on in (False, True):
+    for on, flush_first in ((False, False), (True, False), (True, True)):
         llm = LLM(str(tiny_dir), dtype="float64", max_model_len=256, async_scheduling=on, **args)
+        llm.engine.flush_before_eager = flush_first
         out = llm.generate(prompts, params)
         c = llm.engine.cache
         assert c.window_pool.num_free == c.window_pool.num_blocks and c.full_pool.num_free == c.full_pool.num_blocks
@@ -44,9 +46,10 @@ def _same(sync, async_):
 def test_greedy_batches_with_chunking_and_preemption_are_unchanged(tiny_dir):
     prompts = _prompts(20, 4000)
     params = [SamplingParams(max_tokens=4 + 3 * (i % 7), temperature=0, ignore_eos=True) for i in range(20)]
-    sync, async_ = _both(tiny_dir, prompts, params, max_num_batched_tokens=48, max_num_seqs=32,
-                         num_gpu_blocks_override=30)
-    _same(sync, async_)
+    sync, *asyncs = _both(tiny_dir, prompts, params, max_num_batched_tokens=48, max_num_seqs=32,
+                          num_gpu_blocks_override=30)
+    for async_ in asyncs:
+        _same(sync, async_)
 
 
 def test_stops_found_one_step_late_and_mixed_sampling_are_unchanged(tiny_dir):
@@ -70,8 +73,9 @@ def test_stops_found_one_step_late_and_mixed_sampling_are_unchanged(tiny_dir):
             params.append(SamplingParams(max_tokens=9, min_tokens=5, temperature=0))
         else:
             params.append(SamplingParams(max_tokens=1, temperature=0))
-    sync, async_ = _both(tiny_dir, prompts, params, max_num_batched_tokens=64)
-    _same(sync, async_)
+    sync, *asyncs = _both(tiny_dir, prompts, params, max_num_batched_tokens=64)
+    for async_ in asyncs:
+        _same(sync, async_)
 
 
 def test_prefix_caching_with_replay_is_unchanged(tiny_dir):
@@ -79,8 +83,9 @@ def test_prefix_caching_with_replay_is_unchanged(tiny_dir):
     system = torch.randint(5, 4000, (70,), generator=g).tolist()
     prompts = [system + torch.randint(5, 4000, (n,), generator=g).tolist() for n in (5, 20, 33, 9)]
     params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
-    sync, async_ = _both(tiny_dir, prompts + prompts, [params] * 8, enable_prefix_caching=True)
-    _same(sync, async_)
+    sync, *asyncs = _both(tiny_dir, prompts + prompts, [params] * 8, enable_prefix_caching=True)
+    for async_ in asyncs:
+        _same(sync, async_)
 
 
 def test_steps_really_stay_in_flight_and_aborts_return_every_block(tiny_dir):
