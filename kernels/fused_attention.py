@@ -38,7 +38,7 @@ def _update(q, k, valid, m_i, l_i, acc, scale, DOT_F32: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["wtab_stride", "ftab_stride"])  # table widths vary per eager step
 def _paged_attention_kernel(
     q_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, seq_ptr, win_ptr, wtab_ptr, wtab_stride,
     replay_ptr, comp_ptr, ftab_ptr, ftab_stride, sel_ptr, sink_ptr, scale, H, W, BS, RATIO, PER_BLOCK,

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ftab_stride"])
 def _compress_decode_kernel(
     kv_ptr, gate_ptr, pos_ptr, slot_ptr, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr, has_prev_ptr,
     bnd_kv_ptr, bnd_gate_ptr, w_ptr, inv_freq_ptr, pool_ptr, ftab_ptr, ftab_stride, eps, BS, PER_BLOCK,

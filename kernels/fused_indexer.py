@@ -17,7 +17,7 @@ import triton.language as tl
 from kernels.fused_attention import _INTERPRET
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["ftab_stride", "n_max"])  # sizes vary per eager step
 def _indexer_scores_kernel(q_ptr, w_ptr, keys_ptr, ftab_ptr, ftab_stride, pos_ptr, seq_ptr, out_ptr, n_max, H,
                            RATIO, PER_BLOCK, scale, HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
                            DOT_F32: tl.constexpr):
@@ -44,7 +44,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, keys_ptr, ftab_ptr, ftab_stride, pos_pt
     tl.store(out_ptr + t * n_max + e, res, mask=e < n_max)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _topk_kernel(scores_ptr, pos_ptr, out_ptr, n, RATIO, TOPK: tl.constexpr, BLOCK: tl.constexpr):
     """One token's top-k by a bitonic sort of (score, index) packed into int64 keys: the score's
     bits made order-preserving in the high half, the index (reversed, so ties keep the lower

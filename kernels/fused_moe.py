@@ -44,7 +44,7 @@ def _row_class(pairs: int, experts: int) -> tuple[int, int]:
 
 
 @triton.autotune(configs=_configs(), key=["D", "I", "ROW_CLASS"])
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, expert_ptr, n_pairs, D, I, TOPK, limit, ROW_CLASS,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -77,7 +77,7 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, h_ptr, sorted_ptr, expert_ptr, n_pair
 
 
 @triton.autotune(configs=_configs(), key=["D", "I", "ROW_CLASS"])
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs"])
 def _down_kernel(h_ptr, w2_ptr, y_ptr, rw_ptr, sorted_ptr, expert_ptr, n_pairs, D, I, ROW_CLASS,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)

@@ -54,7 +54,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _PRECISION = "ieee" if _INTERPRET else "tf32x3"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, K_SPLIT, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
                            BLOCK_K: tl.constexpr):
     """part[split, t, 0:24] = x[t, ks] @ fn[:, ks]^T, part[split, t, 24] = sum x[t, ks]^2"""
@@ -77,7 +77,7 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, K_SPLIT, PRECISION: tl
     tl.store(part_ptr + (split * T + t[:, None]) * 32 + r32[None, :], acc, mask=tmask[:, None] & (r32[None, :] < 25))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, T, D, N_SPLIT, hc_eps,
                       norm_eps, ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     HC: tl.constexpr = 4

@@ -38,7 +38,7 @@ def _chunk_kernel(logits_ptr, stride, V, part_m_ptr, part_s_ptr, part_i_ptr, NCH
     tl.store(part_i_ptr + row * NCHUNK + c, best)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _combine_kernel(part_m_ptr, part_s_ptr, part_i_ptr, out_ptr, n, NCHUNK: tl.constexpr, NP2: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, NP2)
