@@ -35,6 +35,8 @@ class Scheduler:
         return max(0, seq.num_computed_tokens - self.window + 1, seq.replay_start)
 
     def _try_allocate(self, seq: Sequence, n: int) -> bool:
+        if n == 1 and seq.num_computed_tokens % self.cache.block_size and seq.blocks.state_slot >= 0:
+            return True  # a decode inside a block its last step already holds (and the window's too)
         lo, hi = self._window_lo(seq), seq.num_computed_tokens + n
         if not self.cache.can_allocate(seq.blocks, lo, hi):
             return False
