@@ -300,10 +300,14 @@ class TritonServer:
         return "\n".join(["model load errors:", *errors[-20:], "last lines:", *tail[-25:]])
 
     def is_ready(self) -> bool:
+        """Inference ready and the metrics endpoint answering: Triton starts its metrics service
+        after the HTTP one, so a scrape right after HTTP readiness could be refused."""
         try:
-            url = f"http://{self.http_url}/v2/health/ready"
-            with urllib.request.urlopen(url, timeout=2) as response:
-                return response.status == 200
+            for url in (f"http://{self.http_url}/v2/health/ready", self.metrics_url):
+                with urllib.request.urlopen(url, timeout=2) as response:
+                    if response.status != 200:
+                        return False
+            return True
         except (urllib.error.URLError, OSError):
             return False
 
