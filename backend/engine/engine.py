@@ -15,6 +15,7 @@ import kernels
 from backend.engine.args import EngineArgs, resolve_model_dir
 from backend.engine.cache import KVCache
 from backend.engine.config import CSA
+from backend.engine.in_flight import InFlight
 from backend.engine.loader import load_model
 from backend.engine.prefix_cache import PrefixCache
 from backend.engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
@@ -25,34 +26,6 @@ from backend.engine.sequence import PENDING_TOKEN, Sequence, Status
 from backend.engine.tokenizer import Detokenizer, Tokenizer
 
 CPU_KV_BYTES = 256 << 20  # default KV budget on CPU
-
-
-@dataclass
-class InFlight:
-    """A step launched but not yet read back (async scheduling)."""
-
-    scheduled: list[tuple[Sequence, int]]
-    token_ids: torch.Tensor  # [rows] on the device: what the next step reads as its inputs
-    rows: dict[int, int]  # id(seq) -> row
-    host: torch.Tensor  # [3, rows] float64 (token, logprob, log-sum-exp), filled by an async copy
-    done: torch.cuda.Event | None
-
-    @classmethod
-    def launch(cls, scheduled: list[tuple[Sequence, int]], picked: torch.Tensor) -> InFlight:
-        """picked: kernels.greedy_pick's [3, rows] on the device; start copying it back."""
-        cuda = picked.is_cuda
-        host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=cuda)
-        host.copy_(picked, non_blocking=cuda)
-        done = None
-        if cuda:
-            done = torch.cuda.Event()
-            done.record()
-        return cls(scheduled, picked[0].long(), {id(s): i for i, (s, _) in enumerate(scheduled)}, host, done)
-
-    def read(self) -> list[list[float]]:
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host.tolist()
 
 
 @dataclass
