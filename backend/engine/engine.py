@@ -33,8 +33,8 @@ class RequestState:
     seq: Sequence
     detok: Detokenizer
     eos_ids: set[int]
-    text: str = ""
-    sent_chars: int = 0
+    stop_len: int = 0  # the longest stop string
+    text: str = ""  # not streamed yet (held back while it may be the start of a stop string)
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
 
@@ -191,7 +191,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None and not req.sampling.ignore_eos:
             eos.add(self.tokenizer.eos_token_id)
         self.requests[req.request_id] = RequestState(
-            seq, Detokenizer(self.tokenizer, req.sampling.skip_special_tokens), eos)
+            seq, Detokenizer(self.tokenizer, req.sampling.skip_special_tokens), eos,
+            stop_len=max(map(len, req.sampling.stop), default=0))
         self.scheduler.add(seq)
         self.counters["prompt_tokens"] += len(ids)
         return seq
@@ -324,9 +325,13 @@ class LLMEngine:
         n_out = len(seq.output_token_ids)
         if token in st.eos_ids or token in p.stop_token_ids:
             return "stop"
-        st.text += st.detok.push(token)
+        new = st.detok.push(token)
+        st.text += new
         if p.stop and n_out >= p.min_tokens:
-            hits = [i for s in p.stop if (i := st.text.find(s)) >= 0]
+            # a new match ends in the new text (the text before it was searched on earlier tokens;
+            # stop strings count from min_tokens on)
+            start = max(0, len(st.text) - len(new) - st.stop_len + 1)
+            hits = [i for s in p.stop if (i := st.text.find(s, start)) >= 0]
             if hits:
                 st.text = st.text[: min(hits)]
                 return "stop"
@@ -336,10 +341,10 @@ class LLMEngine:
 
     def _output(self, st: RequestState, finished: bool) -> RequestOutput:
         seq = st.seq
-        # never stream the start of a stop string that may still complete
-        hold = 0 if finished or not seq.sampling.stop else max(len(s) for s in seq.sampling.stop) - 1
-        end = max(st.sent_chars, len(st.text) - hold)
-        text, st.sent_chars = st.text[st.sent_chars:end], end
+        # never stream the start of a stop string that may still complete; what is held back is
+        # also all the earlier text a stop string can still match into
+        end = len(st.text) if finished else max(0, len(st.text) - max(0, st.stop_len - 1))
+        text, st.text = st.text[:end], st.text[end:]
         out = RequestOutput(
             request_id=seq.request_id, text=text, token_ids=st.new_token_ids,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(seq.output_token_ids),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 
 import jinja2
 from tokenizers import Tokenizer as _Tokenizer
+from tokenizers import decoders
 
 
 class Tokenizer:
@@ -24,6 +26,23 @@ class Tokenizer:
         self.add_bos = bool(conf.get("add_bos_token", False)) and self.bos_token_id is not None
         self.chat_template = conf.get("chat_template")
         self.vocab_size = self._tok.get_vocab_size()
+        # id -> (text, special) of added tokens, which decode as their text, not through the model
+        self.added = {i: (t.content, t.special) for i, t in self._tok.get_added_tokens_decoder().items()}
+        self.token_bytes = self._byte_level_table()
+
+    def _byte_level_table(self) -> list[bytes] | None:
+        """For a byte-level BPE (GPT-2 style, DeepSeek's): each model token's bytes, so that text can
+        be decoded incrementally one token at a time. None for other decoders."""
+        if not isinstance(self._tok.decoder, decoders.ByteLevel):
+            return None
+        byte_of = _byte_level_alphabet()
+        table = [b""] * self._tok.get_vocab_size(with_added_tokens=True)
+        for token, i in self._tok.get_vocab(with_added_tokens=False).items():
+            try:
+                table[i] = bytes(byte_of[c] for c in token)
+            except KeyError:  # a character outside the alphabet: the token's own UTF-8, as the decoder does
+                table[i] = token.encode("utf-8")
+        return table
 
     @staticmethod
     def _token_str(tok) -> str | None:
@@ -47,17 +66,46 @@ class Tokenizer:
             bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character each byte is written as in a byte-level
+    BPE vocabulary -> that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    char_of = {b: chr(b) for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in char_of):
+        char_of[b] = chr(256 + n)
+    return {c: b for b, c in char_of.items()}
+
+
 class Detokenizer:
     """Incremental and UTF-8 safe: a delta is emitted only once its bytes form whole
-    characters (byte-level BPE splits multi-byte characters across tokens)."""
+    characters (byte-level BPE splits multi-byte characters across tokens).
+
+    Byte-level tokenizers take a table lookup and an incremental UTF-8 decoder per token (O(1),
+    the same text as a full decode); others re-decode the tokens since the last whole character."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tok, self.skip = tokenizer, skip_special_tokens
+        self.bytes_of = tokenizer.token_bytes
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
 
     def push(self, token_id: int) -> str:
+        if self.bytes_of is None:
+            return self._push_by_decode(token_id)
+        added = self.tok.added.get(token_id)
+        if added is None:
+            return self.utf8.decode(self.bytes_of[token_id]) if 0 <= token_id < len(self.bytes_of) else ""
+        text, special = added
+        if special and self.skip:
+            return ""
+        # an added token ends the byte run before it (a full decode decodes that run on its own)
+        held = self.utf8.decode(b"", final=True)
+        self.utf8.reset()
+        return held + text
+
+    def _push_by_decode(self, token_id: int) -> str:
         self.ids.append(token_id)
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
         text = self.tok.decode(self.ids[self.prefix_offset:], self.skip)

@@ -1,6 +1,7 @@
 """Sampler options, stop strings, finish reasons, logprobs, UTF-8-safe incremental detokenization."""
 
 import math
+import random
 
 import pytest
 import torch
@@ -17,8 +18,11 @@ def llm(tiny_dir):
     return LLM(str(tiny_dir), dtype="float32")
 
 
-def test_detokenizer_never_emits_half_a_character(tiny_dir):
+@pytest.mark.parametrize("byte_table", [True, False])  # False: the path of tokenizers that are not byte-level
+def test_detokenizer_never_emits_half_a_character(tiny_dir, byte_table):
     tok = Tokenizer(tiny_dir)
+    if not byte_table:
+        tok.token_bytes = None
     text = "a 龘 b 🙂 c ﷺ d"  # rare characters: byte-level BPE splits them over several tokens
     ids = tok.encode(text, add_special_tokens=False)
     assert any("\ufffd" in tok.decode([i]) for i in ids), "the test needs a character split across tokens"
@@ -26,6 +30,25 @@ def test_detokenizer_never_emits_half_a_character(tiny_dir):
     deltas = [detok.push(i) for i in ids]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text
+
+
+def test_byte_level_detokenizer_equals_a_full_decode(tiny_dir):
+    """Random runs of lone bytes (continuation and lead bytes: invalid UTF-8 on purpose), longer
+    tokens and added tokens, both special-token settings: the streamed text is tokenizers' own
+    decode of the whole run, replacement characters included."""
+    tok = Tokenizer(tiny_dir)
+    assert tok.token_bytes is not None, "the tiny tokenizer is byte-level"
+    lone = [i for i, b in enumerate(tok.token_bytes) if len(b) == 1 and b[0] >= 0x80]
+    longer = [i for i, b in enumerate(tok.token_bytes) if len(b) > 1]
+    assert lone and longer and tok.added
+    end = tok.encode("a", add_special_tokens=False)  # settles a trailing incomplete character
+    rng = random.Random(0)
+    for _ in range(500):
+        pools = rng.choices([lone, longer, list(tok.added)], weights=[6, 3, 1], k=rng.randint(1, 12))
+        ids = [rng.choice(pool) for pool in pools] + end
+        for skip in (True, False):
+            detok = Detokenizer(tok, skip_special_tokens=skip)
+            assert "".join(detok.push(i) for i in ids) == tok.decode(ids, skip_special_tokens=skip), (ids, skip)
 
 
 def test_stop_string_cuts_exactly_and_streams_no_part_of_it(llm):
