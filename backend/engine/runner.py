@@ -155,14 +155,16 @@ class ModelRunner:
         bs, width = c.block_size, self._table_width()
         cols = host[:5 * size].reshape(5, size)
         tables = host[5 * size:].reshape(2, size, width)
+        tables[0, :n], tables[1, :n] = -1, 0  # then each row's blocks over the fill
+        rows = []
         for i, (s, _) in enumerate(scheduled):
-            p = s.num_computed_tokens
-            wt, ft = s.blocks.window_table, s.blocks.full_table
-            cols[:, i] = (s.last_token_id, p, wt[p // bs] * bs + p % bs, s.replay_start, s.blocks.state_slot)
+            p, b = s.num_computed_tokens, s.blocks
+            wt, ft = b.window_table, b.full_table
+            rows.append((s.last_token_id, p, wt[p // bs] * bs + p % bs, s.replay_start, b.state_slot))
             tables[0, i, :len(wt)] = wt
-            tables[0, i, len(wt):] = -1
             tables[1, i, :len(ft)] = ft
-            tables[1, i, len(ft):] = 0
+        if n:
+            cols[:, :n] = np.array(rows, dtype=np.int64).T  # one conversion, not a numpy write per row
         cols[:, n:] = np.array([0, 0, c.scratch_window * bs, 0, c.scratch_slot])[:, None]
         tables[0, n:] = c.scratch_window
         tables[1, n:] = c.scratch_full
