@@ -48,6 +48,14 @@ STAT_COUNTERS = {
     "num_preemptions": ("num_preemptions_total", "Requests preempted (their KV freed, recomputed later)."),
     "num_step_failures": ("engine_step_failures_total",
                           "Engine steps that raised (the failing request is isolated and failed)."),
+    # from model.py's response thread, not the engine
+    "stream_deltas": ("stream_deltas_total", "Engine deltas of streaming requests (usually one token each)."),
+    "stream_responses": ("stream_responses_total",
+                         "Streamed responses sent: below stream_deltas_total when the response thread "
+                         "fell behind and sent the deltas that piled up for a request as one."),
+    "response_thread_cpu_s": ("response_thread_cpu_seconds_total",
+                              "CPU time of the thread that renders and sends responses; a rate near 1 "
+                              "means it is the server's bottleneck."),
 }
 # Triton error codes the backend sends (model.py), as labels of request_failure_total
 ERROR_CODES = ("INVALID_ARG", "UNAVAILABLE", "INTERNAL", "CANCELLED")

@@ -24,12 +24,12 @@ import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import triton_python_backend_utils as pb_utils
 
 from backend import protocol
-from backend.engine.request import EngineDead, EngineOverloaded, InvalidRequest, RequestFailed
+from backend.engine.request import EngineDead, EngineOverloaded, InvalidRequest, RequestFailed, merge_outputs
 from backend.engines import build_engine, load_engine_args
 from backend.metrics import Metrics, RequestRecord
 
@@ -60,6 +60,9 @@ class _Flight:
     stream: bool
     cancelled: bool = False
     final_sent: bool = False
+    state: protocol.OutputState | None = None  # streaming: rendering state (the response thread's)
+    deltas: list = field(default_factory=list)  # streaming: engine deltas not yet sent
+    queued: bool = False  # streaming: the flight waits in the response queue for its deltas
 
 
 class TritonPythonModel:
@@ -96,7 +99,10 @@ class TritonPythonModel:
         self.unloading = False
         self.flights: set[_Flight] = set()
         self.flights_lock = threading.Lock()
-        self.responses: queue.Queue = queue.Queue()
+        self.responses: queue.Queue = queue.Queue()  # _Flight (streamed deltas) or (flight, response, flags)
+        self.deltas_lock = threading.Lock()
+        # the response thread's own counters (metrics: stream_*_total, response_thread_cpu_seconds_total)
+        self.response_stats = {"stream_deltas": 0, "stream_responses": 0, "response_thread_cpu_s": 0.0}
         self.response_thread = threading.Thread(target=self._response_loop, name="deepseek-responses",
                                                 daemon=True)
         self.response_thread.start()
@@ -149,6 +155,7 @@ class TritonPythonModel:
         self.inflight += 1
         request = parsed.request
         state = protocol.OutputState(request.prompt, parsed.exclude_input_in_output, parsed.returns)
+        flight.state = state
         last = None
         first_token_at = None
         aborted = False
@@ -163,7 +170,7 @@ class TritonPythonModel:
                         await self.engine.abort(request.request_id)
                     continue
                 if parsed.stream:
-                    self._queue(flight, protocol.render_delta(state, delta), final=delta.finished)
+                    self._queue_delta(flight, delta)
                 else:
                     state.accumulate(delta)
             if flight.cancelled:
@@ -198,9 +205,20 @@ class TritonPythonModel:
                     e2e_s=now - arrival,
                     decode_s=None if first_token_at is None else now - first_token_at))
 
+    def _queue_delta(self, flight: _Flight, delta) -> None:
+        """Streamed deltas are rendered and sent by the response thread. A render and a send cost
+        about 100 us of Python together, under the GIL the engine's step loop also needs: when the
+        thread falls behind (many streams, fast steps), the deltas that piled up for a request go
+        out as one response, so the work scales with requests rather than tokens."""
+        with self.deltas_lock:
+            flight.deltas.append(delta)
+            if flight.queued:
+                return
+            flight.queued = True
+        self.responses.put(flight)
+
     def _queue(self, flight: _Flight, tensors: dict, final: bool) -> None:
-        outputs = [pb_utils.Tensor(name, array) for name, array in tensors.items()]
-        self.responses.put((flight, pb_utils.InferenceResponse(output_tensors=outputs), FINAL if final else 0))
+        self.responses.put((flight, _response(tensors), FINAL if final else 0))
 
     def _queue_error(self, flight: _Flight, message: str, code: str) -> None:
         self.responses.put((flight, self._error_response(message, code), FINAL))
@@ -230,11 +248,34 @@ class TritonPythonModel:
                 item = ...
             if item is None:
                 return
-            if item is not ...:
+            cpu = time.thread_time()
+            if isinstance(item, _Flight):
+                self._send_deltas(item)
+            elif item is not ...:
                 self._send(*item)
             if time.monotonic() >= next_poll:
                 self._poll_cancelled()
                 next_poll = time.monotonic() + CANCEL_POLL_S
+            self.response_stats["response_thread_cpu_s"] += time.thread_time() - cpu
+
+    def _send_deltas(self, flight: _Flight) -> None:
+        with self.deltas_lock:
+            deltas, flight.deltas, flight.queued = flight.deltas, [], False
+        if not deltas:
+            return
+        self.response_stats["stream_deltas"] += len(deltas)
+        self.response_stats["stream_responses"] += 1
+        delta = merge_outputs(deltas)
+        final = delta.finished
+        try:
+            response = _response(protocol.render_delta(flight.state, delta))
+        except Exception as e:  # a bug in rendering fails this request only
+            self.logger.log_error(f"[deepseek] rendering a response of {flight.request_id} failed: "
+                                  f"{traceback.format_exc()}")
+            response, final = self._error_response(f"internal error: {type(e).__name__}: {e}", "INTERNAL"), True
+            flight.cancelled = True  # the rest of its stream is dropped: free its cache
+            asyncio.run_coroutine_threadsafe(self.engine.abort(flight.request_id), self.loop)
+        self._send(flight, response, FINAL if final else 0)
 
     def _send(self, flight: _Flight, response, flags) -> None:
         if flight.final_sent:
@@ -280,7 +321,7 @@ class TritonPythonModel:
     def _engine_stats(self) -> dict:
         """Called from the metrics thread: read stats on the loop, and check health meanwhile."""
         self._healthy()
-        return self._on_loop(_call(self.engine.stats), timeout=5.0)
+        return {**self._on_loop(_call(self.engine.stats), timeout=5.0), **self.response_stats}
 
     def _on_loop(self, coro, timeout: float | None = None):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -302,6 +343,10 @@ class TritonPythonModel:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.loop_thread.join(timeout=10)
         self.logger.log_info("[deepseek] finalize: done")
+
+
+def _response(tensors: dict):
+    return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(name, array) for name, array in tensors.items()])
 
 
 async def _call(fn):

@@ -20,6 +20,9 @@ COUNTERS = {
     "deepseek:prompt_tokens_total": "prompt_tokens",
     "deepseek:generation_tokens_total": "generation_tokens",
     "deepseek:request_success_total": "requests_finished",
+    "deepseek:stream_deltas_total": "stream_deltas",
+    "deepseek:stream_responses_total": "stream_responses",
+    "deepseek:response_thread_cpu_seconds_total": "response_thread_cpu_s",
     "nv_inference_request_failure": "triton_request_failures",
 }
 # the engine-stats counters are polled every 0.5 s (backend/metrics.py): wait this long for them

@@ -33,6 +33,7 @@ from backend.engine.request import (
     RequestFailed,
     RequestOutput,
     SamplingParams,
+    merge_outputs,
 )
 from backend.engine.sequence import Sequence
 
@@ -163,12 +164,19 @@ class AsyncLLM:
         finished = False
         try:
             while True:
-                item = await stream.get()
-                if isinstance(item, Exception):
+                items = [await stream.get()]
+                # a consumer that fell behind (150 streams in one event loop) takes what has
+                # piled up as one delta: its per-delta work then scales with requests, not tokens
+                while isinstance(items[-1], RequestOutput) and not items[-1].finished and not stream.empty():
+                    items.append(stream.get_nowait())
+                error = items.pop() if isinstance(items[-1], Exception) else None
+                if items:
+                    out = merge_outputs(items)
+                    finished = out.finished
+                    yield out
+                if error is not None:
                     finished = True
-                    raise item
-                finished = item.finished
-                yield item
+                    raise error
                 if finished:
                     return
         finally:

@@ -7,7 +7,7 @@ second, and never knows which engine runs. Names follow vLLM's SamplingParams.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class InvalidRequest(ValueError):
@@ -70,3 +70,17 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     finished: bool = False
     finish_reason: str | None = None
+
+
+def merge_outputs(deltas: list[RequestOutput]) -> RequestOutput:
+    """Consecutive deltas of one request as one: what a consumer that fell behind receives, so
+    it handles (renders, sends) one delta per request per turn instead of one per token. New
+    text, tokens and logprobs are joined; the counters and the finish come from the last."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
+    logprobs = None
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = [lp for d in deltas for lp in d.logprobs or ()]
+    return replace(last, text="".join(d.text for d in deltas), token_ids=[t for d in deltas for t in d.token_ids],
+                   logprobs=logprobs)

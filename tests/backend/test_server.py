@@ -234,8 +234,12 @@ def _grpc_raw(server, inputs):
 
 def test_metrics_families_have_plausible_values(triton_server, grpc_client):
     grpc_client.generate(PROMPT, max_tokens=5, ignore_eos=True)
+    streamed = list(grpc_client.generate_stream(PROMPT, max_tokens=6, ignore_eos=True))
     time.sleep(1.2)  # the metrics thread records finished requests and polls engine stats
     text = scrape(triton_server)
+    deltas, responses = metric(text, "deepseek:stream_deltas_total"), metric(text, "deepseek:stream_responses_total")
+    assert deltas >= 6 and len(streamed) <= responses <= deltas  # merged only when the sender falls behind
+    assert metric(text, "deepseek:response_thread_cpu_seconds_total") > 0
     assert metric(text, "deepseek:time_to_first_token_seconds_count") >= 1
     assert 0 < metric(text, "deepseek:time_to_first_token_seconds_sum") < 60
     assert metric(text, "deepseek:time_per_output_token_seconds_count") >= 1
