@@ -2,7 +2,9 @@
 
 The native engine's counters (docs/USAGE.md, backend/metrics.py) give the prefix-cache hit ratio
 (`deepseek:prefix_cache_hit_tokens_total / deepseek:prefix_cache_queries_total`), replayed tokens,
-preemptions, and the server's own request and token totals to check the client's against.
+preemptions, and the server's own request and token totals to check the client's against; the
+response thread's counters say whether the server's Python, not the engine, was the limit
+(deltas per streamed response above 1, the thread busy near 100%).
 """
 
 from __future__ import annotations
@@ -83,4 +85,7 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
     out = {k: after[k] - before.get(k, 0.0) for k in sorted(after)}
     queries = out.get("prefix_cache_queries", 0.0)
     out["prefix_hit_ratio"] = out.get("prefix_cache_hit_tokens", 0.0) / queries if queries else None
+    # above 1: the server's response thread fell behind and merged deltas (backend/model.py)
+    responses = out.get("stream_responses", 0.0)
+    out["deltas_per_response"] = out.get("stream_deltas", 0.0) / responses if responses else None
     return out

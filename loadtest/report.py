@@ -119,6 +119,11 @@ TABLES = [
     ("Prefix-cache hit ratio (%, server)",
      lambda lv: None if (lv.get("server") or {}).get("prefix_hit_ratio") is None
      else 100 * lv["server"]["prefix_hit_ratio"], 1, True),
+    ("Deltas per streamed response (server; > 1: its response thread fell behind)",
+     lambda lv: (lv.get("server") or {}).get("deltas_per_response"), 2, False),
+    ("Response thread busy (%, server)",
+     lambda lv: None if (lv.get("server") or {}).get("response_thread_busy") is None
+     else 100 * lv["server"]["response_thread_busy"], 1, False),
 ]
 
 

@@ -232,11 +232,15 @@ def run_level(args, concurrency: int, url: str, metrics_url: str | None, level_d
                "--stop-timeout", f"{args.stop_timeout:g}"]
     before = metrics.scrape(metrics_url)
     load_before = os.getloadavg()
+    t0 = time.monotonic()
     run = run_driver(cmd, level_dir / f"{args.driver}.log", records,
                      args.duration + args.stop_timeout + STARTUP_GRACE_S, say)
+    elapsed = time.monotonic() - t0
     if metrics_url:
         time.sleep(metrics.SETTLE_S)
     server = metrics.delta(before, metrics.scrape(metrics_url))
+    if server is not None and "response_thread_cpu_s" in server:
+        server["response_thread_busy"] = server["response_thread_cpu_s"] / elapsed
     requests, marks = read_records(records)
     summary = summarize(requests, marks, concurrency)
     return {**summary, "server": server, "driver": run,

@@ -80,6 +80,8 @@ deepseek:request_success_total{finished_reason="length",model="deepseek_v4",vers
 deepseek:request_success_total{finished_reason="abort",model="deepseek_v4",version="1"} 1
 deepseek:time_to_first_token_seconds_sum{model="deepseek_v4",version="1"} 1.5
 nv_inference_request_failure{model="deepseek_v4",reason="OTHER",version="1"} 0
+deepseek:stream_deltas_total{model="deepseek_v4",version="1"} 1000
+deepseek:stream_responses_total{model="deepseek_v4",version="1"} 500
 """
 
 
@@ -90,6 +92,7 @@ def test_metrics_parse_and_delta():
     after = metrics.parse(PROM.replace(" 1000", " 1400").replace(" 600", " 900").replace("} 7", "} 12"))
     d = metrics.delta(before, after)
     assert d["prefix_cache_queries"] == 400 and d["prefix_hit_ratio"] == pytest.approx(0.75)
+    assert d["stream_deltas"] == 400 and d["deltas_per_response"] is None  # no new response in the window
     assert d["requests_finished/length"] == 5
     assert metrics.delta(before, None) is None
     assert metrics.delta(before, before)["prefix_hit_ratio"] is None  # no lookups: no ratio

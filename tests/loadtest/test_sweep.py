@@ -87,6 +87,7 @@ def test_grpc_agentic_sweep(triton_server, tmp_path):
     for lv in result["levels"]:
         # turns after the first share the system prompt and the conversation: the server hit its cache
         assert lv["server"]["prefix_hit_ratio"] > 0.3, lv["server"]
+        assert lv["server"]["deltas_per_response"] >= 1 and 0 < lv["server"]["response_thread_busy"] < 1
         assert any(r["turn"] > 1 for r in lv["records"])
     # Locust's own stats carry one row per metric
     with open(tmp_path / "raw" / "grpc" / "c4" / "locust_stats.csv") as f:
