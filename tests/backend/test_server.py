@@ -58,7 +58,8 @@ def offline(triton_server):
         finally:
             await engine.shutdown()
 
-    return dict(zip([PROMPT, "Hello"], asyncio.run(run([PROMPT, "Hello"], 12))))
+    prompts = [PROMPT, "Hello", "Grüße, 世界 🙂"]  # the last: multi-byte text both ways through BYTES tensors
+    return dict(zip(prompts, asyncio.run(run(prompts, 12))))
 
 
 def scrape(server) -> str:
@@ -99,8 +100,9 @@ def test_streams_arrive_as_several_deltas(grpc_client, http_client):
 
 def test_exclude_input_in_output(triton_server, grpc_client, http_client, offline):
     for client in (grpc_client, http_client):
-        echoed = client.generate(PROMPT, max_tokens=12, temperature=0, exclude_input_in_output=False)
-        assert echoed.text == PROMPT + offline[PROMPT]
+        for prompt in (PROMPT, "Grüße, 世界 🙂"):
+            echoed = client.generate(prompt, max_tokens=12, temperature=0, exclude_input_in_output=False)
+            assert echoed.text == prompt + offline[prompt]
     # without the flag a non-streaming request echoes the prompt (Triton's vLLM backend default);
     # sampling keys also arrive as request parameters (HTTP generate's "parameters" object)
     status, payload = raw_generate(triton_server, {"text_input": PROMPT,
