@@ -3,9 +3,10 @@
 Three threads, no model logic:
 - Triton's execute thread parses each request (backend/protocol.py) and hands it to
 - the engine's asyncio event loop (its own thread), which runs `engine.add` per request and
-  queues rendered responses for
-- the response thread, the only one that touches response senders after admission: it sends,
-  and polls `is_cancelled()` so a cancelled request is aborted in the engine (freeing its cache).
+  queues its deltas (streaming) or its one rendered response for
+- the response thread, the only one that touches response senders after admission: it renders
+  and sends (a request's deltas that piled up meanwhile as one response), and polls
+  `is_cancelled()` so a cancelled request is aborted in the engine (freeing its cache).
 
 Every error message starts with its Triton code ("UNAVAILABLE: engine overloaded: ..."): Triton
 2.51's HTTP generate endpoints answer 400 for any error a decoupled model sends, and errors inside
