@@ -38,8 +38,12 @@ class EngineArgs:
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
     kernels: str = "auto"  # auto | ref
+    # a step running longer than this means a hung GPU or a deadlock: the engine is declared dead
+    # (requests in flight fail UNAVAILABLE, health turns false, the Triton model unloads). 0: off
+    step_timeout_s: float = 60.0
     # tests only: a request whose prompt holds this text makes every step it is in raise
-    # ("<marker>:fatal": an error classed as fatal); see docs/RELIABILITY.md. Never in production.
+    # ("<marker>:fatal": an error classed as fatal, "<marker>:hang": the step blocks); see
+    # docs/RELIABILITY.md. Never in production.
     fault_injection_marker: str | None = None
     engine: str = "native"
 
@@ -59,6 +63,7 @@ class EngineArgs:
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.max_waiting_requests >= 0, "max_waiting_requests must be >= 0"),
+            (self.step_timeout_s >= 0, "step_timeout_s must be >= 0 (0: no step watchdog)"),
             (self.kernels in ("auto", "ref"), "kernels must be 'auto' or 'ref'"),
             (self.engine == "native", "this is the native engine; engine must be 'native'"),
             (self.block_size is None or self.block_size >= 1, "block_size must be >= 1"),

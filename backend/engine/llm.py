@@ -42,6 +42,7 @@ log = logging.getLogger("deepseek.engine")
 # A request in this many failed steps is failed even when it never fails alone (a fault that
 # needs a particular batch would otherwise retry forever).
 MAX_SUSPICIONS = 3
+HANG_RELEASE_S = 120.0  # fault injection: a "hung" step unblocks by itself after this long at most
 
 
 @dataclass
@@ -126,6 +127,10 @@ class AsyncLLM:
         self._closed = False
         self._pending_adds = 0  # add commands queued, not handled yet (admission fast path)
         self._suspicions: dict[str, int] = {}  # request id -> failed steps it was in
+        self._step_since: float | None = None  # when the step (or probe) now running began
+        self._hang_release = threading.Event()  # fault injection: lets a "hung" step go
+        self._watchdog: threading.Thread | None = None
+        self._watch_stop = threading.Event()
         self._faults: dict[str, str] = {}  # fault injection (test-only): request id -> "step" | "fatal"
         self.counters = {"num_step_failures": 0, "num_requests_failed": 0, "num_requests_rejected": 0}
 
@@ -136,6 +141,9 @@ class AsyncLLM:
             self._install_fault_injection()
         self._thread = threading.Thread(target=self._loop, name="dsv4-engine", daemon=True)
         self._thread.start()
+        if self.args.step_timeout_s > 0:
+            self._watchdog = threading.Thread(target=self._watch, name="dsv4-watchdog", daemon=True)
+            self._watchdog.start()
         self._accepting = True
 
     # --- the interface ------------------------------------------------------------------------
@@ -204,6 +212,10 @@ class AsyncLLM:
         self._wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+        # gone before the interpreter exits: a daemon thread waking during finalization can abort it
+        self._watch_stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(5)
 
     def _command(self, cmd: tuple) -> None:
         with self._lock:
@@ -265,7 +277,8 @@ class AsyncLLM:
             self._streams[request.request_id] = (loop, stream)
             marker = self.args.fault_injection_marker
             if marker and request.prompt and marker in request.prompt:
-                self._faults[request.request_id] = "fatal" if f"{marker}:fatal" in request.prompt else "step"
+                kinds = [k for k in ("fatal", "hang") if f"{marker}:{k}" in request.prompt]
+                self._faults[request.request_id] = kinds[0] if kinds else "step"
             self._resolve(loop, admitted)
         elif cmd[0] == "abort":
             out = eng.abort(cmd[1])
@@ -300,17 +313,47 @@ class AsyncLLM:
                 self._wake.clear()
                 continue
             try:
-                outputs = eng.step()
+                outputs = self._timed(eng.step)
             except Exception as e:  # noqa: BLE001 - find the request that fails, keep serving the others
                 self._recover(e)
                 continue
             self._emit(outputs)
 
-    def _close(self) -> None:
-        """The thread is ending (shutdown, or the engine died): nothing may wait on it any more."""
+    def _timed(self, fn, *args):
+        """Run one step (or probe) where the watchdog can see how long it has been running."""
+        self._step_since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self._step_since = None
+
+    def _watch(self) -> None:
+        """The step watchdog: a step that runs longer than step_timeout_s (a hung GPU, a deadlock)
+        raises nothing, so without this every request would wait forever and health would stay
+        true. Declare the engine dead instead: requests in flight and waiting for admission fail
+        with EngineDead, new ones at once, and health() turns false (the Triton model then
+        unloads, so readiness says so). The hung thread itself cannot be stopped; if it ever
+        returns, it sees the engine stopped and closes."""
+        timeout = self.args.step_timeout_s
+        while not self._watch_stop.wait(min(1.0, timeout / 4)) and not self._closed and self._dead is None:
+            since = self._step_since
+            if since is None or time.monotonic() - since <= timeout or self._closed:
+                continue
+            self._dead = f"a step has run for more than {timeout:g} s (step_timeout_s): hung"
+            log.critical("the engine is dead: %s", self._dead)
+            self._stop = True
+            reason = EngineDead(f"engine stopped: {self._dead}")
+            self._close_commands(reason)
+            for loop, stream in list(self._streams.values()):  # told, not forgotten: the step thread owns _streams
+                try:
+                    loop.call_soon_threadsafe(stream.put_nowait, reason)
+                except RuntimeError:  # the caller's loop is closed
+                    pass
+
+    def _close_commands(self, reason: EngineDead) -> None:
+        """No command is handled any more: adds fail at once from now on, queued ones here."""
         with self._lock:
             self._closed = True
-        reason = EngineDead(f"engine stopped: {self._dead or 'shut down'}")
         while True:
             try:
                 cmd = self._cmds.get_nowait()
@@ -318,6 +361,12 @@ class AsyncLLM:
                 break
             if cmd[0] == "add":
                 self._resolve(cmd[2], cmd[4], reason)
+
+    def _close(self) -> None:
+        """The thread is ending (shutdown, or the engine died): nothing may wait on it any more."""
+        self._watch_stop.set()
+        reason = EngineDead(f"engine stopped: {self._dead or 'shut down'}")
+        self._close_commands(reason)
         for rid in list(self.engine.requests):
             if self._dead:
                 self.engine.abort(rid)
@@ -390,10 +439,10 @@ class AsyncLLM:
         try:
             while seq.request_id in eng.requests and seq.num_computed_tokens < target:
                 before = seq.num_computed_tokens
-                self._emit(eng.step())
+                self._emit(self._timed(eng.step))
                 if seq.num_computed_tokens == before and seq.request_id in eng.requests:
                     break  # could not be scheduled: nothing learnt
-            self._emit(eng.flush())  # async scheduling: its last step's token
+            self._emit(self._timed(eng.flush))  # async scheduling: its last step's token
         except Exception as e:  # noqa: BLE001 - that is the answer
             error = e
         if error is None and seq.request_id in eng.requests:
@@ -409,7 +458,7 @@ class AsyncLLM:
         if not eng.scheduler._try_allocate(seq, 1):
             return True  # no room to tell; the requests that failed are gone, so next time there is
         try:
-            eng.runner.run([(seq, 1)])
+            self._timed(eng.runner.run, [(seq, 1)])
             return True
         except Exception:  # noqa: BLE001
             log.exception("a one-token forward failed: the engine is broken")
@@ -439,7 +488,8 @@ class AsyncLLM:
     def _install_fault_injection(self) -> None:
         """A request whose prompt holds the marker makes every forward it is in raise, after the
         forward ran (the cache then holds half a step, the worst case); `<marker>:fatal` raises
-        an error classed as fatal. Never set this in production."""
+        an error classed as fatal; `<marker>:hang` blocks the forward until `_hang_release` is
+        set (at most HANG_RELEASE_S). Never set this in production."""
         log.warning("fault injection is ON (fault_injection_marker=%r): for tests only",
                     self.args.fault_injection_marker)
         runner = self.engine.runner
@@ -449,6 +499,9 @@ class AsyncLLM:
             logits = run(scheduled, *args, **kwargs)
             for seq, _ in scheduled:
                 kind = self._faults.get(seq.request_id)
+                if kind == "hang":
+                    self._hang_release.wait(HANG_RELEASE_S)
+                    continue
                 if kind == "fatal":
                     raise InjectedFatalFault(f"injected fatal fault (request {seq.request_id})")
                 if kind:

@@ -4,6 +4,7 @@ errors, admission, and cancellation at every stage, each ending with every block
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -91,6 +92,28 @@ def test_a_fatal_error_fails_everything_in_flight_and_refuses_the_rest():
             late = await asyncio.wait_for(_collect(engine, "late", "anyone?", _greedy(4)), 5)
             assert isinstance(late, EngineDead)
         finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_hung_step_is_declared_dead_and_nothing_waits_forever():
+    async def main():
+        engine = AsyncLLM({**ARGS, "step_timeout_s": 1.0})
+        await engine.start()
+        try:
+            innocent = asyncio.create_task(_collect(engine, "good", "a long innocent request", _greedy(200)))
+            await _until(lambda: engine.stats()["running"] == 1)
+            start = time.monotonic()
+            hung = await asyncio.wait_for(_collect(engine, "hung", f"{MARKER}:hang", _greedy(4)), 30)
+            assert isinstance(hung, EngineDead) and "step_timeout_s" in str(hung), hung
+            assert isinstance(await asyncio.wait_for(innocent, 5), EngineDead)
+            assert time.monotonic() - start < 10  # the timeout (1 s) plus the watchdog's tick, not forever
+            assert not engine.health()
+            late = await asyncio.wait_for(_collect(engine, "late", "anyone?", _greedy(4)), 5)
+            assert isinstance(late, EngineDead)
+        finally:
+            engine._hang_release.set()  # the blocked step returns, and the step thread closes
             await engine.shutdown()
 
     asyncio.run(main())
