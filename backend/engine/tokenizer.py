@@ -36,8 +36,9 @@ class Tokenizer:
         if not isinstance(self._tok.decoder, decoders.ByteLevel):
             return None
         byte_of = _byte_level_alphabet()
-        table = [b""] * self._tok.get_vocab_size(with_added_tokens=True)
-        for token, i in self._tok.get_vocab(with_added_tokens=False).items():
+        vocab = self._tok.get_vocab(with_added_tokens=False)
+        table = [b""] * (1 + max([*vocab.values(), *self.added], default=-1))  # ids need not be dense
+        for token, i in vocab.items():
             try:
                 table[i] = bytes(byte_of[c] for c in token)
             except KeyError:  # a character outside the alphabet: the token's own UTF-8, as the decoder does
