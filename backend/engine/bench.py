@@ -39,6 +39,7 @@ class Result:
     ttft_ms: dict = field(default_factory=dict)
     itl_ms: dict = field(default_factory=dict)
     e2e_ms: dict = field(default_factory=dict)
+    deltas: int = 0  # streamed deltas with tokens: below output_tokens when a slow consumer got them merged
 
     @property
     def output_tok_s(self) -> float:
@@ -90,6 +91,7 @@ async def _one(engine: AsyncLLM, rid: str, prompt: list[int], output_len: int, r
     async for out in engine.add(GenerationRequest(rid, prompt_token_ids=prompt, sampling=sp)):
         now = time.perf_counter()
         if out.token_ids:
+            rec["deltas"] += 1
             if first is None:
                 first = now
                 rec["ttft"].append((now - t0) * 1e3)
@@ -106,7 +108,7 @@ async def _one(engine: AsyncLLM, rid: str, prompt: list[int], output_len: int, r
 async def online(engine: AsyncLLM, workload: str, concurrency: int, jobs: list[list[list[int]]],
                  output_len: int) -> Result:
     """jobs: one list of prompts per worker stream (agentic: the turns of a conversation, in order)."""
-    rec = {"ttft": [], "itl": [], "e2e": [], "out": 0, "prompt": 0, "cached": 0}
+    rec = {"ttft": [], "itl": [], "e2e": [], "out": 0, "prompt": 0, "cached": 0, "deltas": 0}
     queue: asyncio.Queue = asyncio.Queue()
     for j in jobs:
         queue.put_nowait(j)
@@ -120,7 +122,7 @@ async def online(engine: AsyncLLM, workload: str, concurrency: int, jobs: list[l
     await asyncio.gather(*(worker(w) for w in range(concurrency)))
     dt = time.perf_counter() - t
     return Result("online", workload, concurrency, len(rec["e2e"]), dt, rec["out"], rec["prompt"], rec["cached"],
-                  _pct(rec["ttft"]), _pct(rec["itl"]), _pct(rec["e2e"]))
+                  _pct(rec["ttft"]), _pct(rec["itl"]), _pct(rec["e2e"]), rec["deltas"])
 
 
 def print_table(results: list[Result]) -> None:
