@@ -225,7 +225,7 @@ class TritonPythonModel:
 
     def _queue_delta(self, flight: _Flight, delta) -> None:
         """Streamed deltas are rendered and sent by the response thread. A render and a send cost
-        about 100 us of Python together, under the GIL the engine's step loop also needs: when the
+        about 150 us of Python together (tools.profile_serving), under the GIL the engine's step loop also needs: when the
         thread falls behind (many streams, fast steps), the deltas that piled up for a request go
         out as one response, so the work scales with requests rather than tokens."""
         with self.deltas_lock:

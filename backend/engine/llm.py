@@ -107,6 +107,14 @@ def is_fatal(exc: BaseException) -> bool:
     return "CUDA error" in text or "device-side assert" in text
 
 
+def _on_loop(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Run fn(*args) on a caller's event loop, from the step thread (or the watchdog)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the caller's loop is closed
+        pass
+
+
 class AsyncLLM:
     """The native engine behind the async interface the Triton backend uses."""
 
@@ -234,10 +242,7 @@ class AsyncLLM:
             del self._streams[request_id]
             self._suspicions.pop(request_id, None)
             self._faults.pop(request_id, None)
-        try:
-            loop.call_soon_threadsafe(stream.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed
-            pass
+        _on_loop(loop, stream.put_nowait, item)
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -248,10 +253,7 @@ class AsyncLLM:
         def settle():
             if not future.done():
                 future.set_exception(error) if error is not None else future.set_result(True)
-        try:
-            loop.call_soon_threadsafe(settle)
-        except RuntimeError:  # the caller's loop is closed
-            pass
+        _on_loop(loop, settle)
 
     def _handle(self, cmd: tuple) -> None:
         eng = self.engine
@@ -337,7 +339,7 @@ class AsyncLLM:
         timeout = self.args.step_timeout_s
         while not self._watch_stop.wait(min(1.0, timeout / 4)) and not self._closed and self._dead is None:
             since = self._step_since
-            if since is None or time.monotonic() - since <= timeout or self._closed:
+            if since is None or time.monotonic() - since <= timeout:
                 continue
             self._dead = f"a step has run for more than {timeout:g} s (step_timeout_s): hung"
             log.critical("the engine is dead: %s", self._dead)
@@ -345,10 +347,7 @@ class AsyncLLM:
             reason = EngineDead(f"engine stopped: {self._dead}")
             self._close_commands(reason)
             for loop, stream in list(self._streams.values()):  # told, not forgotten: the step thread owns _streams
-                try:
-                    loop.call_soon_threadsafe(stream.put_nowait, reason)
-                except RuntimeError:  # the caller's loop is closed
-                    pass
+                _on_loop(loop, stream.put_nowait, reason)
 
     def _close_commands(self, reason: EngineDead) -> None:
         """No command is handled any more: adds fail at once from now on, queued ones here."""
