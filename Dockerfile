@@ -46,6 +46,7 @@ RUN python3 -m pip install --no-deps --index-url https://download.pytorch.org/wh
 #    needs, under the same two constraint files.
 COPY pyproject.toml ./
 COPY backend/ backend/
+COPY engine/ engine/
 COPY kernels/ kernels/
 COPY client/ client/
 COPY loadtest/ loadtest/

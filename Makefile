@@ -58,8 +58,8 @@ doctor: setup ## check the environment is consistent
 tiny: setup ## write the tiny checkpoint to .cache/tiny
 	$(PY) -m tools.make_tiny_checkpoint .cache/tiny --preset tiny
 
-bench: setup ## engine benchmark on the tiny model (CPU); ARGS="--preset flash-shaped ..." on a GPU
-	$(PY) -m backend.engine.bench $(ARGS)
+bench: setup ## engine benchmark (tools.bench_engine) on the tiny model (CPU); ARGS="--preset flash-shaped ..." on a GPU
+	$(PY) -m tools.bench_engine $(ARGS)
 
 clean: ## remove the venv and caches
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

@@ -32,9 +32,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import protocol
-from backend.engine.request import EngineDead, EngineOverloaded, InvalidRequest, RequestFailed, merge_outputs
-from backend.engines import build_engine, load_engine_args
+from backend.engine_setup import build_engine, load_engine_args
 from backend.metrics import Metrics, RequestRecord
+from engine.request import EngineDead, EngineOverloaded, InvalidRequest, RequestFailed, merge_outputs
 
 # The stub's embedded interpreter starts in the C locale (ASCII text files); take the environment's
 # (backend.serve sets a UTF-8 one), as a `python` process would.
@@ -70,7 +70,7 @@ PROMPT_BYTES_PER_TOKEN = 128  # far above any tokenizer's average: a bound, not 
 
 
 @dataclass(eq=False)
-class _Flight:
+class _ResponseStream:
     """One admitted request, as the response thread sees it."""
 
     sender: object
@@ -80,7 +80,7 @@ class _Flight:
     final_sent: bool = False
     state: protocol.OutputState | None = None  # streaming: rendering state (the response thread's)
     deltas: list = field(default_factory=list)  # streaming: engine deltas not yet sent
-    queued: bool = False  # streaming: the flight waits in the response queue for its deltas
+    queued: bool = False  # streaming: the stream waits in the response queue for its deltas
 
 
 class TritonPythonModel:
@@ -112,12 +112,12 @@ class TritonPythonModel:
             self.loop_thread.join()
             raise
 
-        self.inflight = 0  # requests admitted and not yet finished; read by finalize
+        self.num_active = 0  # requests admitted and not yet finished; read by finalize
         self.stopping = False
         self.unloading = False
-        self.flights: set[_Flight] = set()
-        self.flights_lock = threading.Lock()
-        self.responses: queue.SimpleQueue = queue.SimpleQueue()  # _Flight (streamed deltas) or (flight, response, flags)
+        self.streams: set[_ResponseStream] = set()
+        self.streams_lock = threading.Lock()
+        self.responses: queue.SimpleQueue = queue.SimpleQueue()  # _ResponseStream (streamed deltas) or (stream, response, flags)
         self.deltas_lock = threading.Lock()
         # the response thread's own counters (metrics: stream_*_total, response_thread_cpu_seconds_total)
         self.response_stats = {"stream_deltas": 0, "stream_responses": 0, "response_thread_cpu_s": 0.0}
@@ -161,19 +161,19 @@ class TritonPythonModel:
             if self.log_requests:
                 self.logger.log_info(f"[deepseek] request {request_id}: stream={parsed.stream} "
                                      f"sampling={parsed.request.sampling} prompt={parsed.request.prompt!r}")
-            flight = _Flight(sender, request_id, parsed.stream)
-            with self.flights_lock:
-                self.flights.add(flight)
-            asyncio.run_coroutine_threadsafe(self._generate(flight, parsed, arrival), self.loop)
+            stream = _ResponseStream(sender, request_id, parsed.stream)
+            with self.streams_lock:
+                self.streams.add(stream)
+            asyncio.run_coroutine_threadsafe(self._generate(stream, parsed, arrival), self.loop)
         return None
 
     # ---------------------------------------------------------------- engine event loop
 
-    async def _generate(self, flight: _Flight, parsed: protocol.ParsedRequest, arrival: float):
-        self.inflight += 1
+    async def _generate(self, stream: _ResponseStream, parsed: protocol.ParsedRequest, arrival: float):
+        self.num_active += 1
         request = parsed.request
         state = protocol.OutputState(request.prompt, parsed.exclude_input_in_output, parsed.returns)
-        flight.state = state
+        stream.state = state
         last = None
         first_token_at = None
         aborted = False
@@ -182,38 +182,38 @@ class TritonPythonModel:
                 last = delta
                 if first_token_at is None and delta.token_ids:
                     first_token_at = time.monotonic()
-                if flight.cancelled:
+                if stream.cancelled:
                     if not aborted:  # the response thread aborts too; this covers a cancel before add
                         aborted = True
                         await self.engine.abort(request.request_id)
                     continue
                 if parsed.stream:
-                    self._queue_delta(flight, delta)
+                    self._queue_delta(stream, delta)
                 else:
                     state.accumulate(delta)
-            if flight.cancelled:
-                self._queue_error(flight, "request cancelled", "CANCELLED")
+            if stream.cancelled:
+                self._queue_error(stream, "request cancelled", "CANCELLED")
             elif last is None or not last.finished:
-                self._queue_error(flight, "the engine ended the request without a final output", "INTERNAL")
+                self._queue_error(stream, "the engine ended the request without a final output", "INTERNAL")
             elif not parsed.stream:
-                self._queue(flight, protocol.render_final(state, last), final=True)
+                self._queue(stream, protocol.render_final(state, last), final=True)
         except InvalidRequest as e:
-            self._queue_error(flight, str(e), "INVALID_ARG")
+            self._queue_error(stream, str(e), "INVALID_ARG")
         except EngineOverloaded as e:
-            self._queue_error(flight, f"engine overloaded: {e}", "UNAVAILABLE")
+            self._queue_error(stream, f"engine overloaded: {e}", "UNAVAILABLE")
         except EngineDead as e:
-            self._queue_error(flight, f"engine dead: {e}", "UNAVAILABLE")
+            self._queue_error(stream, f"engine dead: {e}", "UNAVAILABLE")
             self._healthy()
         except RequestFailed as e:
-            self._queue_error(flight, f"request failed: {e}", "INTERNAL")
+            self._queue_error(stream, f"request failed: {e}", "INTERNAL")
         except asyncio.CancelledError:
-            self._queue_error(flight, "the server is shutting down", "UNAVAILABLE")
+            self._queue_error(stream, "the server is shutting down", "UNAVAILABLE")
             raise
         except Exception as e:
             self.logger.log_error(f"[deepseek] request {request.request_id} failed: {traceback.format_exc()}")
-            self._queue_error(flight, f"internal error: {type(e).__name__}: {e}", "INTERNAL")
+            self._queue_error(stream, f"internal error: {type(e).__name__}: {e}", "INTERNAL")
         finally:
-            self.inflight -= 1
+            self.num_active -= 1
             if self.metrics is not None and last is not None and last.finished:
                 now = time.monotonic()
                 self.metrics.record(RequestRecord(
@@ -223,23 +223,23 @@ class TritonPythonModel:
                     e2e_s=now - arrival,
                     decode_s=None if first_token_at is None else now - first_token_at))
 
-    def _queue_delta(self, flight: _Flight, delta) -> None:
+    def _queue_delta(self, stream: _ResponseStream, delta) -> None:
         """Streamed deltas are rendered and sent by the response thread. A render and a send cost
         about 150 us of Python together (tools.profile_serving), under the GIL the engine's step loop also needs: when the
         thread falls behind (many streams, fast steps), the deltas that piled up for a request go
         out as one response, so the work scales with requests rather than tokens."""
         with self.deltas_lock:
-            flight.deltas.append(delta)
-            if flight.queued:
+            stream.deltas.append(delta)
+            if stream.queued:
                 return
-            flight.queued = True
-        self.responses.put(flight)
+            stream.queued = True
+        self.responses.put(stream)
 
-    def _queue(self, flight: _Flight, tensors: dict, final: bool) -> None:
-        self.responses.put((flight, _response(tensors), FINAL if final else 0))
+    def _queue(self, stream: _ResponseStream, tensors: dict, final: bool) -> None:
+        self.responses.put((stream, _response(tensors), FINAL if final else 0))
 
-    def _queue_error(self, flight: _Flight, message: str, code: str) -> None:
-        self.responses.put((flight, self._error_response(message, code), FINAL))
+    def _queue_error(self, stream: _ResponseStream, message: str, code: str) -> None:
+        self.responses.put((stream, self._error_response(message, code), FINAL))
 
     def _send_now(self, sender, message: str, code: str) -> None:
         """Refuse a request on the execute thread (before it reaches the engine)."""
@@ -267,7 +267,7 @@ class TritonPythonModel:
             if item is None:
                 return
             cpu = time.thread_time()
-            if isinstance(item, _Flight):
+            if isinstance(item, _ResponseStream):
                 self._send_deltas(item)
             elif item is not ...:
                 self._send(*item)
@@ -276,9 +276,9 @@ class TritonPythonModel:
                 next_poll = time.monotonic() + CANCEL_POLL_S
             self.response_stats["response_thread_cpu_s"] += time.thread_time() - cpu
 
-    def _send_deltas(self, flight: _Flight) -> None:
+    def _send_deltas(self, stream: _ResponseStream) -> None:
         with self.deltas_lock:
-            deltas, flight.deltas, flight.queued = flight.deltas, [], False
+            deltas, stream.deltas, stream.queued = stream.deltas, [], False
         if not deltas:
             return
         self.response_stats["stream_deltas"] += len(deltas)
@@ -286,39 +286,39 @@ class TritonPythonModel:
         delta = merge_outputs(deltas)
         final = delta.finished
         try:
-            response = _response(protocol.render_delta(flight.state, delta))
+            response = _response(protocol.render_delta(stream.state, delta))
         except Exception as e:  # a bug in rendering fails this request only
-            self.logger.log_error(f"[deepseek] rendering a response of {flight.request_id} failed: "
+            self.logger.log_error(f"[deepseek] rendering a response of {stream.request_id} failed: "
                                   f"{traceback.format_exc()}")
             response, final = self._error_response(f"internal error: {type(e).__name__}: {e}", "INTERNAL"), True
-            flight.cancelled = True  # the rest of its stream is dropped: free its cache
-            asyncio.run_coroutine_threadsafe(self.engine.abort(flight.request_id), self.loop)
-        self._send(flight, response, FINAL if final else 0)
+            stream.cancelled = True  # the rest of its stream is dropped: free its cache
+            asyncio.run_coroutine_threadsafe(self.engine.abort(stream.request_id), self.loop)
+        self._send(stream, response, FINAL if final else 0)
 
-    def _send(self, flight: _Flight, response, flags) -> None:
-        if flight.final_sent:
+    def _send(self, stream: _ResponseStream, response, flags) -> None:
+        if stream.final_sent:
             return
         try:
-            flight.sender.send(response, flags=flags)
+            stream.sender.send(response, flags=flags)
         except Exception:
             self.logger.log_error(f"[deepseek] sending a response failed: {traceback.format_exc()}")
         if flags & FINAL:
-            flight.final_sent = True
-            with self.flights_lock:
-                self.flights.discard(flight)
+            stream.final_sent = True
+            with self.streams_lock:
+                self.streams.discard(stream)
 
     def _poll_cancelled(self) -> None:
-        with self.flights_lock:
-            flights = [f for f in self.flights if not f.cancelled]
-        for flight in flights:
+        with self.streams_lock:
+            streams = [f for f in self.streams if not f.cancelled]
+        for stream in streams:
             try:
-                cancelled = flight.sender.is_cancelled()
+                cancelled = stream.sender.is_cancelled()
             except Exception:
                 cancelled = False
             if cancelled:
-                self.logger.log_info(f"[deepseek] request {flight.request_id} cancelled by the client")
-                flight.cancelled = True
-                asyncio.run_coroutine_threadsafe(self.engine.abort(flight.request_id), self.loop)
+                self.logger.log_info(f"[deepseek] request {stream.request_id} cancelled by the client")
+                stream.cancelled = True
+                asyncio.run_coroutine_threadsafe(self.engine.abort(stream.request_id), self.loop)
 
     # ---------------------------------------------------------------- health, stats, shutdown
 
@@ -345,14 +345,14 @@ class TritonPythonModel:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def finalize(self):
-        self.logger.log_info(f"[deepseek] finalize: draining {self.inflight} in-flight requests")
+        self.logger.log_info(f"[deepseek] finalize: draining {self.num_active} in-flight requests")
         self.stopping = True
         try:
             self._on_loop(self.engine.shutdown(drain_timeout_s=DRAIN_TIMEOUT_S), timeout=DRAIN_TIMEOUT_S + 30)
         except Exception:
             self.logger.log_error(f"[deepseek] engine shutdown failed: {traceback.format_exc()}")
         deadline = time.monotonic() + 10
-        while self.inflight > 0 and time.monotonic() < deadline:
+        while self.num_active > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         if self.metrics is not None:
             self.metrics.stop()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backend.engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
+from engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
 
 RETURN_FLAGS = (
     "return_finish_reason",

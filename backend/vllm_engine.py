@@ -1,4 +1,4 @@
-"""The engine interface (backend/engine/interface.py) over vLLM's `AsyncLLM`: `"engine": "vllm"`.
+"""The engine interface (engine/interface.py) over vLLM's `AsyncLLM`: `"engine": "vllm"`.
 
 model.json's other keys are vLLM engine arguments (`AsyncEngineArgs` fields), checked by name
 before anything loads. A request maps to one `AsyncLLM.generate()` call with our sampling
@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from backend.engine.request import (
+from engine.request import (
     EngineDead,
     EngineOverloaded,
     GenerationRequest,

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest.metrics import metric
+from loadtest.scrape import metric
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 MODEL = "deepseek_v4"

@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from loadtest import metrics
+from loadtest import scrape
 from loadtest.workloads import Length, LoadConfig, WorkloadConfig, resolve_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -230,15 +230,15 @@ def run_level(args, concurrency: int, url: str, metrics_url: str | None, level_d
         cmd = [sys.executable, "-m", "loadtest.threads", str(config_path), "--protocol", args.protocol,
                "--users", str(concurrency), "--duration", f"{args.duration:g}",
                "--stop-timeout", f"{args.stop_timeout:g}"]
-    before = metrics.scrape(metrics_url)
+    before = scrape.scrape(metrics_url)
     load_before = os.getloadavg()
     t0 = time.monotonic()
     run = run_driver(cmd, level_dir / f"{args.driver}.log", records,
                      args.duration + args.stop_timeout + STARTUP_GRACE_S, say)
     elapsed = time.monotonic() - t0
     if metrics_url:
-        time.sleep(metrics.SETTLE_S)
-    server = metrics.delta(before, metrics.scrape(metrics_url))
+        time.sleep(scrape.SETTLE_S)
+    server = scrape.delta(before, scrape.scrape(metrics_url))
     if server is not None and "response_thread_cpu_s" in server:
         server["response_thread_busy"] = server["response_thread_cpu_s"] / elapsed
     requests, marks = read_records(records)

@@ -7,7 +7,7 @@ over one shared system prompt, or prompts from a file.
     session.on_reply(request, generated_text)  # agentic: the reply joins the conversation
 
 Lengths are counted with the model's own tokenizer (tokenizer.json via `tokenizers`, the same
-`backend.engine.tokenizer.Tokenizer` the engine uses), so `prompt_tokens` is what the server counts
+`engine.tokenizer.Tokenizer` the engine uses), so `prompt_tokens` is what the server counts
 (`num_input_tokens`, begin-of-sentence token included). Output lengths are exact through
 `max_tokens` with `ignore_eos`.
 """
@@ -20,9 +20,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend.engine.tokenizer import Tokenizer
 from client.chat import ASSISTANT, USER
 from client.types import MODEL
+from engine.tokenizer import Tokenizer
 
 # A token usable as a word: a leading space, then ASCII letters only. Byte-level pre-tokenizers
 # (DeepSeek's, the tiny checkpoint's) split text before every " word", so a string of such tokens
@@ -145,7 +145,7 @@ class LoadConfig:
 def resolve_tokenizer(path: str) -> Path:
     if path and path != "tiny":
         return Path(path).expanduser()
-    from backend.engine.args import tiny_checkpoint_dir
+    from engine.args import tiny_checkpoint_dir
 
     return tiny_checkpoint_dir()
 

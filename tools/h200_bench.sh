@@ -7,11 +7,11 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 CK=/tmp/ckpt
 EA='"max_model_len":8192,"max_num_seqs":256,"block_size":128,"gpu_memory_utilization":0.6'
-bench() { python3 -m backend.engine.bench --preset flash-shaped --cache-dir $CK "$@"; }
+bench() { python3 -m tools.bench_engine --preset flash-shaped --cache-dir $CK "$@"; }
 case "${1:-all}" in
 kernels)
-  timeout 200 python3 -m kernels.bench --batches 1,8,32,128,256 --no-compile --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -32
-  timeout 240 python3 -m kernels.bench --batches 32 --json "$OUT/kernels_compile.json" > "$OUT/kernels_compile.log" 2>&1
+  timeout 200 python3 -m tools.bench_kernels --batches 1,8,32,128,256 --no-compile --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -32
+  timeout 240 python3 -m tools.bench_kernels --batches 32 --json "$OUT/kernels_compile.json" > "$OUT/kernels_compile.log" 2>&1
   tail -8 "$OUT/kernels_compile.log" ;;
 engine)
   bench --concurrency 1,8,32,64,150 --input-len 512 --output-len 64 --requests-per-user 1 --floor --check-graphs --steady 1,32,150 \

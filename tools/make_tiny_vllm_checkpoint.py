@@ -5,7 +5,7 @@
 vLLM's CPU backend cannot run DeepSeek-V4 on this class of machine (its DeepSeek-V4 CPU path
 needs kernels we do not have here: see docs/VLLM.md), so the vLLM adapter is tested on an
 architecture vLLM runs natively on CPU: a 2-layer Llama written with transformers, carrying the
-project's own tokenizer (tools/data/tokenizer.json, the same one the native tiny checkpoint
+project's own tokenizer (engine/data/tokenizer.json, the same one the native tiny checkpoint
 uses), so prompts tokenize identically under both engines.
 """
 
@@ -38,7 +38,7 @@ def write_checkpoint(out: str | Path, seed: int = 0) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tools.make_tiny_checkpoint import write_tokenizer
+    from engine.random_checkpoint import write_tokenizer
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

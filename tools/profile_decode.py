@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from backend.engine.llm import LLM
-from backend.engine.request import SamplingParams
-from tools.make_tiny_checkpoint import write_checkpoint
+from engine.llm import LLM
+from engine.random_checkpoint import write_checkpoint
+from engine.request import SamplingParams
 
 
 def main() -> None:

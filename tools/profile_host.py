@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from backend.engine.engine import LLMEngine
-from backend.engine.in_flight import InFlight
-from backend.engine.request import GenerationRequest, SamplingParams
+from engine.in_flight import InFlight
+from engine.llm_engine import LLMEngine
+from engine.request import GenerationRequest, SamplingParams
 
 
 class _Timer:

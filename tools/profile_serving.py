@@ -20,7 +20,7 @@ import time
 
 from backend.serve import TritonServer
 from client.grpc import GrpcClient
-from loadtest.metrics import SETTLE_S, delta, scrape
+from loadtest.scrape import SETTLE_S, delta, scrape
 
 
 def run(server: TritonServer, users: int, requests: int, max_tokens: int) -> dict:

@@ -1,4 +1,4 @@
-"""Train the tiny checkpoints' tokenizer once; the result is committed as tools/data/tokenizer.json.
+"""Train the tiny checkpoints' tokenizer once; the result is committed as engine/data/tokenizer.json.
 
 Byte-level BPE (as DeepSeek's own tokenizer), trained on tools/data/corpus.txt, which the
 repository ships: docstrings of Python's standard library (PSF licence) plus a few lines

@@ -1,11 +1,11 @@
-"""backend/engines.py: engine choice and model.json path resolution."""
+"""backend/engine_setup.py: engine choice and model.json path resolution."""
 
 import json
 
 import pytest
 
-from backend import engines
-from backend.engines import build_engine, load_engine_args
+from backend import engine_setup
+from backend.engine_setup import build_engine, load_engine_args
 
 
 def test_unknown_engine_is_a_clear_error():
@@ -34,9 +34,9 @@ def test_bad_model_json(tmp_path, text, message):
 
 def test_tiny_model_is_written_once_into_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DSV4_CACHE_DIR", str(tmp_path))
-    path = engines.resolve_model_path("tiny", tmp_path)
+    path = engine_setup.resolve_model_path("tiny", tmp_path)
     assert path == str(tmp_path / "tiny")
     config = tmp_path / "tiny" / "config.json"
     assert config.exists() and "compress_ratios" in config.read_text()
     mtime = config.stat().st_mtime_ns
-    assert engines.resolve_model_path("", tmp_path) == path and config.stat().st_mtime_ns == mtime
+    assert engine_setup.resolve_model_path("", tmp_path) == path and config.stat().st_mtime_ns == mtime

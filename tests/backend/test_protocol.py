@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from backend.engine.request import InvalidRequest, RequestOutput
 from backend.protocol import OutputState, parse_request, parse_sampling, render_delta, render_final
+from engine.request import InvalidRequest, RequestOutput
 
 
 def text(value) -> np.ndarray:

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from backend.engine.request import GenerationRequest, SamplingParams
-from backend.engines import build_engine, load_engine_args
+from backend.engine_setup import build_engine, load_engine_args
 from client.grpc import GrpcClient
 from client.http import HttpClient
 from client.types import ServerError
-from loadtest.metrics import metric
+from engine.request import GenerationRequest, SamplingParams
+from loadtest.scrape import metric
 
 pytestmark = pytest.mark.slow
 

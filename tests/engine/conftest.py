@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.engine.cache import KVCache
-from backend.engine.request import SamplingParams
-from backend.engine.runner import ModelRunner
-from backend.engine.sequence import Sequence
-from tools.make_tiny_checkpoint import write_checkpoint
+from engine.cache import KVCache
+from engine.random_checkpoint import write_checkpoint
+from engine.request import SamplingParams
+from engine.runner import ModelRunner
+from engine.sequence import Sequence
 
 # Three shapes: the tiny preset and two others with a different window, ratios, heads,
 # layer mix and index_topk (always below the number of compressed entries the tests reach).

@@ -6,9 +6,9 @@ and aborts. On the CPU it runs the same code path (the copy back is simply synch
 
 import torch
 
-from backend.engine.engine import LLMEngine
-from backend.engine.llm import LLM
-from backend.engine.request import GenerationRequest, SamplingParams
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.request import GenerationRequest, SamplingParams
 
 
 def _prompts(n: int, vocab: int, seed: int = 0):

@@ -3,9 +3,9 @@ blocks, preemption by recompute, aborts that return every block."""
 
 import torch
 
-from backend.engine.engine import LLMEngine
-from backend.engine.llm import LLM
-from backend.engine.request import GenerationRequest, SamplingParams
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.request import GenerationRequest, SamplingParams
 
 
 def _prompts(n: int, vocab: int, seed: int = 0):

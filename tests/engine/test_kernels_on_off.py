@@ -3,7 +3,7 @@
 import torch
 
 import kernels
-from backend.engine.loader import load_model
+from engine.loader import load_model
 from tests.engine.conftest import incremental_logits
 
 

@@ -7,9 +7,9 @@ bounds agreement near 1e-6); tolerance: max |logit error| <= 1e-4 x max |logit|.
 import pytest
 import torch
 
-from backend.engine.llm import LLM
-from backend.engine.loader import load_model
-from backend.engine.request import SamplingParams
+from engine.llm import LLM
+from engine.loader import load_model
+from engine.request import SamplingParams
 from tests.engine.conftest import SHAPES, incremental_logits, reference_model
 
 TOL = 1e-4

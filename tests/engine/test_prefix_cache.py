@@ -2,10 +2,10 @@
 
 import torch
 
-from backend.engine.engine import LLMEngine
-from backend.engine.llm import LLM
-from backend.engine.replay_error import measure
-from backend.engine.request import GenerationRequest, SamplingParams
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.replay_error import measure
+from engine.request import GenerationRequest, SamplingParams
 
 SP = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 

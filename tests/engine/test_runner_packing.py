@@ -5,8 +5,8 @@ what the eager path's build_batch gives, the padding rows what the captured batc
 import numpy as np
 import torch
 
-from backend.engine.engine import LLMEngine
-from backend.engine.request import GenerationRequest, SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.request import GenerationRequest, SamplingParams
 
 
 def test_packed_decode_rows_equal_build_batch_and_padding_rows_the_captured_batch(tiny_dir):

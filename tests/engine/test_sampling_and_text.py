@@ -6,11 +6,11 @@ import random
 import pytest
 import torch
 
-from backend.engine.engine import LLMEngine
-from backend.engine.llm import LLM
-from backend.engine.request import GenerationRequest, InvalidRequest, SamplingParams
-from backend.engine.sampler import _filter, sample
-from backend.engine.tokenizer import Detokenizer, Tokenizer
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.request import GenerationRequest, InvalidRequest, SamplingParams
+from engine.sampler import _filter, sample
+from engine.tokenizer import Detokenizer, Tokenizer
 
 
 @pytest.fixture(scope="module")

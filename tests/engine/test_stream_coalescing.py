@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
-from backend.engine.llm import AsyncLLM
-from backend.engine.request import GenerationRequest, RequestOutput, SamplingParams, merge_outputs
+from engine.llm import AsyncLLM
+from engine.request import GenerationRequest, RequestOutput, SamplingParams, merge_outputs
 
 
 def test_merge_joins_new_parts_and_keeps_the_last_counters():

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from backend.engine.config import ConfigError, load_config, parse_config
-from backend.engine.loader import load_model
-from backend.engine.weights import WeightsError, dequantize_fp8, iter_checkpoint
+from engine.config import ConfigError, load_config, parse_config
+from engine.loader import load_model
+from engine.weights import WeightsError, dequantize_fp8, iter_checkpoint
 
 
 def _quantize(w: torch.Tensor, block: int = 128):

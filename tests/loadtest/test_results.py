@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from loadtest import metrics, report
+from loadtest import report, scrape
 from loadtest.sweep import parse_levels, parse_seconds, percentiles, read_records, summarize
 
 T0 = 1_000_000.0
@@ -86,17 +86,17 @@ deepseek:stream_responses_total{model="deepseek_v4",version="1"} 500
 
 
 def test_metrics_parse_and_delta():
-    before = metrics.parse(PROM)
+    before = scrape.parse(PROM)
     assert before["requests_finished"] == 8 and before["requests_finished/length"] == 7
     assert "time_to_first_token_seconds_sum" not in before
-    after = metrics.parse(PROM.replace(" 1000", " 1400").replace(" 600", " 900").replace("} 7", "} 12"))
-    d = metrics.delta(before, after)
+    after = scrape.parse(PROM.replace(" 1000", " 1400").replace(" 600", " 900").replace("} 7", "} 12"))
+    d = scrape.delta(before, after)
     assert d["prefix_cache_queries"] == 400 and d["prefix_hit_ratio"] == pytest.approx(0.75)
     assert d["stream_deltas"] == 400 and d["deltas_per_response"] is None  # no new response in the window
     assert d["requests_finished/length"] == 5
-    assert metrics.delta(before, None) is None
-    assert metrics.delta(before, before)["prefix_hit_ratio"] is None  # no lookups: no ratio
-    assert metrics.scrape(None) is None and metrics.scrape("http://127.0.0.1:9/metrics", timeout_s=1) is None
+    assert scrape.delta(before, None) is None
+    assert scrape.delta(before, before)["prefix_hit_ratio"] is None  # no lookups: no ratio
+    assert scrape.scrape(None) is None and scrape.scrape("http://127.0.0.1:9/metrics", timeout_s=1) is None
 
 
 def sweep_result(label, scale):

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from backend.engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer
 from loadtest.workloads import (
     Length,
     LoadConfig,

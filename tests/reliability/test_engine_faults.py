@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from backend.engine.llm import AsyncLLM
-from backend.engine.request import (
+from engine.llm import AsyncLLM
+from engine.request import (
     EngineDead,
     EngineOverloaded,
     GenerationRequest,

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from loadtest.chaos import GrpcCall, error_code, good_tensors, scrape, server_counts, wait_idle
-from loadtest.metrics import metric
+from loadtest.scrape import metric
 from tests.reliability.conftest import MARKER, http_generate, run_grpc
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tools.make_tiny_checkpoint import build_config, write_checkpoint
+from engine.random_checkpoint import build_config, write_checkpoint
 
 OFFICIAL = ["embed.weight", "head.weight", "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale",
             "layers.0.attn.wq_a.weight", "layers.0.attn.kv_norm.weight", "layers.0.attn.attn_sink",

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from backend.engine.request import (
+from backend.engine_setup import build_engine
+from engine.request import (
     EngineDead,
     EngineOverloaded,
     GenerationRequest,
     InvalidRequest,
     SamplingParams,
 )
-from backend.engines import build_engine
 from tests.vllm import VLLM_CPU_ARGS, needs_vllm
 
 pytestmark = needs_vllm

@@ -10,10 +10,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from backend.engine.cache import KVCache
-from backend.engine.forward_batch import ForwardBatch
-from backend.engine.model import DeepseekV4
-from backend.engine.sequence import Sequence
+from engine.cache import KVCache
+from engine.deepseek_v4 import DeepseekV4
+from engine.forward_batch import ForwardBatch
+from engine.sequence import Sequence
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 

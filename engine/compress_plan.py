@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch
 
 
 @dataclass

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from backend.engine.cache import KVCache
-from backend.engine.sequence import Sequence
+from engine.cache import KVCache
+from engine.sequence import Sequence
 
 
 class PrefixCache:

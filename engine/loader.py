@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from backend.engine.config import load_config
-from backend.engine.model import DeepseekV4
-from backend.engine.weights import WeightsError, iter_checkpoint
+from engine.config import load_config
+from engine.deepseek_v4 import DeepseekV4
+from engine.weights import WeightsError, iter_checkpoint
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "float32": torch.float32, "float": torch.float32, "float64": torch.float64}

@@ -1,4 +1,4 @@
-"""The async engine interface both engines implement (native: backend/engine/llm.py,
+"""The async engine interface both engines implement (native: engine/llm.py,
 vllm: backend/vllm_engine.py). The Triton backend talks to nothing else."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from backend.engine.request import GenerationRequest, RequestOutput
+from engine.request import GenerationRequest, RequestOutput
 
 
 class AsyncEngine(Protocol):

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels as K
-from backend.engine.cache import CompressorState, KVCache
-from backend.engine.compress_plan import compress_plan
-from backend.engine.config import CSA, SLIDING, ModelConfig
-from backend.engine.forward_batch import ForwardBatch
+from engine.cache import CompressorState, KVCache
+from engine.compress_plan import compress_plan
+from engine.config import CSA, SLIDING, ModelConfig
+from engine.forward_batch import ForwardBatch
 
 
 def _linear(out_f: int, in_f: int) -> nn.Linear:

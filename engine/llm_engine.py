@@ -12,18 +12,18 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
-from backend.engine.args import EngineArgs, resolve_model_dir
-from backend.engine.cache import KVCache
-from backend.engine.config import CSA
-from backend.engine.in_flight import InFlight
-from backend.engine.loader import load_model
-from backend.engine.prefix_cache import PrefixCache
-from backend.engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
-from backend.engine.runner import ModelRunner
-from backend.engine.sampler import sample
-from backend.engine.scheduler import Scheduler
-from backend.engine.sequence import PENDING_TOKEN, Sequence, Status
-from backend.engine.tokenizer import Detokenizer, Tokenizer
+from engine.args import EngineArgs, resolve_model_dir
+from engine.cache import KVCache
+from engine.config import CSA
+from engine.in_flight import InFlight
+from engine.loader import load_model
+from engine.prefix_cache import PrefixCache
+from engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
+from engine.runner import ModelRunner
+from engine.sampler import sample
+from engine.scheduler import Scheduler
+from engine.sequence import PENDING_TOKEN, Sequence, Status
+from engine.tokenizer import Detokenizer, Tokenizer
 
 CPU_KV_BYTES = 256 << 20  # default KV budget on CPU
 

@@ -82,7 +82,7 @@ def tiny_checkpoint_dir() -> Path:
     out = root / "tiny"
     if (out / "config.json").exists():
         return out
-    from tools.make_tiny_checkpoint import write_checkpoint
+    from engine.random_checkpoint import write_checkpoint
 
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-"))

@@ -1,7 +1,7 @@
 """Engine benchmark (a script, not a test): offline throughput and online TTFT / ITL through
 the async API, on random or multi-turn agentic prompts. Prints a table, writes JSON.
 
-    python -m backend.engine.bench [--model DIR | --preset tiny|flash-shaped] \
+    python -m tools.bench_engine [--model DIR | --preset tiny|flash-shaped] \
         [--concurrency 1,8,32] [--workload random|agentic] [--input-len 256] [--output-len 64] \
         [--engine-args JSON] [--baseline] [--json out.json]
 """
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from backend.engine.args import EngineArgs
-from backend.engine.llm import LLM, AsyncLLM
-from backend.engine.request import GenerationRequest, SamplingParams
+from engine.args import EngineArgs
+from engine.llm import LLM, AsyncLLM
+from engine.request import GenerationRequest, SamplingParams
 
 BASELINE = {"kernels": "ref", "enforce_eager": True, "enable_prefix_caching": False, "async_scheduling": False}
 
@@ -168,8 +168,8 @@ def hf_peer(model_dir: str, batches: list[int], input_len: int, steps: int = 32)
 
 def decode_floor(engine_args: dict, batch: int) -> dict:
     """Bytes a decode step must read (active weights + KV) over the measured copy bandwidth."""
-    from backend.engine.args import resolve_model_dir
-    from backend.engine.loader import load_model
+    from engine.args import resolve_model_dir
+    from engine.loader import load_model
 
     model = load_model(resolve_model_dir(engine_args.get("model", "")), "bfloat16", "cuda")
     cfg = model.cfg
@@ -251,7 +251,7 @@ def resolve_model(args) -> str:
         return args.model
     if args.preset == "tiny":
         return ""
-    from tools.make_tiny_checkpoint import write_checkpoint
+    from engine.random_checkpoint import write_checkpoint
 
     out = Path(args.cache_dir) / args.preset
     if not (out / "config.json").exists():

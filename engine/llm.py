@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.args import EngineArgs
-from backend.engine.engine import LLMEngine
-from backend.engine.request import (
+from engine.args import EngineArgs
+from engine.llm_engine import LLMEngine
+from engine.request import (
     EngineDead,
     EngineOverloaded,
     GenerationRequest,
@@ -35,7 +35,7 @@ from backend.engine.request import (
     SamplingParams,
     merge_outputs,
 )
-from backend.engine.sequence import Sequence
+from engine.sequence import Sequence
 
 log = logging.getLogger("deepseek.engine")
 

@@ -4,7 +4,7 @@ For each (prompt, seed): a cold engine and a bounded-replay engine see the same 
 then a longer second turn that hits the cache; we compare the logits of the first generated
 tokens (teacher-forced on the cold run's tokens) relative to the cold logit scale.
 
-    python -m backend.engine.replay_error [--model DIR] [--prompts 16] [--seeds 3] [--steps 8] [--json F]
+    python -m engine.replay_error [--model DIR] [--prompts 16] [--seeds 3] [--steps 8] [--json F]
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import statistics
 
 import torch
 
-from backend.engine.engine import LLMEngine
-from backend.engine.request import GenerationRequest, SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.request import GenerationRequest, SamplingParams
 
 
 def _logits_along(engine: LLMEngine, rid: str, prompt: list[int], forced: list[int] | None, steps: int):

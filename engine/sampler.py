@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels as K
-from backend.engine.request import SamplingParams
+from engine.request import SamplingParams
 
 
 @dataclass

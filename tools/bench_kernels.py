@@ -5,7 +5,7 @@ torch reference in eager mode and under torch.compile, and the fused kernel's ac
 bandwidth against the measured copy ceiling (or FLOP/s against the bf16 matmul ceiling).
 Prints a table, writes JSON.
 
-    python -m kernels.bench [--batches 1,8,32,128,256] [--json out.json]
+    python -m tools.bench_kernels [--batches 1,8,32,128,256] [--json out.json]
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.engine.config import CSA, ModelConfig
+from engine.config import CSA, ModelConfig
 
 
 class NoFreeBlocks(RuntimeError):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from backend.engine.cache import KVCache
-from backend.engine.sequence import Sequence, Status
+from engine.cache import KVCache
+from engine.sequence import Sequence, Status
 
 
 class Scheduler:

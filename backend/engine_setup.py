@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from backend.engine.interface import AsyncEngine
+from engine.interface import AsyncEngine
 
 ENGINES = ("native", "vllm")
 TINY_MODEL_NAMES = ("", "tiny")
@@ -22,7 +22,7 @@ def build_engine(engine_args: dict) -> AsyncEngine:
     args = dict(engine_args)
     name = args.pop("engine", "native")
     if name == "native":
-        from backend.engine.llm import AsyncLLM
+        from engine.llm import AsyncLLM
 
         return AsyncLLM(args)
     if name == "vllm":
@@ -53,7 +53,7 @@ def resolve_model_path(model: str | None, base_dir: str | os.PathLike) -> str:
     relative to `base_dir` (model.json's folder) when it exists there; anything else (a hub name
     for vllm) is passed through."""
     if model is None or model.strip() in TINY_MODEL_NAMES:
-        from backend.engine.args import tiny_checkpoint_dir
+        from engine.args import tiny_checkpoint_dir
 
         return str(tiny_checkpoint_dir())
     return _resolve(model, base_dir)

@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from backend.engine.cache import SeqBlocks
-from backend.engine.request import SamplingParams
+from engine.cache import SeqBlocks
+from engine.request import SamplingParams
 
 # An output token sampled by a step still on the GPU (async scheduling): the next step reads
 # it on the device; the engine writes the real id in when the step's results are read back.

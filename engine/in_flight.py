@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.sequence import Sequence
+from engine.sequence import Sequence
 
 
 @dataclass

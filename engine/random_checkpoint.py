@@ -1,0 +1,232 @@
+"""Seeded random DeepSeek-V4 checkpoints in the official layout (CLI: tools/make_tiny_checkpoint.py).
+
+The tensors carry DeepSeek's own names (`embed.weight`, `layers.N.attn.wq_a.weight`,
+`layers.N.ffn.experts.E.w1.weight`, `hc_head_fn`, ...) and config.json the official keys
+(`compress_ratios` with the MTP slot, `num_hash_layers`, `qk_rope_head_dim`, ...), so the
+engine's loader is exercised exactly as on a real checkpoint, and transformers'
+`DeepseekV4ForCausalLM.from_pretrained` reads the same directory as the numeric oracle.
+
+Random weights are scaled so activations stay O(1) (flat logits otherwise), the router is
+randomised so tokens reach distinct experts, and the mHC mixing weights are kept small:
+transformers' own init routes every token to one expert and makes mHC unstable enough
+that bf16 rounding changes tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import zlib
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+DATA = Path(__file__).parent / "data"
+
+# Real models only use 0 (sliding), 4 (CSA) and 128 (HCA); transformers maps only those from
+# `compress_ratios`, so other ratios also get its `layer_types` + `compress_rates` keys.
+OFFICIAL_RATIOS = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+PRESETS: dict[str, dict] = {
+    # Fast on 2 CPU cores, every layer kind: sliding, CSA (ratio 4, indexer top-4 of many
+    # entries), HCA (ratio 16 here so short tests cross blocks), hash-MoE and routed MoE.
+    "tiny": dict(
+        vocab_size=4096, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
+        qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16,
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        num_hash_layers=1, sliding_window=16, compress_ratios=[0, 4, 16, 4, 0],
+        index_n_heads=8, index_head_dim=16, index_topk=4, max_position_embeddings=4096,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                      "beta_fast": 32, "beta_slow": 1},
+    ),
+    # V4-Flash's per-layer dimensions with 4 layers and 16 experts (3.24B params): GPU benchmarks.
+    "flash-shaped": dict(
+        vocab_size=129280, hidden_size=4096, num_hidden_layers=4, num_attention_heads=64, head_dim=512,
+        qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
+        moe_intermediate_size=2048, n_routed_experts=16, n_shared_experts=1, num_experts_per_tok=6,
+        num_hash_layers=3, sliding_window=128, compress_ratios=[0, 4, 128, 4, 0],
+        index_n_heads=64, index_head_dim=128, index_topk=512, max_position_embeddings=1048576,
+        rope_scaling={"type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                      "beta_fast": 32, "beta_slow": 1},
+    ),
+}
+
+COMMON = dict(
+    architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", num_key_value_heads=1,
+    scoring_func="sqrtsoftplus", topk_method="noaux_tc", norm_topk_prob=True, routed_scaling_factor=1.5,
+    swiglu_limit=10.0, rope_theta=10000.0, compress_rope_theta=160000.0, hc_mult=4,
+    hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
+    tie_word_embeddings=False, num_nextn_predict_layers=1, torch_dtype="bfloat16", expert_dtype="bf16",
+)
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+)
+
+
+def build_config(preset: str, override: dict | None = None) -> dict:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    cfg = {**COMMON, **PRESETS[preset], **(override or {})}
+    n = cfg["num_hidden_layers"]
+    ratios = cfg["compress_ratios"]
+    if len(ratios) == n:  # an override gave one per layer: add the MTP slot the official key carries
+        ratios = cfg["compress_ratios"] = [*ratios, 0]
+    if len(ratios) != n + 1:
+        raise ValueError(f"compress_ratios needs {n} + 1 (MTP) entries, got {len(ratios)}")
+    if any(r not in OFFICIAL_RATIOS for r in ratios[:n]):
+        csa = sorted({r for r in ratios[:n] if r and r <= 8}) or [4]
+        hca = sorted({r for r in ratios[:n] if r > 8}) or [128]
+        if len(csa) > 1 or len(hca) > 1:
+            raise ValueError(f"one CSA and one HCA ratio per model, got {ratios}")
+        cfg["compress_rates"] = {"compressed_sparse_attention": csa[0], "heavily_compressed_attention": hca[0]}
+        cfg["layer_types"] = [
+            "sliding_attention" if r == 0 else
+            "compressed_sparse_attention" if r == csa[0] else "heavily_compressed_attention"
+            for r in ratios[:n]
+        ]
+    return cfg
+
+
+def layer_type(cfg: dict, i: int) -> str:
+    return cfg["layer_types"][i] if "layer_types" in cfg else OFFICIAL_RATIOS[cfg["compress_ratios"][i]]
+
+
+class _Rand:
+    """Per-tensor generators seeded from (seed, name): a tensor does not depend on write order.
+    device="cuda" draws on the GPU (minutes faster for flash-shaped; other numbers than the CPU's)."""
+
+    def __init__(self, seed: int, device: str = "cpu"):
+        self.seed, self.device = seed, device
+
+    def gen(self, name: str) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
+
+    def normal(self, name: str, shape, std: float, mean: float = 0.0, dtype=torch.bfloat16) -> torch.Tensor:
+        t = torch.randn(*shape, generator=self.gen(name), dtype=torch.float32, device=self.device) * std + mean
+        return t.to(dtype).cpu()
+
+    def linear(self, name: str, out_f: int, in_f: int) -> torch.Tensor:
+        return self.normal(name, (out_f, in_f), 1.0 / math.sqrt(in_f))
+
+    def norm(self, name: str, dim: int) -> torch.Tensor:
+        return self.normal(name, (dim,), 0.1, mean=1.0)
+
+
+def layer_tensors(cfg: dict, i: int, r: _Rand) -> dict[str, torch.Tensor]:
+    """All tensors of layer i, official names, bf16 except hc_*, attn_sink, ape, gate.bias (fp32)."""
+    D, H, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
+    q_lora, groups, o_lora = cfg["q_lora_rank"], cfg["o_groups"], cfg["o_lora_rank"]
+    hc, inter, E = cfg["hc_mult"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
+    ratio = cfg["compress_ratios"][i]
+    p, f32 = f"layers.{i}.", torch.float32
+    mix = (2 + hc) * hc
+    t = {
+        p + "attn_norm.weight": r.norm(p + "attn_norm", D),
+        p + "ffn_norm.weight": r.norm(p + "ffn_norm", D),
+        p + "attn.wq_a.weight": r.linear(p + "wq_a", q_lora, D),
+        p + "attn.q_norm.weight": r.norm(p + "q_norm", q_lora),
+        p + "attn.wq_b.weight": r.linear(p + "wq_b", H * hd, q_lora),
+        p + "attn.wkv.weight": r.linear(p + "wkv", hd, D),
+        p + "attn.kv_norm.weight": r.norm(p + "kv_norm", hd),
+        p + "attn.wo_a.weight": r.linear(p + "wo_a", groups * o_lora, H * hd // groups),
+        p + "attn.wo_b.weight": r.linear(p + "wo_b", D, groups * o_lora),
+        p + "attn.attn_sink": r.normal(p + "attn_sink", (H,), 1.0, dtype=f32),
+        p + "ffn.gate.weight": r.linear(p + "gate", E, D),
+    }
+    for kind in ("attn", "ffn"):  # mHC: small mixing weights keep the 4 streams stable
+        t[p + f"hc_{kind}_fn"] = r.normal(p + f"hc_{kind}_fn", (mix, hc * D), 0.02, dtype=f32)
+        t[p + f"hc_{kind}_base"] = r.normal(p + f"hc_{kind}_base", (mix,), 0.1, dtype=f32)
+        t[p + f"hc_{kind}_scale"] = r.normal(p + f"hc_{kind}_scale", (3,), 0.1, mean=0.5, dtype=f32)
+    if ratio:
+        coff = 2 if layer_type(cfg, i) == "compressed_sparse_attention" else 1  # CSA: overlapping blocks, two series
+        c = p + "attn.compressor."
+        t[c + "wkv.weight"] = r.linear(c + "wkv", coff * hd, D)
+        t[c + "wgate.weight"] = r.linear(c + "wgate", coff * hd, D)
+        t[c + "norm.weight"] = r.norm(c + "norm", hd)
+        t[c + "ape"] = r.normal(c + "ape", (ratio, coff * hd), 0.5, dtype=f32)
+        if coff == 2:
+            ihd, ih = cfg["index_head_dim"], cfg["index_n_heads"]
+            x = p + "attn.indexer."
+            t[x + "wq_b.weight"] = r.linear(x + "wq_b", ih * ihd, q_lora)
+            t[x + "weights_proj.weight"] = r.linear(x + "weights_proj", ih, D)
+            t[x + "compressor.wkv.weight"] = r.linear(x + "c.wkv", 2 * ihd, D)
+            t[x + "compressor.wgate.weight"] = r.linear(x + "c.wgate", 2 * ihd, D)
+            t[x + "compressor.norm.weight"] = r.norm(x + "c.norm", ihd)
+            t[x + "compressor.ape"] = r.normal(x + "c.ape", (ratio, 2 * ihd), 0.5, dtype=f32)
+    if i < cfg["num_hash_layers"]:
+        # a frozen token -> expert table with distinct experts per token
+        g = r.gen(p + "tid2eid")
+        scores = torch.rand(cfg["vocab_size"], E, generator=g, device=r.device).cpu()
+        t[p + "ffn.gate.tid2eid"] = scores.argsort(dim=-1)[:, : cfg["num_experts_per_tok"]].to(torch.int32)
+    else:
+        t[p + "ffn.gate.bias"] = r.normal(p + "gate.bias", (E,), 0.1, dtype=f32)
+    for e in range(E):
+        x = p + f"ffn.experts.{e}."
+        t[x + "w1.weight"] = r.linear(x + "w1", inter, D)
+        t[x + "w3.weight"] = r.linear(x + "w3", inter, D)
+        t[x + "w2.weight"] = r.linear(x + "w2", D, inter)
+    s = p + "ffn.shared_experts."
+    shared = inter * cfg["n_shared_experts"]
+    t[s + "w1.weight"] = r.linear(s + "w1", shared, D)
+    t[s + "w3.weight"] = r.linear(s + "w3", shared, D)
+    t[s + "w2.weight"] = r.linear(s + "w2", D, shared)
+    return t
+
+
+def global_tensors(cfg: dict, r: _Rand) -> dict[str, torch.Tensor]:
+    D, V, hc = cfg["hidden_size"], cfg["vocab_size"], cfg["hc_mult"]
+    return {
+        "embed.weight": r.normal("embed", (V, D), 1.0),
+        "head.weight": r.linear("head", V, D),
+        "norm.weight": r.norm("norm", D),
+        "hc_head_fn": r.normal("hc_head_fn", (hc, hc * D), 0.02, dtype=torch.float32),
+        "hc_head_base": r.normal("hc_head_base", (hc,), 0.1, dtype=torch.float32),
+        "hc_head_scale": r.normal("hc_head_scale", (1,), 0.1, mean=0.5, dtype=torch.float32),
+    }
+
+
+def write_tokenizer(out: Path) -> None:
+    shutil.copy(DATA / "tokenizer.json", out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<｜begin▁of▁sentence｜>",
+        "eos_token": "<｜end▁of▁sentence｜>",
+        "add_bos_token": True,
+        "model_max_length": 1048576,
+        "chat_template": CHAT_TEMPLATE,
+    }, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, override: dict | None = None,
+                     device: str = "cpu") -> Path:
+    """Write config, tokenizer and weights (one shard per layer when large) to `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = build_config(preset, override)
+    r = _Rand(seed, device)
+    n = cfg["num_hidden_layers"]
+    sharded = cfg["hidden_size"] >= 1024  # stream big models layer by layer; never all in RAM
+    weight_map: dict[str, str] = {}
+    pending: dict[str, torch.Tensor] = {}
+    for i in range(-1, n):  # -1: the global tensors
+        tensors = global_tensors(cfg, r) if i < 0 else layer_tensors(cfg, i, r)
+        if sharded:
+            name = f"model-{i + 2:05d}-of-{n + 1:05d}.safetensors"
+            save_file(tensors, str(out / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(tensors, name))
+        else:
+            pending.update(tensors)
+    if sharded:
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    else:
+        save_file(pending, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_tokenizer(out)
+    return out
