@@ -17,6 +17,7 @@ Prompt text is logged only with `"enable_log_requests": true` in model.json.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import locale
 import os
@@ -111,6 +112,10 @@ class TritonPythonModel:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.loop_thread.join()
             raise
+        # logprobs' decoded_token (vllm_backend's field): one token's text, cached per id
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        self.decode_token = None if tokenizer is None else functools.lru_cache(maxsize=1 << 16)(
+            lambda token: tokenizer.decode([token], skip_special_tokens=False))
 
         self.num_active = 0  # requests admitted and not yet finished; read by finalize
         self.stopping = False
@@ -172,7 +177,8 @@ class TritonPythonModel:
     async def _generate(self, stream: _ResponseStream, parsed: protocol.ParsedRequest, arrival: float):
         self.num_active += 1
         request = parsed.request
-        state = protocol.OutputState(request.prompt, parsed.exclude_input_in_output, parsed.returns)
+        state = protocol.OutputState(request.prompt, parsed.exclude_input_in_output, parsed.returns,
+                                     id=parsed.id, decode_token=self.decode_token)
         stream.state = state
         last = None
         first_token_at = None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,6 +70,7 @@ class ParsedRequest:
     stream: bool = False
     exclude_input_in_output: bool = True
     returns: frozenset[str] = frozenset()  # the return_* flags that are on
+    id: str | None = None  # HTTP generate's top-level "id" (a request parameter), echoed in every response
 
 
 def parse_request(
@@ -87,6 +88,10 @@ def parse_request(
     and `sampling_parameters` keys win over request-parameter keys."""
     params = _parse_parameters(parameters)
     prompt = _text_input(inputs.get("text_input"), max_prompt_bytes)
+    # the generate extension's optional top-level "id" reaches the model as a request parameter
+    echo_id = params.pop("id", None)
+    if echo_id is not None and not isinstance(echo_id, str | int):
+        raise InvalidRequest(f"id must be a string, got {echo_id!r}")
 
     flags = {}
     for name in BOOL_INPUTS:
@@ -119,7 +124,8 @@ def parse_request(
     if sp.logprobs is None and returns & {"return_logprobs", "return_cumulative_logprob"}:
         sp.logprobs = 0  # the sampled token's logprob only, as vLLM
     return ParsedRequest(GenerationRequest(request_id=request_id, prompt=prompt, sampling=sp),
-                         stream=stream, exclude_input_in_output=exclude, returns=returns)
+                         stream=stream, exclude_input_in_output=exclude, returns=returns,
+                         id=None if echo_id is None else str(echo_id))
 
 
 def parse_sampling(params: Mapping[str, object], max_model_len: int | None = None) -> SamplingParams:
@@ -326,12 +332,16 @@ class OutputState:
     returns: frozenset[str]
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # non-streaming: the sampled ids, for logprobs' order
     logprobs: list[dict[int, float]] | None = None
     first: bool = True
+    id: str | None = None  # echoed as the `id` output (HTTP generate puts it in the response JSON)
+    decode_token: Callable[[int], str] | None = None  # token id -> text, for logprobs' decoded_token
 
     def accumulate(self, delta: RequestOutput) -> None:
         self.text.append(delta.text)
         self.num_tokens += len(delta.token_ids)
+        self.token_ids += delta.token_ids
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + list(delta.logprobs)
 
@@ -342,7 +352,7 @@ def render_delta(state: OutputState, delta: RequestOutput) -> dict[str, np.ndarr
     if state.first and not state.exclude_input_in_output:
         text = state.prompt + text
     state.first = False
-    return _render(state.returns, delta, text, len(delta.token_ids), delta.logprobs)
+    return _render(state, delta, text, delta.token_ids, delta.logprobs)
 
 
 def render_final(state: OutputState, last: RequestOutput) -> dict[str, np.ndarray]:
@@ -350,27 +360,43 @@ def render_final(state: OutputState, last: RequestOutput) -> dict[str, np.ndarra
     text = "".join(state.text)
     if not state.exclude_input_in_output:
         text = state.prompt + text
-    return _render(state.returns, last, text, state.num_tokens, state.logprobs)
+    return _render(state, last, text, state.token_ids, state.logprobs)
 
 
-def _render(returns, out: RequestOutput, text: str, num_tokens: int, logprobs) -> dict[str, np.ndarray]:
+def _render(state: OutputState, out: RequestOutput, text: str, token_ids: list[int], logprobs) -> dict[str, np.ndarray]:
+    returns = state.returns
     tensors = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+    if state.id is not None:
+        tensors["id"] = np.array([state.id.encode("utf-8")], dtype=np.object_)
     if "return_finish_reason" in returns:
-        reason = (out.finish_reason or "") if out.finished else ""
+        # "None" until the end, as vllm_backend sends it (str() of vLLM's unset finish_reason)
+        reason = (out.finish_reason or "") if out.finished else "None"
         tensors["finish_reason"] = np.array([reason.encode()], dtype=np.object_)
     if "return_num_input_tokens" in returns:
         tensors["num_input_tokens"] = np.array([out.num_prompt_tokens], dtype=np.uint32)
     if "return_num_output_tokens" in returns:
-        tensors["num_output_tokens"] = np.array([num_tokens], dtype=np.uint32)
+        tensors["num_output_tokens"] = np.array([len(token_ids)], dtype=np.uint32)
     if "return_cumulative_logprob" in returns:
         tensors["cumulative_logprob"] = np.array([out.cumulative_logprob], dtype=np.float32)
     if "return_logprobs" in returns:
-        tensors["logprobs"] = np.array([logprobs_json(logprobs).encode()], dtype=np.object_)
+        tensors["logprobs"] = np.array([logprobs_json(logprobs, state.decode_token, token_ids).encode()],
+                                       dtype=np.object_)
     return tensors
 
 
-def logprobs_json(logprobs: list[dict[int, float]] | None) -> str:
-    """vLLM backend's shape: one {token_id: {"logprob": x}} object per output token, or null."""
+def logprobs_json(logprobs: list[dict[int, float]] | None, decode_token: Callable[[int], str] | None = None,
+                  token_ids: list[int] | None = None) -> str:
+    """vllm_backend's shape: one {token_id: {"logprob", "rank", "decoded_token"}} object per output
+    token, or null; the sampled token first, as vLLM orders them. A step holds the top-n tokens and
+    the sampled one, so `rank` (1 = most likely) is exact for the top-n, and for a sampled token
+    outside them it is n + 1, a lower bound."""
     if logprobs is None:
         return "null"
-    return json.dumps([{str(t): {"logprob": float(lp)} for t, lp in step.items()} for step in logprobs])
+    steps = []
+    for i, step in enumerate(logprobs):
+        sampled = token_ids[i] if token_ids is not None and i < len(token_ids) else None
+        order = sorted(step, key=lambda t: (t != sampled, -step[t]))
+        steps.append({str(t): {"logprob": float(step[t]), "rank": 1 + sum(v > step[t] for v in step.values()),
+                               "decoded_token": decode_token(t) if decode_token else None}
+                      for t in order})
+    return json.dumps(steps)

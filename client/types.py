@@ -86,7 +86,8 @@ def delta_from_outputs(outputs: dict, time_s: float) -> Delta:
         text=outputs.get("text_output", ""),
         num_output_tokens=_int(outputs.get("num_output_tokens")),
         num_input_tokens=_int(outputs.get("num_input_tokens")),
-        finish_reason=outputs.get("finish_reason") or None,
+        # mid-stream the server sends "None", as vllm_backend does
+        finish_reason=None if outputs.get("finish_reason") in (None, "", "None") else outputs["finish_reason"],
         cumulative_logprob=None if outputs.get("cumulative_logprob") is None else float(outputs["cumulative_logprob"]),
         logprobs=logprobs,
         time_s=time_s,

@@ -137,11 +137,12 @@ def test_stream_rendering_sends_new_text_and_cumulative_counters():
     state = OutputState("Prompt", exclude_input_in_output=True, returns=ALL)
     first, last = (render_delta(state, d) for d in deltas())
     assert first["text_output"][0] == b"Hi" and last["text_output"][0] == b" there"
-    assert first["finish_reason"][0] == b"" and last["finish_reason"][0] == b"length"
+    assert first["finish_reason"][0] == b"None" and last["finish_reason"][0] == b"length"  # as vllm_backend
     assert last["num_input_tokens"].dtype == np.uint32 and last["num_input_tokens"][0] == 3
     assert list(first["num_output_tokens"]) == [1] and list(last["num_output_tokens"]) == [2]
     assert last["cumulative_logprob"].dtype == np.float32 and last["cumulative_logprob"][0] == -1.25
-    assert json.loads(last["logprobs"][0]) == [{"6": {"logprob": -0.25}}, {"7": {"logprob": -0.5}}]
+    assert json.loads(last["logprobs"][0]) == [{"6": {"logprob": -0.25, "rank": 1, "decoded_token": None}},
+                                               {"7": {"logprob": -0.5, "rank": 1, "decoded_token": None}}]
 
 
 def test_final_rendering_accumulates_and_prepends_the_prompt():
@@ -159,3 +160,31 @@ def test_only_requested_outputs_are_rendered():
     assert set(render_delta(state, deltas()[0])) == {"text_output"}
     state = OutputState("p", exclude_input_in_output=True, returns=frozenset({"return_logprobs"}))
     assert render_delta(state, RequestOutput("r", text="x", token_ids=[1]))["logprobs"][0] == b"null"
+
+
+def test_generate_id_is_a_request_parameter_echoed_in_every_response():
+    p = parse(parameters=json.dumps({"id": "42", "max_tokens": 4, "sequence_id": 0, "priority": 0,
+                                     "triton_enable_empty_final_response": True}))
+    assert p.id == "42" and p.request.sampling.max_tokens == 4  # neither id nor Triton's own parameters are sampling keys
+    state = OutputState("p", exclude_input_in_output=True, returns=frozenset(), id=p.id)
+    first, last = (render_delta(state, d) for d in deltas())
+    assert first["id"][0] == b"42" and last["id"][0] == b"42"
+    assert "id" not in render_delta(OutputState("p", True, frozenset()), deltas()[0])
+    with pytest.raises(InvalidRequest, match="id must be a string"):
+        parse(parameters=json.dumps({"id": [1]}))
+
+
+def test_logprobs_carry_rank_and_decoded_token_like_vllm_backend():
+    # top-2 plus a sampled token outside them: ranks 1, 2 exact, the sampled one's is the bound n + 1;
+    # the sampled token comes first (vLLM's order), then the rest by rank
+    step = {5: -0.1, 9: -2.0, 3: -4.5}
+    state = OutputState("p", True, frozenset({"return_logprobs"}), decode_token=lambda t: f"<{t}>")
+    out = render_delta(state, RequestOutput("r", text="x", token_ids=[3], logprobs=[step]))
+    entries = json.loads(out["logprobs"][0])
+    assert entries == [{"3": {"logprob": -4.5, "rank": 3, "decoded_token": "<3>"},
+                        "5": {"logprob": -0.1, "rank": 1, "decoded_token": "<5>"},
+                        "9": {"logprob": -2.0, "rank": 2, "decoded_token": "<9>"}}]
+    assert list(entries[0]) == ["3", "5", "9"]
+    final = OutputState("p", True, frozenset({"return_logprobs"}))
+    final.accumulate(RequestOutput("r", text="x", token_ids=[9], logprobs=[step]))
+    assert list(json.loads(render_final(final, RequestOutput("r", finished=True))["logprobs"][0])[0]) == ["9", "5", "3"]
