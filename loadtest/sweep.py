@@ -38,8 +38,9 @@ from loadtest.workloads import Length, LoadConfig, WorkloadConfig, resolve_token
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
-USER_CLASSES = {"grpc": "GrpcStreamUser", "http": "HttpSseUser"}
-DEFAULT_URLS = {"grpc": ("TRITON_GRPC_URL", "127.0.0.1:8001"), "http": ("TRITON_HTTP_URL", "127.0.0.1:8000")}
+USER_CLASSES = {"grpc": "GrpcStreamUser", "http": "HttpSseUser", "openai": "OpenAIUser"}
+DEFAULT_URLS = {"grpc": ("TRITON_GRPC_URL", "127.0.0.1:8001"), "http": ("TRITON_HTTP_URL", "127.0.0.1:8000"),
+                "openai": ("OPENAI_URL", "127.0.0.1:9000")}
 STARTUP_GRACE_S = 60.0  # Locust's own start (imports, tokenizer) and exit, beyond run + stop timeouts
 PROGRESS_EVERY_S = 10.0
 PERCENTILES = (50, 90, 99)
@@ -368,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = argv
+    if args.protocol == "openai" and args.driver != "locust":
+        parser.error("--protocol openai runs with --driver locust only")
     args.label = args.label or f"{args.protocol}-{args.workload}" + ("-threads" if args.driver == "threads" else "")
     if not re.fullmatch(r"[\w.-]+", args.label):
         parser.error("--label: letters, digits, '.', '_' and '-' only (it names files)")
@@ -405,11 +408,20 @@ def main(argv: list[str] | None = None) -> int:
         except ServerError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+        front = None
         try:
             url = server.grpc_url if args.protocol == "grpc" else server.http_url
+            if args.protocol == "openai":  # the OpenAI service in front of this server
+                from backend.openai.process import OpenAIProcess, tokenizer_dir
+
+                model_json = server.workdir / "model_repository" / "deepseek_v4" / "1" / "model.json"
+                front = OpenAIProcess(server.grpc_url, port=0, tokenizer=tokenizer_dir(model_json)).start()
+                url = front.base_url.removeprefix("http://").removesuffix("/v1")
             info = {"serve": True, "model": args.model or "model.json's", "engine_args": engine_args}
             sweep(args, url, server.metrics_url, info)
         finally:
+            if front is not None:
+                front.stop()
             server.stop()
         return 0
     except KeyboardInterrupt:

@@ -23,3 +23,14 @@ def triton_server():
     with TritonServer(engine_args=SERVER_ENGINE_ARGS, http_port=0, grpc_port=0, metrics_port=0,
                       startup_timeout_s=300) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def openai_server(triton_server):
+    """The OpenAI service (backend/openai) in front of `triton_server`, with the checkpoint's chat template."""
+    from backend.openai.process import OpenAIProcess, tokenizer_dir
+
+    model_json = triton_server.workdir / "model_repository" / "deepseek_v4" / "1" / "model.json"
+    with OpenAIProcess(triton_server.grpc_url, port=0, tokenizer=tokenizer_dir(model_json),
+                       log_path=triton_server.workdir / "openai.log") as front:
+        yield front

@@ -1,0 +1,43 @@
+"""python -m backend.openai --triton-grpc HOST:PORT [--host 127.0.0.1] [--port 9000] [--tokenizer DIR]"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import uvicorn
+
+from backend.openai.app import Settings, build_app
+from backend.openai.body_limits import MAX_BODY_BYTES, MAX_JSON_DEPTH
+from backend.openai.process import API_KEY_ENV
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backend.openai",
+                                     description="OpenAI-compatible API in front of a Triton server")
+    parser.add_argument("--triton-grpc", required=True, help="Triton's gRPC endpoint, HOST:PORT")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--model", default="deepseek_v4", help="the Triton model to send requests to")
+    parser.add_argument("--served-model-name", help="the model name clients use (default: --model)")
+    parser.add_argument("--tokenizer", help="checkpoint directory whose tokenizer_config.json has the chat template")
+    parser.add_argument("--chat-template", help="a Jinja template file, or 'deepseek_v4' (shipped), over the "
+                        "checkpoint's")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})")
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
+    parser.add_argument("--max-json-depth", type=int, default=MAX_JSON_DEPTH)
+    parser.add_argument("--log-level", default="warning")
+    args = parser.parse_args(argv)
+    app = build_app(Settings(triton_grpc=args.triton_grpc, model=args.model,
+                             served_model_name=args.served_model_name, tokenizer=args.tokenizer,
+                             chat_template=args.chat_template, api_key=args.api_key,
+                             max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth))
+    # uvicorn's own limit on header + request-line size stays; the body limits are the app's
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The OpenAI service as a child process of the launcher (or of a test): started once Triton is
+ready, and ready itself only when its /health says the Triton model is."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_PORT = 9000
+API_KEY_ENV = "DSV4_OPENAI_API_KEY"  # the key travels here, not on the command line (ps shows that)
+
+
+class OpenAIProcess:
+    """`python -m backend.openai` beside a Triton server. Port 0 picks a free port. Use as a
+    context manager, or start() / stop()."""
+
+    def __init__(self, triton_grpc: str, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
+                 tokenizer: str | None = None, api_key: str | None = None, chat_template: str | None = None,
+                 model: str = "deepseek_v4", log_path: str | os.PathLike | None = None,
+                 startup_timeout_s: float = 60.0):
+        self.triton_grpc, self.host, self.tokenizer = triton_grpc, host, tokenizer
+        local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        self.port = port or _free_port(local)
+        self.api_key, self.chat_template, self.model = api_key, chat_template, model
+        self.log_path = Path(log_path) if log_path else None
+        self.startup_timeout_s = startup_timeout_s
+        self.process: subprocess.Popen | None = None
+        self._local = local
+
+    @property
+    def base_url(self) -> str:
+        """What the openai SDK takes as base_url."""
+        return f"http://{self._local}:{self.port}/v1"
+
+    def command(self) -> list[str]:
+        command = [sys.executable, "-m", "backend.openai", "--triton-grpc", self.triton_grpc,
+                   "--host", self.host, "--port", str(self.port), "--model", self.model]
+        if self.tokenizer:
+            command += ["--tokenizer", self.tokenizer]
+        if self.chat_template:
+            command += ["--chat-template", self.chat_template]
+        return command
+
+    def start(self) -> OpenAIProcess:
+        env = dict(os.environ)
+        env.pop(API_KEY_ENV, None)
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key  # not on the command line, where ps shows it
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 (the child holds it)
+        try:
+            self.process = subprocess.Popen(self.command(), env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+                                            stdout=log, stderr=subprocess.STDOUT if log else None,
+                                            preexec_fn=_die_with_parent)
+        finally:
+            if log:
+                log.close()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self._local}:{self.port}/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the OpenAI service exited with code {self.process.returncode} before it "
+                                   f"was ready (log: {self.log_path or 'stderr'})")
+            if self.is_ready():
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"the OpenAI service was not ready after {self.startup_timeout_s:.0f} s")
+
+    def stop(self) -> int | None:
+        process, self.process = self.process, None
+        if process is None:
+            return None
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)  # uvicorn: stop accepting, finish responses (10 s at most)
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        return process.returncode
+
+    def __enter__(self) -> OpenAIProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def tokenizer_dir(model_json: str | os.PathLike) -> str | None:
+    """The checkpoint directory whose tokenizer_config.json holds the chat template, from the
+    model.json Triton serves (model and tokenizer resolved as the backend resolves them)."""
+    from backend.engine_setup import load_engine_args
+
+    tokenizer = load_engine_args(model_json).get("tokenizer")
+    return tokenizer if tokenizer and Path(tokenizer).is_dir() else None
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the launcher dies, so the service never outlives it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass

@@ -1,0 +1,117 @@
+"""The model over Triton's gRPC API (tritonclient's asyncio client): one request, its responses.
+
+Each request gets its own bidirectional stream, kept open until the final response, so closing
+the generator (the HTTP client went away, the task was cancelled) cancels that stream, and
+Triton cancels the request in the backend, which aborts it in the engine and frees its cache."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from backend.openai.errors import OpenAIError, from_triton
+
+UNFINISHED = ("", "None")  # finish_reason of a delta that is not the last (vllm_backend sends "None")
+
+
+@dataclass
+class Output:
+    """One Triton response, decoded."""
+
+    text: str
+    finish_reason: str | None  # set on the last response only
+    num_input_tokens: int | None = None
+    num_output_tokens: int = 0
+    logprobs: list[dict] | None = None  # per token: {token_id: {"logprob", "rank", "decoded_token"}}
+
+
+class TritonModel:
+    def __init__(self, url: str, model_name: str):
+        self.url, self.model_name = url, model_name
+        self.client = grpcclient.InferenceServerClient(url)
+
+    async def ready(self) -> bool:
+        try:
+            return bool(await self.client.is_model_ready(self.model_name))
+        except InferenceServerException:
+            return False
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    def generate(self, prompt: str, sampling: dict, stream: bool, logprobs: bool) -> Call:
+        """Deltas when `stream`, else one Output with the whole text; iterating raises OpenAIError."""
+        flags = {"stream": stream, "exclude_input_in_output": True, "return_finish_reason": True,
+                 "return_num_input_tokens": True, "return_num_output_tokens": True, "return_logprobs": logprobs}
+        inputs = [_tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
+                  _tensor("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_),
+                          "BYTES")]
+        inputs += [_tensor(name, np.array([value]), "BOOL") for name, value in flags.items()]
+        request = {"model_name": self.model_name, "inputs": inputs, "request_id": f"oai-{uuid.uuid4().hex[:16]}"}
+        return Call(self.client, request)
+
+
+class Call:
+    """One request's gRPC stream: iterate for its Outputs; `cancel()` is synchronous, so it also
+    works from a `finally` that runs while its task is being cancelled (a client disconnect)."""
+
+    def __init__(self, client: grpcclient.InferenceServerClient, request: dict):
+        self._finished = asyncio.Event()
+
+        async def requests():
+            yield request
+            await self._finished.wait()  # closing the request side early would end the stream
+
+        self._responses = client.stream_infer(requests())
+
+    async def __aiter__(self) -> AsyncIterator[Output]:
+        try:
+            async for result, error in self._responses:
+                if error is not None:
+                    raise from_triton(error.message())
+                output = _decode(result)
+                yield output
+                if output.finish_reason is not None:
+                    return
+            raise OpenAIError(500, "the Triton stream ended before the final response", type="internal_error")
+        except InferenceServerException as e:
+            raise from_triton(f"{e.status()}: {e.message()}") from e
+        except grpc.RpcError as e:  # the RPC itself failed: Triton down or shutting down
+            raise from_triton(f"{e.code()}: {e.details()}") from e
+        finally:
+            self.cancel()
+
+    def cancel(self) -> None:
+        """A no-op after the final response; before it, Triton cancels the request in the backend."""
+        self._finished.set()
+        self._responses.cancel()
+
+
+def _tensor(name: str, array: np.ndarray, datatype: str) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def _decode(result) -> Output:
+    def one(name):
+        array = result.as_numpy(name)
+        if array is None or array.size == 0:
+            return None
+        value = array.reshape(-1)[0]
+        return value.decode("utf-8") if isinstance(value, bytes) else value
+
+    reason = one("finish_reason")
+    logprobs = one("logprobs")
+    return Output(text=one("text_output") or "", finish_reason=None if reason in UNFINISHED else reason,
+                  num_input_tokens=None if one("num_input_tokens") is None else int(one("num_input_tokens")),
+                  num_output_tokens=int(one("num_output_tokens") or 0),
+                  logprobs=None if logprobs in (None, "null") else json.loads(logprobs))

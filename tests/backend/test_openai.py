@@ -1,0 +1,221 @@
+"""The OpenAI service (backend/openai) with the official openai SDK, against the session's real
+tritonserver: completions and chat, streaming and not, usage, stop, logprobs, errors in OpenAI's
+format, the reasoning split, the API key, cancellation, and bodies refused before parsing."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from backend.openai.chat_template import ChatTemplate
+from backend.openai.process import OpenAIProcess, tokenizer_dir
+from client.grpc import GrpcClient
+from loadtest.scrape import metric
+
+pytestmark = pytest.mark.slow
+
+MODEL = "deepseek_v4"
+PROMPT = "The quick brown fox"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def sdk(openai_server):
+    with openai.OpenAI(base_url=openai_server.base_url, api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def triton_greedy(triton_server):
+    """Greedy text straight from Triton (gRPC), the oracle for what the front must return."""
+    with GrpcClient(triton_server.grpc_url) as client:
+        yield lambda prompt, n: client.generate(prompt, max_tokens=n, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def template(triton_server):
+    model_json = triton_server.workdir / "model_repository" / MODEL / "1" / "model.json"
+    return tokenizer_dir(model_json)
+
+
+def test_models(sdk):
+    assert [m.id for m in sdk.models.list().data] == [MODEL]
+    assert sdk.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("gpt-4")
+
+
+def test_completion_matches_triton_and_counts_usage(sdk, triton_greedy):
+    expected = triton_greedy(PROMPT, 8)
+    out = sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert out.object == "text_completion" and out.choices[0].text == expected.text
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (expected.num_input_tokens, 8)
+    assert out.usage.total_tokens == expected.num_input_tokens + 8
+
+    chunks = list(sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert len(chunks) > 2 and "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8  # include_usage: last chunk
+    assert all(c.usage is None for c in chunks[:-1])
+    echoed = sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + expected.text
+
+
+def test_chat_renders_the_checkpoints_template(sdk, triton_greedy, template):
+    prompt = ChatTemplate.load(template).render(MESSAGES)
+    assert prompt.endswith("<｜Assistant｜>") and "<｜User｜>Name a colour." in prompt
+    expected = triton_greedy(prompt, 10)
+    out = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=10, temperature=0)
+    message = out.choices[0].message
+    assert message.role == "assistant" and message.content == expected.text
+    assert getattr(message, "reasoning_content", None) is None  # this template does not think
+    assert out.usage.prompt_tokens == expected.num_input_tokens and out.usage.completion_tokens == 10
+
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == 10
+
+
+def test_stop_string_ends_the_text_before_it(sdk, triton_greedy):
+    text = triton_greedy(PROMPT, 16).text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    out = sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
+    assert out.choices[0].text == text[:text.index(stop)] and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens < 16
+
+
+def test_logprobs(sdk):
+    out = sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert "".join(lp.tokens) == out.choices[0].text and len(lp.tokens) == 6
+    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and sampled == pytest.approx(max(top.values()))  # greedy: the top-1 was sampled
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+
+    chat = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, temperature=0.8, seed=1,
+                                       logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content and len(content) == 5
+    for token in content:
+        assert len(token.top_logprobs) == 2 and token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+        assert token.logprob <= token.top_logprobs[0].logprob + 1e-6 and token.logprob < 0
+        assert bytes(token.bytes).decode("utf-8", "replace") == token.token or not token.bytes
+    plain = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("kwargs, param, message", [
+    ({"temperature": 5}, "temperature", "less than or equal to 2"),
+    ({"n": 2}, "n", "n must be 1"),
+    ({"top_p": 0}, "top_p", "greater than 0"),
+    ({"max_tokens": 10**6}, None, "INVALID_ARG: max_tokens must be between 1 and 512"),  # the engine's check
+    ({"extra_body": {"bogus": 1}}, "bogus", "unknown parameter 'bogus'"),
+    ({"frequency_penalty": 0.5}, None, "frequency_penalty"),
+    ({"stream": True, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+])
+def test_bad_parameters_are_400_in_openai_format(sdk, kwargs, param, message):
+    with pytest.raises(openai.BadRequestError) as info:
+        out = sdk.completions.create(model=MODEL, prompt=PROMPT, **{"max_tokens": 4, **kwargs})
+        list(out) if kwargs.get("stream") else None
+    assert info.value.status_code == 400
+    error = info.value.body
+    assert error["type"] == "invalid_request_error" and message in error["message"] and error["param"] == param
+
+
+def test_unknown_model_is_404(sdk):
+    with pytest.raises(openai.NotFoundError) as info:
+        sdk.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=2)
+    assert info.value.status_code == 404 and info.value.body["code"] == "model_not_found"
+
+
+def test_closing_the_stream_cancels_the_triton_request(sdk, triton_server):
+    def scrape():
+        with urllib.request.urlopen(triton_server.metrics_url, timeout=5) as response:
+            return response.read().decode()
+
+    aborted_before = metric(scrape(), "deepseek:request_success_total", finished_reason="abort") or 0
+    stream = sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=480, stream=True,
+                                    extra_body={"ignore_eos": True})
+    received = 0
+    for _ in stream:
+        received += 1
+        if received >= 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        text = scrape()
+        aborted = metric(text, "deepseek:request_success_total", finished_reason="abort") or 0
+        if aborted == aborted_before + 1 and metric(text, "deepseek:num_requests_running") == 0:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the closed stream's request was not aborted in the engine:\n{triton_server.log_tail()}")
+
+
+def _raw_post(front: OpenAIProcess, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json", **(headers or {})})
+    response = conn.getresponse()
+    status, payload = response.status, json.loads(response.read())
+    conn.close()
+    return status, payload
+
+
+def test_deep_and_huge_bodies_are_refused_before_parsing(openai_server, sdk):
+    status, payload = _raw_post(openai_server, b"[" * 200_000 + b"]" * 200_000)
+    assert status == 400 and payload["error"]["code"] == "json_too_deep"
+    nested = b'{"model": "deepseek_v4", "prompt": "x", "user": ' + b"[" * 70 + b"]" * 70 + b"}"
+    assert _raw_post(openai_server, nested)[0] == 400
+    strings = b'{"model": "deepseek_v4", "prompt": "' + b"[{" * 100 + b'\\"", "max_tokens": 2}'
+    assert _raw_post(openai_server, strings)[0] == 200  # brackets inside strings are text
+    # a declared size over the limit is refused before any of the body is read
+    with socket.create_connection(("127.0.0.1", openai_server.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 999999999\r\n\r\n{")
+        assert s.recv(4096).split(b"\r\n")[0].endswith(b"413 Request Entity Too Large")
+    assert _raw_post(openai_server, b"{not json")[0] == 400
+    assert sdk.models.list().data  # and the service carries on
+
+
+@pytest.fixture(scope="module")
+def thinking_front(triton_server, template):
+    """A second front with DeepSeek's shipped template (thinking) and an API key."""
+    with OpenAIProcess(triton_server.grpc_url, port=0, tokenizer=template, chat_template="deepseek_v4",
+                       api_key="sesame", log_path=triton_server.workdir / "openai-thinking.log") as front:
+        yield front
+
+
+def test_thinking_template_splits_reasoning_content_and_the_key_is_checked(thinking_front, triton_greedy,
+                                                                            template):
+    with openai.OpenAI(base_url=thinking_front.base_url, api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+    urllib.request.urlopen(f"http://127.0.0.1:{thinking_front.port}/health", timeout=5)  # health stays open
+    prompt = ChatTemplate.load(template, "deepseek_v4").render(MESSAGES, thinking=True)
+    assert prompt.endswith("<｜Assistant｜><think>")
+    expected = triton_greedy(prompt, 12).text
+    with openai.OpenAI(base_url=thinking_front.base_url, api_key="sesame", max_retries=0) as sdk:
+        out = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                          extra_body={"chat_template_kwargs": {"thinking": True}})
+        message = out.choices[0].message
+        # everything before </think> is reasoning (the tiny model's random text never closes it)
+        joined = message.reasoning_content + ("</think>" + message.content if message.content else "")
+        assert joined == expected and message.reasoning_content
+        chunks = list(sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0,
+                                                  stream=True, extra_body={"chat_template_kwargs": {"thinking": True}}))
+        streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks)
+        assert streamed == message.reasoning_content
+        plain = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
+        assert plain.choices[0].message.content and getattr(plain.choices[0].message, "reasoning_content",
+                                                            None) is None  # </think> closed by the template

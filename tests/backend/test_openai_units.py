@@ -1,0 +1,103 @@
+"""backend/openai without a server: the body limits' depth scan, request validation, the chat
+template (against the engine's own tokenizer on the tiny checkpoint), the reasoning split."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backend.openai.body_limits import check_depth, json_depth
+from backend.openai.chat_template import ChatTemplate, ReasoningSplitter, opens_thinking
+from backend.openai.errors import OpenAIError, from_triton
+from backend.openai.requests import ChatCompletionRequest, CompletionRequest, parse
+from engine.args import tiny_checkpoint_dir
+from engine.tokenizer import Tokenizer
+
+
+@pytest.mark.parametrize("text, depth", [
+    ('{"a": [1, {"b": []}]}', 4),
+    ('{"a": "[[[[{{{{"}', 1),  # brackets in strings are text
+    ('{"a": "\\"[[[", "b": [[]]}', 3),  # an escaped quote does not end the string
+    ('{"a": "\\\\", "b": [[]]}', 3),  # an escaped backslash does not escape the quote after it
+    ("[" * 100_000 + "]" * 100_000, 100_000),
+    ("7", 0),
+])
+def test_json_depth(text, depth):
+    assert json_depth(text.encode()) == depth
+    if depth:
+        assert json_depth(text.encode(), stop_above=0) == 1  # counting stops early
+
+
+def test_deep_bodies_are_400_before_parsing():
+    with pytest.raises(OpenAIError) as info:
+        check_depth(b"[" * 300_000, 64)
+    assert info.value.status == 400 and info.value.code == "json_too_deep"
+    check_depth(json.dumps({"messages": [{"content": [{"type": "text", "text": "x"}]}]}).encode(), 64)
+
+
+def test_request_validation_names_the_parameter():
+    with pytest.raises(OpenAIError, match="unknown parameter 'tools'") as info:
+        parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": []})
+    assert info.value.param == "tools"
+    with pytest.raises(OpenAIError, match="n must be 1"):
+        parse(CompletionRequest, {"model": "m", "prompt": "x", "n": 3}).sampling()
+    with pytest.raises(OpenAIError, match="top_logprobs needs logprobs=true"):
+        parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                      "top_logprobs": 2}).sampling()
+    chat = parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                         "max_tokens": 5, "max_completion_tokens": 7, "logprobs": True,
+                                         "top_logprobs": 3, "seed": 1, "stop": "\n"})
+    assert chat.sampling() == {"max_tokens": 7, "logprobs": 3, "seed": 1, "stop": "\n"}
+    with pytest.raises(OpenAIError, match="the request body must be a JSON object"):
+        parse(CompletionRequest, [1])
+
+
+def test_triton_codes_map_to_http_statuses():
+    assert from_triton("INVALID_ARG: bad").status == 400
+    assert from_triton("UNAVAILABLE: engine overloaded: 1024 waiting").status == 429
+    assert from_triton("UNAVAILABLE: engine dead: x").status == 503
+    assert from_triton("StatusCode.UNAVAILABLE: failed to connect").status == 503
+    assert from_triton("INTERNAL: request failed: boom").status == 500
+
+
+def test_the_checkpoints_template_renders_as_the_engines_tokenizer_does():
+    checkpoint = tiny_checkpoint_dir()
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": [{"type": "text", "text": "Bye"}]}]
+    ours = ChatTemplate.load(str(checkpoint)).render(messages)
+    plain = [{**m, "content": m["content"] if isinstance(m["content"], str) else "Bye"} for m in messages]
+    assert ours == Tokenizer(checkpoint).apply_chat_template(plain, add_generation_prompt=True)
+    assert not opens_thinking(ours)
+    with pytest.raises(OpenAIError, match="only text content parts"):
+        ChatTemplate.load(str(checkpoint)).render([{"role": "user", "content": [{"type": "image_url"}]}])
+
+
+def test_shipped_deepseek_template_marks_thinking():
+    template = ChatTemplate.load(None)  # no checkpoint: DeepSeek's format, shipped
+    messages = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"},
+                {"role": "user", "content": "and 2+2?"}]
+    thinking = template.render(messages, thinking=True)
+    assert thinking == ("<｜begin▁of▁sentence｜><｜User｜>1+1?<｜Assistant｜></think>2<｜end▁of▁sentence｜>"
+                        "<｜User｜>and 2+2?<｜Assistant｜><think>")
+    assert opens_thinking(thinking) and not opens_thinking(template.render(messages))
+    with pytest.raises(OpenAIError, match="unsupported message role 'tool'"):
+        template.render([{"role": "tool", "content": "x"}])
+
+
+@pytest.mark.parametrize("pieces", [
+    ["reason", "ing</think>", "answer"],
+    ["reasoning</", "thi", "nk>ans", "wer"],  # the marker split over three deltas
+    ["reasoning", "</think>answer"],
+])
+def test_reasoning_splitter_across_deltas(pieces):
+    splitter = ReasoningSplitter(thinking=True)
+    parts = [splitter.feed(p) for p in pieces] + [splitter.flush()]
+    assert "".join(r for r, _ in parts) == "reasoning" and "".join(c for _, c in parts) == "answer"
+
+
+def test_reasoning_splitter_without_an_end_or_thinking():
+    splitter = ReasoningSplitter(thinking=True)
+    parts = [splitter.feed("all </thi"), splitter.flush()]  # ended inside a possible marker: reasoning
+    assert "".join(r for r, _ in parts) == "all </thi" and not any(c for _, c in parts)
+    assert ReasoningSplitter(thinking=False).feed("a</think>b") == ("", "a</think>b")
