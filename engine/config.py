@@ -92,6 +92,8 @@ class ModelConfig:
     bos_token_id: int
     eos_token_ids: tuple[int, ...]
     torch_dtype: str = "bfloat16"
+    fp8_linears: bool = False  # quantization_config: dense linears FP8 e4m3 with 128x128 block scales
+    expert_dtype: str = "bf16"  # routed experts as stored: bf16, fp8 (Base) or fp4 (MXFP4, V4-Flash)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -113,7 +115,7 @@ _IGNORED = {
     "architectures", "model_type", "transformers_version", "num_key_value_heads", "norm_topk_prob",
     "topk_method", "tie_word_embeddings", "num_nextn_predict_layers", "initializer_range", "hidden_act",
     "use_cache", "pad_token_id", "attention_bias", "attention_dropout", "mlp_bias", "output_router_logits",
-    "router_aux_loss_coef", "router_jitter_noise", "quantization_config", "expert_dtype", "dtype",
+    "router_aux_loss_coef", "router_jitter_noise", "dtype",
     "torch_dtype", "partial_rotary_factor", "n_group", "topk_group", "first_k_dense_replace",
     "auto_map", "_name_or_path", "kv_lora_rank", "generation_config", "scale_fmt",
 }
@@ -124,7 +126,7 @@ _READ = {
     "sliding_window", "compress_ratios", "layer_types", "compress_rates", "num_hash_layers",
     "mlp_layer_types", "index_n_heads", "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters",
     "hc_eps", "rms_norm_eps", "rope_theta", "compress_rope_theta", "rope_scaling", "rope_parameters",
-    "max_position_embeddings", "bos_token_id", "eos_token_id",
+    "max_position_embeddings", "bos_token_id", "eos_token_id", "quantization_config", "expert_dtype",
 }
 
 
@@ -193,6 +195,28 @@ def _rope(raw: dict, rope_dim: int) -> tuple[RopeConfig, RopeConfig]:
     return main, comp
 
 
+def _quantization(raw: dict) -> tuple[bool, str]:
+    """(FP8 dense linears?, expert dtype) from `quantization_config` and `expert_dtype`
+    (top level in V4, inside quantization_config in V4.1)."""
+    qc = raw.get("quantization_config")
+    expert = raw.get("expert_dtype") or (qc or {}).get("expert_dtype") or ("fp8" if qc else "bf16")
+    if expert not in ("bf16", "fp8", "fp4"):
+        raise ConfigError(f"config.json: expert_dtype {expert!r} is not bf16, fp8 or fp4")
+    if qc is None:
+        if expert != "bf16":
+            raise ConfigError(f"config.json: expert_dtype {expert!r} needs a quantization_config")
+        return False, expert
+    want = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    for key, value in want.items():
+        if key in qc and qc[key] != value:
+            raise ConfigError(f"config.json: quantization_config.{key}={qc[key]!r}, only {value!r} is supported")
+    if qc.get("scale_fmt", "ue8m0") not in ("ue8m0", "float"):
+        raise ConfigError(f"config.json: quantization_config.scale_fmt={qc['scale_fmt']!r} is not ue8m0 or float")
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise ConfigError("config.json: quantization_config.activation_scheme must be 'dynamic'")
+    return True, expert
+
+
 def parse_config(raw: dict) -> ModelConfig:
     unknown = sorted(k for k in raw if k not in _READ and k not in _IGNORED)
     if unknown:
@@ -225,6 +249,7 @@ def parse_config(raw: dict) -> ModelConfig:
     if rope_dim % 2 or rope_dim > head_dim:
         raise ConfigError(f"config.json: qk_rope_head_dim={rope_dim} must be even and <= head_dim={head_dim}")
     main_rope, compress_rope = _rope(raw, rope_dim)
+    fp8_linears, expert_dtype = _quantization(raw)
     eos = raw.get("eos_token_id", 1)
     return ModelConfig(
         vocab_size=int(_need(raw, "vocab_size")),
@@ -260,6 +285,8 @@ def parse_config(raw: dict) -> ModelConfig:
         bos_token_id=int(raw.get("bos_token_id", 0)),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),),
         torch_dtype=str(raw.get("torch_dtype", raw.get("dtype", "bfloat16"))),
+        fp8_linears=fp8_linears,
+        expert_dtype=expert_dtype,
         extra={k: raw[k] for k in raw if k in _IGNORED},
     )
 

@@ -2,6 +2,10 @@
 
 Module and parameter names are DeepSeek's official checkpoint names (`layers.N.attn.wq_a`,
 `hc_attn_fn`, ...), except routed experts, stacked per layer as `ffn.experts_w{1,2,3}`.
+`quantized=True` keeps weights as the checkpoint stores them (kernels/formats.py): the FP8
+dense linears (attention projections, shared experts) as e4m3 + float32 block scales, the
+routed experts as FP8 (Base) or MXFP4 (V4-Flash) + scales; the kernels dequantize in registers.
+The MTP layer's tensors (`mtp.0.*`) are kept as loaded in `mtp_weights` for speculative decoding.
 Every hot op goes through `kernels` (torch references today, fused kernels behind the same
 calls). State lives in the paged `KVCache`; the model reads and writes it through the
 `ForwardBatch` the runner built, one step at a time (prefill chunks and decode alike).
@@ -18,10 +22,26 @@ from engine.cache import CompressorState, KVCache
 from engine.compress_plan import compress_plan
 from engine.config import CSA, SLIDING, ModelConfig
 from engine.forward_batch import ForwardBatch
+from kernels.formats import MX_BLOCK, fp8_block_scale_shape
 
 
 def _linear(out_f: int, in_f: int) -> nn.Linear:
     return nn.Linear(in_f, out_f, bias=False)
+
+
+class Linear(nn.Module):
+    """A dense linear the checkpoint may store in FP8: e4m3 weight + `scale` (one float32 per
+    128x128 block) when fp8, else a plain weight and no scale."""
+
+    def __init__(self, out_f: int, in_f: int, fp8: bool = False):
+        super().__init__()
+        dtype = torch.float8_e4m3fn if fp8 else None
+        self.weight = nn.Parameter(torch.empty(out_f, in_f, dtype=dtype), requires_grad=not fp8)
+        scale = torch.empty(fp8_block_scale_shape(out_f, in_f), dtype=torch.float32) if fp8 else None
+        self.register_buffer("scale", scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return K.linear(x, self.weight, self.scale)
 
 
 class Norm(nn.Module):
@@ -113,18 +133,18 @@ class Attention(nn.Module):
     """Shared-KV MQA with q LoRA, partial interleaved RoPE, sinks, a sliding window and (CSA/HCA)
     a compressed long-range branch; grouped low-rank output projection."""
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, fp8: bool = False):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.layer_type, self.ratio = cfg.layer_types[layer], cfg.compress_ratios[layer]
         H, hd = cfg.num_heads, cfg.head_dim
-        self.wq_a = _linear(cfg.q_lora_rank, cfg.hidden_size)
+        self.wq_a = Linear(cfg.q_lora_rank, cfg.hidden_size, fp8)
         self.q_norm = Norm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = _linear(H * hd, cfg.q_lora_rank)
-        self.wkv = _linear(hd, cfg.hidden_size)
+        self.wq_b = Linear(H * hd, cfg.q_lora_rank, fp8)
+        self.wkv = Linear(hd, cfg.hidden_size, fp8)
         self.kv_norm = Norm(hd, cfg.rms_norm_eps)
-        self.wo_a = _linear(cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups)
-        self.wo_b = _linear(cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank)
+        self.wo_a = Linear(cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups, fp8)
+        self.wo_b = Linear(cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank, fp8)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         csa = self.layer_type == CSA
         if self.layer_type != SLIDING:
@@ -157,7 +177,7 @@ class Attention(nn.Module):
                                 fb.replay_start_t, W, comp_pool, fb.full_tables, self.ratio, selected,
                                 self.attn_sink, hd**-0.5)
         out = K.apply_rope(out, cos, -sin)  # undo RoPE on the value's rope slice (K = V)
-        o = K.grouped_linear(out.view(T, cfg.o_groups, -1), self.wo_a.weight, cfg.o_groups)
+        o = K.grouped_linear(out.view(T, cfg.o_groups, -1), self.wo_a.weight, cfg.o_groups, self.wo_a.scale)
         return self.wo_b(o)
 
 
@@ -174,40 +194,62 @@ class Gate(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, fp8: bool = False):
         super().__init__()
         inter = cfg.moe_intermediate_size * cfg.n_shared_experts
-        self.w1, self.w3 = _linear(inter, cfg.hidden_size), _linear(inter, cfg.hidden_size)
-        self.w2 = _linear(cfg.hidden_size, inter)
+        self.w1, self.w3 = Linear(inter, cfg.hidden_size, fp8), Linear(inter, cfg.hidden_size, fp8)
+        self.w2 = Linear(cfg.hidden_size, inter, fp8)
+        self.limit = cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(K.swiglu(self.w1(x), self.w3(x), self.limit))
+
+
+def _expert_weights(module: nn.Module, name: str, E: int, out_f: int, in_f: int, fmt: str) -> None:
+    """experts_<name> [E, out, in] as stored (bf16 / fp8 / fp4) and, when quantized, its scale buffer."""
+    if fmt == "fp4":
+        if in_f % MX_BLOCK:
+            raise ValueError(f"MXFP4 experts need K % {MX_BLOCK} == 0, got {in_f}")
+        w = torch.empty(E, out_f, in_f // 2, dtype=torch.int8)
+        scale = torch.empty(E, out_f, in_f // MX_BLOCK, dtype=torch.uint8)  # ue8m0 bytes
+    elif fmt == "fp8":
+        w = torch.empty(E, out_f, in_f, dtype=torch.float8_e4m3fn)
+        scale = torch.empty(E, *fp8_block_scale_shape(out_f, in_f), dtype=torch.float32)
+    else:
+        w, scale = torch.empty(E, out_f, in_f), None
+    setattr(module, f"experts_{name}", nn.Parameter(w, requires_grad=fmt == "bf16"))
+    module.register_buffer(f"experts_{name}_scale", scale)
 
 
 class MoE(nn.Module):
     """Top-k routed experts (sqrt-softplus scores, selection-only bias) or hash routing, plus
     one shared expert; clamped SwiGLU."""
 
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, quantized: bool = False):
         super().__init__()
         self.cfg = cfg
         E, inter, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.gate = Gate(cfg, hashed=cfg.is_hash_layer[layer])
-        self.experts_w1 = nn.Parameter(torch.empty(E, inter, D))
-        self.experts_w3 = nn.Parameter(torch.empty(E, inter, D))
-        self.experts_w2 = nn.Parameter(torch.empty(E, D, inter))
-        self.shared_experts = SharedExpert(cfg)
+        fmt = cfg.expert_dtype if quantized else "bf16"
+        _expert_weights(self, "w1", E, inter, D, fmt)
+        _expert_weights(self, "w3", E, inter, D, fmt)
+        _expert_weights(self, "w2", E, D, inter, fmt)
+        self.shared_experts = SharedExpert(cfg, quantized and cfg.fp8_linears)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         hash_ids = self.gate.tid2eid[input_ids] if self.gate.tid2eid is not None else None
         weights, indices = K.router_topk(x, self.gate.weight, self.gate.bias, cfg.num_experts_per_tok,
                                          cfg.routed_scaling_factor, cfg.scoring_func, hash_ids)
+        scales = None if self.experts_w1_scale is None else (self.experts_w1_scale, self.experts_w3_scale,
+                                                             self.experts_w2_scale)
         routed = K.moe_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights, indices,
-                               cfg.swiglu_limit)
-        se = self.shared_experts
-        return routed + K.mlp(x, se.w1.weight, se.w3.weight, se.w2.weight, cfg.swiglu_limit)
+                               cfg.swiglu_limit, scales)
+        return routed + self.shared_experts(x)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, quantized: bool = False):
         super().__init__()
         self.cfg = cfg
         mix, hc, D = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult, cfg.hidden_size
@@ -217,8 +259,8 @@ class Block(nn.Module):
             setattr(self, f"hc_{kind}_fn", nn.Parameter(torch.zeros(mix, hc * D, dtype=torch.float32)))
             setattr(self, f"hc_{kind}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
             setattr(self, f"hc_{kind}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
-        self.attn = Attention(cfg, layer)
-        self.ffn = MoE(cfg, layer)
+        self.attn = Attention(cfg, layer, quantized and cfg.fp8_linears)
+        self.ffn = MoE(cfg, layer, quantized)
 
     def _hc(self, kind: str, h: torch.Tensor):
         c = self.cfg
@@ -233,12 +275,13 @@ class Block(nn.Module):
 
 
 class DeepseekV4(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, quantized: bool = False):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.quantized = cfg, quantized
         hc, D = cfg.hc_mult, cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, D)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, quantized) for i in range(cfg.num_layers))
+        self.mtp_weights: dict[str, torch.Tensor] = {}  # `mtp.*` as loaded, for the speculative decoder
         self.norm = Norm(D, cfg.rms_norm_eps)
         self.head = _linear(cfg.vocab_size, D)
         self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * D, dtype=torch.float32))
@@ -270,22 +313,28 @@ class DeepseekV4(nn.Module):
     _FP32 = ("hc_", "attn_sink", ".ape", "gate.bias", "norm.weight", "q_norm", "kv_norm")
 
     def expected_names(self) -> set[str]:
-        """Official checkpoint names this model needs."""
+        """Official checkpoint names this model needs (scales too when quantized)."""
         names = set()
-        for name, _ in list(self.named_parameters()) + [(n, b) for n, b in self.named_buffers() if "tid2eid" in n]:
-            if ".experts_w" in name:
+        buffers = [n for n, b in self.named_buffers() if b is not None and ("tid2eid" in n or n.endswith("scale"))]
+        for name in [n for n, _ in self.named_parameters()] + buffers:
+            if ".experts_w" in name:  # layers.N.ffn.experts_wK[_scale] -> one name per expert
                 layer, w = name.split(".ffn.experts_")
-                names.update(f"{layer}.ffn.experts.{e}.{w}.weight" for e in range(self.cfg.n_routed_experts))
+                kind = "scale" if w.endswith("_scale") else "weight"
+                names.update(f"{layer}.ffn.experts.{e}.{w.split('_')[0]}.{kind}" for e in range(self.cfg.n_routed_experts))
             else:
                 names.add(name)
         return names
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
-        if ".ffn.experts." in name:  # layers.N.ffn.experts.E.wK.weight -> stacked experts_wK[E]
+        if name.startswith("mtp."):
+            self.mtp_weights[name] = tensor
+            return
+        if ".ffn.experts." in name:  # layers.N.ffn.experts.E.wK.{weight,scale} -> stacked experts_wK[_scale][E]
             prefix, rest = name.split(".ffn.experts.")
-            e, w, _ = rest.split(".")
-            target = self.get_parameter(f"{prefix}.ffn.experts_{w}")[int(e)]
-        elif name.endswith("tid2eid"):
+            e, w, kind = rest.split(".")
+            stacked = f"{prefix}.ffn.experts_{w}"
+            target = (self.get_buffer(stacked + "_scale") if kind == "scale" else self.get_parameter(stacked))[int(e)]
+        elif name.endswith(("tid2eid", ".scale")):
             target = self.get_buffer(name)
         else:
             target = self.get_parameter(name)
@@ -298,6 +347,8 @@ class DeepseekV4(nn.Module):
         """Model dtype for weights; norms, mHC, sinks, position biases and gate bias stay fp32
         (as the reference keeps them), except in float64 runs where everything is float64."""
         for name, p in self.named_parameters():
+            if p.dtype in (torch.float8_e4m3fn, torch.int8):  # stored FP8 / packed FP4 stay as they are
+                continue
             keep32 = dtype != torch.float64 and any(k in name for k in self._FP32)
             p.data = p.data.to(torch.float32 if keep32 else dtype)
         return self

@@ -1,7 +1,14 @@
-"""Build the model for a checkpoint directory: config, empty weights on the device, stream in."""
+"""Build the model for a checkpoint directory: config, empty weights on the device, stream in.
+
+On CUDA a quantized checkpoint stays as stored (FP8 linears, FP8 / MXFP4 experts, their scales);
+device memory is then the stored bytes plus one documented extra: ue8m0 FP8 block scales are held
+as float32 (4 bytes per 128x128 block, 0.02% of the weight). On the CPU every quantized weight
+is dequantized once, at load, to the compute dtype (no FP8 matmul there).
+"""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -10,6 +17,7 @@ from engine.config import load_config
 from engine.deepseek_v4 import DeepseekV4
 from engine.weights import WeightsError, iter_checkpoint
 
+log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
           "float32": torch.float32, "float": torch.float32, "float64": torch.float64}
 
@@ -23,23 +31,35 @@ def resolve_dtype(dtype: str | torch.dtype, default: str = "bfloat16") -> torch.
     return DTYPES[name]
 
 
-def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
-               device: str | torch.device = "cpu") -> DeepseekV4:
+def device_bytes(model: DeepseekV4) -> int:
+    """Bytes the model holds: parameters, buffers and the kept MTP tensors."""
+    tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None), *model.mtp_weights.values()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+               quantized: bool | None = None) -> DeepseekV4:
+    """quantized: keep the stored formats (default: on CUDA, when the checkpoint is quantized)."""
     cfg = load_config(model_dir)
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
+    device = torch.device(device)
+    if quantized is None:
+        quantized = device.type == "cuda" and (cfg.fp8_linears or cfg.expert_dtype != "bf16")
     with torch.device("meta"):
-        model = DeepseekV4(cfg)
+        model = DeepseekV4(cfg, quantized)
     model.to_empty(device=device)
     model.cast(dtype)
     model.main_inv_freq = cfg.main_rope.inv_freq().to(device)
     model.compress_inv_freq = cfg.compress_rope.inv_freq().to(device)
     expected, loaded, unexpected = model.expected_names(), set(), []
-    for name, tensor in iter_checkpoint(model_dir):
-        if name not in expected:
+    for name, tensor in iter_checkpoint(model_dir, dequantize=not quantized):
+        if name.startswith("mtp."):
+            model.load_weight(name, tensor.to(device))
+        elif name not in expected:
             unexpected.append(name)
-            continue
-        model.load_weight(name, tensor.to(device))
-        loaded.add(name)
+        else:
+            model.load_weight(name, tensor.to(device))
+            loaded.add(name)
     missing = sorted(expected - loaded)
     if missing or unexpected:
         raise WeightsError(
@@ -47,4 +67,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto",
             f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} "
             f"unexpected {sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}"
         )
+    log.info("weights: model on %s holds %.3f GB (%s; %d MTP tensors kept)", device, device_bytes(model) / 1e9,
+             "as stored" if quantized else f"dequantized to {dtype}" if cfg.fp8_linears else str(dtype),
+             len(model.mtp_weights))
     return model.eval()

@@ -10,18 +10,27 @@ Random weights are scaled so activations stay O(1) (flat logits otherwise), the 
 randomised so tokens reach distinct experts, and the mHC mixing weights are kept small:
 transformers' own init routes every token to one expert and makes mHC unstable enough
 that bf16 rounding changes tokens.
+
+`quant` writes the shipped formats (kernels/formats.py): "fp8-fp4" as V4-Flash (FP8 e4m3 dense
+linears with ue8m0 128x128 block scales, MXFP4 routed experts), "fp8" as V4-Flash-Base (FP8
+experts too; float32 block scales, as vLLM's DeepseekV4FP8Config reads Base). With
+`num_nextn_predict_layers: 1` the MTP layer is written as `mtp.0.*` (a sliding-window block plus
+e_proj, h_proj, enorm, hnorm, norm and its own hc_head), the names vLLM's DeepSeekV4MTP loads.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import zlib
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from kernels.formats import quantize_fp8_block, quantize_mxfp4
 
 DATA = Path(__file__).parent / "data"
 
@@ -70,10 +79,47 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_config(preset: str, override: dict | None = None) -> dict:
+QUANTS = ("bf16", "fp8", "fp8-fp4")
+# Dense linears stored FP8 in the official checkpoint; compressor / indexer projections, the
+# router gate, embedding and head stay bf16.
+FP8_LINEAR = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$|\.shared_experts\.w[123]\.weight$|"
+                        r"^mtp\.\d+\.(e_proj|h_proj)\.weight$")
+ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
+
+
+def quant_config(quant: str) -> dict:
+    """The config keys of a checkpoint stored as `quant`."""
+    if quant not in QUANTS:
+        raise ValueError(f"unknown quant {quant!r}; choose from {QUANTS}")
+    if quant == "bf16":
+        return {"expert_dtype": "bf16"}
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
+          "activation_scheme": "dynamic"}
+    if quant == "fp8":
+        del qc["scale_fmt"]  # Base: float32 block scales
+    return {"expert_dtype": "fp4" if quant == "fp8-fp4" else "fp8", "quantization_config": qc}
+
+
+def quantize_tensors(tensors: dict[str, torch.Tensor], quant: str) -> dict[str, torch.Tensor]:
+    """bf16 tensors in official names -> the stored formats of `quant` (`<stem>.scale` beside)."""
+    if quant == "bf16":
+        return tensors
+    out = {}
+    for name, t in tensors.items():
+        stem = name[: -len(".weight")]
+        if quant == "fp8-fp4" and ROUTED_EXPERT.search(name):
+            out[name], out[stem + ".scale"] = quantize_mxfp4(t)
+        elif FP8_LINEAR.search(name) or ROUTED_EXPERT.search(name):
+            out[name], out[stem + ".scale"] = quantize_fp8_block(t, ue8m0=quant == "fp8-fp4")
+        else:
+            out[name] = t
+    return out
+
+
+def build_config(preset: str, override: dict | None = None, quant: str = "bf16") -> dict:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
-    cfg = {**COMMON, **PRESETS[preset], **(override or {})}
+    cfg = {**COMMON, **PRESETS[preset], **quant_config(quant), **(override or {})}
     n = cfg["num_hidden_layers"]
     ratios = cfg["compress_ratios"]
     if len(ratios) == n:  # an override gave one per layer: add the MTP slot the official key carries
@@ -119,13 +165,14 @@ class _Rand:
         return self.normal(name, (dim,), 0.1, mean=1.0)
 
 
-def layer_tensors(cfg: dict, i: int, r: _Rand) -> dict[str, torch.Tensor]:
-    """All tensors of layer i, official names, bf16 except hc_*, attn_sink, ape, gate.bias (fp32)."""
+def layer_tensors(cfg: dict, i: int, r: _Rand, prefix: str | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of layer i (i = num_hidden_layers: the MTP block, under `prefix`), official
+    names, bf16 except hc_*, attn_sink, ape, gate.bias (fp32)."""
     D, H, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
     q_lora, groups, o_lora = cfg["q_lora_rank"], cfg["o_groups"], cfg["o_lora_rank"]
     hc, inter, E = cfg["hc_mult"], cfg["moe_intermediate_size"], cfg["n_routed_experts"]
     ratio = cfg["compress_ratios"][i]
-    p, f32 = f"layers.{i}.", torch.float32
+    p, f32 = prefix or f"layers.{i}.", torch.float32
     mix = (2 + hc) * hc
     t = {
         p + "attn_norm.weight": r.norm(p + "attn_norm", D),
@@ -180,6 +227,24 @@ def layer_tensors(cfg: dict, i: int, r: _Rand) -> dict[str, torch.Tensor]:
     return t
 
 
+def mtp_tensors(cfg: dict, r: _Rand, j: int = 0) -> dict[str, torch.Tensor]:
+    """MTP layer j: a decoder block at index num_hidden_layers + j (its compress_ratios slot,
+    routed gate) plus the projections of the previous hidden state and the next token's embedding."""
+    D, hc, p = cfg["hidden_size"], cfg["hc_mult"], f"mtp.{j}."
+    t = layer_tensors(cfg, cfg["num_hidden_layers"] + j, r, prefix=p)
+    t.update({
+        p + "e_proj.weight": r.linear(p + "e_proj", D, D),
+        p + "h_proj.weight": r.linear(p + "h_proj", D, D),
+        p + "enorm.weight": r.norm(p + "enorm", D),
+        p + "hnorm.weight": r.norm(p + "hnorm", D),
+        p + "norm.weight": r.norm(p + "norm", D),
+        p + "hc_head_fn": r.normal(p + "hc_head_fn", (hc, hc * D), 0.02, dtype=torch.float32),
+        p + "hc_head_base": r.normal(p + "hc_head_base", (hc,), 0.1, dtype=torch.float32),
+        p + "hc_head_scale": r.normal(p + "hc_head_scale", (1,), 0.1, mean=0.5, dtype=torch.float32),
+    })
+    return t
+
+
 def global_tensors(cfg: dict, r: _Rand) -> dict[str, torch.Tensor]:
     D, V, hc = cfg["hidden_size"], cfg["vocab_size"], cfg["hc_mult"]
     return {
@@ -205,20 +270,22 @@ def write_tokenizer(out: Path) -> None:
 
 
 def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, override: dict | None = None,
-                     device: str = "cpu") -> Path:
-    """Write config, tokenizer and weights (one shard per layer when large) to `out`."""
+                     device: str = "cpu", quant: str = "bf16") -> Path:
+    """Write config, tokenizer and weights (one shard per layer when large) to `out`, the weights
+    stored as `quant` (QUANTS); the same seed gives the same values before quantization."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = build_config(preset, override)
+    cfg = build_config(preset, override, quant)
     r = _Rand(seed, device)
-    n = cfg["num_hidden_layers"]
+    n, n_mtp = cfg["num_hidden_layers"], int(cfg.get("num_nextn_predict_layers", 0))
     sharded = cfg["hidden_size"] >= 1024  # stream big models layer by layer; never all in RAM
     weight_map: dict[str, str] = {}
     pending: dict[str, torch.Tensor] = {}
-    for i in range(-1, n):  # -1: the global tensors
-        tensors = global_tensors(cfg, r) if i < 0 else layer_tensors(cfg, i, r)
+    for i in range(-1, n + n_mtp):  # -1: the global tensors; n..: the MTP layers
+        tensors = global_tensors(cfg, r) if i < 0 else layer_tensors(cfg, i, r) if i < n else mtp_tensors(cfg, r, i - n)
+        tensors = quantize_tensors(tensors, quant)
         if sharded:
-            name = f"model-{i + 2:05d}-of-{n + 1:05d}.safetensors"
+            name = f"model-{i + 2:05d}-of-{n + n_mtp + 1:05d}.safetensors"
             save_file(tensors, str(out / name), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, name))
         else:

@@ -16,6 +16,7 @@ import torch
 from kernels import reference
 from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
+from kernels.fused_fp8_linear import fp8_linear_fused
 from kernels.fused_indexer import indexer_topk_fused
 from kernels.fused_moe import moe_experts_fused
 from kernels.fused_norm_mhc import (
@@ -37,7 +38,23 @@ def _on_cuda(fused, ref):
     return op
 
 
+def linear_fused(x, weight, scale=None):
+    return reference.linear(x, weight) if scale is None else fp8_linear_fused(x, weight, scale)
+
+
+def grouped_linear_fused(x, weight, groups, scale=None):
+    """FP8 wo_a as one FP8 linear per group; needs whole 128-row scale blocks per group (V4-Flash: 1024)."""
+    rows = weight.shape[0] // groups
+    if scale is None or rows % 128:
+        return reference.grouped_linear(x, weight, groups, scale)
+    blk = rows // 128
+    return torch.cat([fp8_linear_fused(x[:, g], weight[g * rows:(g + 1) * rows], scale[g * blk:(g + 1) * blk])
+                      for g in range(groups)], dim=-1)
+
+
 FUSED = {
+    "linear": linear_fused,
+    "grouped_linear": grouped_linear_fused,
     "rms_norm": rms_norm_fused,
     "rms_norm_unweighted": rms_norm_unweighted_fused,
     "hc_pre": hc_pre_fused,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.formats import dequantize_fp8_block, dequantize_mxfp4, quantize_act_1x128
+
 # --- norms ------------------------------------------------------------------------------------
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -117,6 +119,29 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return w * routed_scaling, indices
 
 
+# --- quantized weights (kernels/formats.py): dequantize, then the plain op ---------------------
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A stored weight in `dtype`: as is (scale None), FP8 block (e4m3) or MXFP4 (packed int8)."""
+    if scale is None:
+        return weight.to(dtype)
+    if weight.dtype == torch.int8:
+        return dequantize_mxfp4(weight, scale).to(dtype)
+    return dequantize_fp8_block(weight, scale).to(dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A dense linear; with `scale`, weight is FP8 e4m3 with 128x128 block scales."""
+    return F.linear(x, dequantize(weight, scale, x.dtype))
+
+
+def linear_act_quant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The FP8 tensor-core GEMM's arithmetic: activations rounded to e4m3 per 1x128 block first."""
+    xq, xs = quantize_act_1x128(x.reshape(-1, x.shape[-1]))
+    xd = xq.float() * xs.repeat_interleave(128, -1)[:, : x.shape[-1]]
+    return F.linear(xd, dequantize_fp8_block(weight, scale)).to(x.dtype).view(*x.shape[:-1], -1)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
@@ -126,8 +151,11 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, l
 
 
 def moe_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                weights: torch.Tensor, indices: torch.Tensor, limit: float) -> torch.Tensor:
-    """Routed experts: w1/w3 [E, I, D], w2 [E, D, I]; tokens grouped per expert."""
+                weights: torch.Tensor, indices: torch.Tensor, limit: float, scales=None) -> torch.Tensor:
+    """Routed experts: w1/w3 [E, I, D], w2 [E, D, I]; tokens grouped per expert. `scales`
+    (w1, w3, w2 scales): the weights are stored FP8 block ([E, I, D] e4m3) or MXFP4 ([E, I, D/2]
+    int8), each expert dequantized to x's dtype when it has tokens."""
+    s1, s3, s2 = scales if scales is not None else (None, None, None)
     out = torch.zeros_like(x)
     flat_idx = indices.reshape(-1)
     order = torch.argsort(flat_idx, stable=True)
@@ -139,7 +167,8 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
         if n == 0:
             continue
         tok = token_of[start:start + n]
-        h = mlp(x[tok], w1[e], w3[e], w2[e], limit) * w_sorted[start:start + n, None]
+        we = [dequantize(w[e], None if sc is None else sc[e], x.dtype) for w, sc in ((w1, s1), (w3, s3), (w2, s2))]
+        h = mlp(x[tok], *we, limit) * w_sorted[start:start + n, None]
         out.index_add_(0, tok, h.to(out.dtype))
         start += n
     return out
@@ -160,9 +189,11 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sin
     return torch.einsum("nhk,kd->nhd", probs.to(kv.dtype), kv)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
-    """Grouped low-rank output projection wo_a: x [T, G, in/G], weight [G*r, in/G] -> [T, G*r]."""
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped low-rank output projection wo_a: x [T, G, in/G], weight [G*r, in/G] -> [T, G*r]
+    (FP8 block-scaled with `scale`)."""
     T = x.shape[0]
+    weight = dequantize(weight, scale, x.dtype)
     w = weight.view(groups, -1, x.shape[-1]).transpose(1, 2)  # [G, in/G, r]
     return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).reshape(T, -1)
 

@@ -1,6 +1,7 @@
 """Write a seeded random DeepSeek-V4 checkpoint in the official layout (engine/random_checkpoint.py).
 
     python -m tools.make_tiny_checkpoint OUT [--preset tiny|flash-shaped] [--seed N] [--override JSON]
+        [--quant bf16|fp8|fp8-fp4]   (fp8: FP8 linears + FP8 experts, as Base; fp8-fp4: MXFP4 experts, as V4-Flash)
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from engine.random_checkpoint import PRESETS, write_checkpoint
+from engine.random_checkpoint import PRESETS, QUANTS, write_checkpoint
 
 
 def main() -> None:
@@ -18,10 +19,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--override", default=None, help="JSON merged into config.json (e.g. '{\"sliding_window\": 8}')")
     ap.add_argument("--device", default="cpu", help="where to draw the random numbers (cuda: fast, other values)")
+    ap.add_argument("--quant", default="bf16", choices=QUANTS,
+                    help="stored format: bf16, fp8 (FP8 linears and experts, as V4-Flash-Base), "
+                         "fp8-fp4 (FP8 linears, MXFP4 experts, as V4-Flash)")
     args = ap.parse_args()
     out = write_checkpoint(args.out, args.preset, args.seed, json.loads(args.override) if args.override else None,
-                           args.device)
-    print(f"wrote {args.preset} checkpoint to {out}")
+                           args.device, args.quant)
+    print(f"wrote {args.preset} {args.quant} checkpoint to {out}")
 
 
 if __name__ == "__main__":

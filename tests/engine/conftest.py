@@ -36,11 +36,15 @@ def tiny_dir(checkpoints):
     return checkpoints["tiny"]
 
 
-def reference_model(path, dtype):
-    from transformers import DeepseekV4ForCausalLM
+def reference_model(path, dtype, dequantize: bool = False):
+    """transformers' model on `path`; dequantize=True for FP8 / MXFP4 checkpoints (needs accelerate)."""
+    from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
 
+    # float32 target: transformers then dequantizes in float32 as the engine does (its bf16 default
+    # would round float32-scaled Base weights)
+    kw = {"quantization_config": FineGrainedFP8Config(dequantize=True), "dtype": torch.float32} if dequantize else {}
     # eager experts: transformers' grouped_mm path has no float64
-    return DeepseekV4ForCausalLM.from_pretrained(str(path), experts_implementation="eager").to(dtype).eval()
+    return DeepseekV4ForCausalLM.from_pretrained(str(path), experts_implementation="eager", **kw).to(dtype).eval()
 
 
 def incremental_logits(model, ids: list[int], chunks: list[int], block_size: int | None = None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Checkpoint loading: official names, shards, FP8 block scales, MTP skipped, clear errors."""
+"""Checkpoint loading: official names, shards, FP8 block scales, MTP kept, clear errors."""
 
 import json
 import shutil
@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 
 from engine.config import ConfigError, load_config, parse_config
 from engine.loader import load_model
-from engine.weights import WeightsError, dequantize_fp8, iter_checkpoint
+from engine.weights import WeightsError, iter_checkpoint
+from kernels.formats import dequantize_fp8_block as dequantize_fp8
 
 
 def _quantize(w: torch.Tensor, block: int = 128):
@@ -64,6 +65,7 @@ def test_sharded_fp8_and_mtp_checkpoint_loads_like_bf16(tiny_dir, tmp_path):
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny_dir / f, tmp_path / f)
     a, b = load_model(tiny_dir, torch.float32), load_model(tmp_path, torch.float32)
+    assert torch.equal(b.mtp_weights["mtp.0.emb.weight"], torch.zeros(4, 4))  # kept for speculative decoding
     wa = a.layers[0].attn.wq_b.weight
     wb = b.layers[0].attn.wq_b.weight
     assert not torch.equal(wa, wb) and (wa - wb).abs().max() <= 0.07 * wa.abs().max()

@@ -35,3 +35,42 @@ def test_alignment_pads_each_expert_to_whole_blocks():
             seen.setdefault(e, []).extend(pairs)
     assert sorted(p for ps in seen.values() for p in ps) == list(range(6))
     assert set(seen) == {0, 1, 3}
+
+
+def _stored_experts(w, fmt):
+    """[E, N, K] weights in a stored format -> (weights, scales as the loader hands them)."""
+    from kernels.formats import quantize_fp8_block, quantize_mxfp4, scale_to_float
+
+    if fmt == "fp8":
+        q, s = quantize_fp8_block(w, ue8m0=False)  # Base: float32 block scales
+        return q, scale_to_float(s)
+    q, s = quantize_mxfp4(w)
+    return q, s.view(torch.uint8)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+@pytest.mark.parametrize("T, D, I, E, k", [
+    (1, 64, 32, 8, 2),      # one token: most experts have zero rows
+    (9, 128, 160, 4, 4),    # every expert hit; D at the 128 block, I off it
+    (5, 96, 256, 16, 3),    # D off the block, I two blocks; most experts empty
+    (70, 256, 64, 6, 6),    # all experts hit by every token
+])
+def test_moe_experts_quantized(fmt, T, D, I, E, k):
+    """Stored FP8 (128x128 float32 scales) and MXFP4 (1x32 ue8m0) experts, dequantized in registers,
+    vs the reference that dequantizes then multiplies. bf16: both sides multiply the same bf16
+    values (dequantized e4m3 / e2m1 times a power of two is exact in bf16), so the bound is the
+    bf16 rounding of h between the two GEMMs and accumulation order."""
+    g = torch.Generator().manual_seed(T * E + D)
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    w1, s1 = _stored_experts(torch.randn(E, I, D, generator=g) / D**0.5, fmt)
+    w3, s3 = _stored_experts(torch.randn(E, I, D, generator=g) / D**0.5, fmt)
+    w2, s2 = _stored_experts(torch.randn(E, D, I, generator=g) / I**0.5, fmt)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g).to(torch.bfloat16)
+    scales = (s1, s3, s2)
+    want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, scales)
+    got = moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales)
+    assert (got.float() - want.float()).abs().max() <= 3e-2 * max(want.abs().max().item(), 1.0)
+    hit = torch.zeros(E, dtype=torch.bool)
+    hit[idx.reshape(-1)] = True
+    assert hit.all() == (k == E or T >= 9), "the shapes cover both some empty experts and all experts hit"

@@ -1,0 +1,97 @@
+"""The stored weight formats of DeepSeek-V4 checkpoints, in torch: quantize and dequantize.
+
+- FP8 block: e4m3 weight [N, K], one scale per 128x128 block, scale [ceil(N/128), ceil(K/128)];
+  value = weight * scale. V4-Flash stores the scales as ue8m0 (`float8_e8m0fnu`), Flash-Base
+  as float32 (vLLM's DeepseekV4FP8Config says so).
+- MXFP4: e2m1 values two per byte in an int8 tensor [N, K/2] (low nibble = even k, as
+  transformers' Fp8Dequantize unpacks), one ue8m0 scale per 32 values along K, scale [N, K/32].
+
+ue8m0 is a bare biased exponent: 2 ** (byte - 127); byte 255 is NaN. The kernels read ue8m0
+as its uint8 bytes (`.view(torch.uint8)`), so FP8 scales are held as float32 on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_BLOCK = 128
+MX_BLOCK = 32
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+# e2m1 code -> value; codes 8..15 are the negatives (sign bit 3)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+SCALE_DTYPES = (torch.float32, torch.float8_e8m0fnu, torch.uint8)  # uint8: raw ue8m0 bytes
+
+
+def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """Any stored scale (float32, ue8m0, ue8m0 bytes) -> float32 values."""
+    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        return torch.exp2(scale.view(torch.uint8).float() - 127.0)
+    return scale.float()
+
+
+def ue8m0_ceil(x: torch.Tensor) -> torch.Tensor:
+    """The power of two >= x (x > 0) as ue8m0: scales rounded up never overflow the element type."""
+    e = torch.ceil(torch.log2(x.float().clamp(min=2.0**-126))).clamp(-127, 127)
+    return (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def fp8_block_scale_shape(n: int, k: int) -> tuple[int, int]:
+    return -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+
+
+def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 [..., N, K] times its block scales [..., ceil(N/128), ceil(K/128)] -> float32."""
+    n, k = weight.shape[-2:]
+    s = scale_to_float(scale).repeat_interleave(FP8_BLOCK, -2)[..., :n, :]
+    return weight.float() * s.repeat_interleave(FP8_BLOCK, -1)[..., :k]
+
+
+def quantize_fp8_block(w: torch.Tensor, ue8m0: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] -> (e4m3 weight, block scales: ue8m0, or float32 absmax/448 when ue8m0=False)."""
+    n, k = w.shape[-2:]
+    rows, cols = fp8_block_scale_shape(n, k)
+    pad = torch.nn.functional.pad(w.float(), (0, cols * FP8_BLOCK - k, 0, rows * FP8_BLOCK - n))
+    blocks = pad.unflatten(-1, (cols, FP8_BLOCK)).unflatten(-3, (rows, FP8_BLOCK))  # [..., r, 128, c, 128]
+    amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12)
+    scale = ue8m0_ceil(amax / E4M3_MAX) if ue8m0 else amax / E4M3_MAX
+    s = scale_to_float(scale)[..., :, None, :, None]
+    q = (blocks / s).clamp(-E4M3_MAX, E4M3_MAX).flatten(-4, -3).flatten(-2)[..., :n, :k]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """int8 [..., K/2] -> float32 [..., K]: low nibble first."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    u8 = packed.view(torch.uint8)
+    return torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1).flatten(-2)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 [..., N, K/2] with ue8m0 scales [..., N, K/32] -> float32 [..., N, K]."""
+    return unpack_e2m1(packed) * scale_to_float(scale).repeat_interleave(MX_BLOCK, -1)
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] (K a multiple of 32) -> (int8 [..., N, K/2], ue8m0 [..., N, K/32]), round to nearest."""
+    k = w.shape[-1]
+    if k % MX_BLOCK:
+        raise ValueError(f"MXFP4 needs K % {MX_BLOCK} == 0, got K={k}")
+    groups = w.float().unflatten(-1, (k // MX_BLOCK, MX_BLOCK))
+    scale = ue8m0_ceil(groups.abs().amax(-1).clamp(min=1e-12) / E2M1_MAX)
+    x = (groups / scale_to_float(scale)[..., None]).flatten(-2)
+    mags = torch.tensor(E2M1_VALUES[:8], device=w.device)
+    code = (x.abs()[..., None] - mags).abs().argmin(-1).to(torch.uint8) | ((x < 0).to(torch.uint8) << 3)
+    packed = code[..., 0::2] | (code[..., 1::2] << 4)
+    return packed.view(torch.int8), scale
+
+
+def quantize_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K/128)]): absmax/448 per row and
+    128 columns, the on-the-fly quantization of the FP8 tensor-core GEMM."""
+    m, k = x.shape
+    cols = -(-k // FP8_BLOCK)
+    pad = torch.nn.functional.pad(x.float(), (0, cols * FP8_BLOCK - k)).view(m, cols, FP8_BLOCK)
+    scale = pad.abs().amax(-1).clamp(min=1e-12) / E4M3_MAX
+    q = (pad / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).view(m, -1)[:, :k]
+    return q.to(torch.float8_e4m3fn), scale

@@ -1,0 +1,133 @@
+"""Quantized checkpoints as shipped: the writer's formats and names, loading that keeps them (or
+dequantizes once on the CPU), MTP tensors kept, malformed scales refused naming the tensor."""
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from engine.config import ConfigError, parse_config
+from engine.loader import load_model
+from engine.random_checkpoint import PRESETS, QUANTS, build_config, write_checkpoint
+from engine.weights import WeightsError, iter_checkpoint
+from tests.engine.conftest import incremental_logits
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quant")
+    return {q: write_checkpoint(root / q, "tiny", seed=7, quant=q, override={"sliding_window": 8})
+            for q in ("fp8", "fp8-fp4")}
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("quant", QUANTS)
+def test_every_preset_gets_the_official_config_keys(preset, quant):
+    cfg = parse_config(build_config(preset, quant=quant))
+    assert cfg.expert_dtype == {"bf16": "bf16", "fp8": "fp8", "fp8-fp4": "fp4"}[quant]
+    assert cfg.fp8_linears == (quant != "bf16")
+    raw = build_config(preset, quant=quant)
+    if quant == "fp8-fp4":
+        assert raw["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                              "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+
+
+def test_writer_stores_the_shipped_formats_under_official_names(quantized):
+    with safe_open(str(quantized["fp8-fp4"] / "model.safetensors"), "pt") as f:
+        dt = {n: f.get_slice(n).get_dtype() for n in f.keys()}
+        shape = {n: f.get_slice(n).get_shape() for n in f.keys()}
+    assert dt["layers.1.attn.wq_b.weight"] == "F8_E4M3" and dt["layers.1.attn.wq_b.scale"] == "F8_E8M0"
+    assert dt["layers.1.ffn.shared_experts.w2.weight"] == "F8_E4M3"
+    assert dt["layers.1.ffn.experts.5.w1.weight"] == "I8" and shape["layers.1.ffn.experts.5.w1.weight"] == [32, 32]
+    assert shape["layers.1.ffn.experts.5.w1.scale"] == [32, 2]  # one ue8m0 per 32 values along K = 64
+    for bf16 in ("layers.1.attn.indexer.wq_b.weight", "layers.1.attn.compressor.wkv.weight", "layers.1.ffn.gate.weight",
+                 "embed.weight", "head.weight"):
+        assert dt[bf16] == "BF16", bf16
+    mtp = {n for n in dt if n.startswith("mtp.0.")}
+    for name in ("mtp.0.e_proj.weight", "mtp.0.e_proj.scale", "mtp.0.h_proj.weight", "mtp.0.enorm.weight",
+                 "mtp.0.hnorm.weight", "mtp.0.norm.weight", "mtp.0.hc_head_fn", "mtp.0.attn.wq_a.scale",
+                 "mtp.0.ffn.gate.bias", "mtp.0.ffn.experts.0.w2.scale", "mtp.0.ffn.shared_experts.w3.weight"):
+        assert name in mtp, name
+    assert not any("compressor" in n for n in mtp)  # the MTP slot of compress_ratios is 0: sliding only
+    with safe_open(str(quantized["fp8"] / "model.safetensors"), "pt") as f:
+        assert f.get_slice("layers.1.ffn.experts.5.w1.weight").get_dtype() == "F8_E4M3"
+        assert f.get_slice("layers.1.attn.wq_b.scale").get_dtype() == "F32"  # Base: float32 block scales
+
+
+@pytest.mark.parametrize("quant", ["fp8", "fp8-fp4"])
+def test_cpu_dequantizes_at_load_and_equals_the_stored_model_on_the_references(quantized, quant):
+    """dequantize-at-load (CPU default) vs weights kept as stored and dequantized inside each op by
+    the torch references: the same values, so the same logits bit for bit."""
+    path = quantized[quant]
+    deq, stored = load_model(path, torch.float32), load_model(path, torch.float32, quantized=True)
+    assert deq.layers[1].attn.wq_a.weight.dtype == torch.float32 and deq.layers[1].attn.wq_a.scale is None
+    assert stored.layers[1].attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    assert stored.layers[1].ffn.experts_w1.dtype == (torch.int8 if quant == "fp8-fp4" else torch.float8_e4m3fn)
+    assert stored.layers[1].ffn.experts_w1_scale.dtype == (torch.uint8 if quant == "fp8-fp4" else torch.float32)
+    assert stored.embed.weight.dtype == torch.float32 and stored.head.weight.dtype == torch.float32
+    assert len(deq.mtp_weights) > 40 and {n for n in stored.mtp_weights if not n.endswith(".scale")} == set(deq.mtp_weights)
+    assert stored.mtp_weights["mtp.0.e_proj.weight"].dtype == torch.float8_e4m3fn
+    ids = list(range(7, 47))
+    assert torch.equal(incremental_logits(deq, ids, chunks=[30]), incremental_logits(stored, ids, chunks=[30]))
+
+
+def _rewrite(src, dst, change):
+    tensors = load_file(str(src / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, dst / f)
+
+
+W, S = "layers.2.attn.wo_b.weight", "layers.2.attn.wo_b.scale"
+E, ES = "layers.1.ffn.experts.3.w2.weight", "layers.1.ffn.experts.3.w2.scale"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.pop(S), f"FP8 tensor {W} has no .scale"),
+    (lambda t: t.pop(ES), f"packed FP4 \\(int8\\) tensor {E} has no .scale"),
+    (lambda t: t.__setitem__(S, t[S].view(torch.uint8).repeat(2, 1).view(torch.float8_e8m0fnu)),
+     f"{S}: scale shape \\(2, 1\\)"),
+    (lambda t: t.__setitem__(ES, t[ES][:, :0]), f"{ES}: scale shape"),
+    (lambda t: t.__setitem__(S, torch.full((1, 1), 255, dtype=torch.uint8).view(torch.float8_e8m0fnu)),
+     f"{S}: scale has NaN"),
+    (lambda t: t.__setitem__(S, torch.full((1, 1), float("inf"))), f"{S}: scale has NaN, inf"),
+    (lambda t: t.__setitem__(S, torch.ones(1, 1, dtype=torch.bfloat16)), f"{S}: scale dtype torch.bfloat16"),
+    (lambda t: t.__setitem__("layers.0.attn.wq_a.scale_extra.scale", torch.ones(1, 1)), "without a weight"),
+])
+def test_malformed_scales_are_refused_naming_the_tensor(quantized, tmp_path, change, message):
+    _rewrite(quantized["fp8-fp4"], tmp_path, change)
+    for quantize in (False, True):
+        with pytest.raises(WeightsError, match=message):
+            load_model(tmp_path, torch.float32, quantized=quantize)
+
+
+def test_sharded_load_streams_shard_by_shard_with_progress(quantized, tmp_path, caplog):
+    tensors = load_file(str(quantized["fp8-fp4"] / "model.safetensors"))
+    names = sorted(tensors)
+    shards = {f"model-0000{i}-of-00003.safetensors": {n: tensors[n] for n in names[i::3]} for i in range(3)}
+    for fname, part in shards.items():  # weights and their scales land in different shards
+        save_file(part, str(tmp_path / fname))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: f for f, part in shards.items() for n in part}}))
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(quantized["fp8-fp4"] / f, tmp_path / f)
+    with caplog.at_level(logging.INFO, logger="engine.weights"):
+        got = dict(iter_checkpoint(tmp_path, dequantize=False))
+    lines = [r.getMessage() for r in caplog.records if "shard" in r.getMessage()]
+    assert len(lines) == 3 and lines[-1].startswith("weights: shard 3/3")
+    assert all(k in lines[-1] for k in ("tensors", "GB", "GB/s", "ETA"))
+    assert got[ES].dtype == torch.uint8 and got[S].dtype == torch.float32  # the forms the kernels read
+    assert set(got) == set(tensors)
+
+
+def test_quantization_config_is_checked():
+    raw = build_config("tiny", quant="fp8-fp4")
+    with pytest.raises(ConfigError, match="weight_block_size"):
+        parse_config({**raw, "quantization_config": {**raw["quantization_config"], "weight_block_size": [64, 64]}})
+    with pytest.raises(ConfigError, match="expert_dtype 'fp4' needs a quantization_config"):
+        parse_config({k: v for k, v in raw.items() if k != "quantization_config"})

@@ -1,0 +1,79 @@
+"""Block-scaled FP8 linear (both variants) and the stored formats vs their torch references, under
+the Triton interpreter: one row, K and N at and off the 128 block, float32 (Base) and ue8m0 scales.
+The interpreter runs the FP8 variant's quantize / rescale arithmetic with its dot done in float32
+on the e4m3 values (the same products); the tensor-core instruction itself runs in tools/bench_quant.py."""
+
+import pytest
+import torch
+
+from kernels import reference as ref
+from kernels.formats import (
+    dequantize_fp8_block,
+    dequantize_mxfp4,
+    quantize_act_1x128,
+    quantize_fp8_block,
+    quantize_mxfp4,
+    scale_to_float,
+    unpack_e2m1,
+)
+from kernels.fused_fp8_linear import fp8_linear_fused, variant_for
+
+SHAPES = [(1, 128, 128), (1, 200, 72), (7, 256, 384), (19, 130, 257), (64, 64, 128)]  # (M, N, K)
+
+
+def _case(m, n, k, ue8m0, seed=0):
+    g = torch.Generator().manual_seed(seed + m * 7 + n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    q, s = quantize_fp8_block(w, ue8m0=ue8m0)
+    return x, q, scale_to_float(s)
+
+
+@pytest.mark.parametrize("m, n, k", SHAPES)
+@pytest.mark.parametrize("ue8m0", [True, False])
+def test_dequant_variant_matches_reference(m, n, k, ue8m0):
+    x, q, s = _case(m, n, k, ue8m0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        want = ref.linear(x.to(dtype), q, s).float()
+        got = fp8_linear_fused(x.to(dtype), q, s, variant="dequant").float()
+        assert (got - want).abs().max() <= tol * want.abs().max(), (dtype, (got - want).abs().max())
+
+
+@pytest.mark.parametrize("m, n, k", SHAPES)
+def test_fp8_mma_variant_matches_its_reference(m, n, k):
+    """Against the act-quant reference: equal up to float32 accumulation order (and a rare e4m3
+    tie in the activation rounding); against the plain reference: within e4m3's activation error."""
+    x, q, s = _case(m, n, k, ue8m0=True)
+    got = fp8_linear_fused(x, q, s, variant="mma")
+    exact = ref.linear_act_quant(x, q, s)
+    plain = ref.linear(x, q, s)
+    scale = plain.abs().max()
+    assert (got - exact).abs().max() <= 1e-4 * scale
+    assert (got - plain).abs().max() <= 0.1 * scale  # e4m3 keeps 3 mantissa bits of each activation
+
+
+def test_leading_dims_and_empty_rows():
+    x, q, s = _case(6, 130, 128, ue8m0=True)
+    got = fp8_linear_fused(x.view(2, 3, 128), q, s, variant="dequant")
+    assert got.shape == (2, 3, 130) and torch.allclose(got.view(6, 130), ref.linear(x, q, s), atol=1e-5)
+    assert fp8_linear_fused(x[:0], q, s).shape == (0, 130)
+
+
+def test_variant_table_picks_dequant_for_decode_and_mma_for_prefill():
+    assert variant_for(1, 4096, 4096) == "dequant" and variant_for(8192, 4096, 4096) == "mma"
+
+
+def test_formats_round_trip_and_layout():
+    w = torch.randn(3, 40, 96)
+    p, s = quantize_mxfp4(w)
+    assert p.dtype == torch.int8 and p.shape == (3, 40, 48) and s.shape == (3, 40, 3)
+    d = dequantize_mxfp4(p, s)
+    # each value within half a step of e2m1 at its group's scale (steps <= 2 x scale)
+    assert ((d - w).abs() <= scale_to_float(s).repeat_interleave(32, -1) + 1e-6).all()
+    # low nibble first: byte 0x21 holds 0.5 (code 1) then 1.0 (code 2)
+    assert unpack_e2m1(torch.tensor([[0x21, -0x78]], dtype=torch.int8)).tolist() == [[0.5, 1.0, -0.0, 0.0]]
+    q, sf = quantize_fp8_block(w[0].T.contiguous(), ue8m0=True)
+    assert sf.dtype == torch.float8_e8m0fnu and sf.shape == (1, 1)
+    assert (dequantize_fp8_block(q, sf) - w[0].T).abs().max() <= 0.07 * w[0].abs().max()
+    xq, xs = quantize_act_1x128(torch.randn(3, 200))
+    assert xq.shape == (3, 200) and xs.shape == (3, 2)
