@@ -19,6 +19,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.setup-stamp
 PYTRITON := nvidia-pytriton==0.7.0
+OPENAI_PORT ?= 9000
 
 .DEFAULT_GOAL := help
 .PHONY: help setup setup-vllm serve test test-fast lint doctor tiny bench clean
@@ -40,8 +41,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q --no-deps $(PYTRITON)
 	touch $(STAMP)
 
-serve: setup ## serve the tiny default model on a real Triton server (127.0.0.1:8000/8001/8002)
-	$(PY) -m backend.serve $(VLLM_SERVE_ARGS) $(ARGS)
+serve: setup ## serve the tiny default model on a real Triton server (127.0.0.1:8000/8001/8002, OpenAI API on :9000)
+	$(PY) -m backend.serve $(VLLM_SERVE_ARGS) --openai-port $(OPENAI_PORT) $(ARGS)
 
 test: setup ## run the whole test suite
 	$(PY) -m pytest -q $(VLLM_TESTS) $(ARGS)

@@ -13,6 +13,12 @@ from pathlib import Path
 from engine.interface import AsyncEngine
 
 ENGINES = ("native", "vllm")
+# model.json keys for the Triton side (backend/model.py), not for the engine
+BACKEND_OPTIONS = {
+    "enable_log_requests": False,  # log each request's prompt and sampling parameters
+    "max_prompt_bytes": None,  # text_input size limit; default 128 bytes per token of max_model_len
+    "shutdown_file": None,  # backend.serve writes the drain deadline here before it sends SIGTERM
+}
 TINY_MODEL_NAMES = ("", "tiny")
 
 
@@ -30,6 +36,11 @@ def build_engine(engine_args: dict) -> AsyncEngine:
 
         return VllmEngine(args)
     raise ValueError(f"unknown engine {name!r} in model.json: expected one of {', '.join(ENGINES)}")
+
+
+def pop_backend_options(args: dict) -> dict:
+    """Take the Triton side's keys out of model.json's arguments (what is left is the engine's)."""
+    return {key: args.pop(key, default) for key, default in BACKEND_OPTIONS.items()}
 
 
 def load_engine_args(model_json: str | os.PathLike) -> dict:

@@ -22,6 +22,7 @@ import json
 import locale
 import os
 import queue
+import signal
 import struct
 import threading
 import time
@@ -33,7 +34,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import protocol
-from backend.engine_setup import build_engine, load_engine_args
+from backend.engine_setup import build_engine, load_engine_args, pop_backend_options
 from backend.metrics import Metrics, RequestRecord
 from engine.request import EngineDead, EngineOverloaded, InvalidRequest, RequestFailed, merge_outputs
 
@@ -62,11 +63,7 @@ def _serialize_byte_tensor(tensor, _general=pb_utils.serialize_byte_tensor):
 pb_utils.serialize_byte_tensor = _serialize_byte_tensor
 CANCEL_POLL_S = 0.1  # how often in-flight requests are checked for client cancellation
 DRAIN_TIMEOUT_S = 30.0  # finalize: how long in-flight requests may run on
-# model.json keys for this file, not for the engine (taken out before the engine is built)
-BACKEND_OPTIONS = {
-    "enable_log_requests": False,  # log each request's prompt and sampling parameters
-    "max_prompt_bytes": None,  # text_input size limit; default 128 bytes per token of max_model_len
-}
+PARENT_POLL_S = 1.0
 PROMPT_BYTES_PER_TOKEN = 128  # far above any tokenizer's average: a bound, not an estimate
 
 
@@ -82,6 +79,8 @@ class _ResponseStream:
     state: protocol.OutputState | None = None  # streaming: rendering state (the response thread's)
     deltas: list = field(default_factory=list)  # streaming: engine deltas not yet sent
     queued: bool = False  # streaming: the stream waits in the response queue for its deltas
+    started: bool = False  # the engine sent its first delta (prefill done)
+    cut_off: bool = False  # the shutdown drain ended it: UNAVAILABLE
 
 
 class TritonPythonModel:
@@ -93,11 +92,15 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 "the deepseek backend needs model_transaction_policy { decoupled: true } in config.pbtxt")
 
+        check_bytes_round_trip()
+        _exit_with_parent()
+
         model_json = os.path.join(args["model_repository"], args["model_version"], "model.json")
         engine_args = load_engine_args(model_json)
         self.logger.log_info(f"[deepseek] engine arguments: {json.dumps(engine_args)}")
-        options = {key: engine_args.pop(key, default) for key, default in BACKEND_OPTIONS.items()}
+        options = pop_backend_options(engine_args)
         self.log_requests = bool(options["enable_log_requests"])
+        self.shutdown_file = options["shutdown_file"]
         self.max_model_len = engine_args.get("max_model_len")
         self.max_prompt_bytes = int(options["max_prompt_bytes"] or
                                     PROMPT_BYTES_PER_TOKEN * (self.max_model_len or 1 << 17))
@@ -147,7 +150,11 @@ class TritonPythonModel:
                 self._send_now(sender, "the model is unavailable: the engine is not healthy or shutting down",
                                "UNAVAILABLE")
                 continue
-            request_id = f"{request.request_id() or 'req'}-{uuid.uuid4().hex[:12]}"
+            try:
+                request_id = protocol.engine_request_id(request.request_id(), uuid.uuid4().hex[:12])
+            except InvalidRequest as e:
+                self._send_now(sender, str(e), "INVALID_ARG")
+                continue
             inputs = {}
             for name in protocol.INPUTS:
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -186,6 +193,7 @@ class TritonPythonModel:
         try:
             async for delta in self.engine.add(request):
                 last = delta
+                stream.started = True
                 if first_token_at is None and delta.token_ids:
                     first_token_at = time.monotonic()
                 if stream.cancelled:
@@ -197,7 +205,10 @@ class TritonPythonModel:
                     self._queue_delta(stream, delta)
                 else:
                     state.accumulate(delta)
-            if stream.cancelled:
+            if stream.cut_off:
+                self._queue_error(stream, "the server is shutting down and the drain timeout cut this request off",
+                                  "UNAVAILABLE")
+            elif stream.cancelled:
                 self._queue_error(stream, "request cancelled", "CANCELLED")
             elif last is None or not last.finished:
                 self._queue_error(stream, "the engine ended the request without a final output", "INTERNAL")
@@ -279,6 +290,7 @@ class TritonPythonModel:
                 self._send(*item)
             if time.monotonic() >= next_poll:
                 self._poll_cancelled()
+                self._poll_shutdown()
                 next_poll = time.monotonic() + CANCEL_POLL_S
             self.response_stats["response_thread_cpu_s"] += time.thread_time() - cpu
 
@@ -326,6 +338,39 @@ class TritonPythonModel:
                 stream.cancelled = True
                 asyncio.run_coroutine_threadsafe(self.engine.abort(stream.request_id), self.loop)
 
+    def _poll_shutdown(self) -> None:
+        """Triton counts a decoupled model's open streams as neither in-flight inferences nor
+        anything it could cut off: on SIGTERM it just waits, up to its exit timeout, for the model
+        to go idle, and calls finalize only after. So backend.serve first writes the drain deadline
+        (wall-clock seconds) into `shutdown_file`; seen here, admission stops, the requests in flight
+        run on until the deadline, and those still running then end with UNAVAILABLE. Requests
+        still waiting for their prefill end with UNAVAILABLE at once: a client can retry them on
+        another server, and they could not finish in a drain anyway."""
+        if self.stopping or not self.shutdown_file:
+            return
+        try:
+            with open(self.shutdown_file) as f:
+                deadline = float(f.read().strip() or 0)
+        except (OSError, ValueError):
+            return
+        self.stopping = True
+        remaining = max(0.0, deadline - time.time())
+        self.logger.log_info(f"[deepseek] shutting down: {self.num_active} requests in flight get {remaining:.1f} s")
+        asyncio.run_coroutine_threadsafe(self._drain(time.monotonic() + remaining), self.loop)
+
+    async def _drain(self, deadline: float) -> None:
+        await self._cut_off(lambda stream: not stream.started)
+        while self.num_active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self._cut_off(lambda stream: True)
+
+    async def _cut_off(self, which) -> None:
+        with self.streams_lock:
+            streams = [s for s in self.streams if not s.final_sent and which(s)]
+        for stream in streams:
+            stream.cut_off = stream.cancelled = True
+            await self.engine.abort(stream.request_id)
+
     # ---------------------------------------------------------------- health, stats, shutdown
 
     def _healthy(self) -> bool:
@@ -367,6 +412,35 @@ class TritonPythonModel:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.loop_thread.join(timeout=10)
         self.logger.log_info("[deepseek] finalize: done")
+
+
+def check_bytes_round_trip() -> None:
+    """A BYTES tensor must come back as it went in: Triton <= 2.51's stub corrupts them under numpy 2
+    (the server would say ready, then fail every request "Stub process is not healthy")."""
+    text = "ready \u2713 \U0001f680".encode()
+    try:
+        back = pb_utils.Tensor("check", np.array([text], dtype=np.object_)).as_numpy()
+        ok = back.shape == (1,) and bytes(back[0]) == text
+    except Exception as e:  # the corruption may raise instead
+        ok, back = False, e
+    if not ok:
+        raise pb_utils.TritonModelException(
+            f"the python backend stub corrupts BYTES tensors with numpy {np.__version__} (got {back!r}): this "
+            "Triton's stub needs numpy < 2 (pip install 'numpy<2' into the Python it embeds; backend.serve "
+            "refuses to start this pair, see docs/USAGE.md)")
+
+
+def _exit_with_parent() -> None:
+    """A stub outlives a crashed tritonserver (re-parented, holding its memory and, on a GPU host, GPU
+    memory, deaf to SIGTERM): this thread ends the stub once its parent is gone."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="deepseek-parent-watch", daemon=True).start()
 
 
 def _response(tensors: dict):

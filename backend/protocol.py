@@ -60,6 +60,17 @@ _NEUTRAL_KEYS = {
 MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_JSON_BYTES = 64 << 10  # sampling_parameters / request parameters: far more than any real use
+MAX_REQUEST_ID_CHARS = 1024  # a longer client request id is refused
+LOGGED_REQUEST_ID_CHARS = 64  # what of a client's id goes into the engine's id (and so into every log line)
+
+
+def engine_request_id(client_id: str, unique: str) -> str:
+    """The engine's id for a request: the head of the client's id (to find it in the logs) and a
+    unique suffix (client ids need not be unique). InvalidRequest for an absurd client id."""
+    if len(client_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"the request id has {len(client_id)} characters; at most {MAX_REQUEST_ID_CHARS} "
+                             "are allowed")
+    return f"{client_id[:LOGGED_REQUEST_ID_CHARS] or 'req'}-{unique}"
 
 
 @dataclass

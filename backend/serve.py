@@ -1,15 +1,17 @@
 """Start a real Triton Inference Server serving model_repository/ with the `deepseek` backend.
 
     python -m backend.serve [--model DIR] [--engine-args JSON] [--http-port 8000 --grpc-port 8001
-                            --metrics-port 8002] [--host 127.0.0.1] [--admin-key KEY] [--workdir DIR]
-                            [--drain-timeout-s 30]
+                            --metrics-port 8002] [--host 127.0.0.1] [--admin-key-file F] [--workdir DIR]
+                            [--drain-timeout-s 30] [--no-restart] [--allow-model-control]
 
 Finds `tritonserver` (on PATH in NVIDIA's containers, else inside the nvidia-pytriton wheel), lays
 out a backends directory (the python backend with the stub for this Python, and ours as
 `deepseek`), copies the model repository with the model path and engine-argument overrides applied
-to model.json, binds 127.0.0.1 unless told otherwise, puts the admin APIs (model control, shared
-memory, logging, trace) behind a key, waits until ready, and stops cleanly on Ctrl-C / SIGTERM:
-admission stops at once, in-flight requests run on up to the drain timeout, then it exits.
+to model.json, binds 127.0.0.1 unless told otherwise, puts the admin APIs (shared memory, logging,
+trace; model control only with --allow-model-control) behind a key, waits until ready, restarts a
+server that dies (backend/supervisor.py), and stops cleanly on Ctrl-C / SIGTERM: admission stops at
+once, in-flight requests run on up to the drain timeout, then it exits. Whatever way the server
+ends, none of its processes or shared-memory regions remain (backend/process_tree.py).
 Tests use the same code through the `TritonServer` context manager.
 """
 
@@ -18,13 +20,13 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import importlib.metadata
 import importlib.util
 import json
 import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -36,17 +38,26 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from backend import stub_numpy
+from backend.process_tree import die_with_parent, free_port, kill_server_tree, protect_regions
+from backend.supervisor import RestartPolicy, supervise
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 BACKEND_NAME = "deepseek"
-ADMIN_HEADER = "admin-key"
-# APIs a client never needs: loading/unloading models, shared memory, log and trace settings.
-RESTRICTED_HTTP_APIS = "model-repository,shared-memory,logging,trace"
+ADMIN_HEADER = "admin-key"  # on gRPC the header is "triton-grpc-protocol-admin-key" (Triton adds the prefix)
+# APIs a client never needs: shared memory, log and trace settings behind the admin key; model
+# loading (with override files it writes and runs code in the server) stays shut unless the
+# operator opts in (--allow-model-control), then behind the same key.
+RESTRICTED_HTTP_APIS = "shared-memory,logging,trace"
+MODEL_CONTROL_API = "model-repository"
+ADMIN_KEY_ENV = "DSV4_ADMIN_KEY"
 # Python backend shared memory per model instance: requests and responses travel through it, so
 # it must hold a long prompt (1M tokens is ~4 MB of text) without many growth steps, yet fit in
 # Docker's default 64 MB /dev/shm.
 SHM_DEFAULT_BYTES = 16 << 20
 SHM_GROWTH_BYTES = 16 << 20
+RESTARTS_IN_A_ROW = 10
 EXIT_TIMEOUT_S = 30  # default drain timeout: how long in-flight requests may run on after SIGTERM
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -99,6 +110,21 @@ def find_tritonserver() -> TritonInstall:
                          libs if libs.is_dir() else None)
 
 
+def stub_numpy_problem(install: TritonInstall, numpy_version: str) -> str | None:
+    """Why the stub must not start beside this numpy (it embeds this Python's), or None."""
+    try:
+        pytriton = importlib.metadata.version("nvidia-pytriton")
+    except importlib.metadata.PackageNotFoundError:
+        pytriton = None
+    triton = stub_numpy.triton_version(install.stub, pytriton)
+    if stub_numpy.corrupts_bytes(numpy_version, triton):
+        return (f"numpy {numpy_version} with Triton {'.'.join(map(str, triton))}'s python backend stub "
+                f"({install.stub}): the stub corrupts BYTES tensors under numpy 2 (the server would say ready, then "
+                f"fail every request). Fix: {stub_numpy.NUMPY_FIX}, or use Triton >= "
+                f"{'.'.join(map(str, stub_numpy.NUMPY2_SINCE))}")
+    return None
+
+
 def layout_backends(install: TritonInstall, out: Path) -> Path:
     """backends/python (Triton's python backend + our Python's stub) and backends/deepseek/model.py."""
     # copies, not symlinks: Triton refuses a backend library that resolves outside its folder
@@ -132,20 +158,12 @@ def prepare_repository(src: Path, dst: Path, model: str | None = None, engine_ar
     return dst
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM if the launcher dies, so no server outlives it."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+def _server_child_setup() -> None:
+    """In the child, before exec: private files (umask 077; the shared-memory regions need
+    protect_regions too), and SIGTERM if the launcher dies, so no server outlives it (Triton then
+    drains and stops its stubs)."""
+    os.umask(0o077)
+    die_with_parent()
 
 
 class TritonServer:
@@ -169,6 +187,7 @@ class TritonServer:
         startup_timeout_s: float = 600.0,
         extra_args: list[str] | None = None,
         drain_timeout_s: int = EXIT_TIMEOUT_S,
+        allow_model_control: bool = False,
     ):
         self.model = model
         self.engine_args = engine_args
@@ -178,6 +197,11 @@ class TritonServer:
         self.grpc_port = grpc_port or free_port(local)
         self.metrics_port = metrics_port or free_port(local)
         self.admin_key = admin_key or secrets.token_urlsafe(24)
+        self.allow_model_control = allow_model_control
+        # shut: a key nobody is told; open: the admin key
+        self._model_control_key = self.admin_key if allow_model_control else secrets.token_urlsafe(32)
+        # several servers on one host (tests, a dev server) must not share regions
+        self.shm_prefix = f"dsv4_{os.getpid()}_{self.http_port}_"
         self.keep_workdir = workdir is not None
         self.workdir = Path(workdir) if workdir is not None else None
         self.model_repository = Path(model_repository)
@@ -189,6 +213,7 @@ class TritonServer:
         self._tail: collections.deque[str] = collections.deque(maxlen=200)
         self._log_thread: threading.Thread | None = None
         self._local = local
+        self.leftovers: dict = {}  # what reap() had to kill and remove
 
     # URLs as clients use them (tritonclient takes host:port without a scheme).
     @property
@@ -207,8 +232,16 @@ class TritonServer:
     def log_path(self) -> Path:
         return self.workdir / "tritonserver.log"
 
+    @property
+    def shutdown_file(self) -> Path:
+        """Where stop() writes the drain deadline for the model (backend/model.py `_poll_shutdown`)."""
+        return self.workdir / "shutdown"
+
     def command(self, install: TritonInstall) -> list[str]:
+        # Triton 2.51 takes restricted-API keys only on its command line (world-readable in
+        # /proc/<pid>/cmdline): docs/RELIABILITY.md says what protects them.
         restricted = f"{RESTRICTED_HTTP_APIS}:{ADMIN_HEADER}={self.admin_key}"
+        model_control = f"{MODEL_CONTROL_API}:{ADMIN_HEADER}={self._model_control_key}"
         return [
             str(install.binary),
             f"--model-repository={self.workdir / 'model_repository'}",
@@ -224,10 +257,11 @@ class TritonServer:
             f"--metrics-port={self.metrics_port}",
             f"--http-restricted-api={restricted}",
             f"--grpc-restricted-protocol={restricted}",
+            f"--http-restricted-api={model_control}",
+            f"--grpc-restricted-protocol={model_control}",
             f"--backend-config=python,shm-default-byte-size={SHM_DEFAULT_BYTES}",
             f"--backend-config=python,shm-growth-byte-size={SHM_GROWTH_BYTES}",
-            # several servers on one host (tests, a dev server) must not share regions
-            f"--backend-config=python,shm-region-prefix-name=dsv4_{os.getpid()}_{self.http_port}_",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             f"--exit-timeout-secs={self.drain_timeout_s}",
             *self.extra_args,
         ]
@@ -250,22 +284,29 @@ class TritonServer:
             env["LC_ALL"] = "C.UTF-8"
         return env
 
-    def start(self) -> TritonServer:
+    def start(self, restart: int = 0) -> TritonServer:
+        """Lay out the work dir and start tritonserver; `restart` > 0: the log is appended to."""
         install = find_tritonserver()
+        problem = stub_numpy_problem(install, importlib.metadata.version("numpy"))
+        if problem:
+            raise ServerError(problem)
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix="dsv4-triton-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         for sub in ("backends", "model_repository"):
             shutil.rmtree(self.workdir / sub, ignore_errors=True)
         layout_backends(install, self.workdir / "backends")
+        self.shutdown_file.unlink(missing_ok=True)
         prepare_repository(self.model_repository, self.workdir / "model_repository", self.model,
-                           self.engine_args)
-        log = open(self.log_path, "w")  # noqa: SIM115 (closed by the log thread)
+                           {**(self.engine_args or {}), "shutdown_file": str(self.shutdown_file)})
+        log = open(self.log_path, "a" if restart else "w")  # noqa: SIM115 (closed by the log thread)
+        if restart:
+            log.write(f"---- restart {restart} ----\n")
         self.process = subprocess.Popen(
             self.command(install), env=self.environment(install), cwd=self.workdir,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True,  # Ctrl-C reaches us, and we forward SIGTERM
-            preexec_fn=_die_with_parent)
+            preexec_fn=_server_child_setup)
         self._log_thread = threading.Thread(target=self._pump_log, args=(log,), daemon=True)
         self._log_thread.start()
         try:
@@ -336,6 +377,7 @@ class TritonServer:
                 raise ServerError(f"tritonserver exited with code {self.process.returncode} before it was "
                                   f"ready; log {self.log_path}\n{self.failure_report()}")
             if self.is_ready():
+                protect_regions(self.shm_prefix)
                 return
             time.sleep(0.25)
         raise ServerError(f"tritonserver was not ready after {self.startup_timeout_s:.0f} s; log "
@@ -343,19 +385,31 @@ class TritonServer:
 
     def stop(self, timeout_s: float | None = None) -> int | None:
         """SIGTERM (Triton refuses new requests and drains in-flight ones up to
-        --exit-timeout-secs = drain_timeout_s), wait, then kill."""
-        process, self.process = self.process, None
+        --exit-timeout-secs = drain_timeout_s), wait, kill what is left, remove the work dir."""
+        process = self.process
         if process is not None and process.poll() is None:
+            # the model ends what is still running a little before Triton's own exit timeout would
+            margin = min(3.0, self.drain_timeout_s / 4)
+            self.shutdown_file.write_text(f"{time.time() + self.drain_timeout_s - margin:.3f}\n")
             process.send_signal(signal.SIGTERM)
             try:
                 process.wait(self.drain_timeout_s + 15 if timeout_s is None else timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)  # the server and its python stubs
-                process.wait()
-        if self._log_thread is not None:
-            self._log_thread.join(timeout=5)
+                pass  # reap() kills it
+        code = self.reap()
         if self.workdir is not None and not self.keep_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+        return code
+
+    def reap(self) -> int | None:
+        """After tritonserver exited (or to make it): nothing of it remains, neither its python
+        stubs (they outlive a crashed server) nor their shared-memory regions."""
+        process, self.process = self.process, None
+        self.leftovers = kill_server_tree(process.pid if process is not None else None, self.shm_prefix)
+        if process is not None:
+            process.wait()
+        if self._log_thread is not None:
+            self._log_thread.join(timeout=5)
         return None if process is None else process.returncode
 
     def __enter__(self) -> TritonServer:
@@ -364,14 +418,26 @@ class TritonServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def usage(self) -> str:
+    def write_admin_key(self) -> Path:
+        """The admin key in <workdir>/admin_key, readable by this user only."""
+        path = self.workdir / "admin_key"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.admin_key + "\n")
+        return path
+
+    def usage(self, admin_key_shown_as: str) -> str:
         model = "deepseek_v4"
         generate = json.dumps({"text_input": "Hello", "parameters": {"max_tokens": 32, "temperature": 0}})
         stream = json.dumps({"text_input": "Hello", "stream": True, "parameters": {"max_tokens": 32}})
+        apis = "model control, " if self.allow_model_control else ""
         return "\n".join([
             f"Triton is ready: HTTP {self.http_url}, gRPC {self.grpc_url}, metrics {self.metrics_url}",
-            f"admin key (header '{ADMIN_HEADER}', for model control, shared memory, logging, trace): "
-            f"{self.admin_key}",
+            f"admin key (HTTP header '{ADMIN_HEADER}', gRPC 'triton-grpc-protocol-{ADMIN_HEADER}'; for {apis}"
+            f"shared memory, logging, trace): {admin_key_shown_as}",
+            "model control (load/unload) is " + ("open to the admin key: it equals code execution in the server"
+                                                 if self.allow_model_control else
+                                                 "off (--allow-model-control turns it on)"),
             "",
             f"  curl -s http://{self.http_url}/v2/models/{model}/generate -d '{generate}'",
             f"  curl -sN http://{self.http_url}/v2/models/{model}/generate_stream -d '{stream}'",
@@ -402,11 +468,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--metrics-port", type=int, default=8002)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
-    parser.add_argument("--admin-key", help="value of the admin-key header for admin APIs (default: random)")
+    parser.add_argument("--admin-key", help="admin-key header value for the admin APIs; visible in the process "
+                        f"list: prefer --admin-key-file or ${ADMIN_KEY_ENV} (default: random, in <workdir>/admin_key)")
+    parser.add_argument("--admin-key-file", help="read the admin key from this file (e.g. /run/secrets/admin_key)")
+    parser.add_argument("--print-admin-key", action="store_true", help="print the admin key when ready")
+    parser.add_argument("--allow-model-control", action="store_true",
+                        help="open model load/unload to the admin key (a load with override files runs code in the "
+                        "server: the key then equals code execution)")
+    parser.add_argument("--no-restart", action="store_true",
+                        help="exit 1 when tritonserver dies instead of restarting it (an orchestrator restarts)")
+    parser.add_argument("--max-restarts", type=int, default=RESTARTS_IN_A_ROW,
+                        help=f"restarts in a row that may fail before the launcher gives up (default {RESTARTS_IN_A_ROW})")
     parser.add_argument("--workdir", help="keep the generated backends/, model_repository/ and log here")
     parser.add_argument("--drain-timeout-s", type=int, default=EXIT_TIMEOUT_S,
                         help="on SIGTERM / Ctrl-C: how long in-flight requests may run on (default 30)")
     parser.add_argument("--model-repository", default=str(DEFAULT_MODEL_REPOSITORY))
+    # -- the OpenAI-compatible API (backend/openai), its own process beside tritonserver
+    parser.add_argument("--openai-port", type=int, help="also serve the OpenAI API on this port (make serve: 9000)")
+    parser.add_argument("--openai-host", default="127.0.0.1", help="address the OpenAI API binds (default loopback)")
+    parser.add_argument("--openai-api-key", help="require 'Authorization: Bearer KEY' on the OpenAI API "
+                        "(default: $DSV4_OPENAI_API_KEY, else open)")
     args = parser.parse_args(argv)
     try:
         engine_args = parse_engine_args(args.engine_args)
@@ -416,10 +497,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.host not in LOOPBACK:
         print(f"warning: binding {args.host}: inference is open to every host that reaches it (only the "
               "admin APIs need the key)", file=sys.stderr)
+    try:
+        admin_key = read_admin_key(args.admin_key, args.admin_key_file)
+    except OSError as e:
+        parser.error(f"--admin-key-file: {e}")
     server = TritonServer(model=args.model, engine_args=engine_args, host=args.host, http_port=args.http_port,
-                          grpc_port=args.grpc_port, metrics_port=args.metrics_port, admin_key=args.admin_key,
+                          grpc_port=args.grpc_port, metrics_port=args.metrics_port, admin_key=admin_key,
                           workdir=args.workdir, model_repository=args.model_repository, echo=True,
-                          drain_timeout_s=args.drain_timeout_s)
+                          drain_timeout_s=args.drain_timeout_s, allow_model_control=args.allow_model_control)
     try:
         server.start()
     except ServerError as e:
@@ -430,26 +515,50 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    print("\n" + server.usage() + "\n", flush=True)
-    not_ready = 0
-    while not stop.is_set() and server.process.poll() is None:
-        stop.wait(2.0)
-        # a model that stops being ready (its engine died) takes the server down with exit code 1,
-        # so that a supervisor restarts it: Triton's /v2/health/ready would stay up without it
-        not_ready = 0 if stop.is_set() or server.models_ready() else not_ready + 1
-        if not_ready >= 2:
-            print(f"error: model(s) {', '.join(server.model_names())} no longer ready; stopping. Last log "
-                  f"lines:\n{server.log_tail()}", file=sys.stderr, flush=True)
-            server.stop()
-            return 1
-    if stop.is_set():
-        print("stopping tritonserver ...", flush=True)
+    if args.print_admin_key:
+        shown = server.admin_key
+    elif admin_key is None:
+        shown = f"random, in {server.write_admin_key()} (--print-admin-key prints it)"
+    else:
+        shown = "as given"
+    try:
+        front = start_openai(server, args.openai_port, args.openai_host, args.openai_api_key)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
         server.stop()
-        return 0
-    code = server.process.returncode
-    server.stop()
-    print(f"tritonserver exited with code {code}", file=sys.stderr)
-    return code or 1
+        return 1
+    print("\n" + server.usage(shown) + "\n", flush=True)
+    try:
+        return supervise(server, stop, RestartPolicy(enabled=not args.no_restart, max_restarts=args.max_restarts))
+    finally:
+        if front is not None:
+            front.stop()
+
+
+# -- the OpenAI-compatible API beside tritonserver ------------------------------------------------
+
+def start_openai(server: TritonServer, port: int | None, host: str, api_key: str | None):
+    """Start `python -m backend.openai` once Triton is ready (None without a port); it is ready
+    when its /health says the model is. It talks to Triton's gRPC port, so it rides out a restart."""
+    if port is None:
+        return None
+    from backend.openai.process import API_KEY_ENV, OpenAIProcess, tokenizer_dir
+
+    model_json = server.workdir / "model_repository" / "deepseek_v4" / "1" / "model.json"
+    front = OpenAIProcess(server.grpc_url, port=port, host=host, tokenizer=tokenizer_dir(model_json),
+                          api_key=api_key or os.environ.get(API_KEY_ENV), log_path=server.workdir / "openai.log")
+    front.start()
+    print(f"OpenAI API ready: {front.base_url} (log {front.log_path})", flush=True)
+    return front
+
+
+def read_admin_key(given: str | None, key_file: str | None) -> str | None:
+    """--admin-key, else --admin-key-file, else $DSV4_ADMIN_KEY, else None (a random one)."""
+    if given:
+        return given
+    if key_file:
+        return Path(key_file).read_text().strip() or None
+    return os.environ.get(ADMIN_KEY_ENV) or None
 
 
 if __name__ == "__main__":

@@ -412,7 +412,7 @@ class GrpcCall:
 
     def run(self, tensors: dict, timeout_s: float = 120.0, cancel_after_s: float | None = None,
             cancel_after_responses: int | None = None, barrier: threading.Barrier | None = None,
-            ) -> tuple[str, str | None, list, float]:
+            request_id: str = "") -> tuple[str, str | None, list, float]:
         """-> (outcome, error message, responses, seconds from the send). outcome: completed |
         error | cancelled. `barrier`: wait there with the stream open, then send."""
         import queue
@@ -426,7 +426,7 @@ class GrpcCall:
             if barrier is not None:
                 barrier.wait(timeout=120)
             start = time.monotonic()
-            self.client.async_stream_infer(MODEL, inputs, enable_empty_final_response=True)
+            self.client.async_stream_infer(MODEL, inputs, request_id=request_id, enable_empty_final_response=True)
             deadline = start + timeout_s
             cancel_at = None if cancel_after_s is None else start + cancel_after_s
             while True:

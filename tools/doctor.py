@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from email.parser import HeaderParser
 from pathlib import Path
 
+from backend import stub_numpy
+
 ERROR, WARNING, SKIPPED = "error", "warning", "skipped"
 CHECKS = ("torch-family", "cuda-libs", "numpy-stub", "triton")
 TORCH_INDEX = "https://download.pytorch.org/whl"
@@ -50,10 +52,7 @@ class Problem:
 # --------------------------------------------------------------------------- versions and dists
 
 
-def release(version: str) -> tuple[int, ...]:
-    """(2, 9, 1) from '2.9.1+cu129', '2.13.0rc1', '0.15.0.dev20260101'."""
-    m = re.match(r"\d+(?:\.\d+)*", version)
-    return tuple(int(p) for p in m.group(0).split(".")) if m else ()
+release = stub_numpy.release
 
 
 def local_label(version: str) -> str | None:
@@ -502,22 +501,9 @@ def check_cuda_libs(env: Env) -> list[Problem]:
 
 # --------------------------------------------------------------------------- check 3: numpy vs stub
 
-# Triton's python backend handles numpy 2 from python_backend#384 (pybind11 2.12, merged 2024-10-18),
-# first in Triton 2.52 (24.11). Triton 2.51 (nvidia-pytriton 0.7.0's, seen here) corrupts BYTES tensors.
-NUMPY2_SINCE = (2, 52)
-PYTRITON_TRITON = {"0.7.0": (2, 51)}
-
-
 def triton_version(env: Env, stub: Path) -> tuple[int, ...] | None:
-    """From a TRITON_VERSION file above the stub (NVIDIA's containers), else the pytriton wheel's table."""
-    for parent in list(stub.parents)[:4]:
-        marker = parent / "TRITON_VERSION"
-        if marker.is_file():
-            return release(marker.read_text(errors="replace").strip()) or None
     pytriton = env.dist("nvidia-pytriton")
-    if pytriton and "pytriton" in stub.parts:
-        return PYTRITON_TRITON.get(pytriton.public)
-    return None
+    return stub_numpy.triton_version(stub, pytriton.public if pytriton else None)
 
 
 def check_numpy_stub(env: Env, stub: Path | None = None) -> list[Problem]:
@@ -551,12 +537,12 @@ def check_numpy_stub(env: Env, stub: Path | None = None) -> list[Problem]:
                 Problem(
                     c,
                     f"numpy {numpy.version} with a stub of unknown Triton version ({s}); "
-                    f"stubs before Triton {NUMPY2_SINCE[0]}.{NUMPY2_SINCE[1]} corrupt BYTES tensors under numpy 2",
+                    f"stubs before Triton {stub_numpy.NUMPY2_SINCE[0]}.{stub_numpy.NUMPY2_SINCE[1]} corrupt BYTES tensors under numpy 2",
                     fix,
                     WARNING,
                 )
             )
-        elif tv < NUMPY2_SINCE:
+        elif tv < stub_numpy.NUMPY2_SINCE:
             version = ".".join(map(str, tv))
             problems.append(
                 Problem(

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from backend.process_tree import die_with_parent, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PORT = 9000
@@ -28,7 +29,7 @@ class OpenAIProcess:
                  startup_timeout_s: float = 60.0):
         self.triton_grpc, self.host, self.tokenizer = triton_grpc, host, tokenizer
         local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        self.port = port or _free_port(local)
+        self.port = port or free_port(local)
         self.api_key, self.chat_template, self.model = api_key, chat_template, model
         self.log_path = Path(log_path) if log_path else None
         self.startup_timeout_s = startup_timeout_s
@@ -59,7 +60,7 @@ class OpenAIProcess:
         try:
             self.process = subprocess.Popen(self.command(), env=env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
                                             stdout=log, stderr=subprocess.STDOUT if log else None,
-                                            preexec_fn=_die_with_parent)
+                                            preexec_fn=die_with_parent)
         finally:
             if log:
                 log.close()
@@ -115,19 +116,3 @@ def tokenizer_dir(model_json: str | os.PathLike) -> str | None:
 
     tokenizer = load_engine_args(model_json).get("tokenizer")
     return tokenizer if tokenizer and Path(tokenizer).is_dir() else None
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the launcher dies, so the service never outlives it."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass

@@ -50,9 +50,16 @@ def test_command_binds_loopback_and_restricts_admin_apis(tmp_path):
     command = server.command(find_tritonserver())
     assert "--http-address=127.0.0.1" in command and "--grpc-address=127.0.0.1" in command
     assert "--metrics-address=127.0.0.1" in command
-    restricted = "model-repository,shared-memory,logging,trace:admin-key=k3y"
+    restricted = "shared-memory,logging,trace:admin-key=k3y"
     assert f"--http-restricted-api={restricted}" in command
     assert f"--grpc-restricted-protocol={restricted}" in command
+    # model control (a load with override files runs code) is shut: its key is nobody's
+    control = [arg for arg in command if arg.startswith("--http-restricted-api=model-repository:admin-key=")]
+    assert len(control) == 1 and not control[0].endswith("=k3y")
+    opened = TritonServer(workdir=tmp_path, admin_key="k3y", http_port=0, grpc_port=0, metrics_port=0,
+                          allow_model_control=True).command(find_tritonserver())
+    assert "--http-restricted-api=model-repository:admin-key=k3y" in opened
+    assert "--grpc-restricted-protocol=model-repository:admin-key=k3y" in opened
     assert any(arg.startswith("--backend-config=python,shm-default-byte-size=") for arg in command)
     assert len({server.http_port, server.grpc_port, server.metrics_port}) == 3
 

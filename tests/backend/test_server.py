@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from backend.engine_setup import build_engine, load_engine_args
+from backend.engine_setup import build_engine, load_engine_args, pop_backend_options
 from client.grpc import GrpcClient
 from client.http import HttpClient
 from client.types import ServerError
@@ -44,6 +44,7 @@ def http_client(triton_server):
 def offline(triton_server):
     """Greedy text from the same engine, same model.json, run in this process."""
     args = load_engine_args(triton_server.workdir / "model_repository" / "deepseek_v4" / "1" / "model.json")
+    pop_backend_options(args)
 
     async def run(prompts, max_tokens):
         engine = build_engine(args)
@@ -275,8 +276,21 @@ def test_admin_apis_need_the_key(triton_server):
 
     status, body = repository_index({})
     assert status != 200 and "admin-key" in body, (status, body)
+    # model control (a load with override files runs code) is shut unless --allow-model-control
     status, body = repository_index({"admin-key": triton_server.admin_key})
-    assert status == 200 and "deepseek_v4" in body
+    assert status != 200, (status, body)
+
+    def shared_memory_status(headers):
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn.request("GET", "/v2/systemsharedmemory/status", headers=headers)
+        response = conn.getresponse()
+        status = response.status
+        response.read()
+        conn.close()
+        return status
+
+    assert shared_memory_status({}) != 200
+    assert shared_memory_status({"admin-key": triton_server.admin_key}) == 200
     # inference stays open
     assert urllib.request.urlopen(f"http://{triton_server.http_url}/v2/models/deepseek_v4/ready").status == 200
 
