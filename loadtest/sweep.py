@@ -244,12 +244,26 @@ def run_level(args, concurrency: int, url: str, metrics_url: str | None, level_d
         server["response_thread_busy"] = server["response_thread_cpu_s"] / elapsed
     requests, marks = read_records(records)
     summary = summarize(requests, marks, concurrency)
-    return {**summary, "server": server, "driver": run,
+    return {**summary, "server": server, "driver": run, "failure": level_failure(summary, run),
             "load_avg": {"before": load_before, "after": os.getloadavg()},
             "records": [{k: v for k, v in r.items() if k not in ("delta_ms", "delta_tokens")} for r in requests]}
 
 
+def level_failure(summary: dict, run: dict) -> str | None:
+    """Why a level measured nothing worth reading (None: it measured). A driver that fails to start
+    (say, its client library does not import) writes no records: that is an error, never a row of zeros."""
+    if run["exit_code"] not in (0, None) and not run["killed"]:
+        tail = [line for line in Path(run["log"]).read_text(errors="replace").splitlines() if line.strip()][-3:]
+        return f"the load driver exited with code {run['exit_code']}: " + " / ".join(tail)
+    if summary["requests"] == 0:
+        why = f": {summary['error_samples'][0]}" if summary["error_samples"] else ""
+        return f"no request completed ({summary['errors']} errors{why}; driver log {run['log']})"
+    return None
+
+
 def describe_level(level: dict) -> str:
+    if level.get("failure"):
+        return f"c={level['concurrency']:<4} | FAILED: {level['failure']}"
     ttft, itl, e2e = level["ttft_ms"], level["itl_ms"], level["e2e_ms"]
     hit = (level["server"] or {}).get("prefix_hit_ratio")
     parts = [f"c={level['concurrency']:<4}", f"{level['requests']:5d} req", f"{level['request_per_s']:7.2f} req/s",
@@ -269,7 +283,7 @@ def describe_level(level: dict) -> str:
 CSV_FIELDS = ["label", "protocol", "workload", "concurrency", "requests", "errors", "cancelled", "error_rate",
               "request_per_s", "output_tok_per_s", "input_tok_per_s"] + [
     f"{m}_{p}" for m in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms") for p in ("p50", "p90", "p99", "mean")] + [
-    "prefix_hit_ratio", "driver_killed", "driver_elapsed_s"]
+    "prefix_hit_ratio", "driver_killed", "driver_elapsed_s", "failure"]
 
 
 def write_outputs(result: dict, out: Path, label: str) -> tuple[Path, Path]:
@@ -323,6 +337,9 @@ def sweep(args, url: str, metrics_url: str | None, server_info: dict, say=print)
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     json_path, csv_path = write_outputs(result, out, label)
     say(f"wrote {json_path} and {csv_path}")
+    failed = [lv["concurrency"] for lv in result["levels"] if lv["failure"]]
+    if failed:
+        say(f"error: level(s) {', '.join(map(str, failed))} measured nothing (see FAILED above)")
     return result
 
 
@@ -397,8 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"http://{url.rpartition(':')[0] or '127.0.0.1'}:8002/metrics"
             if metrics_url == "none":
                 metrics_url = None
-            sweep(args, url, metrics_url, {"serve": False})
-            return 0
+            return exit_code(sweep(args, url, metrics_url, {"serve": False}))
         from backend.serve import ServerError, TritonServer
 
         print(f"starting a server (engine args {engine_args or 'from model.json'}) ...", flush=True)
@@ -418,15 +434,20 @@ def main(argv: list[str] | None = None) -> int:
                 front = OpenAIProcess(server.grpc_url, port=0, tokenizer=tokenizer_dir(model_json)).start()
                 url = front.base_url.removeprefix("http://").removesuffix("/v1")
             info = {"serve": True, "model": args.model or "model.json's", "engine_args": engine_args}
-            sweep(args, url, server.metrics_url, info)
+            result = sweep(args, url, server.metrics_url, info)
         finally:
             if front is not None:
                 front.stop()
             server.stop()
-        return 0
+        return exit_code(result)
     except KeyboardInterrupt:
         print("interrupted; results so far are in the JSON", file=sys.stderr)
         return 130
+
+
+def exit_code(result: dict) -> int:
+    """1 when any level measured nothing: a load test that measured nothing did not succeed."""
+    return 1 if any(level["failure"] for level in result["levels"]) else 0
 
 
 if __name__ == "__main__":
