@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|engine|sync|agentic|ttft|peer|profile  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh kernels|quant|engine|sync|agentic|ttft|peer|profile  (JSON + logs under $OUT)
 # Checkpoint: flash-shaped (V4-Flash per-layer shapes, 4 layers, 16 experts), drawn on the GPU.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -13,6 +13,8 @@ kernels)
   timeout 200 python3 -m tools.bench_kernels --batches 1,8,32,128,256 --no-compile --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -32
   timeout 240 python3 -m tools.bench_kernels --batches 32 --json "$OUT/kernels_compile.json" > "$OUT/kernels_compile.log" 2>&1
   tail -8 "$OUT/kernels_compile.log" ;;
+quant)  # FP8 GEMM + MXFP4 / FP8 MoE: checked vs the torch references (non-zero exit on a mismatch), timed vs floors
+  timeout 240 python3 -m tools.bench_quant --json "$OUT/quant.json" 2>&1 | tee "$OUT/quant.log" | tail -60 ;;
 engine)
   bench --concurrency 1,8,32,64,150 --input-len 512 --output-len 64 --requests-per-user 1 --floor --check-graphs --steady 1,32,150 \
     --engine-args "{$EA}" --json "$OUT/engine_opt.json" 2>&1 | tee "$OUT/engine_opt.log" | tail -14
