@@ -70,7 +70,7 @@ ENV HOME=/home/deepseek \
 EXPOSE 8000 8001 8002
 # Start period: loading a full checkpoint onto the GPUs takes minutes.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=30m --retries=3 \
-    CMD ["python3", "-c", "import os, sys, urllib.request; port = os.environ.get('HTTP_PORT', '8000'); sys.exit(urllib.request.urlopen(f'http://localhost:{port}/v2/health/ready', timeout=4).status != 200)"]
+    CMD ["python3", "-c", "import os, sys, urllib.request; port = os.environ.get('HTTP_PORT', '8000'); sys.exit(urllib.request.urlopen(f'http://localhost:{port}/v2/models/deepseek_v4/ready', timeout=4).status != 200)"]
 USER 10001:10001
 # NVIDIA's entrypoint first: it sets up CUDA forward compatibility for older drivers, then runs ours.
 ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh", "/usr/local/bin/deepseek-entrypoint"]

@@ -80,7 +80,7 @@ class _ResponseStream:
     deltas: list = field(default_factory=list)  # streaming: engine deltas not yet sent
     queued: bool = False  # streaming: the stream waits in the response queue for its deltas
     started: bool = False  # the engine sent its first delta (prefill done)
-    cut_off: bool = False  # the shutdown drain ended it: UNAVAILABLE
+    cut_off: str | None = None  # why the shutdown drain ended it (UNAVAILABLE)
 
 
 class TritonPythonModel:
@@ -206,8 +206,7 @@ class TritonPythonModel:
                 else:
                     state.accumulate(delta)
             if stream.cut_off:
-                self._queue_error(stream, "the server is shutting down and the drain timeout cut this request off",
-                                  "UNAVAILABLE")
+                self._queue_error(stream, stream.cut_off, "UNAVAILABLE")
             elif stream.cancelled:
                 self._queue_error(stream, "request cancelled", "CANCELLED")
             elif last is None or not last.finished:
@@ -359,16 +358,17 @@ class TritonPythonModel:
         asyncio.run_coroutine_threadsafe(self._drain(time.monotonic() + remaining), self.loop)
 
     async def _drain(self, deadline: float) -> None:
-        await self._cut_off(lambda stream: not stream.started)
+        await self._cut_off(lambda stream: not stream.started,
+                            "the server is shutting down; this request had not started (safe to retry)")
         while self.num_active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        await self._cut_off(lambda stream: True)
+        await self._cut_off(lambda stream: True, "the server is shutting down and the drain timeout cut this request off")
 
-    async def _cut_off(self, which) -> None:
+    async def _cut_off(self, which, reason: str) -> None:
         with self.streams_lock:
-            streams = [s for s in self.streams if not s.final_sent and which(s)]
+            streams = [s for s in self.streams if not s.final_sent and not s.cut_off and which(s)]
         for stream in streams:
-            stream.cut_off = stream.cancelled = True
+            stream.cut_off, stream.cancelled = reason, True
             await self.engine.abort(stream.request_id)
 
     # ---------------------------------------------------------------- health, stats, shutdown

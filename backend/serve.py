@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -57,6 +59,9 @@ ADMIN_KEY_ENV = "DSV4_ADMIN_KEY"
 # Docker's default 64 MB /dev/shm.
 SHM_DEFAULT_BYTES = 16 << 20
 SHM_GROWTH_BYTES = 16 << 20
+# An HTTP body larger than this is refused by Triton before it reaches the stub (a refused 100 MB
+# prompt still grew the region to 128 MB for good): Tritons that have --http-max-input-size only.
+HTTP_MAX_INPUT_BYTES = 32 << 20
 RESTARTS_IN_A_ROW = 10
 EXIT_TIMEOUT_S = 30  # default drain timeout: how long in-flight requests may run on after SIGTERM
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -123,6 +128,22 @@ def stub_numpy_problem(install: TritonInstall, numpy_version: str) -> str | None
                 f"fail every request). Fix: {stub_numpy.NUMPY_FIX}, or use Triton >= "
                 f"{'.'.join(map(str, stub_numpy.NUMPY2_SINCE))}")
     return None
+
+
+@functools.cache
+def _help_text(binary: Path, library_path: str) -> str:
+    try:
+        done = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=30,
+                              env={**os.environ, "LD_LIBRARY_PATH": library_path})
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stdout + done.stderr
+
+
+def server_flags(install: TritonInstall, env: dict[str, str]) -> set[str]:
+    """The flags this tritonserver knows (its --help): options differ between Triton releases."""
+    return set(re.findall(r"^\s*(--[a-z0-9-]+)", _help_text(install.binary, env.get("LD_LIBRARY_PATH", "")),
+                          flags=re.MULTILINE))
 
 
 def layout_backends(install: TritonInstall, out: Path) -> Path:
@@ -263,6 +284,8 @@ class TritonServer:
             f"--backend-config=python,shm-growth-byte-size={SHM_GROWTH_BYTES}",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             f"--exit-timeout-secs={self.drain_timeout_s}",
+            *([f"--http-max-input-size={HTTP_MAX_INPUT_BYTES}"]
+              if "--http-max-input-size" in server_flags(install, self.environment(install)) else []),
             *self.extra_args,
         ]
 

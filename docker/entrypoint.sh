@@ -33,11 +33,14 @@ args.setdefault("engine", os.environ.get("ENGINE", "native"))
 print(json.dumps(args))
 ')"
 
+# The admin key by the environment or a file, never on a command line (/proc/<pid>/cmdline is
+# world-readable). backend.serve still has to hand it to tritonserver's own command line: see
+# docs/RELIABILITY.md.
 admin=()
 if [[ -n "${ADMIN_KEY:-}" ]]; then
-    admin=(--admin-key "$ADMIN_KEY")
+    export DSV4_ADMIN_KEY="$ADMIN_KEY"
 elif [[ -r /run/secrets/admin_key ]]; then
-    admin=(--admin-key "$(< /run/secrets/admin_key)")
+    admin=(--admin-key-file /run/secrets/admin_key)
 fi
 
 # exec: backend.serve replaces this shell, so `docker stop`'s SIGTERM reaches it (it lets Triton

@@ -163,9 +163,10 @@ def test_runs_as_a_non_root_user():
     assert not [r for s, w, r in instructions() if w == "USER" and s.startswith("final")]  # inherits
 
 
-def test_healthcheck_asks_triton_readiness():
+def test_healthcheck_asks_the_models_readiness():
     [check] = [rest for _, word, rest in instructions() if word == "HEALTHCHECK"]
-    assert "localhost" in check and "/v2/health/ready" in check and "'8000'" in check
+    # the model's own readiness: /v2/health/ready stays 400 after a failed admin load of another model
+    assert "localhost" in check and "/v2/models/deepseek_v4/ready" in check and "'8000'" in check
 
 
 def test_backend_and_repository_land_where_triton_looks():
@@ -215,7 +216,8 @@ def entrypoint(tmp_path):
     record = tmp_path / "argv.json"
     (bin_dir / "python3").write_text(
         f'#!/bin/sh\nif [ "$1" = "-c" ]; then exec {sys.executable} "$@"; fi\n'
-        f'exec {sys.executable} -c \'import json, sys; json.dump(sys.argv[1:], open("{record}", "w"))\' "$@"\n'
+        f'exec {sys.executable} -c \'import json, os, sys; json.dump([sys.argv[1:], os.environ.get("DSV4_ADMIN_KEY")], '
+        f'open("{record}", "w"))\' "$@"\n'
     )
     (bin_dir / "python3").chmod(0o755)
 
@@ -224,7 +226,7 @@ def entrypoint(tmp_path):
         out = subprocess.run(
             ["bash", str(ENTRYPOINT), *args], env=full, capture_output=True, text=True, timeout=30
         )
-        argv = json.loads(record.read_text()) if record.exists() else None
+        argv, run.admin_key_env = json.loads(record.read_text()) if record.exists() else (None, None)
         record.unlink(missing_ok=True)
         return out, argv
 
@@ -240,7 +242,8 @@ def test_entrypoint_serves_the_mounted_checkpoint_on_every_interface(entrypoint,
     assert argv[:2] == ["-m", "backend.serve"]
     flags = dict(zip(argv[2::2], argv[3::2]))
     assert flags["--model"] == str(model) and flags["--host"] == "0.0.0.0"
-    assert flags["--admin-key"] == "s3cret"
+    # the key goes by the environment, not the command line (any local user reads /proc/<pid>/cmdline)
+    assert "--admin-key" not in argv and "s3cret" not in argv and entrypoint.admin_key_env == "s3cret"
     assert json.loads(flags["--engine-args"]) == {"engine": "vllm"}
     # the vLLM image serves the ready V4-Flash configuration (docs/VLLM.md)
     assert flags["--model-repository"] == "/opt/deepseek/model_repository_vllm"

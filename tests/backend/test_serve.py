@@ -94,3 +94,13 @@ def test_cli_fails_clearly_when_the_model_cannot_load():
     out, _ = process.communicate(timeout=120)
     assert process.returncode == 1
     assert "unknown engine 'bogus'" in out and "error: tritonserver exited" in out
+
+
+def test_flags_follow_the_servers_own_help(tmp_path):
+    """Triton 2.51 has no --http-max-input-size (newer releases do): pass it only where it exists."""
+    install = find_tritonserver()
+    server = TritonServer(workdir=tmp_path, http_port=0, grpc_port=0, metrics_port=0)
+    flags = server_flags(install, server.environment(install))
+    assert {"--exit-timeout-secs", "--http-restricted-api", "--backend-config"} <= flags
+    has_limit = "--http-max-input-size" in flags
+    assert any(arg.startswith("--http-max-input-size=") for arg in server.command(install)) == has_limit

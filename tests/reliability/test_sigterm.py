@@ -113,3 +113,63 @@ def _is_triton_of(pid: str, http_port: int) -> bool:
     except OSError:
         return False
     return bool(cmdline) and cmdline[0].endswith(b"tritonserver") and f"--http-port={http_port}".encode() in cmdline
+
+
+def test_sigterm_after_a_burst_ends_queued_requests_and_exits_before_the_timeout(tmp_path):
+    """Triton tells a decoupled model nothing until finalize, which waits for every open stream:
+    with a queue behind a burst the server used to wait the whole timeout, then exit
+    non-gracefully ("Exit timeout expired", a crash on the way out). The launcher now tells the
+    model the deadline: queued requests end UNAVAILABLE at once, running ones at the deadline,
+    finalize runs and Triton exits on its own."""
+    drain_s = 10
+    http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
+    http_url, grpc_url = f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "backend.serve", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
+         "--metrics-port", str(metrics_port), "--drain-timeout-s", str(drain_s), "--workdir", str(tmp_path),
+         "--engine-args", json.dumps({"max_model_len": 4096, "max_num_seqs": 2, "max_waiting_requests": 200})],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    threading.Thread(target=lambda: output.extend(launcher.stdout), daemon=True).start()
+    results: dict = {}
+    try:
+        deadline = time.monotonic() + 300
+        while not _ready(http_url):
+            assert launcher.poll() is None and time.monotonic() < deadline, "".join(output[-40:])
+            time.sleep(0.25)
+
+        def stream(i: int):
+            call = GrpcCall(grpc_url)
+            try:
+                outcome, message, _, _ = call.run(good_tensors(f"burst {i}", {"max_tokens": 4000, "ignore_eos": True}),
+                                                  timeout_s=drain_s + 60)
+                results[i] = (outcome, message, time.monotonic())
+            finally:
+                call.close()
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(40)]
+        for t in threads:
+            t.start()
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        while not (engine_gauges(metrics_url)["running"] == 2 and engine_gauges(metrics_url)["waiting"] >= 30):
+            assert time.monotonic() < deadline, "".join(output[-40:])
+            time.sleep(0.1)
+        sigterm_at = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=drain_s + 90)
+        code = launcher.wait(timeout=drain_s + 60)
+        exited_after = time.monotonic() - sigterm_at
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    log = (tmp_path / "tritonserver.log").read_text(errors="replace")
+    assert code == 0, "".join(output)[-3000:]
+    assert "finalize: done" in log and "Exit timeout expired" not in log, log[-3000:]
+    assert exited_after < drain_s + 5, exited_after
+    assert len(results) == 40 and all(outcome == "error" for outcome, _, _ in results.values()), results
+    queued = [r for r in results.values() if "drain timeout" not in r[1]]
+    cut_off = [r for r in results.values() if "drain timeout" in r[1]]
+    assert len(cut_off) == 2 and len(queued) == 38, results  # the two running ones ran to the deadline
+    assert all(m.startswith("UNAVAILABLE") and at - sigterm_at < 3 for _, m, at in queued), queued
+    assert all(m.startswith("UNAVAILABLE") and at - sigterm_at > drain_s / 2 for _, m, at in cut_off), cut_off
