@@ -22,6 +22,7 @@ from engine.cache import CompressorState, KVCache
 from engine.compress_plan import compress_plan
 from engine.config import CSA, SLIDING, ModelConfig
 from engine.forward_batch import ForwardBatch
+from engine.weights import WeightsError
 from kernels.formats import MX_BLOCK, fp8_block_scale_shape
 
 
@@ -339,7 +340,9 @@ class DeepseekV4(nn.Module):
         else:
             target = self.get_parameter(name)
         if target.shape != tensor.shape:
-            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+            raise WeightsError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+        if target.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8) and tensor.dtype != target.dtype:
+            raise WeightsError(f"{name}: checkpoint dtype {tensor.dtype}, but the config stores it as {target.dtype}")
         with torch.no_grad():
             target.copy_(tensor.to(target.dtype))
 

@@ -131,3 +131,62 @@ def test_quantization_config_is_checked():
         parse_config({**raw, "quantization_config": {**raw["quantization_config"], "weight_block_size": [64, 64]}})
     with pytest.raises(ConfigError, match="expert_dtype 'fp4' needs a quantization_config"):
         parse_config({k: v for k, v in raw.items() if k != "quantization_config"})
+
+
+def test_memory_after_load_is_the_stored_bytes_plus_the_documented_extras(quantized):
+    """Kept as stored: every tensor's stored bytes, except the documented widenings: ue8m0 FP8 block
+    scales held as float32 (x4), the network's norm weights kept float32 (x2 of bf16), tid2eid as
+    int64 (x2 of int32); plus the two RoPE frequency tables."""
+    path = quantized["fp8-fp4"]
+    model = load_model(path, torch.bfloat16, quantized=True)
+    want = 0
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            t = f.get_slice(name)
+            n, dt = torch.Size(t.get_shape()).numel(), t.get_dtype()
+            size = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "I8": 1, "F8_E8M0": 1, "I32": 4}[dt]
+            fp8_block_scale = dt == "F8_E8M0" and ".experts." not in name
+            model_norm = dt == "BF16" and name.endswith("norm.weight") and not name.startswith("mtp.")  # MTP: as loaded
+            widened = fp8_block_scale or model_norm or name.endswith("tid2eid")
+            want += n * (4 if fp8_block_scale else 2 * size if widened else size)
+    want += (model.main_inv_freq.numel() + model.compress_inv_freq.numel()) * 4
+    from engine.loader import device_bytes
+
+    assert device_bytes(model) == want
+
+
+def test_bf16_tensor_where_the_config_says_fp8_is_refused(quantized, tmp_path):
+    def to_bf16(t):
+        t["layers.1.attn.wq_a.weight"] = torch.zeros(32, 64, dtype=torch.bfloat16)
+        del t["layers.1.attn.wq_a.scale"]
+
+    _rewrite(quantized["fp8-fp4"], tmp_path, to_bf16)
+    with pytest.raises(WeightsError, match="layers.1.attn.wq_a.weight: checkpoint dtype torch.bfloat16"):
+        load_model(tmp_path, torch.float32, quantized=True)
+
+
+def test_cli_writes_the_quantized_formats(tmp_path):
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "tools.make_tiny_checkpoint", str(tmp_path), "--quant", "fp8-fp4"], check=True,
+                   capture_output=True)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["expert_dtype"] == "fp4" and cfg["quantization_config"]["scale_fmt"] == "ue8m0"
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert f.get_slice("layers.0.ffn.experts.0.w1.weight").get_dtype() == "I8"
+
+
+@pytest.mark.slow
+def test_flash_shaped_quantized_checkpoint_has_whole_blocks_and_loads(tmp_path):
+    """V4-Flash's per-layer dimensions (every FP8 dimension a multiple of 128): sharded write, stored load."""
+    out = write_checkpoint(tmp_path, "flash-shaped", quant="fp8-fp4", override={
+        "num_hidden_layers": 1, "compress_ratios": [4], "n_routed_experts": 2, "num_experts_per_tok": 2,
+        "num_hash_layers": 0, "vocab_size": 4096})
+    assert (out / "model.safetensors.index.json").exists()
+    model = load_model(out, torch.bfloat16, quantized=True)
+    attn, ffn = model.layers[0].attn, model.layers[0].ffn
+    assert attn.wq_b.weight.shape == (32768, 1024) and attn.wq_b.scale.shape == (256, 8)
+    assert attn.wo_a.scale.shape == (64, 32)  # 8 groups x 1024 rows: whole 128-row blocks per group
+    assert ffn.experts_w1.shape == (2, 2048, 2048) and ffn.experts_w1_scale.shape == (2, 2048, 128)
+    assert ffn.experts_w2.shape == (2, 4096, 1024) and model.mtp_weights["mtp.0.e_proj.scale"].shape == (32, 32)
