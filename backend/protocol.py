@@ -45,15 +45,18 @@ _SAMPLING_KEYS = {
     "ignore_eos": _BOOL,
     "logprobs": "logprobs",
     "skip_special_tokens": _BOOL,
+    "presence_penalty": _FLOAT,
+    "frequency_penalty": _FLOAT,
+    "repetition_penalty": _FLOAT,
+    "logit_bias": "logit_bias",
+    "bad_words": "str_list",
+    "allowed_token_ids": "int_list",
 }
 # vLLM keys that clients (Triton's OpenAI frontend, genai-perf) send with their neutral value;
 # accepted at that value only, since this backend does not implement them.
 _NEUTRAL_KEYS = {
     "n": 1,
     "best_of": 1,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
     "use_beam_search": False,
     "include_stop_str_in_output": False,
 }
@@ -305,7 +308,14 @@ def _coerce(name: str, value, kind: str):
         if value is True or (isinstance(value, str) and value.strip().lower() == "true"):
             return 0
         return _to_int(name, value)
+    if kind == "logit_bias":
+        return _logit_bias(value)
     value = _json_list(name, value)
+    if kind == "str_list":
+        words = [value] if isinstance(value, str) else value
+        if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
+            raise InvalidRequest(f"{name} must be a list of non-empty strings, got {value!r}")
+        return words
     if kind == "stop":
         stops = [value] if isinstance(value, str) else value
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
@@ -315,9 +325,27 @@ def _coerce(name: str, value, kind: str):
         return stops
     if not isinstance(value, list):  # int_list
         raise InvalidRequest(f"{name} must be a list of integers, got {value!r}")
-    if len(value) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequest(f"{name} has {len(value)} entries; at most {MAX_STOP_TOKEN_IDS}")
+    limit = MAX_STOP_TOKEN_IDS if name == "stop_token_ids" else MAX_JSON_BYTES  # allowed_token_ids: any size that fits
+    if len(value) > limit:
+        raise InvalidRequest(f"{name} has {len(value)} entries; at most {limit}")
     return [_to_int(name, v) for v in value]
+
+
+def _logit_bias(value) -> dict[str, float]:
+    """{token id: bias} (JSON keys are strings; the value may itself be a JSON string)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (json.JSONDecodeError, RecursionError):
+            pass
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"logit_bias must be an object of token id -> bias, got {value!r}")
+    bias = {}
+    for token, b in value.items():
+        if not str(token).strip().lstrip("-").isdigit():
+            raise InvalidRequest(f"logit_bias keys must be token ids (integers), got {token!r}")
+        bias[str(int(token))] = _to_float(f"logit_bias[{token!r}]", b)
+    return bias
 
 
 def _json_list(name: str, value):

@@ -246,6 +246,11 @@ class AsyncLLM:
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            if out.error is not None:  # its sampling failed (one line, no traceback); the engine freed it
+                self.counters["num_requests_failed"] += 1
+                log.error("request %s failed: %s", out.request_id, out.error)
+                self._send(out.request_id, RequestFailed(f"sampling failed: {out.error}"), done=True)
+                continue
             self._send(out.request_id, out, done=out.finished)
 
     @staticmethod

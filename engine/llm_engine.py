@@ -20,7 +20,8 @@ from engine.loader import load_model
 from engine.prefix_cache import PrefixCache
 from engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
 from engine.runner import ModelRunner
-from engine.sampler import sample
+from engine.sampler import SamplingRow, sample
+from engine.sampling_checks import bad_words_token_ids, sampling_checks
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence, Status
 from engine.tokenizer import Detokenizer, Tokenizer
@@ -69,7 +70,7 @@ class LLMEngine:
         # with CUDA graphs, an eager step's launch is the slow part: read back first (see _step);
         # without them (CPU) every step is eager and overlapping changes nothing but is exercised
         self.flush_before_eager = bool(self.runner.graphs)
-        self.generator = torch.Generator().manual_seed(args.seed)
+        self.generator = torch.Generator(device=self.device).manual_seed(args.seed)  # the sampler draws on the device
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
         if self.device.type == "cuda":
             self.warmup()
@@ -178,6 +179,7 @@ class LLMEngine:
             (all(0 < len(s) <= a.max_stop_string_len for s in p.stop),
              f"stop strings must be 1..{a.max_stop_string_len} characters"),
             (all(0 <= t < self.cfg.vocab_size for t in p.stop_token_ids), "stop_token_ids out of vocabulary"),
+            *sampling_checks(p, self.cfg.vocab_size),
         ]
         for ok, msg in checks:
             if not ok:
@@ -186,6 +188,8 @@ class LLMEngine:
 
     def add_request(self, req: GenerationRequest) -> Sequence:
         ids = self.validate(req)
+        if req.sampling.bad_words and req.sampling.bad_words_token_ids is None:
+            req.sampling.bad_words_token_ids = bad_words_token_ids(self.tokenizer, req.sampling.bad_words)
         seq = Sequence(req.request_id, list(ids), req.sampling)
         eos = set() if req.sampling.ignore_eos else set(self.cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and not req.sampling.ignore_eos:
@@ -262,7 +266,8 @@ class LLMEngine:
             return False
         for seq, n in scheduled:
             p = seq.sampling
-            if (seq.num_computed_tokens + n != seq.num_tokens or not p.greedy or p.logprobs is not None
+            if (seq.num_computed_tokens + n != seq.num_tokens or not p.greedy or p.processes_logits
+                    or p.logprobs is not None
                     or len(seq.output_token_ids) < p.min_tokens or len(seq.output_token_ids) + 1 >= p.max_tokens
                     or seq.num_tokens + 1 >= self.max_model_len):
                 return False
@@ -292,14 +297,24 @@ class LLMEngine:
         if len(live) < len(samplers):
             samplers, logits = [samplers[i] for i in live], logits[live]
         self.last_logits = dict(zip((s.request_id for s in samplers), logits))  # measurements read these
-        params = [s.sampling for s in samplers]
-        steps = [len(s.output_token_ids) for s in samplers]
-        masks = [sorted(self.requests[s.request_id].eos_ids | set(s.sampling.stop_token_ids))
-                 if len(s.output_token_ids) < s.sampling.min_tokens else [] for s in samplers]
+        rows = [SamplingRow(s.sampling, len(s.output_token_ids), s.prompt_token_ids, s.output_token_ids,
+                            sorted(self.requests[s.request_id].eos_ids | set(s.sampling.stop_token_ids))
+                            if len(s.output_token_ids) < s.sampling.min_tokens else []) for s in samplers]
         outputs = []
-        for seq, smp in zip(samplers, sample(logits, params, steps, masks, self.generator)):
+        for seq, smp in zip(samplers, sample(logits, rows, self.generator)):
+            if smp.error is not None:  # this request alone: the others' tokens stand
+                outputs.append(self._fail_request(seq, smp.error))
+                continue
             outputs += self._process(seq, smp.token_id, smp.logprob, smp.top_logprobs)
         return outputs
+
+    def _fail_request(self, seq: Sequence, error: str) -> RequestOutput:
+        st = self.requests.pop(seq.request_id)
+        self.scheduler.finish(seq, "error")
+        self.counters["requests_finished"] += 1
+        out = self._output(st, finished=True)
+        out.error = error
+        return out
 
     def _process(self, seq: Sequence, token: int, logprob: float, top: dict | None) -> list[RequestOutput]:
         st = self.requests[seq.request_id]

@@ -2,12 +2,15 @@
 
 Both engines (native, vllm) take a `GenerationRequest` and yield `RequestOutput`
 deltas; the Triton side (backend/protocol.py) builds the first and renders the
-second, and never knows which engine runs. Names follow vLLM's SamplingParams.
+second, and never knows which engine runs. Names follow vLLM's SamplingParams; field values
+stay msgpack-friendly (ints, floats, strings, lists, dicts with string keys).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: temperatures below it sample greedily
 
 
 class InvalidRequest(ValueError):
@@ -40,10 +43,30 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per output token; None: off
     skip_special_tokens: bool = True
+    # penalties, as vLLM (OpenAI's presence / frequency; repetition counts the prompt too)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # token id -> bias added to its logit, clamped to [-100, 100]; string keys (JSON's, msgpack-safe)
+    logit_bias: dict[str, float] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None  # set by the engine from bad_words (its tokenizer)
+    allowed_token_ids: list[int] | None = None
+    # vLLM's structured_outputs: one of {"json": schema, "regex": str, "choice": [str], "grammar": ebnf,
+    # "json_object": true}, plus "disable_any_whitespace"; compiled by the engine (engine/structured_output.py)
+    structured_outputs: dict | None = None
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # below vLLM's _SAMPLING_EPS a temperature would overflow float32 logits: greedy, as vLLM
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Anything beyond temperature / top-k / top-p / min-p that changes the logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.bad_words_token_ids or self.allowed_token_ids is not None
+                    or self.structured_outputs is not None)
 
 
 @dataclass
@@ -70,6 +93,7 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     finished: bool = False
     finish_reason: str | None = None
+    error: str | None = None  # finish_reason "error": why this request alone failed (its sampling)
 
 
 def merge_outputs(deltas: list[RequestOutput]) -> RequestOutput:

@@ -1,7 +1,18 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Next-token sampling for a whole batch, on the device, with vLLM's meanings and order.
+
+One step: the raw logits give the logprobs (vLLM's default `raw_logprobs`); then
+allowed_token_ids, banned ids (bad words, min_tokens' stop ids), logit_bias, the penalties
+(presence, frequency, repetition); greedy rows take the argmax; the others divide by their
+temperature, apply min_p, top-k, top-p and draw by the exponential race (vLLM's
+`probs / Exp(1)` argmax). Every option is a tensor built for the batch; the only per-request
+Python work is building those index lists, and a generator per seeded row.
 
 A seeded request draws token i from a generator seeded by (seed, i), so its tokens do not
 depend on batch mates, step boundaries or preemption.
+
+Values validation lets through stay finite in float32 (temperatures below SAMPLING_EPS are
+greedy; overflow is clamped). A row with no token left to pick (every token masked, or NaN
+logits) fails that request only: its Sample carries `error`, the batch goes on.
 """
 
 from __future__ import annotations
@@ -13,70 +24,221 @@ import torch
 import kernels as K
 from engine.request import SamplingParams
 
+MAX_LOGIT_BIAS = 100.0  # vLLM clamps logit_bias to [-100, 100], as OpenAI documents
+_FMAX = torch.finfo(torch.float32).max
+_TINY = torch.finfo(torch.float32).tiny
+
 
 @dataclass
 class Sample:
     token_id: int
-    logprob: float
+    logprob: float  # the sampled token's raw logprob
     top_logprobs: dict[int, float] | None
+    rank: int | None = None  # with logprobs: the sampled token's rank among all tokens (1: most likely)
+    error: str | None = None  # this request's sampling failed; the others are unaffected
 
 
-def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Apply temperature, top-k, top-p and min-p to one row of fp32 logits."""
-    logits = logits / p.temperature
-    if p.top_k and p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token once the mass before it already reaches top_p (the first always stays)
-        drop = (probs.cumsum(-1) - probs) >= p.top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    if p.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    return logits
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one request at this step."""
+
+    params: SamplingParams
+    step: int  # tokens it has generated so far
+    prompt_ids: list[int]
+    output_ids: list[int]
+    banned: list[int]  # ids forbidden at this step (min_tokens' stop ids)
+    grammar: object | None = None  # structured outputs: the request's xgrammar matcher (advanced by the pick)
 
 
-def _generator(seed: int | None, step: int, fallback: torch.Generator) -> torch.Generator:
-    if seed is None:
-        return fallback
-    return torch.Generator().manual_seed((int(seed) * 1_000_003 + step) % (2**63 - 1))
+def bad_word_bans(bad_words_token_ids: list[list[int]], output_ids: list[int]) -> list[int]:
+    """vLLM's bad words: a word's last token is banned when the tokens before it were just generated."""
+    bans = []
+    for word in bad_words_token_ids:
+        prefix = word[:-1]
+        if len(prefix) <= len(output_ids) and (not prefix or output_ids[-len(prefix):] == prefix):
+            bans.append(word[-1])
+    return bans
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
-           extra_masks: list[list[int]] | None = None, fallback: torch.Generator | None = None) -> list[Sample]:
-    """logits [n, V] fp32; steps[i] = how many tokens request i has already generated;
-    extra_masks[i] = token ids forbidden for this step (EOS before min_tokens)."""
-    fallback = fallback or torch.Generator().manual_seed(0)
-    logits = logits.float()
-    if extra_masks and any(extra_masks):
-        logits = logits.clone()
-        for i, mask in enumerate(extra_masks):
-            if mask:
-                logits[i, mask] = float("-inf")
-    # greedy rows need only their argmax: pick on the device (argmax, its logprob and the
-    # log-sum-exp in one pass) and copy back three numbers per row, never the logits
-    picked = K.greedy_pick(logits)
-    want_lp = [p.logprobs is not None for p in params]
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    rows = dict(zip(sampled, logits[sampled].cpu())) if sampled else {}  # one copy for all of them
-    tokens, chosen, lse = picked.tolist()  # the step's one host sync
-    tokens = [int(t) for t in tokens]
-    for i, row in rows.items():
-        p = params[i]
-        probs = _filter(row, p).softmax(-1)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=_generator(p.seed, steps[i], fallback)))
-        chosen[i] = float(row[tokens[i]]) - lse[i]
-    logprobs_dev = logits - picked[2, :, None].float() if any(want_lp) else None
+def _generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed((int(seed) * 1_000_003 + step) % (2**63 - 1))
+
+
+def _pad(lists: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max(map(len, lists), default=0)
+    return torch.tensor([x + [pad] * (width - len(x)) for x in lists], dtype=torch.long, device=device)
+
+
+def _counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[rows, width] token ids padded with `vocab` -> [rows, vocab] occurrence counts."""
+    counts = torch.zeros(tokens.shape[0], vocab + 1, dtype=torch.float32, device=tokens.device)
+    counts.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """In place on fp32 logits [n, V]: allowed ids, bans, logit_bias, penalties (vLLM's order)."""
+    n, V = logits.shape
+    dev = logits.device
+    allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    if allowed:
+        keep = torch.zeros(len(allowed), V, dtype=torch.bool, device=dev)
+        ri = [j for j, (_, ids) in enumerate(allowed) for _ in ids]
+        ci = [t for _, ids in allowed for t in ids]
+        keep[torch.tensor(ri, dtype=torch.long, device=dev), torch.tensor(ci, dtype=torch.long, device=dev)] = True
+        idx = torch.tensor([i for i, _ in allowed], device=dev)
+        logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
+    bans = [(i, t) for i, r in enumerate(rows) for t in
+            r.banned + (bad_word_bans(r.params.bad_words_token_ids, r.output_ids) if r.params.bad_words_token_ids else [])]
+    if bans:
+        ri, ci = zip(*bans)
+        logits[torch.tensor(ri, device=dev), torch.tensor(ci, device=dev)] = float("-inf")
+    bias = [(i, int(t), max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(b))))
+            for i, r in enumerate(rows) if r.params.logit_bias for t, b in r.params.logit_bias.items()]
+    if bias:
+        ri, ci, vals = zip(*bias)
+        logits.index_put_((torch.tensor(ri, device=dev), torch.tensor(ci, device=dev)),
+                          torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+    pen = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty
+           or r.params.repetition_penalty != 1.0]
+    if pen:
+        idx = torch.tensor(pen, device=dev)
+        ps = [rows[i].params for i in pen]
+        out_counts = _counts(_pad([rows[i].output_ids for i in pen], V, dev), V)
+        seen = (_counts(_pad([rows[i].prompt_ids for i in pen], V, dev), V) > 0) | (out_counts > 0)
+        rep = torch.tensor([max(p.repetition_penalty, _TINY) for p in ps], device=dev)[:, None]
+        x = logits[idx]
+        rep = torch.where(seen, rep, 1.0)
+        x = torch.where(x > 0, x / rep, x * rep)
+        x -= torch.tensor([p.frequency_penalty for p in ps], device=dev)[:, None] * out_counts
+        x -= torch.tensor([p.presence_penalty for p in ps], device=dev)[:, None] * (out_counts > 0)
+        logits[idx] = x
+    return _finite(logits)
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """NaN is never picked; +inf (overflow) becomes the largest float, -inf (masked) stays."""
+    return torch.nan_to_num(x, nan=float("-inf"), posinf=_FMAX, neginf=float("-inf"))
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                  top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
+    """Temperature, then min_p, then top-k and top-p as vLLM applies them; rows [n, V] fp32.
+    top_k: [n] in 1..V (V: off); top_p: [n] in (0, 1] (1: off); min_p: [n] (0: off)."""
+    x = _finite(logits / temperature[:, None])
+    if min_p is not None:
+        probs = x.softmax(-1)
+        x = x.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
+    if top_k is None and top_p is None:
+        return x
+    ordered, order = x.sort(-1, descending=False)
+    if top_k is not None:  # ties with the k-th value stay
+        kth = ordered.gather(1, (x.shape[-1] - top_k).long()[:, None])
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    if top_p is not None:  # drop the low tail whose mass stays within 1 - top_p; the top token always stays
+        tail = ordered.softmax(-1).cumsum(-1) <= 1 - top_p[:, None]
+        tail[:, -1] = False
+        ordered = ordered.masked_fill(tail, float("-inf"))
+    return ordered.scatter(-1, order, ordered)
+
+
+def _accept(matcher, token: int) -> bool:
+    try:  # never raises out of the batch (a retry row by row would advance the other matchers twice)
+        return bool(matcher.accept_token(token))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _plain(row: SamplingRow) -> bool:
+    return row.params.greedy and not row.params.processes_logits and not row.banned
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
+           grammars=None) -> list[Sample]:
+    """logits [n, V] (any float dtype, any device), one SamplingRow per row; `grammars` (an
+    engine.structured_output.GrammarCompiler) applies the rows' grammar bitmasks. A failure confined
+    to some rows fails those rows only: the batch is retried row by row and the rows that still
+    raise come back with `error` set."""
+    try:
+        return _sample(logits, rows, generator, grammars)
+    except Exception as e:  # noqa: BLE001 - isolate the row that fails
+        if len(rows) == 1:
+            return [Sample(0, 0.0, None, error=f"{type(e).__name__}: {e}")]
+        return [sample(logits[i:i + 1], [row], generator, grammars)[0] for i, row in enumerate(rows)]
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None,
+            grammars) -> list[Sample]:
+    n, V = logits.shape
+    dev = logits.device
+    raw = logits.float()
+    constrained = [(i, r.grammar) for i, r in enumerate(rows) if r.grammar is not None]
+    if constrained:  # the grammar's bitmask first, as vLLM: logprobs then see only what it allows
+        raw = raw.clone() if raw is logits else raw
+        grammars.apply_bitmask(raw, constrained)
+    if all(map(_plain, rows)):
+        # plain greedy: argmax, its logprob and the log-sum-exp in one fused pass
+        picked = K.greedy_pick(raw)
+        tokens_dev, lse = picked[0].long(), picked[2].float()
+        valid = torch.isfinite(lse)
+    else:
+        lse = raw.logsumexp(-1)
+        x = process_logits(raw.clone(), rows)
+        tokens_dev = x.argmax(-1)
+        valid = torch.isfinite(x).any(-1) & ~torch.isnan(raw).any(-1)
+        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if rand:
+            ps = [rows[i].params for i in rand]
+            idx = torch.tensor(rand, device=dev)
+            temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
+            top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in ps], device=dev) \
+                if any(0 < p.top_k < V for p in ps) else None
+            top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev) \
+                if any(p.top_p < 1 for p in ps) else None
+            min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev) \
+                if any(p.min_p > 0 for p in ps) else None
+            probs = filter_logits(x[idx], temp, top_k, top_p, min_p).softmax(-1)
+            q = torch.empty_like(probs)
+            if any(p.seed is None for p in ps):
+                q.exponential_(generator=generator)
+            for j, p in enumerate(ps):
+                if p.seed is not None:
+                    q[j].exponential_(generator=_generator(p.seed, rows[rand[j]].step, dev))
+            drawn = (probs / q.clamp_(min=_TINY)).argmax(-1)
+            tokens_dev = tokens_dev.index_copy(0, idx, drawn)
+            valid = valid.index_copy(0, idx, valid[idx] & ~torch.isnan(probs).any(-1))
+    chosen = raw.gather(1, tokens_dev[:, None])[:, 0] - lse
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    want_row = {i: j for j, i in enumerate(want)}
+    ranks = torch.zeros(n, device=dev)
+    top_vals = top_ids = None
+    if want:
+        widx = torch.tensor(want, device=dev)
+        lp = raw[widx]
+        # vLLM's rank: how many tokens are at least as likely as the sampled one
+        ranks[widx] = (lp >= lp.gather(1, tokens_dev[widx, None])).sum(-1).float()
+        k = min(V, max(int(rows[i].params.logprobs) for i in want))
+        if k > 0:
+            top_vals, top_ids = torch.topk(lp, k)
+            top_vals = (top_vals - lse[widx, None]).cpu().tolist()
+            top_ids = top_ids.cpu().tolist()
+    tokens, chosen, valid, ranks = torch.stack([tokens_dev.double(), chosen.double(), valid.double(),
+                                               ranks.double()]).tolist()  # the step's host sync
     out = []
-    for i, p in enumerate(params):
-        top = None
-        if want_lp[i]:
-            n = min(int(p.logprobs), logprobs_dev.shape[-1])
-            values, ids = torch.topk(logprobs_dev[i], n) if n > 0 else (torch.empty(0), torch.empty(0))
-            top = {int(t): float(v) for t, v in zip(ids.tolist(), values.tolist())}
-            top[tokens[i]] = chosen[i]
-        out.append(Sample(tokens[i], chosen[i], top))
+    for i, row in enumerate(rows):
+        if not valid[i]:
+            out.append(Sample(0, 0.0, None, error="no token can be sampled: every token is masked "
+                              "(allowed_token_ids, bad_words, min_tokens, a grammar) or the logits are NaN"))
+            continue
+        top, rank = None, None
+        if row.params.logprobs is not None:
+            j = want_row[i]
+            m = int(row.params.logprobs)
+            top = {int(t): float(v) for t, v in zip(top_ids[j][:m], top_vals[j][:m])} if m and top_ids else {}
+            top[int(tokens[i])] = chosen[i]
+            rank = int(ranks[i])
+        if row.grammar is not None and not _accept(row.grammar, int(tokens[i])):
+            out.append(Sample(0, 0.0, None, error=f"the grammar refused token {int(tokens[i])}"))
+            continue
+        out.append(Sample(int(tokens[i]), chosen[i], top, rank))
     return out

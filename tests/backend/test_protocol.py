@@ -188,3 +188,16 @@ def test_logprobs_carry_rank_and_decoded_token_like_vllm_backend():
     final = OutputState("p", True, frozenset({"return_logprobs"}))
     final.accumulate(RequestOutput("r", text="x", token_ids=[9], logprobs=[step]))
     assert list(json.loads(render_final(final, RequestOutput("r", finished=True))["logprobs"][0])[0]) == ["9", "5", "3"]
+
+
+def test_penalties_bias_bad_words_and_allowed_ids_parse_with_vllm_names():
+    sp = parse_sampling({"presence_penalty": "0.5", "frequency_penalty": -1, "repetition_penalty": 1.2,
+                         "logit_bias": '{"5": 2, "7": "-100.5"}', "bad_words": "foo", "allowed_token_ids": "[1, 2, 3]"})
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert sp.logit_bias == {"5": 2.0, "7": -100.5} and sp.bad_words == ["foo"] and sp.allowed_token_ids == [1, 2, 3]
+    assert parse_sampling({"allowed_token_ids": list(range(5000))}).allowed_token_ids[-1] == 4999
+    for bad, message in [({"logit_bias": {"x": 1}}, "logit_bias keys"), ({"logit_bias": [1]}, "logit_bias must be"),
+                         ({"logit_bias": {"1": "inf"}}, "finite"), ({"bad_words": [""]}, "bad_words"),
+                         ({"allowed_token_ids": "a"}, "allowed_token_ids")]:
+        with pytest.raises(InvalidRequest, match=message):
+            parse_sampling(bad)

@@ -232,6 +232,41 @@ def _grpc_raw(server, inputs):
     return responses
 
 
+# ------------------------------------------------------------------------------------------ sampling
+
+
+def test_tiny_temperature_and_top_p_are_greedy_and_preempt_nothing(triton_server, grpc_client, http_client, offline):
+    """Once: INTERNAL 'probability tensor contains inf/nan', and every running request preempted."""
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        normal = pool.submit(lambda: list(grpc_client.generate_stream(PROMPT, max_tokens=24, ignore_eos=True)))
+        tiny = [pool.submit(http_client.generate, PROMPT, max_tokens=12, **kw)
+                for kw in ({"temperature": 1e-40}, {"temperature": "1e-39", "seed": 3},
+                           {"temperature": 0.8, "top_p": 1e-300, "seed": 4})]
+        texts = [f.result(timeout=120).text for f in tiny]
+        deltas = normal.result(timeout=120)
+    assert texts == [offline[PROMPT]] * 3  # greedy (a top_p that small keeps the top token only)
+    assert deltas[-1].finish_reason == "length" and sum(d.num_output_tokens for d in deltas) == 24
+    time.sleep(1.2)  # the metrics thread polls engine stats
+    assert metric(scrape(triton_server), "deepseek:num_preemptions_total") == 0
+
+
+def test_penalties_and_logit_bias_change_greedy_text_and_a_masked_request_fails_alone(triton_server, grpc_client,
+                                                                                     http_client, offline):
+    penalized = grpc_client.generate(PROMPT, max_tokens=12, temperature=0, repetition_penalty=1.8,
+                                     presence_penalty=1.0, frequency_penalty=1.0, logit_bias={"7": 5.0})
+    assert penalized.text and penalized.text != offline[PROMPT]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        normal = pool.submit(lambda: list(grpc_client.generate_stream(PROMPT, max_tokens=24, ignore_eos=True)))
+        # min_tokens bans the EOS id, allowed_token_ids allows only it: nothing can be sampled
+        with pytest.raises(ServerError, match="every token is masked"):
+            http_client.generate(PROMPT, max_tokens=8, temperature=0, min_tokens=4, allowed_token_ids=[1])
+        with pytest.raises(ServerError, match="HTTP 400.*presence_penalty must be in"):
+            http_client.generate(PROMPT, max_tokens=8, presence_penalty=3)
+        deltas = normal.result(timeout=120)
+    assert sum(d.num_output_tokens for d in deltas) == 24
+    assert triton_server.is_ready()
+
+
 # ------------------------------------------------------------------------------------------ server
 
 

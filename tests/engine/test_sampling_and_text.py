@@ -9,7 +9,7 @@ import torch
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest, InvalidRequest, SamplingParams
-from engine.sampler import _filter, sample
+from engine.sampler import SamplingRow, filter_logits, sample
 from engine.tokenizer import Detokenizer, Tokenizer
 
 
@@ -90,14 +90,16 @@ def test_logprobs_top_n_and_cumulative(llm):
 
 def test_filters_keep_what_they_should():
     logits = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
-    k = _filter(logits, SamplingParams(temperature=1.0, top_k=2))
-    assert torch.isfinite(k).tolist() == [True, True, False, False, False]
+
+    def kept(p):
+        args = (torch.tensor([p.temperature]), torch.tensor([p.top_k or 5]), torch.tensor([p.top_p]), torch.tensor([p.min_p]))
+        return torch.isfinite(filter_logits(logits[None], *args)[0]).tolist()
+
+    assert kept(SamplingParams(temperature=1.0, top_k=2)) == [True, True, False, False, False]
     probs = logits.softmax(-1)  # 0.64, 0.24, 0.09, ...
-    p = _filter(logits, SamplingParams(temperature=1.0, top_p=0.8))
-    assert torch.isfinite(p).tolist() == [True, True, False, False, False] and probs[0] < 0.8
-    m = _filter(logits, SamplingParams(temperature=1.0, min_p=0.3))
-    assert torch.isfinite(m).tolist() == [True, True, False, False, False]
-    draws = {sample(logits[None], [SamplingParams(temperature=1.0, top_k=2, seed=s)], [0])[0].token_id
+    assert kept(SamplingParams(temperature=1.0, top_p=0.8)) == [True, True, False, False, False] and probs[0] < 0.8
+    assert kept(SamplingParams(temperature=1.0, min_p=0.3)) == [True, True, False, False, False]
+    draws = {sample(logits[None], [SamplingRow(SamplingParams(temperature=1.0, top_k=2, seed=s), 0, [0], [], [])])[0].token_id
              for s in range(40)}
     assert draws == {0, 1}
 

@@ -1,0 +1,56 @@
+"""The engine's checks of the logits-processing sampling keys (vLLM's rules), and bad words' tokens.
+
+Checked at admission (LLMEngine.validate), so a bad value is the client's INVALID_ARG and never
+reaches a step.
+"""
+
+from __future__ import annotations
+
+import math
+
+from engine.request import SamplingParams
+from engine.tokenizer import Tokenizer
+
+MAX_BAD_WORDS = 128  # vLLM's VLLM_MAX_NUM_BAD_WORDS default
+
+
+def _token_ids(keys) -> list[int] | None:
+    try:
+        return [int(k) for k in keys]
+    except (TypeError, ValueError):
+        return None
+
+
+def sampling_checks(p: SamplingParams, vocab_size: int) -> list[tuple[bool, str]]:
+    """(ok, message) pairs, as LLMEngine.validate's own list."""
+    bias_ids = _token_ids(p.logit_bias or {})
+    return [
+        (-2 <= p.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {p.presence_penalty}"),
+        (-2 <= p.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {p.frequency_penalty}"),
+        (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0,
+         f"repetition_penalty must be a finite number > 0, got {p.repetition_penalty}"),
+        (bias_ids is not None, "logit_bias keys must be token ids (integers)"),
+        (bias_ids is None or all(0 <= t < vocab_size for t in bias_ids),
+         f"logit_bias has token ids outside the vocabulary [0, {vocab_size})"),
+        (all(isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b)
+             for b in (p.logit_bias or {}).values()), "logit_bias values must be finite numbers"),
+        (p.allowed_token_ids is None or len(p.allowed_token_ids) > 0, "allowed_token_ids must not be empty"),
+        (all(0 <= t < vocab_size for t in p.allowed_token_ids or ()),
+         f"allowed_token_ids has token ids outside the vocabulary [0, {vocab_size})"),
+        (all(isinstance(w, str) and w for w in p.bad_words), "bad_words cannot contain an empty string"),
+        (len(p.bad_words) <= MAX_BAD_WORDS, f"at most {MAX_BAD_WORDS} bad_words"),
+    ]
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's update_from_tokenizer: each word as tokenized at the start of a text and, when that
+    gives a different first token of the same length, after a space (mid-text)."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if plain:
+            out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+            out.append(spaced)
+    return out

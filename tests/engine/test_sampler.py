@@ -1,0 +1,178 @@
+"""The batched sampler against plain per-row torch references written from vLLM's definitions:
+penalties, logit_bias, bad words, allowed_token_ids, min_p / top-k / top-p, logprob ranks, and
+values at float32's edges (tiny temperature / top_p / repetition_penalty) that once made a
+step raise."""
+
+import random
+
+import pytest
+import torch
+
+from engine.request import SamplingParams
+from engine.sampler import SamplingRow, filter_logits, process_logits, sample
+
+V = 97  # awkward on purpose
+
+
+def ref_process(x: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int], banned: list[int]):
+    """vLLM's logits processors for one row, written out token by token."""
+    x = x.clone().float()
+    if p.allowed_token_ids is not None:
+        keep = torch.full_like(x, float("-inf"))
+        keep[p.allowed_token_ids] = x[p.allowed_token_ids]
+        x = keep
+    for word in p.bad_words_token_ids or []:
+        if len(word) - 1 <= len(output) and output[len(output) - len(word) + 1:] == word[:-1]:
+            x[word[-1]] = float("-inf")
+    for t in banned:
+        x[t] = float("-inf")
+    for t, b in (p.logit_bias or {}).items():
+        x[int(t)] += min(100.0, max(-100.0, b))
+    for t in set(prompt) | set(output):
+        if x[t] > 0:
+            x[t] = x[t] / p.repetition_penalty
+        else:
+            x[t] = x[t] * p.repetition_penalty
+    for t in set(output):
+        x[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    return x
+
+
+def ref_kept(x: torch.Tensor, p: SamplingParams) -> set[int]:
+    """Tokens a sampled row may draw: temperature, min_p, top-k, top-p (mass strictly above < top_p)."""
+    x = x / p.temperature
+    probs = x.softmax(-1)
+    kept = {t for t in range(len(x)) if probs[t] >= p.min_p * probs.max() and x[t] > float("-inf")}
+    if 0 < p.top_k < len(x):
+        kth = sorted((x[t].item() for t in kept), reverse=True)[min(p.top_k, len(kept)) - 1]
+        kept = {t for t in kept if x[t] >= kth}
+    z = torch.tensor([x[t] if t in kept else float("-inf") for t in range(len(x))])
+    probs = z.softmax(-1)
+    order = sorted(kept, key=lambda t: -probs[t].item())
+    out, above = set(), 0.0
+    for t in order:
+        if not out or above < p.top_p:
+            out.add(t)
+        above += probs[t].item()
+    return out
+
+
+def random_params(rng: random.Random, greedy: bool) -> SamplingParams:
+    p = SamplingParams(temperature=0.0 if greedy else rng.choice([0.5, 1.0, 1.7]), logprobs=rng.choice([None, 0, 3]))
+    keys = rng.sample(["presence", "frequency", "repetition", "bias", "bad", "allowed", "none"], 2)
+    if "presence" in keys:
+        p.presence_penalty = rng.uniform(-2, 2)
+    if "frequency" in keys:
+        p.frequency_penalty = rng.uniform(-2, 2)
+    if "repetition" in keys:
+        p.repetition_penalty = rng.choice([0.5, 1.3, 2.0])
+    if "bias" in keys:
+        p.logit_bias = {str(rng.randrange(V)): rng.uniform(-150, 150) for _ in range(3)}
+    if "bad" in keys:
+        p.bad_words_token_ids = [[rng.randrange(V)], [rng.randrange(V), rng.randrange(V)]]
+    if "allowed" in keys:
+        p.allowed_token_ids = rng.sample(range(V), 7)
+    if not greedy:
+        p.top_k, p.top_p, p.min_p = rng.choice([0, 5, 40]), rng.choice([1.0, 0.9, 0.5]), rng.choice([0.0, 0.1])
+    return p
+
+
+def random_rows(rng: random.Random, n: int, greedy: bool) -> list[SamplingRow]:
+    rows = []
+    for i in range(n):
+        output = [rng.randrange(V) for _ in range(rng.randrange(6))]
+        p = random_params(rng, greedy)
+        if p.bad_words_token_ids and output:  # make a two-token bad word's prefix match sometimes
+            p.bad_words_token_ids[1][0] = output[-1]
+        p.seed = 1000 + i
+        rows.append(SamplingRow(p, len(output), [rng.randrange(V) for _ in range(5)], output,
+                                rng.sample(range(V), rng.choice([0, 2]))))
+    return rows
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_greedy_with_every_processor_matches_the_reference_alone_and_batched(trial):
+    rng = random.Random(trial)
+    logits = torch.randn(9, V, generator=torch.Generator().manual_seed(trial)) * 4
+    rows = random_rows(rng, 9, greedy=True)
+    batched = sample(logits, rows)
+    processed = process_logits(logits.clone(), rows)
+    for i, (row, s) in enumerate(zip(rows, batched)):
+        ref = ref_process(logits[i], row.params, row.prompt_ids, row.output_ids, row.banned)
+        assert torch.allclose(processed[i], ref, atol=1e-5), (i, row)
+        assert s.error is None and s.token_id == int(ref.argmax()), (i, row)
+        assert s.logprob == pytest.approx(float(logits[i].log_softmax(-1)[s.token_id]), abs=1e-5)  # raw, as vLLM
+        assert sample(logits[i:i + 1], [row])[0] == s  # the same alone
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_sampled_rows_draw_only_what_the_reference_keeps_and_seeds_ignore_batch_mates(trial):
+    rng = random.Random(100 + trial)
+    logits = torch.randn(8, V, generator=torch.Generator().manual_seed(trial)) * 3
+    rows = random_rows(rng, 8, greedy=False)
+    for step in range(5):
+        for row in rows:
+            row.step = step
+        batched = sample(logits, rows, torch.Generator().manual_seed(step))
+        for i, (row, s) in enumerate(zip(rows, batched)):
+            x = ref_process(logits[i], row.params, row.prompt_ids, row.output_ids, row.banned)
+            assert s.token_id in ref_kept(x, row.params), (i, row)
+            assert sample(logits[i:i + 1], [row])[0].token_id == s.token_id  # seeded: batch mates do not matter
+
+
+def test_filter_logits_keeps_the_reference_sets():
+    rng = random.Random(5)
+    for trial in range(40):
+        x = torch.randn(V, generator=torch.Generator().manual_seed(trial)) * rng.choice([0.5, 3, 10])
+        p = SamplingParams(temperature=rng.choice([0.3, 1.0, 2.0]), top_k=rng.choice([0, 1, 3, 50]),
+                           top_p=rng.choice([1.0, 0.95, 0.6, 0.1]), min_p=rng.choice([0.0, 0.05, 0.5]))
+        kept = filter_logits(x[None], torch.tensor([p.temperature]), torch.tensor([p.top_k or V]),
+                             torch.tensor([p.top_p]), torch.tensor([p.min_p]))[0]
+        assert set(torch.isfinite(kept).nonzero().flatten().tolist()) == ref_kept(x, p), (trial, p)
+
+
+def test_draws_follow_the_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    probs = logits[0].softmax(-1)
+    counts = torch.zeros(4)
+    for seed in range(4000):
+        counts[sample(logits, [SamplingRow(SamplingParams(temperature=1.0, seed=seed), 0, [0], [], [])])[0].token_id] += 1
+    assert torch.allclose(counts / 4000, probs, atol=0.03), (counts / 4000, probs)
+
+
+def test_logprob_ranks_count_every_token_at_least_as_likely():
+    logits = torch.tensor([[3.0, 1.0, 1.0, 2.0, -1.0]])
+    row = SamplingRow(SamplingParams(temperature=0.0, logprobs=2, logit_bias={"4": 10.0}), 0, [0], [], [])
+    s = sample(logits, [row])[0]
+    assert s.token_id == 4 and s.rank == 5  # chosen by its bias; ranked on the raw logprobs, as vLLM
+    assert list(s.top_logprobs) == [0, 3, 4]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1e-40),  # below float32's smallest normal: the logits overflowed
+    SamplingParams(temperature=1e-6, seed=1),
+    SamplingParams(temperature=1e-5, seed=2),
+    SamplingParams(temperature=0.8, top_p=1e-300, seed=3),  # 0 in float32: every token was dropped
+    SamplingParams(temperature=0.8, top_p=1e-45, min_p=1.0, seed=4),
+    SamplingParams(temperature=0.0, repetition_penalty=1e-300),
+    SamplingParams(temperature=1e-5, repetition_penalty=1e-30, seed=5),
+    SamplingParams(temperature=1e30, seed=6),
+])
+def test_extreme_values_sample_a_valid_token(params):
+    logits = torch.tensor([[30.0, 5.0, -3.0, 29.0, 0.0]] * 2)
+    rows = [SamplingRow(params, 0, [1], [], []), SamplingRow(SamplingParams(temperature=0), 0, [1], [], [])]
+    s, plain = sample(logits, rows)
+    assert s.error is None and 0 <= s.token_id < 5 and plain.token_id == 0
+    if params.temperature < 1e-5 or params.top_p < 1e-30:
+        assert s.token_id == (0 if params.repetition_penalty == 1 else 1)  # the top token (1: prompt token favoured)
+
+
+def test_a_row_with_nothing_left_fails_alone():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
+    logits[2, 4] = float("nan")
+    rows = [SamplingRow(SamplingParams(temperature=0), 0, [1], [], []),
+            SamplingRow(SamplingParams(temperature=0.7, allowed_token_ids=[5, 6], seed=1), 0, [1], [], [5, 6]),
+            SamplingRow(SamplingParams(temperature=0), 0, [1], [], [])]
+    ok, masked, nan = sample(logits, rows)
+    assert ok.error is None and ok.token_id == int(logits[0].argmax())
+    assert "every token is masked" in masked.error and "NaN" in nan.error
