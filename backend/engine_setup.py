@@ -24,9 +24,15 @@ TINY_MODEL_NAMES = ("", "tiny")
 
 def build_engine(engine_args: dict) -> AsyncEngine:
     """Construct (not start) the engine named by `engine_args["engine"]` (default "native").
-    The engine gets every other key unchanged. Engines are imported lazily: vllm is optional."""
+    The native engine's core runs in its own process unless `"engine_core_process": false`
+    (then in-process `AsyncLLM`). The engine gets every other key unchanged. Engines are imported lazily: vllm is optional."""
     args = dict(engine_args)
     name = args.pop("engine", "native")
+    core_process = args.pop("engine_core_process", True)
+    if name == "native" and core_process:  # the engine core in a process of its own (docs/PROCESSES.md)
+        from engine.core_client import CoreClient
+
+        return CoreClient(args)
     if name == "native":
         from engine.llm import AsyncLLM
 

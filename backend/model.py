@@ -378,6 +378,8 @@ class TritonPythonModel:
         readiness says so (needs --model-control-mode=explicit, which backend.serve uses)."""
         if self.engine.health():
             return True
+        if getattr(self.engine, "restarting", False):  # the engine core process comes back by itself
+            return False
         if not self.unloading and not self.stopping:  # finalize shuts the engine down on purpose
             self.unloading = True
             self.logger.log_error("[deepseek] the engine is not healthy; unloading the model")

@@ -41,6 +41,11 @@ class EngineArgs:
     # a step running longer than this means a hung GPU or a deadlock: the engine is declared dead
     # (requests in flight fail UNAVAILABLE, health turns false, the Triton model unloads). 0: off
     step_timeout_s: float = 60.0
+    # the engine core process (engine/core_client.py): a core that dies or hangs is restarted this
+    # many times, after core_restart_backoff_s, doubling per restart (at most 30 s); then it stays
+    # dead (health false: the Triton model unloads). The count resets after 10 minutes of serving.
+    core_restart_limit: int = 3
+    core_restart_backoff_s: float = 1.0
     # tests only: a request whose prompt holds this text makes every step it is in raise
     # ("<marker>:fatal": an error classed as fatal, "<marker>:hang": the step blocks); see
     # docs/RELIABILITY.md. Never in production.
@@ -65,6 +70,8 @@ class EngineArgs:
             (self.max_waiting_requests >= 0, "max_waiting_requests must be >= 0"),
             (self.step_timeout_s >= 0, "step_timeout_s must be >= 0 (0: no step watchdog)"),
             (self.kernels in ("auto", "ref"), "kernels must be 'auto' or 'ref'"),
+            (self.core_restart_limit >= 0, "core_restart_limit must be >= 0"),
+            (self.core_restart_backoff_s >= 0, "core_restart_backoff_s must be >= 0"),
             (self.engine == "native", "this is the native engine; engine must be 'native'"),
             (self.block_size is None or self.block_size >= 1, "block_size must be >= 1"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),

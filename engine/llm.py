@@ -17,14 +17,14 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import torch
-
+from engine import fault_injection
 from engine.args import EngineArgs
+from engine.delta_stream import merged_deltas, on_loop
 from engine.llm_engine import LLMEngine
+from engine.recovery import StepRecovery
 from engine.request import (
     EngineDead,
     EngineOverloaded,
@@ -33,16 +33,9 @@ from engine.request import (
     RequestFailed,
     RequestOutput,
     SamplingParams,
-    merge_outputs,
 )
-from engine.sequence import Sequence
 
 log = logging.getLogger("deepseek.engine")
-
-# A request in this many failed steps is failed even when it never fails alone (a fault that
-# needs a particular batch would otherwise retry forever).
-MAX_SUSPICIONS = 3
-HANG_RELEASE_S = 120.0  # fault injection: a "hung" step unblocks by itself after this long at most
 
 
 @dataclass
@@ -88,33 +81,6 @@ class LLM:
         return results
 
 
-class InjectedFault(RuntimeError):
-    """Raised by the test-only fault injection (EngineArgs.fault_injection_marker)."""
-
-
-class InjectedFatalFault(InjectedFault):
-    """The injected stand-in for an error that leaves the device unusable (a CUDA error)."""
-
-
-def is_fatal(exc: BaseException) -> bool:
-    """Errors after which no step can be trusted: the device context is broken."""
-    if isinstance(exc, InjectedFatalFault | MemoryError | SystemError):
-        return True
-    accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8: CUDA errors
-    if accelerator_error is not None and isinstance(exc, accelerator_error):
-        return True
-    text = str(exc)
-    return "CUDA error" in text or "device-side assert" in text
-
-
-def _on_loop(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    """Run fn(*args) on a caller's event loop, from the step thread (or the watchdog)."""
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the caller's loop is closed
-        pass
-
-
 class AsyncLLM:
     """The native engine behind the async interface the Triton backend uses."""
 
@@ -134,19 +100,22 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._closed = False
         self._pending_adds = 0  # add commands queued, not handled yet (admission fast path)
-        self._suspicions: dict[str, int] = {}  # request id -> failed steps it was in
+        self._recovery: StepRecovery | None = None
+        self._faults: fault_injection.FaultInjectingRunner | None = None  # tests only
         self._step_since: float | None = None  # when the step (or probe) now running began
-        self._hang_release = threading.Event()  # fault injection: lets a "hung" step go
         self._watchdog: threading.Thread | None = None
         self._watch_stop = threading.Event()
-        self._faults: dict[str, str] = {}  # fault injection (test-only): request id -> "step" | "fatal"
-        self.counters = {"num_step_failures": 0, "num_requests_failed": 0, "num_requests_rejected": 0}
+        self.counters = {"num_requests_failed": 0, "num_requests_rejected": 0}
+
+    @property
+    def _hang_release(self) -> threading.Event:  # fault injection: lets a "hung" step go
+        return self._faults.hang_release
 
     async def start(self) -> None:
         self.engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, self.args)
         self.tokenizer = self.engine.tokenizer
-        if self.args.fault_injection_marker:
-            self._install_fault_injection()
+        self._faults = fault_injection.install(self.engine, self.args.fault_injection_marker)
+        self._recovery = StepRecovery(self.engine, self._emit, self._fail, self._timed)
         self._thread = threading.Thread(target=self._loop, name="dsv4-engine", daemon=True)
         self._thread.start()
         if self.args.step_timeout_s > 0:
@@ -168,6 +137,9 @@ class AsyncLLM:
             raise EngineOverloaded(f"{queued} requests waiting or arriving (max_waiting_requests="
                                    f"{self.args.max_waiting_requests}); retry later")
         loop = asyncio.get_running_loop()
+        if request.sampling.structured_outputs is not None:  # compiled off the step loop; a bad spec fails here
+            compiler = await loop.run_in_executor(None, self.engine.grammar_compiler)
+            await asyncio.wrap_future(compiler.compile(request.sampling.structured_outputs))
         stream: asyncio.Queue = asyncio.Queue()
         admitted = loop.create_future()
         with self._lock:
@@ -179,22 +151,12 @@ class AsyncLLM:
         await admitted  # InvalidRequest / EngineOverloaded / EngineDead surface here, before any delta
         finished = False
         try:
-            while True:
-                items = [await stream.get()]
-                # a consumer that fell behind (150 streams in one event loop) takes what has
-                # piled up as one delta: its per-delta work then scales with requests, not tokens
-                while isinstance(items[-1], RequestOutput) and not items[-1].finished and not stream.empty():
-                    items.append(stream.get_nowait())
-                error = items.pop() if isinstance(items[-1], Exception) else None
-                if items:
-                    out = merge_outputs(items)
-                    finished = out.finished
-                    yield out
-                if error is not None:
-                    finished = True
-                    raise error
-                if finished:
-                    return
+            async for out in merged_deltas(stream):
+                finished = out.finished
+                yield out
+        except Exception:
+            finished = True  # the engine ended it (failed, dead): nothing to abort
+            raise
         finally:
             if not finished:  # the consumer went away (cancelled, disconnected): free the cache
                 self._command(("abort", request.request_id))
@@ -205,7 +167,7 @@ class AsyncLLM:
     def stats(self) -> dict:
         if self.engine is None:
             return {}
-        return {**self.engine.stats(), **self.counters}
+        return {**self.engine.stats(), **self.counters, "num_step_failures": self._recovery.num_step_failures}
 
     def health(self) -> bool:
         return self.engine is not None and self._dead is None and self._thread is not None and self._thread.is_alive()
@@ -240,9 +202,10 @@ class AsyncLLM:
         loop, stream = target
         if done:
             del self._streams[request_id]
-            self._suspicions.pop(request_id, None)
-            self._faults.pop(request_id, None)
-        _on_loop(loop, stream.put_nowait, item)
+            self._recovery.forget(request_id)
+            if self._faults is not None:
+                self._faults.forget(request_id)
+        on_loop(loop, stream.put_nowait, item)
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -258,7 +221,7 @@ class AsyncLLM:
         def settle():
             if not future.done():
                 future.set_exception(error) if error is not None else future.set_result(True)
-        _on_loop(loop, settle)
+        on_loop(loop, settle)
 
     def _handle(self, cmd: tuple) -> None:
         eng = self.engine
@@ -282,10 +245,8 @@ class AsyncLLM:
                 self._resolve(loop, admitted, RequestFailed(f"admission failed: {e!r}"))
                 return
             self._streams[request.request_id] = (loop, stream)
-            marker = self.args.fault_injection_marker
-            if marker and request.prompt and marker in request.prompt:
-                kinds = [k for k in ("fatal", "hang") if f"{marker}:{k}" in request.prompt]
-                self._faults[request.request_id] = kinds[0] if kinds else "step"
+            if self._faults is not None:
+                self._faults.register(request)
             self._resolve(loop, admitted)
         elif cmd[0] == "abort":
             out = eng.abort(cmd[1])
@@ -322,7 +283,9 @@ class AsyncLLM:
             try:
                 outputs = self._timed(eng.step)
             except Exception as e:  # noqa: BLE001 - find the request that fails, keep serving the others
-                self._recover(e)
+                fatal = self._recovery.recover(e, list(self._streams))
+                if fatal is not None:
+                    self._die(fatal)
                 continue
             self._emit(outputs)
 
@@ -352,7 +315,7 @@ class AsyncLLM:
             reason = EngineDead(f"engine stopped: {self._dead}")
             self._close_commands(reason)
             for loop, stream in list(self._streams.values()):  # told, not forgotten: the step thread owns _streams
-                _on_loop(loop, stream.put_nowait, reason)
+                on_loop(loop, stream.put_nowait, reason)
 
     def _close_commands(self, reason: EngineDead) -> None:
         """No command is handled any more: adds fail at once from now on, queued ones here."""
@@ -384,132 +347,13 @@ class AsyncLLM:
 
     # --- failures -----------------------------------------------------------------------------
 
-    def _recover(self, exc: Exception) -> None:
-        """A step raised. Preempt every running request (its cache may hold half a step), then
-        run each one alone, recomputed from its tokens: the ones that fail alone are failed, the
-        others carry on. A fatal error, or an engine that cannot run a one-token forward any
-        more, kills the engine instead."""
-        eng, sch = self.engine, self.engine.scheduler
-        self.counters["num_step_failures"] += 1
-        log.error("engine step failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
-        if is_fatal(exc):
-            self._die(exc)
-            return
-        self._fail_orphans(exc)
-        suspects = list(sch.running)  # the failed batch is among them
-        for seq in suspects:
-            self._requeue(seq)
-            sch.waiting.remove(seq)  # out of the queue while they run one by one
-        survivors, culprits = [], 0
-        for seq in suspects:
-            error = self._solo(seq)
-            if error is not None and is_fatal(error):
-                self._die(error)
-                return
-            if error is not None:
-                culprits += 1
-                self._fail(seq.request_id, error)
-            elif seq.request_id in eng.requests:
-                survivors.append(seq)
-        if culprits == 0:  # every one passed alone: a transient fault, or one that needs this batch
-            for seq in list(survivors):
-                rid = seq.request_id
-                self._suspicions[rid] = self._suspicions.get(rid, 0) + 1
-                if self._suspicions[rid] >= MAX_SUSPICIONS:
-                    survivors.remove(seq)
-                    self._fail(rid, exc)
-        sch.waiting.extendleft(reversed(survivors))  # back at the front, in their order
-        if suspects and culprits == len(suspects) and not self._probe():
-            self._die(exc)
-
-    def _requeue(self, seq: Sequence) -> None:
-        """Free a request's cache and queue it to recompute its tokens (preemption by recompute)."""
-        sch = self.engine.scheduler
-        if seq in sch.running:
-            sch.running.remove(seq)
-        elif seq in sch.waiting:
-            sch.waiting.remove(seq)
-        sch._preempt(seq)  # release, reset progress, front of the queue; its tokens so far are kept
-
-    def _solo(self, seq: Sequence) -> Exception | None:
-        """Step `seq` alone until it has recomputed what the failed step computed (and sampled
-        one more token); its outputs stream as usual. Returns the error if a step fails. A
-        survivor is left freed and out of the scheduler's queues (the caller re-queues it)."""
-        eng, sch = self.engine, self.engine.scheduler
-        target = seq.num_tokens
-        waiting = sch.waiting
-        sch.waiting, sch.running = deque([seq]), []
-        error = None
-        try:
-            while seq.request_id in eng.requests and seq.num_computed_tokens < target:
-                before = seq.num_computed_tokens
-                self._emit(self._timed(eng.step))
-                if seq.num_computed_tokens == before and seq.request_id in eng.requests:
-                    break  # could not be scheduled: nothing learnt
-            self._emit(self._timed(eng.flush))  # async scheduling: its last step's token
-        except Exception as e:  # noqa: BLE001 - that is the answer
-            error = e
-        if error is None and seq.request_id in eng.requests:
-            self._requeue(seq)  # the solo cache is not kept: it recomputes with the others
-        sch.waiting, sch.running = waiting, []
-        return error
-
-    def _probe(self) -> bool:
-        """Can the engine run a one-token forward at all? (every request of a failed step failed
-        alone: either they are all bad, or the engine is)."""
-        eng = self.engine
-        seq = Sequence("__health_probe__", [0], SamplingParams(max_tokens=1))
-        if not eng.scheduler._try_allocate(seq, 1):
-            return True  # no room to tell; the requests that failed are gone, so next time there is
-        try:
-            self._timed(eng.runner.run, [(seq, 1)])
-            return True
-        except Exception:  # noqa: BLE001
-            log.exception("a one-token forward failed: the engine is broken")
-            return False
-        finally:
-            eng.scheduler.release(seq)
-
     def _fail(self, request_id: str, exc: BaseException) -> None:
         self.counters["num_requests_failed"] += 1
         log.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
         self.engine.abort(request_id)  # frees its cache; its stream gets the error instead
         self._send(request_id, RequestFailed(f"engine step failed: {type(exc).__name__}: {exc}"), done=True)
 
-    def _fail_orphans(self, exc: Exception) -> None:
-        """Requests that finished inside the failed step lost their last output: fail them."""
-        for rid in [r for r in self._streams if r not in self.engine.requests]:
-            self.counters["num_requests_failed"] += 1
-            self._send(rid, RequestFailed(f"engine step failed: {type(exc).__name__}: {exc}"), done=True)
-
     def _die(self, exc: BaseException) -> None:
         self._dead = f"{type(exc).__name__}: {exc}"
         log.critical("the engine is dead: %s", self._dead)
         self._stop = True  # _close fails every request in flight and every pending add
-
-    # --- fault injection (tests only; off unless EngineArgs.fault_injection_marker is set) -----
-
-    def _install_fault_injection(self) -> None:
-        """A request whose prompt holds the marker makes every forward it is in raise, after the
-        forward ran (the cache then holds half a step, the worst case); `<marker>:fatal` raises
-        an error classed as fatal; `<marker>:hang` blocks the forward until `_hang_release` is
-        set (at most HANG_RELEASE_S). Never set this in production."""
-        log.warning("fault injection is ON (fault_injection_marker=%r): for tests only",
-                    self.args.fault_injection_marker)
-        runner = self.engine.runner
-        run = runner.run
-
-        def run_with_faults(scheduled, *args, **kwargs):
-            logits = run(scheduled, *args, **kwargs)
-            for seq, _ in scheduled:
-                kind = self._faults.get(seq.request_id)
-                if kind == "hang":
-                    self._hang_release.wait(HANG_RELEASE_S)
-                    continue
-                if kind == "fatal":
-                    raise InjectedFatalFault(f"injected fatal fault (request {seq.request_id})")
-                if kind:
-                    raise InjectedFault(f"injected fault (request {seq.request_id})")
-            return logits
-
-        runner.run = run_with_faults

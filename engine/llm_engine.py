@@ -17,6 +17,7 @@ from engine.cache import KVCache
 from engine.config import CSA
 from engine.in_flight import InFlight
 from engine.loader import load_model
+from engine.output_text import OutputText
 from engine.prefix_cache import PrefixCache
 from engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
 from engine.runner import ModelRunner
@@ -24,7 +25,7 @@ from engine.sampler import SamplingRow, sample
 from engine.sampling_checks import bad_words_token_ids, sampling_checks
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence, Status
-from engine.tokenizer import Detokenizer, Tokenizer
+from engine.tokenizer import Tokenizer
 
 CPU_KV_BYTES = 256 << 20  # default KV budget on CPU
 
@@ -32,19 +33,20 @@ CPU_KV_BYTES = 256 << 20  # default KV budget on CPU
 @dataclass
 class RequestState:
     seq: Sequence
-    detok: Detokenizer
+    text: OutputText | None  # None: token ids only (the engine core process; its front makes the text)
     eos_ids: set[int]
-    stop_len: int = 0  # the longest stop string
-    text: str = ""  # not streamed yet (held back while it may be the start of a stop string)
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs | dict):
+    def __init__(self, args: EngineArgs | dict, detokenize: bool = True):
+        """detokenize=False: outputs carry token ids only and stop strings are left to the caller
+        (the engine core process: text work belongs to its front, not to the step loop)."""
         args = EngineArgs.from_dict(args) if isinstance(args, dict) else args
         args.validate()
         self.args = args
+        self.detokenize = detokenize
         kernels.set_backend(args.kernels)
         model_dir = resolve_model_dir(args.model)
         self.device = torch.device(
@@ -194,9 +196,8 @@ class LLMEngine:
         eos = set() if req.sampling.ignore_eos else set(self.cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and not req.sampling.ignore_eos:
             eos.add(self.tokenizer.eos_token_id)
-        self.requests[req.request_id] = RequestState(
-            seq, Detokenizer(self.tokenizer, req.sampling.skip_special_tokens), eos,
-            stop_len=max(map(len, req.sampling.stop), default=0))
+        text = OutputText(self.tokenizer, req.sampling) if self.detokenize else None
+        self.requests[req.request_id] = RequestState(seq, text, eos)
         self.scheduler.add(seq)
         self.counters["prompt_tokens"] += len(ids)
         return seq
@@ -340,26 +341,15 @@ class LLMEngine:
         n_out = len(seq.output_token_ids)
         if token in st.eos_ids or token in p.stop_token_ids:
             return "stop"
-        new = st.detok.push(token)
-        st.text += new
-        if p.stop and n_out >= p.min_tokens:
-            # a new match ends in the new text (the text before it was searched on earlier tokens;
-            # stop strings count from min_tokens on)
-            start = max(0, len(st.text) - len(new) - st.stop_len + 1)
-            hits = [i for s in p.stop if (i := st.text.find(s, start)) >= 0]
-            if hits:
-                st.text = st.text[: min(hits)]
-                return "stop"
+        if st.text is not None and st.text.push(token, n_out):
+            return "stop"
         if n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
     def _output(self, st: RequestState, finished: bool) -> RequestOutput:
         seq = st.seq
-        # never stream the start of a stop string that may still complete; what is held back is
-        # also all the earlier text a stop string can still match into
-        end = len(st.text) if finished else max(0, len(st.text) - max(0, st.stop_len - 1))
-        text, st.text = st.text[:end], st.text[end:]
+        text = st.text.take(finished) if st.text is not None else ""
         out = RequestOutput(
             request_id=seq.request_id, text=text, token_ids=st.new_token_ids,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(seq.output_token_ids),

@@ -1,0 +1,117 @@
+"""The engine core in its own process behind CoreClient streams what the in-process AsyncLLM
+streams, token for token: greedy, seeded sampling, logprobs, stop strings (matched in the front,
+which aborts the core's request and drops what it made past the stop), EOS, min_tokens,
+invalid requests, aborts; and a slow consumer still gets merged deltas."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.core_client import CoreClient
+from engine.llm import AsyncLLM
+from engine.request import GenerationRequest, InvalidRequest, SamplingParams
+
+ARGS = {"max_model_len": 256, "dtype": "float32", "enable_prefix_caching": False}
+
+CASES = [
+    ("greedy", "The capital of France is", SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)),
+    ("seeded", "Once upon a time", SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=11, logprobs=3)),
+    ("seeded-2", "Once upon a time", SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=5)),
+    ("min-tokens", "Hello", SamplingParams(max_tokens=12, min_tokens=6, temperature=0.7, seed=2)),
+    ("bad", "", SamplingParams(max_tokens=4)),
+]
+
+
+def _stop_case(text: str) -> SamplingParams:
+    """A stop string that the greedy text reaches mid-way: its last 2 characters around token 8."""
+    return SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[text[-2:], "never-there"])
+
+
+async def _collect(engine, rid: str, prompt: str, sampling: SamplingParams, pause_s: float = 0.0):
+    try:
+        outs = []
+        async for out in engine.add(GenerationRequest(rid, prompt=prompt, sampling=sampling)):
+            outs.append(out)
+            await asyncio.sleep(pause_s)
+        return outs
+    except InvalidRequest as e:
+        return f"InvalidRequest: {e}"
+
+
+def _joined(outs):
+    """A stream as content: every part joined, the last delta's counters (merging may differ).
+    Logprobs as floats: the two runs batch their requests by arrival, which moves float32 sums."""
+    if isinstance(outs, str):
+        return outs
+    last = outs[-1]
+    logprobs = [lp for o in outs for lp in o.logprobs or ()]
+    return ("".join(o.text for o in outs), [t for o in outs for t in o.token_ids],
+            [sorted(lp) for lp in logprobs], last.finish_reason, last.num_output_tokens, last.num_prompt_tokens,
+            sum(o.finished for o in outs),
+            [last.cumulative_logprob, *(v for lp in logprobs for _, v in sorted(lp.items()))])
+
+
+def _expected(outs):
+    joined = _joined(outs)
+    return joined if isinstance(joined, str) else (*joined[:-1], pytest.approx(joined[-1], rel=1e-5))
+
+
+async def _run_all(engine, cases):
+    await engine.start()
+    try:
+        return await asyncio.gather(*[_collect(engine, rid, prompt, sp) for rid, prompt, sp in cases])
+    finally:
+        await engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def streams():
+    """Every case through both engines, concurrently (one batch), plus a stop-string case built
+    from the greedy text."""
+    first = asyncio.run(_run_all(AsyncLLM(ARGS), CASES[:1]))[0]
+    greedy_8 = "".join(o.text for o in first[:8])
+    cases = [*CASES, ("stop", CASES[0][1], _stop_case(greedy_8))]
+    return cases, asyncio.run(_run_all(AsyncLLM(ARGS), cases)), asyncio.run(_run_all(CoreClient(ARGS), cases))
+
+
+def test_streams_equal_the_in_process_engine(streams):
+    cases, local, remote = streams
+    for (rid, _, _), a, b in zip(cases, local, remote):
+        assert _joined(b) == _expected(a), rid
+    assert remote[-2].startswith("InvalidRequest: the prompt is empty")
+
+
+def test_a_stop_string_ends_the_request_where_the_in_process_engine_does(streams):
+    cases, local, remote = streams
+    stop = _joined(remote[-1])
+    assert stop[3] == "stop" and stop[4] < 24 and not stop[0].endswith(cases[-1][2].stop[0])
+    assert len(stop[1]) == stop[4]  # the tokens the core made past the stop are not streamed
+
+
+def test_abort_ends_the_stream_and_a_slow_consumer_gets_merged_deltas():
+    async def main():
+        engine = CoreClient(ARGS)
+        await engine.start()
+        try:
+            sp = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+            outs = []
+            async for out in engine.add(GenerationRequest("long", prompt="abort me", sampling=sp)):
+                outs.append(out)
+                if len(outs) == 3:
+                    await engine.abort("long")
+            fast = await _collect(engine, "fast", "The slow reader", SamplingParams(max_tokens=24, temperature=0))
+            slow = await _collect(engine, "slow", "The slow reader", SamplingParams(max_tokens=24, temperature=0),
+                                  pause_s=0.25)
+            while engine.stats()["running"]:  # stats follow the core's steps
+                await asyncio.sleep(0.05)
+            return outs, fast, slow, engine.stats()
+        finally:
+            await engine.shutdown()
+
+    outs, fast, slow, stats = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].finish_reason == "abort" and outs[-1].num_output_tokens < 200
+    assert len(slow) < len(fast) and any(len(o.token_ids) > 1 for o in slow)
+    assert _joined(slow) == _expected(fast)
+    assert stats["running"] == 0 and stats["num_steps"] > 0
