@@ -34,28 +34,34 @@ def variant_for(m: int, n: int, k: int) -> str:
 
 @triton.jit
 def _round_e4m3(v):
-    """e4m3 rounding in float32 arithmetic (round half up; the hardware rounds half to even, a tie
-    that random data almost never hits). Only the interpreter uses it: its float32 -> e4m3 cast is
-    wrong above 64 (seen: -124.7 -> -64)."""
+    """e4m3 rounding (to nearest, ties to even, as torch and the hardware cast) in float32
+    arithmetic. Only the interpreter uses it: its float32 -> e4m3 cast is wrong above 64 (seen:
+    -124.7 -> -64). Ties are common: bf16 activations over a bf16 absmax are short fractions."""
     a = tl.abs(v)
     step = tl.exp2(tl.floor(tl.log2(tl.maximum(a, 0.015625))) - 3.0)  # 3 mantissa bits; subnormals below 2^-6
-    r = tl.minimum(tl.floor(a / step + 0.5) * step, 448.0)
+    t = a / step
+    f = tl.floor(t)
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    r = tl.minimum((f + ((t - f > 0.5) | ((t - f == 0.5) & odd)).to(tl.float32)) * step, 448.0)
     return tl.where(v < 0, -r, r)
 
 
-def _configs():
+def _configs(block_k: bool):
+    """Decode: narrow row tiles streaming wide weight tiles; prefill: 128x128 tiles, 8 warps. The
+    dequant variant also picks its K tile (the mma one multiplies whole 128-wide scale blocks)."""
     if _INTERPRET:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32})]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-            for m, n, w, s in ((16, 64, 4, 4), (16, 128, 4, 4), (32, 64, 4, 4), (64, 128, 4, 3), (128, 128, 8, 3),
-                               (128, 64, 4, 4), (64, 64, 4, 4))]
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, **({"BLOCK_K": 64} if block_k else {})})]
+    shapes = ((16, 64, 4, 4), (16, 128, 4, 4), (32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4))
+    ks = (64, 128) if block_k else (None,)
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, **({"BLOCK_K": k} if k else {})}, num_warps=w, num_stages=st)
+            for m, n, w, st in shapes for k in ks if not (k == 128 and m >= 64)]
 
 
 def _row_class(m: int) -> int:
     return 0 if m <= 16 else 1 if m <= 64 else 2 if m <= 512 else 3
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "ROW_CLASS"])
+@triton.autotune(configs=_configs(block_k=True), key=["N", "K", "ROW_CLASS"])
 @triton.jit(do_not_specialize=["M"])
 def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, ROW_CLASS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
@@ -74,7 +80,7 @@ def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, ROW_CLASS, BLOCK_M: tl.
     tl.store(y_ptr + m[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "ROW_CLASS"])
+@triton.autotune(configs=_configs(block_k=False), key=["N", "K", "ROW_CLASS"])
 @triton.jit(do_not_specialize=["M"])
 def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, ROW_CLASS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 DOT_F32: tl.constexpr):
@@ -112,8 +118,7 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
     scale = scale.float().contiguous()
     if variant == "dequant":
-        _dequant_kernel[grid](x2, weight, scale, y, M, N, K, _row_class(M), BLOCK_K=64 if _INTERPRET else 128,
-                              DOT_F32=_INTERPRET or x.dtype == torch.float32)
+        _dequant_kernel[grid](x2, weight, scale, y, M, N, K, _row_class(M), DOT_F32=_INTERPRET or x.dtype == torch.float32)
     elif variant == "mma":
         _mma_kernel[grid](x2, weight, scale, y, M, N, K, _row_class(M), DOT_F32=_INTERPRET)
     else:
