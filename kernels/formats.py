@@ -86,12 +86,20 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.view(torch.int8), scale
 
 
+def act_scale_1x128(amax: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two s with 448 * s >= amax (DeepSeek's ue8m0 activation scales), from
+    the float32 bits: exact, so kernel and reference divide by the same s and round the same."""
+    bits = amax.float().contiguous().view(torch.int32)
+    j = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)  # 448 = 1.75 * 2^8
+    return (j.clamp(1, 254) << 23).view(torch.float32)
+
+
 def quantize_act_1x128(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations [M, K] -> (e4m3 [M, K], float32 scales [M, ceil(K/128)]): absmax/448 per row and
-    128 columns, the on-the-fly quantization of the FP8 tensor-core GEMM."""
+    """Activations [M, K] -> (e4m3 [M, K], float32 power-of-two scales [M, ceil(K/128)]) per row and
+    128 columns: the on-the-fly quantization of the FP8 tensor-core GEMM."""
     m, k = x.shape
     cols = -(-k // FP8_BLOCK)
     pad = torch.nn.functional.pad(x.float(), (0, cols * FP8_BLOCK - k)).view(m, cols, FP8_BLOCK)
-    scale = pad.abs().amax(-1).clamp(min=1e-12) / E4M3_MAX
+    scale = act_scale_1x128(pad.abs().amax(-1).clamp(min=1e-12))
     q = (pad / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).view(m, -1)[:, :k]
     return q.to(torch.float8_e4m3fn), scale

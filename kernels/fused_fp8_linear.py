@@ -3,9 +3,11 @@
 Two variants (same result up to the activation rounding of the second):
 - "dequant": the weight tile is dequantized in registers and multiplied in bf16. Reads half the
   bytes of a bf16 weight: the choice for decode, where the GEMM is memory bound.
-- "mma": activations are quantized per 1x128 on the fly (absmax / 448, e4m3) and the FP8 tensor
-  cores multiply, each 128-wide K block rescaled by its activation and weight scales (DeepSeek's
-  act_quant + fp8_gemm scheme): twice the bf16 peak, for prefill.
+- "mma": activations are quantized per 1x128 on the fly (scale: the power of two >= absmax / 448,
+  DeepSeek's ue8m0 act_quant; e4m3 values) and the FP8 tensor cores multiply, each 128-wide K
+  block rescaled by its activation and weight scales (DeepSeek's fp8_gemm scheme): twice the bf16
+  peak, for prefill. Power-of-two scales make the division exact, so the kernel rounds each
+  activation exactly as kernels.reference.linear_act_quant does.
 `variant_for` picks per shape from DEQUANT_MAX_ROWS, which tools/bench_quant.py measures on the
 H200 (its JSON key "crossover").
 """
@@ -36,7 +38,7 @@ def variant_for(m: int, n: int, k: int) -> str:
 def _round_e4m3(v):
     """e4m3 rounding (to nearest, ties to even, as torch and the hardware cast) in float32
     arithmetic. Only the interpreter uses it: its float32 -> e4m3 cast is wrong above 64 (seen:
-    -124.7 -> -64). Ties are common: bf16 activations over a bf16 absmax are short fractions."""
+    -124.7 -> -64). Ties happen: bf16 activations are short binary fractions."""
     a = tl.abs(v)
     step = tl.exp2(tl.floor(tl.log2(tl.maximum(a, 0.015625))) - 3.0)  # 3 mantissa bits; subnormals below 2^-6
     t = a / step
@@ -93,14 +95,18 @@ def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, ROW_CLASS, BLOCK_M: tl.cons
         k = kb * 128 + tl.arange(0, 128)
         a = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         a = a.to(tl.float32)
-        sa = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12) / 448.0
+        bits = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12).to(tl.int32, bitcast=True)
+        j = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # kernels.formats.act_scale_1x128
+        j = tl.minimum(tl.maximum(j, 1), 253)
+        sa = (j << 23).to(tl.float32, bitcast=True)
+        inv = ((254 - j) << 23).to(tl.float32, bitcast=True)  # 1 / sa, exact
         wmask = (n[None, :] < N) & (k[:, None] < K)
         w = tl.load(w_ptr + n[None, :] * K + k[:, None], mask=wmask, other=0.0)
         sw = tl.load(s_ptr + (n // 128) * sk + kb, mask=n < N, other=0.0)
         if DOT_F32:  # the interpreter: e4m3 values held in float32, multiplied in float32 (same products)
-            d = tl.dot(_round_e4m3(a / sa[:, None]), w.to(tl.float32))
+            d = tl.dot(_round_e4m3(a * inv[:, None]), w.to(tl.float32))
         else:
-            d = tl.dot((a / sa[:, None]).to(tl.float8e4nv), w)
+            d = tl.dot((a * inv[:, None]).to(tl.float8e4nv), w)
         acc += d * sa[:, None] * sw[None, :]
     tl.store(y_ptr + m[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
 
