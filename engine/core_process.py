@@ -135,8 +135,13 @@ class CoreLoop:
             self.stop = True
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
-        self.outputs += outputs
         for out in outputs:
+            if out.error is not None:  # its sampling failed (one line, no traceback); the engine freed it
+                self.counters["num_requests_failed"] += 1
+                log.error("request %s failed: %s", out.request_id, out.error)
+                self.errors.append(RequestError(out.request_id, "failed", f"sampling failed: {out.error}"))
+            else:
+                self.outputs.append(out)
             if out.finished:
                 self._forget(out.request_id)
 
