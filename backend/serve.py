@@ -412,7 +412,7 @@ class TritonServer:
         process = self.process
         if process is not None and process.poll() is None:
             # the model ends what is still running a little before Triton's own exit timeout would
-            margin = min(3.0, self.drain_timeout_s / 4)
+            margin = min(5.0, self.drain_timeout_s / 3)
             self.shutdown_file.write_text(f"{time.time() + self.drain_timeout_s - margin:.3f}\n")
             process.send_signal(signal.SIGTERM)
             try:

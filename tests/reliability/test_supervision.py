@@ -7,86 +7,20 @@ exits 1 instead. Killing the launcher with SIGKILL leaves nothing behind either.
 from __future__ import annotations
 
 import http.client
-import json
 import os
 import signal
 import stat
-import subprocess
-import sys
-import threading
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
-from backend.process_tree import SHM_DIR, alive, processes_with_arg
-from backend.serve import REPO_ROOT, free_port
+from backend.process_tree import alive
 from tests.reliability.conftest import http_generate
+from tests.reliability.launcher import Launcher
 
 pytestmark = pytest.mark.slow
 
 NESTED_BODY = '{"text_input":"hi","x":' + "[" * 300_000 + "]" * 300_000 + "}"
-ENGINE_ARGS = {"max_model_len": 256, "max_num_seqs": 4}
-
-
-class Launcher:
-    def __init__(self, tmp_path: Path, *flags: str):
-        self.http_port, grpc_port, metrics_port = free_port(), free_port(), free_port()
-        self.http_url = f"127.0.0.1:{self.http_port}"
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "backend.serve", "--http-port", str(self.http_port), "--grpc-port",
-             str(grpc_port), "--metrics-port", str(metrics_port), "--workdir", str(tmp_path), "--drain-timeout-s",
-             "5", "--engine-args", json.dumps(ENGINE_ARGS), *flags],
-            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.output: list[str] = []
-        threading.Thread(target=lambda: self.output.extend(self.process.stdout), daemon=True).start()
-        self.shm_prefix = f"dsv4_{self.process.pid}_{self.http_port}_"
-        self.readies = 0
-
-    def log(self) -> str:
-        return "".join(self.output)
-
-    def ready(self) -> bool:
-        try:
-            url = f"http://{self.http_url}/v2/models/deepseek_v4/ready"
-            with urllib.request.urlopen(url, timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def wait_ready(self, timeout_s: float = 240) -> None:
-        """Ready as the launcher sees it (it prints its usage or says it serves again), and as a client sees it."""
-        deadline = time.monotonic() + timeout_s
-        marks = ("Triton is ready", "serving again")
-        while not (sum(self.log().count(m) for m in marks) > self.readies and self.ready()):
-            assert self.process.poll() is None and time.monotonic() < deadline, self.log()
-            time.sleep(0.25)
-        self.readies += 1
-
-    def server_pids(self) -> list[int]:
-        """tritonserver and its stubs: every process naming this server's shared-memory prefix."""
-        return [pid for pid in processes_with_arg(self.shm_prefix) if alive(pid)]
-
-    def regions(self) -> list[Path]:
-        return sorted(SHM_DIR.glob(f"{self.shm_prefix}*"))
-
-    def crash(self) -> None:
-        host, port = self.http_url.split(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        try:
-            conn.request("POST", "/v2/models/deepseek_v4/generate", body=NESTED_BODY,
-                         headers={"Content-Type": "application/json"})
-            conn.getresponse().read()
-        except OSError:
-            pass  # the server died under the request
-        finally:
-            conn.close()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
 
 
 def _eventually(condition, timeout_s: float) -> bool:
@@ -105,6 +39,19 @@ def _generates(http_url: str) -> bool:
     return status == 200 and "text_output" in payload
 
 
+def _crash(launcher: Launcher) -> None:
+    host, port = launcher.http_url.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("POST", "/v2/models/deepseek_v4/generate", body=NESTED_BODY,
+                     headers={"Content-Type": "application/json"})
+        conn.getresponse().read()
+    except OSError:
+        pass  # the server died under the request
+    finally:
+        conn.close()
+
+
 def test_a_crashed_server_is_cleaned_up_and_restarted(tmp_path):
     launcher = Launcher(tmp_path)
     try:
@@ -115,8 +62,8 @@ def test_a_crashed_server_is_cleaned_up_and_restarted(tmp_path):
         # the regions carry prompt text: private to the server's user (umask 077)
         assert all(stat.S_IMODE(r.stat().st_mode) & 0o077 == 0 for r in regions), [oct(r.stat().st_mode) for r in regions]
 
-        launcher.crash()
-        assert _gone(first, 30), f"left behind after the crash: {[p for p in first if alive(p)]}\n{launcher.log()[-4000:]}"
+        _crash(launcher)
+        assert _gone(first, 30), f"left behind after the crash: {[p for p in first if alive(p)]}\n{launcher.tail()}"
         assert _eventually(lambda: not any(r.exists() for r in regions), 10), regions
         launcher.wait_ready()
         assert _generates(launcher.http_url)
@@ -126,7 +73,7 @@ def test_a_crashed_server_is_cleaned_up_and_restarted(tmp_path):
 
         second = launcher.server_pids()
         launcher.process.send_signal(signal.SIGTERM)
-        assert launcher.process.wait(60) == 0, launcher.log()[-4000:]
+        assert launcher.process.wait(60) == 0, launcher.tail()
         assert _gone(second, 10) and not launcher.regions(), (launcher.server_pids(), launcher.regions())
     finally:
         launcher.close()
@@ -137,9 +84,9 @@ def test_no_restart_exits_1_and_leaves_nothing(tmp_path):
     try:
         launcher.wait_ready()
         pids = launcher.server_pids()
-        launcher.crash()
-        assert launcher.process.wait(60) == 1, launcher.log()[-4000:]
-        assert "not restarting: --no-restart" in launcher.log()[-4000:]
+        _crash(launcher)
+        assert launcher.process.wait(60) == 1, launcher.tail()
+        assert "not restarting: --no-restart" in launcher.tail()
         assert _gone(pids, 5) and not launcher.regions(), (launcher.server_pids(), launcher.regions())
     finally:
         launcher.close()
