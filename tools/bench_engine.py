@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-from engine.args import EngineArgs
+from engine.args import EngineArgs, resolve_model_dir
+from engine.config import load_config
+from engine.core_client import CoreClient
 from engine.llm import LLM, AsyncLLM
 from engine.request import GenerationRequest, SamplingParams
 
@@ -168,7 +170,6 @@ def hf_peer(model_dir: str, batches: list[int], input_len: int, steps: int = 32)
 
 def decode_floor(engine_args: dict, batch: int) -> dict:
     """Bytes a decode step must read (active weights + KV) over the measured copy bandwidth."""
-    from engine.args import resolve_model_dir
     from engine.loader import load_model
 
     model = load_model(resolve_model_dir(engine_args.get("model", "")), "bfloat16", "cuda")
@@ -260,9 +261,10 @@ def resolve_model(args) -> str:
 
 
 async def run_online(engine_args: dict, args, vocab_hint: list[int]) -> list[Result]:
-    engine = AsyncLLM(engine_args)
+    # --core-process: the serving engine as Triton's model gets it (engine core in its own process)
+    engine = CoreClient(engine_args) if args.core_process else AsyncLLM(engine_args)
     await engine.start()
-    vocab = engine.engine.cfg.vocab_size
+    vocab = load_config(resolve_model_dir(engine_args.get("model", ""))).vocab_size
     vocab_hint.append(vocab)
     results = []
     try:
@@ -295,6 +297,8 @@ def main() -> None:
     ap.add_argument("--offline", type=int, default=0, help="also run N prompts offline")
     ap.add_argument("--engine-args", default="{}")
     ap.add_argument("--baseline", action="store_true", help="kernels=ref, enforce_eager, no prefix cache")
+    ap.add_argument("--core-process", action="store_true",
+                    help="online runs through CoreClient (the engine core in its own process, as served)")
     ap.add_argument("--hf-peer", default="", help="also time transformers eager at these batch sizes, e.g. 1,8,32")
     ap.add_argument("--floor", action="store_true", help="report the decode memory floor (GPU)")
     ap.add_argument("--steady", default=None, help="batch sizes: time decode-only steps (after prefill)")

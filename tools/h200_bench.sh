@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|quant|engine|sync|agentic|ttft|peer|profile  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh kernels|quant|engine|sync|agentic|ttft|peer|profile|numpy2|serving  (JSON + logs under $OUT)
+# numpy2 and serving need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoint: flash-shaped (V4-Flash per-layer shapes, 4 layers, 16 experts), drawn on the GPU.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -36,6 +37,34 @@ agentic)
       --engine-args "{$EA,\"enable_prefix_caching\":$pc,\"swa_bounded_replay\":$rp}" --label $mode \
       --json "$OUT/agentic_$mode.json" 2>&1 | tee "$OUT/agentic_$mode.log" | tail -4
   done ;;
+numpy2)  # the image's numpy 2 beside Triton 2.51's stub: the launcher refuses; forced past it, the model's self-check refuses
+  bash tools/h200_env.sh setup /tmp/tvenv2 > "$OUT/env2.log" 2>&1 || { tail "$OUT/env2.log"; exit 1; }
+  rm -rf /tmp/tvenv2/lib/python3.12/site-packages/numpy /tmp/tvenv2/lib/python3.12/site-packages/numpy-*  # the image's 2.x shows through
+  timeout 240 /tmp/tvenv2/bin/python - <<'EOF' 2>&1 | tee "$OUT/numpy2.log" | tail -6
+import numpy
+from backend import serve
+print("numpy", numpy.__version__)
+try:
+    serve.TritonServer(http_port=0, grpc_port=0, metrics_port=0).start()
+    print("launcher: STARTED (wrong)")
+except serve.ServerError as e:
+    print("launcher refused:", str(e)[:200])
+serve.stub_numpy_problem = lambda install, version: None  # what a launcher without the check would do
+try:
+    serve.TritonServer(http_port=0, grpc_port=0, metrics_port=0, startup_timeout_s=200).start().stop()
+    print("model: LOADED (wrong)")
+except serve.ServerError as e:
+    print("model refused:", [line for line in str(e).splitlines() if "BYTES" in line][:1])
+EOF
+  ;;
+serving)  # issue 16: one closed-loop workload through Triton (engine core process) and through the engine's async API
+  bash tools/h200_env.sh setup /tmp/tvenv > "$OUT/env.log" 2>&1 || { tail "$OUT/env.log"; exit 1; }
+  bench --concurrency 1 --input-len 16 --output-len 4 --requests-per-user 1 --engine-args "{$EA}" > "$OUT/ckpt.log" 2>&1  # writes $CK/flash-shaped
+  timeout 280 /tmp/tvenv/bin/python -m loadtest.sweep --serve --model $CK/flash-shaped --engine-args "{$EA}" --driver threads \
+    --protocol grpc --concurrency 1,32,150 --input-len 512 --output-len 64 --duration 20 --stop-timeout 20 \
+    --out "$OUT" --label triton 2>&1 | tee "$OUT/sweep.log" | grep -E "c=|error" | tail -4
+  timeout 200 python3 -m tools.bench_engine --model $CK/flash-shaped --core-process --concurrency 1,32,150 --input-len 512 \
+    --output-len 64 --requests-per-user 4 --engine-args "{$EA}" --json "$OUT/engine_direct.json" 2>&1 | tee "$OUT/direct.log" | tail -5 ;;
 peer)
   bench --concurrency 1 --input-len 1024 --output-len 32 --requests-per-user 2 --hf-peer 1,8 \
     --engine-args "{$EA}" --json "$OUT/peer_1024.json" 2>&1 | tee "$OUT/peer_1024.log" | tail -6
