@@ -29,11 +29,12 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backend import protocol
+from backend import protocol, stub_numpy
 from backend.engine_setup import build_engine, load_engine_args, pop_backend_options
 from backend.metrics import Metrics, RequestRecord
 from engine.request import EngineDead, EngineOverloaded, InvalidRequest, RequestFailed, merge_outputs
@@ -92,7 +93,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(
                 "the deepseek backend needs model_transaction_policy { decoupled: true } in config.pbtxt")
 
-        check_bytes_round_trip()
+        check_stub_numpy()
         _exit_with_parent()
 
         model_json = os.path.join(args["model_repository"], args["model_version"], "model.json")
@@ -416,20 +417,18 @@ class TritonPythonModel:
         self.logger.log_info("[deepseek] finalize: done")
 
 
-def check_bytes_round_trip() -> None:
-    """A BYTES tensor must come back as it went in: Triton <= 2.51's stub corrupts them under numpy 2
-    (the server would say ready, then fail every request "Stub process is not healthy")."""
-    text = "ready \u2713 \U0001f680".encode()
-    try:
-        back = pb_utils.Tensor("check", np.array([text], dtype=np.object_)).as_numpy()
-        ok = back.shape == (1,) and bytes(back[0]) == text
-    except Exception as e:  # the corruption may raise instead
-        ok, back = False, e
-    if not ok:
+def check_stub_numpy() -> None:
+    """Refuse numpy 2 under a stub that corrupts BYTES tensors with it (Triton <= 2.51: the server
+    would say ready, then fail every request "Stub process is not healthy"). A BYTES round trip
+    inside the stub does not show the corruption (tried on the H200: it passed, then requests
+    failed), so the rule is checked: this stub's Triton version (its TRITON_VERSION file, which
+    NVIDIA's images and backend.serve's layout have) against the numpy it imported."""
+    stub = Path(os.path.realpath("/proc/self/exe"))
+    triton = stub_numpy.triton_version(stub, None)
+    if stub_numpy.corrupts_bytes(np.__version__, triton):
         raise pb_utils.TritonModelException(
-            f"the python backend stub corrupts BYTES tensors with numpy {np.__version__} (got {back!r}): this "
-            "Triton's stub needs numpy < 2 (pip install 'numpy<2' into the Python it embeds; backend.serve "
-            "refuses to start this pair, see docs/USAGE.md)")
+            f"numpy {np.__version__} under Triton {'.'.join(map(str, triton))}'s python backend stub, which corrupts "
+            f"BYTES tensors with numpy 2: {stub_numpy.NUMPY_FIX}")
 
 
 def _exit_with_parent() -> None:

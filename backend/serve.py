@@ -115,13 +115,17 @@ def find_tritonserver() -> TritonInstall:
                          libs if libs.is_dir() else None)
 
 
-def stub_numpy_problem(install: TritonInstall, numpy_version: str) -> str | None:
-    """Why the stub must not start beside this numpy (it embeds this Python's), or None."""
+def triton_version(install: TritonInstall) -> tuple[int, ...] | None:
     try:
         pytriton = importlib.metadata.version("nvidia-pytriton")
     except importlib.metadata.PackageNotFoundError:
         pytriton = None
-    triton = stub_numpy.triton_version(install.stub, pytriton)
+    return stub_numpy.triton_version(install.stub, pytriton)
+
+
+def stub_numpy_problem(install: TritonInstall, numpy_version: str) -> str | None:
+    """Why the stub must not start beside this numpy (it embeds this Python's), or None."""
+    triton = triton_version(install)
     if stub_numpy.corrupts_bytes(numpy_version, triton):
         return (f"numpy {numpy_version} with Triton {'.'.join(map(str, triton))}'s python backend stub "
                 f"({install.stub}): the stub corrupts BYTES tensors under numpy 2 (the server would say ready, then "
@@ -156,6 +160,9 @@ def layout_backends(install: TritonInstall, out: Path) -> Path:
     ours = out / BACKEND_NAME
     ours.mkdir(parents=True, exist_ok=True)
     (ours / "model.py").write_text(_BACKEND_SHIM.format(root=str(REPO_ROOT)))
+    version = triton_version(install)
+    if version:  # beside the stub copy, as in NVIDIA's images: the model checks numpy against it
+        (out / "TRITON_VERSION").write_text(".".join(map(str, version)) + "\n")
     return out
 
 

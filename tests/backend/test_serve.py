@@ -14,6 +14,7 @@ from backend.serve import (
     free_port,
     layout_backends,
     prepare_repository,
+    server_flags,
 )
 
 
@@ -43,6 +44,8 @@ def test_backends_layout_has_the_stub_and_our_backend(tmp_path):
     assert (out / "python" / "libtriton_python.so").is_file()
     assert (out / "python" / "triton_python_backend_stub").is_file()
     assert "from backend.model import TritonPythonModel" in (out / "deepseek" / "model.py").read_text()
+    # the model checks numpy against the stub's Triton version, read from here (as in NVIDIA's images)
+    assert (out / "TRITON_VERSION").read_text().strip() == "2.51"
 
 
 def test_command_binds_loopback_and_restricts_admin_apis(tmp_path):
