@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
+from engine.structured_output import parse_spec
 
 RETURN_FLAGS = (
     "return_finish_reason",
@@ -24,6 +25,7 @@ RETURN_FLAGS = (
     "return_logprobs",
 )
 BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
+OUTPUT_TOKEN_IDS = "output_token_ids"  # in ParsedRequest.returns when detokenize is false (no flag turns it on)
 INPUTS = ("text_input", "sampling_parameters", *BOOL_INPUTS)
 
 # Request parameters that Triton's frontends or clients set for themselves, not for the model.
@@ -51,7 +53,13 @@ _SAMPLING_KEYS = {
     "logit_bias": "logit_bias",
     "bad_words": "str_list",
     "allowed_token_ids": "int_list",
+    "structured_outputs": "structured_outputs",
+    "truncate_prompt_tokens": _INT,
+    "detokenize": _BOOL,
+    "spaces_between_special_tokens": _BOOL,
 }
+# vLLM's older structured-output keys -> the structured_outputs kind each stands for
+_GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 # vLLM keys that clients (Triton's OpenAI frontend, genai-perf) send with their neutral value;
 # accepted at that value only, since this backend does not implement them.
 _NEUTRAL_KEYS = {
@@ -137,6 +145,8 @@ def parse_request(
     sp = parse_sampling(sampling, max_model_len)
     if sp.logprobs is None and returns & {"return_logprobs", "return_cumulative_logprob"}:
         sp.logprobs = 0  # the sampled token's logprob only, as vLLM
+    if not sp.detokenize:
+        returns |= {OUTPUT_TOKEN_IDS}  # no text: the ids are the output
     return ParsedRequest(GenerationRequest(request_id=request_id, prompt=prompt, sampling=sp),
                          stream=stream, exclude_input_in_output=exclude, returns=returns,
                          id=None if echo_id is None else str(echo_id))
@@ -145,6 +155,7 @@ def parse_request(
 def parse_sampling(params: Mapping[str, object], max_model_len: int | None = None) -> SamplingParams:
     """vLLM-named sampling parameters (values possibly strings, genai-perf style) -> SamplingParams."""
     sp = SamplingParams()
+    guided = {}
     for key, value in params.items():
         if value is None:
             continue  # unset: keep the default (vLLM's from_dict does the same)
@@ -154,10 +165,24 @@ def parse_sampling(params: Mapping[str, object], max_model_len: int | None = Non
             if _coerce(key, value, kind) != neutral:
                 raise InvalidRequest(f"sampling parameter {key!r} is not supported (only {key}={neutral})")
             continue
+        if key in _GUIDED_KEYS:
+            guided[_GUIDED_KEYS[key]] = _json_list(key, value) if key == "guided_choice" else value
+            continue
+        if key == "guided_decoding_backend":
+            if value not in ("xgrammar", "auto"):
+                raise InvalidRequest(f"guided_decoding_backend must be 'xgrammar' or 'auto' (the one here), got {value!r}")
+            continue
         kind = _SAMPLING_KEYS.get(key)
         if kind is None:
-            raise InvalidRequest(f"unknown sampling parameter {key!r}; supported: {', '.join(_SAMPLING_KEYS)}")
+            raise InvalidRequest(f"unknown sampling parameter {key!r}; supported: "
+                                 f"{', '.join([*_SAMPLING_KEYS, *_GUIDED_KEYS])}")
         setattr(sp, key, _coerce(key, value, kind))
+    if guided:
+        if sp.structured_outputs is not None or len(guided) > 1:
+            raise InvalidRequest("use one structured-output constraint: structured_outputs or one guided_* key")
+        sp.structured_outputs = guided
+    if sp.structured_outputs is not None:
+        parse_spec(sp.structured_outputs)  # its shape now; the grammar compiles in the engine
 
     limit = max_model_len or 1 << 20
     if not 1 <= sp.max_tokens <= limit:
@@ -310,6 +335,14 @@ def _coerce(name: str, value, kind: str):
         return _to_int(name, value)
     if kind == "logit_bias":
         return _logit_bias(value)
+    if kind == "structured_outputs":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise InvalidRequest(f"structured_outputs is not valid JSON: {e}") from None
+        parse_spec(value)
+        return value
     value = _json_list(name, value)
     if kind == "str_list":
         words = [value] if isinstance(value, str) else value
@@ -387,7 +420,7 @@ class OutputState:
 
 def render_delta(state: OutputState, delta: RequestOutput) -> dict[str, np.ndarray]:
     """One streamed response: the new text, the new token count, the cumulative counters."""
-    text = delta.text
+    text = "" if OUTPUT_TOKEN_IDS in state.returns else delta.text  # detokenize false: ids, no text (any engine)
     if state.first and not state.exclude_input_in_output:
         text = state.prompt + text
     state.first = False
@@ -396,7 +429,7 @@ def render_delta(state: OutputState, delta: RequestOutput) -> dict[str, np.ndarr
 
 def render_final(state: OutputState, last: RequestOutput) -> dict[str, np.ndarray]:
     """The one response of a non-streaming request, from everything `accumulate`d."""
-    text = "".join(state.text)
+    text = "" if OUTPUT_TOKEN_IDS in state.returns else "".join(state.text)
     if not state.exclude_input_in_output:
         text = state.prompt + text
     return _render(state, last, text, state.token_ids, state.logprobs)
@@ -417,6 +450,8 @@ def _render(state: OutputState, out: RequestOutput, text: str, token_ids: list[i
         tensors["num_output_tokens"] = np.array([len(token_ids)], dtype=np.uint32)
     if "return_cumulative_logprob" in returns:
         tensors["cumulative_logprob"] = np.array([out.cumulative_logprob], dtype=np.float32)
+    if OUTPUT_TOKEN_IDS in returns:
+        tensors["output_token_ids"] = np.array(token_ids, dtype=np.int32)
     if "return_logprobs" in returns:
         tensors["logprobs"] = np.array([logprobs_json(logprobs, state.decode_token, token_ids).encode()],
                                        dtype=np.object_)

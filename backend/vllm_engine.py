@@ -122,10 +122,26 @@ def to_vllm_sampling(sp: SamplingParams):
             ignore_eos=sp.ignore_eos,
             logprobs=sp.logprobs,
             skip_special_tokens=sp.skip_special_tokens,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            logit_bias={int(t): b for t, b in sp.logit_bias.items()} if sp.logit_bias else None,
+            bad_words=list(sp.bad_words) or None,
+            allowed_token_ids=sp.allowed_token_ids,
+            structured_outputs=_structured_outputs(sp.structured_outputs),
             output_kind=RequestOutputKind.DELTA,
         )
     except Exception as e:  # noqa: BLE001 - vLLM's checks raise ValueError or VLLMValidationError
         raise InvalidRequest(f"invalid sampling parameters for vLLM: {e}") from e
+
+
+def _structured_outputs(spec: dict | None):
+    """Our structured_outputs dict (vLLM's field names) -> vLLM's StructuredOutputsParams."""
+    if spec is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(**spec)
 
 
 class _Stats:

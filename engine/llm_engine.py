@@ -7,6 +7,7 @@ llm.py wraps it: `LLM` for offline use, `AsyncLLM` (the step loop in its own thr
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +26,7 @@ from engine.sampler import SamplingRow, sample
 from engine.sampling_checks import bad_words_token_ids, sampling_checks
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence, Status
+from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
 
 CPU_KV_BYTES = 256 << 20  # default KV budget on CPU
@@ -74,6 +76,8 @@ class LLMEngine:
         self.flush_before_eager = bool(self.runner.graphs)
         self.generator = torch.Generator(device=self.device).manual_seed(args.seed)  # the sampler draws on the device
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+        self.grammars: GrammarCompiler | None = None  # structured outputs: made on first use
+        self._grammars_lock = threading.Lock()
         if self.device.type == "cuda":
             self.warmup()
 
@@ -162,6 +166,9 @@ class LLMEngine:
             if not req.prompt:
                 raise InvalidRequest("the prompt is empty")
             ids = self.tokenizer.encode(req.prompt)
+        k = p.truncate_prompt_tokens
+        if ids and k is not None and (k == -1 or k >= 1):  # vLLM's: the last k tokens (a bad k is refused below)
+            ids = ids[-(self.max_model_len - 1 if k == -1 else k):]
         if not ids:
             raise InvalidRequest("the prompt is empty")
         if any(not 0 <= t < self.cfg.vocab_size for t in ids):
@@ -188,15 +195,25 @@ class LLMEngine:
                 raise InvalidRequest(msg)
         return ids
 
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Structured outputs' compiler (thread-safe: AsyncLLM compiles from the caller's thread)."""
+        with self._grammars_lock:
+            if self.grammars is None:
+                stop = set(self.cfg.eos_token_ids) | {self.tokenizer.eos_token_id} - {None}
+                self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, sorted(stop))
+            return self.grammars
+
     def add_request(self, req: GenerationRequest) -> Sequence:
         ids = self.validate(req)
         if req.sampling.bad_words and req.sampling.bad_words_token_ids is None:
             req.sampling.bad_words_token_ids = bad_words_token_ids(self.tokenizer, req.sampling.bad_words)
-        seq = Sequence(req.request_id, list(ids), req.sampling)
+        grammar = self.grammar_compiler().matcher(req.sampling.structured_outputs) \
+            if req.sampling.structured_outputs is not None else None  # InvalidRequest for a bad spec
+        seq = Sequence(req.request_id, list(ids), req.sampling, grammar=grammar)
         eos = set() if req.sampling.ignore_eos else set(self.cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and not req.sampling.ignore_eos:
             eos.add(self.tokenizer.eos_token_id)
-        text = OutputText(self.tokenizer, req.sampling) if self.detokenize else None
+        text = OutputText(self.tokenizer, req.sampling) if self.detokenize and req.sampling.detokenize else None
         self.requests[req.request_id] = RequestState(seq, text, eos)
         self.scheduler.add(seq)
         self.counters["prompt_tokens"] += len(ids)
@@ -300,9 +317,9 @@ class LLMEngine:
         self.last_logits = dict(zip((s.request_id for s in samplers), logits))  # measurements read these
         rows = [SamplingRow(s.sampling, len(s.output_token_ids), s.prompt_token_ids, s.output_token_ids,
                             sorted(self.requests[s.request_id].eos_ids | set(s.sampling.stop_token_ids))
-                            if len(s.output_token_ids) < s.sampling.min_tokens else []) for s in samplers]
+                            if len(s.output_token_ids) < s.sampling.min_tokens else [], s.grammar) for s in samplers]
         outputs = []
-        for seq, smp in zip(samplers, sample(logits, rows, self.generator)):
+        for seq, smp in zip(samplers, sample(logits, rows, self.generator, self.grammars)):
             if smp.error is not None:  # this request alone: the others' tokens stand
                 outputs.append(self._fail_request(seq, smp.error))
                 continue

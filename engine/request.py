@@ -55,6 +55,10 @@ class SamplingParams:
     # vLLM's structured_outputs: one of {"json": schema, "regex": str, "choice": [str], "grammar": ebnf,
     # "json_object": true}, plus "disable_any_whitespace"; compiled by the engine (engine/structured_output.py)
     structured_outputs: dict | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: as many as max_model_len allows
+    detokenize: bool = True  # False: token ids only (no text, so no stop strings)
+    # vLLM applies it in its slow-tokenizer path only; a tokenizers (fast) tokenizer, as here, ignores it
+    spaces_between_special_tokens: bool = True
 
     @property
     def greedy(self) -> bool:

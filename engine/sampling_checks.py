@@ -39,6 +39,11 @@ def sampling_checks(p: SamplingParams, vocab_size: int) -> list[tuple[bool, str]
          f"allowed_token_ids has token ids outside the vocabulary [0, {vocab_size})"),
         (all(isinstance(w, str) and w for w in p.bad_words), "bad_words cannot contain an empty string"),
         (len(p.bad_words) <= MAX_BAD_WORDS, f"at most {MAX_BAD_WORDS} bad_words"),
+        (p.truncate_prompt_tokens is None or p.truncate_prompt_tokens == -1 or p.truncate_prompt_tokens >= 1,
+         f"truncate_prompt_tokens must be -1 or >= 1, got {p.truncate_prompt_tokens}"),
+        (p.detokenize or not p.stop, "stop strings need detokenize=true (without it no text is made)"),
+        (p.structured_outputs is None or not p.ignore_eos,
+         "ignore_eos cannot be combined with structured_outputs (a grammar ends the output with EOS)"),
     ]
 
 

@@ -38,6 +38,7 @@ class Sequence:
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    grammar: object | None = None  # structured outputs: its xgrammar matcher (state follows output_token_ids)
 
     @property
     def token_ids(self) -> list[int]:

@@ -201,3 +201,31 @@ def test_penalties_bias_bad_words_and_allowed_ids_parse_with_vllm_names():
                          ({"allowed_token_ids": "a"}, "allowed_token_ids")]:
         with pytest.raises(InvalidRequest, match=message):
             parse_sampling(bad)
+
+
+def test_structured_outputs_and_guided_keys_parse_and_bad_shapes_are_refused():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert parse_sampling({"structured_outputs": {"json": schema}}).structured_outputs == {"json": schema}
+    assert parse_sampling({"structured_outputs": '{"regex": "a+"}'}).structured_outputs == {"regex": "a+"}
+    assert parse_sampling({"guided_json": schema}).structured_outputs == {"json": schema}
+    assert parse_sampling({"guided_choice": '["x", "y"]'}).structured_outputs == {"choice": ["x", "y"]}
+    assert parse_sampling({"guided_regex": "b", "guided_decoding_backend": "xgrammar"}).structured_outputs == {"regex": "b"}
+    for bad, message in [({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of"),
+                         ({"structured_outputs": {"json": "{oops"}}, "structured_outputs.json is not valid JSON"),
+                         ({"structured_outputs": {"foo": 1}}, "unknown key"),
+                         ({"guided_json": schema, "guided_regex": "a"}, "use one structured-output constraint"),
+                         ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend")]:
+        with pytest.raises(InvalidRequest, match=message):
+            parse_sampling(bad)
+
+
+def test_detokenize_false_renders_output_token_ids():
+    p = parse(sampling_parameters=json.dumps({"detokenize": "false", "truncate_prompt_tokens": 5,
+                                              "spaces_between_special_tokens": False}))
+    sp = p.request.sampling
+    assert (sp.detokenize, sp.truncate_prompt_tokens, sp.spaces_between_special_tokens) == (False, 5, False)
+    state = OutputState("p", exclude_input_in_output=True, returns=p.returns)
+    out = render_delta(state, RequestOutput("r", text="made by a front that detokenizes anyway", token_ids=[7, 8]))
+    assert out["output_token_ids"].dtype == np.int32 and list(out["output_token_ids"]) == [7, 8]
+    assert out["text_output"][0] == b""
+    assert "output_token_ids" not in render_delta(OutputState("p", True, parse().returns), deltas()[0])

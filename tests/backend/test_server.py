@@ -8,9 +8,11 @@ import concurrent.futures
 import http.client
 import json
 import math
+import re
 import time
 import urllib.request
 
+import jsonschema
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
@@ -265,6 +267,37 @@ def test_penalties_and_logit_bias_change_greedy_text_and_a_masked_request_fails_
         deltas = normal.result(timeout=120)
     assert sum(d.num_output_tokens for d in deltas) == 24
     assert triton_server.is_ready()
+
+
+def test_structured_outputs_and_guided_keys_over_the_wire(triton_server, grpc_client, http_client):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "tag": {"enum": ["a", "b"]}}, "required": ["n", "tag"]}
+    out = http_client.generate(PROMPT, max_tokens=40, temperature=1.0, seed=1,
+                               structured_outputs={"json": schema, "disable_any_whitespace": True})
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), schema)
+    chosen = grpc_client.generate(PROMPT, max_tokens=20, temperature=1.0, seed=2, guided_choice=["left", "right"])
+    assert chosen.text in ("left", "right")
+    assert re.fullmatch(r"[0-9]{3}", grpc_client.generate(PROMPT, max_tokens=20, guided_regex="[0-9]{3}").text)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        normal = pool.submit(lambda: list(grpc_client.generate_stream(PROMPT, max_tokens=24, ignore_eos=True)))
+        with pytest.raises(ServerError, match='HTTP 400.*structured_outputs.json cannot be compiled: Unsupported type "nope"'):
+            http_client.generate(PROMPT, max_tokens=8, guided_json={"type": "nope"})
+        with pytest.raises(ServerError, match="HTTP 400.*exactly one of"):
+            http_client.generate(PROMPT, max_tokens=8, structured_outputs={"regex": "a", "choice": ["b"]})
+        deltas = normal.result(timeout=120)
+    assert sum(d.num_output_tokens for d in deltas) == 24
+
+
+def test_detokenize_false_returns_the_token_ids(triton_server):
+    sampling = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    status, ids = raw_generate(triton_server, {"text_input": PROMPT, "exclude_input_in_output": True,
+                                               "sampling_parameters": json.dumps({**sampling, "detokenize": False})})
+    assert status == 200 and ids["text_output"] == "" and len(ids["output_token_ids"]) == 6, ids
+    status, text = raw_generate(triton_server, {"text_input": PROMPT, "return_logprobs": True,
+                                                "sampling_parameters": json.dumps(sampling)})
+    assert status == 200 and "output_token_ids" not in text
+    assert ids["output_token_ids"] == [int(next(iter(step))) for step in json.loads(text["logprobs"])]
 
 
 # ------------------------------------------------------------------------------------------ server

@@ -1,0 +1,165 @@
+"""Structured outputs (vLLM's `structured_outputs`: a JSON schema, a regex, a choice, an EBNF
+grammar, or any JSON object) through xgrammar.
+
+A spec is compiled on a thread pool, off the step loop, and cached by its canonical text (the
+same schema compiles once); a request gets its own matcher, which the sampler asks for the next
+token bitmask each step and advances by the sampled token. The spec is plain data (strings,
+lists, dicts), so it crosses a process boundary as is; the compiled grammar is built where the
+sampler runs.
+
+Why xgrammar rather than llguidance: vLLM's default backend (so its grammar semantics and JSON
+schema coverage are what clients of vLLM already get), a pip wheel that installs next to
+torch 2.13 CPU with no other native dependency, a batched bitmask applied in place on the
+device (CUDA / Triton kernels, and a CPU path for tests), and EBNF grammars in the GBNF
+dialect vLLM documents for its `grammar` key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from engine.request import InvalidRequest
+from engine.tokenizer import Tokenizer
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+OPTIONS = ("disable_any_whitespace",)
+_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]'
+MAX_CACHED = 512  # compiled grammars kept (least recently used go first)
+
+
+def parse_spec(spec: object) -> tuple[str, object, bool]:
+    """A structured_outputs dict -> (kind, value, any_whitespace); InvalidRequest naming the problem."""
+    if not isinstance(spec, dict):
+        raise InvalidRequest(f"structured_outputs must be an object with one of {', '.join(KINDS)}, got {spec!r}")
+    unknown = sorted(set(spec) - set(KINDS) - set(OPTIONS))
+    if unknown:
+        raise InvalidRequest(f"structured_outputs has unknown key(s) {unknown}; supported: {', '.join(KINDS + OPTIONS)}")
+    kinds = [k for k in KINDS if spec.get(k) not in (None, False)]
+    if len(kinds) != 1:
+        raise InvalidRequest(f"structured_outputs needs exactly one of {', '.join(KINDS)}, got {kinds or 'none'}")
+    kind, value = kinds[0], spec[kinds[0]]
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise InvalidRequest(f"structured_outputs.json is not valid JSON: {e}") from None
+        if not isinstance(value, dict | bool):
+            raise InvalidRequest(f"structured_outputs.json must be a JSON schema object, got {value!r}")
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise InvalidRequest(f"structured_outputs.choice must be a list of non-empty strings, got {value!r}")
+    elif kind in ("regex", "grammar"):
+        if not isinstance(value, str) or not value:
+            raise InvalidRequest(f"structured_outputs.{kind} must be a non-empty string, got {value!r}")
+    elif value is not True:
+        raise InvalidRequest(f"structured_outputs.json_object must be true, got {value!r}")
+    whitespace = spec.get("disable_any_whitespace", False)
+    if not isinstance(whitespace, bool):
+        raise InvalidRequest(f"structured_outputs.disable_any_whitespace must be a boolean, got {whitespace!r}")
+    return kind, value, not whitespace
+
+
+def _ebnf_literal(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """One of the strings, exactly (vLLM's choice)."""
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
+
+
+class GrammarCompiler:
+    """Compiles specs on a thread pool and caches them; makes per-request matchers."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int], max_workers: int = 2):
+        import xgrammar as xgr  # imported on first use: engines without structured outputs never load it
+
+        self.xgr = xgr
+        self.vocab_size = vocab_size
+        info = xgr.TokenizerInfo(_encoded_vocab(tokenizer, vocab_size), xgr.VocabType.RAW, vocab_size=vocab_size,
+                                 stop_token_ids=sorted(stop_token_ids))
+        self.compiler = xgr.GrammarCompiler(info, max_threads=max_workers)
+        self.pool = ThreadPoolExecutor(max_workers, thread_name_prefix="dsv4-grammar")
+        self.cache: OrderedDict[str, Future] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def compile(self, spec: dict) -> Future:
+        """The compiled grammar of a spec, as a Future (done at once when cached). Its error is an
+        InvalidRequest naming what is wrong."""
+        kind, value, any_ws = parse_spec(spec)
+        key = json.dumps([kind, value, any_ws], sort_keys=True)
+        with self.lock:
+            future = self.cache.get(key)
+            if future is not None:
+                self.cache.move_to_end(key)
+                return future
+            future = self.pool.submit(self._compile, kind, value, any_ws)
+            self.cache[key] = future
+            while len(self.cache) > MAX_CACHED:
+                self.cache.popitem(last=False)
+        return future
+
+    def _compile(self, kind: str, value, any_ws: bool):
+        c = self.compiler
+        try:
+            if kind == "json":
+                ebnf = str(self.xgr.Grammar.from_json_schema(json.dumps(value), any_whitespace=any_ws))
+                # xgrammar 0.2.9 lets raw control characters into length-bounded strings; JSON forbids them
+                return c.compile_grammar(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+            if kind == "json_object":
+                return c.compile_builtin_json_grammar()
+            if kind == "regex":
+                return c.compile_regex(value)
+            return c.compile_grammar(choice_grammar(value) if kind == "choice" else value)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError / ValueError with the reason
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            reason = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", reason)  # xgrammar's "[time] file.cc:line: " prefix
+            raise InvalidRequest(f"structured_outputs.{kind} cannot be compiled: {reason}") from None
+
+    def matcher(self, spec: dict):
+        """A fresh matcher for one request (waits for the compile if it is still running)."""
+        return self.xgr.GrammarMatcher(self.compile(spec).result())
+
+    def apply_bitmask(self, logits: torch.Tensor, matchers: list[tuple[int, object]]) -> None:
+        """In place on fp32 logits: each (row, matcher)'s disallowed tokens to -inf, on the device."""
+        xgr = self.xgr
+        bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab_size)
+        for j, (_, m) in enumerate(matchers):
+            m.fill_next_token_bitmask(bitmask, j)
+        rows = [r for r, _ in matchers]
+        target = logits[rows]
+        xgr.apply_token_bitmask_inplace(target, bitmask.to(logits.device), vocab_size=self.vocab_size)
+        logits[rows] = target
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _encoded_vocab(tokenizer: Tokenizer, vocab_size: int) -> list[bytes]:
+    """Each id's bytes; special added tokens (and ids the tokenizer lacks) are empty: never inside a grammar."""
+    table = tokenizer.token_bytes
+    vocab = []
+    for i in range(vocab_size):
+        added = tokenizer.added.get(i)
+        if added is not None:
+            vocab.append(b"" if added[1] else added[0].encode("utf-8"))
+        elif table is not None:
+            vocab.append(table[i] if i < len(table) else b"")
+        else:
+            vocab.append(tokenizer.decode([i], skip_special_tokens=False).encode("utf-8"))
+    return vocab
