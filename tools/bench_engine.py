@@ -23,6 +23,7 @@ from engine.args import EngineArgs, resolve_model_dir
 from engine.config import load_config
 from engine.core_client import CoreClient
 from engine.llm import LLM, AsyncLLM
+from engine.random_checkpoint import QUANTS
 from engine.request import GenerationRequest, SamplingParams
 
 BASELINE = {"kernels": "ref", "enforce_eager": True, "enable_prefix_caching": False, "async_scheduling": False}
@@ -254,9 +255,10 @@ def resolve_model(args) -> str:
         return ""
     from engine.random_checkpoint import write_checkpoint
 
-    out = Path(args.cache_dir) / args.preset
+    out = Path(args.cache_dir) / (args.preset if args.quant == "bf16" else f"{args.preset}-{args.quant}")
     if not (out / "config.json").exists():
-        write_checkpoint(out, args.preset, seed=0, device="cuda" if torch.cuda.is_available() else "cpu")
+        write_checkpoint(out, args.preset, seed=0, device="cuda" if torch.cuda.is_available() else "cpu",
+                         quant=args.quant)
     return str(out)
 
 
@@ -286,6 +288,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--preset", default="tiny", choices=["tiny", "flash-shaped"])
+    ap.add_argument("--quant", default="bf16", choices=QUANTS, help="--preset's weights as stored: bf16, fp8 "
+                    "(FP8 linears and experts, as Base), fp8-fp4 (MXFP4 experts, as V4-Flash ships)")
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "deepseek-v4-triton"))
     ap.add_argument("--workload", default="random", choices=["random", "agentic"])
     ap.add_argument("--concurrency", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
