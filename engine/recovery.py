@@ -57,7 +57,9 @@ class StepRecovery:
         error that killed the engine, or None when it serves on."""
         eng, sch = self.engine, self.engine.scheduler
         self.num_step_failures += 1
-        log.error("engine step failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        # one line (a client may trigger this at will); the traceback at debug level, fatal ones in full
+        log.error("engine step failed: %s: %s", type(exc).__name__, exc, exc_info=exc if is_fatal(exc) else None)
+        log.debug("engine step failure", exc_info=exc)
         if is_fatal(exc):
             return exc
         for rid in [r for r in streaming if r not in eng.requests]:
