@@ -409,6 +409,7 @@ class OutputState:
     first: bool = True
     id: str | None = None  # echoed as the `id` output (HTTP generate puts it in the response JSON)
     decode_token: Callable[[int], str] | None = None  # token id -> text, for logprobs' decoded_token
+    ranks: list[int | None] | None = None  # non-streaming: the engine's rank of each sampled token
 
     def accumulate(self, delta: RequestOutput) -> None:
         self.text.append(delta.text)
@@ -416,6 +417,8 @@ class OutputState:
         self.token_ids += delta.token_ids
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + list(delta.logprobs)
+        if delta.logprob_ranks is not None:
+            self.ranks = (self.ranks or []) + list(delta.logprob_ranks)
 
 
 def render_delta(state: OutputState, delta: RequestOutput) -> dict[str, np.ndarray]:
@@ -424,7 +427,7 @@ def render_delta(state: OutputState, delta: RequestOutput) -> dict[str, np.ndarr
     if state.first and not state.exclude_input_in_output:
         text = state.prompt + text
     state.first = False
-    return _render(state, delta, text, delta.token_ids, delta.logprobs)
+    return _render(state, delta, text, delta.token_ids, delta.logprobs, delta.logprob_ranks)
 
 
 def render_final(state: OutputState, last: RequestOutput) -> dict[str, np.ndarray]:
@@ -432,10 +435,11 @@ def render_final(state: OutputState, last: RequestOutput) -> dict[str, np.ndarra
     text = "" if OUTPUT_TOKEN_IDS in state.returns else "".join(state.text)
     if not state.exclude_input_in_output:
         text = state.prompt + text
-    return _render(state, last, text, state.token_ids, state.logprobs)
+    return _render(state, last, text, state.token_ids, state.logprobs, state.ranks)
 
 
-def _render(state: OutputState, out: RequestOutput, text: str, token_ids: list[int], logprobs) -> dict[str, np.ndarray]:
+def _render(state: OutputState, out: RequestOutput, text: str, token_ids: list[int], logprobs,
+            ranks=None) -> dict[str, np.ndarray]:
     returns = state.returns
     tensors = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
     if state.id is not None:
@@ -453,24 +457,27 @@ def _render(state: OutputState, out: RequestOutput, text: str, token_ids: list[i
     if OUTPUT_TOKEN_IDS in returns:
         tensors["output_token_ids"] = np.array(token_ids, dtype=np.int32)
     if "return_logprobs" in returns:
-        tensors["logprobs"] = np.array([logprobs_json(logprobs, state.decode_token, token_ids).encode()],
+        tensors["logprobs"] = np.array([logprobs_json(logprobs, state.decode_token, token_ids, ranks).encode()],
                                        dtype=np.object_)
     return tensors
 
 
 def logprobs_json(logprobs: list[dict[int, float]] | None, decode_token: Callable[[int], str] | None = None,
-                  token_ids: list[int] | None = None) -> str:
+                  token_ids: list[int] | None = None, ranks: list[int | None] | None = None) -> str:
     """vllm_backend's shape: one {token_id: {"logprob", "rank", "decoded_token"}} object per output
-    token, or null; the sampled token first, as vLLM orders them. A step holds the top-n tokens and
-    the sampled one, so `rank` (1 = most likely) is exact for the top-n, and for a sampled token
-    outside them it is n + 1, a lower bound."""
+    token, or null; the sampled token first, as vLLM orders them. `rank` (1 = most likely) is the
+    position among the step's entries, exact for the top-n; the sampled token's is the engine's
+    (`ranks`: vLLM's count over the whole vocabulary) when it sends one, else that position."""
     if logprobs is None:
         return "null"
     steps = []
     for i, step in enumerate(logprobs):
         sampled = token_ids[i] if token_ids is not None and i < len(token_ids) else None
         order = sorted(step, key=lambda t: (t != sampled, -step[t]))
-        steps.append({str(t): {"logprob": float(step[t]), "rank": 1 + sum(v > step[t] for v in step.values()),
+        engine_rank = ranks[i] if ranks is not None and i < len(ranks) else None
+        steps.append({str(t): {"logprob": float(step[t]),
+                               "rank": engine_rank if t == sampled and engine_rank is not None
+                               else 1 + sum(v > step[t] for v in step.values()),
                                "decoded_token": decode_token(t) if decode_token else None}
                       for t in order})
     return json.dumps(steps)

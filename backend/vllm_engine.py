@@ -129,6 +129,8 @@ def to_vllm_sampling(sp: SamplingParams):
             bad_words=list(sp.bad_words) or None,
             allowed_token_ids=sp.allowed_token_ids,
             structured_outputs=_structured_outputs(sp.structured_outputs),
+            detokenize=sp.detokenize,
+            spaces_between_special_tokens=sp.spaces_between_special_tokens,
             output_kind=RequestOutputKind.DELTA,
         )
     except Exception as e:  # noqa: BLE001 - vLLM's checks raise ValueError or VLLMValidationError

@@ -39,6 +39,7 @@ class RequestState:
     eos_ids: set[int]
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    new_ranks: list[int] = field(default_factory=list)  # with logprobs: each sampled token's rank (vLLM's)
 
 
 class LLMEngine:
@@ -323,7 +324,7 @@ class LLMEngine:
             if smp.error is not None:  # this request alone: the others' tokens stand
                 outputs.append(self._fail_request(seq, smp.error))
                 continue
-            outputs += self._process(seq, smp.token_id, smp.logprob, smp.top_logprobs)
+            outputs += self._process(seq, smp.token_id, smp.logprob, smp.top_logprobs, smp.rank)
         return outputs
 
     def _fail_request(self, seq: Sequence, error: str) -> RequestOutput:
@@ -334,9 +335,10 @@ class LLMEngine:
         out.error = error
         return out
 
-    def _process(self, seq: Sequence, token: int, logprob: float, top: dict | None) -> list[RequestOutput]:
+    def _process(self, seq: Sequence, token: int, logprob: float, top: dict | None,
+                 rank: int | None = None) -> list[RequestOutput]:
         st = self.requests[seq.request_id]
-        reason = self._append(st, token, logprob, top)
+        reason = self._append(st, token, logprob, top, rank)
         if reason:
             self.scheduler.finish(seq, reason)
             del self.requests[seq.request_id]
@@ -344,7 +346,8 @@ class LLMEngine:
         out = self._output(st, finished=reason is not None)
         return [out] if out.finished or out.text or out.token_ids else []
 
-    def _append(self, st: RequestState, token: int, logprob: float, top: dict | None) -> str | None:
+    def _append(self, st: RequestState, token: int, logprob: float, top: dict | None,
+                rank: int | None = None) -> str | None:
         seq, p = st.seq, st.seq.sampling
         if seq.has_pending_token:  # the step that sampled it ran ahead of its read-back
             seq.output_token_ids[-1] = token
@@ -354,6 +357,7 @@ class LLMEngine:
         st.new_token_ids.append(token)
         if top is not None:
             st.new_logprobs.append(top)
+            st.new_ranks.append(rank)
         self.counters["generation_tokens"] += 1
         n_out = len(seq.output_token_ids)
         if token in st.eos_ids or token in p.stop_token_ids:
@@ -372,9 +376,10 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(seq.output_token_ids),
             num_cached_tokens=seq.num_cached_tokens, cumulative_logprob=seq.cumulative_logprob,
             logprobs=st.new_logprobs if seq.sampling.logprobs is not None else None,
+            logprob_ranks=st.new_ranks if seq.sampling.logprobs is not None else None,
             finished=finished, finish_reason=seq.finish_reason if finished else None,
         )
-        st.new_token_ids, st.new_logprobs = [], []
+        st.new_token_ids, st.new_logprobs, st.new_ranks = [], [], []
         return out
 
     # --- introspection ------------------------------------------------------------------------

@@ -98,6 +98,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None  # finish_reason "error": why this request alone failed (its sampling)
+    logprob_ranks: list[int | None] | None = None  # with logprobs: each sampled token's rank over the vocabulary
 
 
 def merge_outputs(deltas: list[RequestOutput]) -> RequestOutput:
@@ -107,8 +108,10 @@ def merge_outputs(deltas: list[RequestOutput]) -> RequestOutput:
     if len(deltas) == 1:
         return deltas[0]
     last = deltas[-1]
-    logprobs = None
+    logprobs = ranks = None
     if any(d.logprobs is not None for d in deltas):
         logprobs = [lp for d in deltas for lp in d.logprobs or ()]
+    if any(d.logprob_ranks is not None for d in deltas):
+        ranks = [r for d in deltas for r in d.logprob_ranks or ()]
     return replace(last, text="".join(d.text for d in deltas), token_ids=[t for d in deltas for t in d.token_ids],
-                   logprobs=logprobs)
+                   logprobs=logprobs, logprob_ranks=ranks)

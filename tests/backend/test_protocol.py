@@ -229,3 +229,17 @@ def test_detokenize_false_renders_output_token_ids():
     assert out["output_token_ids"].dtype == np.int32 and list(out["output_token_ids"]) == [7, 8]
     assert out["text_output"][0] == b""
     assert "output_token_ids" not in render_delta(OutputState("p", True, parse().returns), deltas()[0])
+
+
+def test_logprobs_take_the_engines_rank_for_the_sampled_token():
+    step = {5: -0.1, 9: -2.0, 3: -4.5}  # top-2 plus the sampled 3, which the engine ranks 40th
+    state = OutputState("p", True, frozenset({"return_logprobs"}))
+    out = render_delta(state, RequestOutput("r", text="x", token_ids=[3], logprobs=[step], logprob_ranks=[40]))
+    ranks = {t: e["rank"] for t, e in json.loads(out["logprobs"][0])[0].items()}
+    assert ranks == {"3": 40, "5": 1, "9": 2}
+    state = OutputState("p", True, frozenset({"return_logprobs"}))
+    for delta in (RequestOutput("r", token_ids=[3], logprobs=[step], logprob_ranks=[40]),
+                  RequestOutput("r", token_ids=[5], logprobs=[step], logprob_ranks=[1], finished=True)):
+        state.accumulate(delta)
+    final = json.loads(render_final(state, delta)["logprobs"][0])
+    assert [final[0]["3"]["rank"], final[1]["5"]["rank"]] == [40, 1]

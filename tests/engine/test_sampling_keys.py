@@ -118,3 +118,20 @@ def test_a_request_whose_sampling_fails_fails_alone_and_nothing_is_recomputed(ti
     assert stats["num_preemptions"] == 0 and stats["num_step_failures"] == 0 and stats["num_requests_failed"] == 1
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and "bad" in errors[0].getMessage() and errors[0].exc_info is None
+
+
+def test_logprob_ranks_are_vllms_count_over_the_vocabulary(llm):
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=8, temperature=1.5, seed=11, logprobs=1, ignore_eos=True)
+    eng.add_request(GenerationRequest("ranked", prompt=PROMPT, sampling=sp))
+    raws, outs = [], []
+    while eng.has_unfinished():
+        eng.last_logits = {}
+        outs += eng.step()
+        if "ranked" in eng.last_logits:
+            raws.append(eng.last_logits["ranked"].float())
+    tokens = [t for o in outs for t in o.token_ids]
+    ranks = [r for o in outs for r in o.logprob_ranks]
+    expected = [int((raw.log_softmax(-1) >= raw.log_softmax(-1)[t]).sum()) for raw, t in zip(raws, tokens)]
+    assert ranks == expected and len(ranks) == 8
+    assert max(ranks) > 2, "the test needs a sampled token outside the top-n"
