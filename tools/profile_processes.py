@@ -2,7 +2,7 @@
 
     .venv/bin/python -m tools.profile_processes --json out.json -- .venv/bin/python -m loadtest.sweep --serve ...
 
-Samples /proc every second for processes whose command line holds one of the labels' patterns
+Samples /proc every second for the command's descendants whose command line holds one of the labels' patterns
 (default: Triton's python stub, the engine core process, tritonserver) and prints a table of CPU
 seconds per label (utime + stime, the most seen per pid, summed over pids); writes JSON.
 """
@@ -25,8 +25,25 @@ def _cpu_s(pid: str) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def sample(seen: dict) -> None:
+def _descendants(root: int) -> set[str]:
+    """The command's process tree only (other work on the machine is not ours to count)."""
+    parent = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent[pid] = f.read().rsplit(")", 1)[1].split()[1]
+        except OSError:
+            continue
+    tree, grew = {str(root)}, True
+    while grew:
+        new = {pid for pid, ppid in parent.items() if ppid in tree and pid not in tree}
+        tree |= new
+        grew = bool(new)
+    return tree
+
+
+def sample(seen: dict, root: int) -> None:
+    for pid in _descendants(root):
         try:
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
             for label, pattern in PATTERNS.items():
@@ -45,7 +62,7 @@ def main() -> None:
     seen: dict = {}
     proc = subprocess.Popen(command)
     while proc.poll() is None:
-        sample(seen)
+        sample(seen, proc.pid)
         time.sleep(1.0)
     totals: dict = {}
     for (label, _), cpu in seen.items():

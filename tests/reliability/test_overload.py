@@ -25,7 +25,10 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def small_server():
-    args = {"max_model_len": 256, "max_num_seqs": 4, "max_waiting_requests": 4, "fault_injection_marker": MARKER}
+    # no restart budget: a fatal error leaves the engine core dead, so the model unloads at once
+    # (restarts: tests/reliability/test_core_process.py)
+    args = {"max_model_len": 256, "max_num_seqs": 4, "max_waiting_requests": 4, "fault_injection_marker": MARKER,
+            "core_restart_limit": 0}
     with TritonServer(engine_args=args, http_port=0, grpc_port=0, metrics_port=0, startup_timeout_s=300) as s:
         yield s
 
