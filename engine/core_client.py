@@ -71,6 +71,10 @@ def _python_executable() -> str:
 def _core_main(*args) -> None:
     """The spawned process's target: the engine (torch, kernels) is imported there, not here,
     so this process never touches CUDA."""
+    # OpenMP's idle threads spin by default; with another process beside it (the front, Triton,
+    # a load generator) on few cores, the spinning took the CPU from the core's own work: 30x
+    # slower steps on 2 cores (docs/PROCESSES.md). Set before torch loads libgomp.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from engine.core_process import run_core
 
     run_core(*args)
