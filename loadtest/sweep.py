@@ -255,9 +255,9 @@ def level_failure(summary: dict, run: dict) -> str | None:
     if run["exit_code"] not in (0, None) and not run["killed"]:
         tail = [line for line in Path(run["log"]).read_text(errors="replace").splitlines() if line.strip()][-3:]
         return f"the load driver exited with code {run['exit_code']}: " + " / ".join(tail)
-    if summary["requests"] == 0:
+    if summary["requests"] == 0 and summary["output_tok_per_s"] == 0:  # users cut off at the stop still streamed
         why = f": {summary['error_samples'][0]}" if summary["error_samples"] else ""
-        return f"no request completed ({summary['errors']} errors{why}; driver log {run['log']})"
+        return f"no request completed and no token came ({summary['errors']} errors{why}; driver log {run['log']})"
     return None
 
 

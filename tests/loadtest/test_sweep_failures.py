@@ -26,8 +26,8 @@ def _sweep(tmp_path: Path, *args: str, env: dict | None = None) -> tuple[subproc
 def test_no_completed_request_is_a_failed_level_and_exit_1(tmp_path):
     done, result = _sweep(tmp_path, "--url", f"127.0.0.1:{free_port()}")  # nothing listens there
     assert done.returncode == 1, done.stdout + done.stderr
-    assert all(lv["requests"] == 0 and lv["failure"].startswith("no request completed") for lv in result["levels"])
-    assert done.stdout.count("FAILED: no request completed") == 2, done.stdout
+    assert all(lv["requests"] == 0 and lv["failure"].startswith("no request completed and no token came") for lv in result["levels"])
+    assert done.stdout.count("FAILED: no request completed and no token came") == 2, done.stdout
     assert "measured nothing" in done.stdout
 
 
