@@ -1,15 +1,18 @@
 """Block-scaled FP8 linear y = x @ dequant(W)^T, W e4m3 [N, K] with float32 128x128 block scales.
 
 Two variants (same result up to the activation rounding of the second):
-- "dequant": the weight tile is dequantized in registers and multiplied in bf16. Reads half the
-  bytes of a bf16 weight: the choice for decode, where the GEMM is memory bound.
-- "mma": activations are quantized per 1x128 on the fly (scale: the power of two >= absmax / 448,
-  DeepSeek's ue8m0 act_quant; e4m3 values) and the FP8 tensor cores multiply, each 128-wide K
-  block rescaled by its activation and weight scales (DeepSeek's fp8_gemm scheme): twice the bf16
-  peak, for prefill. Power-of-two scales make the division exact, so the kernel rounds each
-  activation exactly as kernels.reference.linear_act_quant does.
-`variant_for` picks per shape from DEQUANT_MAX_ROWS, which tools/bench_quant.py measures on the
-H200 (its JSON key "crossover").
+- "dequant" (decode): a weight GEMV. Each program streams a [BLOCK_N, BLOCK_K] weight tile per
+  step (row-major, so coalesced 16-byte loads), converts it to bf16 in registers and multiplies
+  it as the MMA's left operand against x^T (swap-AB: the few rows are the MMA's narrow side).
+  The 128x128 block scale is one value per weight row per step (BLOCK_K divides 128), applied
+  to the partial product. Split-K (fp32 partials, then one reduce) gives narrow weights enough
+  programs that every SM streams bytes.
+- "mma" (prefill): activations quantized once per 1x128 block by a small kernel (scale: the power
+  of two >= absmax / 448, DeepSeek's ue8m0 act_quant), then the FP8 tensor cores multiply 128-wide
+  K blocks, each rescaled by its activation and weight scales (DeepSeek's fp8_gemm scheme).
+  Power-of-two scales make the division exact, so the kernel rounds each activation exactly as
+  kernels.reference.linear_act_quant does.
+Which variant and tiles per shape: kernels/quant_configs.py (measured by tools/bench_quant.py).
 """
 
 from __future__ import annotations
@@ -20,18 +23,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_dequant import fp8_block_tile
+from kernels import quant_configs
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
-# Rows up to which "dequant" runs, per (N, K) weight shape; "default" for the rest. Until the H200
-# fills it: the decode batches (<= 64 rows) stay weight-bound, where dequant reads the same bytes.
-DEQUANT_MAX_ROWS: dict = {"default": 64}
 
 
 def variant_for(m: int, n: int, k: int) -> str:
     if not _INTERPRET and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         return "dequant"  # no FP8 tensor cores before Ada / Hopper
-    return "dequant" if m <= DEQUANT_MAX_ROWS.get((n, k), DEQUANT_MAX_ROWS["default"]) else "mma"
+    return quant_configs.fp8_linear_config(m, n, k)["variant"]
 
 
 @triton.jit
@@ -48,85 +48,156 @@ def _round_e4m3(v):
     return tl.where(v < 0, -r, r)
 
 
-def _configs(block_k: bool):
-    """Decode: narrow row tiles streaming wide weight tiles; prefill: 128x128 tiles, 8 warps. The
-    dequant variant also picks its K tile (the mma one multiplies whole 128-wide scale blocks)."""
-    if _INTERPRET:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, **({"BLOCK_K": 64} if block_k else {})})]
-    shapes = ((16, 64, 4, 4), (16, 128, 4, 4), (32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (128, 64, 4, 4))
-    ks = (64, 128) if block_k else (None,)
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, **({"BLOCK_K": k} if k else {})}, num_warps=w, num_stages=st)
-            for m, n, w, st in shapes for k in ks if not (k == 128 and m >= 64)]
-
-
-def _row_class(m: int) -> int:
-    return 0 if m <= 16 else 1 if m <= 64 else 2 if m <= 512 else 3
-
-
-@triton.autotune(configs=_configs(block_k=True), key=["N", "K", "ROW_CLASS"])
 @triton.jit(do_not_specialize=["M"])
-def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, ROW_CLASS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    """acc[BLOCK_N, BLOCK_M] = W[n, k-range] @ x[m, k-range]^T; y (or split pid_k's partial) = acc^T."""
+    pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    nmask, mmask = n < N, m < M
+    s_row = s_ptr + (n // 128) * tl.cdiv(K, 128)  # hoisted: one scale per weight row per 128-wide K block
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-        b = fp8_block_tile(w_ptr, s_ptr, n, k, N, K, 0, 0)
-        if DOT_F32:
-            acc += tl.dot(a.to(tl.float32), b)
+        kmask = k < k_hi
+        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        xt = tl.load(x_ptr + m[None, :] * K + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+        sw = tl.load(s_row + k0 // 128, mask=nmask, other=0.0)
+        if DOT_F32:  # float32 activations (and the interpreter): the dequantized tile, exact float32 products
+            acc += tl.dot(w.to(tl.float32) * sw[:, None], xt.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(a, b.to(a.dtype))
-    tl.store(y_ptr + m[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+            acc += tl.dot(w.to(xt.dtype), xt) * sw[:, None]
+    tl.store(y_ptr + pid_k * M * N + m[None, :] * N + n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=nmask[:, None] & mmask[None, :])
 
 
-@triton.autotune(configs=_configs(block_k=False), key=["N", "K", "ROW_CLASS"])
+@triton.jit(do_not_specialize=["MN"])
+def _sum_splits_kernel(ws_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < MN
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in range(SPLITS):
+        acc += tl.load(ws_ptr + s * MN + i, mask=mask, other=0.0)
+    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["M"])
-def _mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, ROW_CLASS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                DOT_F32: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, ROUND_F32: tl.constexpr):
+    """x [M, K] -> q [M, K] e4m3 (float32 holding e4m3 values in the interpreter), scales [cdiv(K,128), M]."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kb = tl.program_id(1)
+    k = kb * 128 + tl.arange(0, 128)
+    mask = (m[:, None] < M) & (k[None, :] < K)
+    a = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    bits = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12).to(tl.int32, bitcast=True)
+    j = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # kernels.formats.act_scale_1x128
+    j = tl.minimum(tl.maximum(j, 1), 253)
+    inv = ((254 - j) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
+    if ROUND_F32:
+        q = _round_e4m3(a * inv[:, None])
+    else:
+        q = (a * inv[:, None]).to(tl.float8e4nv)
+    tl.store(q_ptr + m[:, None] * K + k[None, :], q, mask=mask)
+    tl.store(s_ptr + kb * M + m, (j << 23).to(tl.float32, bitcast=True), mask=m < M)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _mma_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                GROUP_M: tl.constexpr, DOT_F32: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n  # GROUP_M row tiles walk the N tiles together: weight tiles are reused from L2
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mmask, nmask = m < M, n < N
     sk = tl.cdiv(K, 128)
+    s_row = s_ptr + (n // 128) * sk
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(0, sk):
         k = kb * 128 + tl.arange(0, 128)
-        a = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-        a = a.to(tl.float32)
-        bits = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12).to(tl.int32, bitcast=True)
-        j = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # kernels.formats.act_scale_1x128
-        j = tl.minimum(tl.maximum(j, 1), 253)
-        sa = (j << 23).to(tl.float32, bitcast=True)
-        inv = ((254 - j) << 23).to(tl.float32, bitcast=True)  # 1 / sa, exact
-        wmask = (n[None, :] < N) & (k[:, None] < K)
-        w = tl.load(w_ptr + n[None, :] * K + k[:, None], mask=wmask, other=0.0)
-        sw = tl.load(s_ptr + (n // 128) * sk + kb, mask=n < N, other=0.0)
+        kmask = k < K
+        a = tl.load(q_ptr + m[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        sa = tl.load(qs_ptr + kb * M + m, mask=mmask, other=0.0)
+        sw = tl.load(s_row + kb, mask=nmask, other=0.0)
         if DOT_F32:  # the interpreter: e4m3 values held in float32, multiplied in float32 (same products)
-            d = tl.dot(_round_e4m3(a * inv[:, None]), w.to(tl.float32))
+            d = tl.dot(a, tl.trans(w.to(tl.float32)))
         else:
-            d = tl.dot((a * inv[:, None]).to(tl.float8e4nv), w)
+            d = tl.dot(a, tl.trans(w))
         acc += d * sa[:, None] * sw[None, :]
-    tl.store(y_ptr + m[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+    tl.store(y_ptr + m[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
-def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, variant: str | None = None):
-    """x [..., K] (bf16 / fp16 / fp32), weight e4m3 [N, K], scale float32 [cdiv(N,128), cdiv(K,128)]."""
+def _split_k(cfg: dict, m: int, n: int, k: int) -> int:
+    """Split-K so the grid is about two waves: a narrow weight at one row has a few dozen N tiles."""
+    kblocks = triton.cdiv(k, cfg["BLOCK_K"])
+    if cfg.get("SPLIT_K"):
+        return max(1, min(cfg["SPLIT_K"], kblocks))
+    tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
+    return max(1, min(triton.cdiv(2 * quant_configs.SMS, tiles), kblocks // 4))
+
+
+def _launch_opts(cfg: dict) -> dict:
+    return {} if _INTERPRET else {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
+
+
+def _dequant(x2, weight, scale, y, cfg):
+    M, K = x2.shape
+    N = weight.shape[0]
+    split = _split_k(cfg, M, N, K)
+    k_split = triton.cdiv(triton.cdiv(K, cfg["BLOCK_K"]), split) * cfg["BLOCK_K"]
+    split = triton.cdiv(K, k_split)
+    out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=y.device)
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]), split)
+    _dequant_kernel[grid](x2, weight, scale, out, M, N, K, k_split, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                          BLOCK_K=cfg["BLOCK_K"], DOT_F32=_INTERPRET or x2.dtype == torch.float32, **_launch_opts(cfg))
+    if split > 1:
+        _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](out, y, M * N, SPLITS=split, BLOCK=1024)
+
+
+def _mma(x2, weight, scale, y, cfg):
+    M, K = x2.shape
+    N = weight.shape[0]
+    sk = triton.cdiv(K, 128)
+    q = torch.empty(M, K, dtype=torch.float32 if _INTERPRET else torch.float8_e4m3fn, device=x2.device)
+    qs = torch.empty(sk, M, dtype=torch.float32, device=x2.device)
+    _act_quant_kernel[(triton.cdiv(M, 32), sk)](x2, q, qs, M, K, BLOCK_M=32, ROUND_F32=_INTERPRET)
+    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _mma_kernel[grid](q, qs, weight, scale, y, M, N, K, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                      GROUP_M=cfg.get("GROUP_M", 8), DOT_F32=_INTERPRET, **_launch_opts(cfg))
+
+
+def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, variant: str | None = None,
+                     config: dict | None = None):
+    """x [..., K] (bf16 / fp16 / fp32), weight e4m3 [N, K], scale float32 [cdiv(N,128), cdiv(K,128)].
+    `config` (tools/bench_quant.py's sweep) overrides kernels/quant_configs.py's entry."""
     *lead, K = x.shape
     N = weight.shape[0]
-    x2 = x.reshape(-1, K).contiguous()
+    x2 = x.reshape(-1, K)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*lead, N)
-    variant = variant or variant_for(M, N, K)
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))  # noqa: E731
-    scale = scale.float().contiguous()
-    if variant == "dequant":
-        _dequant_kernel[grid](x2, weight, scale, y, M, N, K, _row_class(M), DOT_F32=_INTERPRET or x.dtype == torch.float32)
-    elif variant == "mma":
-        _mma_kernel[grid](x2, weight, scale, y, M, N, K, _row_class(M), DOT_F32=_INTERPRET)
-    else:
+    cfg = dict(config or quant_configs.fp8_linear_config(M, N, K))
+    variant = variant or config and config.get("variant") or variant_for(M, N, K)
+    if variant not in ("dequant", "mma"):
         raise ValueError(f"fp8 linear variant must be 'dequant' or 'mma', got {variant!r}")
+    if _INTERPRET:
+        cfg.update(quant_configs.INTERPRET_LINEAR[variant])
+    if variant == "dequant":
+        cfg.setdefault("BLOCK_K", 128)
+        if 128 % cfg["BLOCK_K"]:
+            raise ValueError(f"dequant tiles must sit inside 128x128 scale blocks: {cfg}")
+    if scale.dtype != torch.float32 or not scale.is_contiguous():
+        scale = scale.float().contiguous()
+    (_dequant if variant == "dequant" else _mma)(x2, weight, scale, y, cfg)
     return y.view(*lead, N)

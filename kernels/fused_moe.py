@@ -1,14 +1,18 @@
-"""Fused MoE: grouped expert GEMMs with the clamped SwiGLU in the epilogue.
+"""Fused MoE: expert GEMMs reading only the routed experts' stored bytes, the clamped SwiGLU in
+the epilogue. Kernel 1: h = swiglu(x @ w1^T, x @ w3^T), both accumulators in one pass over x;
+kernel 2: y = (h @ w2^T) * routing weight per (token, expert) pair; kernel 3 sums a token's k
+rows. Same signature as kernels.reference.moe_experts.
 
-Token->expert pairs are sorted by expert and each expert's run padded to BLOCK_M rows, so
-one program computes one (expert, BLOCK_M rows, BLOCK_N columns) tile with that expert's
-weights only. Kernel 1: h = swiglu(x @ w1^T, x @ w3^T) with both accumulators in one pass
-over x. Kernel 2: y = (h @ w2^T) * routing weight, then the k rows of a token are summed
-(un-permutation). Same signature as kernels.reference.moe_experts.
+Decode (pairs <= quant_configs.MOE_DECODE_MAX_PAIRS): no sort. The grid is (N tiles, pairs);
+the program of a pair that is its expert's first occurrence gathers all pairs of that expert
+(a scan of the few hundred routing ids) and streams the expert's [BLOCK_N, K] weight rows once
+for all of them, swap-AB (weight rows on the MMA's M side); other programs return at once. So
+the bytes read are the experts hit, and every SM streams (6 experts x I / BLOCK_N programs at
+one token). Prefill: pairs sorted by expert and padded to BLOCK_M-row tiles (align_by_expert),
+one program per (expert tile, N tile).
 
 Stored expert formats (W_FMT): 0 dense, 1 FP8 e4m3 with 128x128 block scales (Base), 2 MXFP4
-(V4-Flash): the weight tile is unpacked and scaled in registers (kernels/fused_dequant.py), so
-HBM traffic is the stored bytes.
+(V4-Flash), decoded in registers (kernels/fused_dequant.py). Tiles: kernels/quant_configs.py.
 """
 
 from __future__ import annotations
@@ -19,29 +23,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_dequant import fp8_block_tile, mxfp4_tile
+from kernels import quant_configs
+from kernels.fused_dequant import fp8_rows_tile, mxfp4_rows_tile
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
-BLOCK_M = 16  # decode: a few rows per expert
+BLOCK_M = 16  # prefill with few rows per expert
 BLOCK_M_LARGE = 64  # prefill: hundreds of rows per expert, so each weight tile serves 4x more rows
 LARGE_PAIRS = 4096  # (token, expert) pairs from which the large tiles pay
 
 
-def _configs():
-    """Decode streams expert weights (memory bound): wide K tiles and deep pipelines. Prefill is
-    compute bound: wide N tiles, 8 warps. The autotuner picks per (D, I, row class) during
-    warm-up, before graph capture."""
-    if _INTERPRET:
-        return [triton.Config({"BLOCK_N": 64, "BLOCK_K": 64})]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
-            for n, k, w, st in ((32, 256, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 4, 4),
-                                (128, 64, 8, 3), (32, 128, 2, 5), (128, 64, 8, 4), (64, 64, 4, 3))]
-
-
 def _row_class(pairs: int, experts: int) -> tuple[int, int]:
-    """(BLOCK_M, class for the autotune key): 0 a few decode rows, 1 a decode batch, 2 a decode
-    batch with dozens of rows per expert, 3 a prefill. Once an expert averages more than 16 rows,
-    16-row tiles would stream its weights from HBM several times; 64-row tiles read them once."""
+    """(BLOCK_M, class) of the sorted path: once an expert averages more than 16 rows, 16-row tiles
+    would stream its weights from HBM several times; 64-row tiles read them once."""
     if pairs >= LARGE_PAIRS:
         return BLOCK_M_LARGE, 3
     if pairs >= 24 * experts:
@@ -55,24 +48,114 @@ def weight_format(w: torch.Tensor, scale: torch.Tensor | None) -> int:
     return 2 if w.dtype == torch.int8 else 1
 
 
+FORMAT_NAMES = ("dense", "fp8", "mxfp4")
+
+
 @triton.jit
-def _expert_tile(w_ptr, s_ptr, e, n, k, N, K, W_FMT: tl.constexpr):
-    """[BLOCK_K, BLOCK_N] of expert e's W^T ([E, N, K] logical) in float32 or the stored float type."""
+def _expert_tile(w_ptr, s_ptr, e, n, k0, N, K, W_FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Expert e's [BLOCK_N, BLOCK_K] weight rows ([E, N, K] logical) and, for FP8, each row's
+    block scale for this step (the caller scales the partial product; 1 otherwise)."""
+    e64 = e.to(tl.int64)
     if W_FMT == 1:
-        t = fp8_block_tile(w_ptr, s_ptr, n, k, N, K, e.to(tl.int64) * N * K, e.to(tl.int64) * tl.cdiv(N, 128) * tl.cdiv(K, 128))
+        t, sw = fp8_rows_tile(w_ptr + e64 * N * K, s_ptr + e64 * tl.cdiv(N, 128) * tl.cdiv(K, 128), n, k0, N, K, BLOCK_K)
     elif W_FMT == 2:
-        t = mxfp4_tile(w_ptr, s_ptr, n, k, N, K, e.to(tl.int64) * N * (K // 2), e.to(tl.int64) * N * (K // 32))
+        t = mxfp4_rows_tile(w_ptr + e64 * N * (K // 2), s_ptr + e64 * N * (K // 32), n, k0, N, K, BLOCK_N, BLOCK_K)
+        sw = tl.full((BLOCK_N,), 1.0, tl.float32)
     else:
-        t = tl.load(w_ptr + e.to(tl.int64) * N * K + n[None, :] * K + k[:, None],
-                    mask=(n[None, :] < N) & (k[:, None] < K), other=0.0)
-    return t
+        k = k0 + tl.arange(0, BLOCK_K)
+        t = tl.load(w_ptr + e64 * N * K + n[:, None] * K + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        sw = tl.full((BLOCK_N,), 1.0, tl.float32)
+    return t, sw
 
 
-@triton.autotune(configs=_configs(), key=["D", "I", "ROW_CLASS", "W_FMT"])
+@triton.jit
+def _dot_wt(w, sw, xt, W_FMT: tl.constexpr, DOT_F32: tl.constexpr):
+    """w [BN, BK] (any stored float type; FP8 rows scaled by sw) @ xt [BK, BM], float32 result. On
+    the tensor cores the FP8 scale multiplies the partial product; in float32 (the interpreter)
+    the tile, as the float32 reference dequantizes."""
+    if DOT_F32:
+        if W_FMT == 1:
+            return tl.dot(w.to(tl.float32) * sw[:, None], xt.to(tl.float32), input_precision="ieee")
+        return tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+    if W_FMT == 1:
+        return tl.dot(w.to(xt.dtype), xt) * sw[:, None]
+    return tl.dot(w.to(xt.dtype), xt)
+
+
+@triton.jit
+def _expert_rows(idx_ptr, p, n_pairs, NP: tl.constexpr):
+    """The pairs routed to pair p's expert: (expert, match mask [NP], rank of each match, count, first such pair)."""
+    pairs = tl.arange(0, NP)
+    ids = tl.load(idx_ptr + pairs, mask=pairs < n_pairs, other=-1)
+    e = tl.load(idx_ptr + p)
+    match = ids == e
+    hits = match.to(tl.int32)
+    first = tl.min(tl.where(match, pairs, NP), axis=0)
+    return e, match, tl.cumsum(hits, 0) - 1, tl.sum(hits, axis=0), first
+
+
+@triton.jit
+def _rows_block(match, rank, r0, cnt, NP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Pair ids of ranks r0..r0+BLOCK_M among the matches (0 past the count) and their validity."""
+    r = r0 + tl.arange(0, BLOCK_M)
+    sel = match[None, :] & (rank[None, :] == r[:, None])
+    rows = tl.sum(tl.where(sel, tl.arange(0, NP)[None, :], 0), axis=1)
+    return rows, r < cnt
+
+
+@triton.jit(do_not_specialize=["n_pairs"])
+def _gate_up_decode_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, idx_ptr, n_pairs, D, I, TOPK, limit,
+                           W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           NP: tl.constexpr, DOT_F32: tl.constexpr):
+    pid_n, p = tl.program_id(0), tl.program_id(1)
+    e, match, rank, cnt, first = _expert_rows(idx_ptr, p, n_pairs, NP)
+    if first != p:  # another program serves this expert
+        return
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    for r0 in range(0, cnt, BLOCK_M):  # one pass unless an expert has more than BLOCK_M rows
+        rows, valid = _rows_block(match, rank, r0, cnt, NP, BLOCK_M)
+        tok = rows // TOPK
+        acc1 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        acc3 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x_ptr + tok[None, :] * D + k[:, None], mask=valid[None, :] & (k[:, None] < D), other=0.0)
+            b1, sw1 = _expert_tile(w1_ptr, s1_ptr, e, n, k0, I, D, W_FMT, BLOCK_N, BLOCK_K)
+            b3, sw3 = _expert_tile(w3_ptr, s3_ptr, e, n, k0, I, D, W_FMT, BLOCK_N, BLOCK_K)
+            acc1 += _dot_wt(b1, sw1, xt, W_FMT, DOT_F32)
+            acc3 += _dot_wt(b3, sw3, xt, W_FMT, DOT_F32)
+        gate = tl.minimum(acc1, limit)
+        up = tl.minimum(tl.maximum(acc3, -limit), limit)
+        h = gate * tl.sigmoid(gate) * up
+        tl.store(h_ptr + rows[None, :] * I + n[:, None], h.to(h_ptr.dtype.element_ty), mask=valid[None, :] & (n[:, None] < I))
+
+
+@triton.jit(do_not_specialize=["n_pairs"])
+def _down_decode_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, idx_ptr, n_pairs, D, I, W_FMT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NP: tl.constexpr,
+                        DOT_F32: tl.constexpr):
+    pid_n, p = tl.program_id(0), tl.program_id(1)
+    e, match, rank, cnt, first = _expert_rows(idx_ptr, p, n_pairs, NP)
+    if first != p:  # another program serves this expert
+        return
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    for r0 in range(0, cnt, BLOCK_M):
+        rows, valid = _rows_block(match, rank, r0, cnt, NP, BLOCK_M)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            ht = tl.load(h_ptr + rows[None, :] * I + k[:, None], mask=valid[None, :] & (k[:, None] < I), other=0.0)
+            b, sw = _expert_tile(w2_ptr, s2_ptr, e, n, k0, D, I, W_FMT, BLOCK_N, BLOCK_K)
+            acc += _dot_wt(b, sw, ht, W_FMT, DOT_F32)
+        rw = tl.load(rw_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows[None, :] * D + n[:, None], acc * rw[None, :], mask=valid[None, :] & (n[:, None] < D))
+
+
 @triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, sorted_ptr, expert_ptr, n_pairs, D, I, TOPK, limit,
-                    ROW_CLASS, W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                    W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    DOT_F32: tl.constexpr):
+    """Prefill: one (expert tile of BLOCK_M sorted pairs, N tile); acc^T kept [BLOCK_N, BLOCK_M] as in decode."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + pid_m)
     if e < 0:
@@ -81,33 +164,24 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, sorted_ptr, ex
     valid = rows < n_pairs
     tok = tl.where(valid, rows // TOPK, 0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < I
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc1 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for k0 in range(0, D, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < D
-        a = tl.load(x_ptr + tok[:, None] * D + k[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
-        b1 = _expert_tile(w1_ptr, s1_ptr, e, n, k, I, D, W_FMT)
-        b3 = _expert_tile(w3_ptr, s3_ptr, e, n, k, I, D, W_FMT)
-        if DOT_F32:
-            a, b1, b3 = a.to(tl.float32), b1.to(tl.float32), b3.to(tl.float32)
-        else:
-            b1, b3 = b1.to(a.dtype), b3.to(a.dtype)
-        acc1 += tl.dot(a, b1)
-        acc3 += tl.dot(a, b3)
+        xt = tl.load(x_ptr + tok[None, :] * D + k[:, None], mask=valid[None, :] & (k[:, None] < D), other=0.0)
+        b1, sw1 = _expert_tile(w1_ptr, s1_ptr, e, n, k0, I, D, W_FMT, BLOCK_N, BLOCK_K)
+        b3, sw3 = _expert_tile(w3_ptr, s3_ptr, e, n, k0, I, D, W_FMT, BLOCK_N, BLOCK_K)
+        acc1 += _dot_wt(b1, sw1, xt, W_FMT, DOT_F32)
+        acc3 += _dot_wt(b3, sw3, xt, W_FMT, DOT_F32)
     gate = tl.minimum(acc1, limit)
     up = tl.minimum(tl.maximum(acc3, -limit), limit)
     h = gate * tl.sigmoid(gate) * up
-    tl.store(h_ptr + rows[:, None] * I + n[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=valid[:, None] & nmask[None, :])
+    tl.store(h_ptr + rows[None, :] * I + n[:, None], h.to(h_ptr.dtype.element_ty), mask=valid[None, :] & (n[:, None] < I))
 
 
-@triton.autotune(configs=_configs(), key=["D", "I", "ROW_CLASS", "W_FMT"])
 @triton.jit(do_not_specialize=["n_pairs"])
-def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, sorted_ptr, expert_ptr, n_pairs, D, I, ROW_CLASS,
-                 W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_F32: tl.constexpr):
+def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, sorted_ptr, expert_ptr, n_pairs, D, I, W_FMT: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + pid_m)
     if e < 0:
@@ -116,20 +190,25 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, sorted_ptr, expert_ptr, n
     valid = rows < n_pairs
     safe = tl.where(valid, rows, 0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < D
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < I
-        a = tl.load(h_ptr + safe[:, None] * I + k[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
-        b = _expert_tile(w2_ptr, s2_ptr, e, n, k, D, I, W_FMT)
-        if DOT_F32:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        else:
-            b = b.to(a.dtype)
-        acc += tl.dot(a, b)
+        ht = tl.load(h_ptr + safe[None, :] * I + k[:, None], mask=valid[None, :] & (k[:, None] < I), other=0.0)
+        b, sw = _expert_tile(w2_ptr, s2_ptr, e, n, k0, D, I, W_FMT, BLOCK_N, BLOCK_K)
+        acc += _dot_wt(b, sw, ht, W_FMT, DOT_F32)
     rw = tl.load(rw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows[:, None] * D + n[None, :], acc * rw[:, None], mask=valid[:, None] & nmask[None, :])
+    tl.store(y_ptr + rows[None, :] * D + n[:, None], acc * rw[None, :], mask=valid[None, :] & (n[:, None] < D))
+
+
+@triton.jit(do_not_specialize=["T"])
+def _sum_topk_kernel(y_ptr, out_ptr, T, D, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = d < D
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in range(TOPK):  # fixed order: the result does not depend on which program ran first
+        acc += tl.load(y_ptr + (t * TOPK + j) * D + d, mask=mask, other=0.0)
+    tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def align_by_expert(indices: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
@@ -153,27 +232,58 @@ def align_by_expert(indices: torch.Tensor, num_experts: int, block_m: int = BLOC
     return sorted_ids, torch.where(used, expert_of_block, -1), max_blocks
 
 
-def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None):
+def _opts(cfg: dict) -> dict:
+    return {} if _INTERPRET else {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
+
+
+def _tiles(cfg: dict, fmt: int) -> dict:
+    cfg = {**cfg, **(quant_configs.INTERPRET_MOE if _INTERPRET else {})}
+    if fmt == 1 and 128 % cfg["BLOCK_K"] or fmt == 2 and cfg["BLOCK_K"] % 32:
+        raise ValueError(f"MoE BLOCK_K {cfg['BLOCK_K']} does not fit the {FORMAT_NAMES[fmt]} scale blocks")
+    return {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], **_opts(cfg)}
+
+
+def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, config: dict | None = None):
+    """`config` ({"gate_up": cfg, "down": cfg}, tools/bench_quant.py's sweep) overrides
+    kernels/quant_configs.py's entry."""
     T, D = x.shape
     E, I = w1.shape[:2]
+    k = indices.shape[1]
     s1, s3, s2 = scales if scales is not None else (None, None, None)
     fmt = weight_format(w1, s1)
     if fmt == 1:
-        s1, s3, s2 = (s.float().contiguous() for s in (s1, s3, s2))
+        s1, s3, s2 = (s if s.dtype == torch.float32 and s.is_contiguous() else s.float().contiguous() for s in (s1, s3, s2))
     elif fmt == 2:  # ue8m0 bytes; triton reads them as uint8
         s1, s3, s2 = (s.contiguous().view(torch.uint8) for s in (s1, s3, s2))
     else:
         s1 = s3 = s2 = w1  # unused pointers
-    k = indices.shape[1]
-    block_m, rows = _row_class(T * k, E)
-    sorted_ids, expert_of_block, max_blocks = align_by_expert(indices, E, block_m)
-    h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
-    y = torch.empty(T * k, D, dtype=torch.float32, device=x.device)
-    x = x.contiguous()
-    _gate_up_kernel[lambda m: (max_blocks, triton.cdiv(I, m["BLOCK_N"]))](
-        x, w1, w3, s1, s3, h, sorted_ids, expert_of_block, T * k, D, I, k, limit, rows, W_FMT=fmt, BLOCK_M=block_m,
-        DOT_F32=_INTERPRET)
-    _down_kernel[lambda m: (max_blocks, triton.cdiv(D, m["BLOCK_N"]))](
-        h, w2, s2, y, weights.reshape(-1).float().contiguous(), sorted_ids, expert_of_block, T * k, D, I, rows,
-        W_FMT=fmt, BLOCK_M=block_m, DOT_F32=_INTERPRET)
-    return y.view(T, k, D).sum(dim=1).to(x.dtype)
+    n_pairs = T * k
+    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    if n_pairs == 0:
+        return out
+    cfg = config or quant_configs.moe_config(n_pairs, FORMAT_NAMES[fmt])
+    gu, dn = _tiles(cfg["gate_up"], fmt), _tiles(cfg["down"], fmt)
+    x = x if x.is_contiguous() else x.contiguous()
+    idx = indices.reshape(-1)
+    idx = idx if idx.is_contiguous() else idx.contiguous()
+    rw = weights.reshape(-1)
+    rw = rw if rw.is_contiguous() else rw.contiguous()
+    h = torch.empty(n_pairs, I, dtype=x.dtype, device=x.device)
+    y = torch.empty(n_pairs, D, dtype=torch.float32, device=x.device)
+    if n_pairs <= quant_configs.MOE_DECODE_MAX_PAIRS:
+        bm, NP = cfg["gate_up"].get("BLOCK_M", 16), triton.next_power_of_2(n_pairs)
+        _gate_up_decode_kernel[(triton.cdiv(I, gu["BLOCK_N"]), n_pairs)](
+            x, w1, w3, s1, s3, h, idx, n_pairs, D, I, k, limit, W_FMT=fmt, BLOCK_M=bm, NP=NP, DOT_F32=_INTERPRET, **gu)
+        bm = cfg["down"].get("BLOCK_M", 16)
+        _down_decode_kernel[(triton.cdiv(D, dn["BLOCK_N"]), n_pairs)](
+            h, w2, s2, y, rw, idx, n_pairs, D, I, W_FMT=fmt, BLOCK_M=bm, NP=NP, DOT_F32=_INTERPRET, **dn)
+    else:
+        bm = cfg["gate_up"].get("BLOCK_M") or _row_class(n_pairs, E)[0]
+        sorted_ids, expert_of_block, max_blocks = align_by_expert(indices, E, bm)
+        _gate_up_kernel[(max_blocks, triton.cdiv(I, gu["BLOCK_N"]))](
+            x, w1, w3, s1, s3, h, sorted_ids, expert_of_block, n_pairs, D, I, k, limit, W_FMT=fmt, BLOCK_M=bm,
+            DOT_F32=_INTERPRET, **gu)
+        _down_kernel[(max_blocks, triton.cdiv(D, dn["BLOCK_N"]))](
+            h, w2, s2, y, rw, sorted_ids, expert_of_block, n_pairs, D, I, W_FMT=fmt, BLOCK_M=bm, DOT_F32=_INTERPRET, **dn)
+    _sum_topk_kernel[(T, triton.cdiv(D, 1024))](y, out, T, D, TOPK=k, BLOCK=1024)
+    return out

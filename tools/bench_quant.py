@@ -1,20 +1,27 @@
-"""The quantized kernels on CUDA: checked against their torch references, then timed against floors.
+"""The quantized kernels on CUDA: checked against their torch references, then a small sweep of
+launch configurations per shape, timed against floors; prints the winners.
 
-    python -m tools.bench_quant [--json OUT/quant.json] [--quick]    (tools/h200_bench.sh quant)
+    python -m tools.bench_quant [--json OUT/quant.json] [--quick] [--budget S]   (tools/h200_bench.sh quant)
 
 1. Check (fails the run, exit 1): the block-scaled FP8 linear, both variants (the "mma" one on the
-   FP8 tensor cores), and the fused MoE on MXFP4 and FP8 experts, vs kernels/reference.py.
-2. Time (CUDA events, triton.testing.do_bench) V4-Flash shapes at decode (1, 32, 150 rows) and
-   prefill (2048, 8192 tokens): each FP8 dense linear in both variants, the MXFP4 MoE (256
-   experts, top-6), and FP8 experts at decode. Floors on the H200: bytes / 4.2 TB/s and
-   FLOPs / peak (790 TFLOP/s bf16; the FP8 MMA twice that). JSON: every row, the measured
-   "crossover" (rows up to which "dequant" wins, per weight shape: kernels/fused_fp8_linear.py's
-   DEQUANT_MAX_ROWS) and any failure. The table prints last.
+   FP8 tensor cores), and the fused MoE on MXFP4 and FP8 experts (decode and sorted paths), vs
+   kernels/reference.py, on small awkward shapes with the table's configurations.
+2. Sweep V4-Flash shapes at decode (1, 32, 150 rows) and prefill (2048, 8192 tokens): each FP8
+   dense linear ("dequant" candidates at decode, "mma" candidates everywhere) and the MoE (MXFP4
+   at all rows, FP8 experts at decode). Each candidate is checked against the reference on the
+   real shape, then timed by CUDA-graph replay over enough weight copies / routings that the L2
+   holds none of it (a graph keeps host overhead out: the engine replays graphs at decode); the
+   winner is also timed eagerly (back-to-back launches: host overhead shows as the difference).
+   A candidate that fails to compile, run or match is skipped and reported. Floors on the H200:
+   bytes / 4.2 TB/s and FLOPs / peak (FP8 linears: the FP8 peak 1580 TFLOP/s; the MoE multiplies
+   in bf16: 790). JSON: every candidate, the winners in kernels/quant_configs.py's form ("best"),
+   the "crossover" (rows up to which "dequant" wins per weight shape), failures. Table last.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import sys
@@ -28,6 +35,8 @@ PREFILL_ROWS = (2048, 8192)
 # V4-Flash's FP8 dense linears, (N, K): attention projections and the shared expert
 LINEAR_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wo_b": (4096, 8192), "shared_w1": (2048, 4096)}
 MOE_SHAPE = {"D": 4096, "I": 2048, "E": 256, "k": 6}
+L2_BYTES = 60e6
+ROTATE_BYTES = 3 * L2_BYTES  # weight bytes one timed graph walks through, so the L2 holds none of it
 
 
 def cdiv(a: int, b: int) -> int:
@@ -59,42 +68,95 @@ def moe_floor(rows: int, experts_hit: int, D: int, I: int, k: int, fmt: str, hw:
     return {"bytes": nbytes, "flops": flops, "mem_s": mem_s, "flop_s": flop_s, "floor_s": max(mem_s, flop_s)}
 
 
+def linear_candidates(m: int) -> list[dict]:
+    """Decode: the dequant GEMV (N tile x split-K x warps x stages) and the small mma tiles;
+    prefill: mma tiles from 64x128 to 128x256."""
+    out = []
+    if m <= 256:
+        bm = 16 if m <= 16 else 32 if m <= 32 else 64
+        for bn, bk, w, st, split in ((64, 128, 4, 4, 0), (32, 128, 4, 4, 0), (128, 128, 4, 3, 0), (128, 128, 8, 4, 0),
+                                     (64, 64, 4, 6, 0), (64, 128, 4, 4, 1), (64, 128, 2, 4, 0)):
+            out.append({"variant": "dequant", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
+                        "num_warps": w, "num_stages": st})
+    mma = ((64, 128, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3)) if m <= 256 else \
+        ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4))
+    out += [{"variant": "mma", "BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": w, "num_stages": st}
+            for bm, bn, w, st in mma]
+    return out
+
+
+def moe_candidates(rows: int, fmt: str) -> list[dict]:
+    """{"gate_up", "down"} pairs (the same tiles for both). Decode: N tile x K tile x pipeline depth."""
+    if rows * MOE_SHAPE["k"] <= 1024:
+        tiles = ((32, 128, 4, 4), (64, 128, 4, 4), (32, 64, 4, 6)) if fmt == "fp8" else \
+            ((32, 256, 4, 3), (32, 128, 4, 4), (64, 128, 4, 4), (64, 256, 4, 3), (16, 256, 4, 3), (32, 256, 8, 3))
+        cfgs = [{"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st} for n, k, w, st in tiles]
+    else:
+        cfgs = [{"BLOCK_M": bm, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
+                for bm, n, k, w, st in ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 128, 4, 3))]
+    return [{"gate_up": c, "down": c} for c in cfgs]
+
+
 def cases(quick: bool = False) -> list[dict]:
-    """Every timed row: FP8 linears (both variants) and MoE (mxfp4 at all rows, fp8 experts at decode)."""
+    """Every swept shape: FP8 linears and MoE (mxfp4 at all rows, fp8 experts at decode); decode first."""
     rows = DECODE_ROWS + (PREFILL_ROWS[:1] if quick else PREFILL_ROWS)
     shapes = dict(list(LINEAR_SHAPES.items())[:2]) if quick else LINEAR_SHAPES
-    out = [{"op": "fp8_linear", "name": name, "rows": m, "n": n, "k": k, "variant": v}
-           for name, (n, k) in shapes.items() for m in rows for v in ("dequant", "mma")]
+    out = [{"op": "fp8_linear", "name": name, "rows": m, "n": n, "k": k}
+           for m in rows for name, (n, k) in shapes.items()]
     out += [{"op": "moe", "name": "experts", "rows": m, "fmt": "mxfp4", **MOE_SHAPE} for m in rows]
     out += [{"op": "moe", "name": "experts", "rows": m, "fmt": "fp8", **MOE_SHAPE} for m in DECODE_ROWS]
-    return out
+    return sorted(out, key=lambda c: c["rows"] > max(DECODE_ROWS))
 
 
 def crossover(results: list[dict]) -> dict:
-    """Per (N, K): the largest row count at which "dequant" is at least as fast as "mma"
+    """Per (N, K): the largest row count at which "dequant"'s best is at least as fast as "mma"'s
     (0: mma always wins)."""
-    by = {}
-    for r in results:
-        if r["op"] == "fp8_linear" and "seconds" in r:
-            by.setdefault((r["n"], r["k"]), {}).setdefault(r["rows"], {})[r["variant"]] = r["seconds"]
     out = {}
-    for (n, k), rows in by.items():
-        wins = [m for m, t in rows.items() if len(t) == 2 and t["dequant"] <= t["mma"]]
-        out[f"{n}x{k}"] = max(wins, default=0)
+    for r in results:
+        if r["op"] == "fp8_linear":
+            t = r.get("by_variant", {})
+            key = f"{r['n']}x{r['k']}"
+            out.setdefault(key, 0)
+            if "dequant" in t and "mma" in t and t["dequant"] <= t["mma"]:
+                out[key] = max(out[key], r["rows"])
     return out
 
 
-def table(results: list[dict]) -> str:
-    lines = [f"{'op':<11}{'shape':<22}{'rows':>6}  {'variant':<8}{'us':>9}{'floor us':>10}{'of floor':>9}{'TB/s':>7}{'TFLOP/s':>9}"]
+def best_table(results: list[dict]) -> dict:
+    """The winners in kernels/quant_configs.py's form: FP8_LINEAR[(N, K)] rows -> config, MOE per format."""
+    lin, moe = {}, {}
     for r in results:
-        shape = f"{r['name']} {r['n']}x{r['k']}" if r["op"] == "fp8_linear" else f"E{r['E']} D{r['D']} I{r['I']} k{r['k']}"
-        variant = r.get("variant", r.get("fmt"))
+        if "best" not in r:
+            continue
+        if r["op"] == "fp8_linear":
+            lin.setdefault(f"{r['n']}x{r['k']}", {})[r["rows"]] = r["best"]
+        else:
+            moe.setdefault(r["fmt"], {})[r["rows"]] = r["best"]
+    return {"fp8_linear": lin, "moe": moe}
+
+
+def _short(cfg: dict) -> str:
+    if "gate_up" in cfg:
+        cfg = cfg["gate_up"]
+    names = {"variant": "", "BLOCK_M": "m", "BLOCK_N": "n", "BLOCK_K": "k", "SPLIT_K": "s", "GROUP_M": "g",
+             "num_warps": "w", "num_stages": "st"}
+    return " ".join(f"{names[k]}{v}" for k, v in cfg.items() if k in names)
+
+
+def table(results: list[dict]) -> str:
+    lines = [f"{'op':<11}{'shape':<22}{'rows':>6}  {'best config':<30}{'us':>9}{'eager':>8}{'floor us':>9}"
+             f"{'of floor':>9}{'TB/s':>7}{'TFLOP/s':>9}  ok/tried"]
+    for r in results:
+        shape = f"{r['name']} {r['n']}x{r['k']}" if r["op"] == "fp8_linear" else f"{r['fmt']} E{r['E']} D{r['D']} I{r['I']}"
+        tried = f"{sum('seconds' in c for c in r.get('candidates', []))}/{len(r.get('candidates', []))}"
         if "seconds" not in r:
-            lines.append(f"{r['op']:<11}{shape:<22}{r['rows']:>6}  {variant:<8}  {r.get('error', 'not run')[:40]}")
+            lines.append(f"{r['op']:<11}{shape:<22}{r['rows']:>6}  {r.get('error', 'no candidate ran')[:60]}  {tried}")
             continue
         t, f = r["seconds"], r["floor"]
-        lines.append(f"{r['op']:<11}{shape:<22}{r['rows']:>6}  {variant:<8}{t * 1e6:>9.1f}{f['floor_s'] * 1e6:>10.1f}"
-                     f"{f['floor_s'] / t:>9.2f}{f['bytes'] / t / 1e12:>7.2f}{f['flops'] / t / 1e12:>9.1f}")
+        eager = f"{r['eager_seconds'] * 1e6:>8.1f}" if "eager_seconds" in r else f"{'-':>8}"
+        lines.append(f"{r['op']:<11}{shape:<22}{r['rows']:>6}  {_short(r['best']):<30}{t * 1e6:>9.1f}{eager}"
+                     f"{f['floor_s'] * 1e6:>9.1f}{f['floor_s'] / t:>9.2f}{f['bytes'] / t / 1e12:>7.2f}"
+                     f"{f['flops'] / t / 1e12:>9.1f}  {tried}")
     return "\n".join(lines)
 
 
@@ -106,7 +168,7 @@ def _fp8_weight(n: int, k: int, device, ue8m0: bool = True, seed: int = 0):
     return q, scale_to_float(s)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=2)
 def _experts(E: int, D: int, I: int, fmt: str, device, seed: int = 0):
     """(w1, w3, w2, scales) in a stored format, scales as the loader hands them to the kernels;
     quantized one expert at a time (the quantizers' temporaries are 8x the weight)."""
@@ -135,8 +197,26 @@ def _routing(T: int, E: int, k: int, device, seed: int = 0):
     return torch.rand(T, k, device=device, generator=g).to(torch.bfloat16), idx
 
 
+@contextlib.contextmanager
+def _moe_path(path: str):
+    """Force the MoE's decode (no sort) or sorted path, whatever the pair count."""
+    from kernels import quant_configs
+
+    saved = quant_configs.MOE_DECODE_MAX_PAIRS
+    quant_configs.MOE_DECODE_MAX_PAIRS = 1 << 30 if path == "decode" else 0
+    try:
+        yield
+    finally:
+        quant_configs.MOE_DECODE_MAX_PAIRS = saved
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want| (NaN stays NaN, so `not err <= tol` fails it)."""
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1.0)).item()
+
+
 def check(device) -> list[str]:
-    """Kernels vs references on awkward shapes; the failures, named (empty: all agree)."""
+    """Kernels vs references on small awkward shapes; the failures, named (empty: all agree)."""
     from kernels import reference as ref
     from kernels.fused_fp8_linear import fp8_linear_fused
     from kernels.fused_moe import moe_experts_fused
@@ -156,68 +236,166 @@ def check(device) -> list[str]:
             w1, w3, w2, scales = _experts(E, D, I, fmt, device, seed=T)
             x = torch.randn(T, D, device=device).to(torch.bfloat16)
             w, idx = _routing(T, E, k, device, seed=T)
-            want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, scales).float()
-            err = (moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales).float() - want).abs().max().item()
-            scale = max(want.abs().max().item(), 1.0)
-            if not err <= 3e-2 * scale:
-                failures.append(f"moe {fmt} T{T} D{D} I{I} E{E} k{k}: max error {err:.3g} > 3e-2 x {scale:.3g}")
+            want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, scales)
+            for path in ("decode", "sorted"):
+                with _moe_path(path):
+                    err = _rel_err(moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales), want)
+                if not err <= 3e-2:
+                    failures.append(f"moe {fmt} {path} T{T} D{D} I{I} E{E} k{k}: relative error {err:.3g} > 3e-2")
+    _experts.cache_clear()
     return failures
 
 
-def _time(fn) -> float:
-    import triton.testing
+def _graph_time(calls: list, replays: int = 3) -> float:
+    """Seconds per call: the calls captured in one CUDA graph, replayed; the median replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm the allocator outside the capture
+        for fn in calls[:2]:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e-3 / len(calls))
+    del graph
+    return sorted(times)[len(times) // 2]
 
-    return triton.testing.do_bench(fn, warmup=10, rep=50) * 1e-3
+
+def _eager_time(calls: list) -> float:
+    """Seconds per call launched back to back from Python: includes what the host does per call."""
+    for fn in calls[:2]:
+        fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for fn in calls:
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e-3 / len(calls)
 
 
-def measure(case: dict, device) -> dict:
+def _sweep(case: dict, candidates: list[dict], run, want, tol_for, calls_for, deadline: float) -> dict:
+    """Check (relative error <= tol_for(cfg)) and time each candidate; the fastest correct one is the best."""
+    rows = []
+    for cfg in candidates:
+        row = {"config": cfg}
+        rows.append(row)
+        if time.perf_counter() > deadline:
+            row["error"] = "skipped: time budget spent"
+            continue
+        try:
+            err, tol = _rel_err(run(cfg), want), tol_for(cfg)
+            if not err <= tol:
+                row["error"] = f"mismatch: relative error {err:.3g} > {tol}"
+                continue
+            row["seconds"] = _graph_time(calls_for(cfg))
+        except Exception as e:  # a config that does not compile or run is reported, the sweep goes on
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+    out = {**case, "candidates": rows}
+    ok = [r for r in rows if "seconds" in r]
+    if not ok:
+        out["error"] = "; ".join(sorted({r["error"][:80] for r in rows}))[:300]
+        return out
+    best = min(ok, key=lambda r: r["seconds"])
+    out.update(best=best["config"], seconds=best["seconds"])
+    try:
+        out["eager_seconds"] = _eager_time(calls_for(best["config"]))
+    except Exception as e:
+        out["eager_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def measure_linear(case: dict, device, deadline: float) -> dict:
+    from kernels import reference as ref
     from kernels.fused_fp8_linear import fp8_linear_fused
+
+    m, n, k = case["rows"], case["n"], case["k"]
+    q, s = _fp8_weight(n, k, device)
+    x = torch.randn(m, k, device=device).to(torch.bfloat16)
+    copies = max(1, min(64, cdiv(int(ROTATE_BYTES), n * k)))
+    ws = [(q, s)] + [(q.clone(), s.clone()) for _ in range(copies - 1)]
+    want = ref.linear(x, q, s)
+    res = _sweep(case, linear_candidates(m), lambda cfg: fp8_linear_fused(x, q, s, config=cfg), want,
+                 lambda cfg: 2e-2 if cfg["variant"] == "dequant" else 0.1,  # mma rounds activations to e4m3
+                 lambda cfg: [functools.partial(fp8_linear_fused, x, wq, ws_, config=cfg) for wq, ws_ in ws], deadline)
+    by = {}
+    for r in res["candidates"]:
+        if "seconds" in r:
+            v = r["config"]["variant"]
+            by[v] = min(by.get(v, 1e9), r["seconds"])
+    res["by_variant"] = by
+    res["floor"] = linear_floor(m, n, k, "mma")  # the lower of the two floors: FP8 peak
+    return res
+
+
+def measure_moe(case: dict, device, deadline: float) -> dict:
+    from kernels import reference as ref
     from kernels.fused_moe import moe_experts_fused
 
-    m = case["rows"]
-    if case["op"] == "fp8_linear":
-        n, k = case["n"], case["k"]
-        q, s = _fp8_weight(n, k, device)
-        x = torch.randn(m, k, device=device).to(torch.bfloat16)
-        t = _time(lambda: fp8_linear_fused(x, q, s, variant=case["variant"]))
-        return {**case, "seconds": t, "floor": linear_floor(m, n, k, case["variant"])}
-    D, I, E, k = case["D"], case["I"], case["E"], case["k"]
+    m, D, I, E, k = case["rows"], case["D"], case["I"], case["E"], case["k"]
     w1, w3, w2, scales = _experts(E, D, I, case["fmt"], device)
     x = torch.randn(m, D, device=device).to(torch.bfloat16)
-    w, idx = _routing(m, E, k, device, seed=m)
+    routings = [_routing(m, E, k, device, seed=m + i) for i in range(4)]
+    w, idx = routings[0]
     hit = int(torch.unique(idx).numel())
-    t = _time(lambda: moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales))
-    return {**case, "experts_hit": hit, "seconds": t, "floor": moe_floor(m, hit, D, I, k, case["fmt"])}
+    want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, scales)
+    res = _sweep(case, moe_candidates(m, case["fmt"]),
+                 lambda cfg: moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales, config=cfg), want, lambda cfg: 3e-2,
+                 lambda cfg: [functools.partial(moe_experts_fused, x, w1, w3, w2, rw, ri, 10.0, scales, config=cfg)
+                              for rw, ri in routings], deadline)
+    return {**res, "experts_hit": hit, "floor": moe_floor(m, hit, D, I, k, case["fmt"])}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="two linear shapes, one prefill size")
+    ap.add_argument("--budget", type=float, default=200.0, help="seconds after which remaining candidates are skipped")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_quant: needs a CUDA device", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     start = time.perf_counter()
+    deadline = start + args.budget
     failures = check(device)
     print(f"check: {'OK' if not failures else 'FAILED'} ({time.perf_counter() - start:.1f} s)", flush=True)
     for f in failures:
         print("  MISMATCH", f, flush=True)
     results = []
     for case in cases(args.quick):
+        t0 = time.perf_counter()
         try:
-            results.append(measure(case, device))
-        except Exception as e:  # record, keep going, fail at the end
-            results.append({**case, "error": f"{type(e).__name__}: {e}"})
-            failures.append(f"{case['op']} {case['name']} rows {case['rows']}: {type(e).__name__}: {e}")
+            r = (measure_linear if case["op"] == "fp8_linear" else measure_moe)(case, device, deadline)
+        except Exception as e:  # record, keep going
+            r = {**case, "error": f"{type(e).__name__}: {e}"}
+        results.append(r)
+        print(f"  {case['op']} {case['name']} {case.get('fmt', '')} rows {case['rows']}: "
+              f"{r['seconds'] * 1e6:.1f} us {_short(r['best'])}" if "seconds" in r else
+              f"  {case['op']} {case['name']} rows {case['rows']}: {r.get('error')}", f"({time.perf_counter() - t0:.1f} s)",
+              flush=True)
         torch.cuda.empty_cache()
         report = {"device": torch.cuda.get_device_name(), "hw": H200, "failures": failures,
-                  "crossover": crossover(results), "results": results, "seconds": time.perf_counter() - start}
+                  "crossover": crossover(results), "best": best_table(results), "results": results,
+                  "seconds": time.perf_counter() - start}
         if args.json:  # after every row: a run cut short by its time limit keeps what it measured
             with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
+                json.dump(report, f, indent=1, default=str)
     print(f"crossover (rows where dequant still wins, per NxK): {report['crossover']}")
+    print(f"total {time.perf_counter() - start:.1f} s")
     print(table(results))
     if failures:
         print(f"bench_quant: {len(failures)} failure(s)", file=sys.stderr)

@@ -4,6 +4,7 @@ and a prefill large enough for the large row tiles."""
 import pytest
 import torch
 
+from kernels import quant_configs
 from kernels import reference as ref
 from kernels.fused_moe import align_by_expert, moe_experts_fused
 
@@ -55,11 +56,15 @@ def _stored_experts(w, fmt):
     (5, 96, 256, 16, 3),    # D off the block, I two blocks; most experts empty
     (70, 256, 64, 6, 6),    # all experts hit by every token
 ])
-def test_moe_experts_quantized(fmt, T, D, I, E, k):
+@pytest.mark.parametrize("path", ["decode", "sorted"])
+def test_moe_experts_quantized(fmt, T, D, I, E, k, path, monkeypatch):
     """Stored FP8 (128x128 float32 scales) and MXFP4 (1x32 ue8m0) experts, dequantized in registers,
     vs the reference that dequantizes then multiplies. bf16: both sides multiply the same bf16
     values (dequantized e4m3 / e2m1 times a power of two is exact in bf16), so the bound is the
-    bf16 rounding of h between the two GEMMs and accumulation order."""
+    bf16 rounding of h between the two GEMMs and accumulation order. Both kernel paths: the
+    decode one (no sort) and the sorted one prefill takes."""
+    if path == "sorted":
+        monkeypatch.setattr(quant_configs, "MOE_DECODE_MAX_PAIRS", 0)
     g = torch.Generator().manual_seed(T * E + D)
     x = torch.randn(T, D, generator=g).to(torch.bfloat16)
     w1, s1 = _stored_experts(torch.randn(E, I, D, generator=g) / D**0.5, fmt)

@@ -1,5 +1,6 @@
-"""tools/bench_quant.py's CPU-runnable parts: the timed shapes, the floor arithmetic, the crossover,
-the table, and its correctness check itself (under the Triton interpreter, on the CPU)."""
+"""tools/bench_quant.py's CPU-runnable parts: the swept shapes and candidates, the floor arithmetic,
+the crossover and winners' table, a sweep that survives failing candidates, and its correctness
+check itself (under the Triton interpreter, on the CPU)."""
 
 import torch
 
@@ -10,13 +11,26 @@ def test_cases_cover_decode_and_prefill_for_every_op():
     cases = bq.cases()
     lin = [c for c in cases if c["op"] == "fp8_linear"]
     assert {c["rows"] for c in lin} == {1, 32, 150, 2048, 8192}
-    assert {c["variant"] for c in lin} == {"dequant", "mma"}
-    assert len(lin) == len(bq.LINEAR_SHAPES) * 5 * 2
+    assert len(lin) == len(bq.LINEAR_SHAPES) * 5
     moe = [c for c in cases if c["op"] == "moe"]
     assert {c["rows"] for c in moe if c["fmt"] == "mxfp4"} == {1, 32, 150, 2048, 8192}
     assert {c["rows"] for c in moe if c["fmt"] == "fp8"} == {1, 32, 150}
     assert all(c["E"] == 256 and c["k"] == 6 for c in moe)
+    assert max(c["rows"] for c in cases[:len(lin) // 5 * 3]) <= 150, "decode shapes are swept first"
     assert len(bq.cases(quick=True)) < len(cases)
+
+
+def test_candidates_fit_the_kernels_constraints():
+    for m in (1, 32, 150, 8192):
+        cands = bq.linear_candidates(m)
+        assert {c["variant"] for c in cands} == ({"dequant", "mma"} if m <= 150 else {"mma"})
+        assert all(128 % c["BLOCK_K"] == 0 for c in cands if c["variant"] == "dequant")  # inside a scale block
+        assert len({tuple(sorted(c.items())) for c in cands}) == len(cands)
+    for fmt in ("mxfp4", "fp8"):
+        for m in (1, 150, 8192):
+            for c in bq.moe_candidates(m, fmt):
+                k = c["gate_up"]["BLOCK_K"]
+                assert (128 % k == 0) if fmt == "fp8" else (k % 32 == 0)
 
 
 def test_linear_floor_is_memory_at_decode_and_flops_at_prefill():
@@ -38,17 +52,37 @@ def test_moe_floor_counts_the_experts_hit_as_stored():
     assert bq.moe_floor(1, 6, D, I, 6, "fp8")["bytes"] > 1.8 * one["bytes"]  # FP8 experts: ~2x the bytes
 
 
-def test_crossover_and_table():
+def test_crossover_best_table_and_table():
     res = []
     for m, td, tm in ((1, 1.0, 2.0), (32, 1.0, 1.5), (150, 2.0, 1.0)):
-        for v, t in (("dequant", td), ("mma", tm)):
-            res.append({"op": "fp8_linear", "name": "wq_a", "rows": m, "n": 8, "k": 16, "variant": v, "seconds": t * 1e-6,
-                        "floor": bq.linear_floor(m, 8, 16, v)})
+        best = {"variant": "dequant" if td <= tm else "mma", "BLOCK_M": 16, "BLOCK_N": 64}
+        res.append({"op": "fp8_linear", "name": "wq_a", "rows": m, "n": 8, "k": 16, "by_variant": {"dequant": td * 1e-6, "mma": tm * 1e-6},
+                    "best": best, "seconds": min(td, tm) * 1e-6, "floor": bq.linear_floor(m, 8, 16, "mma"),
+                    "candidates": [{"config": best, "seconds": 1e-6}, {"config": best, "error": "x"}]})
     res.append({"op": "moe", "name": "experts", "rows": 1, "fmt": "mxfp4", "D": 64, "I": 32, "E": 4, "k": 2,
                 "error": "RuntimeError: boom"})
     assert bq.crossover(res) == {"8x16": 32}
+    assert bq.best_table(res)["fp8_linear"]["8x16"][150]["variant"] == "mma"
     text = bq.table(res)
     assert len(text.splitlines()) == 1 + len(res) and "boom" in text.splitlines()[-1]
+    assert "1/2" in text.splitlines()[1]
+
+
+def test_sweep_reports_failing_candidates_and_goes_on():
+    want = torch.ones(4)
+
+    def run(cfg):
+        if cfg["id"] == 0:
+            raise RuntimeError("does not compile")
+        return want * (1.5 if cfg["id"] == 1 else float("nan"))
+
+    out = bq._sweep({"op": "moe"}, [{"id": 0}, {"id": 1}, {"id": 2}, {"id": 3}], run, want, lambda cfg: 1e-2,
+                    lambda cfg: [], deadline=float("inf"))
+    errors = [c["error"] for c in out["candidates"]]
+    assert errors[0].startswith("RuntimeError: does not compile") and errors[1].startswith("mismatch")
+    assert errors[2].startswith("mismatch") and "best" not in out and "does not compile" in out["error"]
+    late = bq._sweep({"op": "moe"}, [{"id": 1}], run, want, lambda cfg: 1e-2, lambda cfg: [], deadline=0.0)
+    assert late["candidates"][0]["error"].startswith("skipped")
 
 
 def test_check_passes_on_the_kernels_under_the_interpreter():
