@@ -15,7 +15,7 @@ kernels)
   timeout 240 python3 -m tools.bench_kernels --batches 32 --json "$OUT/kernels_compile.json" > "$OUT/kernels_compile.log" 2>&1
   tail -8 "$OUT/kernels_compile.log" ;;
 quant)  # FP8 GEMM + MXFP4 / FP8 MoE: checked vs the torch references (non-zero exit on a mismatch), a config sweep per shape timed vs floors
-  timeout 290 python3 -m tools.bench_quant --budget 210 --json "$OUT/quant.json" 2>&1 | tee "$OUT/quant.log" | tail -40 ;;
+  timeout 280 python3 -m tools.bench_quant --budget 220 --json "$OUT/quant.json" 2>&1 | tee "$OUT/quant.log" | tail -40 ;;
 engine)
   bench --concurrency 1,8,32,64,150 --input-len 512 --output-len 64 --requests-per-user 1 --floor --check-graphs --steady 1,32,150 \
     --engine-args "{$EA}" --json "$OUT/engine_opt.json" 2>&1 | tee "$OUT/engine_opt.log" | tail -14
