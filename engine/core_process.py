@@ -37,6 +37,7 @@ from engine.request import EngineOverloaded, GenerationRequest, InvalidRequest, 
 log = logging.getLogger("deepseek.engine")
 
 IDLE_POLL_S = 0.1  # an idle core waits this long for a command (and sends its stats) per turn
+COMPILE_POLL_S = 0.005  # an idle core with grammars compiling looks at them this often
 STATS_INTERVAL_S = 0.1  # stats ride on a step message at most this often
 PR_SET_PDEATHSIG = 1
 
@@ -81,14 +82,16 @@ class CoreLoop:
         self.stats_busy = False  # whether the engine had work when the last stats were sent
         self.num_steps = 0
         self.counters = {"num_requests_failed": 0, "num_requests_rejected": 0}
+        self.compiling: list[tuple[object, AddRequest]] = []  # (compile future, request) off the step loop
 
     def run(self) -> None:
         eng = self.engine
         while not self.stop:
             busy = eng.has_unfinished()
-            if self.conn.poll(0 if busy else IDLE_POLL_S):
+            if self.conn.poll(0 if busy else COMPILE_POLL_S if self.compiling else IDLE_POLL_S):
                 while not self.stop and self.conn.poll(0):
                     self._handle(messages.decode(self.conn.recv_bytes()))
+            self._admit_compiled()
             if not self.stop and eng.has_unfinished():
                 try:
                     self._emit(self._timed(eng.step))
@@ -105,34 +108,60 @@ class CoreLoop:
 
     def _handle(self, msg) -> None:
         eng = self.engine
-        if isinstance(msg, AddRequest):
-            rid = msg.request_id
+        if isinstance(msg, AddRequest) and msg.sampling.structured_outputs is not None:
+            # its grammar compiles on the compiler's threads; the request is admitted once it is done
             try:
-                if eng.num_waiting >= eng.args.max_waiting_requests:
-                    self.counters["num_requests_rejected"] += 1
-                    raise EngineOverloaded(f"{eng.num_waiting} requests waiting (max_waiting_requests="
-                                           f"{eng.args.max_waiting_requests}); retry later")
-                request = GenerationRequest(rid, msg.prompt, msg.prompt_token_ids, msg.sampling)
-                eng.add_request(request)
-            except (InvalidRequest, EngineOverloaded) as e:
-                self.errors.append(RequestError(rid, messages.error_kind(e), str(e)))
-                return
-            except Exception as e:  # noqa: BLE001 - a bug in admission fails this request only
-                log.exception("admitting request %s failed", rid)
-                self.errors.append(RequestError(rid, "failed", f"admission failed: {e!r}"))
-                return
-            self.live.add(rid)
-            if self.faults is not None:
-                self.faults.register(request)
+                self.compiling.append((eng.grammar_compiler().compile(msg.sampling.structured_outputs), msg))
+            except InvalidRequest as e:
+                self.errors.append(RequestError(msg.request_id, messages.error_kind(e), str(e)))
+        elif isinstance(msg, AddRequest):
+            self._admit(msg)
         elif isinstance(msg, AbortRequests):
+            aborted = set(msg.request_ids)
+            for _, waiting in self.compiling:
+                if waiting.request_id in aborted:
+                    self._emit([RequestOutput(waiting.request_id, finished=True, finish_reason="abort")])
+            self.compiling = [c for c in self.compiling if c[1].request_id not in aborted]
             for rid in msg.request_ids:
                 out = eng.abort(rid)
                 if out is not None:
                     self._emit([out])
         elif isinstance(msg, Shutdown):
+            for _, waiting in self.compiling:
+                self._emit([RequestOutput(waiting.request_id, finished=True, finish_reason="abort")])
+            self.compiling = []
             for rid in list(eng.requests):
                 self._emit([eng.abort(rid)])
             self.stop = True
+
+    def _admit_compiled(self) -> None:
+        if not self.compiling:
+            return
+        done = [c for c in self.compiling if c[0].done()]
+        self.compiling = [c for c in self.compiling if not c[0].done()]
+        for _, msg in done:
+            self._admit(msg)  # a spec that failed to compile raises InvalidRequest there: refused
+
+    def _admit(self, msg: AddRequest) -> None:
+        eng = self.engine
+        rid = msg.request_id
+        try:
+            if eng.num_waiting >= eng.args.max_waiting_requests:
+                self.counters["num_requests_rejected"] += 1
+                raise EngineOverloaded(f"{eng.num_waiting} requests waiting (max_waiting_requests="
+                                       f"{eng.args.max_waiting_requests}); retry later")
+            request = GenerationRequest(rid, msg.prompt, msg.prompt_token_ids, msg.sampling)
+            eng.add_request(request)
+        except (InvalidRequest, EngineOverloaded) as e:
+            self.errors.append(RequestError(rid, messages.error_kind(e), str(e)))
+            return
+        except Exception as e:  # noqa: BLE001 - a bug in admission fails this request only
+            log.exception("admitting request %s failed", rid)
+            self.errors.append(RequestError(rid, "failed", f"admission failed: {e!r}"))
+            return
+        self.live.add(rid)
+        if self.faults is not None:
+            self.faults.register(request)
 
     def _emit(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

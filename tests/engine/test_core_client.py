@@ -21,6 +21,12 @@ CASES = [
     ("seeded-2", "Once upon a time", SamplingParams(max_tokens=16, temperature=1.0, top_k=20, seed=5)),
     ("min-tokens", "Hello", SamplingParams(max_tokens=12, min_tokens=6, temperature=0.7, seed=2)),
     ("bad", "", SamplingParams(max_tokens=4)),
+    # the core compiles a grammar off its step loop and admits the request once it is done
+    ("json", "A person:", SamplingParams(max_tokens=40, temperature=0, structured_outputs={"json": {
+        "type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"]}})),
+    ("choice", "Yes or no?", SamplingParams(max_tokens=8, temperature=0.8, seed=3,
+                                             structured_outputs={"choice": ["yes", "no", "maybe"]})),
+    ("bad-schema", "Hello", SamplingParams(max_tokens=4, structured_outputs={"json": {"type": "no-such-type"}})),
 ]
 
 
@@ -80,7 +86,10 @@ def test_streams_equal_the_in_process_engine(streams):
     cases, local, remote = streams
     for (rid, _, _), a, b in zip(cases, local, remote):
         assert _joined(b) == _expected(a), rid
-    assert remote[-2].startswith("InvalidRequest: the prompt is empty")
+    by_id = {rid: out for (rid, _, _), out in zip(cases, remote)}
+    assert by_id["bad"].startswith("InvalidRequest: the prompt is empty")
+    assert by_id["bad-schema"].startswith("InvalidRequest: structured_outputs.json cannot be compiled")
+    assert '"age"' in _joined(by_id["json"])[0] and _joined(by_id["choice"])[0] in ("yes", "no", "maybe")
 
 
 def test_a_stop_string_ends_the_request_where_the_in_process_engine_does(streams):
