@@ -7,7 +7,15 @@ import dataclasses
 import enum
 
 from engine import messages
-from engine.messages import AbortRequests, AddRequest, CoreDead, CoreReady, RequestError, Shutdown, StepOutputs
+from engine.messages import (
+    AbortRequests,
+    AddRequest,
+    CoreDead,
+    CoreReady,
+    RequestError,
+    Shutdown,
+    StepOutputs,
+)
 from engine.request import InvalidRequest, RequestOutput, SamplingParams
 
 
