@@ -61,6 +61,10 @@ PRESETS: dict[str, dict] = {
                       "beta_fast": 32, "beta_slow": 1},
     ),
 }
+# V4-Flash's depth: 43 layers on its schedule (2 sliding, then CSA / HCA alternating, the MTP slot
+# last), 3 hash layers, 16 experts (the expert count is what decides the size on one GPU)
+PRESETS["flash-depth"] = dict(PRESETS["flash-shaped"], num_hidden_layers=43,
+                              compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0])
 
 COMMON = dict(
     architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", num_key_value_heads=1,

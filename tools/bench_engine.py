@@ -1,7 +1,7 @@
 """Engine benchmark (a script, not a test): offline throughput and online TTFT / ITL through
 the async API, on random or multi-turn agentic prompts. Prints a table, writes JSON.
 
-    python -m tools.bench_engine [--model DIR | --preset tiny|flash-shaped] \
+    python -m tools.bench_engine [--model DIR | --preset tiny|flash-shaped|flash-depth] \
         [--concurrency 1,8,32] [--workload random|agentic] [--input-len 256] [--output-len 64] \
         [--engine-args JSON] [--baseline] [--json out.json]
 """
@@ -23,7 +23,7 @@ from engine.args import EngineArgs, resolve_model_dir
 from engine.config import load_config
 from engine.core_client import CoreClient
 from engine.llm import LLM, AsyncLLM
-from engine.random_checkpoint import QUANTS
+from engine.random_checkpoint import PRESETS, QUANTS
 from engine.request import GenerationRequest, SamplingParams
 
 BASELINE = {"kernels": "ref", "enforce_eager": True, "enable_prefix_caching": False, "async_scheduling": False}
@@ -287,7 +287,7 @@ async def run_online(engine_args: dict, args, vocab_hint: list[int]) -> list[Res
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--preset", default="tiny", choices=["tiny", "flash-shaped"])
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     ap.add_argument("--quant", default="bf16", choices=QUANTS, help="--preset's weights as stored: bf16, fp8 "
                     "(FP8 linears and experts, as Base), fp8-fp4 (MXFP4 experts, as V4-Flash ships)")
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "deepseek-v4-triton"))

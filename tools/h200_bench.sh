@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|quant|engine|sync|agentic|ttft|peer|profile|numpy2|serving  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh kernels|quant|depth|engine|sync|agentic|ttft|peer|profile|numpy2|serving  (JSON + logs under $OUT)
 # numpy2 and serving need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoint: flash-shaped (V4-Flash per-layer shapes, 4 layers, 16 experts), drawn on the GPU.
 set -uo pipefail
@@ -16,6 +16,13 @@ kernels)
   tail -8 "$OUT/kernels_compile.log" ;;
 quant)  # FP8 GEMM + MXFP4 / FP8 MoE: checked vs the torch references (non-zero exit on a mismatch), a config sweep per shape timed vs floors
   timeout 280 python3 -m tools.bench_quant --budget 220 --json "$OUT/quant.json" 2>&1 | tee "$OUT/quant.log" | tail -40 ;;
+depth)  # decode at V4-Flash depth (43 layers, its schedule, 16 experts): as shipped (FP8 + MXFP4) vs bf16, each vs its floor
+  for q in fp8-fp4 bf16; do
+    timeout 270 python3 -m tools.bench_engine --preset flash-depth --quant $q --cache-dir $CK --concurrency 1,32,150 \
+      --input-len 512 --output-len 32 --requests-per-user 1 --floor --steady 1,32,150 --label "depth-$q" \
+      --engine-args "{$EA}" --json "$OUT/depth_$q.json" 2>&1 | tee "$OUT/depth_$q.log" | grep -E "floor|steady|online|Error|error" | tail -12
+    rm -rf "$CK"/flash-depth*  # 46 GB in bf16: one at a time on the 64 GB disk
+  done ;;
 engine)
   bench --concurrency 1,8,32,64,150 --input-len 512 --output-len 64 --requests-per-user 1 --floor --check-graphs --steady 1,32,150 \
     --engine-args "{$EA}" --json "$OUT/engine_opt.json" 2>&1 | tee "$OUT/engine_opt.log" | tail -14
