@@ -160,7 +160,7 @@ class _Rand:
 
     def normal(self, name: str, shape, std: float, mean: float = 0.0, dtype=torch.bfloat16) -> torch.Tensor:
         t = torch.randn(*shape, generator=self.gen(name), dtype=torch.float32, device=self.device) * std + mean
-        return t.to(dtype).cpu()
+        return t.to(dtype)  # stays where drawn: the quantization runs there too (minutes on a CPU at depth)
 
     def linear(self, name: str, out_f: int, in_f: int) -> torch.Tensor:
         return self.normal(name, (out_f, in_f), 1.0 / math.sqrt(in_f))
@@ -287,7 +287,7 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, overr
     pending: dict[str, torch.Tensor] = {}
     for i in range(-1, n + n_mtp):  # -1: the global tensors; n..: the MTP layers
         tensors = global_tensors(cfg, r) if i < 0 else layer_tensors(cfg, i, r) if i < n else mtp_tensors(cfg, r, i - n)
-        tensors = quantize_tensors(tensors, quant)
+        tensors = {name: t.cpu() for name, t in quantize_tensors(tensors, quant).items()}
         if sharded:
             name = f"model-{i + 2:05d}-of-{n + n_mtp + 1:05d}.safetensors"
             save_file(tensors, str(out / name), metadata={"format": "pt"})
