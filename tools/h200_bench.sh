@@ -17,10 +17,11 @@ kernels)
 quant)  # FP8 GEMM + MXFP4 / FP8 MoE: checked vs the torch references (non-zero exit on a mismatch), a config sweep per shape timed vs floors
   timeout 280 python3 -m tools.bench_quant --budget 220 --json "$OUT/quant.json" 2>&1 | tee "$OUT/quant.log" | tail -40 ;;
 depth)  # decode at V4-Flash depth (43 layers, its schedule, 16 experts): as shipped (FP8 + MXFP4) vs bf16, each vs its floor
-  for q in fp8-fp4 bf16; do
-    timeout 270 python3 -m tools.bench_engine --preset flash-depth --quant $q --cache-dir $CK --concurrency 1,32,150 \
+  for q in ${DEPTH_QUANTS:-fp8-fp4 bf16}; do
+    timeout 270 python3 -m tools.bench_engine --preset flash-depth --quant "$q" --cache-dir $CK --concurrency 1,32,150 \
       --input-len 512 --output-len 32 --requests-per-user 1 --floor --steady 1,32,150 --label "depth-$q" \
-      --engine-args "{$EA}" --json "$OUT/depth_$q.json" 2>&1 | tee "$OUT/depth_$q.log" | grep -E "floor|steady|online|Error|error" | tail -12
+      --engine-args '{"max_model_len":8192,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}' \
+      --json "$OUT/depth_$q.json" 2>&1 | tee "$OUT/depth_$q.log" | grep -E "floor|steady|online|Error|error" | tail -12
     rm -rf "$CK"/flash-depth*  # 46 GB in bf16: one at a time on the 64 GB disk
   done ;;
 engine)
