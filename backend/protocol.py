@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.args import EngineArgs
 from engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
 from engine.structured_output import parse_spec
 
@@ -68,11 +69,23 @@ _NEUTRAL_KEYS = {
     "use_beam_search": False,
     "include_stop_str_in_output": False,
 }
-MAX_STOP_STRINGS = 16
 MAX_STOP_TOKEN_IDS = 256
 MAX_JSON_BYTES = 64 << 10  # sampling_parameters / request parameters: far more than any real use
 MAX_REQUEST_ID_CHARS = 1024  # a longer client request id is refused
 LOGGED_REQUEST_ID_CHARS = 64  # what of a client's id goes into the engine's id (and so into every log line)
+
+
+@dataclass(frozen=True)
+class SamplingLimits:
+    """The per-request limits the engine enforces as well, read from the same engine arguments
+    (model.json, vLLM's names; defaults engine/args.py's): one source for both."""
+
+    max_logprobs: int = EngineArgs.max_logprobs
+    max_stop_strings: int = EngineArgs.max_stop_strings
+
+    @classmethod
+    def from_engine_args(cls, args: Mapping[str, object]) -> SamplingLimits:
+        return cls(int(args.get("max_logprobs", cls.max_logprobs)), int(args.get("max_stop_strings", cls.max_stop_strings)))
 
 
 def engine_request_id(client_id: str, unique: str) -> str:
@@ -101,6 +114,7 @@ def parse_request(
     request_id: str,
     max_model_len: int | None = None,
     max_prompt_bytes: int | None = None,
+    limits: SamplingLimits = SamplingLimits(),
 ) -> ParsedRequest:
     """`inputs`: input name -> numpy array (absent inputs missing or None). `parameters`: the
     request parameters (JSON text from pb_utils' `request.parameters()`, or a dict).
@@ -142,7 +156,7 @@ def parse_request(
         exclude = stream  # vLLM backend's defaults: the prompt is echoed only when not streaming
     returns = frozenset(name for name in RETURN_FLAGS if flags.get(name))
 
-    sp = parse_sampling(sampling, max_model_len)
+    sp = parse_sampling(sampling, max_model_len, limits)
     if sp.logprobs is None and returns & {"return_logprobs", "return_cumulative_logprob"}:
         sp.logprobs = 0  # the sampled token's logprob only, as vLLM
     if not sp.detokenize:
@@ -152,7 +166,8 @@ def parse_request(
                          id=None if echo_id is None else str(echo_id))
 
 
-def parse_sampling(params: Mapping[str, object], max_model_len: int | None = None) -> SamplingParams:
+def parse_sampling(params: Mapping[str, object], max_model_len: int | None = None,
+                   limits: SamplingLimits = SamplingLimits()) -> SamplingParams:
     """vLLM-named sampling parameters (values possibly strings, genai-perf style) -> SamplingParams."""
     sp = SamplingParams()
     guided = {}
@@ -199,8 +214,10 @@ def parse_sampling(params: Mapping[str, object], max_model_len: int | None = Non
         sp.top_k = 0
     if not 0 <= sp.min_p <= 1:
         raise InvalidRequest(f"min_p must be in [0, 1], got {sp.min_p}")
-    if sp.logprobs is not None and not 0 <= sp.logprobs <= 20:
-        raise InvalidRequest(f"logprobs must be between 0 and 20, got {sp.logprobs}")
+    if sp.logprobs is not None and not 0 <= sp.logprobs <= limits.max_logprobs:
+        raise InvalidRequest(f"logprobs must be between 0 and {limits.max_logprobs} (max_logprobs), got {sp.logprobs}")
+    if len(sp.stop) > limits.max_stop_strings:
+        raise InvalidRequest(f"stop has {len(sp.stop)} strings; at most {limits.max_stop_strings} (max_stop_strings)")
     if sp.seed is not None and not 0 <= sp.seed < 1 << 63:
         raise InvalidRequest(f"seed must be a non-negative 64-bit integer, got {sp.seed}")
     if any(t < 0 for t in sp.stop_token_ids):
@@ -353,8 +370,6 @@ def _coerce(name: str, value, kind: str):
         stops = [value] if isinstance(value, str) else value
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
             raise InvalidRequest(f"stop must be a non-empty string or a list of them, got {value!r}")
-        if len(stops) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS}")
         return stops
     if not isinstance(value, list):  # int_list
         raise InvalidRequest(f"{name} must be a list of integers, got {value!r}")

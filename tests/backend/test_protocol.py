@@ -5,7 +5,14 @@ import json
 import numpy as np
 import pytest
 
-from backend.protocol import OutputState, parse_request, parse_sampling, render_delta, render_final
+from backend.protocol import (
+    OutputState,
+    SamplingLimits,
+    parse_request,
+    parse_sampling,
+    render_delta,
+    render_final,
+)
 from engine.request import InvalidRequest, RequestOutput
 
 
@@ -243,3 +250,16 @@ def test_logprobs_take_the_engines_rank_for_the_sampled_token():
         state.accumulate(delta)
     final = json.loads(render_final(state, delta)["logprobs"][0])
     assert [final[0]["3"]["rank"], final[1]["5"]["rank"]] == [40, 1]
+
+
+def test_the_limits_come_from_the_engine_arguments():
+    """One source: model.json's max_logprobs / max_stop_strings (engine/args.py's defaults) bound
+    the protocol as they bound the engine."""
+    with pytest.raises(InvalidRequest, match="between 0 and 20"):
+        parse_sampling({"logprobs": 21})
+    with pytest.raises(InvalidRequest, match="at most 16"):
+        parse_sampling({"stop": [f"s{i}" for i in range(17)]})
+    raised = SamplingLimits.from_engine_args({"max_logprobs": 50, "max_stop_strings": 32})
+    assert parse_sampling({"logprobs": 50, "stop": [f"s{i}" for i in range(32)]}, limits=raised).logprobs == 50
+    with pytest.raises(InvalidRequest, match="between 0 and 50"):
+        parse_sampling({"logprobs": 51}, limits=raised)
