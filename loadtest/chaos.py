@@ -39,13 +39,12 @@ import string
 import sys
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from loadtest.scrape import metric
+from loadtest.scrape import metric, metrics_text
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 MODEL = "deepseek_v4"
@@ -250,13 +249,8 @@ class Target:
     pid: int | None
 
 
-def scrape(metrics_url: str) -> str:
-    with urllib.request.urlopen(metrics_url, timeout=5) as response:
-        return response.read().decode()
-
-
 def engine_gauges(metrics_url: str) -> dict:
-    text = scrape(metrics_url)
+    text = metrics_text(metrics_url)
     out = {"running": metric(text, "deepseek:num_requests_running"),
            "waiting": metric(text, "deepseek:num_requests_waiting")}
     for pool in ("window", "compressed"):
@@ -269,7 +263,7 @@ def server_counts(metrics_url: str | None) -> dict:
     """Cumulative per-request counters: finished by reason, refused / failed by code."""
     if metrics_url is None:
         return {}
-    text = scrape(metrics_url)
+    text = metrics_text(metrics_url)
     out = {}
     for line in text.splitlines():
         m = re.match(r'^deepseek:request_(success|failure)_total\{(.*)\} (\S+)$', line)

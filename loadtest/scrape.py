@@ -67,13 +67,18 @@ def metric(text: str, name: str, **labels) -> float | None:
     return total
 
 
+def metrics_text(url: str, timeout_s: float = 5.0) -> str:
+    """The Prometheus text at `url` (raises when it cannot be read)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return response.read().decode("utf-8", "replace")
+
+
 def scrape(url: str | None, timeout_s: float = 5.0) -> dict[str, float] | None:
     """None when there is no metrics URL or it cannot be read (the sweep carries on without it)."""
     if not url:
         return None
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            return parse(response.read().decode("utf-8", "replace"))
+        return parse(metrics_text(url, timeout_s))
     except (urllib.error.URLError, OSError, ValueError):
         return None
 

@@ -16,7 +16,7 @@ import pytest
 from backend.openai.chat_template import ChatTemplate
 from backend.openai.process import OpenAIProcess, tokenizer_dir
 from client.grpc import GrpcClient
-from loadtest.scrape import metric
+from loadtest.scrape import metric, metrics_text
 
 pytestmark = pytest.mark.slow
 
@@ -139,11 +139,7 @@ def test_unknown_model_is_404(sdk):
 
 
 def test_closing_the_stream_cancels_the_triton_request(sdk, triton_server):
-    def scrape():
-        with urllib.request.urlopen(triton_server.metrics_url, timeout=5) as response:
-            return response.read().decode()
-
-    aborted_before = metric(scrape(), "deepseek:request_success_total", finished_reason="abort") or 0
+    aborted_before = metric(metrics_text(triton_server.metrics_url), "deepseek:request_success_total", finished_reason="abort") or 0
     stream = sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=480, stream=True,
                                     extra_body={"ignore_eos": True})
     received = 0
@@ -154,7 +150,7 @@ def test_closing_the_stream_cancels_the_triton_request(sdk, triton_server):
     stream.close()
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        text = scrape()
+        text = metrics_text(triton_server.metrics_url)
         aborted = metric(text, "deepseek:request_success_total", finished_reason="abort") or 0
         if aborted == aborted_before + 1 and metric(text, "deepseek:num_requests_running") == 0:
             break

@@ -22,7 +22,7 @@ from client.grpc import GrpcClient
 from client.http import HttpClient
 from client.types import ServerError
 from engine.request import GenerationRequest, SamplingParams
-from loadtest.scrape import metric
+from loadtest.scrape import metric, metrics_text
 
 pytestmark = pytest.mark.slow
 
@@ -63,11 +63,6 @@ def offline(triton_server):
 
     prompts = [PROMPT, "Hello", "Grüße, 世界 🙂"]  # the last: multi-byte text both ways through BYTES tensors
     return dict(zip(prompts, asyncio.run(run(prompts, 12))))
-
-
-def scrape(server) -> str:
-    with urllib.request.urlopen(server.metrics_url, timeout=5) as response:
-        return response.read().decode()
 
 
 def raw_generate(server, body: dict, headers: dict | None = None) -> tuple[int, dict]:
@@ -158,7 +153,7 @@ def test_genai_perf_style_payload(triton_server):
 
 
 def test_cancelling_a_stream_aborts_the_engine_request(triton_server, grpc_client):
-    before = scrape(triton_server)
+    before = metrics_text(triton_server.metrics_url)
     aborted_before = metric(before, "deepseek:request_success_total", finished_reason="abort") or 0
     stream = grpc_client.generate_stream(PROMPT, max_tokens=480, ignore_eos=True)
     seen_running = False
@@ -166,14 +161,14 @@ def test_cancelling_a_stream_aborts_the_engine_request(triton_server, grpc_clien
     for _ in stream:
         received += 1
         if received % 5 == 0:
-            seen_running = seen_running or (metric(scrape(triton_server), "deepseek:num_requests_running") or 0) >= 1
+            seen_running = seen_running or (metric(metrics_text(triton_server.metrics_url), "deepseek:num_requests_running") or 0) >= 1
         if seen_running and received >= 3:
             break
     stream.close()  # stop_stream(cancel_requests=True)
     assert seen_running and received < 480
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        text = scrape(triton_server)
+        text = metrics_text(triton_server.metrics_url)
         aborted = metric(text, "deepseek:request_success_total", finished_reason="abort") or 0
         if aborted == aborted_before + 1 and metric(text, "deepseek:num_requests_running") == 0:
             break
@@ -249,7 +244,7 @@ def test_tiny_temperature_and_top_p_are_greedy_and_preempt_nothing(triton_server
     assert texts == [offline[PROMPT]] * 3  # greedy (a top_p that small keeps the top token only)
     assert deltas[-1].finish_reason == "length" and sum(d.num_output_tokens for d in deltas) == 24
     time.sleep(1.2)  # the metrics thread polls engine stats
-    assert metric(scrape(triton_server), "deepseek:num_preemptions_total") == 0
+    assert metric(metrics_text(triton_server.metrics_url), "deepseek:num_preemptions_total") == 0
 
 
 def test_penalties_and_logit_bias_change_greedy_text_and_a_masked_request_fails_alone(triton_server, grpc_client,
@@ -307,7 +302,7 @@ def test_metrics_families_have_plausible_values(triton_server, grpc_client):
     grpc_client.generate(PROMPT, max_tokens=5, ignore_eos=True)
     streamed = list(grpc_client.generate_stream(PROMPT, max_tokens=6, ignore_eos=True))
     time.sleep(1.2)  # the metrics thread records finished requests and polls engine stats
-    text = scrape(triton_server)
+    text = metrics_text(triton_server.metrics_url)
     deltas, responses = metric(text, "deepseek:stream_deltas_total"), metric(text, "deepseek:stream_responses_total")
     assert deltas >= 6 and len(streamed) <= responses <= deltas  # merged only when the sender falls behind
     assert metric(text, "deepseek:response_thread_cpu_seconds_total") > 0

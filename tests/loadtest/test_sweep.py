@@ -9,10 +9,11 @@ import json
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from loadtest import chaos
 
 pytestmark = pytest.mark.slow
 
@@ -22,20 +23,11 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SWEEP_BOUND_S = 120
 
 
-def wait_idle(metrics_url: str, timeout_s: float = 30.0) -> None:
-    """No request running or waiting in the engine (an earlier test's requests would count in the
-    server totals the checks compare with)."""
-    deadline = time.monotonic() + timeout_s
-    gauges: list[str] = []
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(metrics_url, timeout=5) as response:
-            text = response.read().decode()
-        gauges = [line for line in text.splitlines()
-                  if line.startswith(("deepseek:num_requests_running", "deepseek:num_requests_waiting"))]
-        if gauges and all(float(line.split()[-1]) == 0 for line in gauges):
-            return
-        time.sleep(0.5)
-    pytest.fail(f"the server is still busy: {gauges}")
+def wait_idle(metrics_url: str) -> None:
+    """No request running or waiting, every block free (an earlier test's requests would count in
+    the server totals the checks compare with)."""
+    gauges = chaos.wait_idle(metrics_url)
+    assert chaos.is_idle(gauges), f"the server is still busy: {gauges}"
 
 
 def run_sweep(tmp_path: Path, label: str, *args: str) -> tuple[dict, float]:

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from loadtest.chaos import GrpcCall, error_code, good_tensors, scrape, server_counts, wait_idle
-from loadtest.scrape import metric
+from loadtest.chaos import GrpcCall, error_code, good_tensors, server_counts, wait_idle
+from loadtest.scrape import metric, metrics_text
 from tests.reliability.conftest import MARKER, http_generate, run_grpc
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ def test_an_injected_fault_fails_only_its_request(server):
         t.start()
     # the faulty request arrives while the innocents decode: same batch
     deadline = time.monotonic() + 30
-    while (metric(scrape(server.metrics_url), "deepseek:num_requests_running") or 0) < len(PROMPTS):
+    while (metric(metrics_text(server.metrics_url), "deepseek:num_requests_running") or 0) < len(PROMPTS):
         assert time.monotonic() < deadline, "the innocent requests never ran"
         time.sleep(0.1)
     outcome, message, _, _ = run_grpc(server.grpc_url, f"this one breaks the step {MARKER}", max_tokens=16,

@@ -15,7 +15,8 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from loadtest.chaos import GrpcCall, bad_request, bad_sampling, error_code, scrape, server_counts
+from loadtest.chaos import GrpcCall, bad_request, bad_sampling, error_code, server_counts
+from loadtest.scrape import metrics_text
 from tests.reliability.conftest import http_generate, run_grpc
 
 pytestmark = pytest.mark.slow
@@ -79,4 +80,4 @@ def test_fuzzed_bad_inputs_get_invalid_arg_while_a_good_stream_completes(server)
     assert after.get("failure:INVALID_ARG", 0) - before.get("failure:INVALID_ARG", 0) >= seen["ours"]
     assert not any(after.get(k, 0) - before.get(k, 0) for k in ("failure:INTERNAL", "failure:UNAVAILABLE"))
     assert server.models_ready()
-    assert "deepseek:engine_step_failures_total" in scrape(server.metrics_url)
+    assert "deepseek:engine_step_failures_total" in metrics_text(server.metrics_url)
