@@ -9,7 +9,8 @@ Two variants (same result up to the activation rounding of the second):
   programs that every SM streams bytes.
 - "mma" (prefill): activations quantized once per 1x128 block by a small kernel (scale: the power
   of two >= absmax / 448, DeepSeek's ue8m0 act_quant), then the FP8 tensor cores multiply 128-wide
-  K blocks, each rescaled by its activation and weight scales (DeepSeek's fp8_gemm scheme).
+  K blocks, each rescaled by its activation and weight scales (DeepSeek's fp8_gemm scheme; with
+  BLOCK_N dividing 128 the weight scale is one per tile, so the rescale is one FMA per element).
   Power-of-two scales make the division exact, so the kernel rounds each activation exactly as
   kernels.reference.linear_act_quant does.
 Which variant and tiles per shape: kernels/quant_configs.py (measured by tools/bench_quant.py).
@@ -119,6 +120,7 @@ def _mma_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, BLOCK_M: tl.constex
     mmask, nmask = m < M, n < N
     sk = tl.cdiv(K, 128)
     s_row = s_ptr + (n // 128) * sk
+    s_tile = s_ptr + (pid_n * BLOCK_N // 128) * sk  # BLOCK_N divides 128: the tile's rows share one weight scale
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(0, sk):
         k = kb * 128 + tl.arange(0, 128)
@@ -126,12 +128,14 @@ def _mma_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, BLOCK_M: tl.constex
         a = tl.load(q_ptr + m[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         sa = tl.load(qs_ptr + kb * M + m, mask=mmask, other=0.0)
-        sw = tl.load(s_row + kb, mask=nmask, other=0.0)
         if DOT_F32:  # the interpreter: e4m3 values held in float32, multiplied in float32 (same products)
             d = tl.dot(a, tl.trans(w.to(tl.float32)))
         else:
             d = tl.dot(a, tl.trans(w))
-        acc += d * sa[:, None] * sw[None, :]
+        if 128 % BLOCK_N == 0:  # the rescale is one FMA per accumulator element (SASS: FFMA, no FMUL)
+            acc += d * (sa * tl.load(s_tile + kb))[:, None]
+        else:
+            acc += d * (sa[:, None] * tl.load(s_row + kb, mask=nmask, other=0.0)[None, :])
     tl.store(y_ptr + m[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 

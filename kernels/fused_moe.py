@@ -12,7 +12,8 @@ one token). Prefill: pairs sorted by expert and padded to BLOCK_M-row tiles (ali
 one program per (expert tile, N tile).
 
 Stored expert formats (W_FMT): 0 dense, 1 FP8 e4m3 with 128x128 block scales (Base), 2 MXFP4
-(V4-Flash), decoded in registers (kernels/fused_dequant.py). Tiles: kernels/quant_configs.py.
+(V4-Flash), decoded in registers (kernels/fused_dequant.py), or on the GPU with bf16 activations
+(config "MX": "scaled") handed packed to tl.dot_scaled. Tiles: kernels/quant_configs.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kernels import quant_configs
 from kernels.fused_dequant import fp8_rows_tile, mxfp4_rows_tile
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
+MX_SCALED_OK = not _INTERPRET  # tl.dot_scaled for MXFP4 (tests set it to run the interpreter's dot_scaled)
 BLOCK_M = 16  # prefill with few rows per expert
 BLOCK_M_LARGE = 64  # prefill: hundreds of rows per expert, so each weight tile serves 4x more rows
 LARGE_PAIRS = 4096  # (token, expert) pairs from which the large tiles pay
@@ -83,6 +85,28 @@ def _dot_wt(w, sw, xt, W_FMT: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _expert_dot(w_ptr, s_ptr, e, n, k0, N, K, xt, W_FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                DOT_F32: tl.constexpr, MX_SCALED: tl.constexpr):
+    """Expert e's rows n over K step k0 @ xt [BLOCK_K, BM], float32. MX_SCALED (MXFP4, bf16 xt, GPU):
+    the packed e2m1 bytes and ue8m0 bytes go to tl.dot_scaled as stored, which unpacks them to bf16
+    with byte permutes and integer ops (no conversion-unit instructions, which bound the e4m3
+    placement at ~0.8 TB/s) and applies each 32-wide group's scale; loads stay 16-byte row-major."""
+    if MX_SCALED:
+        e64 = e.to(tl.int64)
+        KH = tl.multiple_of(K // 2, 16)  # K % 32 == 0 (the scale groups): rows 16-byte aligned, so 16-byte loads
+        kb = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BLOCK_K // 2), 16), 16)
+        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        nmask = n < N
+        w = tl.load(w_ptr + e64 * N * KH + n[:, None] * KH + kb[None, :],
+                    mask=nmask[:, None] & (kb[None, :] < KH), other=0).to(tl.uint8, bitcast=True)
+        sc = tl.load(s_ptr + e64 * N * (K // 32) + n[:, None] * (K // 32) + ks[None, :],
+                     mask=nmask[:, None] & (ks[None, :] < K // 32), other=0)
+        return tl.dot_scaled(w, sc, "e2m1", xt, None, "bf16")
+    t, sw = _expert_tile(w_ptr, s_ptr, e, n, k0, N, K, W_FMT, BLOCK_N, BLOCK_K)
+    return _dot_wt(t, sw, xt, W_FMT, DOT_F32)
+
+
+@triton.jit
 def _expert_rows(idx_ptr, p, n_pairs, NP: tl.constexpr):
     """The pairs routed to pair p's expert: (expert, match mask [NP], rank of each match, count, first such pair)."""
     pairs = tl.arange(0, NP)
@@ -106,7 +130,7 @@ def _rows_block(match, rank, r0, cnt, NP: tl.constexpr, BLOCK_M: tl.constexpr):
 @triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_decode_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, idx_ptr, n_pairs, D, I, TOPK, limit,
                            W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           NP: tl.constexpr, DOT_F32: tl.constexpr):
+                           NP: tl.constexpr, DOT_F32: tl.constexpr, MX_SCALED: tl.constexpr):
     pid_n, p = tl.program_id(0), tl.program_id(1)
     e, match, rank, cnt, first = _expert_rows(idx_ptr, p, n_pairs, NP)
     if first != p:  # another program serves this expert
@@ -120,10 +144,8 @@ def _gate_up_decode_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, idx_ptr
         for k0 in range(0, D, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             xt = tl.load(x_ptr + tok[None, :] * D + k[:, None], mask=valid[None, :] & (k[:, None] < D), other=0.0)
-            b1, sw1 = _expert_tile(w1_ptr, s1_ptr, e, n, k0, I, D, W_FMT, BLOCK_N, BLOCK_K)
-            b3, sw3 = _expert_tile(w3_ptr, s3_ptr, e, n, k0, I, D, W_FMT, BLOCK_N, BLOCK_K)
-            acc1 += _dot_wt(b1, sw1, xt, W_FMT, DOT_F32)
-            acc3 += _dot_wt(b3, sw3, xt, W_FMT, DOT_F32)
+            acc1 += _expert_dot(w1_ptr, s1_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
+            acc3 += _expert_dot(w3_ptr, s3_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
         gate = tl.minimum(acc1, limit)
         up = tl.minimum(tl.maximum(acc3, -limit), limit)
         h = gate * tl.sigmoid(gate) * up
@@ -133,7 +155,7 @@ def _gate_up_decode_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, idx_ptr
 @triton.jit(do_not_specialize=["n_pairs"])
 def _down_decode_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, idx_ptr, n_pairs, D, I, W_FMT: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NP: tl.constexpr,
-                        DOT_F32: tl.constexpr):
+                        DOT_F32: tl.constexpr, MX_SCALED: tl.constexpr):
     pid_n, p = tl.program_id(0), tl.program_id(1)
     e, match, rank, cnt, first = _expert_rows(idx_ptr, p, n_pairs, NP)
     if first != p:  # another program serves this expert
@@ -145,8 +167,7 @@ def _down_decode_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, idx_ptr, n_pairs, 
         for k0 in range(0, I, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             ht = tl.load(h_ptr + rows[None, :] * I + k[:, None], mask=valid[None, :] & (k[:, None] < I), other=0.0)
-            b, sw = _expert_tile(w2_ptr, s2_ptr, e, n, k0, D, I, W_FMT, BLOCK_N, BLOCK_K)
-            acc += _dot_wt(b, sw, ht, W_FMT, DOT_F32)
+            acc += _expert_dot(w2_ptr, s2_ptr, e, n, k0, D, I, ht, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
         rw = tl.load(rw_ptr + rows, mask=valid, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows[None, :] * D + n[:, None], acc * rw[None, :], mask=valid[None, :] & (n[:, None] < D))
 
@@ -154,7 +175,7 @@ def _down_decode_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, idx_ptr, n_pairs, 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, sorted_ptr, expert_ptr, n_pairs, D, I, TOPK, limit,
                     W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_F32: tl.constexpr):
+                    DOT_F32: tl.constexpr, MX_SCALED: tl.constexpr):
     """Prefill: one (expert tile of BLOCK_M sorted pairs, N tile); acc^T kept [BLOCK_N, BLOCK_M] as in decode."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + pid_m)
@@ -169,10 +190,8 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, sorted_ptr, ex
     for k0 in range(0, D, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + tok[None, :] * D + k[:, None], mask=valid[None, :] & (k[:, None] < D), other=0.0)
-        b1, sw1 = _expert_tile(w1_ptr, s1_ptr, e, n, k0, I, D, W_FMT, BLOCK_N, BLOCK_K)
-        b3, sw3 = _expert_tile(w3_ptr, s3_ptr, e, n, k0, I, D, W_FMT, BLOCK_N, BLOCK_K)
-        acc1 += _dot_wt(b1, sw1, xt, W_FMT, DOT_F32)
-        acc3 += _dot_wt(b3, sw3, xt, W_FMT, DOT_F32)
+        acc1 += _expert_dot(w1_ptr, s1_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
+        acc3 += _expert_dot(w3_ptr, s3_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
     gate = tl.minimum(acc1, limit)
     up = tl.minimum(tl.maximum(acc3, -limit), limit)
     h = gate * tl.sigmoid(gate) * up
@@ -181,7 +200,8 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, sorted_ptr, ex
 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, sorted_ptr, expert_ptr, n_pairs, D, I, W_FMT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                 MX_SCALED: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(expert_ptr + pid_m)
     if e < 0:
@@ -194,8 +214,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, sorted_ptr, expert_ptr, n
     for k0 in range(0, I, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         ht = tl.load(h_ptr + safe[None, :] * I + k[:, None], mask=valid[None, :] & (k[:, None] < I), other=0.0)
-        b, sw = _expert_tile(w2_ptr, s2_ptr, e, n, k0, D, I, W_FMT, BLOCK_N, BLOCK_K)
-        acc += _dot_wt(b, sw, ht, W_FMT, DOT_F32)
+        acc += _expert_dot(w2_ptr, s2_ptr, e, n, k0, D, I, ht, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
     rw = tl.load(rw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows[None, :] * D + n[:, None], acc * rw[None, :], mask=valid[None, :] & (n[:, None] < D))
 
@@ -236,11 +255,15 @@ def _opts(cfg: dict) -> dict:
     return {} if _INTERPRET else {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
 
 
-def _tiles(cfg: dict, fmt: int) -> dict:
+def _tiles(cfg: dict, fmt: int, act_dtype: torch.dtype) -> dict:
     cfg = {**cfg, **(quant_configs.INTERPRET_MOE if _INTERPRET else {})}
     if fmt == 1 and 128 % cfg["BLOCK_K"] or fmt == 2 and cfg["BLOCK_K"] % 32:
         raise ValueError(f"MoE BLOCK_K {cfg['BLOCK_K']} does not fit the {FORMAT_NAMES[fmt]} scale blocks")
-    return {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], **_opts(cfg)}
+    if cfg.get("MX", "e4m3") not in ("scaled", "e4m3"):
+        raise ValueError(f"MoE MX must be 'scaled' or 'e4m3', got {cfg['MX']!r}")
+    # dot_scaled's unpack needs bf16 activations and the GPU (the interpreter's float32 path checks the math)
+    scaled = fmt == 2 and cfg.get("MX") == "scaled" and act_dtype == torch.bfloat16 and MX_SCALED_OK
+    return {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "MX_SCALED": scaled, **_opts(cfg)}
 
 
 def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, config: dict | None = None):
@@ -262,7 +285,7 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, confi
     if n_pairs == 0:
         return out
     cfg = config or quant_configs.moe_config(n_pairs, FORMAT_NAMES[fmt])
-    gu, dn = _tiles(cfg["gate_up"], fmt), _tiles(cfg["down"], fmt)
+    gu, dn = _tiles(cfg["gate_up"], fmt, x.dtype), _tiles(cfg["down"], fmt, x.dtype)
     x = x if x.is_contiguous() else x.contiguous()
     idx = indices.reshape(-1)
     idx = idx if idx.is_contiguous() else idx.contiguous()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import itertools
 import json
 import sys
 import time
@@ -78,22 +79,28 @@ def linear_candidates(m: int) -> list[dict]:
                                      (64, 64, 4, 6, 0), (64, 128, 4, 4, 1)):
             out.append({"variant": "dequant", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split,
                         "num_warps": w, "num_stages": st})
+    # prefill: 128x256 / 256x128 spill (SASS: 488-byte stack) and ran 2x slower; 4-warp tiles fit 2 programs per SM
     mma = ((64, 128, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3)) if m <= 256 else \
-        ((128, 128, 8, 3), (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4))
+        ((128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4), (128, 64, 4, 3), (64, 128, 4, 4), (64, 128, 4, 3))
     out += [{"variant": "mma", "BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": w, "num_stages": st}
             for bm, bn, w, st in mma]
     return out
 
 
 def moe_candidates(rows: int, fmt: str) -> list[dict]:
-    """{"gate_up", "down"} pairs (the same tiles for both). Decode: N tile x K tile x pipeline depth."""
-    if rows * MOE_SHAPE["k"] <= 1024:
-        tiles = ((32, 128, 4, 4), (64, 128, 4, 4)) if fmt == "fp8" else \
-            ((32, 256, 4, 3), (32, 128, 4, 4), (64, 128, 4, 4), (16, 256, 4, 3))  # each compiles per pair-count bucket
-        cfgs = [{"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st} for n, k, w, st in tiles]
+    """{"gate_up", "down"} pairs (the same tiles for both). Decode: N tile x warps x pipeline depth;
+    MXFP4 through tl.dot_scaled ("scaled") and, as the baseline, the e4m3 placement's last winner."""
+    if rows * MOE_SHAPE["k"] <= 1024:  # each decode config compiles per pair-count bucket
+        tiles = ((64, 128, 4, 4, None), (64, 128, 8, 4, None)) if fmt == "fp8" else \
+            ((64, 128, 4, 4, "scaled"), (64, 128, 8, 4, "scaled"), (32, 128, 4, 4, "scaled"), (128, 128, 8, 3, "scaled"),
+             (64, 128, 4, 4, "e4m3"))
+        cfgs = [{"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st, **({"MX": mx} if mx else {})}
+                for n, k, w, st, mx in tiles]
     else:
-        cfgs = [{"BLOCK_M": bm, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
-                for bm, n, k, w, st in ((64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (64, 128, 128, 8, 3), (128, 64, 128, 4, 3))]
+        tiles = ((64, 128, 64, 8, 3, "scaled"), (128, 64, 128, 4, 3, "scaled"), (128, 128, 64, 8, 3, "scaled"),
+                 (64, 128, 64, 8, 3, "e4m3") if rows <= 4096 else (128, 64, 128, 4, 3, "e4m3"))[:4 if fmt == "mxfp4" else 3]
+        cfgs = [{"BLOCK_M": bm, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st,
+                 **({"MX": mx} if fmt == "mxfp4" else {})} for bm, n, k, w, st, mx in tiles]
     return [{"gate_up": c, "down": c} for c in cfgs]
 
 
@@ -139,7 +146,7 @@ def _short(cfg: dict) -> str:
     if "gate_up" in cfg:
         cfg = cfg["gate_up"]
     names = {"variant": "", "BLOCK_M": "m", "BLOCK_N": "n", "BLOCK_K": "k", "SPLIT_K": "s", "GROUP_M": "g",
-             "num_warps": "w", "num_stages": "st"}
+             "num_warps": "w", "num_stages": "st", "MX": ""}
     return " ".join(f"{names[k]}{v}" for k, v in cfg.items() if k in names)
 
 
@@ -217,6 +224,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def check(device) -> list[str]:
     """Kernels vs references on small awkward shapes; the failures, named (empty: all agree)."""
+    from kernels import quant_configs
     from kernels import reference as ref
     from kernels.fused_fp8_linear import fp8_linear_fused
     from kernels.fused_moe import moe_experts_fused
@@ -237,11 +245,12 @@ def check(device) -> list[str]:
             x = torch.randn(T, D, device=device).to(torch.bfloat16)
             w, idx = _routing(T, E, k, device, seed=T)
             want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, scales)
-            for path in ("decode", "sorted"):
-                with _moe_path(path):
-                    err = _rel_err(moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales), want)
+            for path, mx in itertools.product(("decode", "sorted"), ("scaled", "e4m3") if fmt == "mxfp4" else ("",)):
+                with _moe_path(path):  # the table's tiles; MXFP4 through both decodes (the sweep tries both)
+                    cfg = {part: {**c, "MX": mx} if mx else c for part, c in quant_configs.moe_config(T * k, fmt).items()}
+                    err = _rel_err(moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales, config=cfg), want)
                 if not err <= 3e-2:
-                    failures.append(f"moe {fmt} {path} T{T} D{D} I{I} E{E} k{k}: relative error {err:.3g} > 3e-2")
+                    failures.append(f"moe {fmt} {mx} {path} T{T} D{D} I{I} E{E} k{k}: relative error {err:.3g} > 3e-2")
     _experts.cache_clear()
     return failures
 

@@ -4,7 +4,7 @@ and a prefill large enough for the large row tiles."""
 import pytest
 import torch
 
-from kernels import quant_configs
+from kernels import fused_moe, quant_configs
 from kernels import reference as ref
 from kernels.fused_moe import align_by_expert, moe_experts_fused
 
@@ -57,12 +57,17 @@ def _stored_experts(w, fmt):
     (70, 256, 64, 6, 6),    # all experts hit by every token
 ])
 @pytest.mark.parametrize("path", ["decode", "sorted"])
-def test_moe_experts_quantized(fmt, T, D, I, E, k, path, monkeypatch):
+@pytest.mark.parametrize("mx_scaled", [False, True])
+def test_moe_experts_quantized(fmt, T, D, I, E, k, path, mx_scaled, monkeypatch):
     """Stored FP8 (128x128 float32 scales) and MXFP4 (1x32 ue8m0) experts, dequantized in registers,
     vs the reference that dequantizes then multiplies. bf16: both sides multiply the same bf16
     values (dequantized e4m3 / e2m1 times a power of two is exact in bf16), so the bound is the
     bf16 rounding of h between the two GEMMs and accumulation order. Both kernel paths: the
-    decode one (no sort) and the sorted one prefill takes."""
+    decode one (no sort) and the sorted one prefill takes. mx_scaled: MXFP4 through tl.dot_scaled
+    (the GPU's default; here the interpreter's), else the e4m3 bit placement."""
+    if mx_scaled and fmt != "mxfp4":
+        pytest.skip("tl.dot_scaled serves MXFP4 only")
+    monkeypatch.setattr(fused_moe, "MX_SCALED_OK", mx_scaled)
     if path == "sorted":
         monkeypatch.setattr(quant_configs, "MOE_DECODE_MAX_PAIRS", 0)
     g = torch.Generator().manual_seed(T * E + D)
