@@ -30,7 +30,8 @@ def mxfp4_rows_tile(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: t
     g = tl.arange(0, G)
     b = tl.arange(0, 16)
     gmask = (n[:, None] < N) & (k0 + g[None, :] * 32 < K)
-    byte = tl.load(w_ptr + n[:, None, None] * (K // 2) + k0 // 2 + g[None, :, None] * 16 + b[None, None, :],
+    KH = tl.multiple_of(K // 2, 16)  # K % 32 == 0 (the scale groups): rows 16-byte aligned, so 16-byte loads
+    byte = tl.load(w_ptr + n[:, None, None] * KH + k0 // 2 + g[None, :, None] * 16 + b[None, None, :],
                    mask=gmask[:, :, None], other=0).to(tl.uint8, bitcast=True)
     sb = tl.load(s_ptr + n[:, None] * (K // 32) + k0 // 32 + g[None, :], mask=gmask, other=0).to(tl.int32)
     scale = ((tl.minimum(sb, 248) + 6) << 23).to(tl.float32, bitcast=True)[:, :, None]  # 2 ** (s - 121)
