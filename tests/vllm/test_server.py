@@ -10,13 +10,13 @@ import time
 import pytest
 
 from backend.serve import ServerError, TritonServer
+from loadtest.scrape import metrics_text
 from tests.backend.test_server import (  # noqa: F401 - fixtures and tests, collected here as well
     PROMPT,
     grpc_client,
     http_client,
     metric,
     offline,
-    scrape,
     test_admin_apis_need_the_key,
     test_bad_inputs_are_invalid_arg_while_a_good_request_completes,
     test_cancelling_a_stream_aborts_the_engine_request,
@@ -36,13 +36,13 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 
 def test_prefix_cache_hits_reach_the_metrics(triton_server, grpc_client):  # noqa: F811 - the fixture
     long_prompt = " ".join([PROMPT] * 40)  # several full 32-token blocks
-    before = metric(scrape(triton_server), "deepseek:prefix_cache_hit_tokens_total") or 0
+    before = metric(metrics_text(triton_server.metrics_url), "deepseek:prefix_cache_hit_tokens_total") or 0
     first = grpc_client.generate(long_prompt, max_tokens=2, temperature=0)
     second = grpc_client.generate(long_prompt, max_tokens=2, temperature=0)
     assert first.text == second.text
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        text = scrape(triton_server)
+        text = metrics_text(triton_server.metrics_url)
         if (metric(text, "deepseek:prefix_cache_hit_tokens_total") or 0) >= before + 32:
             break
         time.sleep(0.2)
