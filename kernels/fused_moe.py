@@ -127,6 +127,14 @@ def _rows_block(match, rank, r0, cnt, NP: tl.constexpr, BLOCK_M: tl.constexpr):
     return rows, r < cnt
 
 
+@triton.jit
+def _clamped_swiglu(gate, up, limit):
+    """DeepSeek-V4's SwiGLU: the gate clamped above at `limit`, the up projection to +-limit."""
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    return gate * tl.sigmoid(gate) * up
+
+
 @triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_decode_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, idx_ptr, n_pairs, D, I, TOPK, limit,
                            W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -146,9 +154,7 @@ def _gate_up_decode_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, idx_ptr
             xt = tl.load(x_ptr + tok[None, :] * D + k[:, None], mask=valid[None, :] & (k[:, None] < D), other=0.0)
             acc1 += _expert_dot(w1_ptr, s1_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
             acc3 += _expert_dot(w3_ptr, s3_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
-        gate = tl.minimum(acc1, limit)
-        up = tl.minimum(tl.maximum(acc3, -limit), limit)
-        h = gate * tl.sigmoid(gate) * up
+        h = _clamped_swiglu(acc1, acc3, limit)
         tl.store(h_ptr + rows[None, :] * I + n[:, None], h.to(h_ptr.dtype.element_ty), mask=valid[None, :] & (n[:, None] < I))
 
 
@@ -192,9 +198,7 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, sorted_ptr, ex
         xt = tl.load(x_ptr + tok[None, :] * D + k[:, None], mask=valid[None, :] & (k[:, None] < D), other=0.0)
         acc1 += _expert_dot(w1_ptr, s1_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
         acc3 += _expert_dot(w3_ptr, s3_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
-    gate = tl.minimum(acc1, limit)
-    up = tl.minimum(tl.maximum(acc3, -limit), limit)
-    h = gate * tl.sigmoid(gate) * up
+    h = _clamped_swiglu(acc1, acc3, limit)
     tl.store(h_ptr + rows[None, :] * I + n[:, None], h.to(h_ptr.dtype.element_ty), mask=valid[None, :] & (n[:, None] < I))
 
 
