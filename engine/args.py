@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,12 @@ class EngineArgs:
     # docs/RELIABILITY.md. Never in production.
     fault_injection_marker: str | None = None
     engine: str = "native"
+
+    @classmethod
+    def of(cls, args: EngineArgs | Mapping) -> EngineArgs:
+        """The one constructor convention of the engine's fronts (LLMEngine, AsyncLLM, CoreClient,
+        LLM): engine arguments as EngineArgs or a mapping of vLLM's names."""
+        return args if isinstance(args, EngineArgs) else cls.from_dict(dict(args))
 
     @classmethod
     def from_dict(cls, raw: dict) -> EngineArgs:

@@ -117,7 +117,7 @@ class CoreClient:
     """The native engine behind the async interface, its core in a process of its own."""
 
     def __init__(self, engine_args: dict | EngineArgs):
-        self.args = engine_args if isinstance(engine_args, EngineArgs) else EngineArgs.from_dict(dict(engine_args))
+        self.args = EngineArgs.of(engine_args)
         self.tokenizer: Tokenizer | None = None
         self._requests: dict[str, _FrontRequest] = {}
         self._lock = threading.Lock()  # _state changes and _requests' admissions

@@ -13,6 +13,7 @@ dead, and every request in flight or arriving gets `EngineDead`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -50,8 +51,10 @@ class Completion:
 
 
 class LLM:
-    def __init__(self, model: str = "", **engine_args):
-        self.engine = LLMEngine(EngineArgs.from_dict({"model": model, **engine_args}))
+    def __init__(self, model: str | EngineArgs | dict = "", **engine_args):
+        """vLLM's `LLM(model, **engine_args)`, or engine arguments as the other fronts take them."""
+        args = {"model": model} if isinstance(model, str) else dataclasses.asdict(EngineArgs.of(model))
+        self.engine = LLMEngine(EngineArgs.from_dict({**args, **engine_args}))
         self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
@@ -85,7 +88,7 @@ class AsyncLLM:
     """The native engine behind the async interface the Triton backend uses."""
 
     def __init__(self, engine_args: dict | EngineArgs):
-        self.args = engine_args if isinstance(engine_args, EngineArgs) else EngineArgs.from_dict(dict(engine_args))
+        self.args = EngineArgs.of(engine_args)
         self.engine: LLMEngine | None = None
         self.tokenizer = None
         self._cmds: queue.Queue = queue.Queue()

@@ -46,7 +46,7 @@ class LLMEngine:
     def __init__(self, args: EngineArgs | dict, detokenize: bool = True):
         """detokenize=False: outputs carry token ids only and stop strings are left to the caller
         (the engine core process: text work belongs to its front, not to the step loop)."""
-        args = EngineArgs.from_dict(args) if isinstance(args, dict) else args
+        args = EngineArgs.of(args)
         args.validate()
         self.args = args
         self.detokenize = detokenize

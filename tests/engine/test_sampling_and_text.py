@@ -122,3 +122,20 @@ def test_bad_sampling_parameters_are_refused(tiny_dir, sp, message):
         eng.add_request(GenerationRequest("long", prompt_token_ids=[5] * eng.max_model_len))
     with pytest.raises(InvalidRequest, match="empty"):
         eng.add_request(GenerationRequest("empty", prompt=""))
+
+
+def test_every_front_takes_engine_arguments_the_same_way(tiny_dir):
+    """EngineArgs or a mapping of vLLM's names, for LLMEngine, AsyncLLM, CoreClient and LLM
+    (which also takes vLLM's LLM(model, **engine_args))."""
+    from engine.args import EngineArgs
+    from engine.core_client import CoreClient
+    from engine.llm import LLM, AsyncLLM
+
+    args = EngineArgs.from_dict({"model": str(tiny_dir), "dtype": "float32", "max_model_len": 128})
+    as_dict = {"model": str(tiny_dir), "dtype": "float32", "max_model_len": 128}
+    assert EngineArgs.of(args) is args and EngineArgs.of(as_dict) == args
+    assert AsyncLLM(args).args == AsyncLLM(as_dict).args == CoreClient(as_dict).args == args
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    texts = {LLM(str(tiny_dir), dtype="float32", max_model_len=128).generate(["Hi"], greedy)[0].text,
+             LLM(args).generate(["Hi"], greedy)[0].text, LLM(as_dict).generate(["Hi"], greedy)[0].text}
+    assert len(texts) == 1
