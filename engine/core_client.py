@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from engine import messages
 from engine.args import EngineArgs, resolve_model_dir
 from engine.delta_stream import merged_deltas, on_loop
+from engine.interface import EngineLifetime
 from engine.messages import AbortRequests, AddRequest, CoreDead, CoreReady, Shutdown, StepOutputs
 from engine.output_text import OutputText
 from engine.request import EngineDead, EngineOverloaded, GenerationRequest, InvalidRequest, RequestOutput
@@ -113,7 +114,7 @@ def _put_all(items: list) -> None:
         stream.put_nowait(item)
 
 
-class CoreClient:
+class CoreClient(EngineLifetime):
     """The native engine behind the async interface, its core in a process of its own."""
 
     def __init__(self, engine_args: dict | EngineArgs):

@@ -28,3 +28,15 @@ class AsyncEngine(Protocol):
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop admission, let in-flight requests finish up to the timeout, then stop."""
+
+
+class EngineLifetime:
+    """`async with AsyncLLM(args) as engine:` starts the engine and shuts it down on the way out
+    (for AsyncLLM and CoreClient: tests and tools use this instead of their own try/finally)."""
+
+    async def __aenter__(self):
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from engine import fault_injection
 from engine.args import EngineArgs
 from engine.delta_stream import merged_deltas, on_loop
+from engine.interface import EngineLifetime
 from engine.llm_engine import LLMEngine
 from engine.recovery import StepRecovery
 from engine.request import (
@@ -84,7 +85,7 @@ class LLM:
         return results
 
 
-class AsyncLLM:
+class AsyncLLM(EngineLifetime):
     """The native engine behind the async interface the Triton backend uses."""
 
     def __init__(self, engine_args: dict | EngineArgs):

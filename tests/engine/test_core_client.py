@@ -65,11 +65,8 @@ def _expected(outs):
 
 
 async def _run_all(engine, cases):
-    await engine.start()
-    try:
+    async with engine:
         return await asyncio.gather(*[_collect(engine, rid, prompt, sp) for rid, prompt, sp in cases])
-    finally:
-        await engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -101,9 +98,7 @@ def test_a_stop_string_ends_the_request_where_the_in_process_engine_does(streams
 
 def test_abort_ends_the_stream_and_a_slow_consumer_gets_merged_deltas():
     async def main():
-        engine = CoreClient(ARGS)
-        await engine.start()
-        try:
+        async with CoreClient(ARGS) as engine:
             sp = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
             outs = []
             async for out in engine.add(GenerationRequest("long", prompt="abort me", sampling=sp)):
@@ -116,8 +111,6 @@ def test_abort_ends_the_stream_and_a_slow_consumer_gets_merged_deltas():
             while engine.stats()["running"]:  # stats follow the core's steps
                 await asyncio.sleep(0.05)
             return outs, fast, slow, engine.stats()
-        finally:
-            await engine.shutdown()
 
     outs, fast, slow, stats = asyncio.run(main())
     assert outs[-1].finished and outs[-1].finish_reason == "abort" and outs[-1].num_output_tokens < 200

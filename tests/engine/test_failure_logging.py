@@ -10,15 +10,11 @@ from engine.request import GenerationRequest, RequestFailed, SamplingParams
 
 def test_a_failing_step_logs_one_line_per_failure_without_a_traceback(tiny_dir, caplog):
     async def run():
-        engine = AsyncLLM({"model": str(tiny_dir), "dtype": "float32", "fault_injection_marker": "@@FAULT@@"})
-        await engine.start()
-        try:
+        async with AsyncLLM({"model": str(tiny_dir), "dtype": "float32", "fault_injection_marker": "@@FAULT@@"}) as engine:
             async def collect(prompt):
                 return [out async for out in engine.add(GenerationRequest(
                     prompt, prompt=prompt, sampling=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))]
             return await asyncio.gather(collect("fine"), collect("bad @@FAULT@@"), return_exceptions=True)
-        finally:
-            await engine.shutdown()
 
     with caplog.at_level(logging.INFO, logger="deepseek.engine"):
         fine, bad = asyncio.run(run())

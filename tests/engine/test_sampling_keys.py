@@ -90,9 +90,7 @@ def test_tiny_temperature_and_top_p_are_greedy_and_fail_no_step(llm):
 
 def test_a_request_whose_sampling_fails_fails_alone_and_nothing_is_recomputed(tiny_dir, caplog):
     async def run():
-        engine = AsyncLLM({"model": str(tiny_dir), "dtype": "float32"})
-        await engine.start()
-        try:
+        async with AsyncLLM({"model": str(tiny_dir), "dtype": "float32"}) as engine:
             eos = engine.engine.tokenizer.eos_token_id or engine.engine.cfg.eos_token_ids[0]
 
             async def collect(rid, prompt, sp):
@@ -106,8 +104,6 @@ def test_a_request_whose_sampling_fails_fails_alone_and_nothing_is_recomputed(ti
             bad = collect("bad", PROMPT, SamplingParams(max_tokens=10, temperature=0, min_tokens=3, allowed_token_ids=[eos]))
             results = await asyncio.gather(*good, bad, return_exceptions=True)
             return results, engine.stats()
-        finally:
-            await engine.shutdown()
 
     with caplog.at_level(logging.ERROR, logger="deepseek.engine"):
         results, stats = asyncio.run(run())

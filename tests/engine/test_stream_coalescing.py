@@ -35,12 +35,8 @@ def test_a_slow_consumer_gets_fewer_deltas_with_the_same_content():
         return outs
 
     async def main():
-        engine = AsyncLLM({"max_model_len": 256, "dtype": "float32"})
-        await engine.start()
-        try:
+        async with AsyncLLM({"max_model_len": 256, "dtype": "float32"}) as engine:
             return await collect(engine, "fast", 0), await collect(engine, "slow", 0.05)
-        finally:
-            await engine.shutdown()
 
     fast, slow = asyncio.run(main())
     assert len(slow) < len(fast) and any(len(o.token_ids) > 1 for o in slow)

@@ -76,40 +76,30 @@ async def _fails_restarts_and_serves(engine, break_it) -> None:
 
 def test_a_killed_core_fails_in_flight_requests_restarts_and_serves():
     async def main():
-        engine = CoreClient(ARGS)
-        await engine.start()
-        try:
+        async with CoreClient(ARGS) as engine:
             async def kill():
                 os.kill(engine.core_pid, signal.SIGKILL)
 
             await _fails_restarts_and_serves(engine, kill)
-        finally:
-            await engine.shutdown()
 
     asyncio.run(main())
 
 
 def test_a_hung_core_is_killed_and_restarted():
     async def main():
-        engine = CoreClient({**ARGS, "step_timeout_s": 5.0})  # above a loaded CPU's slowest step
-        await engine.start()
-        try:
+        async with CoreClient({**ARGS, "step_timeout_s": 5.0}) as engine:  # above a loaded CPU's slowest step
             async def hang():
                 hung = await asyncio.wait_for(_collect(engine, "hung", f"{MARKER}:hang", 4), GUARD_S)
                 assert isinstance(hung, EngineDead) and "step_timeout_s" in str(hung), hung
 
             await _fails_restarts_and_serves(engine, hang)
-        finally:
-            await engine.shutdown()
 
     asyncio.run(main())
 
 
 def test_a_fatal_error_in_the_core_restarts_it_and_a_spent_budget_leaves_it_dead():
     async def main():
-        engine = CoreClient({**ARGS, "core_restart_limit": 1})
-        await engine.start()
-        try:
+        async with CoreClient({**ARGS, "core_restart_limit": 1}) as engine:
             fatal = await _collect(engine, "fatal", f"{MARKER}:fatal", 4)
             assert isinstance(fatal, EngineDead) and "InjectedFatalFault" in str(fatal), fatal
             await _until(engine.health)
@@ -120,8 +110,6 @@ def test_a_fatal_error_in_the_core_restarts_it_and_a_spent_budget_leaves_it_dead
             assert not engine.health() and not engine.restarting and engine.core_pid is None
             late = await _collect(engine, "late", "anyone?", 4)
             assert isinstance(late, EngineDead) and "core_restart_limit=1" in str(late), late
-        finally:
-            await engine.shutdown()
 
     asyncio.run(main())
 

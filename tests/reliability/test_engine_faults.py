@@ -52,9 +52,7 @@ async def _until(predicate, timeout_s: float = 30.0):
 @pytest.mark.parametrize("async_scheduling", [False, True])  # True: steps in flight when the fault hits
 def test_step_faults_fail_only_the_faulty_requests(async_scheduling):
     async def main():
-        engine = AsyncLLM({**ARGS, "async_scheduling": async_scheduling})
-        await engine.start()
-        try:
+        async with AsyncLLM({**ARGS, "async_scheduling": async_scheduling}) as engine:
             prompts = [f"innocent request number {i}" for i in range(4)]
             alone = [await _collect(engine, f"alone-{i}", p, _greedy(32)) for i, p in enumerate(prompts)]
             innocents = [asyncio.create_task(_collect(engine, f"good-{i}", p, _greedy(32)))
@@ -72,17 +70,13 @@ def test_step_faults_fail_only_the_faulty_requests(async_scheduling):
             assert stats["running"] == 0 and stats["waiting"] == 0 and _pool_full(engine)
             assert engine.health()
             assert (await _collect(engine, "after", "still alive", _greedy(4)))[1] == "length"
-        finally:
-            await engine.shutdown()
 
     asyncio.run(main())
 
 
 def test_a_fatal_error_fails_everything_in_flight_and_refuses_the_rest():
     async def main():
-        engine = AsyncLLM(ARGS)
-        await engine.start()
-        try:
+        async with AsyncLLM(ARGS) as engine:
             innocent = asyncio.create_task(_collect(engine, "good", "a long innocent request", _greedy(200)))
             await _until(lambda: engine.stats()["running"] == 1)
             fatal = await _collect(engine, "fatal", f"{MARKER}:fatal", _greedy(4))
@@ -91,8 +85,6 @@ def test_a_fatal_error_fails_everything_in_flight_and_refuses_the_rest():
             assert not engine.health()
             late = await asyncio.wait_for(_collect(engine, "late", "anyone?", _greedy(4)), 5)
             assert isinstance(late, EngineDead)
-        finally:
-            await engine.shutdown()
 
     asyncio.run(main())
 
@@ -121,9 +113,7 @@ def test_a_hung_step_is_declared_dead_and_nothing_waits_forever():
 
 def test_admission_refuses_the_excess_at_once_and_recovers():
     async def main():
-        engine = AsyncLLM({**ARGS, "max_num_seqs": 2, "max_waiting_requests": 2})
-        await engine.start()
-        try:
+        async with AsyncLLM({**ARGS, "max_num_seqs": 2, "max_waiting_requests": 2}) as engine:
             tasks = [asyncio.create_task(_collect(engine, f"r{i}", f"burst {i}", _greedy(16))) for i in range(12)]
             results = await asyncio.gather(*tasks)
             refused = [r for r in results if isinstance(r, EngineOverloaded)]
@@ -133,8 +123,6 @@ def test_admission_refuses_the_excess_at_once_and_recovers():
             assert engine.stats()["num_requests_rejected"] == len(refused)
             assert (await _collect(engine, "after", "calm again", _greedy(4)))[1] == "length"
             assert _pool_full(engine)
-        finally:
-            await engine.shutdown()
 
     asyncio.run(main())
 
@@ -180,9 +168,7 @@ def test_cancelling_while_queued_in_prefill_and_in_decode_frees_every_block(asyn
 
 def test_an_engine_that_cannot_run_any_forward_is_declared_dead():
     async def main():
-        engine = AsyncLLM(ARGS)
-        await engine.start()
-        try:
+        async with AsyncLLM(ARGS) as engine:
             def broken(*args, **kwargs):
                 raise RuntimeError("every forward fails, though not in a way classed as fatal")
 
@@ -191,7 +177,5 @@ def test_an_engine_that_cannot_run_any_forward_is_declared_dead():
             assert isinstance(first, RequestFailed)  # failed alone: the culprit, as far as it can tell
             await _until(lambda: not engine.health())  # ... then a one-token probe fails too: dead
             assert isinstance(await _collect(engine, "second", "hello", _greedy(4)), EngineDead)
-        finally:
-            await engine.shutdown()
 
     asyncio.run(main())
