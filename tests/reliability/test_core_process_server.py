@@ -1,0 +1,80 @@
+"""The engine core killed under a real tritonserver: the requests in flight fail UNAVAILABLE, the
+model stays loaded while the core restarts (requests meanwhile: UNAVAILABLE, never a hang), then
+it serves again from a new core process; when the server stops, no core remains."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from backend.process_tree import alive
+from backend.serve import TritonServer
+from loadtest.chaos import GrpcCall, error_code, good_tensors
+
+pytestmark = pytest.mark.slow
+
+ENGINE_ARGS = {"max_model_len": 256, "max_num_seqs": 4, "core_restart_backoff_s": 0.1}
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    if int(f.read().rsplit(b")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def _core_pid(server: TritonServer) -> int:
+    """The engine core: the child of the stub (the process that names the server's region) running spawn_main."""
+    stubs = [pid for pid in _children(server.process.pid) if alive(pid)]
+    for stub in stubs:
+        for child in _children(stub):
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    return child
+    raise AssertionError(f"no engine core under the stubs {stubs}")
+
+
+def _run(server: TritonServer, prompt: str, max_tokens: int, timeout_s: float = 60):
+    call = GrpcCall(server.grpc_url)
+    try:
+        return call.run(good_tensors(prompt, {"max_tokens": max_tokens, "ignore_eos": True}), timeout_s=timeout_s)
+    finally:
+        call.close()
+
+
+def test_a_killed_core_fails_its_requests_and_the_model_serves_again():
+    with TritonServer(engine_args=ENGINE_ARGS, http_port=0, grpc_port=0, metrics_port=0,
+                      startup_timeout_s=300) as server:
+        assert _run(server, "warm up", 4)[0] == "completed"
+        core = _core_pid(server)
+        results: dict = {}
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _run(server, f"long {i}", 240)))
+                   for i in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # both decoding
+        os.kill(core, signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=90)
+        assert all(r[0] == "error" and error_code(r[1]) == "UNAVAILABLE" for r in results.values()), results
+        deadline = time.monotonic() + 120
+        while True:  # the core restarts; meanwhile requests are refused, not hung
+            outcome, message, _, _ = _run(server, "after the kill", 4)
+            if outcome == "completed":
+                break
+            assert error_code(message) == "UNAVAILABLE" and time.monotonic() < deadline, message
+            time.sleep(0.5)
+        assert server.models_ready()
+        new_core = _core_pid(server)
+        assert new_core != core and not alive(core)
+    assert not alive(new_core)
