@@ -135,6 +135,36 @@ def _clamped_swiglu(gate, up, limit):
     return gate * tl.sigmoid(gate) * up
 
 
+@triton.jit
+def _gate_up_tile(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, rows, tok, valid, e, n, D, I, limit,
+                  W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT_F32: tl.constexpr, MX_SCALED: tl.constexpr):
+    """h[rows, n] = SwiGLU(x[tok] @ w1[e].T, x[tok] @ w3[e].T) for one tile (decode and prefill alike)."""
+    acc1 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    acc3 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_ptr + tok[None, :] * D + k[:, None], mask=valid[None, :] & (k[:, None] < D), other=0.0)
+        acc1 += _expert_dot(w1_ptr, s1_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
+        acc3 += _expert_dot(w3_ptr, s3_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
+    h = _clamped_swiglu(acc1, acc3, limit)
+    tl.store(h_ptr + rows[None, :] * I + n[:, None], h.to(h_ptr.dtype.element_ty), mask=valid[None, :] & (n[:, None] < I))
+
+
+@triton.jit
+def _down_tile(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, rows, load_rows, valid, e, n, D, I,
+               W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               DOT_F32: tl.constexpr, MX_SCALED: tl.constexpr):
+    """y[rows, n] = routing weight * (h[rows] @ w2[e].T) for one tile; `load_rows`: rows safe to address."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        ht = tl.load(h_ptr + load_rows[None, :] * I + k[:, None], mask=valid[None, :] & (k[:, None] < I), other=0.0)
+        acc += _expert_dot(w2_ptr, s2_ptr, e, n, k0, D, I, ht, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
+    rw = tl.load(rw_ptr + load_rows, mask=valid, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows[None, :] * D + n[:, None], acc * rw[None, :], mask=valid[None, :] & (n[:, None] < D))
+
+
 @triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_decode_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, idx_ptr, n_pairs, D, I, TOPK, limit,
                            W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -146,16 +176,8 @@ def _gate_up_decode_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, idx_ptr
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     for r0 in range(0, cnt, BLOCK_M):  # one pass unless an expert has more than BLOCK_M rows
         rows, valid = _rows_block(match, rank, r0, cnt, NP, BLOCK_M)
-        tok = rows // TOPK
-        acc1 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        acc3 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(x_ptr + tok[None, :] * D + k[:, None], mask=valid[None, :] & (k[:, None] < D), other=0.0)
-            acc1 += _expert_dot(w1_ptr, s1_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
-            acc3 += _expert_dot(w3_ptr, s3_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
-        h = _clamped_swiglu(acc1, acc3, limit)
-        tl.store(h_ptr + rows[None, :] * I + n[:, None], h.to(h_ptr.dtype.element_ty), mask=valid[None, :] & (n[:, None] < I))
+        _gate_up_tile(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, rows, rows // TOPK, valid, e, n, D, I, limit,
+                      W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
@@ -169,13 +191,8 @@ def _down_decode_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, idx_ptr, n_pairs, 
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     for r0 in range(0, cnt, BLOCK_M):
         rows, valid = _rows_block(match, rank, r0, cnt, NP, BLOCK_M)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            ht = tl.load(h_ptr + rows[None, :] * I + k[:, None], mask=valid[None, :] & (k[:, None] < I), other=0.0)
-            acc += _expert_dot(w2_ptr, s2_ptr, e, n, k0, D, I, ht, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
-        rw = tl.load(rw_ptr + rows, mask=valid, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows[None, :] * D + n[:, None], acc * rw[None, :], mask=valid[None, :] & (n[:, None] < D))
+        _down_tile(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, rows, rows, valid, e, n, D, I,
+                   W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
@@ -189,17 +206,9 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, sorted_ptr, ex
         return
     rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < n_pairs
-    tok = tl.where(valid, rows // TOPK, 0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc1 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    acc3 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + tok[None, :] * D + k[:, None], mask=valid[None, :] & (k[:, None] < D), other=0.0)
-        acc1 += _expert_dot(w1_ptr, s1_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
-        acc3 += _expert_dot(w3_ptr, s3_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
-    h = _clamped_swiglu(acc1, acc3, limit)
-    tl.store(h_ptr + rows[None, :] * I + n[:, None], h.to(h_ptr.dtype.element_ty), mask=valid[None, :] & (n[:, None] < I))
+    _gate_up_tile(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, rows, tl.where(valid, rows // TOPK, 0), valid, e, n, D, I,
+                  limit, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
@@ -212,15 +221,9 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, sorted_ptr, expert_ptr, n
         return
     rows = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = rows < n_pairs
-    safe = tl.where(valid, rows, 0)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        ht = tl.load(h_ptr + safe[None, :] * I + k[:, None], mask=valid[None, :] & (k[:, None] < I), other=0.0)
-        acc += _expert_dot(w2_ptr, s2_ptr, e, n, k0, D, I, ht, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
-    rw = tl.load(rw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows[None, :] * D + n[:, None], acc * rw[None, :], mask=valid[None, :] & (n[:, None] < D))
+    _down_tile(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, rows, tl.where(valid, rows, 0), valid, e, n, D, I,
+               W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, MX_SCALED)
 
 
 @triton.jit(do_not_specialize=["T"])
