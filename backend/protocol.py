@@ -16,7 +16,7 @@ import numpy as np
 
 from engine.args import EngineArgs
 from engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
-from engine.structured_output import parse_spec
+from engine.structured_output import json_value, parse_spec
 
 RETURN_FLAGS = (
     "return_finish_reason",
@@ -353,11 +353,7 @@ def _coerce(name: str, value, kind: str):
     if kind == "logit_bias":
         return _logit_bias(value)
     if kind == "structured_outputs":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except (json.JSONDecodeError, RecursionError) as e:
-                raise InvalidRequest(f"structured_outputs is not valid JSON: {e}") from None
+        value = json_value("structured_outputs", value)
         parse_spec(value)
         return value
     value = _json_list(name, value)

@@ -33,6 +33,16 @@ _BOUNDED_STRING_CHAR, _JSON_STRING_CHAR = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]'
 MAX_CACHED = 512  # compiled grammars kept (least recently used go first)
 
 
+def json_value(name: str, value: object) -> object:
+    """`value` itself, or parsed when a client sent it as JSON text; InvalidRequest naming `name`."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise InvalidRequest(f"{name} is not valid JSON: {e}") from None
+
+
 def parse_spec(spec: object) -> tuple[str, object, bool]:
     """A structured_outputs dict -> (kind, value, any_whitespace); InvalidRequest naming the problem."""
     if not isinstance(spec, dict):
@@ -45,11 +55,7 @@ def parse_spec(spec: object) -> tuple[str, object, bool]:
         raise InvalidRequest(f"structured_outputs needs exactly one of {', '.join(KINDS)}, got {kinds or 'none'}")
     kind, value = kinds[0], spec[kinds[0]]
     if kind == "json":
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except (json.JSONDecodeError, RecursionError) as e:
-                raise InvalidRequest(f"structured_outputs.json is not valid JSON: {e}") from None
+        value = json_value("structured_outputs.json", value)
         if not isinstance(value, dict | bool):
             raise InvalidRequest(f"structured_outputs.json must be a JSON schema object, got {value!r}")
     elif kind == "choice":
