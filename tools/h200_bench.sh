@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|quant|depth|engine|sync|agentic|ttft|peer|profile|numpy2|serving  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh kernels|quant|depth|profile-depth|engine|sync|agentic|ttft|peer|profile|numpy2|serving  (JSON + logs under $OUT)
 # numpy2 and serving need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoint: flash-shaped (V4-Flash per-layer shapes, 4 layers, 16 experts), drawn on the GPU.
 set -uo pipefail
@@ -35,6 +35,12 @@ sync)  # the optimized engine with async scheduling off: what overlapping host a
 ttft)  # TTFT of a 1024-token prompt at batch 1, our engine alone (peer adds transformers)
   bench --concurrency 1 --input-len 1024 --output-len 32 --requests-per-user 3 \
     --engine-args "{$EA}" --json "$OUT/ttft_1024.json" 2>&1 | tee "$OUT/ttft_1024.log" | tail -3 ;;
+profile-depth)  # where a depth-43 decode step goes as shipped (FP8 + MXFP4): kernels by CUDA time at batch 1 and 150
+  df -h / /tmp /dev/shm > "$OUT/disk.txt" 2>&1; cat "$OUT/disk.txt"
+  for b in 1 150; do
+    timeout 160 python3 -m tools.profile_decode --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batch $b --steps 48 \
+      --rows 45 > "$OUT/profile_depth_b$b.txt" 2>&1; tail -1 "$OUT/profile_depth_b$b.txt"
+  done ;;
 profile)
   python3 -m tools.profile_decode --batch 1 --steps 200 --rows 40 > "$OUT/profile_b1.txt" 2>&1; tail -1 "$OUT/profile_b1.txt"
   python3 -m tools.profile_decode --batch 1 --steps 200 --rows 30 --host > "$OUT/host_b1.txt" 2>&1; tail -1 "$OUT/host_b1.txt" ;;

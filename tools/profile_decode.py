@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--preset", default="flash-shaped")
     ap.add_argument("--cache-dir", default="/tmp/ckpt")
+    ap.add_argument("--quant", default="bf16", help="the preset's weights as stored (random_checkpoint.QUANTS)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rows", type=int, default=25)
@@ -33,10 +34,10 @@ def main() -> None:
     a = ap.parse_args()
     model = a.model
     if model is None:
-        model = str(Path(a.cache_dir) / a.preset)
+        model = str(Path(a.cache_dir) / (a.preset if a.quant == "bf16" else f"{a.preset}-{a.quant}"))
         if not (Path(model) / "config.json").exists():
-            write_checkpoint(model, a.preset, device="cuda")
-    llm = LLM(model, max_model_len=4096, max_num_seqs=max(64, a.batch), block_size=128, gpu_memory_utilization=0.5)
+            write_checkpoint(model, a.preset, device="cuda", quant=a.quant)
+    llm = LLM(model, max_model_len=4096, max_num_seqs=max(64, a.batch), block_size=128, gpu_memory_utilization=0.85)
     sp = SamplingParams(max_tokens=a.steps, temperature=0, ignore_eos=True)
     prompts = [[5 + (i * 31 + j * 7) % 4000 for j in range(a.prompt_len)] for i in range(a.batch)]
     llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm
