@@ -85,6 +85,8 @@ class Compressor(nn.Module):
             # every closed block of every sequence: rows from this step or from the open block
             kv = torch.cat([kv_all, state.pend_kv.view(-1, C)])[plan.src].view(-1, m, C)
             gate = torch.cat([gate_all.to(state.pend_gate.dtype), state.pend_gate.view(-1, C)])[plan.src].view(-1, m, C)
+            if fb.closed_blocks is not None:
+                fb.closed_blocks[id(state)] = (kv, gate)
             prev = (None, None, None)
             if self.overlap:  # block b pools with block b-1's Ca slice: this step's, or the state's
                 hd = self.head_dim
@@ -294,64 +296,92 @@ class DeepseekV4(nn.Module):
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """One step over packed tokens; returns logits [len(fb.logits_rows), vocab] in fp32."""
-        cfg = self.cfg
-        x = self.embed(fb.input_ids)
-        dtype = x.dtype
-        ropes = {
-            "main": K.rope_cos_sin(fb.positions, self.main_inv_freq, dtype),
-            "compress": K.rope_cos_sin(fb.positions, self.compress_inv_freq, dtype),
+        return self.compute_logits(self.hidden_states(fb, cache)[fb.logits_rows])
+
+    def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+        return {
+            "main": K.rope_cos_sin(positions, self.main_inv_freq, dtype),
+            "compress": K.rope_cos_sin(positions, self.compress_inv_freq, dtype),
             "compress_inv_freq": self.compress_inv_freq,
         }
-        h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # mHC: 4 copies of the residual
+
+    @torch.inference_mode()
+    def hidden_states(self, fb: ForwardBatch, cache: KVCache) -> torch.Tensor:
+        """Every row's last residual streams [T, hc_mult, hidden], before the HC head (what MTP reads)."""
+        x = self.embed(fb.input_ids)
+        ropes = self.ropes(fb.positions, x.dtype)
+        h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # mHC: 4 copies of the residual
         for block in self.layers:
             h = block(h, fb, cache, ropes)
-        h = h[fb.logits_rows]
+        return h
+
+    @torch.inference_mode()
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[n, hc_mult, hidden] residual streams -> fp32 logits: HC head, final norm, LM head."""
+        cfg = self.cfg
         x = K.hc_head(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps)
         return F.linear(self.norm(x), self.head.weight).float()
 
     # --- loading ------------------------------------------------------------------------------
 
-    _FP32 = ("hc_", "attn_sink", ".ape", "gate.bias", "norm.weight", "q_norm", "kv_norm")
-
     def expected_names(self) -> set[str]:
         """Official checkpoint names this model needs (scales too when quantized)."""
-        names = set()
-        buffers = [n for n, b in self.named_buffers() if b is not None and ("tid2eid" in n or n.endswith("scale"))]
-        for name in [n for n, _ in self.named_parameters()] + buffers:
-            if ".experts_w" in name:  # layers.N.ffn.experts_wK[_scale] -> one name per expert
-                layer, w = name.split(".ffn.experts_")
-                kind = "scale" if w.endswith("_scale") else "weight"
-                names.update(f"{layer}.ffn.experts.{e}.{w.split('_')[0]}.{kind}" for e in range(self.cfg.n_routed_experts))
-            else:
-                names.add(name)
-        return names
+        return expected_names(self, self.cfg.n_routed_experts)
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         if name.startswith("mtp."):
             self.mtp_weights[name] = tensor
             return
-        if ".ffn.experts." in name:  # layers.N.ffn.experts.E.wK.{weight,scale} -> stacked experts_wK[_scale][E]
-            prefix, rest = name.split(".ffn.experts.")
-            e, w, kind = rest.split(".")
-            stacked = f"{prefix}.ffn.experts_{w}"
-            target = (self.get_buffer(stacked + "_scale") if kind == "scale" else self.get_parameter(stacked))[int(e)]
-        elif name.endswith(("tid2eid", ".scale")):
-            target = self.get_buffer(name)
-        else:
-            target = self.get_parameter(name)
-        if target.shape != tensor.shape:
-            raise WeightsError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
-        if target.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8) and tensor.dtype != target.dtype:
-            raise WeightsError(f"{name}: checkpoint dtype {tensor.dtype}, but the config stores it as {target.dtype}")
-        with torch.no_grad():
-            target.copy_(tensor.to(target.dtype))
+        load_weight(self, name, tensor)
 
     def cast(self, dtype: torch.dtype) -> DeepseekV4:
-        """Model dtype for weights; norms, mHC, sinks, position biases and gate bias stay fp32
-        (as the reference keeps them), except in float64 runs where everything is float64."""
-        for name, p in self.named_parameters():
-            if p.dtype in (torch.float8_e4m3fn, torch.int8):  # stored FP8 / packed FP4 stay as they are
-                continue
-            keep32 = dtype != torch.float64 and any(k in name for k in self._FP32)
-            p.data = p.data.to(torch.float32 if keep32 else dtype)
-        return self
+        return cast_params(self, dtype)
+
+
+# Shared by DeepseekV4 and the MTP module (engine/mtp.py): the same official names below a prefix.
+
+_FP32 = ("hc_", "attn_sink", ".ape", "gate.bias", "norm.weight", "q_norm", "kv_norm")
+
+
+def expected_names(module: nn.Module, n_experts: int) -> set[str]:
+    """Official checkpoint names `module` needs (scales too when quantized)."""
+    names = set()
+    buffers = [n for n, b in module.named_buffers() if b is not None and ("tid2eid" in n or n.endswith("scale"))]
+    for name in [n for n, _ in module.named_parameters()] + buffers:
+        if ".experts_w" in name:  # layers.N.ffn.experts_wK[_scale] -> one name per expert
+            layer, w = name.split(".ffn.experts_")
+            kind = "scale" if w.endswith("_scale") else "weight"
+            names.update(f"{layer}.ffn.experts.{e}.{w.split('_')[0]}.{kind}" for e in range(n_experts))
+        else:
+            names.add(name)
+    return names
+
+
+def load_weight(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Copy one checkpoint tensor (official name, relative to `module`) into its parameter or buffer."""
+    if ".ffn.experts." in name:  # layers.N.ffn.experts.E.wK.{weight,scale} -> stacked experts_wK[_scale][E]
+        prefix, rest = name.split(".ffn.experts.")
+        e, w, kind = rest.split(".")
+        stacked = f"{prefix}.ffn.experts_{w}"
+        target = (module.get_buffer(stacked + "_scale") if kind == "scale" else module.get_parameter(stacked))[int(e)]
+    elif name.endswith(("tid2eid", ".scale")):
+        target = module.get_buffer(name)
+    else:
+        target = module.get_parameter(name)
+    if target.shape != tensor.shape:
+        raise WeightsError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+    if target.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8) and tensor.dtype != target.dtype:
+        raise WeightsError(f"{name}: checkpoint dtype {tensor.dtype}, but the config stores it as {target.dtype}")
+    with torch.no_grad():
+        target.copy_(tensor.to(target.dtype))
+
+
+def cast_params(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Model dtype for weights; norms, mHC, sinks, position biases and gate bias stay fp32
+    (as the reference keeps them), except in float64 runs where everything is float64."""
+    for name, p in module.named_parameters():
+        if p.dtype in (torch.float8_e4m3fn, torch.int8):  # stored FP8 / packed FP4 stay as they are
+            continue
+        keep32 = dtype != torch.float64 and any(k in name for k in _FP32)
+        p.data = p.data.to(torch.float32 if keep32 else dtype)
+    return module

@@ -27,6 +27,9 @@ class ForwardBatch:
     is_decode: bool  # one new token per sequence, none replayed: the vectorised, sync-free path
     max_pos: int  # the largest position in the batch (host copy: sizes without a device sync)
     plans: dict = field(default_factory=dict)  # per-step index plans, built once, shared by layers
+    # speculative decoding: when a dict, each compressor leaves the rows of the blocks it closed
+    # here (id(state) -> (kv, gate)), so a block closed by a rejected draft can be reopened
+    closed_blocks: dict | None = None
 
     @property
     def num_seqs(self) -> int:
