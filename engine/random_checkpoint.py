@@ -273,10 +273,22 @@ def write_tokenizer(out: Path) -> None:
     }, indent=2, ensure_ascii=False), encoding="utf-8")
 
 
+def _shard_path(out: Path, name: str, nbytes: int, spill_dir: Path | None) -> Path:
+    """Where a shard goes: `out`, or `spill_dir` (linked from `out`) once `out`'s disk is nearly
+    full, so a checkpoint larger than one disk (85 GB on a 64 GB disk) can span disk and tmpfs."""
+    if spill_dir is None or shutil.disk_usage(out).free > nbytes + (4 << 30):
+        return out / name
+    spill_dir.mkdir(parents=True, exist_ok=True)
+    (out / name).unlink(missing_ok=True)
+    (out / name).symlink_to(spill_dir / name)
+    return spill_dir / name
+
+
 def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, override: dict | None = None,
-                     device: str = "cpu", quant: str = "bf16") -> Path:
+                     device: str = "cpu", quant: str = "bf16", spill_dir: str | Path | None = None) -> Path:
     """Write config, tokenizer and weights (one shard per layer when large) to `out`, the weights
-    stored as `quant` (QUANTS); the same seed gives the same values before quantization."""
+    stored as `quant` (QUANTS); the same seed gives the same values before quantization.
+    spill_dir: where shards go (linked from `out`) when `out`'s disk would fill up."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = build_config(preset, override, quant)
@@ -290,7 +302,9 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, overr
         tensors = {name: t.cpu() for name, t in quantize_tensors(tensors, quant).items()}
         if sharded:
             name = f"model-{i + 2:05d}-of-{n + n_mtp + 1:05d}.safetensors"
-            save_file(tensors, str(out / name), metadata={"format": "pt"})
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            path = _shard_path(out, name, nbytes, Path(spill_dir) if spill_dir else None)
+            save_file(tensors, str(path), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, name))
         else:
             pending.update(tensors)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import platform
 import statistics
 import time
@@ -135,6 +136,8 @@ def print_table(results: list[Result]) -> None:
              f"{r.ttft_ms.get('p50', 0):.1f}", f"{r.ttft_ms.get('p90', 0):.1f}", f"{r.itl_ms.get('p50', 0):.2f}",
              f"{r.e2e_ms.get('p50', 0):.1f}", f"{100 * r.cached_tokens / max(r.prompt_tokens, 1):.0f}"]
             for r in results]
+    if not rows:
+        return
     widths = [max(len(str(c)), *(len(str(row[i])) for row in rows)) for i, c in enumerate(cols)]
     print(" | ".join(str(c).ljust(w) for c, w in zip(cols, widths)))
     print("-+-".join("-" * w for w in widths))
@@ -169,8 +172,9 @@ def hf_peer(model_dir: str, batches: list[int], input_len: int, steps: int = 32)
     return rows
 
 
-def decode_floor(engine_args: dict, batch: int) -> dict:
-    """Bytes a decode step must read (active weights + KV) over the measured copy bandwidth."""
+def decode_floors(engine_args: dict, batches: list[int]) -> list[dict]:
+    """Per batch: the bytes a decode step must read (active weights + KV) over the measured copy
+    bandwidth. One model load for all batches (an 85 GB checkpoint loads in minutes)."""
     from engine.loader import load_model
 
     model = load_model(resolve_model_dir(engine_args.get("model", "")), "bfloat16", "cuda")
@@ -178,8 +182,8 @@ def decode_floor(engine_args: dict, batch: int) -> dict:
     experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts_w" in n)
     other = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if ".experts_w" not in n and not n.startswith("embed"))
-    touched = min(cfg.n_routed_experts, batch * cfg.num_experts_per_tok) / cfg.n_routed_experts
-    embed_rows = batch * cfg.hidden_size * 2
+    del model
+    torch.cuda.empty_cache()
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     for _ in range(3):
@@ -190,11 +194,15 @@ def decode_floor(engine_args: dict, batch: int) -> dict:
         y.copy_(x)
     torch.cuda.synchronize()
     copy_bw = 2 * x.numel() * 10 / (time.perf_counter() - t)
-    weight_bytes = other + experts * touched + embed_rows
-    del model, x, y
+    del x, y
     torch.cuda.empty_cache()
-    return {"batch": batch, "weight_bytes": weight_bytes, "copy_TB_s": copy_bw / 1e12,
-            "floor_ms": weight_bytes / copy_bw * 1e3}
+    rows = []
+    for batch in batches:
+        touched = min(cfg.n_routed_experts, batch * cfg.num_experts_per_tok) / cfg.n_routed_experts
+        weight_bytes = other + experts * touched + batch * cfg.hidden_size * 2  # + the embedding rows read
+        rows.append({"batch": batch, "weight_bytes": weight_bytes, "copy_TB_s": copy_bw / 1e12,
+                     "floor_ms": weight_bytes / copy_bw * 1e3})
+    return rows
 
 
 def steady_decode(engine_args: dict, batches: list[int], input_len: int, steps: int = 64) -> list[dict]:
@@ -292,7 +300,8 @@ def main() -> None:
                     "(FP8 linears and experts, as Base), fp8-fp4 (MXFP4 experts, as V4-Flash ships)")
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache" / "deepseek-v4-triton"))
     ap.add_argument("--workload", default="random", choices=["random", "agentic"])
-    ap.add_argument("--concurrency", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--concurrency", default="1,8,32", type=lambda s: [int(x) for x in s.split(",") if x],
+                    help="online runs at these concurrencies ('' for none)")
     ap.add_argument("--input-len", type=int, default=128, help="random: prompt tokens; agentic: system prompt")
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--requests-per-user", type=int, default=2)
@@ -310,6 +319,7 @@ def main() -> None:
     ap.add_argument("--label", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # the loader's progress
     engine_args = {"model": resolve_model(args), **json.loads(args.engine_args)}
     if args.baseline:
         engine_args.update(BASELINE)
@@ -321,7 +331,8 @@ def main() -> None:
     if args.steady:
         extra["steady_decode"] = steady_decode(engine_args, [int(b) for b in args.steady.split(",")], args.input_len)
     if args.floor:
-        extra["decode_floor"] = [decode_floor(engine_args, b) for b in args.concurrency]
+        steady = [int(b) for b in args.steady.split(",")] if args.steady else []
+        extra["decode_floor"] = decode_floors(engine_args, args.concurrency or steady)
         for f in extra["decode_floor"]:
             print(f"  decode floor at batch {f['batch']}: {f['weight_bytes'] / 1e9:.2f} GB / "
                   f"{f['copy_TB_s']:.2f} TB/s = {f['floor_ms']:.3f} ms", flush=True)
@@ -333,7 +344,8 @@ def main() -> None:
         results.append(offline(llm, random_prompts(args.offline, args.input_len, llm.engine.cfg.vocab_size, 0),
                                args.output_len))
         del llm
-    results += asyncio.run(run_online(engine_args, args, vocab))
+    if args.concurrency:
+        results += asyncio.run(run_online(engine_args, args, vocab))
     print_table(results)
     if args.json:
         meta = {"label": args.label, "engine_args": engine_args, "machine": platform.platform(),

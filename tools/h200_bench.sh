@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|quant|depth|profile-depth|engine|sync|agentic|ttft|peer|profile|numpy2|serving  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh kernels|quant|depth|largest|profile-depth|engine|sync|agentic|ttft|peer|profile|numpy2|serving  (JSON + logs under $OUT)
 # numpy2 and serving need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoint: flash-shaped (V4-Flash per-layer shapes, 4 layers, 16 experts), drawn on the GPU.
 set -uo pipefail
@@ -35,6 +35,18 @@ sync)  # the optimized engine with async scheduling off: what overlapping host a
 ttft)  # TTFT of a 1024-token prompt at batch 1, our engine alone (peer adds transformers)
   bench --concurrency 1 --input-len 1024 --output-len 32 --requests-per-user 3 \
     --engine-args "{$EA}" --json "$OUT/ttft_1024.json" 2>&1 | tee "$OUT/ttft_1024.log" | tail -3 ;;
+largest)  # the largest V4-Flash-shaped model one H200 holds as shipped (43 layers, 128 MXFP4 experts, ~85 GB;
+  # shards spill to /dev/shm past the 64 GB disk): it loads, decode steps vs floor, it serves through Triton
+  bash tools/h200_env.sh setup /tmp/tvenv > "$OUT/env.log" 2>&1 || { tail "$OUT/env.log"; exit 1; }
+  M=$CK/flash-depth-e128-fp8-fp4; LA='{"max_model_len":8192,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}'
+  [ -f $M/config.json ] || { t0=$SECONDS; timeout 300 python3 -m tools.make_tiny_checkpoint $M \
+    --preset flash-depth --override '{"n_routed_experts":128}' --quant fp8-fp4 --device cuda --spill-dir /dev/shm/ckpt 2>&1 | tail -2; echo "written in $((SECONDS - t0)) s"; }
+  du -shL $M | tee "$OUT/largest_size.txt"
+  timeout 240 python3 -m tools.bench_engine --model $M --concurrency '' --steady 1,32,150 --floor --label largest --engine-args "$LA" \
+    --json "$OUT/largest.json" 2>&1 | tee "$OUT/largest.log" | grep -E "floor|steady|holds|shard 4[34]/|rror" | tail -9
+  timeout 240 /tmp/tvenv/bin/python -m loadtest.sweep --serve --model $M --engine-args "$LA" --driver threads --protocol grpc \
+    --concurrency 1,32 --input-len 512 --output-len 64 --duration 15 --stop-timeout 20 --out "$OUT" --label largest-triton 2>&1 \
+    | tee "$OUT/largest_sweep.log" | grep -E "c=|rror|weights" | tail -5 ;;
 profile-depth)  # where a depth-43 decode step goes as shipped (FP8 + MXFP4): kernels by CUDA time at batch 1 and 150
   df -h / /tmp /dev/shm > "$OUT/disk.txt" 2>&1; cat "$OUT/disk.txt"
   for b in 1 150; do

@@ -22,9 +22,11 @@ def main() -> None:
     ap.add_argument("--quant", default="bf16", choices=QUANTS,
                     help="stored format: bf16, fp8 (FP8 linears and experts, as V4-Flash-Base), "
                          "fp8-fp4 (FP8 linears, MXFP4 experts, as V4-Flash)")
+    ap.add_argument("--spill-dir", default=None, help="where shards go (linked from OUT) once OUT's disk is "
+                                                      "nearly full, e.g. /dev/shm/ckpt")
     args = ap.parse_args()
     out = write_checkpoint(args.out, args.preset, args.seed, json.loads(args.override) if args.override else None,
-                           args.device, args.quant)
+                           args.device, args.quant, args.spill_dir)
     print(f"wrote {args.preset} {args.quant} checkpoint to {out}")
 
 

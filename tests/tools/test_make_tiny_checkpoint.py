@@ -82,3 +82,18 @@ def test_flash_shaped_loads_in_transformers(tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"], cfg["index_topk"]) == (4096, 64, 512, 512)
     assert torch.isfinite(_transformers_logits(out)).all()
+
+
+def test_shards_spill_to_another_dir_when_the_disk_would_fill(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from engine.random_checkpoint import _shard_path
+
+    out, spill = tmp_path / "out", tmp_path / "spill"
+    out.mkdir()
+    assert _shard_path(out, "a.safetensors", 1, spill) == out / "a.safetensors"
+    assert _shard_path(out, "b.safetensors", 1 << 62, None) == out / "b.safetensors"  # no spill dir: the disk's error
+    path = _shard_path(out, "b.safetensors", 1 << 62, spill)  # more than any disk holds
+    assert path == spill / "b.safetensors" and (out / "b.safetensors").is_symlink()
+    save_file({"x": torch.arange(3.0)}, str(path))
+    assert load_file(str(out / "b.safetensors"))["x"].tolist() == [0.0, 1.0, 2.0]
