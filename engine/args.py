@@ -14,6 +14,9 @@ class InvalidEngineArgs(ValueError):
     pass
 
 
+CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")
+
+
 @dataclass
 class EngineArgs:
     model: str = ""  # checkpoint dir; "" or "tiny": the tiny default checkpoint
@@ -30,6 +33,9 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None  # CPU (or explicit) byte budget for the KV pools
     num_gpu_blocks_override: int | None = None  # fixed number of compressed-KV blocks (tests)
     enforce_eager: bool = False
+    # vLLM's compilation_config.cudagraph_mode values: FULL (decode and mixed prefill + decode steps
+    # replay full graphs, engine/mixed_graphs.py), FULL_DECODE_ONLY (mixed steps eager), NONE (= enforce_eager)
+    cudagraph_mode: str = "FULL"
     # launch decode step N+1 before reading step N's tokens back (greedy steps): the host's
     # scheduling and output work overlaps the GPU's step. None: on when running on CUDA.
     async_scheduling: bool | None = None
@@ -77,6 +83,7 @@ class EngineArgs:
             (self.max_waiting_requests >= 0, "max_waiting_requests must be >= 0"),
             (self.step_timeout_s >= 0, "step_timeout_s must be >= 0 (0: no step watchdog)"),
             (self.kernels in ("auto", "ref"), "kernels must be 'auto' or 'ref'"),
+            (self.cudagraph_mode in CUDAGRAPH_MODES, f"cudagraph_mode must be one of {CUDAGRAPH_MODES}"),
             (self.core_restart_limit >= 0, "core_restart_limit must be >= 0"),
             (self.core_restart_backoff_s >= 0, "core_restart_backoff_s must be >= 0"),
             (self.engine == "native", "this is the native engine; engine must be 'native'"),

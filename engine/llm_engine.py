@@ -18,6 +18,7 @@ from engine.cache import KVCache
 from engine.config import CSA
 from engine.in_flight import InFlight
 from engine.loader import load_model
+from engine.mixed_graphs import mixed_sizes
 from engine.output_text import OutputText
 from engine.prefix_cache import PrefixCache
 from engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
@@ -66,9 +67,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, cfg.sliding_window, args.max_num_seqs,
                                    args.max_num_batched_tokens, prefix_cache=self._make_prefix_cache())
         # CUDA graphs need the fused kernels (the references sync with the host)
-        graphs = self.device.type == "cuda" and not args.enforce_eager and kernels.backend() != "ref"
+        graphs = (self.device.type == "cuda" and not args.enforce_eager and args.cudagraph_mode != "NONE"
+                  and kernels.backend() != "ref")
+        mixed = mixed_sizes(args.max_num_batched_tokens) if args.cudagraph_mode == "FULL" else []
         self.runner = ModelRunner(self.model, self.cache, self.max_model_len, cuda_graphs=graphs,
-                                  max_num_seqs=args.max_num_seqs)
+                                  max_num_seqs=args.max_num_seqs, mixed_sizes=mixed)
         self.requests: dict[str, RequestState] = {}
         self.pending: InFlight | None = None  # the step in flight (async scheduling)
         self.async_scheduling = self.device.type == "cuda" if args.async_scheduling is None else args.async_scheduling

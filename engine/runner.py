@@ -2,7 +2,8 @@
 
 Decode steps (one token per sequence) on CUDA replay a CUDA graph captured per batch-size
 bucket: the batch is padded to the bucket with rows that read and write only the cache's
-scratch block and slot, its metadata copied into the graph's static buffers.
+scratch block and slot, its metadata copied into the graph's static buffers. Other steps
+(prefill chunks, mixed prefill + decode) replay a graph per token count: engine/mixed_graphs.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from engine.cache import KVCache
 from engine.deepseek_v4 import DeepseekV4
 from engine.forward_batch import ForwardBatch
+from engine.mixed_graphs import MixedSteps, capture
 from engine.sequence import Sequence
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -34,14 +36,20 @@ def _pad(rows: list[list[int]], value: int, width: int | None = None) -> list[li
 
 class ModelRunner:
     def __init__(self, model: DeepseekV4, cache: KVCache, max_model_len: int | None = None,
-                 cuda_graphs: bool = False, max_num_seqs: int = 0):
+                 cuda_graphs: bool = False, max_num_seqs: int = 0, mixed_sizes: list[int] = ()):
+        """mixed_sizes: token counts of the mixed-step graphs (none: such steps run eagerly)."""
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
         self.max_model_len = max_model_len
         self.graphs: dict[int, tuple] = {}  # size -> (graph, batch, flat buffer, 2 pinned stagings, logits)
         self.replays = 0
+        self.eager_steps = 0
+        self.mixed: MixedSteps | None = None
         if cuda_graphs and self.device.type == "cuda":
-            self._capture([b for b in GRAPH_BUCKETS if b <= max_num_seqs])
+            pool = torch.cuda.graph_pool_handle()  # one pool: mixed graphs (the largest) first
+            if mixed_sizes:
+                self.mixed = MixedSteps(model, cache, max_model_len, max_num_seqs, mixed_sizes, pool)
+            self._capture([b for b in GRAPH_BUCKETS if b <= max_num_seqs], pool)
 
     def build_batch(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> ForwardBatch:
         """scheduled: (sequence, number of new tokens) in batch order. Logits come for each
@@ -77,13 +85,20 @@ class ModelRunner:
         """pending: (token ids of the step still in flight, on the device; id(seq) -> its row
         there). A sequence whose last token is still pending reads it from there (async
         scheduling): the ids never make a round trip through the host."""
-        if self.replays_graph(scheduled, all_logits):
+        if self._decode_graph(scheduled, all_logits):
             return self._replay(scheduled, pending)
+        if self.mixed is not None and self.mixed.fits(scheduled, all_logits):
+            return self.mixed.run(scheduled, pending, self._fill_pending)
+        self.eager_steps += 1
         fb = self.build_batch(scheduled, all_logits)
         self._fill_pending(fb.input_ids, scheduled, pending, [r - 1 for r in _ends(scheduled)])
         return self.model(fb, self.cache)
 
     def replays_graph(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> bool:
+        """The step replays a CUDA graph (decode or mixed)."""
+        return self._decode_graph(scheduled, all_logits) or (self.mixed is not None and self.mixed.fits(scheduled, all_logits))
+
+    def _decode_graph(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> bool:
         """A decode step within the largest captured batch: replayed as a CUDA graph."""
         return bool(self.graphs) and not all_logits and len(scheduled) <= max(self.graphs) and all(
             k == 1 and s.num_computed_tokens == s.num_tokens - 1 and s.compress_from == s.num_computed_tokens
@@ -129,19 +144,10 @@ class ModelRunner:
             is_decode=True, max_pos=self.max_model_len - 1)  # the indexer sizes for the longest sequence
         return fb, flat
 
-    def _capture(self, buckets: list[int]) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
+    def _capture(self, buckets: list[int], pool) -> None:
         for size in sorted(buckets, reverse=True):  # largest first: smaller graphs reuse its memory
             fb, flat = self._padding_batch(size)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up outside the graph (Triton JIT, allocator)
-                    self.model(fb, self.cache)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model(fb, self.cache)
+            graph, logits = capture(lambda fb=fb: self.model(fb, self.cache), pool)
             # two pinned staging buffers, used by alternate steps: with async scheduling step N+1
             # is packed while step N's copy may still wait behind step N-1 on the GPU
             staging = [torch.empty(flat.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]

@@ -237,23 +237,33 @@ def steady_decode(engine_args: dict, batches: list[int], input_len: int, steps: 
 def check_graphs(engine_args: dict, n_prompts: int = 8, steps: int = 32, against: dict | None = None) -> dict:
     """Greedy tokens and logprobs of the default engine (fused kernels, CUDA graphs) vs eager, or vs
     `against` (e.g. the torch references) on the same prompts."""
-    outs = {}
+    outs, paths = {}, {}
     for eager in (True, False):
         variant = (against or {"enforce_eager": True}) if eager else {}
         llm = LLM(**{**engine_args, **variant})
         vocab = llm.engine.cfg.vocab_size
-        prompts = random_prompts(n_prompts, 300, vocab, seed=11)
+        # prompts of mixed lengths: the budget splits them into chunks mixed with decodes
+        prompts = [p[:100 + 97 * i] for i, p in enumerate(random_prompts(n_prompts, 100 + 97 * n_prompts, vocab, 11))]
+        paths[eager] = step_paths(llm.engine.runner)
         outs[eager] = llm.generate(prompts, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True,
                                                            logprobs=1))
+        paths[eager] = {k: v - paths[eager][k] for k, v in step_paths(llm.engine.runner).items()}
         del llm
         torch.cuda.empty_cache()
     same = sum(a.token_ids == b.token_ids for a, b in zip(outs[True], outs[False]))
-    first = max(abs(a.logprobs[0][a.token_ids[0]] - b.logprobs[0][b.token_ids[0]])
-                for a, b in zip(outs[True], outs[False]))
-    r = {"prompts": n_prompts, "identical_token_streams": same, "max_first_logprob_diff": first}
+    diff = max(abs(la[a.token_ids[i]] - lb[b.token_ids[i]]) for a, b in zip(outs[True], outs[False])
+               for i, (la, lb) in enumerate(zip(a.logprobs, b.logprobs)) if a.token_ids[:i + 1] == b.token_ids[:i + 1])
+    r = {"prompts": n_prompts, "identical_token_streams": same, "max_logprob_diff": diff,
+         "steps": paths[False], "steps_against": paths[True]}
     print(f"  default vs {against or 'eager'}: {same}/{n_prompts} identical greedy streams of {steps} tokens, "
-          f"first-token logprob diff {first:.2e}", flush=True)
+          f"logprob diff {diff:.2e} (while equal); steps {paths[False]} vs {paths[True]}", flush=True)
     return r
+
+
+def step_paths(runner) -> dict:
+    """How the runner ran its steps so far: decode graphs, mixed-step graphs, eager."""
+    mixed = runner.mixed.replays if runner.mixed is not None else 0
+    return {"decode_graph": runner.replays, "mixed_graph": mixed, "eager": runner.eager_steps}
 
 
 def resolve_model(args) -> str:
