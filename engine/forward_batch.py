@@ -30,6 +30,7 @@ class ForwardBatch:
     # speculative decoding: when a dict, each compressor leaves the rows of the blocks it closed
     # here (id(state) -> (kv, gate)), so a block closed by a rejected draft can be reopened
     closed_blocks: dict | None = None
+    lookback_ids: torch.Tensor | None = None  # [T, k] the k token ids before each row (V4.1 Engram), -1 none
 
     @property
     def num_seqs(self) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from engine.cache import KVCache
 from engine.deepseek_v4 import DeepseekV4
+from engine.engram import lookback_rows
 from engine.forward_batch import ForwardBatch
 from engine.mixed_graphs import MixedSteps, capture
 from engine.sequence import Sequence
@@ -77,8 +78,12 @@ class ModelRunner:
         t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
         token_seq = [s for s, n in enumerate(seq_lens) for _ in range(n)]
         is_decode = all(n == 1 for n in seq_lens) and cfrom == starts
-        return ForwardBatch(t(ids), t(pos), seq_lens, starts, replay, cfrom, t(slots), t(_pad(wt, -1)),
-                            t(_pad(ft, 0)), st, t(rows), t(token_seq), t(replay), t(st), is_decode, max(pos))
+        fb = ForwardBatch(t(ids), t(pos), seq_lens, starts, replay, cfrom, t(slots), t(_pad(wt, -1)),
+                          t(_pad(ft, 0)), st, t(rows), t(token_seq), t(replay), t(st), is_decode, max(pos))
+        k = getattr(self.model, "engram_lookback", 0)
+        if k:  # V4.1 Engram: the tokens before each row, from the host (never a pending one)
+            fb.lookback_ids = t([r for seq, n in scheduled for r in lookback_rows(seq.token_ids, seq.num_computed_tokens, n, k)])
+        return fb
 
     def run(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False,
             pending: tuple[torch.Tensor, dict[int, int]] | None = None) -> torch.Tensor:

@@ -1,0 +1,460 @@
+"""The DeepSeek-V4.1 text network over packed tokens of several sequences (CSA2 + Engram).
+
+What differs from V4 (engine/deepseek_v4.py), following transformers' DeepseekV41 source:
+- per-layer compress ratios: 0 window only, r > 1 causal encoder pooling (softmax gate in fp32,
+  no overlap, no position bias), 1 decoder latents (one per token, no gate);
+- CSA2 sharing: only `kv_source_layer_ids` own a compressor; they write compressed KV and the
+  indexer keys (from the pre-RoPE latent) into the cache; later layers read the nearest source;
+- index sources score with their own queries, the others reuse the last top-k; the candidate
+  source keeps its best blocks and every later index source picks inside them (two-level top-k);
+- Engram n-gram tables gated into each hc stream before a block;
+- single-pass mHC: a site collapses with the previous site's `pre`; no hc head;
+- noaux top-k routing on every layer (no hash layers), routing weight before w2;
+- the reference's QAT fake-quantisers: window KV FP8, compressed KV FP4 (e4m3 scales per 16),
+  indexer keys and queries FP4 (ue8m0 per 32).
+
+Decoder-side bounded replay (`decoder_replay`): layers after the last KV source own only window
+KV, so a prefill chunk runs them on each sequence's last `sliding_window` rows only; those rows'
+window attention there reads nothing below the kept rows (an approximation, measured).
+
+Parameter names are DeepSeek's official checkpoint names (routed experts stacked per layer as
+`ffn.experts_w{1,2,3}`); transformers' names are translated at load (engine/names_v41.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kernels as K
+from engine import v41_ops as ops
+from engine.cache_v41 import V41KVCache
+from engine.compress_plan import compress_plan
+from engine.config_v41 import V41Config
+from engine.deepseek_v4 import Linear, _expert_weights
+from engine.engram import EngramHasher
+from engine.forward_batch import ForwardBatch
+from engine.weights import WeightsError
+
+SCORE_BUDGET = 1 << 27  # fp32 elements of one indexer score chunk [rows, heads, entries]
+
+
+def _linear(out_f: int, in_f: int) -> nn.Linear:
+    return nn.Linear(in_f, out_f, bias=False)
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+@dataclass
+class Rows:
+    """The packed rows a layer runs on: all of the batch, or (decoder replay) each sequence's last
+    window. Per-row tensors plus the per-forward CSA2 state (top-k, candidates)."""
+
+    positions: torch.Tensor
+    token_seq: torch.Tensor
+    window_slots: torch.Tensor
+    replay_start_t: torch.Tensor
+    ropes: dict
+    engram: dict  # layer -> gathered table rows [T, cols, engram_head_dim]
+    topk: torch.Tensor | None = None  # [T, index_topk] entries of the current KV group, -1 none
+    candidates: torch.Tensor | None = None  # [T, entries] bool: the candidate source's blocks
+
+
+class Compressor(nn.Module):
+    """A KV source's compressor: `ratio` tokens -> one latent (ratio 1: a per-token projection)."""
+
+    def __init__(self, cfg: V41Config, ratio: int):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = _linear(cfg.head_dim, cfg.hidden_size)
+        if ratio > 1:
+            self.wgate = _linear(cfg.head_dim, cfg.hidden_size)
+        self.norm = Norm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def latents(self, x: torch.Tensor, fb: ForwardBatch, cache: V41KVCache, layer: int):
+        """Closed groups of this step (positions >= compress_from): (latents before RoPE, sequence,
+        entry index), or None. Open groups wait in the cache's fp32 state."""
+        m = self.ratio
+        state = cache.comp_state[layer]
+        plan = compress_plan(fb, m, cache.block_size, state.pend_kv.shape[0] if state else cache.max_num_seqs + 1)
+        if m == 1:
+            if not plan.num_blocks:
+                return None
+            return self.norm(self.wkv(x[plan.src])), plan
+        kv = F.linear(x.float(), self.wkv.weight.float())  # pooling and its gate in fp32
+        gate = F.linear(x.float(), self.wgate.weight.float())
+        out = None
+        if plan.num_blocks:
+            d = kv.shape[-1]
+            kv_b = torch.cat([kv.to(state.pend_kv.dtype), state.pend_kv.view(-1, d)])[plan.src].view(-1, m, d)
+            gate_b = torch.cat([gate.to(state.pend_gate.dtype), state.pend_gate.view(-1, d)])[plan.src].view(-1, m, d)
+            latent = (kv_b * gate_b.softmax(dim=1, dtype=torch.float32)).sum(dim=1)
+            out = self.norm(latent.to(x.dtype)), plan
+        state.pend_kv.view(-1, kv.shape[-1]).index_copy_(0, plan.pend_dst, kv[plan.pend_row].to(state.pend_kv.dtype))
+        state.pend_gate.view(-1, kv.shape[-1]).index_copy_(0, plan.pend_dst,
+                                                          gate[plan.pend_row].to(state.pend_gate.dtype))
+        return out
+
+
+class Indexer(nn.Module):
+    """An index source: own queries over the group's shared keys; the KV source also makes them."""
+
+    def __init__(self, cfg: V41Config, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = _linear(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
+        self.weights_proj = _linear(cfg.index_n_heads, cfg.hidden_size)
+        self.owns_k = layer in cfg.kv_source_layer_ids
+        if self.owns_k:
+            self.wk = _linear(cfg.index_head_dim, cfg.head_dim)
+            self.k_norm = Norm(cfg.index_head_dim, cfg.rms_norm_eps)
+        self.is_candidate_source = layer == cfg.candidate_source_layer_id
+        self.uses_candidates = 0 <= cfg.candidate_source_layer_id < layer
+
+    def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        k = ops.rope(self.k_norm(self.wk(latent)), cos, sin)
+        return ops.fake_quant_fp4(k, 32)
+
+    def select(self, x: torch.Tensor, q_res: torch.Tensor, rows: Rows, fb: ForwardBatch, keys_pool: torch.Tensor,
+               ratio: int) -> torch.Tensor:
+        """Top-k entries per query row [T, index_topk], best first, -1 where fewer are visible."""
+        T = x.shape[0]
+        cos, sin = rows.ropes["compress"]
+        iq = ops.fake_quant_fp4(ops.rope(self.wq_b(q_res).view(T, self.n_heads, self.head_dim), cos, sin), 32).float()
+        iw = self.weights_proj(x).float() * self.n_heads**-0.5
+        out = torch.full((T, self.topk), -1, dtype=torch.long, device=x.device)
+        per_block, d = keys_pool.shape[1], keys_pool.shape[-1]
+        flat = keys_pool.view(-1, d)
+        if self.is_candidate_source:
+            n_max = (int(rows.positions.max()) + 1) // ratio if T else 0
+            rows.candidates = torch.zeros((T, n_max), dtype=torch.bool, device=x.device)
+        for s in torch.unique(rows.token_seq).tolist():
+            idx = (rows.token_seq == s).nonzero().flatten()
+            pos = rows.positions[idx]
+            n = (int(pos.max()) + 1) // ratio
+            if n == 0:
+                continue
+            e = torch.arange(n, device=x.device)
+            keys = flat[fb.full_tables[s][e // per_block] * per_block + e % per_block].float()
+            visible = (pos + 1) // ratio
+            chunk = max(1, SCORE_BUDGET // max(self.n_heads * n, 1))
+            for lo in range(0, len(idx), chunk):
+                r = idx[lo:lo + chunk]
+                sc = torch.einsum("thd,ed->the", iq[r], keys).relu_() * self.head_dim**-0.5
+                sc = (sc * iw[r].unsqueeze(-1)).sum(dim=1)
+                vis = visible[lo:lo + chunk]
+                sc = sc.masked_fill(e[None] >= vis[:, None], float("-inf"))
+                if self.is_candidate_source:
+                    rows.candidates[r, :n] = ops.candidate_blocks(sc, vis, self.cfg.candidate_topk_blocks,
+                                                                  self.cfg.candidate_block_size)
+                elif self.uses_candidates and rows.candidates is not None:
+                    cand = rows.candidates[r, :n]
+                    if cand.shape[1] < n:  # the candidate source saw fewer entries: nothing beyond
+                        cand = F.pad(cand, (0, n - cand.shape[1]), value=False)
+                    sc = sc.masked_fill(~cand, float("-inf"))
+                k = min(self.topk, n)
+                top = sc.topk(k, dim=-1)
+                out[r, :k] = torch.where(top.values > float("-inf"), top.indices, -1)
+        return out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: V41Config, layer: int, fp8: bool = False):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.ratio = cfg.compress_ratios[layer]
+        self.source = cfg.kv_source_of(layer)
+        H, hd = cfg.num_heads, cfg.head_dim
+        self.wq_a = Linear(cfg.q_lora_rank, cfg.hidden_size, fp8)
+        self.q_norm = Norm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(H * hd, cfg.q_lora_rank, fp8)
+        self.wkv = Linear(hd, cfg.hidden_size, fp8)
+        self.kv_norm = Norm(hd, cfg.rms_norm_eps)
+        self.wo_a = Linear(cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups, fp8)
+        self.wo_b = Linear(cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank, fp8)
+        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        if layer in cfg.kv_source_layer_ids:
+            self.compressor = Compressor(cfg, self.ratio)
+        if layer in cfg.index_source_layer_ids:
+            self.indexer = Indexer(cfg, layer)
+
+    def _absorb(self, x: torch.Tensor, fb: ForwardBatch, cache: V41KVCache, inv_freq: torch.Tensor) -> None:
+        """KV source: closed groups -> indexer keys (pre-RoPE latent) and compressed KV."""
+        got = self.compressor.latents(x, fb, cache, self.layer)
+        if got is None:
+            return
+        latent, plan = got
+        cos, sin = K.rope_cos_sin(plan.blk_entry * self.ratio, inv_freq, latent.dtype)
+        pool, kpool = cache.compressed[self.layer], cache.index_keys[self.layer]
+        per_block = pool.shape[1]
+        dst = fb.full_tables[plan.blk_seq, plan.blk_entry // per_block] * per_block + plan.blk_entry % per_block
+        kpool.view(-1, kpool.shape[-1]).index_copy_(0, dst, self.indexer.keys(latent, cos, sin).to(kpool.dtype))
+        entries = ops.fake_quant_fp4(ops.rope(latent, cos, sin), 16, e4m3_scales=True)
+        pool.view(-1, pool.shape[-1]).index_copy_(0, dst, entries.to(pool.dtype))
+
+    def forward(self, x: torch.Tensor, rows: Rows, fb: ForwardBatch, cache: V41KVCache,
+                inv_freq: torch.Tensor, full_rows: bool) -> torch.Tensor:
+        cfg, T = self.cfg, x.shape[0]
+        H, hd = cfg.num_heads, cfg.head_dim
+        cos, sin = rows.ropes["compress" if self.ratio else "main"]
+        q_res = self.q_norm(self.wq_a(x))
+        q = ops.rope(self.wq_b(q_res).view(T, H, hd), cos, sin)
+        kv = ops.fake_quant_fp8(ops.rope(self.kv_norm(self.wkv(x)), cos, sin), 32)
+        cache.write_window(self.layer, rows.window_slots, kv)
+        comp_pool, ratio = None, 0
+        if self.ratio:
+            if hasattr(self, "compressor"):
+                assert full_rows, "a KV source runs on every row"
+                self._absorb(x, fb, cache, inv_freq)
+            ratio = cfg.compress_ratios[self.source]
+            if hasattr(self, "indexer"):
+                rows.topk = self.indexer.select(x, q_res, rows, fb, cache.index_keys[self.source], ratio)
+            comp_pool = cache.compressed[self.source]
+        out = K.paged_attention(q, rows.positions, rows.token_seq, cache.window[self.layer], fb.window_tables,
+                                rows.replay_start_t, cfg.sliding_window, comp_pool, fb.full_tables, ratio or 1,
+                                rows.topk if self.ratio else None, self.attn_sink, hd**-0.5)
+        out = ops.rope(out, cos, sin, inverse=True)  # K = V carried RoPE: take the query's off
+        o = K.grouped_linear(out.view(T, cfg.o_groups, -1), self.wo_a.weight, cfg.o_groups, self.wo_a.scale)
+        return self.wo_b(o)
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: V41Config):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        self.bias_vl = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))  # image tokens: unused
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: V41Config, fp8: bool = False):
+        super().__init__()
+        inter = cfg.moe_intermediate_size
+        self.w1, self.w3 = Linear(inter, cfg.hidden_size, fp8), Linear(inter, cfg.hidden_size, fp8)
+        self.w2 = Linear(cfg.hidden_size, inter, fp8)
+        self.limit = cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(ops.clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: V41Config, quantized: bool = False):
+        super().__init__()
+        self.cfg = cfg
+        E, inter, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate = Gate(cfg)
+        fmt = cfg.expert_dtype if quantized else "bf16"
+        _expert_weights(self, "w1", E, inter, D, fmt)
+        _expert_weights(self, "w3", E, inter, D, fmt)
+        _expert_weights(self, "w2", E, D, inter, fmt)
+        self.shared_experts = SharedExpert(cfg, quantized and cfg.fp8_linears)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        weights, indices = ops.router(x, self.gate.weight, self.gate.bias, cfg.num_experts_per_tok,
+                                      cfg.routed_scaling_factor, cfg.scoring_func, cfg.gate_temp, cfg.norm_topk_prob)
+        if x.is_cuda:  # the fused grouped kernels (weight after w2: equal up to rounding)
+            scales = None if self.experts_w1_scale is None else (self.experts_w1_scale, self.experts_w3_scale,
+                                                                 self.experts_w2_scale)
+            routed = K.moe_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights.to(x.dtype),
+                                   indices, cfg.swiglu_limit, scales).float()
+        else:
+            routed = ops.routed_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights, indices,
+                                        cfg.swiglu_limit)
+        return (routed + self.shared_experts(x).float()).to(x.dtype)
+
+
+class Engram(nn.Module):
+    """An n-gram lookup written into each hc stream, gated by its match with the stream."""
+
+    def __init__(self, cfg: V41Config, rows: int):
+        super().__init__()
+        cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
+        self.hc, self.D, self.eps = cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps
+        self.embed = nn.Embedding(rows, cfg.engram_head_dim)
+        self.wkv = _linear(cfg.hidden_size * (cfg.hc_mult + 1), cols * cfg.engram_head_dim)
+        self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.hidden_size))
+        self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.hidden_size))
+
+    def forward(self, h: torch.Tensor, table_rows: torch.Tensor) -> torch.Tensor:
+        kv = self.wkv(table_rows.flatten(-2).to(h.dtype))
+        key, value = kv.split([self.hc * self.D, self.D], dim=-1)
+        key = key.float().unflatten(-1, (self.hc, self.D))
+        w = self.q_weight.float() * self.k_weight.float()
+        hf = h.float()
+        rstd = torch.rsqrt(hf.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
+        dot = (hf * w * key).sum(-1) * rstd * self.D**-0.5
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))  # signed sqrt
+        return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: V41Config, layer: int, quantized: bool = False):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        mix, hc, D = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult, cfg.hidden_size
+        self.attn_norm = Norm(D, cfg.rms_norm_eps)
+        self.ffn_norm = Norm(D, cfg.rms_norm_eps)
+        for kind in ("attn", "ffn"):
+            setattr(self, f"hc_{kind}_fn", nn.Parameter(torch.zeros(mix, hc * D, dtype=torch.float32)))
+            setattr(self, f"hc_{kind}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
+            setattr(self, f"hc_{kind}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+        self.attn = Attention(cfg, layer, quantized and cfg.fp8_linears)
+        self.ffn = MoE(cfg, quantized)
+        if layer in cfg.engram_layer_ids:
+            self.engram = Engram(cfg, cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)])
+
+    def _site(self, kind: str, h: torch.Tensor):
+        c = self.cfg
+        return ops.hc_site(h, getattr(self, f"hc_{kind}_fn"), getattr(self, f"hc_{kind}_base"),
+                           getattr(self, f"hc_{kind}_scale"), c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters)
+
+    def forward(self, h, pre, rows: Rows, fb: ForwardBatch, cache: V41KVCache, inv_freq, full_rows: bool):
+        if hasattr(self, "engram"):
+            h = self.engram(h, rows.engram[self.layer])
+        attn_pre, post, comb = self._site("attn", h)
+        x = self.attn(self.attn_norm(ops.hc_collapse(h, pre)), rows, fb, cache, inv_freq, full_rows)
+        h = ops.hc_expand(x, h, post, comb)
+        ffn_pre, post, comb = self._site("ffn", h)
+        h = ops.hc_expand(self.ffn(self.ffn_norm(ops.hc_collapse(h, attn_pre))), h, post, comb)
+        return h, ffn_pre
+
+
+def _decoder_keep(fb: ForwardBatch, window: int) -> tuple[torch.Tensor, list[int]] | None:
+    """Rows of each sequence's last `window` tokens (decoder replay), and each sequence's first
+    kept position; None when nothing would be dropped."""
+    keep, first, row = [], [], 0
+    for n, start in zip(fb.seq_lens, fb.starts):
+        k = min(n, window)
+        keep.extend(range(row + n - k, row + n))
+        first.append(start + n - k)
+        row += n
+    if len(keep) == row:
+        return None
+    return torch.tensor(keep, dtype=torch.long, device=fb.input_ids.device), first
+
+
+class DeepseekV41(nn.Module):
+    supports_cuda_graphs = False  # the indexer and compressor still sync with the host per step
+
+    def __init__(self, cfg: V41Config, quantized: bool = False, decoder_replay: bool = True):
+        super().__init__()
+        self.cfg, self.quantized, self.decoder_replay = cfg, quantized, decoder_replay
+        D = cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, D)
+        self.layers = nn.ModuleList(Block(cfg, i, quantized) for i in range(cfg.num_layers))
+        self.norm = Norm(D, cfg.rms_norm_eps)
+        self.head = _linear(cfg.vocab_size, D)
+        self.mtp_weights: dict[str, torch.Tensor] = {}  # DSpark draft layers: kept, not run
+        self.engram_hasher = (EngramHasher(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads,
+                                           cfg.engram_vocab_size, cfg.engram_compressed_vocab_size, cfg.engram_pad_id)
+                              if cfg.engram_layer_ids else None)
+        self.register_buffer("main_inv_freq", cfg.main_rope.inv_freq(), persistent=False)
+        self.register_buffer("compress_inv_freq", cfg.compress_rope.inv_freq(), persistent=False)
+
+    @property
+    def engram_lookback(self) -> int:
+        """How many tokens before each row the runner passes (`ForwardBatch.lookback_ids`)."""
+        return self.cfg.engram_max_ngram_size - 1 if self.engram_hasher is not None else 0
+
+    def _engram_rows(self, fb: ForwardBatch) -> dict:
+        if self.engram_hasher is None:
+            return {}
+        if fb.lookback_ids is None:
+            raise RuntimeError("the Engram layers need ForwardBatch.lookback_ids (the runner builds them)")
+        ids = self.engram_hasher(fb.input_ids, fb.lookback_ids)  # [T, L, cols]
+        return {layer: self.layers[layer].engram.embed(ids[:, k]) for k, layer in enumerate(self.cfg.engram_layer_ids)}
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, cache: V41KVCache) -> torch.Tensor:
+        """One step over packed tokens; returns logits [len(fb.logits_rows), vocab] in fp32."""
+        cfg = self.cfg
+        x = self.embed(fb.input_ids)
+        dtype = x.dtype
+        ropes = {"main": K.rope_cos_sin(fb.positions, self.main_inv_freq, dtype),
+                 "compress": K.rope_cos_sin(fb.positions, self.compress_inv_freq, dtype)}
+        rows = Rows(fb.positions, fb.token_seq, fb.window_slots, fb.replay_start_t, ropes, self._engram_rows(fb))
+        h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # mHC: hc copies of the residual
+        pre = torch.zeros(h.shape[:2], dtype=torch.float32, device=h.device)
+        pre[:, 0] = 1.0  # the first site collapses stream 0
+        logits_rows, full_rows = fb.logits_rows, True
+        for block in self.layers:
+            if block.layer == cfg.last_kv_source + 1 and self.decoder_replay and not fb.is_decode:
+                got = _decoder_keep(fb, cfg.sliding_window)
+                if got is not None and bool(torch.isin(fb.logits_rows, got[0]).all()):
+                    keep, first = got
+                    h, pre, rows, logits_rows = self._trim(h, pre, rows, fb, keep, first)
+                    full_rows = False
+            h, pre = block(h, pre, rows, fb, cache, self.compress_inv_freq, full_rows)
+        h, pre = h[logits_rows], pre[logits_rows]
+        return F.linear(self.norm(ops.hc_collapse(h, pre)), self.head.weight).float()
+
+    @staticmethod
+    def _trim(h, pre, rows: Rows, fb: ForwardBatch, keep: torch.Tensor, first: list[int]):
+        """Keep only `keep` rows from here on; their window attention reads no position below the
+        first kept one of their sequence."""
+        start = torch.maximum(fb.replay_start_t, torch.tensor(first, device=keep.device))
+        new_index = torch.full((h.shape[0],), -1, dtype=torch.long, device=keep.device)
+        new_index[keep] = torch.arange(len(keep), device=keep.device)
+        trimmed = replace(
+            rows, positions=rows.positions[keep], token_seq=rows.token_seq[keep], window_slots=rows.window_slots[keep],
+            replay_start_t=start, ropes={k: (c[keep], s[keep]) for k, (c, s) in rows.ropes.items()},
+            engram={k: v[keep] for k, v in rows.engram.items()},
+            topk=None if rows.topk is None else rows.topk[keep],
+            candidates=None if rows.candidates is None else rows.candidates[keep])
+        return h[keep], pre[keep], trimmed, new_index[fb.logits_rows]
+
+    # --- loading ------------------------------------------------------------------------------
+
+    _FP32 = ("hc_", "attn_sink", "gate.bias", "norm.weight", "q_norm", "kv_norm", "k_norm")
+
+    def expected_names(self) -> set[str]:
+        names = set()
+        buffers = [n for n, b in self.named_buffers() if b is not None and n.endswith("scale")]
+        for name in [n for n, _ in self.named_parameters()] + buffers:
+            if ".experts_w" in name:
+                layer, w = name.split(".ffn.experts_")
+                kind = "scale" if w.endswith("_scale") else "weight"
+                names.update(f"{layer}.ffn.experts.{e}.{w.split('_')[0]}.{kind}" for e in range(self.cfg.n_routed_experts))
+            else:
+                names.add(name)
+        return names
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        if name.startswith("mtp."):
+            self.mtp_weights[name] = tensor
+            return
+        if ".ffn.experts." in name:
+            prefix, rest = name.split(".ffn.experts.")
+            e, w, kind = rest.split(".")
+            stacked = f"{prefix}.ffn.experts_{w}"
+            target = (self.get_buffer(stacked + "_scale") if kind == "scale" else self.get_parameter(stacked))[int(e)]
+        elif name.endswith(".scale"):
+            target = self.get_buffer(name)
+        else:
+            target = self.get_parameter(name)
+        if target.shape != tensor.shape:
+            raise WeightsError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(tensor.to(target.dtype))
+
+    def cast(self, dtype: torch.dtype) -> DeepseekV41:
+        for name, p in self.named_parameters():
+            if p.dtype in (torch.float8_e4m3fn, torch.int8):
+                continue
+            keep32 = dtype != torch.float64 and any(k in name for k in self._FP32)
+            p.data = p.data.to(torch.float32 if keep32 else dtype)
+        return self

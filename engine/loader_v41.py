@@ -1,0 +1,65 @@
+"""Build a DeepSeek-V4.1 model for a checkpoint dir: config, empty weights, stream in, bind the
+tokenizer (Engram). Both namings load: DeepSeek's official one and transformers' (translated by
+engine/names_v41.py). `mtp.*` (DSpark draft layers), `vision.*`, `aligner.*` and `image_*`
+tensors are not part of the text model: DSpark is kept aside, the vision tower skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.config_v41 import load_v41_config
+from engine.deepseek_v41 import DeepseekV41
+from engine.engram import find_tokenizer_json
+from engine.names_v41 import to_official
+from engine.weights_v41 import iter_v41_checkpoint
+from engine.weights import WeightsError
+
+log = logging.getLogger(__name__)
+_NOT_TEXT = ("vision.", "aligner.", "image_", "model.vision", "model.aligner", "model.image_")
+
+
+def load_v41_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
+                   tokenizer: str | Path | None = None, decoder_replay: bool = True) -> DeepseekV41:
+    cfg = load_v41_config(model_dir)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = DeepseekV41(cfg, quantized=False, decoder_replay=decoder_replay)
+    model.to_empty(device=device)
+    model.cast(dtype)
+    model.main_inv_freq = cfg.main_rope.inv_freq().to(device)
+    model.compress_inv_freq = cfg.compress_rope.inv_freq().to(device)
+    if model.engram_hasher is not None:
+        h = model.engram_hasher
+        fresh = type(h)(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_vocab_size,
+                        cfg.engram_compressed_vocab_size, cfg.engram_pad_id)  # meta buffers: rebuild
+        model.engram_hasher = fresh.to(device)
+        model.engram_hasher.bind_tokenizer(find_tokenizer_json(model_dir, tokenizer))
+        rows = model.engram_hasher.layout.table_rows()
+        if list(rows) != list(cfg.engram_num_embeddings):
+            raise WeightsError(f"{model_dir}: engram_num_embeddings {list(cfg.engram_num_embeddings)} do not match "
+                               f"the hash layout's {rows}")
+    expected, loaded, unexpected = model.expected_names(), set(), []
+    for raw_name, raw in iter_v41_checkpoint(model_dir, cfg.weight_block_size):
+        if raw_name.startswith(_NOT_TEXT):
+            continue
+        for name, tensor in to_official(raw_name, raw):
+            if name.startswith("mtp."):
+                model.load_weight(name, tensor.to(device))
+            elif name.endswith("engram.embed.scale"):
+                continue  # the float table has the scale folded in already
+            elif name not in expected:
+                unexpected.append(name)
+            else:
+                model.load_weight(name, tensor.to(device))
+                loaded.add(name)
+    missing = sorted(expected - loaded)
+    if missing or unexpected:
+        raise WeightsError(f"{model_dir}: checkpoint does not match the config: missing {missing[:8]}"
+                           f"{' ...' if len(missing) > 8 else ''} unexpected {sorted(unexpected)[:8]}"
+                           f"{' ...' if len(unexpected) > 8 else ''}")
+    log.info("weights: DeepSeek-V4.1 on %s in %s (%d DSpark tensors kept aside)", device, dtype, len(model.mtp_weights))
+    return model.eval()

@@ -1,0 +1,91 @@
+"""DeepSeek-V4.1's stored formats, dequantized at load (CPU and GPU alike today).
+
+- FP8 e4m3 linears with one scale per `block` x `block` tile (32 in the released V4.1, 128 in V4),
+  `<stem>.scale` (or transformers' `weight_scale_inv`) of shape [ceil(N/block), ceil(K/block)];
+- packed FP4 e2m1 routed experts: int8 [N, K/2] (low nibble first) with one scale per g values
+  along K, g = K / scale.shape[-1] (16 or 32);
+- Engram tables: FP8 rows with one scale per row chunk ([rows, head_dim / c]).
+Scales are ue8m0 (or float32). The existing FP8 kernels assume 128x128 blocks, so V4.1's 32x32
+weights are dequantized to the model dtype (said in docs/USAGE.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.weights import WeightsError, checkpoint_files
+from kernels.formats import E2M1_VALUES, scale_to_float
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _scale_of(names: set[str], name: str) -> str | None:
+    stem = name[: -len(".weight")] if name.endswith(".weight") else name
+    for cand in (stem + ".scale", name + "_scale_inv", stem + ".weight_scale_inv"):
+        if cand in names:
+            return cand
+    return None
+
+
+def dequantize_fp8_tiles(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 [N, K] x per-tile scales [ceil(N/b), ceil(K/b)] -> float32 (b from the shapes)."""
+    n, k = w.shape[-2:]
+    rows, cols = scale.shape[-2:]
+    bn, bk = -(-n // rows), -(-k // cols)
+    if -(-n // bn) != rows or -(-k // bk) != cols or bn != bk:
+        raise WeightsError(f"FP8 scale {tuple(scale.shape)} does not tile weight {tuple(w.shape)} in square blocks")
+    s = scale_to_float(scale).repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
+    return w.float() * s
+
+
+def dequantize_fp4_groups(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K/2] e2m1 pairs (low nibble = even k) x scales [N, K/g] -> float32 [N, 2K]."""
+    b = w.view(torch.uint8)
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    vals = torch.stack([lut[(b & 0xF).long()], lut[(b >> 4).long()]], dim=-1).flatten(-2)
+    k = vals.shape[-1]
+    if k % scale.shape[-1] or scale.shape[:-1] != w.shape[:-1]:
+        raise WeightsError(f"FP4 scale {tuple(scale.shape)} does not group weight {tuple(w.shape)}")
+    return vals * scale_to_float(scale).repeat_interleave(k // scale.shape[-1], -1)
+
+
+def dequantize_rows(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 table rows [R, D] x per-chunk scales [R, D / c] -> float32."""
+    d = w.shape[-1]
+    if scale.shape[0] != w.shape[0] or d % scale.shape[-1]:
+        raise WeightsError(f"engram table scale {tuple(scale.shape)} does not fit rows {tuple(w.shape)}")
+    return (w.float().unflatten(-1, (scale.shape[-1], -1)) * scale_to_float(scale).unsqueeze(-1)).flatten(-2)
+
+
+def iter_v41_checkpoint(model_dir: str | Path, block: tuple[int, int] = (32, 32)) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name as stored, float tensor) for every weight; scales are consumed."""
+    files = [p for p in checkpoint_files(model_dir) if p.name.startswith("model")] or checkpoint_files(model_dir)
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in files]
+        where = {n: h for h in handles for n in h.keys()}
+        names = set(where)
+        owner = {s: n for n in names if (s := _scale_of(names, n)) is not None and s != n}
+        for name in sorted(n for n in names if n not in owner):
+            t = where[name].get_tensor(name)
+            table = "engram_tables" in name or "engram.embed" in name
+            quantized = t.dtype in FP8_DTYPES or (t.dtype == torch.int8 and name.endswith(".weight"))
+            if not quantized:
+                if t.dtype in (torch.int8, torch.uint8):
+                    raise WeightsError(f"{name} is {t.dtype} but not a packed FP4 `.weight`: not supported")
+                yield name, t
+                continue
+            scale_name = _scale_of(names, name)
+            if scale_name is None:
+                raise WeightsError(f"quantized tensor {name} has no .scale / weight_scale_inv beside it")
+            scale = where[scale_name].get_tensor(scale_name)
+            if t.dtype == torch.int8:
+                yield name, dequantize_fp4_groups(t, scale)
+            elif table:
+                yield name, dequantize_rows(t, scale)
+            else:
+                yield name, dequantize_fp8_tiles(t, scale)
