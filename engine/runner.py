@@ -82,7 +82,8 @@ class ModelRunner:
                           t(_pad(ft, 0)), st, t(rows), t(token_seq), t(replay), t(st), is_decode, max(pos))
         k = getattr(self.model, "engram_lookback", 0)
         if k:  # V4.1 Engram: the tokens before each row, from the host (never a pending one)
-            fb.lookback_ids = t([r for seq, n in scheduled for r in lookback_rows(seq.token_ids, seq.num_computed_tokens, n, k)])
+            fb.lookback_ids = t([r for seq, n in scheduled
+                                 for r in lookback_rows(seq.token_ids, seq.num_computed_tokens, n, k)])
         return fb
 
     def run(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False,
