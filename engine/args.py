@@ -29,6 +29,9 @@ class EngineArgs:
     block_size: int | None = None  # default: lcm of compress ratios, >= 16
     enable_prefix_caching: bool = False
     swa_bounded_replay: bool = True
+    # DeepSeek-V4.1's decoder side of bounded replay (layers after the last KV source run a prefill
+    # on each sequence's last sliding_window rows); None: follows swa_bounded_replay, as vLLM's one switch
+    swa_decoder_replay: bool | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # CPU (or explicit) byte budget for the KV pools
     num_gpu_blocks_override: int | None = None  # fixed number of compressed-KV blocks (tests)

@@ -349,6 +349,7 @@ def _decoder_keep(fb: ForwardBatch, window: int) -> tuple[torch.Tensor, list[int
 
 class DeepseekV41(nn.Module):
     supports_cuda_graphs = False  # the indexer and compressor still sync with the host per step
+    cache_class = V41KVCache
 
     def __init__(self, cfg: V41Config, quantized: bool = False, decoder_replay: bool = True):
         super().__init__()
@@ -364,6 +365,13 @@ class DeepseekV41(nn.Module):
                               if cfg.engram_layer_ids else None)
         self.register_buffer("main_inv_freq", cfg.main_rope.inv_freq(), persistent=False)
         self.register_buffer("compress_inv_freq", cfg.compress_rope.inv_freq(), persistent=False)
+
+    def refuses_token(self, ids: list[int]) -> str | None:
+        """Image input is not served (the vision tower is out of scope): a clear refusal."""
+        if self.cfg.image_token_id is not None and self.cfg.image_token_id in ids:
+            return (f"image input is not supported: the prompt holds the image token {self.cfg.image_token_id}; "
+                    "this engine serves DeepSeek-V4.1's text model only")
+        return None
 
     @property
     def engram_lookback(self) -> int:

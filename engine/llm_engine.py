@@ -55,8 +55,11 @@ class LLMEngine:
         model_dir = resolve_model_dir(args.model)
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-        self.model = load_model(model_dir, args.dtype, self.device)
+        self.model = load_model(model_dir, args.dtype, self.device, tokenizer=args.tokenizer)
         self.cfg = cfg = self.model.cfg
+        if hasattr(self.model, "decoder_replay"):  # V4.1: swa_bounded_replay covers the decoder side too
+            self.model.decoder_replay = (args.swa_bounded_replay if args.swa_decoder_replay is None
+                                         else args.swa_decoder_replay)
         self.tokenizer = Tokenizer(args.tokenizer or model_dir)
         self.max_model_len = args.max_model_len or min(cfg.max_position_embeddings, 8192)
         self.block_size = args.block_size or max(16, cfg.compress_block_lcm)
@@ -68,7 +71,7 @@ class LLMEngine:
                                    args.max_num_batched_tokens, prefix_cache=self._make_prefix_cache())
         # CUDA graphs need the fused kernels (the references sync with the host)
         graphs = (self.device.type == "cuda" and not args.enforce_eager and args.cudagraph_mode != "NONE"
-                  and kernels.backend() != "ref")
+                  and kernels.backend() != "ref" and getattr(self.model, "supports_cuda_graphs", True))
         mixed = mixed_sizes(args.max_num_batched_tokens) if args.cudagraph_mode == "FULL" else []
         self.runner = ModelRunner(self.model, self.cache, self.max_model_len, cuda_graphs=graphs,
                                   max_num_seqs=args.max_num_seqs, mixed_sizes=mixed)
@@ -143,7 +146,9 @@ class LLMEngine:
         dtype = self.model.embed.weight.dtype
         pc = a.enable_prefix_caching
         snapshots = pc and not a.swa_bounded_replay
-        window_bytes, full_bytes = KVCache.bytes_per_block(cfg, bs, dtype, boundary_state=pc, window_snapshots=snapshots)
+        cache_class = getattr(self.model, "cache_class", KVCache)  # V4.1: its own pool contents
+        window_bytes, full_bytes = cache_class.bytes_per_block(cfg, bs, dtype, boundary_state=pc,
+                                                               window_snapshots=snapshots)
         per_seq = math.ceil((cfg.sliding_window - 1) / bs) + 2
         num_window = a.max_num_seqs * per_seq + math.ceil(a.max_num_batched_tokens / bs) + 1
         if a.num_gpu_blocks_override:
@@ -155,8 +160,8 @@ class LLMEngine:
             raise ValueError(f"KV cache too small: {num_full} blocks of {bs} tokens cannot hold one "
                              f"sequence of max_model_len={self.max_model_len}; raise the memory budget "
                              "or lower max_model_len")
-        return KVCache(cfg, bs, num_window, int(num_full), a.max_num_seqs, dtype, self.device,
-                       boundary_state=pc, window_snapshots=snapshots)
+        return cache_class(cfg, bs, num_window, int(num_full), a.max_num_seqs, dtype, self.device,
+                           boundary_state=pc, window_snapshots=snapshots)
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -175,6 +180,9 @@ class LLMEngine:
             ids = ids[-(self.max_model_len - 1 if k == -1 else k):]
         if not ids:
             raise InvalidRequest("the prompt is empty")
+        refusal = self.model.refuses_token(ids) if hasattr(self.model, "refuses_token") else None
+        if refusal:  # V4.1: image tokens (no vision tower here)
+            raise InvalidRequest(refusal)
         if any(not 0 <= t < self.cfg.vocab_size for t in ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
         if len(ids) >= self.max_model_len:

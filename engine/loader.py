@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.config import load_config
+from engine.config_v41 import is_v41
 from engine.deepseek_v4 import DeepseekV4
 from engine.weights import WeightsError, iter_checkpoint
 
@@ -38,8 +39,16 @@ def device_bytes(model: DeepseekV4) -> int:
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               quantized: bool | None = None) -> DeepseekV4:
-    """quantized: keep the stored formats (default: on CUDA, when the checkpoint is quantized)."""
+               quantized: bool | None = None, tokenizer: str | Path | None = None) -> DeepseekV4:
+    """quantized: keep the stored formats (default: on CUDA, when the checkpoint is quantized).
+    A DeepSeek-V4.1 checkpoint (its model_type) loads through engine/loader_v41.py; `tokenizer`
+    is where its Engram hashing finds tokenizer.json (default: the model dir)."""
+    if is_v41(model_dir):
+        from engine.config_v41 import load_v41_config
+        from engine.loader_v41 import load_v41_model
+
+        return load_v41_model(model_dir, resolve_dtype(dtype, load_v41_config(model_dir).torch_dtype), device,
+                              tokenizer=tokenizer)
     cfg = load_config(model_dir)
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
     device = torch.device(device)
