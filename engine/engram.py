@@ -125,12 +125,15 @@ class EngramHasher(torch.nn.Module):
         self.register_buffer("token_map", torch.empty(0, dtype=torch.long), persistent=False)
         self.pad_id = 0
 
-    def bind_tokenizer(self, tokenizer_json: str | Path) -> None:
+    def bind_tokenizer(self, tokenizer_json: str | Path, vocab_size: int = 0) -> None:
+        """vocab_size: the model's; ids past the tokenizer's (random test checkpoints only) hash as
+        the pad token (transformers' lookup would fail on them)."""
         lookup, size = compressed_token_map(tokenizer_json)
         if size != self.compressed_vocab_size:
             raise ValueError(f"{tokenizer_json}: its normalised vocabulary has {size} ids but the config's "
                              f"engram_compressed_vocab_size is {self.compressed_vocab_size}: not this model's tokenizer")
         self.pad_id = lookup[self.pad_token]
+        lookup += [self.pad_id] * (vocab_size - len(lookup))
         self.token_map = torch.tensor(lookup, dtype=torch.long, device=self.primes.device)
 
     def forward(self, input_ids: torch.Tensor, lookback: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ def load_v41_model(model_dir: str | Path, dtype: torch.dtype, device: str | torc
         fresh = type(h)(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_vocab_size,
                         cfg.engram_compressed_vocab_size, cfg.engram_pad_id)  # meta buffers: rebuild
         model.engram_hasher = fresh.to(device)
-        model.engram_hasher.bind_tokenizer(find_tokenizer_json(model_dir, tokenizer))
+        model.engram_hasher.bind_tokenizer(find_tokenizer_json(model_dir, tokenizer), cfg.vocab_size)
         rows = model.engram_hasher.layout.table_rows()
         if list(rows) != list(cfg.engram_num_embeddings):
             raise WeightsError(f"{model_dir}: engram_num_embeddings {list(cfg.engram_num_embeddings)} do not match "

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from engine.weights import WeightsError, checkpoint_files
-from kernels.formats import E2M1_VALUES, scale_to_float
+from kernels.formats import E2M1_VALUES, E4M3_MAX, scale_to_float, ue8m0_ceil
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -32,14 +32,13 @@ def _scale_of(names: set[str], name: str) -> str | None:
     return None
 
 
-def dequantize_fp8_tiles(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 [N, K] x per-tile scales [ceil(N/b), ceil(K/b)] -> float32 (b from the shapes)."""
+def dequantize_fp8_tiles(w: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """e4m3 [N, K] x per-tile scales [ceil(N/block), ceil(K/block)] -> float32."""
     n, k = w.shape[-2:]
-    rows, cols = scale.shape[-2:]
-    bn, bk = -(-n // rows), -(-k // cols)
-    if -(-n // bn) != rows or -(-k // bk) != cols or bn != bk:
-        raise WeightsError(f"FP8 scale {tuple(scale.shape)} does not tile weight {tuple(w.shape)} in square blocks")
-    s = scale_to_float(scale).repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
+    if tuple(scale.shape[-2:]) != (-(-n // block), -(-k // block)):
+        raise WeightsError(f"FP8 scale {tuple(scale.shape)} does not tile weight {tuple(w.shape)} in {block}x{block} "
+                           "blocks (quantization_config.weight_block_size)")
+    s = scale_to_float(scale).repeat_interleave(block, -2)[..., :n, :].repeat_interleave(block, -1)[..., :k]
     return w.float() * s
 
 
@@ -88,4 +87,22 @@ def iter_v41_checkpoint(model_dir: str | Path, block: tuple[int, int] = (32, 32)
             elif table:
                 yield name, dequantize_rows(t, scale)
             else:
-                yield name, dequantize_fp8_tiles(t, scale)
+                yield name, dequantize_fp8_tiles(t, scale, block[0])
+
+
+def quantize_fp8_tiles(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] -> (e4m3 weight, ue8m0 scales [ceil(N/b), ceil(K/b)]): the inverse of dequantize_fp8_tiles."""
+    n, k = w.shape
+    rows, cols = -(-n // block), -(-k // block)
+    pad = torch.nn.functional.pad(w.float(), (0, cols * block - k, 0, rows * block - n))
+    tiles = pad.view(rows, block, cols, block)
+    scale = ue8m0_ceil(tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX)
+    q = (tiles / scale_to_float(scale)[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view(rows * block, -1)
+    return q[:n, :k].to(torch.float8_e4m3fn), scale
+
+
+def quantize_rows(w: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Table rows [R, D] -> (e4m3 rows, ue8m0 scales [R, D / chunk])."""
+    g = w.float().unflatten(-1, (-1, chunk))
+    scale = ue8m0_ceil(g.abs().amax(-1).clamp(min=1e-12) / E4M3_MAX)
+    return (g / scale_to_float(scale).unsqueeze(-1)).clamp(-E4M3_MAX, E4M3_MAX).flatten(-2).to(torch.float8_e4m3fn), scale

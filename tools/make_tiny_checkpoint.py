@@ -2,6 +2,8 @@
 
     python -m tools.make_tiny_checkpoint OUT [--preset tiny|flash-shaped] [--seed N] [--override JSON]
         [--quant bf16|fp8|fp8-fp4]   (fp8: FP8 linears + FP8 experts, as Base; fp8-fp4: MXFP4 experts, as V4-Flash)
+    DeepSeek-V4.1 (engine/random_checkpoint_v41.py): --preset v41-tiny|v41-flash-shaped [--quant bf16|fp8-fp4]
+        (fp8-fp4: FP8 32x32-tile linears, FP4 experts, FP8 Engram rows, as V4.1 ships)
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import argparse
 import json
 
 from engine.random_checkpoint import PRESETS, QUANTS, write_checkpoint
+from engine.random_checkpoint_v41 import PRESETS as V41_PRESETS
+from engine.random_checkpoint_v41 import write_v41_checkpoint
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="Write a seeded random DeepSeek-V4 checkpoint (official layout).")
     ap.add_argument("out")
-    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS) + sorted(V41_PRESETS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--override", default=None, help="JSON merged into config.json (e.g. '{\"sliding_window\": 8}')")
     ap.add_argument("--device", default="cpu", help="where to draw the random numbers (cuda: fast, other values)")
@@ -25,8 +29,11 @@ def main() -> None:
     ap.add_argument("--spill-dir", default=None, help="where shards go (linked from OUT) once OUT's disk is "
                                                       "nearly full, e.g. /dev/shm/ckpt")
     args = ap.parse_args()
-    out = write_checkpoint(args.out, args.preset, args.seed, json.loads(args.override) if args.override else None,
-                           args.device, args.quant, args.spill_dir)
+    override = json.loads(args.override) if args.override else None
+    if args.preset in V41_PRESETS:
+        out = write_v41_checkpoint(args.out, args.preset, args.seed, override, args.device, args.quant)
+    else:
+        out = write_checkpoint(args.out, args.preset, args.seed, override, args.device, args.quant, args.spill_dir)
     print(f"wrote {args.preset} {args.quant} checkpoint to {out}")
 
 
