@@ -427,7 +427,8 @@ class DeepseekV41(nn.Module):
 
     # --- loading ------------------------------------------------------------------------------
 
-    _FP32 = ("hc_", "attn_sink", "gate.bias", "norm.weight", "q_norm", "kv_norm", "k_norm")
+    # what the released checkpoint stores in fp32 (transformers keeps exactly these); norms follow the model dtype
+    _FP32 = ("hc_", "attn_sink", "gate.bias")
 
     def expected_names(self) -> set[str]:
         names = set()

@@ -43,7 +43,7 @@ def load_v41_model(model_dir: str | Path, dtype: torch.dtype, device: str | torc
             raise WeightsError(f"{model_dir}: engram_num_embeddings {list(cfg.engram_num_embeddings)} do not match "
                                f"the hash layout's {rows}")
     expected, loaded, unexpected = model.expected_names(), set(), []
-    for raw_name, raw in iter_v41_checkpoint(model_dir, cfg.weight_block_size):
+    for raw_name, raw in iter_v41_checkpoint(model_dir, cfg.weight_block_size, device):
         if raw_name.startswith(_NOT_TEXT):
             continue
         for name, tensor in to_official(raw_name, raw):

@@ -45,7 +45,7 @@ def dequantize_fp8_tiles(w: torch.Tensor, scale: torch.Tensor, block: int = 32) 
 def dequantize_fp4_groups(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """int8 [N, K/2] e2m1 pairs (low nibble = even k) x scales [N, K/g] -> float32 [N, 2K]."""
     b = w.view(torch.uint8)
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
     vals = torch.stack([lut[(b & 0xF).long()], lut[(b >> 4).long()]], dim=-1).flatten(-2)
     k = vals.shape[-1]
     if k % scale.shape[-1] or scale.shape[:-1] != w.shape[:-1]:
@@ -61,8 +61,10 @@ def dequantize_rows(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (w.float().unflatten(-1, (scale.shape[-1], -1)) * scale_to_float(scale).unsqueeze(-1)).flatten(-2)
 
 
-def iter_v41_checkpoint(model_dir: str | Path, block: tuple[int, int] = (32, 32)) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name as stored, float tensor) for every weight; scales are consumed."""
+def iter_v41_checkpoint(model_dir: str | Path, block: tuple[int, int] = (32, 32),
+                        device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """(name as stored, float tensor on `device`) for every weight; scales are consumed. Stored
+    weights move to `device` first and dequantize there (seconds on a GPU, not minutes)."""
     files = [p for p in checkpoint_files(model_dir) if p.name.startswith("model")] or checkpoint_files(model_dir)
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in files]
@@ -70,7 +72,7 @@ def iter_v41_checkpoint(model_dir: str | Path, block: tuple[int, int] = (32, 32)
         names = set(where)
         owner = {s: n for n in names if (s := _scale_of(names, n)) is not None and s != n}
         for name in sorted(n for n in names if n not in owner):
-            t = where[name].get_tensor(name)
+            t = where[name].get_tensor(name).to(device)
             table = "engram_tables" in name or "engram.embed" in name
             quantized = t.dtype in FP8_DTYPES or (t.dtype == torch.int8 and name.endswith(".weight"))
             if not quantized:
@@ -81,7 +83,7 @@ def iter_v41_checkpoint(model_dir: str | Path, block: tuple[int, int] = (32, 32)
             scale_name = _scale_of(names, name)
             if scale_name is None:
                 raise WeightsError(f"quantized tensor {name} has no .scale / weight_scale_inv beside it")
-            scale = where[scale_name].get_tensor(scale_name)
+            scale = where[scale_name].get_tensor(scale_name).to(device)
             if t.dtype == torch.int8:
                 yield name, dequantize_fp4_groups(t, scale)
             elif table:

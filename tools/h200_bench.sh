@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|quant|depth|largest|profile-depth|engine|sync|agentic|ttft|peer|profile|numpy2|serving  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh kernels|quant|depth|v41|largest|profile-depth|engine|sync|agentic|ttft|peer|profile|numpy2|serving  (JSON + logs under $OUT)
 # numpy2 and serving need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoint: flash-shaped (V4-Flash per-layer shapes, 4 layers, 16 experts), drawn on the GPU.
 set -uo pipefail
@@ -24,6 +24,11 @@ depth)  # decode at V4-Flash depth (43 layers, its schedule, 16 experts): as shi
       --json "$OUT/depth_$q.json" 2>&1 | tee "$OUT/depth_$q.log" | grep -E "floor|steady|online|Error|error" | tail -12
     rm -rf "$CK"/flash-depth*  # 46 GB in bf16: one at a time on the 64 GB disk
   done ;;
+v41)  # DeepSeek-V4.1-Flash-shaped (released 40-layer schedule and per-layer shapes, 8 experts; FP8 32x32 tiles +
+  # FP4 experts as shipped, dequantized to bf16 at load): TTFT 1K/8K/32K with decoder-side bounded replay off/on,
+  # batch-1 decode vs its floor (~4 min, most of it writing and loading the 16 GB checkpoint)
+  timeout 560 python3 -m tools.bench_v41 --cache-dir $CK --json "$OUT/v41.json" 2>&1 | tee "$OUT/v41.log" | tail -9
+  rm -rf "$CK"/v41-* ;;
 engine)
   bench --concurrency 1,8,32,64,150 --input-len 512 --output-len 64 --requests-per-user 1 --floor --check-graphs --steady 1,32,150 \
     --engine-args "{$EA}" --json "$OUT/engine_opt.json" 2>&1 | tee "$OUT/engine_opt.log" | tail -14
