@@ -48,6 +48,12 @@ class EngineArgs:
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
     kernels: str = "auto"  # auto | ref
+    # one host's GPUs (docs/PARALLEL.md): attention heads split over tensor_parallel_size ranks,
+    # experts too with enable_expert_parallel (else each expert's intermediate slice); gloo on CPU
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    pipeline_parallel_size: int = 1  # refused unless 1 (not implemented)
+    data_parallel_size: int = 1  # refused unless 1 (not implemented)
     # a step running longer than this means a hung GPU or a deadlock: the engine is declared dead
     # (requests in flight fail UNAVAILABLE, health turns false, the Triton model unloads). 0: off
     step_timeout_s: float = 60.0
@@ -90,6 +96,11 @@ class EngineArgs:
             (self.core_restart_limit >= 0, "core_restart_limit must be >= 0"),
             (self.core_restart_backoff_s >= 0, "core_restart_backoff_s must be >= 0"),
             (self.engine == "native", "this is the native engine; engine must be 'native'"),
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+            (self.pipeline_parallel_size == 1, "pipeline_parallel_size must be 1: the native engine has no "
+                                               "pipeline parallelism (tensor_parallel_size splits one host's GPUs)"),
+            (self.data_parallel_size == 1, "data_parallel_size must be 1: the native engine has no data-parallel "
+                                           "attention (run one engine per group of GPUs)"),
             (self.block_size is None or self.block_size >= 1, "block_size must be >= 1"),
             (self.max_model_len is None or self.max_model_len >= 1, "max_model_len must be >= 1"),
             (self.fault_injection_marker is None or len(self.fault_injection_marker) >= 8,

@@ -139,6 +139,9 @@ class KVCache:
         self.full_pool = BlockPool(self.scratch_full, "compressed")
         self.free_slots: deque[int] = deque(range(self.scratch_slot))
         self.max_num_seqs = self.scratch_slot
+        # tensor parallel: the writes made outside the model's forward (below, "state writes"),
+        # as (method, args), for the other ranks' caches to replay before the next step
+        self.mirror: list[tuple[str, tuple]] | None = None
 
     def _state(self, slots: int, ratio: int, head_dim: int, overlap: bool, boundary_blocks: int = 0) -> CompressorState:
         c = 2 if overlap else 1
@@ -190,13 +193,51 @@ class KVCache:
         if not self.free_slots:
             raise NoFreeBlocks("state slots")
         slot = self.free_slots.popleft()
-        for st in self.comp_state + self.index_state:
-            if st is not None and st.has_prev is not None:
-                st.has_prev[slot] = False
+        self.reset_slot(slot)
         return slot
 
     def release_slot(self, slot: int) -> None:
         self.free_slots.append(slot)
+
+    # --- state writes outside the forward (mirrored to the other tensor-parallel ranks) --------
+
+    def _record(self, op: str, *args) -> None:
+        if self.mirror is not None:
+            self.mirror.append((op, args))
+
+    def reset_slot(self, slot: int) -> None:
+        """A fresh state slot: no previous compressed block."""
+        self._record("reset_slot", slot)
+        for st in self.comp_state + self.index_state:
+            if st is not None and st.has_prev is not None:
+                st.has_prev[slot] = False
+
+    def restore_boundary(self, slot: int, block: int) -> None:
+        """Prefix-cache hit: the CSA overlap state at the end of full block `block` into `slot`."""
+        self._record("restore_boundary", slot, block)
+        for st in self.comp_state + self.index_state:
+            if st is not None and st.bnd_kv is not None:
+                st.prev_kv[slot], st.prev_gate[slot] = st.bnd_kv[block], st.bnd_gate[block]
+                st.has_prev[slot] = True
+
+    def _window_slots(self, window_table: list[int], lo: int, hi: int) -> torch.Tensor:
+        table = torch.tensor(window_table, dtype=torch.long, device=self.device)
+        pos = torch.arange(lo, hi, device=self.device)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def restore_window(self, window_table: list[int], lo: int, hi: int, block: int) -> None:
+        """Prefix-cache hit without bounded replay: window KV [lo, hi) from block's snapshot."""
+        self._record("restore_window", list(window_table), lo, hi, block)
+        slots = self._window_slots(window_table, lo, hi)
+        for layer in range(self.cfg.num_layers):
+            self.write_window(layer, slots, self.snapshots[block, layer, self.snapshots.shape[2] - (hi - lo):])
+
+    def snapshot_window(self, block: int, window_table: list[int], lo: int, hi: int) -> None:
+        """Window KV of positions [lo, hi) into block's snapshot (its end, every layer)."""
+        self._record("snapshot_window", block, list(window_table), lo, hi)
+        table = torch.tensor(window_table, dtype=torch.long, device=self.device)
+        for layer in range(self.cfg.num_layers):
+            self.snapshots[block, layer, self.snapshots.shape[2] - (hi - lo):] = self.read_window(layer, table, lo, hi)
 
     # --- reads and writes used by the model ---------------------------------------------------
 

@@ -22,6 +22,7 @@ from engine.cache import CompressorState, KVCache
 from engine.compress_plan import compress_plan
 from engine.config import CSA, SLIDING, ModelConfig
 from engine.forward_batch import ForwardBatch
+from engine.parallel import SINGLE, TensorParallel
 from engine.weights import WeightsError
 from kernels.formats import MX_BLOCK, fp8_block_scale_shape
 
@@ -134,20 +135,22 @@ class Indexer(nn.Module):
 
 class Attention(nn.Module):
     """Shared-KV MQA with q LoRA, partial interleaved RoPE, sinks, a sliding window and (CSA/HCA)
-    a compressed long-range branch; grouped low-rank output projection."""
+    a compressed long-range branch; grouped low-rank output projection. Under tensor parallelism
+    (engine/parallel.py) it holds its rank's heads and their share of wo_a / wo_b."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, fp8: bool = False):
+    def __init__(self, cfg: ModelConfig, layer: int, fp8: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.cfg, self.layer = cfg, layer
+        self.cfg, self.layer, self.tp = cfg, layer, tp
         self.layer_type, self.ratio = cfg.layer_types[layer], cfg.compress_ratios[layer]
-        H, hd = cfg.num_heads, cfg.head_dim
+        H, hd = tp.local_heads(cfg), cfg.head_dim
+        self.num_heads, self.o_groups = H, tp.local_groups(cfg)
         self.wq_a = Linear(cfg.q_lora_rank, cfg.hidden_size, fp8)
         self.q_norm = Norm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = Linear(H * hd, cfg.q_lora_rank, fp8)
         self.wkv = Linear(hd, cfg.hidden_size, fp8)
         self.kv_norm = Norm(hd, cfg.rms_norm_eps)
-        self.wo_a = Linear(cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups, fp8)
-        self.wo_b = Linear(cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank, fp8)
+        self.wo_a = Linear(self.o_groups * cfg.o_lora_rank, H * hd // self.o_groups, fp8)
+        self.wo_b = Linear(cfg.hidden_size, self.o_groups * cfg.o_lora_rank, fp8)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         csa = self.layer_type == CSA
         if self.layer_type != SLIDING:
@@ -157,7 +160,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, cache: KVCache, ropes: dict) -> torch.Tensor:
         cfg, T = self.cfg, x.shape[0]
-        H, hd, W = cfg.num_heads, cfg.head_dim, cfg.sliding_window
+        H, hd, W = self.num_heads, cfg.head_dim, cfg.sliding_window
         cos, sin = ropes["main" if self.layer_type == SLIDING else "compress"]
         q_res = self.q_norm(self.wq_a(x))
         q = K.norm_rope(self.wq_b(q_res).view(T, H, hd), None, cos, sin, cfg.rms_norm_eps)
@@ -180,8 +183,8 @@ class Attention(nn.Module):
                                 fb.replay_start_t, W, comp_pool, fb.full_tables, self.ratio, selected,
                                 self.attn_sink, hd**-0.5)
         out = K.apply_rope(out, cos, -sin)  # undo RoPE on the value's rope slice (K = V)
-        o = K.grouped_linear(out.view(T, cfg.o_groups, -1), self.wo_a.weight, cfg.o_groups, self.wo_a.scale)
-        return self.wo_b(o)
+        o = K.grouped_linear(out.view(T, self.o_groups, -1), self.wo_a.weight, self.o_groups, self.wo_a.scale)
+        return self.tp.all_reduce(self.wo_b(o))  # tensor parallel: each rank's heads' partial sum
 
 
 class Gate(nn.Module):
@@ -197,9 +200,9 @@ class Gate(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, cfg: ModelConfig, fp8: bool = False):
+    def __init__(self, cfg: ModelConfig, fp8: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        inter = cfg.moe_intermediate_size * cfg.n_shared_experts
+        inter = tp.local_shared_width(cfg)
         self.w1, self.w3 = Linear(inter, cfg.hidden_size, fp8), Linear(inter, cfg.hidden_size, fp8)
         self.w2 = Linear(cfg.hidden_size, inter, fp8)
         self.limit = cfg.swiglu_limit
@@ -226,33 +229,35 @@ def _expert_weights(module: nn.Module, name: str, E: int, out_f: int, in_f: int,
 
 class MoE(nn.Module):
     """Top-k routed experts (sqrt-softplus scores, selection-only bias) or hash routing, plus
-    one shared expert; clamped SwiGLU."""
+    one shared expert; clamped SwiGLU. Under tensor parallelism it holds its rank's experts
+    (expert parallel) or every expert's intermediate slice, and a slice of the shared expert."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, quantized: bool = False):
+    def __init__(self, cfg: ModelConfig, layer: int, quantized: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.cfg = cfg
-        E, inter, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.cfg, self.tp = cfg, tp
+        E, inter, D = tp.local_experts(cfg), tp.local_expert_width(cfg), cfg.hidden_size
         self.gate = Gate(cfg, hashed=cfg.is_hash_layer[layer])
         fmt = cfg.expert_dtype if quantized else "bf16"
         _expert_weights(self, "w1", E, inter, D, fmt)
         _expert_weights(self, "w3", E, inter, D, fmt)
         _expert_weights(self, "w2", E, D, inter, fmt)
-        self.shared_experts = SharedExpert(cfg, quantized and cfg.fp8_linears)
+        self.shared_experts = SharedExpert(cfg, quantized and cfg.fp8_linears, tp)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         hash_ids = self.gate.tid2eid[input_ids] if self.gate.tid2eid is not None else None
         weights, indices = K.router_topk(x, self.gate.weight, self.gate.bias, cfg.num_experts_per_tok,
                                          cfg.routed_scaling_factor, cfg.scoring_func, hash_ids)
+        indices = self.tp.local_expert_indices(indices, cfg)
         scales = None if self.experts_w1_scale is None else (self.experts_w1_scale, self.experts_w3_scale,
                                                              self.experts_w2_scale)
         routed = K.moe_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights, indices,
                                cfg.swiglu_limit, scales)
-        return routed + self.shared_experts(x)
+        return self.tp.all_reduce(routed + self.shared_experts(x))  # tensor parallel: one join per layer
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, quantized: bool = False):
+    def __init__(self, cfg: ModelConfig, layer: int, quantized: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
         self.cfg = cfg
         mix, hc, D = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult, cfg.hidden_size
@@ -262,8 +267,8 @@ class Block(nn.Module):
             setattr(self, f"hc_{kind}_fn", nn.Parameter(torch.zeros(mix, hc * D, dtype=torch.float32)))
             setattr(self, f"hc_{kind}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
             setattr(self, f"hc_{kind}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
-        self.attn = Attention(cfg, layer, quantized and cfg.fp8_linears)
-        self.ffn = MoE(cfg, layer, quantized)
+        self.attn = Attention(cfg, layer, quantized and cfg.fp8_linears, tp)
+        self.ffn = MoE(cfg, layer, quantized, tp)
 
     def _hc(self, kind: str, h: torch.Tensor):
         c = self.cfg
@@ -278,15 +283,15 @@ class Block(nn.Module):
 
 
 class DeepseekV4(nn.Module):
-    def __init__(self, cfg: ModelConfig, quantized: bool = False):
+    def __init__(self, cfg: ModelConfig, quantized: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.cfg, self.quantized = cfg, quantized
+        self.cfg, self.quantized, self.tp = cfg, quantized, tp
         hc, D = cfg.hc_mult, cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, D)
-        self.layers = nn.ModuleList(Block(cfg, i, quantized) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, quantized, tp) for i in range(cfg.num_layers))
         self.mtp_weights: dict[str, torch.Tensor] = {}  # `mtp.*` as loaded, for the speculative decoder
         self.norm = Norm(D, cfg.rms_norm_eps)
-        self.head = _linear(cfg.vocab_size, D)
+        self.head = _linear(cfg.vocab_size, D) if tp.rank == 0 else None  # rank 0 samples
         self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * D, dtype=torch.float32))
         self.hc_head_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
@@ -294,9 +299,11 @@ class DeepseekV4(nn.Module):
         self.register_buffer("compress_inv_freq", cfg.compress_rope.inv_freq(), persistent=False)
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, cache: KVCache) -> torch.Tensor:
-        """One step over packed tokens; returns logits [len(fb.logits_rows), vocab] in fp32."""
-        return self.compute_logits(self.hidden_states(fb, cache)[fb.logits_rows])
+    def forward(self, fb: ForwardBatch, cache: KVCache) -> torch.Tensor | None:
+        """One step over packed tokens; returns logits [len(fb.logits_rows), vocab] in fp32 (None
+        on tensor-parallel ranks > 0: rank 0 samples)."""
+        h = self.hidden_states(fb, cache)
+        return None if self.head is None else self.compute_logits(h[fb.logits_rows])
 
     def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
         return {
@@ -308,7 +315,7 @@ class DeepseekV4(nn.Module):
     @torch.inference_mode()
     def hidden_states(self, fb: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Every row's last residual streams [T, hc_mult, hidden], before the HC head (what MTP reads)."""
-        x = self.embed(fb.input_ids)
+        x = self.embed(self.tp.broadcast(fb.input_ids))  # async scheduling's tokens live on rank 0
         ropes = self.ropes(fb.positions, x.dtype)
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # mHC: 4 copies of the residual
         for block in self.layers:
@@ -326,7 +333,7 @@ class DeepseekV4(nn.Module):
 
     def expected_names(self) -> set[str]:
         """Official checkpoint names this model needs (scales too when quantized)."""
-        return expected_names(self, self.cfg.n_routed_experts)
+        return expected_names(self, self.tp.local_experts(self.cfg))
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         if name.startswith("mtp."):

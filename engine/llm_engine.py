@@ -20,6 +20,7 @@ from engine.in_flight import InFlight
 from engine.loader import load_model
 from engine.mixed_graphs import mixed_sizes
 from engine.output_text import OutputText
+from engine.parallel import SINGLE
 from engine.prefix_cache import PrefixCache
 from engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
 from engine.runner import ModelRunner
@@ -29,6 +30,7 @@ from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence, Status
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
+from engine.tp_workers import TensorParallelWorkers
 
 CPU_KV_BYTES = 256 << 20  # default KV budget on CPU
 
@@ -55,7 +57,18 @@ class LLMEngine:
         model_dir = resolve_model_dir(args.model)
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-        self.model = load_model(model_dir, args.dtype, self.device, tokenizer=args.tokenizer)
+        # tensor parallel: ranks 1..N-1 start loading their shares while this one loads its own
+        self.parallel = TensorParallelWorkers(args, model_dir, self.device) if args.tensor_parallel_size > 1 else None
+        try:
+            self._build(args, model_dir)
+        except BaseException:
+            if self.parallel is not None:
+                self.parallel.close()
+            raise
+
+    def _build(self, args: EngineArgs, model_dir) -> None:
+        self.model = load_model(model_dir, args.dtype, self.device, tokenizer=args.tokenizer,
+                                tp=self.parallel.tp if self.parallel else SINGLE)
         self.cfg = cfg = self.model.cfg
         if hasattr(self.model, "decoder_replay"):  # V4.1: swa_bounded_replay covers the decoder side too
             self.model.decoder_replay = (args.swa_bounded_replay if args.swa_decoder_replay is None
@@ -72,9 +85,16 @@ class LLMEngine:
         # CUDA graphs need the fused kernels (the references sync with the host)
         graphs = (self.device.type == "cuda" and not args.enforce_eager and args.cudagraph_mode != "NONE"
                   and kernels.backend() != "ref" and getattr(self.model, "supports_cuda_graphs", True))
-        mixed = mixed_sizes(args.max_num_batched_tokens) if args.cudagraph_mode == "FULL" else []
-        self.runner = ModelRunner(self.model, self.cache, self.max_model_len, cuda_graphs=graphs,
-                                  max_num_seqs=args.max_num_seqs, mixed_sizes=mixed)
+        # tensor parallel: mixed steps run eagerly (the workers mirror decode graphs and eager steps)
+        mixed = mixed_sizes(args.max_num_batched_tokens) if args.cudagraph_mode == "FULL" and not self.parallel else []
+        runner_kwargs = dict(max_model_len=self.max_model_len, cuda_graphs=graphs, max_num_seqs=args.max_num_seqs,
+                             mixed_sizes=mixed)
+        if self.parallel is not None:
+            self.parallel.start(self.cache, runner_kwargs)  # the workers build theirs (and capture) alongside
+        self.runner = ModelRunner(self.model, self.cache, **runner_kwargs)
+        if self.parallel is not None:
+            self.parallel.wait_ready()
+            self.runner.workers = self.parallel
         self.requests: dict[str, RequestState] = {}
         self.pending: InFlight | None = None  # the step in flight (async scheduling)
         self.async_scheduling = self.device.type == "cuda" if args.async_scheduling is None else args.async_scheduling

@@ -16,6 +16,7 @@ import torch
 from engine.config import load_config
 from engine.config_v41 import is_v41
 from engine.deepseek_v4 import DeepseekV4
+from engine.parallel import SINGLE, TensorParallel, local_expert_name, shard_spec
 from engine.weights import WeightsError, iter_checkpoint
 
 log = logging.getLogger(__name__)
@@ -39,10 +40,12 @@ def device_bytes(model: DeepseekV4) -> int:
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               quantized: bool | None = None, tokenizer: str | Path | None = None) -> DeepseekV4:
+               quantized: bool | None = None, tokenizer: str | Path | None = None,
+               tp: TensorParallel = SINGLE) -> DeepseekV4:
     """quantized: keep the stored formats (default: on CUDA, when the checkpoint is quantized).
     A DeepSeek-V4.1 checkpoint (its model_type) loads through engine/loader_v41.py; `tokenizer`
-    is where its Engram hashing finds tokenizer.json (default: the model dir)."""
+    is where its Engram hashing finds tokenizer.json (default: the model dir). tp: build and read
+    only this rank's share (engine/parallel.py; V4 only)."""
     if is_v41(model_dir):
         from engine.config_v41 import load_v41_config
         from engine.loader_v41 import load_v41_model
@@ -55,13 +58,15 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     if quantized is None:
         quantized = device.type == "cuda" and (cfg.fp8_linears or cfg.expert_dtype != "bf16")
     with torch.device("meta"):
-        model = DeepseekV4(cfg, quantized)
+        model = DeepseekV4(cfg, quantized, tp)
     model.to_empty(device=device)
     model.cast(dtype)
     model.main_inv_freq = cfg.main_rope.inv_freq().to(device)
     model.compress_inv_freq = cfg.compress_rope.inv_freq().to(device)
     expected, loaded, unexpected = model.expected_names(), set(), []
-    for name, tensor in iter_checkpoint(model_dir, dequantize=not quantized):
+    shard = None if tp.world == 1 else lambda name: shard_spec(name, cfg, tp)
+    for name, tensor in iter_checkpoint(model_dir, dequantize=not quantized, shard=shard):
+        name = local_expert_name(name, tp, cfg)
         if name.startswith("mtp."):
             model.load_weight(name, tensor.to(device))
         elif name not in expected:
@@ -76,7 +81,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
             f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} "
             f"unexpected {sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}"
         )
-    log.info("weights: model on %s holds %.3f GB (%s; %d MTP tensors kept)", device, device_bytes(model) / 1e9,
+    log.info("weights: %smodel on %s holds %.3f GB (%s; %d MTP tensors kept)",
+             f"rank {tp.rank}/{tp.world}: " if tp.world > 1 else "", device, device_bytes(model) / 1e9,
              "as stored" if quantized else f"dequantized to {dtype}" if cfg.fp8_linears else str(dtype),
              len(model.mtp_weights))
     return model.eval()

@@ -15,8 +15,6 @@ Sliding-window KV is the expensive part to keep per boundary. Two modes:
 
 from __future__ import annotations
 
-import torch
-
 from engine.cache import KVCache
 from engine.sequence import Sequence
 
@@ -86,21 +84,13 @@ class PrefixCache:
         if not seq.pending_restore:
             return
         seq.pending_restore = False
-        c, H, slot = self.cache, seq.num_cached_tokens, seq.blocks.state_slot
+        c, H = self.cache, seq.num_cached_tokens
         last = seq.blocks.full_table[H // self.block_size - 1]
-        for st in c.comp_state + c.index_state:
-            if st is not None and st.bnd_kv is not None:
-                st.prev_kv[slot], st.prev_gate[slot] = st.bnd_kv[last], st.bnd_gate[last]
-                st.has_prev[slot] = True
+        c.restore_boundary(seq.blocks.state_slot, last)
         if self.bounded_replay:
             self.counters["prefix_cache_replayed_tokens"] += H - seq.replay_start
         else:  # the next query at H reads window positions (H - W, H)
-            lo = max(0, H - self.window + 1)
-            table = torch.tensor(seq.blocks.window_table, dtype=torch.long, device=c.device)
-            pos = torch.arange(lo, H, device=c.device)
-            slots = table[pos // self.block_size] * self.block_size + pos % self.block_size
-            for layer in range(c.cfg.num_layers):
-                c.write_window(layer, slots, c.snapshots[last, layer, c.snapshots.shape[2] - (H - lo):])
+            c.restore_window(seq.blocks.window_table, max(0, H - self.window + 1), H, last)
         self.counters["prefix_cache_hits"] += 1
         self.counters["prefix_cache_hit_tokens"] += H
 
@@ -125,11 +115,7 @@ class PrefixCache:
 
     def _snapshot(self, seq: Sequence, block: int, H: int) -> None:
         """Window KV of positions [H - W + 1, H) at the boundary H, every layer."""
-        c = self.cache
-        lo = max(0, H - self.window + 1)
-        table = torch.tensor(seq.blocks.window_table, dtype=torch.long, device=c.device)
-        for layer in range(c.cfg.num_layers):
-            c.snapshots[block, layer, c.snapshots.shape[2] - (H - lo):] = c.read_window(layer, table, lo, H)
+        self.cache.snapshot_window(block, seq.blocks.window_table, max(0, H - self.window + 1), H)
 
     def stats(self) -> dict:
         n = len(self.hash_to_block)

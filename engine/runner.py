@@ -35,6 +35,16 @@ def _pad(rows: list[list[int]], value: int, width: int | None = None) -> list[li
     return [r + [value] * (width - len(r)) for r in rows]
 
 
+_TENSOR_FIELDS = {f for f, field in enumerate(ForwardBatch.__dataclass_fields__.values())
+                  if field.type == "torch.Tensor"}
+
+
+def batch_from_host(host: tuple, device: torch.device) -> ForwardBatch:
+    """A ForwardBatch from ModelRunner.host_batch's lists (tensor-parallel ranks build theirs so)."""
+    return ForwardBatch(*(torch.tensor(v, dtype=torch.long, device=device) if i in _TENSOR_FIELDS else v
+                          for i, v in enumerate(host)))
+
+
 class ModelRunner:
     def __init__(self, model: DeepseekV4, cache: KVCache, max_model_len: int | None = None,
                  cuda_graphs: bool = False, max_num_seqs: int = 0, mixed_sizes: list[int] = ()):
@@ -46,6 +56,7 @@ class ModelRunner:
         self.replays = 0
         self.eager_steps = 0
         self.mixed: MixedSteps | None = None
+        self.workers = None  # tensor parallel (engine/tp_workers.py): ranks 1..N-1 get every step
         if cuda_graphs and self.device.type == "cuda":
             pool = torch.cuda.graph_pool_handle()  # one pool: mixed graphs (the largest) first
             if mixed_sizes:
@@ -55,7 +66,17 @@ class ModelRunner:
     def build_batch(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> ForwardBatch:
         """scheduled: (sequence, number of new tokens) in batch order. Logits come for each
         sequence whose chunk reaches its last known token (it samples next), or every row."""
-        bs, dev = self.cache.block_size, self.device
+        fb = batch_from_host(self.host_batch(scheduled, all_logits), self.device)
+        k = getattr(self.model, "engram_lookback", 0)
+        if k:  # V4.1 Engram: the tokens before each row, from the host (never a pending one)
+            fb.lookback_ids = torch.tensor([r for seq, n in scheduled
+                                            for r in lookback_rows(seq.token_ids, seq.num_computed_tokens, n, k)],
+                                           dtype=torch.long, device=self.device)
+        return fb
+
+    def host_batch(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> tuple:
+        """build_batch's ForwardBatch fields as host lists."""
+        bs = self.cache.block_size
         ids, pos, slots, rows = [], [], [], []
         seq_lens, starts, replay, cfrom, wt, ft, st = [], [], [], [], [], [], []
         for seq, n in scheduled:
@@ -75,16 +96,10 @@ class ModelRunner:
             wt.append(seq.blocks.window_table)
             ft.append(seq.blocks.full_table)
             st.append(seq.blocks.state_slot)
-        t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
         token_seq = [s for s, n in enumerate(seq_lens) for _ in range(n)]
         is_decode = all(n == 1 for n in seq_lens) and cfrom == starts
-        fb = ForwardBatch(t(ids), t(pos), seq_lens, starts, replay, cfrom, t(slots), t(_pad(wt, -1)),
-                          t(_pad(ft, 0)), st, t(rows), t(token_seq), t(replay), t(st), is_decode, max(pos))
-        k = getattr(self.model, "engram_lookback", 0)
-        if k:  # V4.1 Engram: the tokens before each row, from the host (never a pending one)
-            fb.lookback_ids = t([r for seq, n in scheduled
-                                 for r in lookback_rows(seq.token_ids, seq.num_computed_tokens, n, k)])
-        return fb
+        return (ids, pos, seq_lens, starts, replay, cfrom, slots, _pad(wt, -1), _pad(ft, 0), st, rows, token_seq,
+                replay, st, is_decode, max(pos))
 
     def run(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False,
             pending: tuple[torch.Tensor, dict[int, int]] | None = None) -> torch.Tensor:
@@ -96,7 +111,12 @@ class ModelRunner:
         if self.mixed is not None and self.mixed.fits(scheduled, all_logits):
             return self.mixed.run(scheduled, pending, self._fill_pending)
         self.eager_steps += 1
-        fb = self.build_batch(scheduled, all_logits)
+        if self.workers is not None:  # tensor parallel (V4: no Engram look-back rows)
+            host = self.host_batch(scheduled, all_logits)
+            self.workers.step_eager(host)
+            fb = batch_from_host(host, self.device)
+        else:
+            fb = self.build_batch(scheduled, all_logits)
         self._fill_pending(fb.input_ids, scheduled, pending, [r - 1 for r in _ends(scheduled)])
         return self.model(fb, self.cache)
 
@@ -192,6 +212,8 @@ class ModelRunner:
         self.replays += 1
         staging = stagings[self.replays % 2]  # the other one may still be on its way to the GPU
         self.pack_decode(scheduled, size, staging.numpy())
+        if self.workers is not None:
+            self.workers.step_graph(size, staging.numpy())
         flat.copy_(staging, non_blocking=True)
         self._fill_pending(self.graphs[size][1].input_ids, scheduled, pending, list(range(n)))
         graph.replay()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -108,10 +108,24 @@ class _Progress:
                  path.name, self.tensors, self.total_tensors, self.bytes / 1e9, self.total_bytes / 1e9, rate / 1e9, eta)
 
 
-def iter_checkpoint(model_dir: str | Path, dequantize: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def _read(handle, name: str, spec: tuple, div: tuple[int, int] = (1, 1)) -> torch.Tensor:
+    """The tensor, or only the slices `spec` ((dim, start, stop) in logical units; stored units =
+    logical // div[dim]): safetensors reads just those bytes."""
+    if not spec:
+        return handle.get_tensor(name)
+    view = handle.get_slice(name)
+    idx = [slice(None)] * len(view.get_shape())
+    for dim, lo, hi in spec:
+        idx[dim] = slice(lo // div[dim], hi // div[dim])
+    return view[tuple(idx)]
+
+
+def iter_checkpoint(model_dir: str | Path, dequantize: bool = True,
+                    shard: Callable[[str], tuple | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (official name, tensor) shard by shard. dequantize=True: FP8 / MXFP4 weights as float32,
     scales consumed; False: weights as stored, each followed by `<stem>.scale` (see module doc).
-    A scale may live in another shard than its weight."""
+    A scale may live in another shard than its weight. `shard(name)`: what this rank reads
+    (engine/parallel.py's shard_spec: None skips the tensor, else slices of it, scales cut to match)."""
     files = checkpoint_files(model_dir)
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in files]
@@ -125,7 +139,12 @@ def iter_checkpoint(model_dir: str | Path, dequantize: bool = True) -> Iterator[
         for i, (path, handle) in enumerate(zip(files, handles)):
             mine = sorted(n for n in handle.keys() if n not in owner)
             for name in mine:
-                t = handle.get_tensor(name)
+                spec = shard(name) if shard is not None else ()
+                if spec is None:
+                    continue
+                stored = handle.get_slice(name).get_dtype() if spec else ""
+                packed = stored == "I8" and name.endswith(".weight")
+                t = _read(handle, name, spec, (1, 2) if packed else (1, 1))
                 quantized = t.dtype in FP8_DTYPES or (t.dtype == PACKED_FP4 and name.endswith(".weight"))
                 if not quantized:
                     if t.dtype in (torch.uint8, torch.int8) and "tid2eid" not in name:
@@ -136,7 +155,8 @@ def iter_checkpoint(model_dir: str | Path, dequantize: bool = True) -> Iterator[
                 if scale_name is None:
                     kind = "FP8" if t.dtype in FP8_DTYPES else "packed FP4 (int8)"
                     raise WeightsError(f"{kind} tensor {name} has no .scale / _scale_inv beside it")
-                scale = where[scale_name].get_tensor(scale_name)
+                scale = _read(where[scale_name], scale_name, spec,
+                              (1, MX_BLOCK) if t.dtype == PACKED_FP4 else (FP8_BLOCK, FP8_BLOCK))
                 check_scale(name, t, scale_name, scale)
                 if dequantize:
                     yield name, dequantize_mxfp4(t, scale) if t.dtype == PACKED_FP4 else dequantize_fp8_block(t, scale)

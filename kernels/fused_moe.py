@@ -171,7 +171,7 @@ def _gate_up_decode_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, idx_ptr
                            NP: tl.constexpr, DOT_F32: tl.constexpr, MX_SCALED: tl.constexpr):
     pid_n, p = tl.program_id(0), tl.program_id(1)
     e, match, rank, cnt, first = _expert_rows(idx_ptr, p, n_pairs, NP)
-    if first != p:  # another program serves this expert
+    if (first != p) | (e < 0):  # another program serves this expert, or another rank (-1)
         return
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     for r0 in range(0, cnt, BLOCK_M):  # one pass unless an expert has more than BLOCK_M rows
@@ -186,7 +186,7 @@ def _down_decode_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, idx_ptr, n_pairs, 
                         DOT_F32: tl.constexpr, MX_SCALED: tl.constexpr):
     pid_n, p = tl.program_id(0), tl.program_id(1)
     e, match, rank, cnt, first = _expert_rows(idx_ptr, p, n_pairs, NP)
-    if first != p:  # another program serves this expert
+    if (first != p) | (e < 0):  # another program serves this expert, or another rank (-1)
         return
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     for r0 in range(0, cnt, BLOCK_M):
@@ -227,23 +227,26 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, sorted_ptr, expert_ptr, n
 
 
 @triton.jit(do_not_specialize=["T"])
-def _sum_topk_kernel(y_ptr, out_ptr, T, D, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_topk_kernel(y_ptr, idx_ptr, out_ptr, T, D, TOPK: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = d < D
     acc = tl.zeros((BLOCK,), tl.float32)
     for j in range(TOPK):  # fixed order: the result does not depend on which program ran first
-        acc += tl.load(y_ptr + (t * TOPK + j) * D + d, mask=mask, other=0.0)
+        e = tl.load(idx_ptr + t * TOPK + j)  # -1: another rank's expert, its row never written
+        acc += tl.load(y_ptr + (t * TOPK + j) * D + d, mask=mask & (d * 0 + e >= 0), other=0.0)
     tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def align_by_expert(indices: torch.Tensor, num_experts: int, block_m: int = BLOCK_M):
     """Pair ids sorted by expert, each expert's run padded to block_m (padding = n_pairs), and the
-    expert of every block (-1: unused). Sizes are upper bounds, so no host sync."""
+    expert of every block (-1: unused). Sizes are upper bounds, so no host sync. Pairs of expert
+    -1 (another rank's) go to one extra segment past the last expert whose blocks are unused."""
     flat = indices.reshape(-1)
+    flat = torch.where(flat < 0, num_experts, flat)
     n_pairs = flat.numel()
-    max_blocks = triton.cdiv(n_pairs, block_m) + num_experts
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    max_blocks = triton.cdiv(n_pairs, block_m) + num_experts + 1
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync to size its output
     padded = (counts + block_m - 1) // block_m * block_m
     seg_start = torch.cumsum(padded, 0) - padded
@@ -254,7 +257,7 @@ def align_by_expert(indices: torch.Tensor, num_experts: int, block_m: int = BLOC
     block_start = torch.arange(max_blocks, device=flat.device) * block_m
     expert_of_block = torch.searchsorted(seg_start + padded, block_start, right=True)
     expert_of_block = torch.where(expert_of_block < num_experts, expert_of_block, -1)
-    used = block_start < padded.sum()
+    used = block_start < padded[:num_experts].sum()
     return sorted_ids, torch.where(used, expert_of_block, -1), max_blocks
 
 
@@ -315,5 +318,5 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, confi
             DOT_F32=_INTERPRET, **gu)
         _down_kernel[(max_blocks, triton.cdiv(D, dn["BLOCK_N"]))](
             h, w2, s2, y, rw, sorted_ids, expert_of_block, n_pairs, D, I, W_FMT=fmt, BLOCK_M=bm, DOT_F32=_INTERPRET, **dn)
-    _sum_topk_kernel[(T, triton.cdiv(D, 1024))](y, out, T, D, TOPK=k, BLOCK=1024)
+    _sum_topk_kernel[(T, triton.cdiv(D, 1024))](y, idx, out, T, D, TOPK=k, BLOCK=1024)
     return out

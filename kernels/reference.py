@@ -154,15 +154,16 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
                 weights: torch.Tensor, indices: torch.Tensor, limit: float, scales=None) -> torch.Tensor:
     """Routed experts: w1/w3 [E, I, D], w2 [E, D, I]; tokens grouped per expert. `scales`
     (w1, w3, w2 scales): the weights are stored FP8 block ([E, I, D] e4m3) or MXFP4 ([E, I, D/2]
-    int8), each expert dequantized to x's dtype when it has tokens."""
+    int8), each expert dequantized to x's dtype when it has tokens. An index of -1 is a pair
+    another rank computes (expert parallel): it adds nothing here."""
     s1, s3, s2 = scales if scales is not None else (None, None, None)
     out = torch.zeros_like(x)
     flat_idx = indices.reshape(-1)
-    order = torch.argsort(flat_idx, stable=True)
-    counts = torch.bincount(flat_idx, minlength=w1.shape[0]).tolist()
+    order = torch.argsort(flat_idx, stable=True)  # the skipped pairs (-1) sort first
+    counts = torch.bincount(flat_idx + 1, minlength=w1.shape[0] + 1).tolist()
     token_of = order // indices.shape[1]
     w_sorted = weights.reshape(-1)[order]
-    start = 0
+    start = counts.pop(0)
     for e, n in enumerate(counts):
         if n == 0:
             continue

@@ -24,6 +24,28 @@ def test_moe_experts(T, D, I, E, k, dtype, tol):
     assert (got.float() - want.float()).abs().max() <= tol * max(want.abs().max().item(), 1.0)
 
 
+@pytest.mark.parametrize("T, path", [(3, "decode"), (40, "decode"), (40, "sorted")])
+def test_skipped_pairs_add_nothing(T, path, monkeypatch):
+    """Expert parallel: pairs routed to another rank's expert come as index -1 and add nothing;
+    the rest equal the reference on the full expert set with those pairs' weights zeroed."""
+    if path == "sorted":
+        monkeypatch.setattr(quant_configs, "MOE_DECODE_MAX_PAIRS", 0)
+    E, D, I, k = 8, 32, 24, 3
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, D, generator=g)
+    w1, w3 = torch.randn(E, I, D, generator=g) / D**0.5, torch.randn(E, I, D, generator=g) / D**0.5
+    w2 = torch.randn(E, D, I, generator=g) / I**0.5
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    lo, hi = 2, 6  # this rank's experts
+    local = (idx >= lo) & (idx < hi)
+    want = ref.moe_experts(x, w1, w3, w2, torch.where(local, w, 0), idx, 10.0)
+    local_idx = torch.where(local, idx - lo, -1)
+    for fn in (ref.moe_experts, moe_experts_fused):
+        got = fn(x, w1[lo:hi], w3[lo:hi], w2[lo:hi], w, local_idx, 10.0)
+        assert (got - want).abs().max() <= 1e-5 * max(want.abs().max().item(), 1.0), fn.__name__
+
+
 def test_alignment_pads_each_expert_to_whole_blocks():
     idx = torch.tensor([[3, 0], [3, 1], [0, 3]])
     sorted_ids, experts, max_blocks = align_by_expert(idx, num_experts=5, block_m=4)
