@@ -93,6 +93,10 @@ class SeqBlocks:
 class KVCache:
     """Device tensors of every pool plus their allocators."""
 
+    # tensor parallel: the writes made outside the model's forward (below, "state writes"), as
+    # (method, args), for the other ranks' caches to replay before the next step; None: not kept
+    mirror: list[tuple[str, tuple]] | None = None
+
     def __init__(self, cfg: ModelConfig, block_size: int, num_window_blocks: int, num_full_blocks: int,
                  max_num_seqs: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  boundary_state: bool = False, window_snapshots: bool = False):
@@ -139,9 +143,6 @@ class KVCache:
         self.full_pool = BlockPool(self.scratch_full, "compressed")
         self.free_slots: deque[int] = deque(range(self.scratch_slot))
         self.max_num_seqs = self.scratch_slot
-        # tensor parallel: the writes made outside the model's forward (below, "state writes"),
-        # as (method, args), for the other ranks' caches to replay before the next step
-        self.mirror: list[tuple[str, tuple]] | None = None
 
     def _state(self, slots: int, ratio: int, head_dim: int, overlap: bool, boundary_blocks: int = 0) -> CompressorState:
         c = 2 if overlap else 1
