@@ -52,6 +52,18 @@ def _run(server: TritonServer, prompt: str, max_tokens: int, timeout_s: float = 
         call.close()
 
 
+def await_recovery(server: TritonServer, timeout_s: float = 120) -> None:
+    """After a kill: the core restarts; meanwhile requests are refused UNAVAILABLE, never hung."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        outcome, message, _, _ = _run(server, "after the kill", 4)
+        if outcome == "completed":
+            break
+        assert error_code(message) == "UNAVAILABLE" and time.monotonic() < deadline, message
+        time.sleep(0.5)
+    assert server.models_ready()
+
+
 def test_a_killed_core_fails_its_requests_and_the_model_serves_again():
     with TritonServer(engine_args=ENGINE_ARGS, http_port=0, grpc_port=0, metrics_port=0,
                       startup_timeout_s=300) as server:
@@ -67,14 +79,7 @@ def test_a_killed_core_fails_its_requests_and_the_model_serves_again():
         for t in threads:
             t.join(timeout=90)
         assert all(r[0] == "error" and error_code(r[1]) == "UNAVAILABLE" for r in results.values()), results
-        deadline = time.monotonic() + 120
-        while True:  # the core restarts; meanwhile requests are refused, not hung
-            outcome, message, _, _ = _run(server, "after the kill", 4)
-            if outcome == "completed":
-                break
-            assert error_code(message) == "UNAVAILABLE" and time.monotonic() < deadline, message
-            time.sleep(0.5)
-        assert server.models_ready()
+        await_recovery(server)
         new_core = _core_pid(server)
         assert new_core != core and not alive(core)
     assert not alive(new_core)
