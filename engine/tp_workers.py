@@ -211,6 +211,14 @@ def worker_main(raw_args: dict, model_dir: str, kind: str, rank: int, port: int,
         assert op == "start", op
         cache = KVCache(model.cfg, device=device, **shape)
         runner = ModelRunner(model, cache, **runner_kwargs)
+        if kind == "cuda":  # rank 0 compiles these in its warmup, outside any step: so do we
+            from types import SimpleNamespace
+
+            from engine.llm_engine import LLMEngine
+
+            LLMEngine._warm_indexer_widths(SimpleNamespace(cfg=model.cfg, cache=cache, device=device,
+                                                           block_size=cache.block_size,
+                                                           max_model_len=runner_kwargs["max_model_len"]))
     except BaseException as e:  # noqa: BLE001 - tell rank 0 why, then exit
         log.exception("tensor-parallel rank %d failed to start", rank)
         try:
