@@ -26,6 +26,7 @@ class EngineArgs:
     max_model_len: int | None = None  # default: min(max_position_embeddings, 8192)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # most prompt tokens of one sequence per step (0: the budget)
     block_size: int | None = None  # default: lcm of compress ratios, >= 16
     enable_prefix_caching: bool = False
     swa_bounded_replay: bool = True
@@ -88,6 +89,7 @@ class EngineArgs:
         checks = [
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
+            (self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0 (0: off)"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.max_waiting_requests >= 0, "max_waiting_requests must be >= 0"),
             (self.step_timeout_s >= 0, "step_timeout_s must be >= 0 (0: no step watchdog)"),

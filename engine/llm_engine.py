@@ -81,7 +81,8 @@ class LLMEngine:
                              "(every compress ratio)")
         self.cache = self._make_cache()
         self.scheduler = Scheduler(self.cache, cfg.sliding_window, args.max_num_seqs,
-                                   args.max_num_batched_tokens, prefix_cache=self._make_prefix_cache())
+                                   args.max_num_batched_tokens, prefix_cache=self._make_prefix_cache(),
+                                   long_prefill_token_threshold=args.long_prefill_token_threshold)
         # CUDA graphs need the fused kernels (the references sync with the host)
         graphs = (self.device.type == "cuda" and not args.enforce_eager and args.cudagraph_mode != "NONE"
                   and kernels.backend() != "ref" and getattr(self.model, "supports_cuda_graphs", True))

@@ -1,8 +1,11 @@
 """Continuous batching: who runs this step and with how many tokens.
 
 Each step mixes decodes and prefill chunks under `max_num_batched_tokens` and
-`max_num_seqs`. Running sequences go first (FCFS), then waiting ones in arrival order
-(no overtaking). When blocks run out, the newest running sequence is preempted by
+`max_num_seqs`: running sequences' decodes first (one token each, so a step's decode work never
+waits behind a prefill), then running sequences' prefill chunks, then waiting ones in arrival
+order (no overtaking). `long_prefill_token_threshold` (vLLM's) caps one sequence's chunk, so a
+long prompt shares a step's budget with the next prompts. The budget bounds a step's tokens, hence
+its time and every stream's inter-token latency (docs/PERF.md, the budget sweep). When blocks run out, the newest running sequence is preempted by
 recompute: its blocks go back and it re-queues at the front, later re-prefilling its
 prompt plus what it already generated, so its output is unchanged.
 """
@@ -17,9 +20,10 @@ from engine.sequence import Sequence, Status
 
 class Scheduler:
     def __init__(self, cache: KVCache, sliding_window: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_cache=None):
+                 prefix_cache=None, long_prefill_token_threshold: int = 0):
         self.cache, self.window = cache, sliding_window
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_chunk = long_prefill_token_threshold or max_num_batched_tokens
         self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -56,10 +60,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         kept: list[Sequence] = []
-        queue = list(self.running)
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        queue = decodes + [s for s in self.running if s.num_tokens - s.num_computed_tokens != 1]
         while queue and budget > 0:
             seq = queue.pop(0)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk)
             while not self._try_allocate(seq, n):
                 victim = queue.pop() if queue else None
                 if victim is None:  # nothing newer to evict: give way ourselves
@@ -78,7 +83,7 @@ class Scheduler:
                 break
             if seq.num_computed_tokens == 0 and self.prefix_cache is not None:
                 self.prefix_cache.match(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk)
             if not self._try_allocate(seq, n):
                 if self.prefix_cache is not None:
                     self.prefix_cache.unmatch(seq)
