@@ -182,7 +182,11 @@ def decode_floors(engine_args: dict, batches: list[int]) -> list[dict]:
     experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts_w" in n)
     other = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                 if ".experts_w" not in n and not n.startswith("embed"))
-    del model
+    head = model.head.weight
+    head_bytes = head.numel() * head.element_size()
+    head_ms = {b: _time_ms(lambda x=torch.randn(b, cfg.hidden_size, device="cuda", dtype=head.dtype):
+                           torch.nn.functional.linear(x, head)) for b in batches}
+    del model, head
     torch.cuda.empty_cache()
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -201,7 +205,40 @@ def decode_floors(engine_args: dict, batches: list[int]) -> list[dict]:
         touched = min(cfg.n_routed_experts, batch * cfg.num_experts_per_tok) / cfg.n_routed_experts
         weight_bytes = other + experts * touched + batch * cfg.hidden_size * 2  # + the embedding rows read
         rows.append({"batch": batch, "weight_bytes": weight_bytes, "copy_TB_s": copy_bw / 1e12,
-                     "floor_ms": weight_bytes / copy_bw * 1e3})
+                     "floor_ms": weight_bytes / copy_bw * 1e3, "num_layers": cfg.num_layers,
+                     "head_bytes": head_bytes, "head_floor_ms": head_bytes / copy_bw * 1e3, "head_ms": head_ms[batch]})
+    return rows
+
+
+def _time_ms(fn, reps: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def per_layer(steady: list[dict], floors: list[dict]) -> list[dict]:
+    """Per batch: the decode step and its floor per layer, the LM head taken out of both (its
+    measured time from the step, its bytes from the floor), next to the whole step."""
+    by_batch = {f["batch"]: f for f in floors}
+    rows = []
+    for s in steady:
+        f = by_batch.get(s["batch"])
+        if f is None:
+            continue
+        L = f["num_layers"]
+        layer_ms, layer_floor = (s["step_ms"] - f["head_ms"]) / L, (f["floor_ms"] - f["head_floor_ms"]) / L
+        rows.append({"batch": s["batch"], "step_ms": s["step_ms"], "floor_ms": f["floor_ms"],
+                     "x_floor": s["step_ms"] / f["floor_ms"], "head_ms": f["head_ms"], "layer_ms": layer_ms,
+                     "layer_floor_ms": layer_floor, "layer_x_floor": layer_ms / layer_floor})
+        print(f"  batch {s['batch']}: step {s['step_ms']:.2f} ms ({rows[-1]['x_floor']:.1f}x floor "
+              f"{f['floor_ms']:.2f}); per layer {layer_ms:.3f} ms vs {layer_floor:.3f} ms floor "
+              f"({rows[-1]['layer_x_floor']:.1f}x; {L} layers, LM head {f['head_ms']:.2f} ms apart)", flush=True)
     return rows
 
 
@@ -342,10 +379,12 @@ def main() -> None:
         extra["steady_decode"] = steady_decode(engine_args, [int(b) for b in args.steady.split(",")], args.input_len)
     if args.floor:
         steady = [int(b) for b in args.steady.split(",")] if args.steady else []
-        extra["decode_floor"] = decode_floors(engine_args, args.concurrency or steady)
+        extra["decode_floor"] = decode_floors(engine_args, sorted(set(args.concurrency) | set(steady)))
         for f in extra["decode_floor"]:
             print(f"  decode floor at batch {f['batch']}: {f['weight_bytes'] / 1e9:.2f} GB / "
                   f"{f['copy_TB_s']:.2f} TB/s = {f['floor_ms']:.3f} ms", flush=True)
+        if args.steady:
+            extra["per_layer"] = per_layer(extra["steady_decode"], extra["decode_floor"])
     if args.hf_peer:
         extra["hf_peer"] = hf_peer(engine_args["model"], [int(b) for b in args.hf_peer.split(",")], args.input_len)
         torch.cuda.empty_cache()

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|quant|depth|v41|largest|profile-depth|engine|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh kernels|quant|depth|v41|largest|profile-depth|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share  (JSON + logs under $OUT)
 # numpy2 and serving need .cache/h200 carried (bash tools/h200_env.sh pack).
-# Checkpoint: flash-shaped (V4-Flash per-layer shapes, 4 layers, 16 experts), drawn on the GPU.
+# Checkpoints, drawn on the GPU: flash-depth (V4-Flash depth: 43 layers, 16 experts; mixed, engine, depth) and
+# flash-shaped (its per-layer shapes, 4 layers: quick and the rest).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -29,7 +30,19 @@ v41)  # DeepSeek-V4.1-Flash-shaped (released 40-layer schedule and per-layer sha
   # batch-1 decode vs its floor (~4 min, most of it writing and loading the 16 GB checkpoint)
   timeout 560 python3 -m tools.bench_v41 --cache-dir $CK --json "$OUT/v41.json" 2>&1 | tee "$OUT/v41.log" | tail -9
   rm -rf "$CK"/v41-* ;;
-engine)
+mixed)  # issue 20 at V4-Flash depth as shipped (FP8 + MXFP4), one engine: mixed-step graphs vs eager (tokens, then ms
+  # per step of 64 decodes + a prefill chunk at budgets 512 / 2048), then the budget sweep: 64 users, 1024-token
+  # prompts, 128 output tokens, closed loop, per budget TTFT / ITL / out tok/s (about 5-7 minutes with the checkpoint)
+  timeout 570 python3 -m tools.bench_mixed --preset flash-depth --quant fp8-fp4 --cache-dir $CK \
+    --budgets ${BUDGETS:-256,512,1024,2048} --step-budgets 512,2048 --users 64 --requests-per-user ${RPU:-2} \
+    --input-len 1024 --output-len 128 --engine-args '{"max_model_len":8192,"block_size":128,"gpu_memory_utilization":0.9}' \
+    --json "$OUT/mixed.json" 2>&1 | tee "$OUT/mixed.log" | grep -vE "^\s*$|INFO" | tail -24 ;;
+engine)  # the headline: V4-Flash depth as shipped (FP8 + MXFP4); per-layer time vs the per-layer floor
+  python3 -m tools.bench_engine --preset flash-depth --quant fp8-fp4 --cache-dir $CK --concurrency 1,32,64 --input-len 1024 \
+    --output-len 64 --requests-per-user 1 --floor --steady 1,32,64,150 \
+    --engine-args '{"max_model_len":8192,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}' \
+    --json "$OUT/engine_depth.json" 2>&1 | tee "$OUT/engine_depth.log" | grep -E "floor|steady|layer|online|Error|error" | tail -16 ;;
+quick)  # the 4-layer flash-shaped preset: optimized (graphs checked vs eager and the references) and baseline
   bench --concurrency 1,8,32,64,150 --input-len 512 --output-len 64 --requests-per-user 1 --floor --check-graphs --steady 1,32,150 \
     --engine-args "{$EA}" --json "$OUT/engine_opt.json" 2>&1 | tee "$OUT/engine_opt.log" | tail -14
   bench --concurrency 1,32,150 --input-len 512 --output-len 64 --requests-per-user 1 --baseline \
