@@ -34,16 +34,11 @@ from engine import v41_ops as ops
 from engine.cache_v41 import V41KVCache
 from engine.compress_plan import compress_plan
 from engine.config_v41 import V41Config
-from engine.deepseek_v4 import Linear, _expert_weights
+from engine.deepseek_v4 import DeepseekV4, Linear, _expert_weights, _linear
 from engine.engram import EngramHasher
 from engine.forward_batch import ForwardBatch
-from engine.weights import WeightsError
 
 SCORE_BUDGET = 1 << 27  # fp32 elements of one indexer score chunk [rows, heads, entries]
-
-
-def _linear(out_f: int, in_f: int) -> nn.Linear:
-    return nn.Linear(in_f, out_f, bias=False)
 
 
 class Norm(nn.Module):
@@ -430,40 +425,7 @@ class DeepseekV41(nn.Module):
     # what the released checkpoint stores in fp32 (transformers keeps exactly these); norms follow the model dtype
     _FP32 = ("hc_", "attn_sink", "gate.bias")
 
-    def expected_names(self) -> set[str]:
-        names = set()
-        buffers = [n for n, b in self.named_buffers() if b is not None and n.endswith("scale")]
-        for name in [n for n, _ in self.named_parameters()] + buffers:
-            if ".experts_w" in name:
-                layer, w = name.split(".ffn.experts_")
-                kind = "scale" if w.endswith("_scale") else "weight"
-                names.update(f"{layer}.ffn.experts.{e}.{w.split('_')[0]}.{kind}" for e in range(self.cfg.n_routed_experts))
-            else:
-                names.add(name)
-        return names
-
-    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
-        if name.startswith("mtp."):
-            self.mtp_weights[name] = tensor
-            return
-        if ".ffn.experts." in name:
-            prefix, rest = name.split(".ffn.experts.")
-            e, w, kind = rest.split(".")
-            stacked = f"{prefix}.ffn.experts_{w}"
-            target = (self.get_buffer(stacked + "_scale") if kind == "scale" else self.get_parameter(stacked))[int(e)]
-        elif name.endswith(".scale"):
-            target = self.get_buffer(name)
-        else:
-            target = self.get_parameter(name)
-        if target.shape != tensor.shape:
-            raise WeightsError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
-        with torch.no_grad():
-            target.copy_(tensor.to(target.dtype))
-
-    def cast(self, dtype: torch.dtype) -> DeepseekV41:
-        for name, p in self.named_parameters():
-            if p.dtype in (torch.float8_e4m3fn, torch.int8):
-                continue
-            keep32 = dtype != torch.float64 and any(k in name for k in self._FP32)
-            p.data = p.data.to(torch.float32 if keep32 else dtype)
-        return self
+    # the official names, stacked experts and fp32 policy work as V4's (engine/deepseek_v4.py)
+    expected_names = DeepseekV4.expected_names
+    load_weight = DeepseekV4.load_weight
+    cast = DeepseekV4.cast

@@ -15,8 +15,8 @@ from engine.config_v41 import load_v41_config
 from engine.deepseek_v41 import DeepseekV41
 from engine.engram import find_tokenizer_json
 from engine.names_v41 import to_official
-from engine.weights_v41 import iter_v41_checkpoint
 from engine.weights import WeightsError
+from engine.weights_v41 import iter_v41_checkpoint
 
 log = logging.getLogger(__name__)
 _NOT_TEXT = ("vision.", "aligner.", "image_", "model.vision", "model.aligner", "model.image_")

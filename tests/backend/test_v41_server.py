@@ -3,18 +3,15 @@ equals the same engine offline."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from client.grpc import GrpcClient
 from client.http import HttpClient
 from engine.llm import LLM
 from engine.request import SamplingParams
+from tests.engine.v41_oracle import ORACLE, needs_oracle
 
-ORACLE = Path("/work/shared/oracles/deepseek_v41/tiny")
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (ORACLE / "model.safetensors").exists(),
-                                                   reason=f"the DeepSeek-V4.1 oracle is not at {ORACLE}")]
+pytestmark = [pytest.mark.slow, needs_oracle]
 ARGS = {"max_model_len": 256, "max_num_seqs": 4, "dtype": "float32"}
 PROMPTS = ["The quick brown fox", "Engram tables hash n-grams"]
 

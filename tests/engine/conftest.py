@@ -66,3 +66,21 @@ def incremental_logits(model, ids: list[int], chunks: list[int], block_size: int
         held = sum(b >= 0 for b in seq.blocks.window_table)
         assert held <= -(-(W - 1 + n) // block_size) + 1, "window blocks must stay bounded by the window"
     return torch.cat(out)
+
+
+@pytest.fixture
+def single_thread():
+    """Tiny-model tests whose ops are microseconds of work: on a shared 2-core machine OpenMP's
+    thread hand-offs cost 100x that (V4.1's 10-layer oracle: 4 s per decode step vs 0.05 s)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def v41_golden():
+    """transformers' DeepSeek-V4.1 golden outputs (tests/engine/v41_oracle.py)."""
+    from tests.engine.v41_oracle import load_golden
+
+    return load_golden()

@@ -12,31 +12,13 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
-ORACLE = Path("/work/shared/oracles/deepseek_v41/tiny")
-pytestmark = pytest.mark.skipif(not (ORACLE / "golden.safetensors").exists(),
-                                reason=f"the DeepSeek-V4.1 oracle is not at {ORACLE}")
+from tests.engine.v41_oracle import ORACLE, greedy, needs_oracle, one_shot
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tiny model's ops are microseconds of work: on a shared 2-core machine OpenMP's thread
-    hand-offs cost 100x that."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def golden():
-    from safetensors.torch import load_file
-
-    return load_file(str(ORACLE / "golden.safetensors"))
+pytestmark = [needs_oracle, pytest.mark.usefixtures("single_thread")]
 
 
 @pytest.fixture(scope="module")
@@ -44,45 +26,6 @@ def model():
     from engine.loader_v41 import load_v41_model
 
     return load_v41_model(ORACLE, torch.float64, decoder_replay=False)
-
-
-def greedy(model, ids: list[int], chunk: int, steps: int = 48) -> tuple[list[int], torch.Tensor]:
-    """Prefill in chunks of `chunk` tokens, then decode greedily as the scheduler would; returns
-    the tokens and the logits that chose each."""
-    from engine.cache_v41 import V41KVCache
-    from engine.request import SamplingParams
-    from engine.runner import ModelRunner
-    from engine.sequence import Sequence
-
-    W = model.cfg.sliding_window
-    cache = V41KVCache(model.cfg, 16, 64, 64, 2, torch.float64)
-    runner = ModelRunner(model, cache)
-    seq = Sequence("t", list(ids), SamplingParams())
-    tokens, logits = [], []
-    while len(tokens) < steps:
-        s = seq.num_computed_tokens
-        n = min(chunk, seq.num_tokens - s)
-        cache.allocate(seq.blocks, max(0, s - W + 1), s + n)
-        out = runner.run([(seq, n)])
-        seq.num_computed_tokens = seq.compress_from = s + n
-        cache.release_window_below(seq.blocks, s + n - W + 1)
-        if seq.num_computed_tokens == seq.num_tokens:
-            logits.append(out[-1].double())
-            tokens.append(int(out[-1].argmax()))
-            seq.output_token_ids.append(tokens[-1])
-    return tokens, torch.stack(logits)
-
-
-def one_shot(model, ids: list[int]) -> torch.Tensor:
-    from engine.cache_v41 import V41KVCache
-    from engine.request import SamplingParams
-    from engine.runner import ModelRunner
-    from engine.sequence import Sequence
-
-    cache = V41KVCache(model.cfg, 16, 64, 64, 1, torch.float64)
-    seq = Sequence("t", list(ids), SamplingParams())
-    cache.allocate(seq.blocks, 0, len(ids))
-    return ModelRunner(model, cache).run([(seq, len(ids))], all_logits=True).double()
 
 
 def test_config_reads_the_oracle_schedule(model):
@@ -93,10 +36,10 @@ def test_config_reads_the_oracle_schedule(model):
     assert cfg.candidate_source_layer_id == 6 and cfg.last_kv_source == 6
 
 
-def test_one_shot_prompt_logits_match_transformers(model, golden):
+def test_one_shot_prompt_logits_match_transformers(model, v41_golden):
     for i in range(4):
-        ids = golden[f"prompt_ids_{i}"].tolist()
-        ref = golden[f"prompt_logits_{i}"]
+        ids = v41_golden[f"prompt_ids_{i}"].tolist()
+        ref = v41_golden[f"prompt_logits_{i}"]
         got = one_shot(model, ids)
         scale = ref.abs().max().item()
         err = (got - ref).abs().max().item()
@@ -105,22 +48,22 @@ def test_one_shot_prompt_logits_match_transformers(model, golden):
 
 
 @pytest.mark.parametrize("chunk", [1000, 16, 7])
-def test_chunked_prefill_and_decode_reproduce_golden_tokens(model, golden, chunk):
+def test_chunked_prefill_and_decode_reproduce_golden_tokens(model, v41_golden, chunk):
     """Every prompt's 48 greedy tokens equal transformers'; the step logits equal its cached
     decode to 1e-4 except after a fake-quant flip (counted: at most one prompt per run)."""
     flipped = []
     prompts = range(4) if chunk != 7 else (1, 2)  # odd chunks split compressor groups across steps
     for i in prompts:
-        tokens, logits = greedy(model, golden[f"prompt_ids_{i}"].tolist(), chunk)
-        assert tokens == golden[f"greedy_ids_{i}"].tolist(), f"prompt {i}, chunk {chunk}"
-        err = (logits - golden[f"decode_step_logits_{i}"].double()).abs().max(-1).values
+        tokens, logits = greedy(model, v41_golden[f"prompt_ids_{i}"].tolist(), chunk)
+        assert tokens == v41_golden[f"greedy_ids_{i}"].tolist(), f"prompt {i}, chunk {chunk}"
+        err = (logits - v41_golden[f"decode_step_logits_{i}"].double()).abs().max(-1).values
         if (err > 1e-4).any():
             flipped.append((i, int((err > 1e-4).sum()), float(err.max())))
     print(f"chunk {chunk}: prompts with a fake-quant flip (prompt, steps > 1e-4, max): {flipped}")
     assert len(flipped) <= 1 and all(m < 0.1 for _, _, m in flipped), flipped
 
 
-def test_official_and_transformers_names_load_the_same(model, golden, tmp_path):
+def test_official_and_transformers_names_load_the_same(model, v41_golden, tmp_path):
     """The oracle is saved with transformers' names; the same tensors under DeepSeek's official
     names (per-expert w1/w2/w3) load into an identical model."""
     from safetensors.torch import load_file, save_file
@@ -138,7 +81,7 @@ def test_official_and_transformers_names_load_the_same(model, golden, tmp_path):
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ORACLE / f, tmp_path / f)
     other = load_v41_model(tmp_path, torch.float64, decoder_replay=False)
-    ids = golden["prompt_ids_1"].tolist()
+    ids = v41_golden["prompt_ids_1"].tolist()
     assert torch.equal(one_shot(other, ids), one_shot(model, ids))
 
 

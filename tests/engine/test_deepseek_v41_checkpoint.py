@@ -11,7 +11,9 @@ from engine.config_v41 import RELEASED_INDEX_SOURCES, RELEASED_KV_SOURCES, RELEA
 from engine.loader_v41 import load_v41_model
 from engine.random_checkpoint_v41 import build_text_config, write_v41_checkpoint
 from engine.weights_v41 import dequantize_fp8_tiles, quantize_fp8_tiles
-from tests.engine.test_deepseek_v41 import one_thread  # noqa: F401 (fixture)
+from tests.engine.v41_oracle import one_shot
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +37,6 @@ def test_shipped_formats_load_close_to_bf16(checkpoints):
         assert 0 < _rel(b[name], a[name]) < 0.05, name  # FP8 e4m3: ~2-3% relative
     assert 0 < _rel(b["layers.2.ffn.experts_w1"], a["layers.2.ffn.experts_w1"]) < 0.2  # FP4 e2m1
     assert torch.equal(b["layers.2.attn.compressor.wkv.weight"], a["layers.2.attn.compressor.wkv.weight"])  # bf16 kept
-    from tests.engine.test_deepseek_v41 import one_shot
-
     assert torch.isfinite(one_shot(q.double(), torch.arange(5, 60).tolist())).all()
 
 

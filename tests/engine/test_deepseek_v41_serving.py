@@ -9,10 +9,9 @@ import torch
 from engine.llm import LLM
 from engine.replay_error import measure
 from engine.request import GenerationRequest, InvalidRequest, SamplingParams
-from tests.engine.test_deepseek_v41 import ORACLE, golden, one_thread  # noqa: F401 (fixtures)
+from tests.engine.v41_oracle import ORACLE, needs_oracle
 
-pytestmark = pytest.mark.skipif(not (ORACLE / "golden.safetensors").exists(),
-                                reason=f"the DeepSeek-V4.1 oracle is not at {ORACLE}")
+pytestmark = [needs_oracle, pytest.mark.usefixtures("single_thread")]
 GREEDY = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
 
 
@@ -20,18 +19,18 @@ def _llm(**kw) -> LLM:
     return LLM(str(ORACLE), **{"dtype": "float64", "max_model_len": 512, **kw})
 
 
-def test_batched_chunked_prefill_and_decode_reproduce_golden_tokens(golden):
+def test_batched_chunked_prefill_and_decode_reproduce_golden_tokens(v41_golden):
     """All four prompts at once, prefill split into 24-token chunks mixed with decodes; decoder
     replay off (exact). Every prompt's 48 tokens equal transformers' greedy ones."""
     llm = _llm(max_num_batched_tokens=24, swa_bounded_replay=False)
-    prompts = [golden[f"prompt_ids_{i}"].tolist() for i in range(4)]
+    prompts = [v41_golden[f"prompt_ids_{i}"].tolist() for i in range(4)]
     got = llm.generate(prompts, GREEDY)
     for i, out in enumerate(got):
-        assert out.token_ids == golden[f"greedy_ids_{i}"].tolist(), f"prompt {i}"
+        assert out.token_ids == v41_golden[f"greedy_ids_{i}"].tolist(), f"prompt {i}"
 
 
-def test_batched_equals_alone_under_preemption(golden):
-    prompts = [golden[f"prompt_ids_{i}"].tolist()[: 30 + 17 * i] for i in range(4)] * 2
+def test_batched_equals_alone_under_preemption(v41_golden):
+    prompts = [v41_golden[f"prompt_ids_{i}"].tolist()[: 30 + 17 * i] for i in range(4)] * 2
     params = [SamplingParams(max_tokens=6 + 4 * (i % 4), temperature=0, ignore_eos=True) for i in range(8)]
     alone = _llm(swa_bounded_replay=False)
     want = [alone.generate([p], s)[0].token_ids for p, s in zip(prompts, params)]
@@ -45,10 +44,10 @@ def test_batched_equals_alone_under_preemption(golden):
     assert c.full_pool.num_free == c.full_pool.num_blocks and c.window_pool.num_free == c.window_pool.num_blocks
 
 
-def test_prefix_cache_hits_equal_the_cold_run_with_replay_off(golden):
+def test_prefix_cache_hits_equal_the_cold_run_with_replay_off(v41_golden):
     """Window snapshots (swa_bounded_replay off): a hit restores exactly what a cold run computes."""
-    first = golden["prompt_ids_3"].tolist()[:150]
-    second = golden["prompt_ids_3"].tolist()
+    first = v41_golden["prompt_ids_3"].tolist()[:150]
+    second = v41_golden["prompt_ids_3"].tolist()
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     want = _llm(swa_bounded_replay=False).generate([second], sp)[0]
     hot = _llm(swa_bounded_replay=False, enable_prefix_caching=True)
@@ -67,16 +66,15 @@ def test_prefix_cache_hit_with_bounded_replay_recomputes_only_the_window():
                 swa_decoder_replay=False)
     print(f"encoder-side replay on V4.1 tiny: {r}")
     assert r["hits"] == 2 and r["replayed_tokens"] == 2 * 16
-    # measured (docs/PERF.md, 4 pairs): max 0.43, mean 0.17 of the logit scale; 10 layers of
-    # truncated windows on a 16-token window
-    assert 0 < r["max_rel_err"] <= 0.6 and r["mean_rel_err"] <= 0.25, r
+    # measured (docs/PERF.md, 16 pairs): max 0.69, mean 0.15 of the logit scale (these 2: 0.43, 0.20)
+    assert 0 < r["max_rel_err"] <= 0.75 and r["mean_rel_err"] <= 0.25, r
 
 
 def test_decoder_replay_error_is_measured_and_small():
     r = measure(str(ORACLE), n_prompts=2, seeds=1, steps=4, first_len=70, extra_len=20, side="decoder",
                 max_model_len=512)
     print(f"decoder-side replay on V4.1 tiny: {r}")
-    assert 0 < r["max_rel_err"] <= 0.05, r  # measured: max 0.025, mean 0.018 (4 pairs)
+    assert 0 < r["max_rel_err"] <= 0.05, r  # measured: these 2 pairs max 0.022; 16 pairs max 0.15, mean 0.016
 
 
 def _last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
@@ -89,13 +87,13 @@ def _last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     return out
 
 
-def test_decoder_replay_on_equals_off_in_tokens_and_last_logits(golden):
+def test_decoder_replay_on_equals_off_in_tokens_and_last_logits(v41_golden):
     """Decoder side: layers after the last KV source run on each sequence's last window only.
     Same greedy tokens; the last position's logits move by a measured, bounded amount."""
     on, off = _llm(max_num_batched_tokens=64), _llm(max_num_batched_tokens=64, swa_bounded_replay=False)
     errs = []
     for i in range(1, 4):  # prompt 0 (5 tokens) is shorter than the window: nothing to trim
-        ids = golden[f"prompt_ids_{i}"].tolist()
+        ids = v41_golden[f"prompt_ids_{i}"].tolist()
         a, b = _last_logits(on, ids), _last_logits(off, ids)
         assert a.argmax() == b.argmax()
         errs.append(((a - b).abs().max() / b.abs().max()).item())
