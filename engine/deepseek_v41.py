@@ -34,7 +34,7 @@ from engine import v41_ops as ops
 from engine.cache_v41 import V41KVCache
 from engine.compress_plan import compress_plan
 from engine.config_v41 import V41Config
-from engine.deepseek_v4 import DeepseekV4, Linear, _expert_weights, _linear
+from engine.deepseek_v4 import Linear, _expert_weights, _linear, expected_names, load_weight
 from engine.engram import EngramHasher
 from engine.forward_batch import ForwardBatch
 
@@ -420,12 +420,22 @@ class DeepseekV41(nn.Module):
             candidates=None if rows.candidates is None else rows.candidates[keep])
         return h[keep], pre[keep], trimmed, new_index[fb.logits_rows]
 
-    # --- loading ------------------------------------------------------------------------------
+    # --- loading: official names and stacked experts as V4's (engine/deepseek_v4.py) -------------
 
     # what the released checkpoint stores in fp32 (transformers keeps exactly these); norms follow the model dtype
     _FP32 = ("hc_", "attn_sink", "gate.bias")
 
-    # the official names, stacked experts and fp32 policy work as V4's (engine/deepseek_v4.py)
-    expected_names = DeepseekV4.expected_names
-    load_weight = DeepseekV4.load_weight
-    cast = DeepseekV4.cast
+    def expected_names(self) -> set[str]:
+        return expected_names(self, self.cfg.n_routed_experts)
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        if name.startswith("mtp."):  # DSpark draft layers: kept, not run
+            self.mtp_weights[name] = tensor
+            return
+        load_weight(self, name, tensor)
+
+    def cast(self, dtype: torch.dtype) -> DeepseekV41:
+        for name, p in self.named_parameters():
+            keep32 = dtype != torch.float64 and any(k in name for k in self._FP32)
+            p.data = p.data.to(torch.float32 if keep32 else dtype)
+        return self

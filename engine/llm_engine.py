@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import torch
 
 import kernels
-from engine.args import EngineArgs, resolve_model_dir
+from engine.args import EngineArgs, InvalidEngineArgs, resolve_model_dir
 from engine.cache import KVCache
 from engine.config import CSA
+from engine.config_v41 import is_v41
 from engine.in_flight import InFlight
 from engine.loader import load_model
 from engine.mixed_graphs import mixed_sizes
@@ -57,6 +58,8 @@ class LLMEngine:
         model_dir = resolve_model_dir(args.model)
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+        if args.tensor_parallel_size > 1 and is_v41(model_dir):
+            raise InvalidEngineArgs("tensor_parallel_size > 1 is not supported for DeepSeek-V4.1 checkpoints yet")
         # tensor parallel: ranks 1..N-1 start loading their shares while this one loads its own
         self.parallel = TensorParallelWorkers(args, model_dir, self.device) if args.tensor_parallel_size > 1 else None
         try:
