@@ -299,28 +299,30 @@ class LLMEngine:
         prev = self.pending
         logits = self.runner.run(scheduled, pending=(prev.token_ids, prev.rows) if prev else None)
         # logits rows: the sequences whose chunk reaches their last token, in batch order
-        samplers = [seq for seq, n in scheduled if seq.num_computed_tokens + n == seq.num_tokens]
-        keep = self._can_keep_in_flight(scheduled)
+        sampled = [(seq, n) for seq, n in scheduled if seq.num_computed_tokens + n == seq.num_tokens]
+        samplers = [seq for seq, _ in sampled]
+        # a mixed step stays in flight too: its prefill chunks that end short of their prompt sample nothing
+        keep = bool(sampled) and self._can_keep_in_flight(sampled)
         if keep:  # decide on the device, start the copy back, and do not wait for it
-            flight = InFlight.launch(scheduled, kernels.greedy_pick(logits))
+            flight = InFlight.launch(sampled, kernels.greedy_pick(logits))
         outputs += self.flush()  # the previous step's tokens, while this step runs
         self.scheduler.advance([(s, n) for s, n in scheduled if s.status == Status.RUNNING])
         if keep:
-            for seq, _ in scheduled:
+            for seq, _ in sampled:
                 if seq.request_id in self.requests:
                     seq.output_token_ids.append(PENDING_TOKEN)
             self.pending = flight
             return outputs
         return outputs + self._sample(samplers, logits)
 
-    def _can_keep_in_flight(self, scheduled: list[tuple[Sequence, int]]) -> bool:
-        """Every row samples greedily with nothing to mask or report beyond its token, and no
+    def _can_keep_in_flight(self, sampled: list[tuple[Sequence, int]]) -> bool:
+        """Every sampling row samples greedily with nothing to mask or report beyond its token, and no
         sequence can end by length on this token (so the next step may already include it)."""
         if not self.async_scheduling:
             return False
-        for seq, n in scheduled:
+        for seq, n in sampled:
             p = seq.sampling
-            if (seq.num_computed_tokens + n != seq.num_tokens or not p.greedy or p.processes_logits
+            if (not p.greedy or p.processes_logits
                     or p.logprobs is not None
                     or len(seq.output_token_ids) < p.min_tokens or len(seq.output_token_ids) + 1 >= p.max_tokens
                     or seq.num_tokens + 1 >= self.max_model_len):

@@ -105,3 +105,16 @@ def test_steps_really_stay_in_flight_and_aborts_return_every_block(tiny_dir):
             assert -1 not in o.token_ids
     c = eng.cache
     assert c.window_pool.num_free == c.window_pool.num_blocks and c.full_pool.num_free == c.full_pool.num_blocks
+
+
+def test_a_mixed_step_with_a_partial_prefill_chunk_stays_in_flight(tiny_dir):
+    eng = LLMEngine({"model": str(tiny_dir), "dtype": "float32", "max_model_len": 256, "async_scheduling": True,
+                     "max_num_batched_tokens": 24})
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    eng.add_request(GenerationRequest("short", prompt_token_ids=list(range(5, 15)), sampling=sp))
+    eng.step()  # short's prompt: it samples
+    eng.add_request(GenerationRequest("long", prompt_token_ids=list(range(5, 105)), sampling=sp))
+    eng.step()  # short's decode + the first 23 of long's 100 prompt tokens
+    assert eng.pending is not None and [s.request_id for s, _ in eng.pending.scheduled] == ["short"]
+    long = next(s for s in eng.scheduler.running if s.request_id == "long")
+    assert 0 < long.num_computed_tokens < long.num_prompt_tokens and not long.has_pending_token
