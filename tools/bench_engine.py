@@ -184,8 +184,15 @@ def decode_floors(engine_args: dict, batches: list[int]) -> list[dict]:
                 if ".experts_w" not in n and not n.startswith("embed"))
     head = model.head.weight
     head_bytes = head.numel() * head.element_size()
+    # parameters one token multiplies by (the embedding is a lookup): dense + its top-k of the experts
+    expert_params = sum(p.numel() * (2 if p.dtype == torch.int8 else 1) for n, p in model.named_parameters()
+                        if ".experts_w" in n)  # packed MXFP4: two values a byte
+    dense_params = sum(p.numel() for n, p in model.named_parameters()
+                       if ".experts_w" not in n and not n.startswith(("embed", "head")))  # the head: one row per prompt
+    active_params = dense_params + expert_params * cfg.num_experts_per_tok / cfg.n_routed_experts
     head_ms = {b: _time_ms(lambda x=torch.randn(b, cfg.hidden_size, device="cuda", dtype=head.dtype):
                            torch.nn.functional.linear(x, head)) for b in batches}
+    head_params = head.numel()
     del model, head
     torch.cuda.empty_cache()
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -206,7 +213,46 @@ def decode_floors(engine_args: dict, batches: list[int]) -> list[dict]:
         weight_bytes = other + experts * touched + batch * cfg.hidden_size * 2  # + the embedding rows read
         rows.append({"batch": batch, "weight_bytes": weight_bytes, "copy_TB_s": copy_bw / 1e12,
                      "floor_ms": weight_bytes / copy_bw * 1e3, "num_layers": cfg.num_layers,
-                     "head_bytes": head_bytes, "head_floor_ms": head_bytes / copy_bw * 1e3, "head_ms": head_ms[batch]})
+                     "head_bytes": head_bytes, "head_floor_ms": head_bytes / copy_bw * 1e3, "head_ms": head_ms[batch],
+                     "active_params_per_token": active_params, "head_params": head_params})
+    return rows
+
+
+PEAK_BF16_FLOPS = 790e12  # the H200's bf16 matmul peak (measured 777-803 TFLOP/s, docs/PERF.md)
+
+
+def prefill_flops(cfg, active_params: float, n: int, head_params: int = 0) -> float:
+    """FLOPs of prefilling an n-token prompt: 2 per active parameter per token (the LM head once), plus attention
+    (every query against its window and its compressed entries: the CSA top-k, all HCA entries)
+    and the CSA indexer's scores, each multiply-add 2 FLOPs, K = V read twice (scores, values)."""
+    from engine.config import CSA, SLIDING
+
+    flops = 2.0 * active_params * n + 2.0 * head_params
+    H, hd = cfg.num_heads, cfg.head_dim
+    for kind, r in zip(cfg.layer_types, cfg.compress_ratios):
+        for pos in range(0, n, 16):  # positions sampled every 16: the sums are smooth
+            keys = min(pos + 1, cfg.sliding_window)
+            if kind != SLIDING:
+                seen = (pos + 1) // r
+                keys += min(seen, cfg.index_topk) if kind == CSA else seen
+                if kind == CSA:
+                    flops += 16 * 2 * seen * cfg.index_n_heads * cfg.index_head_dim
+            flops += 16 * 4 * keys * H * hd
+    return flops
+
+
+def ttft_vs_floor(results: list, floors: list[dict], cfg) -> list[dict]:
+    """TTFT of the single-user online runs next to their prompt's FLOP floor at the bf16 peak."""
+    rows = []
+    for r in results:
+        if r.mode == "online" and r.concurrency == 1 and r.ttft_ms and floors:
+            n = r.prompt_tokens // max(r.requests, 1)
+            f = floors[0]
+            floor_ms = prefill_flops(cfg, f["active_params_per_token"], n, f["head_params"]) / PEAK_BF16_FLOPS * 1e3
+            rows.append({"input_len": n, "ttft_p50_ms": r.ttft_ms["p50"], "floor_ms": floor_ms,
+                         "x_floor": r.ttft_ms["p50"] / floor_ms})
+            print(f"  TTFT of {n} tokens at 1 user: {r.ttft_ms['p50']:.1f} ms vs FLOP floor {floor_ms:.1f} ms "
+                  f"({rows[-1]['x_floor']:.1f}x)", flush=True)
     return rows
 
 
@@ -395,6 +441,9 @@ def main() -> None:
         del llm
     if args.concurrency:
         results += asyncio.run(run_online(engine_args, args, vocab))
+    if args.floor:
+        cfg = load_config(resolve_model_dir(engine_args.get("model", "")))
+        extra["ttft_floor"] = ttft_vs_floor(results, extra["decode_floor"], cfg)
     print_table(results)
     if args.json:
         meta = {"label": args.label, "engine_args": engine_args, "machine": platform.platform(),
