@@ -133,8 +133,15 @@ class Indexer(nn.Module):
         per_block, d = keys_pool.shape[1], keys_pool.shape[-1]
         flat = keys_pool.view(-1, d)
         if self.is_candidate_source:
-            n_max = (int(rows.positions.max()) + 1) // ratio if T else 0
-            rows.candidates = torch.zeros((T, n_max), dtype=torch.bool, device=x.device)
+            rows.candidates = torch.zeros((T, (fb.max_pos + 1) // ratio), dtype=torch.bool, device=x.device)
+        if fb.is_decode:  # one row per sequence: all at once, no host sync
+            n = (fb.max_pos + 1) // ratio
+            if n:
+                e = torch.arange(n, device=x.device)
+                keys = flat[fb.full_tables[rows.token_seq][:, e // per_block] * per_block + e % per_block].float()
+                visible = (rows.positions + 1) // ratio
+                out[:, : min(self.topk, n)] = self._pick(iq, iw, keys, e, visible, rows, slice(None))
+            return out
         for s in torch.unique(rows.token_seq).tolist():
             idx = (rows.token_seq == s).nonzero().flatten()
             pos = rows.positions[idx]
@@ -147,22 +154,27 @@ class Indexer(nn.Module):
             chunk = max(1, SCORE_BUDGET // max(self.n_heads * n, 1))
             for lo in range(0, len(idx), chunk):
                 r = idx[lo:lo + chunk]
-                sc = torch.einsum("thd,ed->the", iq[r], keys).relu_() * self.head_dim**-0.5
-                sc = (sc * iw[r].unsqueeze(-1)).sum(dim=1)
-                vis = visible[lo:lo + chunk]
-                sc = sc.masked_fill(e[None] >= vis[:, None], float("-inf"))
-                if self.is_candidate_source:
-                    rows.candidates[r, :n] = ops.candidate_blocks(sc, vis, self.cfg.candidate_topk_blocks,
-                                                                  self.cfg.candidate_block_size)
-                elif self.uses_candidates and rows.candidates is not None:
-                    cand = rows.candidates[r, :n]
-                    if cand.shape[1] < n:  # the candidate source saw fewer entries: nothing beyond
-                        cand = F.pad(cand, (0, n - cand.shape[1]), value=False)
-                    sc = sc.masked_fill(~cand, float("-inf"))
-                k = min(self.topk, n)
-                top = sc.topk(k, dim=-1)
-                out[r, :k] = torch.where(top.values > float("-inf"), top.indices, -1)
+                out[r, : min(self.topk, n)] = self._pick(iq[r], iw[r], keys, e, visible[lo:lo + chunk], rows, r)
         return out
+
+    def _pick(self, iq, iw, keys, e, visible, rows: Rows, r) -> torch.Tensor:
+        """Scores of query rows `r` over entries `e` (keys [n, d] shared, or [rows, n, d]), the
+        two-level top-k -> [rows, min(topk, n)] best first, -1 where fewer are visible."""
+        n = e.shape[0]
+        sc = torch.einsum("thd,ed->the" if keys.dim() == 2 else "thd,ted->the", iq, keys)
+        sc = sc.relu_() * self.head_dim**-0.5
+        sc = (sc * iw.unsqueeze(-1)).sum(dim=1)
+        sc = sc.masked_fill(e[None] >= visible[:, None], float("-inf"))
+        if self.is_candidate_source:
+            rows.candidates[r, :n] = ops.candidate_blocks(sc, visible, self.cfg.candidate_topk_blocks,
+                                                          self.cfg.candidate_block_size)
+        elif self.uses_candidates and rows.candidates is not None:
+            cand = rows.candidates[r, :n]
+            if cand.shape[1] < n:  # the candidate source saw fewer entries: nothing beyond
+                cand = F.pad(cand, (0, n - cand.shape[1]), value=False)
+            sc = sc.masked_fill(~cand, float("-inf"))
+        top = sc.topk(min(self.topk, n), dim=-1)
+        return torch.where(top.values > float("-inf"), top.indices, -1)
 
 
 class Attention(nn.Module):
