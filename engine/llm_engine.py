@@ -320,7 +320,7 @@ class LLMEngine:
         sequence can end by length on this token (so the next step may already include it)."""
         if not self.async_scheduling:
             return False
-        for seq, n in sampled:
+        for seq, _ in sampled:
             p = seq.sampling
             if (not p.greedy or p.processes_logits
                     or p.logprobs is not None

@@ -190,8 +190,8 @@ def decode_floors(engine_args: dict, batches: list[int]) -> list[dict]:
     dense_params = sum(p.numel() for n, p in model.named_parameters()
                        if ".experts_w" not in n and not n.startswith(("embed", "head")))  # the head: one row per prompt
     active_params = dense_params + expert_params * cfg.num_experts_per_tok / cfg.n_routed_experts
-    head_ms = {b: _time_ms(lambda x=torch.randn(b, cfg.hidden_size, device="cuda", dtype=head.dtype):
-                           torch.nn.functional.linear(x, head)) for b in batches}
+    head_ms = {b: _time_ms(lambda x=torch.randn(b, cfg.hidden_size, device="cuda", dtype=head.dtype), w=head:
+                           torch.nn.functional.linear(x, w)) for b in batches}
     head_params = head.numel()
     del model, head
     torch.cuda.empty_cache()
