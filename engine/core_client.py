@@ -433,6 +433,8 @@ class CoreClient(EngineLifetime):
                     out.token_ids = out.token_ids[:keep]
                     if out.logprobs is not None:
                         out.logprobs = out.logprobs[:keep]
+                    if out.logprob_ranks is not None:
+                        out.logprob_ranks = out.logprob_ranks[:keep]
                     out.num_output_tokens = base + keep
                     out.finished, out.finish_reason = True, "stop"
                     break

@@ -49,6 +49,8 @@ class Completion:
     finish_reason: str | None
     cumulative_logprob: float
     logprobs: list[dict[int, float]] | None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # vLLM's: None first, the prompt token first
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 class LLM:
@@ -79,9 +81,11 @@ class LLM:
         for rid, seq in ids:
             outs = done[rid]
             logprobs = [lp for o in outs for lp in (o.logprobs or [])] if seq.sampling.logprobs is not None else None
+            prompt = next((o for o in outs if o.prompt_logprobs is not None), None)
             results.append(Completion(rid, seq.prompt_token_ids, list(seq.output_token_ids),
                                       "".join(o.text for o in outs), seq.finish_reason,
-                                      seq.cumulative_logprob, logprobs))
+                                      seq.cumulative_logprob, logprobs,
+                                      prompt and prompt.prompt_logprobs, prompt and prompt.prompt_logprob_ranks))
         return results
 
 

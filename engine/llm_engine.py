@@ -23,6 +23,7 @@ from engine.mixed_graphs import mixed_sizes
 from engine.output_text import OutputText
 from engine.parallel import SINGLE
 from engine.prefix_cache import PrefixCache
+from engine.prompt_logprobs import prompt_logprob_rows, score
 from engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
 from engine.runner import ModelRunner
 from engine.sampler import SamplingRow, sample
@@ -44,6 +45,8 @@ class RequestState:
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     new_ranks: list[int] = field(default_factory=list)  # with logprobs: each sampled token's rank (vLLM's)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with prompt_logprobs: until sent
+    prompt_ranks: list[int | None] | None = None
 
 
 class LLMEngine:
@@ -220,6 +223,10 @@ class LLMEngine:
             (p.top_k >= -1, "top_k must be -1 (off), 0 (off) or positive"),
             (0 <= p.min_p <= 1, "min_p must be in [0, 1]"),
             (p.logprobs is None or 0 <= p.logprobs <= a.max_logprobs, f"logprobs must be in [0, {a.max_logprobs}]"),
+            (p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= a.max_logprobs,
+             f"prompt_logprobs must be in [0, {a.max_logprobs}] (max_logprobs), got {p.prompt_logprobs}"),
+            (p.prompt_logprobs is None or hasattr(self.model, "hidden_states"),
+             f"prompt_logprobs are not supported for {type(self.model).__name__} yet"),
             (len(p.stop) <= a.max_stop_strings, f"at most {a.max_stop_strings} stop strings"),
             (all(0 < len(s) <= a.max_stop_string_len for s in p.stop),
              f"stop strings must be 1..{a.max_stop_string_len} characters"),
@@ -250,7 +257,9 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None and not req.sampling.ignore_eos:
             eos.add(self.tokenizer.eos_token_id)
         text = OutputText(self.tokenizer, req.sampling) if self.detokenize and req.sampling.detokenize else None
-        self.requests[req.request_id] = RequestState(seq, text, eos)
+        self.requests[req.request_id] = st = RequestState(seq, text, eos)
+        if req.sampling.prompt_logprobs is not None:  # the first prompt token has none (vLLM's None)
+            st.prompt_logprobs, st.prompt_ranks = [None], [None]
         self.scheduler.add(seq)
         self.counters["prompt_tokens"] += len(ids)
         return seq
@@ -297,7 +306,11 @@ class LLMEngine:
             if not scheduled:
                 return outputs
         prev = self.pending
-        logits = self.runner.run(scheduled, pending=(prev.token_ids, prev.rows) if prev else None)
+        prompt_rows = prompt_logprob_rows(scheduled, self.device)
+        logits = self.runner.run(scheduled, pending=(prev.token_ids, prev.rows) if prev else None,
+                                 prompt_rows=prompt_rows)
+        if prompt_rows is not None:
+            self._score_prompts(prompt_rows)
         # logits rows: the sequences whose chunk reaches their last token, in batch order
         sampled = [(seq, n) for seq, n in scheduled if seq.num_computed_tokens + n == seq.num_tokens]
         samplers = [seq for seq, _ in sampled]
@@ -364,6 +377,25 @@ class LLMEngine:
             outputs += self._process(seq, smp.token_id, smp.logprob, smp.top_logprobs, smp.rank)
         return outputs
 
+    def _score_prompts(self, rows) -> None:
+        """prompt_logprobs of this step's prefill rows (engine/prompt_logprobs.py), kept until the
+        request's first output."""
+        k = max(seq.sampling.prompt_logprobs for seq, _, _ in rows.spans)
+        scores = score(self.model.compute_logits, rows.hidden, rows.targets, k, self.cfg.vocab_size)
+        r = 0
+        for seq, first, count in rows.spans:
+            st = self.requests.get(seq.request_id)
+            if st is not None and st.prompt_logprobs is not None:
+                m = seq.sampling.prompt_logprobs
+                for i in range(r, r + count):
+                    entry = {seq.prompt_token_ids[first + i - r]: scores.logprobs[i]}  # the prompt token first
+                    for t, v in zip(scores.top_ids[i][:m], scores.top_logprobs[i][:m]):
+                        entry.setdefault(t, v)
+                    st.prompt_logprobs.append(entry)
+                    st.prompt_ranks.append(scores.ranks[i])
+                seq.prompt_logprobs_next = first + count
+            r += count
+
     def _fail_request(self, seq: Sequence, error: str) -> RequestOutput:
         st = self.requests.pop(seq.request_id)
         self.scheduler.finish(seq, "error")
@@ -416,6 +448,9 @@ class LLMEngine:
             logprob_ranks=st.new_ranks if seq.sampling.logprobs is not None else None,
             finished=finished, finish_reason=seq.finish_reason if finished else None,
         )
+        if st.prompt_logprobs is not None and seq.prompt_logprobs_next >= seq.num_prompt_tokens:
+            out.prompt_logprobs, out.prompt_logprob_ranks = st.prompt_logprobs, st.prompt_ranks
+            st.prompt_logprobs = st.prompt_ranks = None  # sent once, with the first output
         st.new_token_ids, st.new_logprobs, st.new_ranks = [], [], []
         return out
 

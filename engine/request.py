@@ -42,6 +42,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n logprobs per output token; None: off
+    prompt_logprobs: int | None = None  # top-n logprobs per prompt position (plus the prompt token); None: off
     skip_special_tokens: bool = True
     # penalties, as vLLM (OpenAI's presence / frequency; repetition counts the prompt too)
     presence_penalty: float = 0.0
@@ -99,6 +100,10 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None  # finish_reason "error": why this request alone failed (its sampling)
     logprob_ranks: list[int | None] | None = None  # with logprobs: each sampled token's rank over the vocabulary
+    # with prompt_logprobs, in the request's first output only: one entry per prompt token, None for
+    # the first (vLLM's), else {token id: logprob} with the prompt token first, then its rank
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 def merge_outputs(deltas: list[RequestOutput]) -> RequestOutput:
@@ -113,5 +118,7 @@ def merge_outputs(deltas: list[RequestOutput]) -> RequestOutput:
         logprobs = [lp for d in deltas for lp in d.logprobs or ()]
     if any(d.logprob_ranks is not None for d in deltas):
         ranks = [r for d in deltas for r in d.logprob_ranks or ()]
+    prompt = next((d for d in deltas if d.prompt_logprobs is not None), last)  # the first delta carries them
     return replace(last, text="".join(d.text for d in deltas), token_ids=[t for d in deltas for t in d.token_ids],
-                   logprobs=logprobs, logprob_ranks=ranks)
+                   logprobs=logprobs, logprob_ranks=ranks, prompt_logprobs=prompt.prompt_logprobs,
+                   prompt_logprob_ranks=prompt.prompt_logprob_ranks)

@@ -102,13 +102,15 @@ class ModelRunner:
                 replay, st, is_decode, max(pos))
 
     def run(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False,
-            pending: tuple[torch.Tensor, dict[int, int]] | None = None) -> torch.Tensor:
+            pending: tuple[torch.Tensor, dict[int, int]] | None = None,
+            prompt_rows=None) -> torch.Tensor:
         """pending: (token ids of the step still in flight, on the device; id(seq) -> its row
         there). A sequence whose last token is still pending reads it from there (async
-        scheduling): the ids never make a round trip through the host."""
-        if self._decode_graph(scheduled, all_logits):
+        scheduling): the ids never make a round trip through the host. prompt_rows: an
+        engine.prompt_logprobs.PromptLogprobRows: an eager step that also keeps those rows' hidden states."""
+        if prompt_rows is None and self._decode_graph(scheduled, all_logits):
             return self._replay(scheduled, pending)
-        if self.mixed is not None and self.mixed.fits(scheduled, all_logits):
+        if prompt_rows is None and self.mixed is not None and self.mixed.fits(scheduled, all_logits):
             return self.mixed.run(scheduled, pending, self._fill_pending)
         self.eager_steps += 1
         if self.workers is not None:  # tensor parallel (V4: no Engram look-back rows)
@@ -118,6 +120,10 @@ class ModelRunner:
         else:
             fb = self.build_batch(scheduled, all_logits)
         self._fill_pending(fb.input_ids, scheduled, pending, [r - 1 for r in _ends(scheduled)])
+        if prompt_rows is not None:  # prompt_logprobs: their rows' streams go to the LM head later, in slices
+            h = self.model.hidden_states(fb, self.cache)
+            prompt_rows.hidden = h[prompt_rows.rows]
+            return self.model.compute_logits(h[fb.logits_rows])
         return self.model(fb, self.cache)
 
     def replays_graph(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> bool:

@@ -81,7 +81,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.has_pending_token:  # preempted while its last token is in flight: not before it lands
                 break
-            if seq.num_computed_tokens == 0 and self.prefix_cache is not None:
+            # prompt_logprobs need every position computed: no prefix-cache read (as vLLM)
+            if seq.num_computed_tokens == 0 and self.prefix_cache is not None and seq.sampling.prompt_logprobs is None:
                 self.prefix_cache.match(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk)
             if not self._try_allocate(seq, n):

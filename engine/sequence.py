@@ -39,6 +39,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
     grammar: object | None = None  # structured outputs: its xgrammar matcher (state follows output_token_ids)
+    prompt_logprobs_next: int = 1  # prompt_logprobs: the next prompt position to score (kept across preemption)
 
     @property
     def token_ids(self) -> list[int]:

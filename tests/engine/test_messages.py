@@ -50,7 +50,8 @@ def test_every_sampling_field_crosses_unchanged():
 
 def test_step_outputs_and_control_messages_round_trip():
     out = RequestOutput("r", token_ids=[9], num_prompt_tokens=4, num_output_tokens=1, cumulative_logprob=-0.5,
-                        logprobs=[{9: -0.5, 2: -1.25}], finished=True, finish_reason="length")
+                        logprobs=[{9: -0.5, 2: -1.25}], finished=True, finish_reason="length",
+                        prompt_logprobs=[None, {3: -2.0, 1: -0.5}], prompt_logprob_ranks=[None, 4])
     step = StepOutputs([out, RequestOutput("q", token_ids=[1], num_output_tokens=3)],
                        [RequestError("x", "invalid", "the prompt is empty")], {"running": 2, "kv_usage": {"window": 0.5}})
     for msg in (step, AbortRequests(["a", "b"]), Shutdown(), CoreReady(123, 512), CoreDead("boom")):
