@@ -27,6 +27,7 @@ RETURN_FLAGS = (
 )
 BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
 OUTPUT_TOKEN_IDS = "output_token_ids"  # in ParsedRequest.returns when detokenize is false (no flag turns it on)
+PROMPT_LOGPROBS = "prompt_logprobs"  # in ParsedRequest.returns when the prompt_logprobs sampling key is set
 INPUTS = ("text_input", "sampling_parameters", *BOOL_INPUTS)
 
 # Request parameters that Triton's frontends or clients set for themselves, not for the model.
@@ -47,6 +48,7 @@ _SAMPLING_KEYS = {
     "stop_token_ids": "int_list",
     "ignore_eos": _BOOL,
     "logprobs": "logprobs",
+    "prompt_logprobs": _INT,
     "skip_special_tokens": _BOOL,
     "presence_penalty": _FLOAT,
     "frequency_penalty": _FLOAT,
@@ -161,6 +163,8 @@ def parse_request(
         sp.logprobs = 0  # the sampled token's logprob only, as vLLM
     if not sp.detokenize:
         returns |= {OUTPUT_TOKEN_IDS}  # no text: the ids are the output
+    if sp.prompt_logprobs is not None:
+        returns |= {PROMPT_LOGPROBS}
     return ParsedRequest(GenerationRequest(request_id=request_id, prompt=prompt, sampling=sp),
                          stream=stream, exclude_input_in_output=exclude, returns=returns,
                          id=None if echo_id is None else str(echo_id))
@@ -216,6 +220,9 @@ def parse_sampling(params: Mapping[str, object], max_model_len: int | None = Non
         raise InvalidRequest(f"min_p must be in [0, 1], got {sp.min_p}")
     if sp.logprobs is not None and not 0 <= sp.logprobs <= limits.max_logprobs:
         raise InvalidRequest(f"logprobs must be between 0 and {limits.max_logprobs} (max_logprobs), got {sp.logprobs}")
+    if sp.prompt_logprobs is not None and not 0 <= sp.prompt_logprobs <= limits.max_logprobs:
+        raise InvalidRequest(f"prompt_logprobs must be between 0 and {limits.max_logprobs} (max_logprobs), "
+                             f"got {sp.prompt_logprobs}")
     if len(sp.stop) > limits.max_stop_strings:
         raise InvalidRequest(f"stop has {len(sp.stop)} strings; at most {limits.max_stop_strings} (max_stop_strings)")
     if sp.seed is not None and not 0 <= sp.seed < 1 << 63:
@@ -421,6 +428,7 @@ class OutputState:
     id: str | None = None  # echoed as the `id` output (HTTP generate puts it in the response JSON)
     decode_token: Callable[[int], str] | None = None  # token id -> text, for logprobs' decoded_token
     ranks: list[int | None] | None = None  # non-streaming: the engine's rank of each sampled token
+    prompt_logprobs: RequestOutput | None = None  # non-streaming: the delta that carried them
 
     def accumulate(self, delta: RequestOutput) -> None:
         self.text.append(delta.text)
@@ -430,6 +438,8 @@ class OutputState:
             self.logprobs = (self.logprobs or []) + list(delta.logprobs)
         if delta.logprob_ranks is not None:
             self.ranks = (self.ranks or []) + list(delta.logprob_ranks)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta
 
 
 def render_delta(state: OutputState, delta: RequestOutput) -> dict[str, np.ndarray]:
@@ -438,7 +448,7 @@ def render_delta(state: OutputState, delta: RequestOutput) -> dict[str, np.ndarr
     if state.first and not state.exclude_input_in_output:
         text = state.prompt + text
     state.first = False
-    return _render(state, delta, text, delta.token_ids, delta.logprobs, delta.logprob_ranks)
+    return _render(state, delta, text, delta.token_ids, delta.logprobs, delta.logprob_ranks, delta)
 
 
 def render_final(state: OutputState, last: RequestOutput) -> dict[str, np.ndarray]:
@@ -446,11 +456,11 @@ def render_final(state: OutputState, last: RequestOutput) -> dict[str, np.ndarra
     text = "" if OUTPUT_TOKEN_IDS in state.returns else "".join(state.text)
     if not state.exclude_input_in_output:
         text = state.prompt + text
-    return _render(state, last, text, state.token_ids, state.logprobs, state.ranks)
+    return _render(state, last, text, state.token_ids, state.logprobs, state.ranks, state.prompt_logprobs)
 
 
 def _render(state: OutputState, out: RequestOutput, text: str, token_ids: list[int], logprobs,
-            ranks=None) -> dict[str, np.ndarray]:
+            ranks=None, prompt: RequestOutput | None = None) -> dict[str, np.ndarray]:
     returns = state.returns
     tensors = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
     if state.id is not None:
@@ -470,7 +480,20 @@ def _render(state: OutputState, out: RequestOutput, text: str, token_ids: list[i
     if "return_logprobs" in returns:
         tensors["logprobs"] = np.array([logprobs_json(logprobs, state.decode_token, token_ids, ranks).encode()],
                                        dtype=np.object_)
+    if PROMPT_LOGPROBS in returns and prompt is not None and prompt.prompt_logprobs is not None:
+        # once per request: the streamed delta that carries them, or the final response
+        tensors["prompt_logprobs"] = np.array([prompt_logprobs_json(
+            prompt.prompt_logprobs, prompt.prompt_logprob_ranks, state.decode_token).encode()], dtype=np.object_)
     return tensors
+
+
+def prompt_logprobs_json(prompt_logprobs: list[dict[int, float] | None], ranks: list[int | None] | None,
+                         decode_token: Callable[[int], str] | None = None) -> str:
+    """vLLM's prompt_logprobs: null for the first prompt token, then one object per prompt token in
+    logprobs' shape, the prompt token first (each dict's first key) with the engine's rank."""
+    ranks = ranks or [None] * len(prompt_logprobs)
+    return json.dumps([None if step is None else _logprob_entry(step, next(iter(step)), rank, decode_token)
+                       for step, rank in zip(prompt_logprobs, ranks)])
 
 
 def logprobs_json(logprobs: list[dict[int, float]] | None, decode_token: Callable[[int], str] | None = None,
@@ -481,14 +504,16 @@ def logprobs_json(logprobs: list[dict[int, float]] | None, decode_token: Callabl
     (`ranks`: vLLM's count over the whole vocabulary) when it sends one, else that position."""
     if logprobs is None:
         return "null"
-    steps = []
-    for i, step in enumerate(logprobs):
-        sampled = token_ids[i] if token_ids is not None and i < len(token_ids) else None
-        order = sorted(step, key=lambda t: (t != sampled, -step[t]))
-        engine_rank = ranks[i] if ranks is not None and i < len(ranks) else None
-        steps.append({str(t): {"logprob": float(step[t]),
-                               "rank": engine_rank if t == sampled and engine_rank is not None
-                               else 1 + sum(v > step[t] for v in step.values()),
-                               "decoded_token": decode_token(t) if decode_token else None}
-                      for t in order})
-    return json.dumps(steps)
+    return json.dumps([_logprob_entry(step, token_ids[i] if token_ids is not None and i < len(token_ids) else None,
+                                      ranks[i] if ranks is not None and i < len(ranks) else None, decode_token)
+                       for i, step in enumerate(logprobs)])
+
+
+def _logprob_entry(step: dict[int, float], sampled: int | None, engine_rank: int | None,
+                   decode_token: Callable[[int], str] | None) -> dict:
+    order = sorted(step, key=lambda t: (t != sampled, -step[t]))
+    return {str(t): {"logprob": float(step[t]),
+                     "rank": engine_rank if t == sampled and engine_rank is not None
+                     else 1 + sum(v > step[t] for v in step.values()),
+                     "decoded_token": decode_token(t) if decode_token else None}
+            for t in order}

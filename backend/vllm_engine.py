@@ -122,6 +122,7 @@ def to_vllm_sampling(sp: SamplingParams):
             stop_token_ids=list(sp.stop_token_ids) or None,
             ignore_eos=sp.ignore_eos,
             logprobs=sp.logprobs,
+            prompt_logprobs=sp.prompt_logprobs,
             skip_special_tokens=sp.skip_special_tokens,
             presence_penalty=sp.presence_penalty,
             frequency_penalty=sp.frequency_penalty,
@@ -285,6 +286,12 @@ class VllmEngine:
                 logprobs = None
                 if request.sampling.logprobs is not None and completion.logprobs is not None:
                     logprobs = [{int(t): float(lp.logprob) for t, lp in step.items()} for step in completion.logprobs]
+                prompt_logprobs = prompt_ranks = None
+                if request.sampling.prompt_logprobs is not None and out.prompt_logprobs:  # the first output's
+                    prompt_logprobs = [None if step is None else {int(t): float(lp.logprob) for t, lp in step.items()}
+                                       for step in out.prompt_logprobs]  # vLLM puts the prompt token first
+                    prompt_ranks = [None if step is None else next(iter(step.values())).rank
+                                    for step in out.prompt_logprobs]
                 yield RequestOutput(
                     request_id=rid,
                     text=completion.text,
@@ -294,6 +301,8 @@ class VllmEngine:
                     num_cached_tokens=num_cached,
                     cumulative_logprob=cumulative,
                     logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
+                    prompt_logprob_ranks=prompt_ranks,
                     finished=out.finished,
                     finish_reason=completion.finish_reason if out.finished else None,
                 )

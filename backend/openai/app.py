@@ -100,7 +100,7 @@ def build_app(settings: Settings) -> FastAPI:
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
         sampling = req.sampling()
-        builder = Builder("completion", name, req.logprobs)
+        builder = Builder("completion", name, req.logprobs, echo=prompt if req.echo else None)
         call = state["model"].generate(prompt, sampling, req.stream, req.logprobs is not None)
         echo = prompt if req.echo else ""
         if not req.stream:

@@ -47,6 +47,7 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0)] | None = None  # vLLM's: the prompt's logprobs, top-n each
 
     def sampling(self) -> dict:
         """The sampling parameters Triton gets (unset ones left out: the engine's defaults)."""
@@ -54,9 +55,11 @@ class _Common(BaseModel):
             raise bad_request(f"n must be 1 (this server returns one choice per request), got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+        if self.stream and self.prompt_logprobs:  # vLLM's rule
+            raise bad_request("prompt_logprobs are not available when stream=true", "prompt_logprobs")
         keys = ("temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty", "top_k",
                 "min_p", "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids",
-                "skip_special_tokens", "include_stop_str_in_output")
+                "skip_special_tokens", "include_stop_str_in_output", "prompt_logprobs")
         params = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         if self.output_limit() is not None:
             params["max_tokens"] = self.output_limit()
@@ -87,10 +90,10 @@ class CompletionRequest(_Common):
 
     def sampling(self) -> dict:
         params = super().sampling()
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs (the prompt's logprobs) is not supported", "echo")
         if self.logprobs is not None:
             params["logprobs"] = self.logprobs
+            if self.echo and self.prompt_logprobs is None:  # vLLM's: the echoed prompt gets its logprobs too
+                params["prompt_logprobs"] = self.logprobs
         return params
 
 

@@ -2,7 +2,8 @@
 
 Each request's Builder keeps what both forms need: the id, the token counts for `usage`, and the
 logprobs in the shape each endpoint wants (completions: parallel lists; chat: one object per
-token). The sampled token is the first entry of each logprobs step (backend/protocol.py)."""
+token). The sampled token is the first entry of each logprobs step (backend/protocol.py), the prompt
+token the first of each prompt_logprobs step."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from backend.openai.triton import Output
 
 
 class Builder:
-    def __init__(self, kind: str, model: str, top_logprobs: int | None):
+    def __init__(self, kind: str, model: str, top_logprobs: int | None, echo: str | None = None):
         self.kind = kind  # "completion" | "chat"
         self.id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -22,6 +23,7 @@ class Builder:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.text_offset = 0  # completions' logprobs.text_offset runs over the whole output
+        self.echo = echo  # completions' echoed prompt: its tokens lead the logprobs (vLLM's echo + logprobs)
 
     def count(self, output: Output) -> None:
         if output.num_input_tokens is not None:
@@ -38,13 +40,26 @@ class Builder:
         if self.top_logprobs is None:
             return None
         tokens, token_logprobs, tops, offsets = [], [], [], []
-        for step in output.logprobs or []:
-            sampled = next(iter(step.values()))
-            tokens.append(sampled["decoded_token"] or "")
-            token_logprobs.append(sampled["logprob"])
-            tops.append({e["decoded_token"] or "": e["logprob"] for e in self._top(step)})
+
+        def add(token: str, logprob: float | None, top: dict | None) -> None:
+            tokens.append(token)
+            token_logprobs.append(logprob)
+            tops.append(top)
             offsets.append(self.text_offset)
-            self.text_offset += len(tokens[-1])
+            self.text_offset += len(token)
+
+        steps = output.logprobs or []
+        if self.echo is not None and output.prompt_logprobs is not None:
+            prompt = [s for s in output.prompt_logprobs if s is not None]
+            # the first prompt token has no logprob (None, as vLLM) and no id here: its text is the
+            # echo before the others' (empty for a BOS the tokenizer added)
+            rest = "".join(next(iter(s.values()))["decoded_token"] or "" for s in prompt)
+            add(self.echo[:len(self.echo) - len(rest)] if self.echo.endswith(rest) else "", None, None)
+            steps = prompt + steps
+        for step in steps:
+            sampled = next(iter(step.values()))
+            add(sampled["decoded_token"] or "", _clamp(sampled["logprob"]),
+                {e["decoded_token"] or "": _clamp(e["logprob"]) for e in self._top(step)})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
     def chat_logprobs(self, output: Output) -> dict | None:
@@ -63,19 +78,24 @@ class Builder:
     # ------------------------------------------------------------------ bodies and chunks
 
     def completion(self, text: str, output: Output) -> dict:
+        choice = {"index": 0, "text": text, "logprobs": self.completion_logprobs(output),
+                  "finish_reason": output.finish_reason}
+        if output.prompt_logprobs is not None:  # vLLM's extra field (prompt_logprobs, or echo with logprobs)
+            choice["prompt_logprobs"] = prompt_logprobs(output)
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": text, "logprobs": self.completion_logprobs(output),
-                             "finish_reason": output.finish_reason}],
-                "usage": self.usage()}
+                "choices": [choice], "usage": self.usage()}
 
     def chat(self, content: str, reasoning: str | None, output: Output) -> dict:
         message = {"role": "assistant", "content": content}
         if reasoning is not None:
             message["reasoning_content"] = reasoning
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+        body = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
                 "choices": [{"index": 0, "message": message, "logprobs": self.chat_logprobs(output),
                              "finish_reason": output.finish_reason}],
                 "usage": self.usage()}
+        if output.prompt_logprobs is not None:  # vLLM's extra field, beside the choices
+            body["prompt_logprobs"] = prompt_logprobs(output)
+        return body
 
     def completion_chunk(self, text: str, output: Output | None) -> dict:
         choice = {"index": 0, "text": text, "logprobs": None if output is None else self.completion_logprobs(output),
@@ -94,6 +114,16 @@ class Builder:
 
     def _chunk(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+
+def _clamp(logprob: float) -> float:
+    return max(logprob, -9999.0)  # vLLM's (and OpenAI's) stand-in for -inf, which JSON cannot carry
+
+
+def prompt_logprobs(output: Output) -> list[dict | None]:
+    """vLLM's prompt_logprobs field: None, then {token id: {"logprob", "rank", "decoded_token"}} per token."""
+    return [None if step is None else {t: {**e, "logprob": _clamp(e["logprob"])} for t, e in step.items()}
+            for step in output.prompt_logprobs]
 
 
 def _chat_token(entry: dict) -> dict:

@@ -31,6 +31,7 @@ class Output:
     num_input_tokens: int | None = None
     num_output_tokens: int = 0
     logprobs: list[dict] | None = None  # per token: {token_id: {"logprob", "rank", "decoded_token"}}
+    prompt_logprobs: list[dict | None] | None = None  # vLLM's: None, then one such object per prompt token
 
 
 class TritonModel:
@@ -110,8 +111,9 @@ def _decode(result) -> Output:
         return value.decode("utf-8") if isinstance(value, bytes) else value
 
     reason = one("finish_reason")
-    logprobs = one("logprobs")
+    logprobs, prompt_logprobs = one("logprobs"), one("prompt_logprobs")
     return Output(text=one("text_output") or "", finish_reason=None if reason in UNFINISHED else reason,
                   num_input_tokens=None if one("num_input_tokens") is None else int(one("num_input_tokens")),
                   num_output_tokens=int(one("num_output_tokens") or 0),
-                  logprobs=None if logprobs in (None, "null") else json.loads(logprobs))
+                  logprobs=None if logprobs in (None, "null") else json.loads(logprobs),
+                  prompt_logprobs=None if prompt_logprobs is None else json.loads(prompt_logprobs))

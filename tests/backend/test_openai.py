@@ -114,6 +114,35 @@ def test_logprobs(sdk):
     assert plain.choices[0].logprobs is None
 
 
+def test_prompt_logprobs_and_echo_with_logprobs(sdk, triton_server):
+    direct = json.loads(urllib.request.urlopen(urllib.request.Request(
+        f"http://{triton_server.http_url}/v2/models/{MODEL}/generate", method="POST", data=json.dumps({
+            "text_input": PROMPT, "sampling_parameters": json.dumps({"max_tokens": 2, "temperature": 0,
+                                                                     "prompt_logprobs": 2})}).encode()),
+        timeout=60).read())
+    want = json.loads(direct["prompt_logprobs"])
+    out = sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                                 extra_body={"prompt_logprobs": 2})
+    assert out.choices[0].prompt_logprobs == want and want[0] is None and len(want) == out.usage.prompt_tokens
+    # echo + logprobs (lm-eval's loglikelihood request): the prompt's tokens lead, the first without a logprob
+    echo = sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1, echo=True)
+    lp = echo.choices[0].logprobs
+    n = echo.usage.prompt_tokens
+    assert len(lp.tokens) == n + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == [next(iter(step.values()))["logprob"] for step in want[1:]]
+    assert "".join(lp.tokens) == echo.choices[0].text == PROMPT + out.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 2)]
+    chat = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"prompt_logprobs": 0})
+    assert chat.prompt_logprobs[0] is None and len(chat.prompt_logprobs) == chat.usage.prompt_tokens
+    assert all(len(step) == 1 for step in chat.prompt_logprobs[1:])
+    for kwargs, message in (({"prompt_logprobs": 21}, "prompt_logprobs must be between 0 and 20"),
+                            ({"prompt_logprobs": -1}, "greater than or equal to 0")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=kwargs)
+    with pytest.raises(openai.BadRequestError, match="not available when stream=true"):
+        sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True, extra_body={"prompt_logprobs": 1})
+
+
 @pytest.mark.parametrize("kwargs, param, message", [
     ({"temperature": 5}, "temperature", "less than or equal to 2"),
     ({"n": 2}, "n", "n must be 1"),

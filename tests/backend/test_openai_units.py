@@ -101,3 +101,35 @@ def test_reasoning_splitter_without_an_end_or_thinking():
     parts = [splitter.feed("all </thi"), splitter.flush()]  # ended inside a possible marker: reasoning
     assert "".join(r for r, _ in parts) == "all </thi" and not any(c for _, c in parts)
     assert ReasoningSplitter(thinking=False).feed("a</think>b") == ("", "a</think>b")
+
+
+def test_prompt_logprobs_map_as_vllms_and_echo_prepends_the_prompts_tokens():
+    from backend.openai.responses import Builder
+    from backend.openai.triton import Output
+
+    body = {"model": "m", "prompt": "ab c", "max_tokens": 2, "logprobs": 1, "echo": True}
+    assert parse(CompletionRequest, body).sampling() == {"max_tokens": 2, "logprobs": 1, "prompt_logprobs": 1}
+    assert parse(CompletionRequest, {**body, "prompt_logprobs": 3}).sampling()["prompt_logprobs"] == 3
+    assert "prompt_logprobs" not in parse(CompletionRequest, {**body, "echo": False}).sampling()
+    with pytest.raises(OpenAIError, match="not available when stream=true") as info:
+        parse(CompletionRequest, {**body, "stream": True, "prompt_logprobs": 2}).sampling()
+    assert info.value.param == "prompt_logprobs"
+    with pytest.raises(OpenAIError, match="prompt_logprobs"):
+        parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "prompt_logprobs": -1})
+
+    def entry(token, logprob, rank):
+        return {"logprob": logprob, "rank": rank, "decoded_token": token}
+
+    prompt = [None, {"7": entry("b", -3.0, 9), "4": entry("x", -0.1, 1)}, {"8": entry(" c", float("-inf"), 30),
+                                                                          "4": entry("x", -0.2, 1)}]
+    out = Output("!", "length", 3, 1, logprobs=[{"5": entry("!", -0.5, 1)}], prompt_logprobs=prompt)
+    body = Builder("completion", "m", 1, echo="ab c").completion("ab c!", out)
+    lp, choice = body["choices"][0]["logprobs"], body["choices"][0]
+    assert lp["tokens"] == ["a", "b", " c", "!"] and lp["text_offset"] == [0, 1, 2, 4]
+    assert lp["token_logprobs"] == [None, -3.0, -9999.0, -0.5]
+    assert lp["top_logprobs"] == [None, {"x": -0.1}, {"x": -0.2}, {"!": -0.5}]
+    assert choice["prompt_logprobs"][2]["8"] == entry(" c", -9999.0, 30) and choice["prompt_logprobs"][0] is None
+    plain = Builder("completion", "m", 1).completion("!", out)["choices"][0]
+    assert plain["logprobs"]["tokens"] == ["!"] and plain["prompt_logprobs"][1] == prompt[1]
+    chat = Builder("chat", "m", None).chat("!", None, out)
+    assert chat["prompt_logprobs"][1] == prompt[1] and chat["choices"][0]["logprobs"] is None

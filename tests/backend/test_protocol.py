@@ -263,3 +263,28 @@ def test_the_limits_come_from_the_engine_arguments():
     assert parse_sampling({"logprobs": 50, "stop": [f"s{i}" for i in range(32)]}, limits=raised).logprobs == 50
     with pytest.raises(InvalidRequest, match="between 0 and 50"):
         parse_sampling({"logprobs": 51}, limits=raised)
+
+
+def test_prompt_logprobs_parse_and_render_once_in_vllms_shape():
+    p = parse(sampling_parameters={"prompt_logprobs": "2"})
+    assert p.request.sampling.prompt_logprobs == 2 and "prompt_logprobs" in p.returns
+    for bad in (-1, 21, True, "x"):
+        with pytest.raises(InvalidRequest, match="prompt_logprobs"):
+            parse(sampling_parameters={"prompt_logprobs": bad})
+    # the prompt token first, with the engine's rank (30); the top-2 ranked among themselves
+    prompt = [None, {7: -5.0, 4: -0.5, 9: -1.5}, {4: -0.2, 9: -2.5}]
+    first = RequestOutput("r", text="a", token_ids=[1], prompt_logprobs=prompt, prompt_logprob_ranks=[None, 30, 1])
+    state = OutputState("p", True, p.returns, decode_token=lambda t: f"<{t}>")
+    entries = json.loads(render_delta(state, first)["prompt_logprobs"][0])
+    assert entries == [None, {"7": {"logprob": -5.0, "rank": 30, "decoded_token": "<7>"},
+                              "4": {"logprob": -0.5, "rank": 1, "decoded_token": "<4>"},
+                              "9": {"logprob": -1.5, "rank": 2, "decoded_token": "<9>"}},
+                       {"4": {"logprob": -0.2, "rank": 1, "decoded_token": "<4>"},
+                        "9": {"logprob": -2.5, "rank": 2, "decoded_token": "<9>"}}]
+    assert list(entries[1]) == ["7", "4", "9"]
+    assert "prompt_logprobs" not in render_delta(state, RequestOutput("r", text="b", token_ids=[2]))
+    final = OutputState("p", True, p.returns)
+    for delta in (first, RequestOutput("r", text="b", token_ids=[2], finished=True)):
+        final.accumulate(delta)
+    assert json.loads(render_final(final, delta)["prompt_logprobs"][0])[1]["7"]["rank"] == 30
+    assert "prompt_logprobs" not in render_final(OutputState("p", True, parse().returns), delta)

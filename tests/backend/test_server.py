@@ -21,6 +21,7 @@ from backend.engine_setup import build_engine, load_engine_args, pop_backend_opt
 from client.grpc import GrpcClient
 from client.http import HttpClient
 from client.types import ServerError
+from engine.llm import LLM
 from engine.request import GenerationRequest, SamplingParams
 from loadtest.scrape import metric, metrics_text
 
@@ -293,6 +294,40 @@ def test_detokenize_false_returns_the_token_ids(triton_server):
                                                 "sampling_parameters": json.dumps(sampling)})
     assert status == 200 and "output_token_ids" not in text
     assert ids["output_token_ids"] == [int(next(iter(step))) for step in json.loads(text["logprobs"])]
+
+
+def test_prompt_logprobs_over_the_wire_every_position_despite_the_prefix_cache(triton_server):
+    """The server's model.json has prefix caching on: a repeated prompt still gets every position."""
+    args = load_engine_args(triton_server.workdir / "model_repository" / "deepseek_v4" / "1" / "model.json")
+    pop_backend_options(args)
+    args.pop("engine", None)
+    args.pop("engine_core_process", None)
+    local = LLM(args)  # the same engine in this process: the oracle
+    ids = local.tokenizer.encode(PROMPT * 3)
+    want = local.generate([ids], SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2))[0]
+    sampling = json.dumps({"max_tokens": 3, "temperature": 0, "prompt_logprobs": 2})
+    for _ in range(2):
+        status, out = raw_generate(triton_server, {"text_input": PROMPT * 3, "return_num_input_tokens": True,
+                                                   "sampling_parameters": sampling})
+        assert status == 200, out
+        got = json.loads(out["prompt_logprobs"])
+        assert len(got) == len(ids) == out["num_input_tokens"] and got[0] is None
+        for p, (step, ref, rank) in enumerate(zip(got[1:], want.prompt_logprobs[1:], want.prompt_logprob_ranks[1:])):
+            assert [int(t) for t in step] == list(ref) and int(next(iter(step))) == ids[p + 1]
+            assert all(abs(step[str(t)]["logprob"] - v) <= 1e-3 for t, v in ref.items())
+            assert step[str(ids[p + 1])]["rank"] == rank and step[str(ids[p + 1])]["decoded_token"] is not None
+    # streamed over gRPC: the first response carries them, once
+    inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("stream", [1], "BOOL"),
+              grpcclient.InferInput("sampling_parameters", [1], "BYTES")]
+    inputs[0].set_data_from_numpy(np.array([(PROMPT * 3).encode()], dtype=np.object_))
+    inputs[1].set_data_from_numpy(np.array([True]))
+    inputs[2].set_data_from_numpy(np.array([sampling.encode()], dtype=np.object_))
+    carried = [r.as_numpy("prompt_logprobs") for r, _ in _grpc_raw(triton_server, inputs) if r is not None]
+    assert carried[0] is not None and all(c is None for c in carried[1:]) and len(carried) >= 2
+    assert json.loads(carried[0][0]) == got
+    status, out = raw_generate(triton_server, {"text_input": PROMPT, "sampling_parameters": json.dumps(
+        {"prompt_logprobs": 21})})
+    assert status == 400 and "prompt_logprobs must be between 0 and 20" in out["error"], out
 
 
 # ------------------------------------------------------------------------------------------ server

@@ -78,13 +78,14 @@ def test_sampling_parameters_map_to_vllm_deltas():
     from backend.vllm_engine import to_vllm_sampling
 
     ours = SamplingParams(max_tokens=7, min_tokens=2, temperature=0.5, top_p=0.9, top_k=0, min_p=0.05, seed=3,
-                          stop=["x"], stop_token_ids=[5], ignore_eos=True, logprobs=2, skip_special_tokens=False)
+                          stop=["x"], stop_token_ids=[5], ignore_eos=True, logprobs=2, skip_special_tokens=False,
+                          prompt_logprobs=3)
     theirs = to_vllm_sampling(ours)
     assert theirs.output_kind == RequestOutputKind.DELTA and theirs.n == 1
     assert (theirs.max_tokens, theirs.min_tokens, theirs.temperature, theirs.top_p, theirs.min_p) == (7, 2, 0.5, 0.9, 0.05)
     assert theirs.top_k in (0, -1)  # off
     assert (theirs.seed, theirs.stop, theirs.stop_token_ids, theirs.ignore_eos) == (3, ["x"], [5], True)
-    assert (theirs.logprobs, theirs.skip_special_tokens) == (2, False)
+    assert (theirs.logprobs, theirs.skip_special_tokens, theirs.prompt_logprobs) == (2, False, 3)
     assert to_vllm_sampling(SamplingParams(top_k=5)).top_k == 5
     with pytest.raises(InvalidRequest):
         to_vllm_sampling(SamplingParams(temperature=-1.0))
