@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|quant|depth|v41|largest|profile-depth|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh kernels|quant|depth|v41|largest|profile-depth|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
 # numpy2 and serving need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoints, drawn on the GPU: flash-depth (V4-Flash depth: 43 layers, 16 experts; mixed, engine, depth) and
 # flash-shaped (its per-layer shapes, 4 layers: quick and the rest).
@@ -112,6 +112,9 @@ serving)  # issue 16: one closed-loop workload through Triton (engine core proce
 tp-share)  # issue 18: rank 0's share of V4-Flash as shipped at tensor_parallel_size 8 (43 layers, 8/64 heads, 32/256 MXFP4 experts), collectives skipped
   timeout 420 python3 -m tools.bench_tp_share --world ${TP_WORLD:-8} --batches 1,32,150 --input-len 512 --chunk 2048 \
     --json "$OUT/tp_share.json" 2>&1 | tee "$OUT/tp_share.log" | grep -vE "^\s*$|INFO" | tail -12 ;;
+structured)  # issue 23: structured outputs' decode step time at batch 1/32/150 with 0/50/100% JSON-schema-constrained rows
+  timeout 200 python3 -m tools.bench_structured --preset flash-shaped --cache-dir $CK --steps 30 \
+    --json "$OUT/structured.json" 2>&1 | tee "$OUT/structured.log" | grep -E "batch|compile|GPU|Error|error" | tail -12 ;;
 peer)
   bench --concurrency 1 --input-len 1024 --output-len 32 --requests-per-user 2 --hf-peer 1,8 \
     --engine-args "{$EA}" --json "$OUT/peer_1024.json" 2>&1 | tee "$OUT/peer_1024.log" | tail -6
