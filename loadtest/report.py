@@ -3,8 +3,10 @@
     python -m loadtest.report out/prefix-on.json out/prefix-off.json --out docs/loadtest
 
 Writes throughput.png (output tok/s and request/s vs concurrency), ttft.png, itl.png (p50 solid,
-p90 dashed, p99 dotted), e2e.png, and report.md: each sweep's command and settings, then one table
-per figure with the configurations side by side (and their ratio when there are two).
+p90 dashed, p99 dotted), e2e.png, interactivity.png (output tok/s per GPU against tok/s per user,
+one point per level: loadtest.interactivity), and report.md: each sweep's command and settings, then
+one table per figure with the configurations side by side (and their ratio when there are two, plus
+the two curves compared at a fixed tok/s per user, --at, default 150).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from loadtest import interactivity
 
 STYLES = {"p50": "-", "p90": "--", "p99": ":"}
 
@@ -94,6 +98,22 @@ def plot(sweeps: list[dict], out: Path) -> list[Path]:
         ax.yaxis.set_minor_formatter(plain)
         ax.tick_params(axis="y", which="minor", labelsize=7)
         save(fig, name)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, s in enumerate(sweeps):
+        pts = interactivity.curve(s)
+        ax.plot([p["tok_per_s_per_user"] for p in pts], [p["output_tok_per_s_per_gpu"] for p in pts], "o-",
+                color=colors[i % len(colors)], label=f"{s['label']} ({s.get('gpus') or 1} GPU)")
+        for p in pts:
+            ax.annotate(str(p["concurrency"]), (p["tok_per_s_per_user"], p["output_tok_per_s_per_gpu"]),
+                        fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("tok/s per user (1000 / mean TPOT ms)")
+    ax.set_ylabel("output tok/s per GPU")
+    ax.set_title("Throughput vs interactivity (labels: concurrency)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_ylim(bottom=0)
+    save(fig, "interactivity.png")
     return written
 
 
@@ -106,6 +126,8 @@ def _fmt(value, digits: int = 1) -> str:
 # (title, getter, digits, higher is better)
 TABLES = [
     ("Output tokens/s", lambda lv: lv["output_tok_per_s"], 1, True),
+    ("Output tokens/s per GPU", lambda lv: lv.get("output_tok_per_s_per_gpu"), 1, True),
+    ("Tokens/s per user (1000 / mean TPOT)", interactivity.tok_per_s_per_user, 1, True),
     ("Requests/s", lambda lv: lv["request_per_s"], 2, True),
     ("TTFT p50 (ms)", lambda lv: lv["ttft_ms"].get("p50"), 1, False),
     ("TTFT p90 (ms)", lambda lv: lv["ttft_ms"].get("p90"), 1, False),
@@ -133,7 +155,7 @@ def _load(sweep: dict) -> str:
     return f"; load average {min(loads):.1f}-{max(loads):.1f}" if loads else ""
 
 
-def markdown(sweeps: list[dict], pngs: list[Path] = ()) -> str:
+def markdown(sweeps: list[dict], pngs: list[Path] = (), at: float = 150.0) -> str:
     labels = [s["label"] for s in sweeps]
     lines = ["# Load-test report", "", *[f"![{p.stem}]({p.name})" for p in pngs], ""]
     for s in sweeps:
@@ -167,6 +189,9 @@ def markdown(sweeps: list[dict], pngs: list[Path] = ()) -> str:
                 cells.append(f"{b / a:.2f}x" if a and b is not None else "-")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+    if ratio:  # the seed's figure: throughput per GPU at a fixed interactivity
+        lines += [f"### At {at:g} tok/s per user", "", "- " + interactivity.describe(
+            interactivity.compare(sweeps[1], sweeps[0], at)), ""]
     problems = [f"{s['label']} c={lv['concurrency']}: load process killed" for s in sweeps for lv in s["levels"]
                 if lv.get("driver", lv.get("locust", {})).get("killed")]
     if problems:
@@ -178,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.report", description=__doc__.split("\n\n")[0])
     p.add_argument("results", nargs="+", help="loadtest.sweep JSON files, one per configuration")
     p.add_argument("--out", required=True, help="folder for the PNGs and report.md")
+    p.add_argument("--at", type=float, default=150.0, help="with two sweeps: tok/s per user to compare "
+                   "their throughput per GPU at (the second over the first; default 150)")
     args = p.parse_args(argv)
     try:
         sweeps = load(args.results)
@@ -192,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         pngs = []
         print("matplotlib is not installed: writing the tables only (pip install matplotlib)", file=sys.stderr)
     report = out / "report.md"
-    report.write_text(markdown(sweeps, pngs))
+    report.write_text(markdown(sweeps, pngs, args.at))
     for path in [report, *pngs]:
         print(f"wrote {path}")
     return 0

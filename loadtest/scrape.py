@@ -73,6 +73,14 @@ def metrics_text(url: str, timeout_s: float = 5.0) -> str:
         return response.read().decode("utf-8", "replace")
 
 
+def gpu_count(text: str) -> int | None:
+    """GPUs Triton reports (distinct `gpu_uuid` of nv_gpu_utilization): every GPU the server can see,
+    which is the serving count on a dedicated host. None: no GPU in the metrics."""
+    uuids = {dict(_LABEL.findall(m.group(3) or "")).get("gpu_uuid") for m in map(_SAMPLE.match, text.splitlines())
+             if m and m.group(1) == "nv_gpu_utilization"}
+    return len(uuids - {None}) or None
+
+
 def scrape(url: str | None, timeout_s: float = 5.0) -> dict[str, float] | None:
     """None when there is no metrics URL or it cannot be read (the sweep carries on without it)."""
     if not url:

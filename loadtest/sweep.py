@@ -11,7 +11,9 @@ Each level runs `locust -f loadtest/locustfile.py` in its own process group, clo
 are read before and after each level (prefix-cache hits, the server's own token totals).
 
 Writes OUT/LABEL.json (settings, one summary per level: p50/p90/p99 TTFT, ITL, TPOT, E2E,
-request/s, output tok/s, error rate, server counters, and every request's record) and
+request/s, output tok/s, and the throughput-vs-interactivity point: tok/s per user = 1000 / mean
+TPOT and output tok/s per GPU (--gpus, else the GPUs Triton reports, else 1; loadtest.interactivity
+compares two sweeps at a fixed tok/s per user), error rate, server counters, and every request's record) and
 OUT/LABEL.csv (one row per level); Locust's logs, CSV and raw records go to OUT/raw/LABEL/cN/.
 `python -m loadtest.report` plots and compares sweeps.
 """
@@ -33,7 +35,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from loadtest import scrape
+from loadtest import interactivity, scrape
 from loadtest.workloads import Length, LoadConfig, WorkloadConfig, resolve_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -270,7 +272,8 @@ def describe_level(level: dict) -> str:
              f"{level['output_tok_per_s']:8.1f} tok/s",
              f"TTFT p50 {ttft.get('p50', float('nan')):7.1f} p99 {ttft.get('p99', float('nan')):7.1f} ms",
              f"ITL p50 {itl.get('p50', float('nan')):6.1f} ms", f"E2E p50 {e2e.get('p50', float('nan')):7.1f} ms",
-             f"err {level['error_rate']:.1%}"]
+             f"{level.get('tok_per_s_per_user') or float('nan'):6.1f} tok/s/user",
+             f"{level.get('output_tok_per_s_per_gpu', float('nan')):8.1f} tok/s/GPU", f"err {level['error_rate']:.1%}"]
     if hit is not None:
         parts.append(f"prefix hit {hit:.0%}")
     if level["driver"]["killed"]:
@@ -281,7 +284,8 @@ def describe_level(level: dict) -> str:
 
 
 CSV_FIELDS = ["label", "protocol", "workload", "concurrency", "requests", "errors", "cancelled", "error_rate",
-              "request_per_s", "output_tok_per_s", "input_tok_per_s"] + [
+              "request_per_s", "output_tok_per_s", "input_tok_per_s", "tok_per_s_per_user",
+              "output_tok_per_s_per_gpu"] + [
     f"{m}_{p}" for m in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms") for p in ("p50", "p90", "p99", "mean")] + [
     "prefix_hit_ratio", "driver_killed", "driver_elapsed_s", "failure"]
 
@@ -307,6 +311,17 @@ def write_outputs(result: dict, out: Path, label: str) -> tuple[Path, Path]:
     return json_path, csv_path
 
 
+def gpus_of(args, metrics_url: str | None) -> dict:
+    """What output tok/s per GPU divides by, and where that number came from."""
+    if args.gpus:
+        return {"gpus": args.gpus, "gpus_source": "--gpus"}
+    try:
+        found = scrape.gpu_count(scrape.metrics_text(metrics_url)) if metrics_url else None
+    except (OSError, ValueError):  # URLError is an OSError
+        found = None
+    return {"gpus": found, "gpus_source": "the server's metrics"} if found else {"gpus": 1, "gpus_source": "default"}
+
+
 def sweep(args, url: str, metrics_url: str | None, server_info: dict, say=print) -> dict:
     label = args.label
     out = Path(args.out)
@@ -320,6 +335,7 @@ def sweep(args, url: str, metrics_url: str | None, server_info: dict, say=print)
         "sampling": {"temperature": args.temperature, "ignore_eos": not args.no_ignore_eos},
         "duration_s": args.duration, "stop_timeout_s": args.stop_timeout,
         "server": {"url": url, "metrics_url": metrics_url, **server_info},
+        **gpus_of(args, metrics_url),
         "host": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "levels": [],
@@ -331,6 +347,8 @@ def sweep(args, url: str, metrics_url: str | None, server_info: dict, say=print)
     for i, c in enumerate(levels, 1):
         say(f"[{i}/{len(levels)}] concurrency {c} ...")
         level = run_level(args, c, url, metrics_url, out / "raw" / label / f"c{c}", say)
+        level["tok_per_s_per_user"] = interactivity.tok_per_s_per_user(level)
+        level["output_tok_per_s_per_gpu"] = level["output_tok_per_s"] / result["gpus"]
         result["levels"].append(level)
         say(f"  {describe_level(level)}")
         write_outputs(result, out, label)
@@ -376,6 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (lengths vary)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds, per request")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gpus", type=int, default=None, help="GPUs serving the model, for output tok/s per GPU "
+                   "(default: the GPUs Triton's metrics report, else 1)")
     p.add_argument("--label", help="name of this configuration (default PROTOCOL-WORKLOAD)")
     p.add_argument("--out", default="loadtest-results")
     return p
