@@ -43,6 +43,8 @@ def capture(run, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         for _ in range(2):
             run()
     torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the warm-ups' blocks stay cached for the side stream; the pool needs them
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=pool):
         out = run()
