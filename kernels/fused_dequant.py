@@ -38,3 +38,92 @@ def mxfp4_rows_tile(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: t
     lo = (((byte & 7) << 2) | ((byte & 8) << 4)).to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
     hi = (((byte >> 2) & 0x1C) | (byte & 0x80)).to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale
     return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+
+
+# e2m1 -> bf16 with integer ops only, two values per 32-bit register (no conversion-unit
+# instructions, which bound the e4m3 placement at ~0.8 TB/s): word j of the shifts below holds
+# nibbles j and j + 4 of eight packed values, each moved to bf16's bits as sign << 15 | code << 6,
+# which is the e2m1 value times 2^-126 exactly (code 1, the value 0.5, lands on bf16's subnormal
+# 2^-127); two bf16x2 multiplies by 2^126 and by the group's ue8m0 scale 2^(s-127) finish it, exact.
+_E2M1_BF16_ASM = """
+{
+.reg .b32 a, b, t, z, big;
+mov.b32 z, 0x80008000;
+mov.b32 big, 0x7E807E80;
+shl.b32 a, $8, 6;
+shl.b32 b, $8, 12;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 t, a, b;
+fma.rn.bf16x2 t, t, big, z;
+fma.rn.bf16x2 t, t, $9, z;
+mov.b32 {$0, $4}, t;
+shl.b32 a, $8, 2;
+shl.b32 b, $8, 8;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 t, a, b;
+fma.rn.bf16x2 t, t, big, z;
+fma.rn.bf16x2 t, t, $9, z;
+mov.b32 {$1, $5}, t;
+shr.b32 a, $8, 2;
+shl.b32 b, $8, 4;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, b, 0x80008000;
+or.b32 t, a, b;
+fma.rn.bf16x2 t, t, big, z;
+fma.rn.bf16x2 t, t, $9, z;
+mov.b32 {$2, $6}, t;
+shr.b32 a, $8, 6;
+and.b32 a, a, 0x01C001C0;
+and.b32 b, $8, 0x80008000;
+or.b32 t, a, b;
+fma.rn.bf16x2 t, t, big, z;
+fma.rn.bf16x2 t, t, $9, z;
+mov.b32 {$3, $7}, t;
+}
+"""
+
+
+@triton.jit
+def _bf16_lanes(t, sf):
+    """The interpreter's path of the asm above for one shifted word: both bf16 lanes, read as the
+    float32 with the same top bits (code 1 a float32 subnormal, exact) and scaled in float32."""
+    lo = (t << 16).to(tl.float32, bitcast=True)
+    hi = (t & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return (lo * 8.507059173023462e37 * sf).to(tl.bfloat16), (hi * 8.507059173023462e37 * sf).to(tl.bfloat16)  # 2^126
+
+
+@triton.jit
+def mxfp4_rows_tile_bf16(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """e2m1 pairs [N, K/2] with ue8m0 bytes [N, K/32] -> bf16 tile, decoded with integer ops (above);
+    loaded as 32-bit words, eight values each, 16-byte rows. ASM: the PTX (GPU), else the same bit
+    operations in Triton with the scale applied in float32 (the interpreter runs no inline asm)."""
+    W: tl.constexpr = BLOCK_K // 8
+    G: tl.constexpr = BLOCK_K // 32
+    KW = tl.multiple_of(K // 8, 4)  # K % 32 == 0: whole 16-byte groups per row
+    wd = k0 // 8 + tl.arange(0, W)
+    nmask = n < N
+    words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + n[:, None] * KW + wd[None, :],
+                    mask=nmask[:, None] & (wd[None, :] < KW), other=0).to(tl.uint32, bitcast=True)
+    g = k0 // 32 + tl.arange(0, G)
+    sb = tl.load(s_ptr + n[:, None] * (K // 32) + g[None, :], mask=nmask[:, None] & (g[None, :] < K // 32),
+                 other=0).to(tl.uint32)
+    sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, W))  # 4 words per group
+    if ASM:
+        sc = sb << 7  # bf16 2^(s-127): the ue8m0 byte is bf16's exponent field
+        o = tl.inline_asm_elementwise(_E2M1_BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, sc | (sc << 16)],
+                                      dtype=(tl.int16,) * 8, is_pure=True, pack=1)
+        o0, o1, o2, o3 = (o[0].to(tl.bfloat16, bitcast=True), o[1].to(tl.bfloat16, bitcast=True),
+                          o[2].to(tl.bfloat16, bitcast=True), o[3].to(tl.bfloat16, bitcast=True))
+        o4, o5, o6, o7 = (o[4].to(tl.bfloat16, bitcast=True), o[5].to(tl.bfloat16, bitcast=True),
+                          o[6].to(tl.bfloat16, bitcast=True), o[7].to(tl.bfloat16, bitcast=True))
+    else:
+        sf = (sb << 23).to(tl.float32, bitcast=True)  # 2^(s-127)
+        o0, o4 = _bf16_lanes(((words << 6) & 0x01C001C0) | ((words << 12) & 0x80008000), sf)
+        o1, o5 = _bf16_lanes(((words << 2) & 0x01C001C0) | ((words << 8) & 0x80008000), sf)
+        o2, o6 = _bf16_lanes(((words >> 2) & 0x01C001C0) | ((words << 4) & 0x80008000), sf)
+        o3, o7 = _bf16_lanes(((words >> 6) & 0x01C001C0) | (words & 0x80008000), sf)
+    # natural K order: value p of a word sits at 4 * (p >= 4) + 2 * (p // 2 % 2) + p % 2 of the joins' axes
+    t = tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7)))
+    return tl.reshape(t, (BLOCK_N, BLOCK_K))

@@ -5,9 +5,9 @@ tools/bench_quant.py sweeps candidates on the H200 and prints its winners in thi
 - FP8 linear, decode (<= 64 rows): "dequant" streams the weight with many programs (narrow N
   tiles times split-K, so all 132 SMs read), swap-AB (weight rows on the MMA's M side).
 - FP8 linear, from a few hundred rows: "mma", activations quantized once, 128x128 FP8 tiles.
-- MoE, decode (pairs <= MOE_DECODE_MAX_PAIRS): one program per (expert hit, N tile), reading
-  only the routed experts; prefill: experts sorted and padded to 64-row tiles (BLOCK_M, when
-  given, overrides fused_moe._row_class).
+- MoE: one program per (expert tile of BLOCK_M rows, N tile). Decode (pairs <= MOE_DECODE_MAX_PAIRS):
+  BLOCK_M from the rows an expert can have this step (moe_block_m), so each expert's weights are
+  read once per step; prefill: the measured tiles, 64 rows where an entry gives none.
 A config: variant, BLOCK_M, BLOCK_N, BLOCK_K (dequant), SPLIT_K (0: enough for ~2 waves of
 programs), GROUP_M (mma: programs sharing weight tiles run together), num_warps, num_stages.
 """
@@ -45,36 +45,55 @@ FP8_LINEAR: dict = {
                    (4096, _mm(128, 128, 8, 3)), (None, _mm(64, 128))],
 }
 
-MOE_DECODE_MAX_PAIRS = 1024  # (token, expert) pairs up to which the decode kernels run (150 rows x top-6)
-# (phase, stored format: "dense" | "fp8" | "mxfp4") -> {"gate_up": config, "down": config}, or
-# [(max pairs, that), ...] ascending (None: any count). MXFP4 "MX": "scaled" multiplies the packed
+MOE_DECODE_MAX_PAIRS = 1024  # (token, expert) pairs up to which the decode tiles apply (150 rows x top-6)
+MOE_BLOCK_M = (16, 32, 64, 128)  # decode row tiles
+
+
+def moe_block_m(tokens: int, pairs: int, experts: int) -> int:
+    """Decode rows per tile: an expert has at most `tokens` rows this step (a token picks it once)
+    and, routed evenly, pairs / experts; twice that covers the busiest expert of an even routing
+    (16 experts at 150 rows: mean 56, the 128-row tile), so its weights stream once, not once per
+    16 rows. A CUDA graph fixes the tile per batch size: a busier expert still runs, in two tiles."""
+    want = min(tokens, 2 * -(-pairs // experts))
+    return next((bm for bm in MOE_BLOCK_M if want <= bm), MOE_BLOCK_M[-1])
+
+
+# (stored format: "dense" | "fp8" | "mxfp4") -> decode tiles by BLOCK_M, or prefill [(max pairs, {"gate_up":
+# config, "down": config}), ...] ascending (None: any count). MXFP4 "MX": "scaled" multiplies the packed
 # e2m1 tile by tl.dot_scaled (Triton's PRMT-table e2m1 -> bf16 unpack and ue8m0 scale, no
 # conversion-unit instructions); "e4m3": the e4m3 bit placement (kernels/fused_dequant.py).
 # Measured (H200 2026-12-01, quant_tuned.json, with "e4m3"): decode n64 k128 w4 st4 for MXFP4 and
-# FP8 at 1 / 32 / 150 rows; MXFP4 prefill m64 n128 k64 w8 st3 at 2048 rows, m128 n64 k128 w4 st3 at 8192.
-_MOE_DEC = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
-_MOE_PRE = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+# FP8 at 1 / 32 / 150 rows (16-row tiles, 256 experts); MXFP4 prefill m64 n128 k64 w8 st3 at 2048
+# rows, m128 n64 k128 w4 st3 at 8192. The 32- to 128-row decode tiles are unmeasured: the widest
+# that keep both gate/up accumulators in registers (BLOCK_N x BLOCK_M x 2 float32 over the warps).
+def _dec(bm: int, bn: int, w: int, st: int) -> dict:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": st}
+
+
+_MOE_DEC = {16: _dec(16, 64, 4, 4), 32: _dec(32, 64, 4, 4), 64: _dec(64, 64, 8, 3), 128: _dec(128, 32, 8, 3)}
+_MOE_PRE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 # Measured again with both (quant_pass2.json): "e4m3" wins at every row count on Triton 3.6 (MXFP4 1 row
 # 128 us vs 135-264 us scaled; 150 rows 4.62 ms vs 5.37-9.74 ms), so it is the default.
 _MX = {"MX": "e4m3"}
-MOE: dict = {
-    ("decode", "dense"): {"gate_up": _MOE_DEC, "down": _MOE_DEC},
-    ("decode", "fp8"): {"gate_up": _MOE_DEC, "down": _MOE_DEC},
-    ("decode", "mxfp4"): {"gate_up": {**_MOE_DEC, **_MX}, "down": {**_MOE_DEC, **_MX}},
-    ("prefill", "dense"): {"gate_up": _MOE_PRE, "down": _MOE_PRE},
-    ("prefill", "fp8"): {"gate_up": _MOE_PRE, "down": _MOE_PRE},
-    ("prefill", "mxfp4"): [
-        (6143, {"gate_up": {**_MOE_PRE, **_MX}, "down": {**_MOE_PRE, **_MX}}),  # unmeasured: fused_moe._row_class tiles
-        (24576, {part: {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, **_MX}
-                 for part in ("gate_up", "down")}),
-        (None, {part: {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, **_MX}
-                for part in ("gate_up", "down")}),
+
+
+def _both(cfg: dict) -> dict:
+    return {"gate_up": cfg, "down": cfg}
+
+
+MOE_DECODE: dict = {"dense": _MOE_DEC, "fp8": _MOE_DEC, "mxfp4": {bm: {**c, **_MX} for bm, c in _MOE_DEC.items()}}
+MOE_PREFILL: dict = {
+    "dense": [(None, _both(_MOE_PRE))],
+    "fp8": [(None, _both(_MOE_PRE))],
+    "mxfp4": [
+        (24576, _both({**_MOE_PRE, **_MX})),
+        (None, _both({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, **_MX})),
     ],
 }
 
 INTERPRET_LINEAR = {"dequant": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2},
                     "mma": {"BLOCK_M": 16, "BLOCK_N": 32, "GROUP_M": 2}}
-INTERPRET_MOE = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64}
+INTERPRET_MOE = {"BLOCK_N": 32, "BLOCK_K": 64}  # BLOCK_M stays the chosen one: the tests cover every row tile
 
 
 def fp8_linear_config(m: int, n: int, k: int) -> dict:
@@ -84,11 +103,11 @@ def fp8_linear_config(m: int, n: int, k: int) -> dict:
     raise AssertionError("every FP8_LINEAR list ends with a None row bound")
 
 
-def moe_config(pairs: int, fmt: str) -> dict:
-    entry = MOE[("decode" if pairs <= MOE_DECODE_MAX_PAIRS else "prefill", fmt)]
-    if isinstance(entry, dict):
-        return entry
-    for max_pairs, cfg in entry:
+def moe_config(tokens: int, pairs: int, experts: int, fmt: str) -> dict:
+    """{"gate_up": config, "down": config} for one MoE call; both share BLOCK_M (one alignment)."""
+    if pairs <= MOE_DECODE_MAX_PAIRS:
+        return _both(MOE_DECODE[fmt][moe_block_m(tokens, pairs, experts)])
+    for max_pairs, cfg in MOE_PREFILL[fmt]:
         if max_pairs is None or pairs <= max_pairs:
             return cfg
-    raise AssertionError("every MOE list ends with a None pair bound")
+    raise AssertionError("every MOE_PREFILL list ends with a None pair bound")

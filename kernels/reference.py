@@ -119,6 +119,32 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return w * routed_scaling, indices
 
 
+def moe_align(indices: torch.Tensor, num_experts: int, block_m: int):
+    """The fused MoE's row layout: (token, expert) pair ids grouped by expert, cut into tiles of
+    block_m rows that never straddle two experts. Returns sorted_ids int32 [n_pairs] (pair ids,
+    expert-major; within an expert in pair order here, any order in the kernel; pairs of index -1,
+    another rank's experts, last and in no tile), expert_end int32 [E] (the end of each expert's
+    run in sorted_ids), block_expert int32 [max_blocks] (-1: unused) and block_start int32
+    [max_blocks] (the tile's first index into sorted_ids). max_blocks = cdiv(n_pairs, block_m) +
+    min(E, n_pairs) bounds the tiles without a host sync."""
+    flat = indices.reshape(-1)
+    flat = torch.where(flat < 0, num_experts, flat)  # skipped pairs: one slot past the experts
+    n_pairs, dev = flat.numel(), flat.device
+    max_blocks = -(-n_pairs // block_m) + min(num_experts, n_pairs)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    end = torch.cumsum(counts, 0)[:num_experts]
+    counts = counts[:num_experts]
+    n_blk = (counts + block_m - 1) // block_m
+    blk_end = torch.cumsum(n_blk, 0)
+    b = torch.arange(max_blocks, device=dev)
+    expert = torch.searchsorted(blk_end, b, right=True)
+    used = b < blk_end[-1]
+    expert = torch.where(used, expert, 0)
+    start = end[expert] - counts[expert] + (b - (blk_end[expert] - n_blk[expert])) * block_m
+    return (torch.argsort(flat, stable=True).int(), end.int(), torch.where(used, expert, -1).int(),
+            torch.where(used, start, 0).int())
+
+
 # --- quantized weights (kernels/formats.py): dequantize, then the plain op ---------------------
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 import kernels.fused_indexer as fi
 import kernels.fused_moe as fm
 import kernels.fused_norm_mhc as fn
+from kernels import quant_configs
 from kernels.fused_attention import paged_attention_fused
 
 
@@ -106,13 +107,10 @@ def moe_rows(dev):
         x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
         idx = torch.stack([torch.randperm(E, device=dev)[:k] for _ in range(T)])
         wts = torch.rand(T, k, device=dev)
-        for label, rows in (("16-row tiles", 10**9), ("64-row tiles", 24)):
-            orig = fm._row_class
-            fm._row_class = lambda p, e, rows=rows: (fm.BLOCK_M_LARGE, 2) if p >= rows * e else (fm.BLOCK_M, 1)
-            yield "moe_experts (16 experts)", f"T={T}", label, graph_ms(
-                partial(fm.moe_experts_fused, x, w1, w3, w2, wts, idx, 10.0), reps=5)
-            fm._row_class = orig
-
+        for bm in (16, 64, quant_configs.moe_block_m(T, T * k, E)):
+            cfg = {part: quant_configs.MOE_DECODE["dense"][bm] for part in ("gate_up", "down")}
+            yield "moe_experts (16 experts)", f"T={T}", f"{bm}-row tiles", graph_ms(
+                partial(fm.moe_experts_fused, x, w1, w3, w2, wts, idx, 10.0, config=cfg), reps=5)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

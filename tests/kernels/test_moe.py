@@ -1,16 +1,19 @@
-"""Fused MoE grouped GEMMs vs the reference: awkward sizes, one token, experts with no tokens,
-and a prefill large enough for the large row tiles."""
+"""Fused MoE grouped GEMMs and their row alignment vs the references: awkward sizes, one token,
+experts with no tokens, every decode row tile (16 to 128 rows, chosen from the rows per expert)
+and a prefill large enough for the prefill tiles."""
 
 import pytest
 import torch
 
 from kernels import fused_moe, quant_configs
 from kernels import reference as ref
-from kernels.fused_moe import align_by_expert, moe_experts_fused
+from kernels.fused_moe import moe_experts_fused
+from kernels.fused_moe_align import moe_align_fused
 
 
 @pytest.mark.parametrize("T, D, I, E, k", [(1, 32, 16, 4, 2), (19, 40, 24, 8, 3), (5, 64, 72, 16, 6),
-                                        (30, 32, 24, 4, 4), (700, 32, 24, 8, 6)])  # 64-row tiles: decode, prefill
+                                        (30, 32, 24, 4, 4), (150, 32, 24, 16, 6),  # decode: 16 / 32 / 128-row tiles
+                                        (700, 32, 24, 8, 6)])  # prefill
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_moe_experts(T, D, I, E, k, dtype, tol):
     g = torch.Generator().manual_seed(T * E)
@@ -46,18 +49,38 @@ def test_skipped_pairs_add_nothing(T, path, monkeypatch):
         assert (got - want).abs().max() <= 1e-5 * max(want.abs().max().item(), 1.0), fn.__name__
 
 
-def test_alignment_pads_each_expert_to_whole_blocks():
-    idx = torch.tensor([[3, 0], [3, 1], [0, 3]])
-    sorted_ids, experts, max_blocks = align_by_expert(idx, num_experts=5, block_m=4)
-    blocks = sorted_ids.view(max_blocks, 4)
-    seen = {}
-    for b, e in enumerate(experts.tolist()):
-        if e >= 0:
-            pairs = [p for p in blocks[b].tolist() if p < 6]
-            assert all(idx.view(-1)[p] == e for p in pairs)
-            seen.setdefault(e, []).extend(pairs)
-    assert sorted(p for ps in seen.values() for p in ps) == list(range(6))
-    assert set(seen) == {0, 1, 3}
+@pytest.mark.parametrize("T, E, k, block_m", [(1, 8, 2, 16), (3, 5, 2, 4), (150, 16, 6, 128), (40, 256, 6, 16),
+                                             (3000, 16, 6, 64)])  # the last: several chunks of the kernel's loops
+@pytest.mark.parametrize("skipped", [False, True])
+def test_alignment_matches_reference(T, E, k, block_m, skipped):
+    """Every pair in exactly one tile of its own expert, tiles of at most block_m rows, unused tiles -1,
+    the same tiles as the torch reference (the kernel may order pairs within an expert differently);
+    skipped: a third of the pairs are another rank's (-1) and in no tile."""
+    g = torch.Generator().manual_seed(T + E)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    if skipped:
+        idx = torch.where(torch.rand(idx.shape, generator=g) < 0.33, -1, idx)
+    got, want = moe_align_fused(idx, E, block_m), ref.moe_align(idx, E, block_m)
+    for a, b in zip(got[1:], want[1:]):
+        assert torch.equal(a, b)
+    sorted_ids, end, experts, start = got
+    flat, seen = idx.reshape(-1), []
+    for e, s in zip(experts.tolist(), start.tolist()):
+        if e < 0:
+            continue
+        pairs = sorted_ids[s:min(s + block_m, int(end[e]))].tolist()
+        assert pairs and all(int(flat[p]) == e for p in pairs)
+        seen += pairs
+    assert sorted(seen) == (flat >= 0).nonzero().flatten().tolist()
+    assert (experts >= 0).sum() == sum(-(-int(c) // block_m) for c in torch.bincount(flat[flat >= 0], minlength=E))
+
+
+def test_decode_tiles_fit_each_experts_rows():
+    """Each expert's rows in one tile at the decode shapes of V4-Flash depth (16 experts, top-6)."""
+    assert quant_configs.moe_block_m(1, 6, 16) == 16
+    assert quant_configs.moe_block_m(32, 192, 16) == 32
+    assert quant_configs.moe_block_m(150, 900, 16) == 128
+    assert quant_configs.moe_block_m(150, 900, 256) == 16
 
 
 def _stored_experts(w, fmt):
@@ -79,19 +102,20 @@ def _stored_experts(w, fmt):
     (70, 256, 64, 6, 6),    # all experts hit by every token
 ])
 @pytest.mark.parametrize("path", ["decode", "sorted"])
-@pytest.mark.parametrize("mx_scaled", [False, True])
-def test_moe_experts_quantized(fmt, T, D, I, E, k, path, mx_scaled, monkeypatch):
+@pytest.mark.parametrize("mx", ["e4m3", "scaled", "bf16"])
+def test_moe_experts_quantized(fmt, T, D, I, E, k, path, mx, monkeypatch):
     """Stored FP8 (128x128 float32 scales) and MXFP4 (1x32 ue8m0) experts, dequantized in registers,
     vs the reference that dequantizes then multiplies. bf16: both sides multiply the same bf16
     values (dequantized e4m3 / e2m1 times a power of two is exact in bf16), so the bound is the
-    bf16 rounding of h between the two GEMMs and accumulation order. Both kernel paths: the
-    decode one (no sort) and the sorted one prefill takes. mx_scaled: MXFP4 through tl.dot_scaled
-    (the GPU's default; here the interpreter's), else the e4m3 bit placement."""
-    if mx_scaled and fmt != "mxfp4":
-        pytest.skip("tl.dot_scaled serves MXFP4 only")
-    monkeypatch.setattr(fused_moe, "MX_SCALED_OK", mx_scaled)
+    bf16 rounding of h between the two GEMMs and accumulation order. Both tile tables: decode
+    (BLOCK_M from the rows per expert) and prefill. mx: the MXFP4 decode: the e4m3 bit placement,
+    tl.dot_scaled (here the interpreter's) or the integer bf16 decode (here its Triton twin of the PTX)."""
+    if mx != "e4m3" and fmt != "mxfp4":
+        pytest.skip("the MX decodes are MXFP4's")
+    monkeypatch.setattr(fused_moe, "MX_SCALED_OK", mx == "scaled")
     if path == "sorted":
         monkeypatch.setattr(quant_configs, "MOE_DECODE_MAX_PAIRS", 0)
+    cfg = {part: {**c, "MX": mx} for part, c in quant_configs.moe_config(T, T * k, E, fmt).items()}
     g = torch.Generator().manual_seed(T * E + D)
     x = torch.randn(T, D, generator=g).to(torch.bfloat16)
     w1, s1 = _stored_experts(torch.randn(E, I, D, generator=g) / D**0.5, fmt)
@@ -101,7 +125,7 @@ def test_moe_experts_quantized(fmt, T, D, I, E, k, path, mx_scaled, monkeypatch)
     w = torch.rand(T, k, generator=g).to(torch.bfloat16)
     scales = (s1, s3, s2)
     want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, scales)
-    got = moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales)
+    got = moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales, config=cfg)
     assert (got.float() - want.float()).abs().max() <= 3e-2 * max(want.abs().max().item(), 1.0)
     hit = torch.zeros(E, dtype=torch.bool)
     hit[idx.reshape(-1)] = True

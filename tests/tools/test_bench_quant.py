@@ -15,7 +15,9 @@ def test_cases_cover_decode_and_prefill_for_every_op():
     moe = [c for c in cases if c["op"] == "moe"]
     assert {c["rows"] for c in moe if c["fmt"] == "mxfp4"} == {1, 32, 150, 2048, 8192}
     assert {c["rows"] for c in moe if c["fmt"] == "fp8"} == {1, 32, 150}
-    assert all(c["E"] == 256 and c["k"] == 6 for c in moe)
+    assert all(c["E"] == 256 and c["k"] == 6 for c in moe if c["name"] == "experts")
+    depth = [(c["fmt"], c["rows"]) for c in moe if c["name"] == "depth"]  # the depth-43 checkpoint's 16 experts
+    assert sorted(depth) == sorted((f, m) for f in ("mxfp4", "fp8") for m in (1, 32, 150))
     assert max(c["rows"] for c in cases[:len(lin) // 5 * 3]) <= 150, "decode shapes are swept first"
     assert len(bq.cases(quick=True)) < len(cases)
 
@@ -28,9 +30,14 @@ def test_candidates_fit_the_kernels_constraints():
         assert len({tuple(sorted(c.items())) for c in cands}) == len(cands)
     for fmt in ("mxfp4", "fp8"):
         for m in (1, 150, 8192):
-            for c in bq.moe_candidates(m, fmt):
-                k = c["gate_up"]["BLOCK_K"]
-                assert (128 % k == 0) if fmt == "fp8" else (k % 32 == 0)
+            for experts in (16, 256):
+                cands = bq.moe_candidates(m, fmt, experts)
+                for c in cands:
+                    k = c["gate_up"]["BLOCK_K"]
+                    assert (128 % k == 0) if fmt == "fp8" else (k % 32 == 0)
+                    assert c["gate_up"]["BLOCK_M"] == c["down"]["BLOCK_M"]  # one alignment serves both
+                if m == 150 and experts == 16:  # the per-step tile and the old 16-row one it is timed against
+                    assert {c["gate_up"]["BLOCK_M"] for c in cands} == {128, 16}
 
 
 def test_linear_floor_is_memory_at_decode_and_flops_at_prefill():
