@@ -50,13 +50,18 @@ def _round_e4m3(v):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc[BLOCK_N, BLOCK_M] = W[n, k-range] @ x[m, k-range]^T; y (or split pid_k's partial) = acc^T."""
+def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, K, X_STRIDE, ROWS, K_SPLIT,
+                    SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    DOT_F32: tl.constexpr):
+    """acc[BLOCK_N, BLOCK_M] = W[n, k-range] @ x[m, g * K + k-range]^T, g = the group of rows n (ROWS
+    weight rows per group: wo_a's 8 groups read their own slice of x; a plain linear is one group).
+    Split-K: each split stores its float32 partial, and the last split of a tile to finish (a
+    counter per tile, reset by it for the next call) adds them and writes y: one launch, no reduce."""
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     nmask, mmask = n < N, m < M
+    xg = x_ptr + (pid_n * BLOCK_N // ROWS) * K  # BLOCK_N divides ROWS: one group per tile
     s_row = s_ptr + (n // 128) * tl.cdiv(K, 128)  # hoisted: one scale per weight row per 128-wide K block
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
@@ -65,24 +70,26 @@ def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, K_SPLIT, BLOCK_M: tl.co
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < k_hi
         w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        xt = tl.load(x_ptr + m[None, :] * K + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+        xt = tl.load(xg + m[None, :] * X_STRIDE + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
         sw = tl.load(s_row + k0 // 128, mask=nmask, other=0.0)
         if DOT_F32:  # float32 activations (and the interpreter): the dequantized tile, exact float32 products
             acc += tl.dot(w.to(tl.float32) * sw[:, None], xt.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(w.to(xt.dtype), xt) * sw[:, None]
-    tl.store(y_ptr + pid_k * M * N + m[None, :] * N + n[:, None], acc.to(y_ptr.dtype.element_ty),
-             mask=nmask[:, None] & mmask[None, :])
-
-
-@triton.jit(do_not_specialize=["MN"])
-def _sum_splits_kernel(ws_ptr, y_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < MN
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for s in range(SPLITS):
-        acc += tl.load(ws_ptr + s * MN + i, mask=mask, other=0.0)
-    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    out = m[None, :] * N + n[:, None]
+    omask = nmask[:, None] & mmask[None, :]
+    if SPLITS > 1:
+        tl.store(ws_ptr + pid_k * M * N + out, acc, mask=omask)
+        tl.debug_barrier()  # every thread's partial is stored before the counter's release
+        tile = sem_ptr + pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(tile, 1, sem="acq_rel") == SPLITS - 1:  # the last split of this tile adds them up
+            tl.atomic_xchg(tile, 0)  # zero again for the next call (CUDA graphs replay it as is)
+            for s in tl.static_range(SPLITS):  # the others' partials, from L2 (volatile: never a stale L1 line)
+                part = tl.load(ws_ptr + s * M * N + out, mask=omask, other=0.0, volatile=True)
+                acc += tl.where(pid_k == s, 0.0, part)
+            tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=omask)
+    else:
+        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -152,18 +159,30 @@ def _launch_opts(cfg: dict) -> dict:
     return {} if _INTERPRET else {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
 
 
-def _dequant(x2, weight, scale, y, cfg):
-    M, K = x2.shape
-    N = weight.shape[0]
+_SEMAPHORES: dict = {}  # device -> int32 zeros, one split-K counter per output tile (left zero by each call)
+
+
+def _semaphores(device, tiles: int) -> torch.Tensor:
+    buf = _SEMAPHORES.get(device)
+    if buf is None or buf.numel() < tiles:  # grows at warm-up (first calls of each shape), never inside a graph
+        buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _SEMAPHORES[device] = buf
+    return buf
+
+
+def _dequant(x2, weight, scale, y, cfg, groups: int = 1):
+    """x2 [M, groups * K] (row stride x2.stride(0)), weight [N, K] in `groups` blocks of N / groups rows."""
+    M = x2.shape[0]
+    N, K = weight.shape
     split = _split_k(cfg, M, N, K)
     k_split = triton.cdiv(triton.cdiv(K, cfg["BLOCK_K"]), split) * cfg["BLOCK_K"]
     split = triton.cdiv(K, k_split)
-    out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=y.device)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]), split)
-    _dequant_kernel[grid](x2, weight, scale, out, M, N, K, k_split, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                          BLOCK_K=cfg["BLOCK_K"], DOT_F32=_INTERPRET or x2.dtype == torch.float32, **_launch_opts(cfg))
-    if split > 1:
-        _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](out, y, M * N, SPLITS=split, BLOCK=1024)
+    ws = torch.empty(split, M, N, dtype=torch.float32, device=y.device) if split > 1 else y
+    sem = _semaphores(y.device, grid[0] * grid[1]) if split > 1 else y
+    _dequant_kernel[grid](x2, weight, scale, y, ws, sem, M, N, K, x2.stride(0), N // groups, k_split, split,
+                          BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                          DOT_F32=_INTERPRET or x2.dtype == torch.float32, **_launch_opts(cfg))
 
 
 def _mma(x2, weight, scale, y, cfg):
@@ -179,19 +198,24 @@ def _mma(x2, weight, scale, y, cfg):
 
 
 def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, variant: str | None = None,
-                     config: dict | None = None):
+                     config: dict | None = None, groups: int = 1):
     """x [..., K] (bf16 / fp16 / fp32), weight e4m3 [N, K], scale float32 [cdiv(N,128), cdiv(K,128)].
+    groups > 1 (wo_a): x [..., groups, K] and weight [groups * R, K], group g's rows times x's
+    group g -> [..., groups * R] (R a multiple of 128); "dequant" does all groups in one launch.
     `config` (tools/bench_quant.py's sweep) overrides kernels/quant_configs.py's entry."""
-    *lead, K = x.shape
+    if groups > 1:
+        lead, K = x.shape[:-2], x.shape[-1]
+    else:
+        *lead, K = x.shape
     N = weight.shape[0]
-    x2 = x.reshape(-1, K)
+    x2 = x.reshape(-1, groups * K)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*lead, N)
-    cfg = dict(config or quant_configs.fp8_linear_config(M, N, K))
+    cfg = dict(config or quant_configs.fp8_linear_config(M, N // groups, K))
     variant = variant or config and config.get("variant") or variant_for(M, N, K)
     if variant not in ("dequant", "mma"):
         raise ValueError(f"fp8 linear variant must be 'dequant' or 'mma', got {variant!r}")
@@ -203,5 +227,16 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             raise ValueError(f"dequant tiles must sit inside 128x128 scale blocks: {cfg}")
     if scale.dtype != torch.float32 or not scale.is_contiguous():
         scale = scale.float().contiguous()
-    (_dequant if variant == "dequant" else _mma)(x2, weight, scale, y, cfg)
+    if variant == "dequant":
+        if groups > 1 and (N // groups) % cfg["BLOCK_N"]:
+            raise ValueError(f"grouped dequant tiles must not straddle groups: {N // groups} rows, {cfg}")
+        _dequant(x2, weight, scale, y, cfg, groups)
+    elif groups == 1:
+        _mma(x2, weight, scale, y, cfg)
+    else:  # the FP8 tensor-core kernel takes one group at a time
+        R, blk = N // groups, N // groups // 128
+        for g in range(groups):
+            yg = torch.empty(M, R, dtype=x.dtype, device=x.device)
+            _mma(x2[:, g * K:(g + 1) * K].contiguous(), weight[g * R:(g + 1) * R], scale[g * blk:(g + 1) * blk], yg, cfg)
+            y[:, g * R:(g + 1) * R] = yg
     return y.view(*lead, N)
