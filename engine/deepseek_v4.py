@@ -275,11 +275,27 @@ class Block(nn.Module):
         return K.hc_pre(h, getattr(self, f"hc_{kind}_fn"), getattr(self, f"hc_{kind}_base"),
                         getattr(self, f"hc_{kind}_scale"), c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters)
 
+    def _post_pre(self, h: torch.Tensor, pending: tuple, kind: str, norm: Norm):
+        """The pending sublayer's hc_post, then this sublayer's hc_pre and norm: one op (Mega-mHC)."""
+        c = self.cfg
+        return K.hc_post_pre_norm(h, *pending, getattr(self, f"hc_{kind}_fn"), getattr(self, f"hc_{kind}_base"),
+                                  getattr(self, f"hc_{kind}_scale"), norm.weight, c.hc_eps, c.rms_norm_eps, norm.eps,
+                                  c.hc_sinkhorn_iters)
+
     def forward(self, h: torch.Tensor, fb: ForwardBatch, cache: KVCache, ropes: dict) -> torch.Tensor:
-        post, comb, x = self._hc("attn", h)
-        h = K.hc_post(h, self.attn(self.attn_norm(x), fb, cache, ropes), post, comb)
-        post, comb, x = self._hc("ffn", h)
-        return K.hc_post(h, self.ffn(self.ffn_norm(x), fb.input_ids), post, comb)
+        h, pending = self.run(h, fb, cache, ropes)
+        return K.hc_post(h, *pending)
+
+    def run(self, h: torch.Tensor, fb: ForwardBatch, cache: KVCache, ropes: dict, pending: tuple | None = None):
+        """The block with its last hc_post left pending as (output, post, comb), for the next block's
+        _post_pre; `pending`: the previous block's. -> (streams, pending)."""
+        if pending is None:
+            post, comb, x = self._hc("attn", h)
+            x = self.attn_norm(x)
+        else:
+            h, post, comb, x = self._post_pre(h, pending, "attn", self.attn_norm)
+        h, post, comb, x = self._post_pre(h, (self.attn(x, fb, cache, ropes), post, comb), "ffn", self.ffn_norm)
+        return h, (self.ffn(x, fb.input_ids), post, comb)
 
 
 class DeepseekV4(nn.Module):
@@ -318,9 +334,10 @@ class DeepseekV4(nn.Module):
         x = self.embed(self.tp.broadcast(fb.input_ids))  # async scheduling's tokens live on rank 0
         ropes = self.ropes(fb.positions, x.dtype)
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # mHC: 4 copies of the residual
+        pending = None
         for block in self.layers:
-            h = block(h, fb, cache, ropes)
-        return h
+            h, pending = block.run(h, fb, cache, ropes, pending)
+        return K.hc_post(h, *pending)
 
     @torch.inference_mode()
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:

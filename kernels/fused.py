@@ -21,11 +21,12 @@ from kernels.fused_indexer import indexer_topk_fused
 from kernels.fused_moe import moe_experts_fused
 from kernels.fused_norm_mhc import (
     hc_post_fused,
+    hc_post_pre_norm_fused,
     hc_pre_fused,
     rms_norm_fused,
     rms_norm_unweighted_fused,
-    router_topk_fused,
 )
+from kernels.fused_gate import router_topk_fused
 from kernels.fused_rope import apply_rope_fused, kv_norm_rope_insert_fused, norm_rope_fused
 from kernels.fused_sample import greedy_pick_fused
 
@@ -57,6 +58,7 @@ FUSED = {
     "rms_norm_unweighted": rms_norm_unweighted_fused,
     "hc_pre": hc_pre_fused,
     "hc_post": hc_post_fused,
+    "hc_post_pre_norm": hc_post_pre_norm_fused,
     "router_topk": router_topk_fused,
     "paged_attention": paged_attention_fused,
     "moe_experts": moe_experts_fused,

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels import quant_configs
+from kernels.semaphores import semaphores
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
 
@@ -159,17 +160,6 @@ def _launch_opts(cfg: dict) -> dict:
     return {} if _INTERPRET else {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
 
 
-_SEMAPHORES: dict = {}  # device -> int32 zeros, one split-K counter per output tile (left zero by each call)
-
-
-def _semaphores(device, tiles: int) -> torch.Tensor:
-    buf = _SEMAPHORES.get(device)
-    if buf is None or buf.numel() < tiles:  # grows at warm-up (first calls of each shape), never inside a graph
-        buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _SEMAPHORES[device] = buf
-    return buf
-
-
 def _dequant(x2, weight, scale, y, cfg, groups: int = 1):
     """x2 [M, groups * K] (row stride x2.stride(0)), weight [N, K] in `groups` blocks of N / groups rows."""
     M = x2.shape[0]
@@ -179,7 +169,7 @@ def _dequant(x2, weight, scale, y, cfg, groups: int = 1):
     split = triton.cdiv(K, k_split)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]), split)
     ws = torch.empty(split, M, N, dtype=torch.float32, device=y.device) if split > 1 else y
-    sem = _semaphores(y.device, grid[0] * grid[1]) if split > 1 else y
+    sem = semaphores(y.device, grid[0] * grid[1]) if split > 1 else y
     _dequant_kernel[grid](x2, weight, scale, y, ws, sem, M, N, K, x2.stride(0), N // groups, k_split, split,
                           BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                           DOT_F32=_INTERPRET or x2.dtype == torch.float32, **_launch_opts(cfg))

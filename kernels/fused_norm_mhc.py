@@ -1,4 +1,5 @@
-"""Fused Triton kernels: RMSNorm, mHC pre (mix GEMV + Sinkhorn + collapse) and post, router gate.
+"""Fused Triton kernels: RMSNorm, mHC pre (mix GEMV + Sinkhorn + collapse) and post, and both fused
+(Mega-mHC: a sublayer's post, the next one's pre and its RMSNorm). The router gate: kernels/fused_gate.py.
 
 Each `*_fused` function has the signature of its torch reference in kernels/reference.py.
 """
@@ -77,9 +78,22 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, K_SPLIT, PRECISION: tl
     tl.store(part_ptr + (split * T + t[:, None]) * 32 + r32[None, :], acc, mask=tmask[:, None] & (r32[None, :] < 25))
 
 
+SPLITS_AT_ONCE = tl.constexpr(8)  # the finish kernel sums this many splits per step
+
+
+@triton.jit
+def _col(a, i: tl.constexpr):
+    """Column i of a [BLOCK_T, 16] tile as [BLOCK_T, 1]."""
+    return tl.sum(tl.where(tl.arange(0, 16)[None, :] == i, a, 0.0), axis=1)[:, None]
+
+
 @triton.jit(do_not_specialize=["T"])
-def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, T, D, N_SPLIT, hc_eps,
-                      norm_eps, ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, w_ptr, T, D, N_SPLIT, hc_eps,
+                      norm_eps, out_eps, ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                      PW: tl.constexpr, NORM: tl.constexpr):
+    """Sums the split partials (PW floats per token: 24 mixes, the sum of squares, and with NORM the
+    streams' 4x4 Gram matrix), Sinkhorn in registers, collapses the streams; NORM: then the weighted
+    RMSNorm of the collapsed row, whose sum of squares is pre^T Gram pre (no second pass over D)."""
     HC: tl.constexpr = 4
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     pid_d = tl.program_id(1)
@@ -90,12 +104,19 @@ def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, 
     comb_w = tl.zeros((BLOCK_T, 16), tl.float32)
     sumsq = tl.zeros((BLOCK_T,), tl.float32)
     small = tmask[:, None] & (r16[None, :] < HC)
-    for sp in range(N_SPLIT):
-        row = part_ptr + (sp * T + t[:, None]) * 32
-        pre_w += tl.load(row + r16[None, :], mask=small, other=0.0)
-        post_w += tl.load(row + HC + r16[None, :], mask=small, other=0.0)
-        comb_w += tl.load(row + 2 * HC + r16[None, :], mask=tmask[:, None], other=0.0)
-        sumsq += tl.load(part_ptr + (sp * T + t) * 32 + 24, mask=tmask, other=0.0)
+    gram = tl.zeros((BLOCK_T, 16), tl.float32)  # NORM: entries 0..9 of the upper triangle, row by row
+    for sp0 in range(0, N_SPLIT, SPLITS_AT_ONCE):  # several splits' loads in flight: L2 latency, not 64 round trips
+        sp = sp0 + tl.arange(0, SPLITS_AT_ONCE)
+        spm = (sp < N_SPLIT)[:, None, None]
+        row = part_ptr + (sp[:, None, None] * T + t[None, :, None]) * PW + r16[None, None, :]
+        pre_w += tl.sum(tl.load(row, mask=spm & small[None, :, :], other=0.0), axis=0)
+        post_w += tl.sum(tl.load(row + HC, mask=spm & small[None, :, :], other=0.0), axis=0)
+        comb_w += tl.sum(tl.load(row + 2 * HC, mask=spm & tmask[None, :, None], other=0.0), axis=0)
+        sumsq += tl.sum(tl.sum(tl.load(row + 24, mask=spm & tmask[None, :, None] & (r16[None, None, :] == 0),
+                                       other=0.0), axis=2), axis=0)
+        if NORM:
+            gram += tl.sum(tl.load(row + 25, mask=spm & tmask[None, :, None] & (r16[None, None, :] < 10), other=0.0),
+                           axis=0)
     # the unweighted RMSNorm of the flattened streams is one scalar per token: it factors out
     r = tl.rsqrt(sumsq / (HC * D) + norm_eps)[:, None]
     b_pre = tl.load(base_ptr + r16, mask=r16 < HC, other=0.0)
@@ -124,10 +145,29 @@ def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, 
     y += p1 * tl.load(base + D, mask=m, other=0.0).to(tl.float32)
     y += p2 * tl.load(base + 2 * D, mask=m, other=0.0).to(tl.float32)
     y += p3 * tl.load(base + 3 * D, mask=m, other=0.0).to(tl.float32)
+    if NORM:  # sum_d (sum_j p_j x_jd)^2 = sum_jk p_j p_k Gram_jk
+        ss = p0 * p0 * _col(gram, 0) + p1 * p1 * _col(gram, 4) + p2 * p2 * _col(gram, 7) + p3 * p3 * _col(gram, 9)
+        ss += 2.0 * (p0 * (p1 * _col(gram, 1) + p2 * _col(gram, 2) + p3 * _col(gram, 3))
+                     + p1 * (p2 * _col(gram, 5) + p3 * _col(gram, 6)) + p2 * p3 * _col(gram, 8))
+        w = tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+        y = y * tl.rsqrt(ss / D + out_eps) * w[None, :]
     tl.store(out_ptr + t[:, None] * D + d[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 FINISH_WARPS = 4  # tuning knob for the Sinkhorn/collapse kernel (tools/tune_small_kernels.py)
+
+
+def _hc_finish(x, part, base, scale, out, norm_w, hc_eps, norm_eps, out_eps, sinkhorn_iters):
+    """post, comb and the collapsed streams (weighted-RMSNorm'ed with norm_w) into `out`, from the partials."""
+    T, hc, D = x.shape
+    post = torch.empty(T, hc, dtype=torch.float32, device=x.device)
+    comb = torch.empty(T, hc, hc, dtype=torch.float32, device=x.device)
+    BLOCK_T, BLOCK_D = 16, min(512, triton.next_power_of_2(D))
+    _hc_finish_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D))](
+        x, part, base.float().contiguous(), scale.float().contiguous(), post, comb, out,
+        out if norm_w is None else norm_w, T, D, part.shape[0], hc_eps, norm_eps, out_eps, ITERS=sinkhorn_iters,
+        BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, PW=part.shape[-1], NORM=norm_w is not None, num_warps=FINISH_WARPS)
+    return post, comb, out
 
 
 def hc_pre_fused(x, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
@@ -142,14 +182,113 @@ def hc_pre_fused(x, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
     part = torch.empty(n_split, T, 32, dtype=torch.float32, device=x.device)
     _hc_mix_partial_kernel[(triton.cdiv(T, BLOCK_T), n_split)](
         x, fn.float().contiguous(), part, T, K, k_split, PRECISION=_PRECISION, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K)
-    post = torch.empty(T, hc, dtype=torch.float32, device=x.device)
-    comb = torch.empty(T, hc, hc, dtype=torch.float32, device=x.device)
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
-    BLOCK_D = min(512, triton.next_power_of_2(D))
-    _hc_finish_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D))](
-        x, part, base.float().contiguous(), scale.float().contiguous(), post, comb, out, T, D, n_split, hc_eps,
-        norm_eps, ITERS=sinkhorn_iters, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, num_warps=FINISH_WARPS)
-    return post, comb, out
+    return _hc_finish(x, part, base, scale, out, None, hc_eps, norm_eps, 0.0, sinkhorn_iters)
+
+
+# --- Mega-mHC: one sublayer's hc_post, the next sublayer's hc_pre and its RMSNorm in two launches (were
+# four): kernel 1 writes the new streams and, from them still in registers, the next mix partials, the
+# sum of squares and the streams' Gram matrix per split of D; the finish kernel above then normalises
+# the collapsed row with the sum of squares pre^T Gram pre ----------------------------------------------
+
+@triton.jit(do_not_specialize=["T"])
+def _hc_post_mix_kernel(h_ptr, blk_ptr, post_ptr, comb_ptr, fn_ptr, new_ptr, part_ptr, T, D, D_SPLIT,
+                        PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PW: tl.constexpr):
+    """new[t, k] = post[t, k] * blk[t] + sum_j comb[t, j, k] * h[t, j] over this split's columns, stored
+    (rounded to h's dtype); part[split, t] = (the 24 mixes of the rounded streams with fn, their sum of
+    squares, the 10 upper entries of their Gram matrix)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    split = tl.program_id(1)
+    tmask = t < T
+    r32 = tl.arange(0, 32)
+    acc = tl.zeros((BLOCK_T, 32), tl.float32)
+    g00 = tl.zeros((BLOCK_T,), tl.float32)
+    g01 = tl.zeros((BLOCK_T,), tl.float32)
+    g02 = tl.zeros((BLOCK_T,), tl.float32)
+    g03 = tl.zeros((BLOCK_T,), tl.float32)
+    g11 = tl.zeros((BLOCK_T,), tl.float32)
+    g12 = tl.zeros((BLOCK_T,), tl.float32)
+    g13 = tl.zeros((BLOCK_T,), tl.float32)
+    g22 = tl.zeros((BLOCK_T,), tl.float32)
+    g23 = tl.zeros((BLOCK_T,), tl.float32)
+    g33 = tl.zeros((BLOCK_T,), tl.float32)
+    cb = comb_ptr + t * 16
+    for d0 in range(split * D_SPLIT, split * D_SPLIT + D_SPLIT, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        m = tmask[:, None] & (d[None, :] < D)
+        b = tl.load(blk_ptr + t[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+        row = h_ptr + t[:, None] * (4 * D) + d[None, :]
+        x0 = tl.load(row, mask=m, other=0.0).to(tl.float32)
+        x1 = tl.load(row + D, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(row + 2 * D, mask=m, other=0.0).to(tl.float32)
+        x3 = tl.load(row + 3 * D, mask=m, other=0.0).to(tl.float32)
+        n0 = _post_stream(b, x0, x1, x2, x3, post_ptr, cb, t, tmask, 0, new_ptr, D, d, m)
+        n1 = _post_stream(b, x0, x1, x2, x3, post_ptr, cb, t, tmask, 1, new_ptr, D, d, m)
+        n2 = _post_stream(b, x0, x1, x2, x3, post_ptr, cb, t, tmask, 2, new_ptr, D, d, m)
+        n3 = _post_stream(b, x0, x1, x2, x3, post_ptr, cb, t, tmask, 3, new_ptr, D, d, m)
+        fr = fn_ptr + r32[:, None] * (4 * D) + d[None, :]
+        fm = (r32[:, None] < 24) & (d[None, :] < D)
+        acc += tl.dot(n0, tl.trans(tl.load(fr, mask=fm, other=0.0)), input_precision=PRECISION)
+        acc += tl.dot(n1, tl.trans(tl.load(fr + D, mask=fm, other=0.0)), input_precision=PRECISION)
+        acc += tl.dot(n2, tl.trans(tl.load(fr + 2 * D, mask=fm, other=0.0)), input_precision=PRECISION)
+        acc += tl.dot(n3, tl.trans(tl.load(fr + 3 * D, mask=fm, other=0.0)), input_precision=PRECISION)
+        g00 += tl.sum(n0 * n0, axis=1)
+        g01 += tl.sum(n0 * n1, axis=1)
+        g02 += tl.sum(n0 * n2, axis=1)
+        g03 += tl.sum(n0 * n3, axis=1)
+        g11 += tl.sum(n1 * n1, axis=1)
+        g12 += tl.sum(n1 * n2, axis=1)
+        g13 += tl.sum(n1 * n3, axis=1)
+        g22 += tl.sum(n2 * n2, axis=1)
+        g23 += tl.sum(n2 * n3, axis=1)
+        g33 += tl.sum(n3 * n3, axis=1)
+    sumsq = g00 + g11 + g22 + g33
+    out = part_ptr + (split * T + t) * PW
+    tl.store(out[:, None] + r32[None, :], acc, mask=tmask[:, None] & (r32[None, :] < 24))
+    tl.store(out + 24, sumsq, mask=tmask)
+    tl.store(out + 25, g00, mask=tmask)
+    tl.store(out + 26, g01, mask=tmask)
+    tl.store(out + 27, g02, mask=tmask)
+    tl.store(out + 28, g03, mask=tmask)
+    tl.store(out + 29, g11, mask=tmask)
+    tl.store(out + 30, g12, mask=tmask)
+    tl.store(out + 31, g13, mask=tmask)
+    tl.store(out + 32, g22, mask=tmask)
+    tl.store(out + 33, g23, mask=tmask)
+    tl.store(out + 34, g33, mask=tmask)
+
+
+@triton.jit
+def _post_stream(b, x0, x1, x2, x3, post_ptr, cb, t, tmask, k: tl.constexpr, new_ptr, D, d, m):
+    """New stream k over a [BLOCK_T, BLOCK_D] tile, stored, and returned as stored (float32)."""
+    y = tl.load(post_ptr + t * 4 + k, mask=tmask, other=0.0)[:, None] * b
+    y += tl.load(cb + k, mask=tmask, other=0.0)[:, None] * x0
+    y += tl.load(cb + 4 + k, mask=tmask, other=0.0)[:, None] * x1
+    y += tl.load(cb + 8 + k, mask=tmask, other=0.0)[:, None] * x2
+    y += tl.load(cb + 12 + k, mask=tmask, other=0.0)[:, None] * x3
+    y = y.to(new_ptr.dtype.element_ty)
+    tl.store(new_ptr + t[:, None] * (4 * D) + k * D + d[None, :], y, mask=m)
+    return y.to(tl.float32)
+
+
+MEGA_SPLIT_D = 64  # columns per program of kernel 1: 64 programs at one token for D = 4096
+
+
+def hc_post_pre_norm_fused(h, out, post, comb, fn, base, scale, norm_w, hc_eps, norm_eps, out_eps, sinkhorn_iters):
+    T, hc, D = h.shape
+    assert hc == 4, "the fused mHC kernel is written for 4 streams (DeepSeek-V4's hc_mult)"
+    h, out = h.contiguous(), out.contiguous()
+    BLOCK_T, BLOCK_D = 16, min(MEGA_SPLIT_D, triton.next_power_of_2(D))
+    n_split = triton.cdiv(D, BLOCK_D)
+    new = torch.empty_like(h)
+    part = torch.empty(n_split, T, 48, dtype=torch.float32, device=h.device)
+    _hc_post_mix_kernel[(triton.cdiv(T, BLOCK_T), n_split)](
+        h, out, post.float().contiguous(), comb.float().contiguous(), fn.float().contiguous(), new, part, T, D,
+        BLOCK_D, PRECISION=_PRECISION, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, PW=48)
+    x = torch.empty(T, D, dtype=h.dtype, device=h.device)
+    post2, comb2, x = _hc_finish(new, part, base, scale, x, norm_w.float().contiguous(), hc_eps, norm_eps, out_eps,
+                                 sinkhorn_iters)
+    return new, post2, comb2, x
 
 
 @triton.jit
@@ -180,52 +319,3 @@ def hc_post_fused(x, out, post, comb):
     _hc_post_kernel[(T, triton.cdiv(D, BLOCK_D))](x.contiguous(), out.contiguous(), post.float().contiguous(),
                                                   comb.float().contiguous(), res, D, BLOCK_D=BLOCK_D)
     return res
-
-
-# --- router gate: scores, selection bias, top-k, renormalise, scale in one program per token ---
-
-@triton.jit
-def _router_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, scaling, K: tl.constexpr, KP: tl.constexpr,
-                   SCORING: tl.constexpr, BLOCK_E: tl.constexpr):
-    t = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    m = e < E
-    x = tl.load(logits_ptr + t * E + e, mask=m, other=0.0).to(tl.float32)
-    if SCORING == 0:  # sqrt(softplus(x)), softplus as torch computes it (linear above 20)
-        s = tl.sqrt(tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))))
-    elif SCORING == 1:
-        s = tl.sigmoid(x)
-    else:
-        z = tl.exp(x - tl.max(tl.where(m, x, -float("inf")), axis=0))
-        z = tl.where(m, z, 0.0)
-        s = z / tl.sum(z, axis=0)
-    sel = tl.where(m, s + tl.load(bias_ptr + e, mask=m, other=0.0), -float("inf"))
-    kr = tl.arange(0, KP)
-    ws = tl.zeros((KP,), tl.float32)
-    ids = tl.zeros((KP,), tl.int64)
-    for j in tl.static_range(K):  # k rounds of argmax: k is small (6 of 256 in V4)
-        best = tl.max(sel, axis=0)
-        i = tl.min(tl.where(sel == best, e, BLOCK_E), axis=0)
-        ws = tl.where(kr == j, tl.sum(tl.where(e == i, s, 0.0), axis=0), ws)
-        ids = tl.where(kr == j, i.to(tl.int64), ids)
-        sel = tl.where(e == i, -float("inf"), sel)
-    ws = ws / (tl.sum(ws, axis=0) + 1e-20) * scaling
-    tl.store(w_ptr + t * K + kr, ws, mask=kr < K)
-    tl.store(idx_ptr + t * K + kr, ids, mask=kr < K)
-
-
-_SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
-
-
-def router_topk_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids=None):
-    if hash_ids is not None or bias is None:
-        from kernels.reference import router_topk  # hash routing is a gather; odd k: reference
-        return router_topk(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids)
-    logits = torch.nn.functional.linear(x, weight).contiguous()  # the GEMM stays on cuBLAS
-    T, E = logits.shape
-    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
-    _router_kernel[(T,)](logits, bias.float().contiguous(), w, idx, E, routed_scaling, K=top_k,
-                         KP=triton.next_power_of_2(top_k),
-                         SCORING=_SCORING[scoring_func], BLOCK_E=triton.next_power_of_2(E))
-    return w.to(x.dtype), idx

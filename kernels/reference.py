@@ -88,6 +88,16 @@ def hc_post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
 
 
+def hc_post_pre_norm(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                     base: torch.Tensor, scale: torch.Tensor, norm_w: torch.Tensor, hc_eps: float, norm_eps: float,
+                     out_eps: float, sinkhorn_iters: int):
+    """Mega-mHC: one sublayer's hc_post, the next sublayer's hc_pre and its RMSNorm.
+    -> (new streams [T, hc, D], post, comb, the next sublayer's normed input [T, D])."""
+    new = hc_post(h, out, post, comb)
+    post2, comb2, x = hc_pre(new, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters)
+    return new, post2, comb2, rms_norm(x, norm_w, out_eps)
+
+
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
             hc_eps: float, norm_eps: float) -> torch.Tensor:
     flat = rms_norm_unweighted(x.flatten(1).float(), norm_eps)

@@ -68,7 +68,7 @@ def test_grouped_linear_in_one_call_matches_reference(variant, m):
     """wo_a: groups of 128-row blocks, each reading its own slice of x; the dequant variant in one
     launch, split-K reduced in the kernel by the last split of each tile (its counters left at zero
     for the next call, which must give the same result)."""
-    from kernels.fused_fp8_linear import _SEMAPHORES
+    from kernels.semaphores import all_zero
 
     groups, rows, k = 3, 128, 192
     g = torch.Generator().manual_seed(m)
@@ -81,7 +81,7 @@ def test_grouped_linear_in_one_call_matches_reference(variant, m):
     assert got.shape == (m, groups * rows) and (got - want).abs().max() <= tol * want.abs().max()
     again = fp8_linear_fused(x, q, s, variant=variant, groups=groups).float()
     assert torch.equal(again, got)
-    assert all(int(buf.abs().sum()) == 0 for buf in _SEMAPHORES.values())
+    assert all_zero()
 
 
 def test_variant_table_picks_dequant_for_decode_and_mma_for_prefill():

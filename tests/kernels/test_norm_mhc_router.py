@@ -7,11 +7,12 @@ import torch
 from kernels import reference as ref
 from kernels.fused_norm_mhc import (
     hc_post_fused,
+    hc_post_pre_norm_fused,
     hc_pre_fused,
     rms_norm_fused,
     rms_norm_unweighted_fused,
-    router_topk_fused,
 )
+from kernels.fused_gate import router_topk_fused
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -52,13 +53,41 @@ def test_hc_post_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
-@pytest.mark.parametrize("T, E, k", [(1, 8, 2), (13, 256, 6), (4, 30, 3)])
-def test_router_topk(scoring, T, E, k):
-    torch.manual_seed(E + k)
-    x, w, bias = torch.randn(T, 32), torch.randn(E, 32), torch.randn(E) * 0.1
-    gw, gi = router_topk_fused(x, w, bias, k, 1.5, scoring)
-    rw, ri = ref.router_topk(x, w, bias, k, 1.5, scoring)
+@pytest.mark.parametrize("T, E, k, D", [(1, 8, 2, 32), (13, 256, 6, 300), (4, 30, 3, 64), (40, 24, 6, 520)])
+@pytest.mark.parametrize("hashed", [False, True])
+def test_router_topk(scoring, T, E, k, D, hashed):
+    """Mega-Gate (GEMM + scores + bias + top-k + renormalise, the last E tile of each 16-token tile
+    selecting) vs the reference: the same experts, weights within float32 rounding; hash layers
+    (tid2eid's experts) gather and renormalise their scores. Shapes: D off and over the K step,
+    E off the 16-row tile, several token tiles."""
+    from kernels.semaphores import all_zero
+
+    torch.manual_seed(E + k + D)
+    x, w, bias = torch.randn(T, D), torch.randn(E, D) / D**0.5, torch.randn(E) * 0.1
+    hash_ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]) if hashed else None
+    gw, gi = router_topk_fused(x, w, None if hashed else bias, k, 1.5, scoring, hash_ids)
+    rw, ri = ref.router_topk(x, w, None if hashed else bias, k, 1.5, scoring, hash_ids)
     order_g, order_r = gi.sort(-1), ri.sort(-1)
     assert torch.equal(order_g.values, order_r.values)
     assert torch.allclose(gw.gather(1, order_g.indices), rw.gather(1, order_r.indices), atol=1e-5)
     assert torch.allclose(gw.sum(-1), torch.full((T,), 1.5), atol=1e-5)
+    assert all_zero(), "the per-tile counters are left zero for the next call"
+
+
+@pytest.mark.parametrize("T, D", [(1, 40), (17, 64), (3, 200)])  # off the 64-column split; several token tiles
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hc_post_pre_norm_matches_reference(T, D, dtype):
+    """Mega-mHC (hc_post + the next hc_pre + RMSNorm, the norm's sum of squares from the streams' Gram
+    matrix) vs the three references in a row; bf16: the references round the collapsed row before
+    the norm, the kernel does not, so within bf16 rounding."""
+    torch.manual_seed(T * D)
+    h, out = torch.randn(T, 4, D).to(dtype), torch.randn(T, D).to(dtype)
+    post, comb = torch.rand(T, 4) * 2, torch.rand(T, 4, 4)
+    fn, base, scale = torch.randn(24, 4 * D) * 0.1, torch.randn(24) * 0.3, torch.rand(3) + 0.5
+    norm_w = torch.rand(D) + 0.5
+    args = (h, out, post, comb, fn, base, scale, norm_w, 1e-6, 1e-6, 1e-6, 20)
+    got = hc_post_pre_norm_fused(*args)
+    want = ref.hc_post_pre_norm(*args)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        _close(g, w, dtype)

@@ -1,0 +1,110 @@
+"""Mega-Gate: the MoE router in one launch: gate GEMM, scores (V4's sqrt(softplus), or sigmoid /
+softmax), the selection-only bias, top-k, renormalise and scale; hash-routed layers (tid2eid) take
+their experts as given and only gather and renormalise their scores. Same signature as
+kernels.reference.router_topk.
+
+Grid (E tiles, token tiles): each program multiplies its tokens by BLOCK_E gate rows over all of D
+(the 2 MB gate of V4-Flash is read once per token tile, by E / BLOCK_E programs at once) and stores
+the logits, rounded to x's dtype as the reference's F.linear returns them; the last E tile of a
+token tile to finish (kernels/semaphores.py) scores and selects for those tokens."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.semaphores import semaphores
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
+_SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+BLOCK_T, BLOCK_E, BLOCK_K = 16, 16, 256
+
+
+@triton.jit
+def _route_token(logits_ptr, bias_ptr, hash_ptr, w_ptr, idx_ptr, t, E, scaling, K: tl.constexpr, KP: tl.constexpr,
+                 SCORING: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr):
+    """Token t's row of logits [E] -> its k weights and expert ids."""
+    e = tl.arange(0, EP)
+    m = e < E
+    x = tl.load(logits_ptr + t * E + e, mask=m, other=0.0, volatile=True).to(tl.float32)
+    if SCORING == 0:  # sqrt(softplus(x)), softplus as torch computes it (linear above 20)
+        s = tl.sqrt(tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))))
+    elif SCORING == 1:
+        s = tl.sigmoid(x)
+    else:
+        z = tl.exp(x - tl.max(tl.where(m, x, -float("inf")), axis=0))
+        z = tl.where(m, z, 0.0)
+        s = z / tl.sum(z, axis=0)
+    kr = tl.arange(0, KP)
+    if HASH:  # the frozen token -> experts table chose them
+        ids = tl.load(hash_ptr + t * K + kr, mask=kr < K, other=0).to(tl.int64)
+        ws = tl.sum(tl.where(e[None, :] == ids[:, None], s[None, :], 0.0), axis=1)
+    else:
+        sel = tl.where(m, s + tl.load(bias_ptr + e, mask=m, other=0.0), -float("inf"))
+        ws = tl.zeros((KP,), tl.float32)
+        ids = tl.zeros((KP,), tl.int64)
+        for j in tl.static_range(K):  # k rounds of argmax: k is small (6 of 256 in V4)
+            best = tl.max(sel, axis=0)
+            i = tl.min(tl.where(sel == best, e, EP), axis=0)
+            ws = tl.where(kr == j, tl.sum(tl.where(e == i, s, 0.0), axis=0), ws)
+            ids = tl.where(kr == j, i.to(tl.int64), ids)
+            sel = tl.where(e == i, -float("inf"), sel)
+    ws = tl.where(kr < K, ws, 0.0)
+    ws = ws / (tl.sum(ws, axis=0) + 1e-20) * scaling
+    tl.store(w_ptr + t * K + kr, ws, mask=kr < K)
+    tl.store(idx_ptr + t * K + kr, ids, mask=kr < K)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _gate_kernel(x_ptr, g_ptr, bias_ptr, hash_ptr, logits_ptr, sem_ptr, w_ptr, idx_ptr, T, D, E, scaling,
+                 K: tl.constexpr, KP: tl.constexpr, SCORING: tl.constexpr, HASH: tl.constexpr, EP: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    pid_e, pid_t = tl.program_id(0), tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+    tmask, emask = t < T, e < E
+    acc = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < D
+        x = tl.load(x_ptr + t[:, None] * D + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        g = tl.load(g_ptr + e[:, None] * D + k[None, :], mask=emask[:, None] & kmask[None, :], other=0.0)
+        if DOT_F32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(g.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(g.to(x.dtype)))
+    logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)  # as F.linear rounds them
+    tl.store(logits_ptr + t[:, None] * E + e[None, :], logits, mask=tmask[:, None] & emask[None, :])
+    tl.debug_barrier()  # every thread's logits are stored before the counter's release
+    if tl.atomic_add(sem_ptr + pid_t, 1, sem="acq_rel") == tl.num_programs(0) - 1:  # the last E tile
+        tl.atomic_xchg(sem_ptr + pid_t, 0)
+        for i in range(0, BLOCK_T):
+            tok = pid_t * BLOCK_T + i
+            if tok < T:
+                _route_token(logits_ptr, bias_ptr, hash_ptr, w_ptr, idx_ptr, tok, E, scaling, K, KP, SCORING, EP, HASH)
+
+
+def router_topk_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids=None):
+    if hash_ids is None and bias is None:
+        from kernels.reference import router_topk  # a gate with neither bias nor table: the reference
+        return router_topk(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids)
+    x = x if x.is_contiguous() else x.contiguous()
+    T, D = x.shape
+    E = weight.shape[0]
+    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    if T == 0:
+        return w.to(x.dtype), idx
+    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(E, BLOCK_E), triton.cdiv(T, BLOCK_T))
+    hashed = hash_ids is not None
+    _gate_kernel[grid](x, weight, bias.float().contiguous() if bias is not None else logits,
+                       hash_ids.contiguous() if hashed else idx, logits, semaphores(x.device, grid[1]), w, idx,
+                       T, D, E, routed_scaling, K=top_k, KP=triton.next_power_of_2(top_k),
+                       SCORING=_SCORING[scoring_func], HASH=hashed, EP=triton.next_power_of_2(E), BLOCK_T=BLOCK_T,
+                       BLOCK_E=BLOCK_E, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(D)),
+                       DOT_F32=x.dtype == torch.float32 or _INTERPRET)
+    return w.to(x.dtype), idx
