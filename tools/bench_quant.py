@@ -426,8 +426,13 @@ def main() -> int:
     print(f"crossover (rows where dequant still wins, per NxK): {report['crossover']}")
     print(f"total {time.perf_counter() - start:.1f} s")
     print(table(results))
+    return exit_status("bench_quant", failures)
+
+
+def exit_status(tool: str, failures: list[str]) -> int:
+    """1 when a kernel disagreed with its reference (named on stderr), else 0."""
     if failures:
-        print(f"bench_quant: {len(failures)} failure(s)", file=sys.stderr)
+        print(f"{tool}: {len(failures)} failure(s)", file=sys.stderr)
         return 1
     return 0
 
