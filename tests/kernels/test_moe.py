@@ -112,6 +112,8 @@ def test_moe_experts_quantized(fmt, T, D, I, E, k, path, mx, monkeypatch):
     tl.dot_scaled (here the interpreter's) or the integer bf16 decode (here its Triton twin of the PTX)."""
     if mx != "e4m3" and fmt != "mxfp4":
         pytest.skip("the MX decodes are MXFP4's")
+    if mx == "bf16" and path == "sorted":
+        pytest.skip("the same tile function as the decode tiles: once is enough in the interpreter")
     monkeypatch.setattr(fused_moe, "MX_SCALED_OK", mx == "scaled")
     if path == "sorted":
         monkeypatch.setattr(quant_configs, "MOE_DECODE_MAX_PAIRS", 0)
