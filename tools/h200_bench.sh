@@ -40,7 +40,7 @@ mixed)  # issue 20 at V4-Flash depth as shipped (FP8 + MXFP4), one engine: mixed
     --input-len 1024 --output-len 128 --engine-args '{"max_model_len":8192,"block_size":128,"gpu_memory_utilization":0.9}' \
     --json "$OUT/mixed.json" 2>&1 | tee "$OUT/mixed.log" | grep -vE "^\s*$|INFO" | tail -24 ;;
 engine)  # the headline: V4-Flash depth as shipped (FP8 + MXFP4); per-layer time vs the per-layer floor
-  python3 -m tools.bench_engine --preset flash-depth --quant fp8-fp4 --cache-dir $CK --concurrency 1,32,64 --input-len 1024 \
+  timeout 560 python3 -m tools.bench_engine --preset flash-depth --quant fp8-fp4 --cache-dir $CK --concurrency 1,32,64 --input-len 1024 \
     --output-len 64 --requests-per-user 1 --floor --steady 1,32,64,150 \
     --engine-args '{"max_model_len":8192,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}' \
     --json "$OUT/engine_depth.json" 2>&1 | tee "$OUT/engine_depth.log" | grep -E "floor|steady|layer|online|Error|error" | tail -16 ;;
