@@ -18,6 +18,7 @@ def test_cases_cover_decode_and_prefill_for_every_op():
     assert all(c["E"] == 256 and c["k"] == 6 for c in moe if c["name"] == "experts")
     depth = [(c["fmt"], c["rows"]) for c in moe if c["name"] == "depth"]  # the depth-43 checkpoint's 16 experts
     assert sorted(depth) == sorted((f, m) for f in ("mxfp4", "fp8") for m in (1, 32, 150))
+    assert all(c["name"] == "depth" for c in cases[:6]), "the depth MoE rows are swept first"
     assert max(c["rows"] for c in cases[:len(lin) // 5 * 3]) <= 150, "decode shapes are swept first"
     assert len(bq.cases(quick=True)) < len(cases)
 
