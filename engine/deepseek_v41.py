@@ -355,7 +355,9 @@ def _decoder_keep(fb: ForwardBatch, window: int) -> tuple[torch.Tensor, list[int
 
 
 class DeepseekV41(nn.Module):
-    supports_cuda_graphs = False  # the indexer and compressor still sync with the host per step
+    # no CUDA graphs yet: a step reads host-built inputs a replayed graph would not refresh (the
+    # compressors' plan, the Engram look-back)
+    supports_cuda_graphs = False
     cache_class = V41KVCache
 
     def __init__(self, cfg: V41Config, quantized: bool = False, decoder_replay: bool = True):

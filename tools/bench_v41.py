@@ -101,7 +101,7 @@ def main() -> None:
             **json.loads(a.engine_args)}
     engine = LLMEngine(args)
     print(f"engine up in {time.perf_counter() - t:.0f} s (CUDA graphs: {bool(engine.runner.graphs)}; V4.1 decode "
-          "runs eagerly: its indexer and compressor still sync with the host)", flush=True)
+          "runs eagerly: its compressor plan and Engram look-back are built on the host per step)", flush=True)
     g = torch.Generator().manual_seed(0)
     rows = []
     print("prompt | decoder replay off ms | on ms | speedup", flush=True)
