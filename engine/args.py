@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.spec_config import SpeculativeConfig
+
 
 class InvalidEngineArgs(ValueError):
     pass
@@ -44,6 +46,8 @@ class EngineArgs:
     # scheduling and output work overlaps the GPU's step. None: on when running on CUDA.
     async_scheduling: bool | None = None
     seed: int = 0
+    # vLLM's {"method": "mtp", "num_speculative_tokens": k}, k in 1..3 (engine/spec_config.py); None: off
+    speculative_config: dict | str | None = None
     max_waiting_requests: int = 1024
     max_logprobs: int = 20
     max_stop_strings: int = 16
@@ -111,6 +115,12 @@ class EngineArgs:
         for ok, msg in checks:
             if not ok:
                 raise InvalidEngineArgs(msg)
+        try:
+            spec = SpeculativeConfig.parse(self.speculative_config)
+        except ValueError as e:
+            raise InvalidEngineArgs(str(e)) from None
+        if spec is not None and self.tensor_parallel_size > 1:  # the verify and MTP steps run on rank 0 alone
+            raise InvalidEngineArgs("speculative_config is not supported with tensor_parallel_size > 1 yet")
 
 
 def tiny_checkpoint_dir() -> Path:

@@ -26,9 +26,11 @@ from engine.prefix_cache import PrefixCache
 from engine.prompt_logprobs import prompt_logprob_rows, score
 from engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
 from engine.runner import ModelRunner
-from engine.sampler import SamplingRow, sample
+from engine.sampler import Sample, SamplingRow, sample
 from engine.sampling_checks import bad_words_token_ids, sampling_checks
 from engine.scheduler import Scheduler
+from engine.spec_config import SpeculativeConfig
+from engine.spec_decode import SpecDecoder
 from engine.sequence import PENDING_TOKEN, Sequence, Status
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
@@ -102,6 +104,8 @@ class LLMEngine:
         if self.parallel is not None:
             self.parallel.wait_ready()
             self.runner.workers = self.parallel
+        spec = SpeculativeConfig.parse(args.speculative_config)
+        self.spec = SpecDecoder(self, spec.num_speculative_tokens) if spec else None
         self.requests: dict[str, RequestState] = {}
         self.pending: InFlight | None = None  # the step in flight (async scheduling)
         self.async_scheduling = self.device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
@@ -128,6 +132,8 @@ class LLMEngine:
             self.step()
         self._warm_indexer_widths()
         self.counters = dict.fromkeys(self.counters, 0)
+        if self.spec is not None:
+            self.spec.reset_counters()
         if self.scheduler.prefix_cache is not None:
             self.scheduler.prefix_cache.counters = dict.fromkeys(self.scheduler.prefix_cache.counters, 0)
 
@@ -297,6 +303,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return self.flush()
+        if self.spec is not None and self.spec.wants(scheduled):
+            return self.spec.step(scheduled)  # speculative steps run eagerly and synchronously
         outputs = []
         if self.pending is not None and self.flush_before_eager and not self.runner.replays_graph(scheduled):
             # an eager step (prefill chunks) costs the host more than a GPU step: launching it first
@@ -362,6 +370,13 @@ class LLMEngine:
                 seq.output_token_ids.pop()
 
     def _sample(self, samplers: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
+        outputs = []
+        for seq, smp in zip(*self._draw(samplers, logits)):
+            outputs += self._emit(seq, smp)
+        return outputs
+
+    def _draw(self, samplers: list[Sequence], logits: torch.Tensor) -> tuple[list[Sequence], list[Sample]]:
+        """Sample the next token of each live sequence (one logits row each); nothing is appended yet."""
         live = [i for i, seq in enumerate(samplers) if seq.request_id in self.requests]  # not finished meanwhile
         if len(live) < len(samplers):
             samplers, logits = [samplers[i] for i in live], logits[live]
@@ -369,13 +384,12 @@ class LLMEngine:
         rows = [SamplingRow(s.sampling, len(s.output_token_ids), s.prompt_token_ids, s.output_token_ids,
                             sorted(self.requests[s.request_id].eos_ids | set(s.sampling.stop_token_ids))
                             if len(s.output_token_ids) < s.sampling.min_tokens else [], s.grammar) for s in samplers]
-        outputs = []
-        for seq, smp in zip(samplers, sample(logits, rows, self.generator, self.grammars)):
-            if smp.error is not None:  # this request alone: the others' tokens stand
-                outputs.append(self._fail_request(seq, smp.error))
-                continue
-            outputs += self._process(seq, smp.token_id, smp.logprob, smp.top_logprobs, smp.rank)
-        return outputs
+        return samplers, sample(logits, rows, self.generator, self.grammars)
+
+    def _emit(self, seq: Sequence, smp: Sample) -> list[RequestOutput]:
+        if smp.error is not None:  # this request alone: the others' tokens stand
+            return [self._fail_request(seq, smp.error)]
+        return self._process(seq, smp.token_id, smp.logprob, smp.top_logprobs, smp.rank)
 
     def _score_prompts(self, rows) -> None:
         """prompt_logprobs of this step's prefill rows (engine/prompt_logprobs.py), kept until the
@@ -472,4 +486,5 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             **self.counters,
             **(self.scheduler.prefix_cache.stats() if self.scheduler.prefix_cache else {}),
+            **(self.spec.stats() if self.spec else {}),
         }

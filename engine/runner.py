@@ -64,8 +64,9 @@ class ModelRunner:
             self._capture([b for b in GRAPH_BUCKETS if b <= max_num_seqs], pool)
 
     def build_batch(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> ForwardBatch:
-        """scheduled: (sequence, number of new tokens) in batch order. Logits come for each
-        sequence whose chunk reaches its last known token (it samples next), or every row."""
+        """scheduled: (sequence, number of new tokens) in batch order; a sequence's tokens are its
+        token_ids then its spec_token_ids (drafts to verify). Logits come for each row from a
+        sequence's last known token on (it samples next), or every row."""
         fb = batch_from_host(self.host_batch(scheduled, all_logits), self.device)
         k = getattr(self.model, "engram_lookback", 0)
         if k:  # V4.1 Engram: the tokens before each row, from the host (never a pending one)
@@ -81,14 +82,14 @@ class ModelRunner:
         seq_lens, starts, replay, cfrom, wt, ft, st = [], [], [], [], [], [], []
         for seq, n in scheduled:
             start = seq.num_computed_tokens
-            ids.extend(seq.token_ids[start:start + n])
+            ids.extend((seq.token_ids + seq.spec_token_ids)[start:start + n])  # drafts ride after the last token
             p = range(start, start + n)
             pos.extend(p)
             slots.extend(seq.blocks.window_table[i // bs] * bs + i % bs for i in p)
             if all_logits:
                 rows.extend(range(len(pos) - n, len(pos)))
-            elif start + n == seq.num_tokens:
-                rows.append(len(pos) - 1)
+            elif start + n >= seq.num_tokens:  # from its last known token on (k + 1 rows when verifying k drafts)
+                rows.extend(range(len(pos) - (start + n - seq.num_tokens) - 1, len(pos)))
             seq_lens.append(n)
             starts.append(start)
             replay.append(seq.replay_start)

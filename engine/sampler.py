@@ -142,6 +142,19 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return ordered.scatter(-1, order, ordered)
 
 
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution a random row draws from: each row's temperature, min_p, top-k, top-p."""
+    V, dev = logits.shape[-1], logits.device
+    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=dev) \
+        if any(0 < p.top_k < V for p in params) else None
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev) \
+        if any(p.top_p < 1 for p in params) else None
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev) \
+        if any(p.min_p > 0 for p in params) else None
+    return filter_logits(logits, temp, top_k, top_p, min_p).softmax(-1)
+
+
 def _accept(matcher, token: int) -> bool:
     try:  # never raises out of the batch (a retry row by row would advance the other matchers twice)
         return bool(matcher.accept_token(token))
@@ -190,14 +203,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gene
         if rand:
             ps = [rows[i].params for i in rand]
             idx = torch.tensor(rand, device=dev)
-            temp = torch.tensor([p.temperature for p in ps], dtype=torch.float32, device=dev)
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in ps], device=dev) \
-                if any(0 < p.top_k < V for p in ps) else None
-            top_p = torch.tensor([p.top_p for p in ps], dtype=torch.float32, device=dev) \
-                if any(p.top_p < 1 for p in ps) else None
-            min_p = torch.tensor([p.min_p for p in ps], dtype=torch.float32, device=dev) \
-                if any(p.min_p > 0 for p in ps) else None
-            probs = filter_logits(x[idx], temp, top_k, top_p, min_p).softmax(-1)
+            probs = sampling_probs(x[idx], ps)
             q = torch.empty_like(probs)
             if any(p.seed is None for p in ps):
                 q.exponential_(generator=generator)

@@ -38,6 +38,7 @@ class Sequence:
     finish_reason: str | None = None
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # speculative decoding: drafts for the next step
     grammar: object | None = None  # structured outputs: its xgrammar matcher (state follows output_token_ids)
     prompt_logprobs_next: int = 1  # prompt_logprobs: the next prompt position to score (kept across preemption)
 

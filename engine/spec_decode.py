@@ -1,0 +1,317 @@
+"""Speculative decoding with the checkpoint's MTP layer: one engine step that verifies drafts.
+
+A step in which some scheduled sequence speculates runs here instead of LLMEngine._step:
+
+1. every decoding sequence holding drafts (spec_token_ids, proposed by the previous step) runs
+   its last token plus its k drafts: k + 1 positions in one forward of the main model, packed
+   with the step's prefill chunks and plain decodes;
+2. the target's logits at those positions accept a prefix of the drafts (greedy: exact argmax
+   match; sampled: rejection sampling, engine/rejection_sampler.py) plus one token of its own;
+3. the paged hybrid cache rolls back what was rejected: window KV and compressed entries are
+   addressed by position and rewritten when those positions run again, so only the
+   compressors' rolling state needs it: a block closed by a rejected position is reopened (its
+   rows put back into the open-block state, the CSA overlap state restored from before the
+   step); num_computed_tokens / compress_from move only over accepted positions, so nothing
+   rejected reaches the prefix cache;
+4. the MTP layer catches up over the step's accepted positions (its window KV) and chains k
+   drafts for the next step;
+5. the scheduler advances by what was accepted and the tokens are emitted in order (stops,
+   lengths and stop strings cut them as usual).
+
+Per engine `num_speculative_tokens` = k; a request speculates unless its parameters need the
+plain sampler at every token (penalties, logit bias, bad words, allowed ids, structured outputs,
+logprobs, a seed, or min_tokens not yet reached): those take k = 0 and keep their exact
+per-token semantics. A step with no speculating sequence takes the ordinary path (CUDA graphs,
+async scheduling). Speculative steps run eagerly and synchronously (no verify CUDA graph yet).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.args import InvalidEngineArgs
+from engine.deepseek_v4 import DeepseekV4
+from engine.forward_batch import ForwardBatch
+from engine.mtp import MTP
+from engine.rejection_sampler import greedy_accept, rejection_sample
+from engine.sampler import sampling_probs
+from engine.sequence import Sequence, Status
+
+
+def speculates(seq: Sequence) -> bool:
+    """Parameters rejection sampling reproduces exactly (the target's distribution per token)."""
+    p = seq.sampling
+    return not p.processes_logits and p.logprobs is None and p.seed is None
+
+
+class SpecDecoder:
+    def __init__(self, engine, num_speculative_tokens: int):
+        self.engine, self.k = engine, num_speculative_tokens
+        if not isinstance(engine.model, DeepseekV4):
+            raise InvalidEngineArgs(f"speculative_config: the MTP draft is implemented for DeepSeek-V4 checkpoints, "
+                                    f"not {type(engine.model).__name__}")
+        cfg = engine.cfg
+        ratios = [r for r in cfg.compress_ratios if r]
+        if ratios and self.k + 1 > min(ratios):  # one verify closes at most one block per compressor
+            raise InvalidEngineArgs(f"speculative_config: num_speculative_tokens={self.k} needs k + 1 <= the smallest "
+                             f"compress ratio ({min(ratios)})")
+        self.mtp = MTP.from_model(engine.model)
+        self.mtp_cache = self.mtp.make_cache(engine.cache)
+        self.forced_drafts: dict[str, list[int]] | None = None  # benchmarks: see force_drafts
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.counters = {"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                         "spec_decode_num_accepted_tokens": 0}
+        self.accepted_per_pos = [0] * self.k
+
+    def force_drafts(self, outputs: dict[str, list[int]] | None) -> None:
+        """Benchmarks: the MTP runs as usual but its drafts are replaced by these tokens (request id ->
+        the output of an earlier run of the same prompt): the cost of a draft that always agrees."""
+        self.forced_drafts = outputs
+
+    def wants(self, scheduled: list[tuple[Sequence, int]]) -> bool:
+        return any(speculates(s) for s, _ in scheduled)
+
+    def stats(self) -> dict:
+        c = self.counters
+        drafts, tokens, acc = c["spec_decode_num_drafts"], c["spec_decode_num_draft_tokens"], c["spec_decode_num_accepted_tokens"]
+        return {**c, "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+                "spec_decode_acceptance_rate": acc / tokens if tokens else 0.0,
+                "spec_decode_mean_acceptance_length": 1 + acc / drafts if drafts else 0.0}
+
+    # --- the step -----------------------------------------------------------------------------
+
+    def step(self, scheduled: list[tuple[Sequence, int]]) -> list:
+        eng = self.engine
+        outputs = eng.flush()  # a plain step still in flight: its tokens become real first
+        scheduled = [(s, n) for s, n in scheduled if s.request_id in eng.requests]
+        if not scheduled:
+            return outputs
+        batch = self._attach_drafts(scheduled)
+        fb = eng.runner.build_batch(batch)
+        verifying = [s for s, _ in batch if s.spec_token_ids]
+        snapshot = None
+        if verifying:
+            fb.closed_blocks = {}
+            snapshot = self._snapshot([s.blocks.state_slot for s in verifying])
+        hidden = eng.model.hidden_states(fb, eng.cache)
+        logits = eng.model.compute_logits(hidden[fb.logits_rows])
+
+        # logits rows: per sequence in batch order, from its last known token on
+        plain, plain_rows, verify, verify_rows, row = [], [], [], [], 0
+        for seq, n in batch:
+            m = seq.num_computed_tokens + n - seq.num_tokens + 1
+            if m <= 0:
+                continue
+            (verify if seq.spec_token_ids else plain).append(seq)
+            (verify_rows if seq.spec_token_ids else plain_rows).append(row)
+            row += m
+        plain, samples = eng._draw(plain, logits[plain_rows]) if plain else ([], [])
+        emitted = self._verify(verify, verify_rows, logits) if verify else {}
+        if verifying:
+            self._rollback(fb, batch, emitted, snapshot)
+
+        # the MTP follows every speculating sequence over this step's accepted positions
+        nxt = {id(s): [smp.token_id] for s, smp in zip(plain, samples) if smp.error is None}
+        nxt.update({sid: [t for t, _ in toks] for sid, toks in emitted.items()})
+        self._propose(batch, fb, hidden, nxt)
+
+        eng.scheduler.advance([(s, len(emitted[id(s)]) if id(s) in emitted else n)
+                               for s, n in batch if s.status == Status.RUNNING])
+        for seq, smp in zip(plain, samples):
+            outputs += eng._emit(seq, smp)
+        for seq in verify:
+            for token, logprob in emitted[id(seq)]:
+                if seq.request_id not in eng.requests:
+                    break  # finished (stop, length, stop string): the rest is dropped
+                outputs += eng._process(seq, token, logprob, None)
+        return outputs
+
+    def _attach_drafts(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Decodes holding drafts run them too, while the step's token budget and the blocks last."""
+        eng = self.engine
+        budget = eng.args.max_num_batched_tokens - sum(n for _, n in scheduled)
+        out = []
+        for seq, n in scheduled:
+            d = seq.spec_token_ids[:max(0, budget)]
+            p = seq.num_computed_tokens
+            if d and not (n == 1 and p == seq.num_tokens - 1 and speculates(seq)):
+                d = []
+            if d:
+                lo = eng.scheduler._window_lo(seq)
+                if eng.cache.can_allocate(seq.blocks, lo, p + 1 + len(d)):
+                    eng.cache.allocate(seq.blocks, lo, p + 1 + len(d))
+                else:
+                    d = []
+            seq.spec_token_ids = d
+            budget -= len(d)
+            out.append((seq, n + len(d)))
+        return out
+
+    def _verify(self, seqs: list[Sequence], rows: list[int], logits: torch.Tensor) -> dict[int, list]:
+        """id(seq) -> [(token, raw logprob)] emitted: the accepted drafts, then the target's token."""
+        dev = logits.device
+        nd = [len(s.spec_token_ids) for s in seqs]
+        k = max(nd)
+        idx = torch.tensor([[r + min(j, n) for j in range(k + 1)] for r, n in zip(rows, nd)], device=dev)
+        target = logits[idx]  # [S, k + 1, V]
+        drafts = torch.tensor([s.spec_token_ids + [0] * (k - len(s.spec_token_ids)) for s in seqs], device=dev)
+        num = torch.tensor(nd, device=dev)
+        tokens = torch.empty(len(seqs), k + 1, dtype=torch.long, device=dev)
+        accepted = torch.empty(len(seqs), dtype=torch.long, device=dev)
+        greedy = [i for i, s in enumerate(seqs) if s.sampling.greedy]
+        rand = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
+        for part, fn in ((greedy, self._greedy), (rand, self._sampled)):
+            if part:
+                pi = torch.tensor(part, device=dev)
+                t, a = fn(target[pi], drafts[pi], num[pi], [seqs[i] for i in part])
+                tokens[pi], accepted[pi] = t, a
+        logprob = target.gather(2, tokens.clamp(min=0)[..., None])[..., 0] - target.logsumexp(-1)
+        tokens, accepted, logprob = tokens.tolist(), accepted.tolist(), logprob.tolist()  # the step's host sync
+        out = {}
+        for i, s in enumerate(seqs):
+            a = accepted[i]
+            out[id(s)] = list(zip(tokens[i][:a + 1], logprob[i][:a + 1]))
+            self.counters["spec_decode_num_drafts"] += 1
+            self.counters["spec_decode_num_draft_tokens"] += nd[i]
+            self.counters["spec_decode_num_accepted_tokens"] += a
+            for j in range(a):
+                self.accepted_per_pos[j] += 1
+        return out
+
+    @staticmethod
+    def _greedy(target, drafts, num, seqs):
+        return greedy_accept(target.argmax(-1), drafts, num)
+
+    def _sampled(self, target, drafts, num, seqs):
+        S, k1, V = target.shape
+        params = [s.sampling for s in seqs for _ in range(k1)]
+        probs = sampling_probs(target.reshape(S * k1, V), params).view(S, k1, V)
+        return rejection_sample(probs, drafts, num, self.engine.generator)
+
+    # --- rollback of the compressors' rolling state -------------------------------------------
+
+    def _states(self):
+        c = self.engine.cache
+        return [st for st in c.comp_state + c.index_state if st is not None]
+
+    def _snapshot(self, slots: list[int]) -> dict:
+        """CSA overlap state of the verifying sequences before the step (what a reopened block needs)."""
+        idx = torch.tensor(slots, device=self.engine.device)
+        return {id(st): (st.prev_kv[idx].clone(), st.prev_gate[idx].clone(), st.has_prev[idx].clone())
+                for st in self._states() if st.prev_kv is not None} | {"slots": slots}
+
+    def _rollback(self, fb: ForwardBatch, batch, emitted: dict, snapshot: dict) -> None:
+        """Reopen every compressor block that a rejected position closed: its rows (the gathered
+        block, rows at accepted positions exact, the others rewritten when they run again) go back
+        to the open-block state, and the overlap state is the one from before the step. k + 1 <=
+        ratio, so a verify closes at most one block per sequence and compressor."""
+        dev = self.engine.device
+        ends = {}  # batch index -> (first rejected position, snapshot index)
+        for b, (seq, _) in enumerate(batch):
+            toks = emitted.get(id(seq))
+            if toks is not None and len(toks) < len(seq.spec_token_ids) + 1:
+                ends[b] = (seq.num_computed_tokens + len(toks), snapshot["slots"].index(seq.blocks.state_slot))
+        if not ends:
+            return
+        fixes = {}  # ratio -> (closed block index, state slot, snapshot index) lists
+        for (kind, m), plan in fb.plans.items():
+            if kind != "compress" or not plan.num_blocks:
+                continue
+            blk_seq, blk_entry = plan.blk_seq.tolist(), plan.blk_entry.tolist()
+            f = [(j, fb.state_slots[s], ends[s][1]) for j, (s, e) in enumerate(zip(blk_seq, blk_entry))
+                 if s in ends and (e + 1) * m > ends[s][0]]
+            if f:
+                fixes[m] = [torch.tensor(x, device=dev) for x in zip(*f)]
+        for st in self._states():
+            m = st.pend_kv.shape[1]
+            if m not in fixes or id(st) not in fb.closed_blocks:
+                continue
+            blk, slot, snap = fixes[m]
+            kv, gate = fb.closed_blocks[id(st)]
+            st.pend_kv[slot] = kv[blk].to(st.pend_kv.dtype)
+            st.pend_gate[slot] = gate[blk].to(st.pend_gate.dtype)
+            if st.prev_kv is not None:
+                prev_kv, prev_gate, has_prev = snapshot[id(st)]
+                st.prev_kv[slot], st.prev_gate[slot], st.has_prev[slot] = prev_kv[snap], prev_gate[snap], has_prev[snap]
+
+    # --- drafting -----------------------------------------------------------------------------
+
+    def _propose(self, batch, fb: ForwardBatch, hidden: torch.Tensor, nxt: dict[int, list[int]]) -> None:
+        """MTP over each speculating sequence's accepted rows of this step (inputs: the main model's
+        streams at i and the token at i + 1), then k - 1 chained single-token MTP steps: drafts."""
+        eng = self.engine
+        items, rows, row0 = [], [], 0
+        for seq, n in batch:
+            start = seq.num_computed_tokens
+            toks = None
+            if speculates(seq) and seq.status == Status.RUNNING:
+                if start + n < seq.num_tokens:  # a prefill chunk: every next token is known
+                    toks = seq.token_ids[start + 1:start + n + 1]
+                elif id(seq) in nxt:  # up to the last accepted row: the known tokens, then this step's
+                    toks = seq.token_ids[start + 1:] + nxt[id(seq)]
+            if toks:
+                items.append((seq, start, toks))
+                rows.extend(range(row0, row0 + len(toks)))
+            seq.spec_token_ids = []
+            row0 += n
+        if not items:
+            return
+        fb_m = self._batch(items)
+        h = self.mtp(eng.model, fb_m, self.mtp_cache, hidden[torch.tensor(rows, device=hidden.device)])
+        drafting = []  # (item index, position of its next MTP row, drafts wanted, outputs after this step)
+        for j, (seq, start, toks) in enumerate(items):
+            base = start + len(toks)  # num_tokens - 1 once this step's tokens are appended
+            n_out = base + 1 - seq.num_prompt_tokens
+            if base < seq.num_tokens or n_out < seq.sampling.min_tokens:
+                continue  # a prefill chunk (nothing to draft yet), or min_tokens still bans stop tokens
+            k = min(self.k, eng.max_model_len - base - 1, seq.sampling.max_tokens - n_out - 1)
+            if k > 1:  # the chained MTP rows (positions base .. base + k - 2) need window blocks
+                lo, hi = eng.scheduler._window_lo(seq), base + k - 1
+                if eng.cache.can_allocate(seq.blocks, lo, hi):
+                    eng.cache.allocate(seq.blocks, lo, hi)
+                else:
+                    k = 1
+            if k > 0:
+                drafting.append((j, base, k, n_out))
+        if not drafting:
+            return
+        h = h[fb_m.logits_rows[torch.tensor([j for j, *_ in drafting], device=h.device)]]
+        out = [[t] for t in self.mtp.compute_logits(eng.model, h).argmax(-1).tolist()]
+        for step in range(1, max(k for _, _, k, _ in drafting)):
+            live = [i for i, (_, _, k, _) in enumerate(drafting) if k > step]
+            sel = torch.tensor(live, device=h.device)
+            fb_d = self._batch([(items[drafting[i][0]][0], drafting[i][1] + step - 1, [out[i][-1]]) for i in live])
+            h_live = self.mtp(eng.model, fb_d, self.mtp_cache, h[sel])
+            h = h.index_copy(0, sel, h_live)
+            for i, t in zip(live, self.mtp.compute_logits(eng.model, h_live).argmax(-1).tolist()):
+                out[i].append(t)
+        for (j, _, _, n_out), d in zip(drafting, out):
+            seq = items[j][0]
+            if self.forced_drafts is not None and seq.request_id in self.forced_drafts:
+                d = self.forced_drafts[seq.request_id][n_out:n_out + len(d)]
+            seq.spec_token_ids = d
+
+    def _batch(self, items: list[tuple[Sequence, int, list[int]]]) -> ForwardBatch:
+        """The MTP's batch: (sequence, first position, input tokens) each, one row per token, its
+        window KV at the main cache's window slots; logits rows: each sequence's last row."""
+        bs, dev = self.engine.cache.block_size, self.engine.device
+        ids, pos, slots, lens, starts, replay, tables, slot_ids, last = [], [], [], [], [], [], [], [], []
+        for seq, start, toks in items:
+            wt = seq.blocks.window_table
+            ids += toks
+            pos += range(start, start + len(toks))
+            slots += [wt[i // bs] * bs + i % bs for i in range(start, start + len(toks))]
+            lens.append(len(toks))
+            starts.append(start)
+            replay.append(seq.replay_start)
+            tables.append(wt)
+            slot_ids.append(seq.blocks.state_slot)
+            last.append(len(ids) - 1)
+        width = max(map(len, tables))
+        t = lambda x: torch.tensor(x, dtype=torch.long, device=dev)
+        wt = t([w + [-1] * (width - len(w)) for w in tables])
+        return ForwardBatch(t(ids), t(pos), lens, starts, replay, list(starts), t(slots), wt, torch.zeros_like(wt),
+                            slot_ids, t(last), t([s for s, n in enumerate(lens) for _ in range(n)]), t(replay),
+                            t(slot_ids), all(n == 1 for n in lens), max(pos))
