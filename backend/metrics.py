@@ -2,9 +2,10 @@
 
 Per-request figures (latencies, lengths, finish reasons) come from backend/model.py when a request
 finishes; engine-wide figures (running/waiting requests, KV-cache usage, prefix-cache and replay
-counters) are polled from `engine.stats()`. Every metric call is an IPC to the Triton process, so
-one thread does them all, off the engine's event loop. Triton 2.51's python backend supports
-HISTOGRAM (python_backend >= 24.08), so histograms are real Prometheus histograms.
+counters, speculative decoding's drafts and acceptance) are polled from `engine.stats()`. Every
+metric call is an IPC to the Triton process, so one thread does them all, off the engine's event
+loop. Triton 2.51's python backend supports HISTOGRAM (python_backend >= 24.08), so histograms
+are real Prometheus histograms.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ STAT_COUNTERS = {
     "prefix_cache_replayed_tokens": ("replayed_tokens_total",
                                      "Tokens recomputed by SWA bounded replay after prefix-cache hits."),
     "num_preemptions": ("num_preemptions_total", "Requests preempted (their KV freed, recomputed later)."),
+    # speculative decoding (vLLM's names): verify steps (one per request and step), drafts, accepted
+    "spec_decode_num_drafts": ("spec_decode_num_drafts_total", "Draft proposals verified (one per request and step)."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens_total", "Draft tokens verified."),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens_total", "Draft tokens accepted."),
     "num_step_failures": ("engine_step_failures_total",
                           "Engine steps that raised (the failing request is isolated and failed)."),
     # from model.py's response thread, not the engine
@@ -88,7 +93,15 @@ def gauges_from_stats(stats: dict) -> tuple[dict[str, float], dict[str, float]]:
             gauges[f"kv_cache_free_blocks/{pool}"] = float(blocks["free"])
             gauges[f"kv_cache_blocks/{pool}"] = float(blocks["total"])
     counters = {name: float(stats.get(key, 0)) for key, (name, _) in STAT_COUNTERS.items()}
+    if "spec_decode_num_draft_tokens" in stats:
+        gauges["spec_decode_draft_acceptance_rate"] = float(stats.get("spec_decode_acceptance_rate", 0.0))
+        gauges["spec_decode_mean_acceptance_length"] = float(stats.get("spec_decode_mean_acceptance_length", 0.0))
+        for pos, n in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos") or []):
+            counters[f"{PER_POS}/{pos}"] = float(n)
     return gauges, counters
+
+
+PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"  # labelled by draft position
 
 
 class Metrics:
@@ -137,6 +150,8 @@ class Metrics:
         self.stat_counters = {name: family(name, description, F.COUNTER).Metric(labels=self.labels)
                               for name, description in STAT_COUNTERS.values()}
         self.last_counter_values = dict.fromkeys(self.stat_counters, 0.0)
+        self.per_pos_family = family(PER_POS, "Draft tokens accepted, by position in the draft (0: the first).",
+                                     F.COUNTER)
         self.gauge_families = {
             "num_requests_running": family("num_requests_running", "Requests running in the engine.", F.GAUGE),
             "num_requests_waiting": family("num_requests_waiting", "Requests waiting in the engine.", F.GAUGE),
@@ -144,6 +159,11 @@ class Metrics:
                                           F.GAUGE),
             "kv_cache_free_blocks": family("kv_cache_free_blocks", "Free KV-cache blocks per pool.", F.GAUGE),
             "kv_cache_blocks": family("kv_cache_blocks", "KV-cache blocks per pool.", F.GAUGE),
+            "spec_decode_draft_acceptance_rate": family(
+                "spec_decode_draft_acceptance_rate", "Accepted / verified draft tokens since start.", F.GAUGE),
+            "spec_decode_mean_acceptance_length": family(
+                "spec_decode_mean_acceptance_length",
+                "Tokens per verify step (1 + accepted drafts per proposal) since start.", F.GAUGE),
         }
         self.gauges: dict[str, object] = {}
 
@@ -210,6 +230,10 @@ class Metrics:
                 self.gauges[key] = self.gauge_families[name].Metric(labels=labels)
             self.gauges[key].set(value)
         for name, value in counters.items():
+            if name not in self.stat_counters:  # <family>/<position>: one labelled counter per draft position
+                self.stat_counters[name] = self.per_pos_family.Metric(
+                    labels={**self.labels, "position": name.partition("/")[2]})
+                self.last_counter_values[name] = 0.0
             delta = value - self.last_counter_values[name]
             if delta < 0:  # the engine's counter restarted
                 delta = value

@@ -143,6 +143,11 @@ TABLES = [
      else 100 * lv["server"]["prefix_hit_ratio"], 1, True),
     ("Deltas per streamed response (server; > 1: its response thread fell behind)",
      lambda lv: (lv.get("server") or {}).get("deltas_per_response"), 2, False),
+    ("Draft acceptance rate (%, server; speculative decoding)",
+     lambda lv: None if (lv.get("server") or {}).get("spec_acceptance_rate") is None
+     else 100 * lv["server"]["spec_acceptance_rate"], 1, True),
+    ("Mean acceptance length (tokens per verify step, server)",
+     lambda lv: (lv.get("server") or {}).get("spec_mean_acceptance_length"), 2, True),
     ("Response thread busy (%, server)",
      lambda lv: None if (lv.get("server") or {}).get("response_thread_busy") is None
      else 100 * lv["server"]["response_thread_busy"], 1, False),

@@ -2,7 +2,8 @@
 
 The native engine's counters (docs/USAGE.md, backend/metrics.py) give the prefix-cache hit ratio
 (`deepseek:prefix_cache_hit_tokens_total / deepseek:prefix_cache_queries_total`), replayed tokens,
-preemptions, and the server's own request and token totals to check the client's against; the
+preemptions, speculative decoding's draft and accepted tokens (acceptance rate, mean acceptance
+length), and the server's own request and token totals to check the client's against; the
 response thread's counters say whether the server's Python, not the engine, was the limit
 (deltas per streamed response above 1, the thread busy near 100%).
 """
@@ -25,6 +26,9 @@ COUNTERS = {
     "deepseek:stream_deltas_total": "stream_deltas",
     "deepseek:stream_responses_total": "stream_responses",
     "deepseek:response_thread_cpu_seconds_total": "response_thread_cpu_s",
+    "deepseek:spec_decode_num_drafts_total": "spec_decode_num_drafts",
+    "deepseek:spec_decode_num_draft_tokens_total": "spec_decode_num_draft_tokens",
+    "deepseek:spec_decode_num_accepted_tokens_total": "spec_decode_num_accepted_tokens",
     "nv_inference_request_failure": "triton_request_failures",
 }
 # the engine-stats counters are polled every 0.5 s (backend/metrics.py): wait this long for them
@@ -101,4 +105,9 @@ def delta(before: dict | None, after: dict | None) -> dict | None:
     # above 1: the server's response thread fell behind and merged deltas (backend/model.py)
     responses = out.get("stream_responses", 0.0)
     out["deltas_per_response"] = out.get("stream_deltas", 0.0) / responses if responses else None
+    # speculative decoding over the level (vLLM's acceptance rate and mean acceptance length)
+    drafts, tokens = out.get("spec_decode_num_drafts", 0.0), out.get("spec_decode_num_draft_tokens", 0.0)
+    accepted = out.get("spec_decode_num_accepted_tokens", 0.0)
+    out["spec_acceptance_rate"] = accepted / tokens if tokens else None
+    out["spec_mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
     return out

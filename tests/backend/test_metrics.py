@@ -75,3 +75,27 @@ def test_requests_and_polled_stats_reach_the_families(metrics_module):
     assert fam["deepseek:prefix_cache_queries_total"].metrics[0].value == 40
     assert fam["deepseek:num_preemptions_total"].metrics[0].value == 0
     assert fam["deepseek:num_requests_running"].metrics[0].value == 0
+
+
+def test_speculative_decoding_stats_reach_vllms_families(metrics_module):
+    base = {"running": 1, "waiting": 0, "kv_usage": {}}
+    stats = iter([
+        {**base, "spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 12, "spec_decode_num_accepted_tokens": 5,
+         "spec_decode_num_accepted_tokens_per_pos": [3, 2, 0], "spec_decode_acceptance_rate": 5 / 12,
+         "spec_decode_mean_acceptance_length": 1 + 5 / 4},
+        {**base, "spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 30, "spec_decode_num_accepted_tokens": 9,
+         "spec_decode_num_accepted_tokens_per_pos": [6, 2, 1], "spec_decode_acceptance_rate": 0.3,
+         "spec_decode_mean_acceptance_length": 1.9},
+    ])
+    m = metrics_module.Metrics({"model": "m", "version": "1"}, lambda: next(stats), 1024, poll_interval_s=0.05)
+    m.start()
+    time.sleep(0.3)
+    m.stop()
+    fam = FakeFamily.created
+    assert fam["deepseek:spec_decode_num_drafts_total"].metrics[0].value == 10
+    assert fam["deepseek:spec_decode_num_draft_tokens_total"].metrics[0].value == 30
+    assert fam["deepseek:spec_decode_num_accepted_tokens_total"].metrics[0].value == 9
+    per_pos = {c.labels["position"]: c.value for c in fam["deepseek:spec_decode_num_accepted_tokens_per_pos_total"].metrics}
+    assert per_pos == {"0": 6, "1": 2, "2": 1}
+    assert fam["deepseek:spec_decode_draft_acceptance_rate"].metrics[0].value == 0.3
+    assert fam["deepseek:spec_decode_mean_acceptance_length"].metrics[0].value == 1.9

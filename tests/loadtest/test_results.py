@@ -99,6 +99,18 @@ def test_metrics_parse_and_delta():
     assert scrape.scrape(None) is None and scrape.scrape("http://127.0.0.1:9/metrics", timeout_s=1) is None
 
 
+def test_speculative_decoding_acceptance_over_a_level():
+    spec = ('deepseek:spec_decode_num_drafts_total{{model="m",version="1"}} {}\n'
+            'deepseek:spec_decode_num_draft_tokens_total{{model="m",version="1"}} {}\n'
+            'deepseek:spec_decode_num_accepted_tokens_total{{model="m",version="1"}} {}\n')
+    before, after = scrape.parse(PROM + spec.format(10, 30, 12)), scrape.parse(PROM + spec.format(30, 90, 48))
+    d = scrape.delta(before, after)
+    assert (d["spec_decode_num_drafts"], d["spec_decode_num_draft_tokens"], d["spec_decode_num_accepted_tokens"]) \
+        == (20, 60, 36)
+    assert d["spec_acceptance_rate"] == pytest.approx(0.6) and d["spec_mean_acceptance_length"] == pytest.approx(2.8)
+    assert scrape.delta(before, before)["spec_acceptance_rate"] is None
+
+
 def sweep_result(label, scale):
     levels = []
     for c in (1, 2, 4):
