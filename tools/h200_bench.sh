@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|quant|fused|depth|v41|largest|profile-depth|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh kernels|quant|fused|depth|v41|largest|profile-depth|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
 # numpy2 and serving need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoints, drawn on the GPU: flash-depth (V4-Flash depth: 43 layers, 16 experts; mixed, engine, depth) and
 # flash-shaped (its per-layer shapes, 4 layers: quick and the rest).
@@ -67,6 +67,11 @@ largest)  # the largest V4-Flash-shaped model one H200 holds as shipped (43 laye
   timeout 240 /tmp/tvenv/bin/python -m loadtest.sweep --serve --model $M --engine-args "$LA" --driver threads --protocol grpc \
     --concurrency 1,32 --input-len 512 --output-len 64 --duration 15 --stop-timeout 20 --out "$OUT" --label largest-triton 2>&1 \
     | tee "$OUT/largest_sweep.log" | grep -E "c=|rror|weights" | tail -5 ;;
+spec)  # issue 21: MTP speculative decoding at V4-Flash depth (FP8 + MXFP4): draft / verify step times at batch 1, 8, 32,
+  # the modelled speed-up by acceptance rate, end to end with drafts forced to agree and with the random MTP (~0 accepted)
+  timeout 270 python3 -m tools.bench_spec --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batches 1,8,32 \
+    --input-len 512 --output-len 48 --engine-args '{"max_model_len":4096,"block_size":128,"gpu_memory_utilization":0.9}' \
+    --json "$OUT/spec.json" 2>&1 | tee "$OUT/spec.log" | grep -vE "^(INFO|WARNING)" | tail -30 ;;
 profile-depth)  # where a depth-43 decode step goes as shipped (FP8 + MXFP4): kernels by CUDA time at batch 1 and 150
   df -h / /tmp /dev/shm > "$OUT/disk.txt" 2>&1; cat "$OUT/disk.txt"
   for b in 1 150; do

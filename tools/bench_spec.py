@@ -1,0 +1,197 @@
+"""Speculative decoding with the MTP layer: step times, the speed-up they allow, and end to end.
+
+One engine (speculative_config k = 3, CUDA graphs for its plain steps) on a random checkpoint:
+
+1. micro: at batch B, with B requests prefilled (input_len tokens), CUDA-synchronised medians of
+   the plain decode step (graph replay), the verify forward of k + 1 tokens per sequence (eager),
+   the MTP over k + 1 rows (its catch-up) and one chained draft step (one row per sequence);
+2. model: from those, the speed-up at a per-token acceptance rate a:
+   E[tokens per step] = (1 - a^(k+1)) / (1 - a), cost = verify + catch-up + (k - 1) drafts,
+   speed-up = E[tokens] x plain / cost;
+3. end to end, decode tokens/s (after the prefills) at the two ends random weights allow: drafts
+   forced to agree (replayed from a plain run of the same prompts: acceptance ~1) and the random
+   MTP's own drafts (acceptance ~0: the pure overhead), against plain decoding.
+
+Prints tables, writes JSON (--json). Needs CUDA for meaningful numbers (runs on CPU for a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+from engine.llm import LLM
+from engine.request import GenerationRequest, SamplingParams
+from engine.random_checkpoint import PRESETS, QUANTS
+from tools.bench_engine import random_prompts, resolve_model
+
+ALPHAS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0)
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        _sync()
+        t = time.perf_counter()
+        fn()
+        _sync()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def _prefill(eng, batch: int, input_len: int, output_len: int, tag: str, seed: int) -> list[str]:
+    sp = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    ids = []
+    for i, prompt in enumerate(random_prompts(batch, input_len, eng.cfg.vocab_size, seed=seed)):
+        rid = f"{tag}-{i}"
+        eng.add_request(GenerationRequest(rid, prompt_token_ids=prompt, sampling=sp))
+        ids.append(rid)
+    while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
+        eng.step()
+    return ids
+
+
+def micro(eng, spec, batch: int, input_len: int, reps: int) -> dict:
+    """Step times on live sequences (their caches are scribbled on; they are aborted after)."""
+    saved, eng.spec = eng.spec, None
+    ids = _prefill(eng, batch, input_len, eng.max_model_len - input_len - 8, f"micro-{batch}", seed=batch)
+    eng.flush()
+    seqs = [eng.requests[r].seq for r in ids]
+    model, runner, cache = eng.model, eng.runner, eng.cache
+    row = {"batch": batch, "plain_ms": _median_ms(lambda: runner.run([(s, 1) for s in seqs]), reps)}
+    for k in (1, 2, 3):
+        for s in seqs:
+            s.spec_token_ids = [s.last_token_id] * k
+            cache.allocate(s.blocks, eng.scheduler._window_lo(s), s.num_computed_tokens + 1 + k)
+        batch_k = [(s, 1 + k) for s in seqs]
+
+        def verify():
+            fb = runner.build_batch(batch_k)
+            return model.compute_logits(model.hidden_states(fb, cache)[fb.logits_rows])
+
+        row[f"verify_k{k}_ms"] = _median_ms(verify, reps)
+        hc = torch.zeros(batch * (k + 1), model.cfg.hc_mult, model.cfg.hidden_size, dtype=model.embed.weight.dtype,
+                         device=eng.device)
+        items = [(s, s.num_computed_tokens, [s.last_token_id] * (k + 1)) for s in seqs]
+        row[f"mtp_rows{k + 1}_ms"] = _median_ms(
+            lambda: spec.mtp.compute_logits(model, spec.mtp(model, spec._batch(items), spec.mtp_cache, hc)[
+                torch.arange(k, batch * (k + 1), k + 1, device=eng.device)]).argmax(-1), reps)
+        for s in seqs:
+            s.spec_token_ids = []
+    one = [(s, s.num_computed_tokens, [s.last_token_id]) for s in seqs]
+    h1 = torch.zeros(batch, model.cfg.hc_mult, model.cfg.hidden_size, dtype=model.embed.weight.dtype, device=eng.device)
+    row["draft_ms"] = _median_ms(
+        lambda: spec.mtp.compute_logits(model, spec.mtp(model, spec._batch(one), spec.mtp_cache, h1)).argmax(-1), reps)
+    for r in ids:
+        eng.abort(r)
+    eng.spec = saved
+    return row
+
+
+def model_speedup(row: dict) -> dict:
+    out = {}
+    for k in (1, 2, 3):
+        cost = row[f"verify_k{k}_ms"] + row[f"mtp_rows{k + 1}_ms"] + (k - 1) * row["draft_ms"]
+        for a in ALPHAS:
+            tokens = k + 1 if a == 1 else (1 - a ** (k + 1)) / (1 - a)
+            out[f"k{k}_a{a:g}"] = tokens * row["plain_ms"] / cost
+    return out
+
+
+def end_to_end(eng, spec, batch: int, input_len: int, output_len: int) -> dict:
+    """Decode tokens/s after the prefills: plain, speculative with the MTP's drafts, and with
+    drafts forced to the plain run's tokens."""
+    res, outputs = {"batch": batch}, {}
+    for mode in ("plain", "mtp", "forced"):
+        eng.spec = None if mode == "plain" else spec
+        spec.force_drafts(outputs if mode == "forced" else None)
+        before = dict(spec.counters)
+        ids = _prefill(eng, batch, input_len, output_len, f"e2e-{batch}", seed=1000 + batch)
+        seqs = {r: eng.requests[r].seq for r in ids}
+        done = {r: len(s.output_token_ids) for r, s in seqs.items()}
+        _sync()
+        t = time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+        _sync()
+        dt = time.perf_counter() - t
+        tokens = sum(len(s.output_token_ids) - done[r] for r, s in seqs.items())
+        res[f"{mode}_tok_s"] = tokens / dt
+        if mode == "plain":
+            outputs = {r: list(s.output_token_ids) for r, s in seqs.items()}
+        else:
+            drafted = spec.counters["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+            acc = spec.counters["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+            res[f"{mode}_acceptance"] = acc / drafted if drafted else 0.0
+            res[f"{mode}_same_tokens"] = sum(list(s.output_token_ids) == outputs[r] for r, s in seqs.items())
+    spec.force_drafts(None)
+    eng.spec = spec
+    res["forced_speedup"] = res["forced_tok_s"] / res["plain_tok_s"]
+    res["mtp_overhead"] = 1 - res["mtp_tok_s"] / res["plain_tok_s"]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--quant", default="bf16", choices=QUANTS)
+    ap.add_argument("--cache-dir", default="/tmp/ckpt")
+    ap.add_argument("--batches", default="1,8,32", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=48)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--engine-args", default="{}")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    model = resolve_model(SimpleNamespace(model=args.model, preset=args.preset, quant=args.quant,
+                                          cache_dir=args.cache_dir))
+    engine_args = {"max_num_seqs": max(args.batches), "max_model_len": 4096, **json.loads(args.engine_args),
+                   "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}
+    t = time.perf_counter()
+    eng = LLM(model, **engine_args).engine
+    print(f"engine up in {time.perf_counter() - t:.0f} s (graphs: {sorted(eng.runner.graphs)})", flush=True)
+    spec = eng.spec
+    rows, e2e = [], []
+    print(f"{'batch':>5} {'plain':>7} {'verify k=1':>10} {'k=2':>7} {'k=3':>7} {'mtp 2':>7} {'mtp 3':>7} {'mtp 4':>7} "
+          f"{'draft':>7}   (ms)")
+    for b in args.batches:
+        r = micro(eng, spec, b, args.input_len, args.reps)
+        r["speedup"] = model_speedup(r)
+        rows.append(r)
+        print(f"{b:>5} {r['plain_ms']:>7.2f} {r['verify_k1_ms']:>10.2f} {r['verify_k2_ms']:>7.2f} "
+              f"{r['verify_k3_ms']:>7.2f} {r['mtp_rows2_ms']:>7.2f} {r['mtp_rows3_ms']:>7.2f} {r['mtp_rows4_ms']:>7.2f} "
+              f"{r['draft_ms']:>7.2f}", flush=True)
+    print("\nmodelled speed-up over plain decoding, by per-token acceptance rate a")
+    print(f"{'batch':>5} {'k':>2} " + " ".join(f"{'a=' + format(a, 'g'):>6}" for a in ALPHAS))
+    for r in rows:
+        for k in (1, 2, 3):
+            print(f"{r['batch']:>5} {k:>2} " + " ".join(f"{r['speedup'][f'k{k}_a{a:g}']:>6.2f}" for a in ALPHAS))
+    print("\nend to end, k=3, decode tok/s after the prefills")
+    print(f"{'batch':>5} {'plain':>8} {'forced':>8} {'acc':>5} {'same':>5} {'mtp':>8} {'acc':>5} "
+          f"{'speed-up':>8} {'overhead':>8}")
+    for b in args.batches:
+        r = end_to_end(eng, spec, b, args.input_len, args.output_len)
+        e2e.append(r)
+        print(f"{b:>5} {r['plain_tok_s']:>8.1f} {r['forced_tok_s']:>8.1f} {r['forced_acceptance']:>5.2f} "
+              f"{r['forced_same_tokens']:>5} {r['mtp_tok_s']:>8.1f} {r['mtp_acceptance']:>5.2f} "
+              f"{r['forced_speedup']:>8.2f} {100 * r['mtp_overhead']:>7.1f}%", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": model, "engine_args": engine_args, "input_len": args.input_len,
+                       "output_len": args.output_len, "micro": rows, "end_to_end": e2e}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
