@@ -33,6 +33,7 @@ from engine.args import InvalidEngineArgs
 from engine.deepseek_v4 import DeepseekV4
 from engine.forward_batch import ForwardBatch
 from engine.mtp import MTP
+from engine.prompt_logprobs import prompt_logprob_rows
 from engine.rejection_sampler import greedy_accept, rejection_sample
 from engine.sampler import sampling_probs
 from engine.sequence import Sequence, Status
@@ -97,6 +98,10 @@ class SpecDecoder:
             snapshot = self._snapshot([s.blocks.state_slot for s in verifying])
         hidden = eng.model.hidden_states(fb, eng.cache)
         logits = eng.model.compute_logits(hidden[fb.logits_rows])
+        prompt_rows = prompt_logprob_rows(batch, eng.device)  # prompt_logprobs of this step's prefill rows
+        if prompt_rows is not None:
+            prompt_rows.hidden = hidden[prompt_rows.rows]
+            eng._score_prompts(prompt_rows)
 
         # logits rows: per sequence in batch order, from its last known token on
         plain, plain_rows, verify, verify_rows, row = [], [], [], [], 0

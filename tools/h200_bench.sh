@@ -70,7 +70,8 @@ largest)  # the largest V4-Flash-shaped model one H200 holds as shipped (43 laye
 spec)  # issue 21: MTP speculative decoding at V4-Flash depth (FP8 + MXFP4): draft / verify step times at batch 1, 8, 32,
   # the modelled speed-up by acceptance rate, end to end with drafts forced to agree and with the random MTP (~0 accepted)
   timeout 270 python3 -m tools.bench_spec --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batches 1,8,32 \
-    --input-len 512 --output-len 48 --engine-args '{"max_model_len":4096,"block_size":128,"gpu_memory_utilization":0.9}' \
+    --input-len 512 --output-len 48 \
+    --engine-args '{"max_model_len":4096,"block_size":128,"gpu_memory_utilization":0.9,"cudagraph_mode":"FULL_DECODE_ONLY"}' \
     --json "$OUT/spec.json" 2>&1 | tee "$OUT/spec.log" | grep -vE "^(INFO|WARNING)" | tail -30 ;;
 profile-depth)  # where a depth-43 decode step goes as shipped (FP8 + MXFP4): kernels by CUDA time at batch 1 and 150
   df -h / /tmp /dev/shm > "$OUT/disk.txt" 2>&1; cat "$OUT/disk.txt"

@@ -72,7 +72,8 @@ def test_greedy_equals_plain_with_chunked_prefill_and_preemption(checkpoints):
 
 
 def _drive(eng, requests, late=None, late_after=3):
-    """Run requests (id -> (prompt, params)) to the end, adding `late` after a few steps."""
+    """Run requests (id -> (prompt, params)) to the end, adding `late` after a few steps; their
+    tokens, and prompt_logprobs where asked."""
     outs, step = {}, 0
     for rid, (prompt, sp) in requests.items():
         eng.add_request(GenerationRequest(rid, prompt_token_ids=prompt, sampling=sp))
@@ -83,6 +84,8 @@ def _drive(eng, requests, late=None, late_after=3):
             late = None
         for o in eng.step():
             outs.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.prompt_logprobs is not None:
+                outs[o.request_id + "/prompt_logprobs"] = o.prompt_logprobs
         step += 1
     return outs
 
@@ -90,17 +93,23 @@ def _drive(eng, requests, late=None, late_after=3):
 def test_mixed_speculating_and_fallback_requests_with_async_scheduling(tiny_dir):
     """Seeded greedy requests cannot speculate (k = 0 for them) and may stay in flight (async
     scheduling) when no speculating request shares the step; a speculating request arriving then
-    flushes them first. Every request's tokens equal the plain engine's."""
+    flushes them first (and scores its prompt_logprobs). Every request's tokens equal the plain
+    engine's."""
     prompts = _prompts(4096, seed=2, lengths=(12, 33, 20, 7))
     reqs = {"spec-a": (prompts[0], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)),
             "seeded-b": (prompts[1], SamplingParams(max_tokens=30, temperature=0, seed=5, ignore_eos=True)),
             "pen-c": (prompts[2], SamplingParams(max_tokens=20, temperature=0, presence_penalty=0.5, ignore_eos=True))}
-    late = {"spec-d": (prompts[3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))}
+    late = {"spec-d": (prompts[3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=2))}
     args = {"model": str(tiny_dir), "dtype": "float64", "max_model_len": 128, "async_scheduling": True}
     want = _drive(LLMEngine(args), reqs, late, late_after=14)
     eng = LLMEngine({**args, "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}})
     got = _drive(eng, reqs, late, late_after=14)
+    key = "spec-d/prompt_logprobs"
+    lp_want, lp_got = want.pop(key), got.pop(key)
     assert got == want
+    assert len(lp_got) == len(lp_want) == len(prompts[3]) and lp_got[0] is None
+    for a, b in zip(lp_got[1:], lp_want[1:]):
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-9 for t in a)
     assert eng.stats()["spec_decode_num_drafts"] > 0 and _full(eng)
 
 
