@@ -17,16 +17,15 @@ from kernels import reference
 from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
 from kernels.fused_fp8_linear import fp8_linear_fused
+from kernels.fused_gate import router_topk_gemm_fused
 from kernels.fused_indexer import indexer_topk_fused
 from kernels.fused_moe import moe_experts_fused
 from kernels.fused_norm_mhc import (
     hc_post_fused,
-    hc_post_pre_norm_fused,
     hc_pre_fused,
     rms_norm_fused,
     rms_norm_unweighted_fused,
 )
-from kernels.fused_gate import router_topk_fused
 from kernels.fused_rope import apply_rope_fused, kv_norm_rope_insert_fused, norm_rope_fused
 from kernels.fused_sample import greedy_pick_fused
 
@@ -43,12 +42,29 @@ def linear_fused(x, weight, scale=None):
     return reference.linear(x, weight) if scale is None else fp8_linear_fused(x, weight, scale)
 
 
+GROUPED_ONE_LAUNCH_MAX_T = 32  # wo_a in one launch up to here, one launch per group past it (PERF.md, session 5)
+
+
 def grouped_linear_fused(x, weight, groups, scale=None):
-    """FP8 wo_a: all groups in one launch at decode; needs whole 128-row scale blocks per group (V4-Flash: 1024)."""
+    """FP8 wo_a: all groups in one launch at small batches (3.2-3.4x faster at 1 and 32 rows), one per
+    group at large ones (one launch was 0.83x at 150); needs whole 128-row scale blocks per group."""
     rows = weight.shape[0] // groups
     if scale is None or rows % 128:
         return reference.grouped_linear(x, weight, groups, scale)
-    return fp8_linear_fused(x, weight, scale, groups=groups)
+    if x.shape[0] <= GROUPED_ONE_LAUNCH_MAX_T:
+        return fp8_linear_fused(x, weight, scale, groups=groups)
+    blk = rows // 128
+    return torch.cat([fp8_linear_fused(x[:, g], weight[g * rows:(g + 1) * rows], scale[g * blk:(g + 1) * blk])
+                      for g in range(groups)], dim=-1)
+
+
+def hc_post_pre_norm_composed(h, out, post, comb, fn, base, scale, norm_w, hc_eps, norm_eps, out_eps,
+                              sinkhorn_iters):
+    """Mega-mHC as the three fused ops: the two-launch kernel ran 0.83-0.90x of them on the H200 at 1, 32
+    and 150 tokens (PERF.md, session 5); kernels.fused_norm_mhc.hc_post_pre_norm_fused stays tested."""
+    new = hc_post_fused(h, out, post, comb)
+    post2, comb2, x = hc_pre_fused(new, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters)
+    return new, post2, comb2, rms_norm_fused(x, norm_w, out_eps)
 
 
 FUSED = {
@@ -58,8 +74,8 @@ FUSED = {
     "rms_norm_unweighted": rms_norm_unweighted_fused,
     "hc_pre": hc_pre_fused,
     "hc_post": hc_post_fused,
-    "hc_post_pre_norm": hc_post_pre_norm_fused,
-    "router_topk": router_topk_fused,
+    "hc_post_pre_norm": hc_post_pre_norm_composed,
+    "router_topk": router_topk_gemm_fused,
     "paged_attention": paged_attention_fused,
     "moe_experts": moe_experts_fused,
     "norm_rope": norm_rope_fused,

@@ -46,7 +46,8 @@ FP8_LINEAR: dict = {
 }
 
 MOE_DECODE_MAX_PAIRS = 1024  # (token, expert) pairs up to which the decode tiles apply (150 rows x top-6)
-MOE_BLOCK_M = (16, 32, 64, 128)  # decode row tiles
+MOE_BLOCK_M = (16, 32, 64, 128)  # decode row tiles (bench_quant sweeps them all)
+MOE_BLOCK_M_MEASURED = (16, 32)  # the ones the engine picks
 
 
 def moe_block_m(tokens: int, pairs: int, experts: int) -> int:
@@ -55,7 +56,9 @@ def moe_block_m(tokens: int, pairs: int, experts: int) -> int:
     (16 experts at 150 rows: mean 56, the 128-row tile), so its weights stream once, not once per
     16 rows. A CUDA graph fixes the tile per batch size: a busier expert still runs, in two tiles."""
     want = min(tokens, 2 * -(-pairs // experts))
-    return next((bm for bm in MOE_BLOCK_M if want <= bm), MOE_BLOCK_M[-1])
+    # Only the tiles measured faster than 16 rows (docs/PERF.md, session 5): 32 rows at 32; the 64- and
+    # 128-row tiles (BLOCK_N 32 to stay in registers) ran 1.8-2.3x slower than 16 at 150 rows.
+    return next((bm for bm in MOE_BLOCK_M_MEASURED if want <= bm), MOE_BLOCK_M[0])
 
 
 # (stored format: "dense" | "fp8" | "mxfp4") -> decode tiles by BLOCK_M, or prefill [(max pairs, {"gate_up":

@@ -102,3 +102,20 @@ def test_formats_round_trip_and_layout():
     assert (dequantize_fp8_block(q, sf) - w[0].T).abs().max() <= 0.07 * w[0].abs().max()
     xq, xs = quantize_act_1x128(torch.randn(3, 200))
     assert xq.shape == (3, 200) and xs.shape == (3, 2)
+
+
+@pytest.mark.parametrize("m", [2, 33])
+def test_grouped_linear_dispatch_one_launch_or_per_group(m):
+    """kernels.fused.grouped_linear_fused: one launch up to GROUPED_ONE_LAUNCH_MAX_T rows, one launch
+    per group past it; both equal the reference."""
+    from kernels.fused import GROUPED_ONE_LAUNCH_MAX_T, grouped_linear_fused
+
+    assert (m <= GROUPED_ONE_LAUNCH_MAX_T) == (m == 2)
+    groups, rows, k = 2, 128, 128
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, groups, k, generator=g).to(torch.bfloat16)
+    q, s = quantize_fp8_block(torch.randn(groups * rows, k, generator=g) / k**0.5, ue8m0=True)
+    s = scale_to_float(s)
+    want = ref.grouped_linear(x, q, groups, s).float()
+    got = grouped_linear_fused(x, q, groups, s).float()
+    assert got.shape == (m, groups * rows) and (got - want).abs().max() <= 0.1 * want.abs().max()

@@ -91,3 +91,28 @@ def test_hc_post_pre_norm_matches_reference(T, D, dtype):
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
         _close(g, w, dtype)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("hashed", [False, True])
+def test_engine_router_and_composed_mhc_match_the_references(T, hashed):
+    """What kernels.fused dispatches on CUDA: the router as GEMM + one program per token, and Mega-mHC
+    as the three fused ops, against the references."""
+    from kernels.fused import hc_post_pre_norm_composed
+    from kernels.fused_gate import router_topk_gemm_fused
+
+    torch.manual_seed(T)
+    E, k, D = 40, 6, 64
+    x, w, bias = torch.randn(T, D), torch.randn(E, D) / D**0.5, torch.randn(E) * 0.1
+    hash_ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]) if hashed else None
+    gw, gi = router_topk_gemm_fused(x, w, None if hashed else bias, k, 1.5, "sqrtsoftplus", hash_ids)
+    rw, ri = ref.router_topk(x, w, None if hashed else bias, k, 1.5, "sqrtsoftplus", hash_ids)
+    order_g, order_r = gi.sort(-1), ri.sort(-1)
+    assert torch.equal(order_g.values, order_r.values)
+    assert torch.allclose(gw.gather(1, order_g.indices), rw.gather(1, order_r.indices), atol=1e-5)
+    h, out = torch.randn(T, 4, D), torch.randn(T, D)
+    post, comb = torch.rand(T, 4) * 2, torch.rand(T, 4, 4)
+    fn, base, scale = torch.randn(24, 4 * D) * 0.1, torch.randn(24) * 0.3, torch.rand(3) + 0.5
+    args = (h, out, post, comb, fn, base, scale, torch.rand(D) + 0.5, 1e-6, 1e-6, 1e-6, 20)
+    for g, want in zip(hc_post_pre_norm_composed(*args), ref.hc_post_pre_norm(*args)):
+        _close(g, want, torch.float32)
