@@ -214,7 +214,8 @@ def main() -> None:
     ap.add_argument("--engine-args", default="{}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    ea = {"model": resolve_model(args), "max_num_seqs": max(args.users, 16), **json.loads(args.engine_args),
+    ea = {"model": resolve_model(args), "max_num_seqs": max(args.users, 16), "cudagraph_mode": "FULL",
+          **json.loads(args.engine_args),
           "max_num_batched_tokens": max(args.budgets)}  # graphs for every budget of the sweep
     eng = LLMEngine(ea)
     meta = {"engine_args": ea, "argv": vars(args),
