@@ -126,21 +126,30 @@ class EngineArgs:
 
 
 def tiny_checkpoint_dir() -> Path:
-    """The tiny default checkpoint, written once into the user cache (atomically)."""
-    root = Path(os.environ.get("DSV4_CACHE_DIR", Path.home() / ".cache" / "deepseek-v4-triton"))
-    out = root / "tiny"
-    if (out / "config.json").exists():
-        return out
-    from engine.random_checkpoint import write_checkpoint
+    """The tiny default checkpoint, written once into the user cache (atomically), and again when
+    the writer has changed since (a cache from an older version lacks e.g. the MTP layer)."""
+    import shutil
 
+    from engine.random_checkpoint import WRITER_VERSION, write_checkpoint
+
+    root = Path(os.environ.get("DSV4_CACHE_DIR", Path.home() / ".cache" / "deepseek-v4-triton"))
+    out, stamp = root / "tiny", ".writer-version"
+    if (out / "config.json").exists() and (out / stamp).is_file() and (out / stamp).read_text() == WRITER_VERSION:
+        return out
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-"))
     write_checkpoint(tmp, preset="tiny", seed=0)
+    (tmp / stamp).write_text(WRITER_VERSION)
+    if out.exists():  # stale: moved aside first, so a reader never sees half of each
+        old = Path(tempfile.mkdtemp(dir=root, prefix=".stale-"))
+        try:
+            out.rename(old / "tiny")
+        except OSError:
+            pass
+        shutil.rmtree(old, ignore_errors=True)
     try:
         tmp.rename(out)
     except OSError:  # another process won the race; theirs is identical
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return out
 

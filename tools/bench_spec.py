@@ -69,6 +69,8 @@ def micro(eng, spec, batch: int, input_len: int, reps: int) -> dict:
     eng.flush()
     seqs = [eng.requests[r].seq for r in ids]
     model, runner, cache = eng.model, eng.runner, eng.cache
+    for s in seqs:  # the next position's block (a prompt ending on a block boundary has none yet)
+        cache.allocate(s.blocks, eng.scheduler._window_lo(s), s.num_computed_tokens + 1)
     row = {"batch": batch, "plain_ms": _median_ms(lambda: runner.run([(s, 1) for s in seqs]), reps)}
     for k in (1, 2, 3):
         for s in seqs:

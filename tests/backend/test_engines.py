@@ -6,6 +6,7 @@ import pytest
 
 from backend import engine_setup
 from backend.engine_setup import build_engine, load_engine_args
+from engine.random_checkpoint import WRITER_VERSION
 
 
 def test_unknown_engine_is_a_clear_error():
@@ -40,3 +41,6 @@ def test_tiny_model_is_written_once_into_the_cache(tmp_path, monkeypatch):
     assert config.exists() and "compress_ratios" in config.read_text()
     mtime = config.stat().st_mtime_ns
     assert engine_setup.resolve_model_path("", tmp_path) == path and config.stat().st_mtime_ns == mtime
+    (tmp_path / "tiny" / ".writer-version").write_text("1")  # a cache from an older writer is rewritten
+    assert engine_setup.resolve_model_path("", tmp_path) == path and config.stat().st_mtime_ns != mtime
+    assert (tmp_path / "tiny" / ".writer-version").read_text() == WRITER_VERSION
