@@ -29,9 +29,9 @@ from engine.runner import ModelRunner
 from engine.sampler import Sample, SamplingRow, sample
 from engine.sampling_checks import bad_words_token_ids, sampling_checks
 from engine.scheduler import Scheduler
+from engine.sequence import PENDING_TOKEN, Sequence, Status
 from engine.spec_config import SpeculativeConfig
 from engine.spec_decode import SpecDecoder
-from engine.sequence import PENDING_TOKEN, Sequence, Status
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
 from engine.tp_workers import TensorParallelWorkers

@@ -74,11 +74,9 @@ def check(device) -> list[str]:
                     failures.append(f"moe {fmt} {mx} T{T} D{D} I{I} E{E}: relative error {err:.3g} > 3e-2")
     _experts.cache_clear()
     from kernels.fused_fp8_linear import fp8_linear_fused
-    from tools.bench_quant import _fp8_weight
-
-    from kernels.fused_norm_mhc import hc_post_pre_norm_fused
-
     from kernels.fused_gate import router_topk_fused
+    from kernels.fused_norm_mhc import hc_post_pre_norm_fused
+    from tools.bench_quant import _fp8_weight
 
     for T in (1, 150):  # mega-gate: the same experts (up to near-ties of bf16 logits: 2% of tokens), weights
         for hashed in (False, True):

@@ -26,8 +26,8 @@ from types import SimpleNamespace
 import torch
 
 from engine.llm import LLM
-from engine.request import GenerationRequest, SamplingParams
 from engine.random_checkpoint import PRESETS, QUANTS
+from engine.request import GenerationRequest, SamplingParams
 from tools.bench_engine import random_prompts, resolve_model
 
 ALPHAS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import platform
 import tempfile
 import time

@@ -17,10 +17,10 @@ from engine.cache import KVCache
 from engine.loader import load_model
 from engine.mtp import MTP
 from engine.random_checkpoint import write_tokenizer
+from engine.request import SamplingParams
 from engine.runner import ModelRunner
 from engine.sequence import Sequence
-from engine.request import SamplingParams
-from tests.engine.conftest import SHAPES, reference_model
+from tests.engine.conftest import reference_model
 
 TOL = 1e-4
 

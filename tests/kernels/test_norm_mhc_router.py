@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kernels import reference as ref
+from kernels.fused_gate import router_topk_fused
 from kernels.fused_norm_mhc import (
     hc_post_fused,
     hc_post_pre_norm_fused,
@@ -12,7 +13,6 @@ from kernels.fused_norm_mhc import (
     rms_norm_fused,
     rms_norm_unweighted_fused,
 )
-from kernels.fused_gate import router_topk_fused
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
