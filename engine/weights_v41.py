@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from engine.weights import WeightsError, checkpoint_files
-from kernels.formats import E2M1_VALUES, E4M3_MAX, scale_to_float, ue8m0_ceil
+from kernels.formats import E4M3_MAX, scale_to_float, ue8m0_ceil, unpack_e2m1
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -44,9 +44,7 @@ def dequantize_fp8_tiles(w: torch.Tensor, scale: torch.Tensor, block: int = 32) 
 
 def dequantize_fp4_groups(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """int8 [N, K/2] e2m1 pairs (low nibble = even k) x scales [N, K/g] -> float32 [N, 2K]."""
-    b = w.view(torch.uint8)
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
-    vals = torch.stack([lut[(b & 0xF).long()], lut[(b >> 4).long()]], dim=-1).flatten(-2)
+    vals = unpack_e2m1(w)
     k = vals.shape[-1]
     if k % scale.shape[-1] or scale.shape[:-1] != w.shape[:-1]:
         raise WeightsError(f"FP4 scale {tuple(scale.shape)} does not group weight {tuple(w.shape)}")
