@@ -28,11 +28,12 @@ BLOCK_T, BLOCK_E, BLOCK_K = 16, 16, 256
 
 @triton.jit
 def _route_token(logits_ptr, bias_ptr, hash_ptr, w_ptr, idx_ptr, t, E, scaling, K: tl.constexpr, KP: tl.constexpr,
-                 SCORING: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr):
-    """Token t's row of logits [E] -> its k weights and expert ids."""
+                 SCORING: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr, VOLATILE: tl.constexpr):
+    """Token t's row of logits [E] -> its k weights and expert ids. VOLATILE: the logits were stored by
+    other programs of this launch (Mega-Gate), so read from L2, never a stale L1 line."""
     e = tl.arange(0, EP)
     m = e < E
-    x = tl.load(logits_ptr + t * E + e, mask=m, other=0.0, volatile=True).to(tl.float32)
+    x = tl.load(logits_ptr + t * E + e, mask=m, other=0.0, volatile=VOLATILE).to(tl.float32)
     if SCORING == 0:  # sqrt(softplus(x)), softplus as torch computes it (linear above 20)
         s = tl.sqrt(tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))))
     elif SCORING == 1:
@@ -87,37 +88,16 @@ def _gate_kernel(x_ptr, g_ptr, bias_ptr, hash_ptr, logits_ptr, sem_ptr, w_ptr, i
         for i in range(0, BLOCK_T):
             tok = pid_t * BLOCK_T + i
             if tok < T:
-                _route_token(logits_ptr, bias_ptr, hash_ptr, w_ptr, idx_ptr, tok, E, scaling, K, KP, SCORING, EP, HASH)
+                _route_token(logits_ptr, bias_ptr, hash_ptr, w_ptr, idx_ptr, tok, E, scaling, K, KP, SCORING, EP, HASH,
+                             True)
 
 
 @triton.jit
 def _router_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, scaling, K: tl.constexpr, KP: tl.constexpr,
                    SCORING: tl.constexpr, BLOCK_E: tl.constexpr):
-    t = tl.program_id(0)
-    e = tl.arange(0, BLOCK_E)
-    m = e < E
-    x = tl.load(logits_ptr + t * E + e, mask=m, other=0.0).to(tl.float32)
-    if SCORING == 0:  # sqrt(softplus(x)), softplus as torch computes it (linear above 20)
-        s = tl.sqrt(tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))))
-    elif SCORING == 1:
-        s = tl.sigmoid(x)
-    else:
-        z = tl.exp(x - tl.max(tl.where(m, x, -float("inf")), axis=0))
-        z = tl.where(m, z, 0.0)
-        s = z / tl.sum(z, axis=0)
-    sel = tl.where(m, s + tl.load(bias_ptr + e, mask=m, other=0.0), -float("inf"))
-    kr = tl.arange(0, KP)
-    ws = tl.zeros((KP,), tl.float32)
-    ids = tl.zeros((KP,), tl.int64)
-    for j in tl.static_range(K):  # k rounds of argmax: k is small (6 of 256 in V4)
-        best = tl.max(sel, axis=0)
-        i = tl.min(tl.where(sel == best, e, BLOCK_E), axis=0)
-        ws = tl.where(kr == j, tl.sum(tl.where(e == i, s, 0.0), axis=0), ws)
-        ids = tl.where(kr == j, i.to(tl.int64), ids)
-        sel = tl.where(e == i, -float("inf"), sel)
-    ws = ws / (tl.sum(ws, axis=0) + 1e-20) * scaling
-    tl.store(w_ptr + t * K + kr, ws, mask=kr < K)
-    tl.store(idx_ptr + t * K + kr, ids, mask=kr < K)
+    """One token's route from the logits cuBLAS wrote before this launch (so plain loads)."""
+    _route_token(logits_ptr, bias_ptr, bias_ptr, w_ptr, idx_ptr, tl.program_id(0), E, scaling, K, KP, SCORING, BLOCK_E,
+                 False, False)
 
 
 def router_topk_gemm_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids=None):
