@@ -46,8 +46,8 @@ GROUPED_ONE_LAUNCH_MAX_T = 32  # wo_a in one launch up to here, one launch per g
 
 
 def grouped_linear_fused(x, weight, groups, scale=None):
-    """FP8 wo_a: all groups in one launch at small batches (3.2-3.4x faster at 1 and 32 rows), one per
-    group at large ones (one launch was 0.83x at 150); needs whole 128-row scale blocks per group."""
+    """FP8 wo_a: all groups in one launch at small batches, one launch per group at large ones (where
+    it measured faster: docs/PERF.md, session 5); needs whole 128-row scale blocks per group."""
     rows = weight.shape[0] // groups
     if scale is None or rows % 128:
         return reference.grouped_linear(x, weight, groups, scale)
@@ -60,8 +60,8 @@ def grouped_linear_fused(x, weight, groups, scale=None):
 
 def hc_post_pre_norm_composed(h, out, post, comb, fn, base, scale, norm_w, hc_eps, norm_eps, out_eps,
                               sinkhorn_iters):
-    """Mega-mHC as the three fused ops: the two-launch kernel ran 0.83-0.90x of them on the H200 at 1, 32
-    and 150 tokens (PERF.md, session 5); kernels.fused_norm_mhc.hc_post_pre_norm_fused stays tested."""
+    """Mega-mHC as the three fused ops, which the two-launch kernel did not beat on the H200 (docs/PERF.md,
+    session 5); kernels.fused_norm_mhc.hc_post_pre_norm_fused stays tested."""
     new = hc_post_fused(h, out, post, comb)
     post2, comb2, x = hc_pre_fused(new, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters)
     return new, post2, comb2, rms_norm_fused(x, norm_w, out_eps)

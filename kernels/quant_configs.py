@@ -56,8 +56,8 @@ def moe_block_m(tokens: int, pairs: int, experts: int) -> int:
     (16 experts at 150 rows: mean 56, the 128-row tile), so its weights stream once, not once per
     16 rows. A CUDA graph fixes the tile per batch size: a busier expert still runs, in two tiles."""
     want = min(tokens, 2 * -(-pairs // experts))
-    # Only the tiles measured faster than 16 rows (docs/PERF.md, session 5): 32 rows at 32; the 64- and
-    # 128-row tiles (BLOCK_N 32 to stay in registers) ran 1.8-2.3x slower than 16 at 150 rows.
+    # Only the tiles measured faster than 16 rows (docs/PERF.md, session 5): 32 rows; the 64- and
+    # 128-row tiles (BLOCK_N 32 to stay in registers) were slower than 16 rows even at 150 rows.
     return next((bm for bm in MOE_BLOCK_M_MEASURED if want <= bm), MOE_BLOCK_M[0])
 
 
