@@ -143,12 +143,8 @@ class SpecDecoder:
             p = seq.num_computed_tokens
             if d and not (n == 1 and p == seq.num_tokens - 1 and speculates(seq)):
                 d = []
-            if d:
-                lo = eng.scheduler._window_lo(seq)
-                if eng.cache.can_allocate(seq.blocks, lo, p + 1 + len(d)):
-                    eng.cache.allocate(seq.blocks, lo, p + 1 + len(d))
-                else:
-                    d = []
+            if d and not eng.scheduler._try_allocate(seq, 1 + len(d)):
+                d = []
             seq.spec_token_ids = d
             budget -= len(d)
             out.append((seq, n + len(d)))
@@ -272,12 +268,9 @@ class SpecDecoder:
             if base < seq.num_tokens or n_out < seq.sampling.min_tokens:
                 continue  # a prefill chunk (nothing to draft yet), or min_tokens still bans stop tokens
             k = min(self.k, eng.max_model_len - base - 1, seq.sampling.max_tokens - n_out - 1)
-            if k > 1:  # the chained MTP rows (positions base .. base + k - 2) need window blocks
-                lo, hi = eng.scheduler._window_lo(seq), base + k - 1
-                if eng.cache.can_allocate(seq.blocks, lo, hi):
-                    eng.cache.allocate(seq.blocks, lo, hi)
-                else:
-                    k = 1
+            # the chained MTP rows (positions base .. base + k - 2) need window blocks
+            if k > 1 and not eng.scheduler._try_allocate(seq, len(toks) + k - 1):
+                k = 1
             if k > 0:
                 drafting.append((j, base, k, n_out))
         if not drafting:
