@@ -400,12 +400,13 @@ def load_weight(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
         target.copy_(tensor.to(target.dtype))
 
 
-def cast_params(module: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Model dtype for weights; norms, mHC, sinks, position biases and gate bias stay fp32
-    (as the reference keeps them), except in float64 runs where everything is float64."""
+def cast_params(module: nn.Module, dtype: torch.dtype, fp32_names: tuple[str, ...] = _FP32) -> nn.Module:
+    """Model dtype for weights; norms, mHC, sinks, position biases and gate bias (names holding
+    one of `fp32_names`) stay fp32 (as the reference keeps them), except in float64 runs where
+    everything is float64."""
     for name, p in module.named_parameters():
         if p.dtype in (torch.float8_e4m3fn, torch.int8):  # stored FP8 / packed FP4 stay as they are
             continue
-        keep32 = dtype != torch.float64 and any(k in name for k in _FP32)
+        keep32 = dtype != torch.float64 and any(k in name for k in fp32_names)
         p.data = p.data.to(torch.float32 if keep32 else dtype)
     return module

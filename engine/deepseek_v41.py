@@ -34,7 +34,7 @@ from engine import v41_ops as ops
 from engine.cache_v41 import V41KVCache
 from engine.compress_plan import compress_plan
 from engine.config_v41 import V41Config
-from engine.deepseek_v4 import Linear, _expert_weights, _linear, expected_names, load_weight
+from engine.deepseek_v4 import Linear, _expert_weights, _linear, cast_params, expected_names, load_weight
 from engine.engram import EngramHasher
 from engine.forward_batch import ForwardBatch
 
@@ -449,7 +449,4 @@ class DeepseekV41(nn.Module):
         load_weight(self, name, tensor)
 
     def cast(self, dtype: torch.dtype) -> DeepseekV41:
-        for name, p in self.named_parameters():
-            keep32 = dtype != torch.float64 and any(k in name for k in self._FP32)
-            p.data = p.data.to(torch.float32 if keep32 else dtype)
-        return self
+        return cast_params(self, dtype, self._FP32)
