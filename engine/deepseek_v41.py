@@ -35,17 +35,15 @@ from engine.cache_v41 import V41KVCache
 from engine.compress_plan import compress_plan
 from engine.config_v41 import V41Config
 from engine.deepseek_v4 import Linear, _expert_weights, _linear, cast_params, expected_names, load_weight
+from engine.deepseek_v4 import Norm as V4Norm
 from engine.engram import EngramHasher
 from engine.forward_batch import ForwardBatch
 
 SCORE_BUDGET = 1 << 27  # fp32 elements of one indexer score chunk [rows, heads, entries]
 
 
-class Norm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32))
-        self.eps = eps
+class Norm(V4Norm):
+    """V4's weight holder; V4.1's order: statistics cast back before the weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
@@ -340,6 +338,11 @@ class Block(nn.Module):
         return h, ffn_pre
 
 
+def engram_hasher(cfg: V41Config) -> EngramHasher:
+    return EngramHasher(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_vocab_size,
+                        cfg.engram_compressed_vocab_size, cfg.engram_pad_id)
+
+
 def _decoder_keep(fb: ForwardBatch, window: int) -> tuple[torch.Tensor, list[int]] | None:
     """Rows of each sequence's last `window` tokens (decoder replay), and each sequence's first
     kept position; None when nothing would be dropped."""
@@ -369,9 +372,7 @@ class DeepseekV41(nn.Module):
         self.norm = Norm(D, cfg.rms_norm_eps)
         self.head = _linear(cfg.vocab_size, D)
         self.mtp_weights: dict[str, torch.Tensor] = {}  # DSpark draft layers: kept, not run
-        self.engram_hasher = (EngramHasher(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads,
-                                           cfg.engram_vocab_size, cfg.engram_compressed_vocab_size, cfg.engram_pad_id)
-                              if cfg.engram_layer_ids else None)
+        self.engram_hasher = engram_hasher(cfg) if cfg.engram_layer_ids else None
         self.register_buffer("main_inv_freq", cfg.main_rope.inv_freq(), persistent=False)
         self.register_buffer("compress_inv_freq", cfg.compress_rope.inv_freq(), persistent=False)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from engine.config_v41 import load_v41_config
-from engine.deepseek_v41 import DeepseekV41
+from engine.deepseek_v41 import DeepseekV41, engram_hasher
 from engine.engram import find_tokenizer_json
 from engine.names_v41 import to_official
 from engine.weights import WeightsError
@@ -33,10 +33,7 @@ def load_v41_model(model_dir: str | Path, dtype: torch.dtype, device: str | torc
     model.main_inv_freq = cfg.main_rope.inv_freq().to(device)
     model.compress_inv_freq = cfg.compress_rope.inv_freq().to(device)
     if model.engram_hasher is not None:
-        h = model.engram_hasher
-        fresh = type(h)(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_vocab_size,
-                        cfg.engram_compressed_vocab_size, cfg.engram_pad_id)  # meta buffers: rebuild
-        model.engram_hasher = fresh.to(device)
+        model.engram_hasher = engram_hasher(cfg).to(device)  # its buffers were built on meta: rebuild
         model.engram_hasher.bind_tokenizer(find_tokenizer_json(model_dir, tokenizer), cfg.vocab_size)
         rows = model.engram_hasher.layout.table_rows()
         if list(rows) != list(cfg.engram_num_embeddings):
