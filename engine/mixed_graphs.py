@@ -28,7 +28,6 @@ from engine.sequence import Sequence
 
 # token counts captured: a step pads to the smallest >= its tokens (the budget itself is one)
 MIXED_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
-_PLAN_PARTS = 11  # CompressPlan's index tensors, src .. pend_dst
 
 
 def mixed_sizes(max_num_batched_tokens: int) -> list[int]:
