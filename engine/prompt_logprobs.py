@@ -6,9 +6,10 @@ of each packed row whose next token is a prompt token not yet scored (`Sequence.
 which survives preemption, so a recomputed prompt is not scored twice), and `score` runs the model's
 `compute_logits` (HC head, norm, LM head) over those rows in slices of at most SLICE_BYTES of float32
 logits: a long prompt never holds [prompt_len, vocab] in float32 at once. Such a step runs eagerly
-(not a mixed CUDA graph, whose outputs are the sampling rows only). The conventions are the engine's `logprobs`: raw logprobs
-(log_softmax of the model's logits, before any sampling parameter), rank = how many tokens are at
-least as likely (vLLM's count), top-k by value; one host copy per step.
+(not a mixed CUDA graph, whose outputs are the sampling rows only). The conventions are the
+engine's `logprobs`: raw logprobs (log_softmax of the model's logits, before any sampling
+parameter), rank = how many tokens are at least as likely (vLLM's count), top-k by value; one host
+copy per step.
 
 A request asking for them skips the prefix-cache read (as vLLM does), so every position is computed.
 """

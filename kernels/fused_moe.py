@@ -32,6 +32,8 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong i
 MX_SCALED_OK = not _INTERPRET  # tl.dot_scaled for MXFP4 (tests set it to run the interpreter's dot_scaled)
 MX_MODES = {"e4m3": 0, "scaled": 1, "bf16": 2}  # MXFP4 decodes (config "MX")
 _MX_ASM = tl.constexpr(not _INTERPRET)  # the "bf16" decode's PTX; the interpreter runs the same bit operations in Triton
+
+
 def weight_format(w: torch.Tensor, scale: torch.Tensor | None) -> int:
     if scale is None:
         return 0
