@@ -5,9 +5,9 @@ Each step mixes decodes and prefill chunks under `max_num_batched_tokens` and
 waits behind a prefill), then running sequences' prefill chunks, then waiting ones in arrival
 order (no overtaking). `long_prefill_token_threshold` (vLLM's) caps one sequence's chunk, so a
 long prompt shares a step's budget with the next prompts. The budget bounds a step's tokens, hence
-its time and every stream's inter-token latency (docs/PERF.md, the budget sweep). When blocks run out, the newest running sequence is preempted by
-recompute: its blocks go back and it re-queues at the front, later re-prefilling its
-prompt plus what it already generated, so its output is unchanged.
+its time and every stream's inter-token latency (docs/PERF.md, the budget sweep). When blocks run
+out, the newest running sequence is preempted by recompute: its blocks go back and it re-queues at
+the front, later re-prefilling its prompt plus what it already generated, so its output is unchanged.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         kept: list[Sequence] = []
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        queue = decodes + [s for s in self.running if s.num_tokens - s.num_computed_tokens != 1]
+        # decodes (one token owed) first, each group in running order (a stable sort)
+        queue = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens != 1)
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk)
