@@ -153,7 +153,10 @@ class EngramHasher(torch.nn.Module):
         return torch.cat(out, dim=-1) + self.offsets
 
 
-def lookback_rows(token_ids: list[int], start: int, n: int, k: int) -> list[list[int]]:
-    """For positions start..start+n-1 of a sequence: the k token ids before each (DEAD below 0)."""
-    return [[token_ids[p - j] if p - j >= 0 else DEAD for j in range(1, k + 1)] for p in range(start, start + n)]
+def lookback_rows(token_ids: list[int], start: int, n: int, k: int) -> torch.Tensor:
+    """For positions start..start+n-1 of a sequence: the k token ids before each, nearest first
+    (DEAD below 0) -> [n, k]; one slice and a window view, no per-token Python."""
+    lo = start - k
+    before = [DEAD] * max(0, -lo) + token_ids[max(0, lo):start + n - 1]  # positions lo .. start+n-2
+    return torch.tensor(before, dtype=torch.long).unfold(0, k, 1).flip(-1)
 

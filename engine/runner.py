@@ -70,9 +70,8 @@ class ModelRunner:
         fb = batch_from_host(self.host_batch(scheduled, all_logits), self.device)
         k = getattr(self.model, "engram_lookback", 0)
         if k:  # V4.1 Engram: the tokens before each row, from the host (never a pending one)
-            fb.lookback_ids = torch.tensor([r for seq, n in scheduled
-                                            for r in lookback_rows(seq.token_ids, seq.num_computed_tokens, n, k)],
-                                           dtype=torch.long, device=self.device)
+            fb.lookback_ids = torch.cat([lookback_rows(seq.token_ids, seq.num_computed_tokens, n, k)
+                                         for seq, n in scheduled]).to(self.device)
         return fb
 
     def host_batch(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> tuple:
