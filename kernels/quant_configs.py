@@ -46,8 +46,7 @@ FP8_LINEAR: dict = {
 }
 
 MOE_DECODE_MAX_PAIRS = 1024  # (token, expert) pairs up to which the decode tiles apply (150 rows x top-6)
-MOE_BLOCK_M = (16, 32, 64, 128)  # decode row tiles (bench_quant sweeps them all)
-MOE_BLOCK_M_MEASURED = (16, 32)  # the ones the engine picks
+MOE_BLOCK_M_MEASURED = (16, 32)  # the decode row tiles the engine picks (_MOE_DEC holds every tile)
 
 
 def moe_block_m(tokens: int, pairs: int, experts: int) -> int:
@@ -58,7 +57,7 @@ def moe_block_m(tokens: int, pairs: int, experts: int) -> int:
     want = min(tokens, 2 * -(-pairs // experts))
     # Only the tiles measured faster than 16 rows (docs/PERF.md, session 5): 32 rows; the 64- and
     # 128-row tiles (BLOCK_N 32 to stay in registers) were slower than 16 rows even at 150 rows.
-    return next((bm for bm in MOE_BLOCK_M_MEASURED if want <= bm), MOE_BLOCK_M[0])
+    return next((bm for bm in MOE_BLOCK_M_MEASURED if want <= bm), MOE_BLOCK_M_MEASURED[0])
 
 
 # (stored format: "dense" | "fp8" | "mxfp4") -> decode tiles by BLOCK_M, or prefill [(max pairs, {"gate_up":
@@ -67,8 +66,9 @@ def moe_block_m(tokens: int, pairs: int, experts: int) -> int:
 # conversion-unit instructions); "e4m3": the e4m3 bit placement (kernels/fused_dequant.py).
 # Measured (H200 2026-12-01, quant_tuned.json, with "e4m3"): decode n64 k128 w4 st4 for MXFP4 and
 # FP8 at 1 / 32 / 150 rows (16-row tiles, 256 experts); MXFP4 prefill m64 n128 k64 w8 st3 at 2048
-# rows, m128 n64 k128 w4 st3 at 8192. The 32- to 128-row decode tiles are unmeasured: the widest
-# that keep both gate/up accumulators in registers (BLOCK_N x BLOCK_M x 2 float32 over the warps).
+# rows, m128 n64 k128 w4 st3 at 8192. The 32- to 128-row decode tiles: the widest that keep both
+# gate/up accumulators in registers (BLOCK_N x BLOCK_M x 2 float32 over the warps); which of them
+# the engine picks: moe_block_m.
 def _dec(bm: int, bn: int, w: int, st: int) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": st}
 
