@@ -33,9 +33,8 @@ import torch
 from engine.args import EngineArgs
 from engine.cache import KVCache
 from engine.config import load_config
-from engine.config_v41 import is_v41
 from engine.core_client import _python_executable, _without_main_module
-from engine.parallel import ParallelConfigError, TensorParallel, check_parallel
+from engine.parallel import TensorParallel, check_parallel
 
 log = logging.getLogger("deepseek.engine")
 
@@ -73,8 +72,6 @@ class TensorParallelWorkers:
 
     def __init__(self, args: EngineArgs, model_dir, device: torch.device):
         n = args.tensor_parallel_size
-        if is_v41(model_dir):
-            raise ParallelConfigError(f"tensor_parallel_size={n}: DeepSeek-V4.1 checkpoints run on one rank only (yet)")
         cfg = load_config(model_dir)
         check_parallel(cfg, n, args.enable_expert_parallel)
         if device.type == "cuda" and torch.cuda.device_count() < n:
