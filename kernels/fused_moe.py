@@ -6,9 +6,9 @@ rows. Same signature as kernels.reference.moe_experts.
 Rows: the (token, expert) pairs grouped by expert and cut into BLOCK_M-row tiles per expert by one
 alignment kernel (kernels/fused_moe_align.py); one program per (tile, N tile), swap-AB (weight
 rows on the MMA's M side). BLOCK_M is chosen per step from the rows an expert can have
-(quant_configs.moe_config): at decode large enough that an expert's rows fit one tile, so each
-expert's weights are read once per step whatever the batch (16-row tiles re-read them once per 16
-rows: 4x at 150 rows over 16 experts).
+(quant_configs.moe_config): a tile that holds all of an expert's rows reads its weights once per
+step, where 16-row tiles re-read them once per 16 rows; the engine picks among the tiles measured
+faster (quant_configs.moe_block_m).
 
 Stored expert formats (W_FMT): 0 dense, 1 FP8 e4m3 with 128x128 block scales (Base), 2 MXFP4
 (V4-Flash), decoded in registers (kernels/fused_dequant.py: config "MX": "e4m3", the e4m3 bit
