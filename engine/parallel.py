@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
+from kernels.formats import FP8_BLOCK, MX_BLOCK
 
 FULL = ()  # shard_spec: the whole tensor
 SKIP = None  # shard_spec: not this rank's (another rank's expert, the head on rank > 0, MTP)
@@ -165,16 +166,15 @@ def check_parallel(cfg: ModelConfig, tensor_parallel_size: int, enable_expert_pa
         problems.append(f"moe_intermediate_size={cfg.moe_intermediate_size} is not divisible by it "
                         "(or set enable_expert_parallel)")
     # slices of stored quantized weights must cut whole scale blocks
-    block = 128
     if cfg.fp8_linears:
         per_rank = {"wq_b rows": cfg.num_heads // n * cfg.head_dim, "the shared expert's slice": shared // n,
                     "wo_a/wo_b group rows": max(1, cfg.o_groups // n) * cfg.o_lora_rank}
         if n > cfg.o_groups:
             per_rank["wo_a's slice of a group"] = cfg.num_heads // n * cfg.head_dim
-        problems += [f"{k} per rank ({v}) is not a multiple of the FP8 block {block}" for k, v in per_rank.items()
-                     if v % block]
+        problems += [f"{k} per rank ({v}) is not a multiple of the FP8 block {FP8_BLOCK}" for k, v in per_rank.items()
+                     if v % FP8_BLOCK]
     if not enable_expert_parallel and cfg.expert_dtype != "bf16":
-        need = block if cfg.expert_dtype == "fp8" else 32
+        need = FP8_BLOCK if cfg.expert_dtype == "fp8" else MX_BLOCK
         if (cfg.moe_intermediate_size // n) % need:
             problems.append(f"each rank's expert width {cfg.moe_intermediate_size // n} is not a multiple of the "
                             f"{cfg.expert_dtype} scale block {need} (set enable_expert_parallel)")
