@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-_TINY = torch.finfo(torch.float32).tiny
+from engine.sampler import _TINY
 
 
 def _leading(ok: torch.Tensor) -> torch.Tensor:
