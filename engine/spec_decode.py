@@ -155,10 +155,10 @@ class SpecDecoder:
         dev = logits.device
         nd = [len(s.spec_token_ids) for s in seqs]
         k = max(nd)
-        idx = torch.tensor([[r + min(j, n) for j in range(k + 1)] for r, n in zip(rows, nd)], device=dev)
+        num = torch.tensor(nd, device=dev)
+        idx = torch.tensor(rows, device=dev)[:, None] + torch.arange(k + 1, device=dev)[None].minimum(num[:, None])
         target = logits[idx]  # [S, k + 1, V]
         drafts = torch.tensor([s.spec_token_ids + [0] * (k - len(s.spec_token_ids)) for s in seqs], device=dev)
-        num = torch.tensor(nd, device=dev)
         tokens = torch.empty(len(seqs), k + 1, dtype=torch.long, device=dev)
         accepted = torch.empty(len(seqs), dtype=torch.long, device=dev)
         greedy = [i for i, s in enumerate(seqs) if s.sampling.greedy]
