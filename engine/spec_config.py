@@ -1,6 +1,7 @@
 """`speculative_config`, vLLM's shape: {"method": "mtp", "num_speculative_tokens": k}.
 
-Read once at the edge (EngineArgs.validate); the engine takes the parsed dataclass.
+Checked at the edge (EngineArgs.validate: a bad one is InvalidEngineArgs); LLMEngine parses it
+again at start for k.
 """
 
 from __future__ import annotations
