@@ -63,10 +63,22 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     model.cast(dtype)
     model.main_inv_freq = cfg.main_rope.inv_freq().to(device)
     model.compress_inv_freq = cfg.compress_rope.inv_freq().to(device)
-    expected, loaded, unexpected = model.expected_names(), set(), []
     shard = None if tp.world == 1 else lambda name: shard_spec(name, cfg, tp)
-    for name, tensor in iter_checkpoint(model_dir, dequantize=not quantized, shard=shard):
-        name = local_expert_name(name, tp, cfg)
+    load_named(model, ((local_expert_name(name, tp, cfg), tensor)
+                       for name, tensor in iter_checkpoint(model_dir, dequantize=not quantized, shard=shard)),
+               device, model_dir)
+    log.info("weights: %smodel on %s holds %.3f GB (%s; %d MTP tensors kept)",
+             f"rank {tp.rank}/{tp.world}: " if tp.world > 1 else "", device, device_bytes(model) / 1e9,
+             "as stored" if quantized else f"dequantized to {dtype}" if cfg.fp8_linears else str(dtype),
+             len(model.mtp_weights))
+    return model.eval()
+
+
+def load_named(model, named, device: torch.device, model_dir: str | Path) -> None:
+    """Copy (official name, tensor) pairs into `model` (V4 and V4.1 alike): `mtp.*` kept aside,
+    every expected name once; a WeightsError names what is missing or unexpected."""
+    expected, loaded, unexpected = model.expected_names(), set(), []
+    for name, tensor in named:
         if name.startswith("mtp."):
             model.load_weight(name, tensor.to(device))
         elif name not in expected:
@@ -81,8 +93,3 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
             f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} "
             f"unexpected {sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}"
         )
-    log.info("weights: %smodel on %s holds %.3f GB (%s; %d MTP tensors kept)",
-             f"rank {tp.rank}/{tp.world}: " if tp.world > 1 else "", device, device_bytes(model) / 1e9,
-             "as stored" if quantized else f"dequantized to {dtype}" if cfg.fp8_linears else str(dtype),
-             len(model.mtp_weights))
-    return model.eval()

@@ -14,6 +14,7 @@ import torch
 from engine.config_v41 import load_v41_config
 from engine.deepseek_v41 import DeepseekV41, engram_hasher
 from engine.engram import find_tokenizer_json
+from engine.loader import load_named
 from engine.names_v41 import to_official
 from engine.weights import WeightsError
 from engine.weights_v41 import iter_v41_checkpoint
@@ -39,24 +40,17 @@ def load_v41_model(model_dir: str | Path, dtype: torch.dtype, device: str | torc
         if list(rows) != list(cfg.engram_num_embeddings):
             raise WeightsError(f"{model_dir}: engram_num_embeddings {list(cfg.engram_num_embeddings)} do not match "
                                f"the hash layout's {rows}")
-    expected, loaded, unexpected = model.expected_names(), set(), []
-    for raw_name, raw in iter_v41_checkpoint(model_dir, cfg.weight_block_size, device):
+    load_named(model, _text_weights(model_dir, cfg.weight_block_size, device), device, model_dir)
+    log.info("weights: DeepSeek-V4.1 on %s in %s (%d DSpark tensors kept aside)", device, dtype, len(model.mtp_weights))
+    return model.eval()
+
+
+def _text_weights(model_dir: str | Path, block: tuple[int, int], device: torch.device):
+    """(official name, float tensor) of the text model and its DSpark layers."""
+    for raw_name, raw in iter_v41_checkpoint(model_dir, block, device):
         if raw_name.startswith(_NOT_TEXT):
             continue
         for name, tensor in to_official(raw_name, raw):
-            if name.startswith("mtp."):
-                model.load_weight(name, tensor.to(device))
-            elif name.endswith("engram.embed.scale"):
-                continue  # the float table has the scale folded in already
-            elif name not in expected:
-                unexpected.append(name)
-            else:
-                model.load_weight(name, tensor.to(device))
-                loaded.add(name)
-    missing = sorted(expected - loaded)
-    if missing or unexpected:
-        raise WeightsError(f"{model_dir}: checkpoint does not match the config: missing {missing[:8]}"
-                           f"{' ...' if len(missing) > 8 else ''} unexpected {sorted(unexpected)[:8]}"
-                           f"{' ...' if len(unexpected) > 8 else ''}")
-    log.info("weights: DeepSeek-V4.1 on %s in %s (%d DSpark tensors kept aside)", device, dtype, len(model.mtp_weights))
-    return model.eval()
+            # an Engram table's scale: the float table has it folded in already
+            if name.startswith("mtp.") or not name.endswith("engram.embed.scale"):
+                yield name, tensor
