@@ -170,6 +170,17 @@ class _Rand:
         return self.normal(name, (dim,), 0.1, mean=1.0)
 
 
+def expert_tensors(r: _Rand, p: str, E: int, inter: int, D: int) -> dict[str, torch.Tensor]:
+    """Routed experts 0..E-1 of the layer named `p` (its prefix, "layers.N.")."""
+    t = {}
+    for e in range(E):
+        x = p + f"ffn.experts.{e}."
+        t[x + "w1.weight"] = r.linear(x + "w1", inter, D)
+        t[x + "w3.weight"] = r.linear(x + "w3", inter, D)
+        t[x + "w2.weight"] = r.linear(x + "w2", D, inter)
+    return t
+
+
 def layer_tensors(cfg: dict, i: int, r: _Rand, prefix: str | None = None) -> dict[str, torch.Tensor]:
     """All tensors of layer i (i = num_hidden_layers: the MTP block, under `prefix`), official
     names, bf16 except hc_*, attn_sink, ape, gate.bias (fp32)."""
@@ -219,11 +230,7 @@ def layer_tensors(cfg: dict, i: int, r: _Rand, prefix: str | None = None) -> dic
         t[p + "ffn.gate.tid2eid"] = scores.argsort(dim=-1)[:, : cfg["num_experts_per_tok"]].to(torch.int32)
     else:
         t[p + "ffn.gate.bias"] = r.normal(p + "gate.bias", (E,), 0.1, dtype=f32)
-    for e in range(E):
-        x = p + f"ffn.experts.{e}."
-        t[x + "w1.weight"] = r.linear(x + "w1", inter, D)
-        t[x + "w3.weight"] = r.linear(x + "w3", inter, D)
-        t[x + "w2.weight"] = r.linear(x + "w2", D, inter)
+    t.update(expert_tensors(r, p, E, inter, D))
     s = p + "ffn.shared_experts."
     shared = inter * cfg["n_shared_experts"]
     t[s + "w1.weight"] = r.linear(s + "w1", shared, D)

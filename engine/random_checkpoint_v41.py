@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from engine.config_v41 import RELEASED_INDEX_SOURCES, RELEASED_KV_SOURCES, RELEASED_RATIOS
 from engine.engram import EngramLayout, compressed_token_map
-from engine.random_checkpoint import _Rand, write_tokenizer
+from engine.random_checkpoint import _Rand, expert_tensors, write_tokenizer
 from engine.weights_v41 import quantize_fp8_tiles, quantize_rows
 from kernels.formats import quantize_mxfp4
 
@@ -115,11 +115,7 @@ def layer_tensors(cfg: dict, i: int, r: _Rand) -> dict[str, torch.Tensor]:
         t[x + "wkv.weight"] = r.linear(x + "wkv", D * (hc + 1), cols * cfg["engram_head_dim"])
         t[x + "q_weight"] = r.normal(x + "q_weight", (hc, D), 0.2, mean=1.0)
         t[x + "k_weight"] = r.normal(x + "k_weight", (hc, D), 0.2, mean=1.0)
-    for e in range(E):
-        x = p + f"ffn.experts.{e}."
-        t[x + "w1.weight"] = r.linear(x + "w1", inter, D)
-        t[x + "w3.weight"] = r.linear(x + "w3", inter, D)
-        t[x + "w2.weight"] = r.linear(x + "w2", D, inter)
+    t.update(expert_tensors(r, p, E, inter, D))
     s = p + "ffn.shared_experts."
     t[s + "w1.weight"], t[s + "w3.weight"] = r.linear(s + "w1", inter, D), r.linear(s + "w3", inter, D)
     t[s + "w2.weight"] = r.linear(s + "w2", D, inter)
