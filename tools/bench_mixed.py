@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from engine.llm_engine import LLMEngine
+from engine.mixed_graphs import MixedSteps
 from engine.random_checkpoint import PRESETS, QUANTS
 from engine.request import GenerationRequest, SamplingParams
 from tools.bench_engine import _pct, random_prompts, resolve_model, step_paths
@@ -73,15 +74,22 @@ def check_mixed(eng: LLMEngine, budget: int, n_prompts: int = 8, steps: int = 16
     mixed, eng.runner.mixed = eng.runner.mixed, None
     try:
         eager = _generate(eng, prompts, sp, "check-eager")
+        if mixed is not None:  # the same padded batches run eagerly: tells capture faults from padding's rounding
+            eng.runner.mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, mixed.max_num_seqs, mixed.sizes)
+            padded = _generate(eng, prompts, sp, "check-padded")
     finally:
         eng.runner.mixed = mixed
-    same = sum(a[0] == b[0] for a, b in zip(graph, eager))
-    diff = max((abs(la[t] - lb[t]) for (ta, pa), (tb, pb) in zip(graph, eager)
-                for i, (t, la, lb) in enumerate(zip(ta, pa, pb)) if ta[:i + 1] == tb[:i + 1]), default=0.0)
-    r = {"budget": budget, "prompts": n_prompts, "identical_token_streams": same, "max_logprob_diff": diff,
-         "graph_run_steps": paths}
-    print(f"  check: mixed-step graphs vs eager at budget {budget}: {same}/{n_prompts} identical greedy streams of "
-          f"{steps} tokens, logprob diff {diff:.2e} (while equal); graph run's steps {paths}", flush=True)
+    r = {"budget": budget, "prompts": n_prompts, "graph_run_steps": paths}
+    for name, other in (("eager", eager), ("padded_eager", padded if mixed is not None else None)):
+        if other is None:
+            continue
+        same = sum(a[0] == b[0] for a, b in zip(graph, other))
+        diff = max((abs(la[t] - lb[t]) for (ta, pa), (tb, pb) in zip(graph, other)
+                    for i, (t, la, lb) in enumerate(zip(ta, pa, pb)) if ta[:i + 1] == tb[:i + 1]), default=0.0)
+        r[name] = {"identical_token_streams": same, "max_logprob_diff": diff}
+        print(f"  check: mixed-step graphs vs {name.replace('_', ' ')} at budget {budget}: {same}/{n_prompts} "
+              f"identical greedy streams of {steps} tokens, logprob diff {diff:.2e} (while equal); graph run's "
+              f"steps {paths}", flush=True)
     return r
 
 
@@ -211,6 +219,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="steps timed per step-time row")
     ap.add_argument("--check-budget", type=int, default=512, help="first compare mixed-step graphs with eager "
                     "at this budget (0: skip)")
+    ap.add_argument("--check-only", action="store_true", help="only the graphs-vs-eager check")
     ap.add_argument("--engine-args", default="{}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -229,6 +238,8 @@ def main() -> None:
     if args.check_budget:
         out["check"] = check_mixed(eng, args.check_budget)
         save()
+    if args.check_only:
+        return
     for b in args.budgets if args.step_budgets is None else args.step_budgets:
         if b > args.users:
             out["step_times"].append(step_times(eng, b, args.users, args.steps, min(args.input_len, eng.max_model_len // 4)))
