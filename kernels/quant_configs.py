@@ -6,8 +6,9 @@ tools/bench_quant.py sweeps candidates on the H200 and prints its winners in thi
   tiles times split-K, so all 132 SMs read), swap-AB (weight rows on the MMA's M side).
 - FP8 linear, from a few hundred rows: "mma", activations quantized once, 128x128 FP8 tiles.
 - MoE: one program per (expert tile of BLOCK_M rows, N tile). Decode (pairs <= MOE_DECODE_MAX_PAIRS):
-  BLOCK_M from the rows an expert can have this step (moe_block_m), so each expert's weights are
-  read once per step; prefill: the measured tiles, 64 rows where an entry gives none.
+  BLOCK_M from the rows an expert can have this step where that measured faster (moe_block_m: 16
+  or 32 rows), so an expert's weights are read once or a few times per step; prefill: the measured
+  tiles, 64 rows where an entry gives none.
 A config: variant, BLOCK_M, BLOCK_N, BLOCK_K (dequant), SPLIT_K (0: enough for ~2 waves of
 programs), GROUP_M (mma: programs sharing weight tiles run together), num_warps, num_stages.
 """
@@ -49,15 +50,21 @@ MOE_DECODE_MAX_PAIRS = 1024  # (token, expert) pairs up to which the decode tile
 MOE_BLOCK_M_MEASURED = (16, 32)  # the decode row tiles the engine picks (_MOE_DEC holds every tile)
 
 
-def moe_block_m(tokens: int, pairs: int, experts: int) -> int:
-    """Decode rows per tile: an expert has at most `tokens` rows this step (a token picks it once)
-    and, routed evenly, pairs / experts; twice that covers the busiest expert of an even routing
-    (16 experts at 150 rows: mean 56, the 128-row tile), so its weights stream once, not once per
-    16 rows. A CUDA graph fixes the tile per batch size: a busier expert still runs, in two tiles."""
+def moe_fit_block_m(tokens: int, pairs: int, experts: int) -> int:
+    """The decode row tile that holds an expert's rows: an expert has at most `tokens` rows this step
+    (a token picks it once) and, routed evenly, pairs / experts; twice that covers the busiest expert
+    of an even routing (16 experts at 150 rows: mean 56, the 128-row tile), so its weights would
+    stream once, not once per 16 rows. bench_quant sweeps around it."""
     want = min(tokens, 2 * -(-pairs // experts))
-    # Only the tiles measured faster than 16 rows (docs/PERF.md, session 5): 32 rows; the 64- and
-    # 128-row tiles (BLOCK_N 32 to stay in registers) were slower than 16 rows even at 150 rows.
-    return next((bm for bm in MOE_BLOCK_M_MEASURED if want <= bm), MOE_BLOCK_M_MEASURED[0])
+    return next((bm for bm in sorted(_MOE_DEC) if want <= bm), max(_MOE_DEC))
+
+
+def moe_block_m(tokens: int, pairs: int, experts: int) -> int:
+    """The engine's decode row tile: the fitting one where it was measured faster than 16 rows (32
+    rows), else 16: the 64- and 128-row tiles (BLOCK_N 32 to stay in registers) were slower than 16
+    even at 150 rows (docs/PERF.md, session 5). A CUDA graph fixes the tile per batch size."""
+    bm = moe_fit_block_m(tokens, pairs, experts)
+    return bm if bm in MOE_BLOCK_M_MEASURED else MOE_BLOCK_M_MEASURED[0]
 
 
 # (stored format: "dense" | "fp8" | "mxfp4") -> decode tiles by BLOCK_M, or prefill [(max pairs, {"gate_up":

@@ -89,15 +89,15 @@ def linear_candidates(m: int) -> list[dict]:
 
 
 def moe_candidates(rows: int, fmt: str, experts: int = 256) -> list[dict]:
-    """{"gate_up", "down"} pairs (the same tiles for both). Decode: the table's tile for this step's
-    BLOCK_M (quant_configs.moe_block_m) and its neighbours in N tile x warps x pipeline depth, plus the
+    """{"gate_up", "down"} pairs (the same tiles for both). Decode: the table's tile for the BLOCK_M
+    that holds an expert's rows this step (quant_configs.moe_fit_block_m) and its neighbours in N tile x warps x pipeline depth, plus the
     16-row tiles of the previous decode kernel (weights re-read once per 16 rows of an expert);
     MXFP4 through the e4m3 placement, tl.dot_scaled ("scaled") and the integer bf16 decode ("bf16")."""
     from kernels import quant_configs
 
     k = MOE_SHAPE["k"]
     if rows * k <= quant_configs.MOE_DECODE_MAX_PAIRS:
-        bm = quant_configs.moe_block_m(rows, rows * k, experts)
+        bm = quant_configs.moe_fit_block_m(rows, rows * k, experts)
         base = quant_configs.MOE_DECODE[fmt][bm]
         alts = [base, {**base, "BLOCK_N": base["BLOCK_N"] // 2}, {**base, "BLOCK_N": base["BLOCK_N"] * 2},
                 {**base, "num_warps": 12 - base["num_warps"]}, {**base, "num_stages": 7 - base["num_stages"]}]
