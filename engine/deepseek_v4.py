@@ -133,6 +133,22 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg, ratio, cfg.index_head_dim, overlap=True)
 
 
+def add_attention_projections(m: nn.Module, cfg, heads: int, groups: int, fp8: bool, norm=None) -> None:
+    """The projections V4 and V4.1 attention share, as the checkpoints name them: the q LoRA (wq_a,
+    q_norm, wq_b), the shared KV latent (wkv, kv_norm), the grouped low-rank output (wo_a, wo_b) and
+    the per-head sinks. `norm`: the model's Norm class (V4.1 keeps its own)."""
+    norm = norm or Norm
+    hd = cfg.head_dim
+    m.wq_a = Linear(cfg.q_lora_rank, cfg.hidden_size, fp8)
+    m.q_norm = norm(cfg.q_lora_rank, cfg.rms_norm_eps)
+    m.wq_b = Linear(heads * hd, cfg.q_lora_rank, fp8)
+    m.wkv = Linear(hd, cfg.hidden_size, fp8)
+    m.kv_norm = norm(hd, cfg.rms_norm_eps)
+    m.wo_a = Linear(groups * cfg.o_lora_rank, heads * hd // groups, fp8)
+    m.wo_b = Linear(cfg.hidden_size, groups * cfg.o_lora_rank, fp8)
+    m.attn_sink = nn.Parameter(torch.zeros(heads, dtype=torch.float32))
+
+
 class Attention(nn.Module):
     """Shared-KV MQA with q LoRA, partial interleaved RoPE, sinks, a sliding window and (CSA/HCA)
     a compressed long-range branch; grouped low-rank output projection. Under tensor parallelism
@@ -144,14 +160,7 @@ class Attention(nn.Module):
         self.layer_type, self.ratio = cfg.layer_types[layer], cfg.compress_ratios[layer]
         H, hd = tp.local_heads(cfg), cfg.head_dim
         self.num_heads, self.o_groups = H, tp.local_groups(cfg)
-        self.wq_a = Linear(cfg.q_lora_rank, cfg.hidden_size, fp8)
-        self.q_norm = Norm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = Linear(H * hd, cfg.q_lora_rank, fp8)
-        self.wkv = Linear(hd, cfg.hidden_size, fp8)
-        self.kv_norm = Norm(hd, cfg.rms_norm_eps)
-        self.wo_a = Linear(self.o_groups * cfg.o_lora_rank, H * hd // self.o_groups, fp8)
-        self.wo_b = Linear(cfg.hidden_size, self.o_groups * cfg.o_lora_rank, fp8)
-        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        add_attention_projections(self, cfg, H, self.o_groups, fp8)
         csa = self.layer_type == CSA
         if self.layer_type != SLIDING:
             self.compressor = Compressor(cfg, self.ratio, hd, overlap=csa)

@@ -34,7 +34,15 @@ from engine import v41_ops as ops
 from engine.cache_v41 import V41KVCache
 from engine.compress_plan import compress_plan
 from engine.config_v41 import V41Config
-from engine.deepseek_v4 import Linear, _expert_weights, _linear, cast_params, expected_names, load_weight
+from engine.deepseek_v4 import (
+    Linear,
+    _expert_weights,
+    _linear,
+    add_attention_projections,
+    cast_params,
+    expected_names,
+    load_weight,
+)
 from engine.deepseek_v4 import Norm as V4Norm
 from engine.engram import EngramHasher
 from engine.forward_batch import ForwardBatch
@@ -181,15 +189,8 @@ class Attention(nn.Module):
         self.cfg, self.layer = cfg, layer
         self.ratio = cfg.compress_ratios[layer]
         self.source = cfg.kv_source_of(layer)
-        H, hd = cfg.num_heads, cfg.head_dim
-        self.wq_a = Linear(cfg.q_lora_rank, cfg.hidden_size, fp8)
-        self.q_norm = Norm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = Linear(H * hd, cfg.q_lora_rank, fp8)
-        self.wkv = Linear(hd, cfg.hidden_size, fp8)
-        self.kv_norm = Norm(hd, cfg.rms_norm_eps)
-        self.wo_a = Linear(cfg.o_groups * cfg.o_lora_rank, H * hd // cfg.o_groups, fp8)
-        self.wo_b = Linear(cfg.hidden_size, cfg.o_groups * cfg.o_lora_rank, fp8)
-        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        H = cfg.num_heads
+        add_attention_projections(self, cfg, H, cfg.o_groups, fp8, norm=Norm)
         if layer in cfg.kv_source_layer_ids:
             self.compressor = Compressor(cfg, self.ratio)
         if layer in cfg.index_source_layer_ids:
