@@ -45,7 +45,7 @@ def mxfp4_rows_tile(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: t
 # nibbles j and j + 4 of eight packed values, each moved to bf16's bits as sign << 15 | code << 6,
 # which is the e2m1 value times 2^-126 exactly (code 1, the value 0.5, lands on bf16's subnormal
 # 2^-127); two bf16x2 multiplies by 2^126 and by the group's ue8m0 scale 2^(s-127) finish it, exact.
-_E2M1_BF16_ASM = """
+_E2M1_BF16_ASM = tl.constexpr("""
 {
 .reg .b32 a, b, t, z, big;
 mov.b32 z, 0x80008000;
@@ -82,7 +82,7 @@ fma.rn.bf16x2 t, t, big, z;
 fma.rn.bf16x2 t, t, $9, z;
 mov.b32 {$3, $7}, t;
 }
-"""
+""")
 
 
 @triton.jit
