@@ -102,9 +102,10 @@ def mxfp4_rows_tile_bf16(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, BLOCK
     W: tl.constexpr = BLOCK_K // 8
     G: tl.constexpr = BLOCK_K // 32
     KW = tl.multiple_of(K // 8, 4)  # K % 32 == 0: whole 16-byte groups per row
-    wd = k0 // 8 + tl.arange(0, W)
+    wd = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, W), 4), 4)
     nmask = n < N
-    words = tl.load(w_ptr.to(tl.pointer_type(tl.int32)) + n[:, None] * KW + wd[None, :],
+    wp = tl.multiple_of(w_ptr.to(tl.pointer_type(tl.int32)), 16)  # the cast forgets the byte pointer's alignment
+    words = tl.load(wp + n[:, None] * KW + wd[None, :],
                     mask=nmask[:, None] & (wd[None, :] < KW), other=0).to(tl.uint32, bitcast=True)
     g = k0 // 32 + tl.arange(0, G)
     sb = tl.load(s_ptr + n[:, None] * (K // 32) + g[None, :], mask=nmask[:, None] & (g[None, :] < K // 32),

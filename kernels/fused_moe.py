@@ -27,6 +27,7 @@ import triton.language as tl
 from kernels import quant_configs
 from kernels.fused_dequant import fp8_rows_tile, mxfp4_rows_tile, mxfp4_rows_tile_bf16
 from kernels.fused_moe_align import moe_align_fused
+from kernels.semaphores import semaphores, split_k_arrive, split_k_total
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
 MX_SCALED_OK = not _INTERPRET  # tl.dot_scaled for MXFP4 (tests set it to run the interpreter's dot_scaled)
@@ -110,33 +111,57 @@ def _clamped_swiglu(gate, up, limit):
 
 
 @triton.jit
-def _gate_up_tile(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, rows, tok, valid, e, n, D, I, limit,
-                  W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  DOT_F32: tl.constexpr, MX: tl.constexpr):
-    """h[rows, n] = SwiGLU(x[tok] @ w1[e].T, x[tok] @ w3[e].T) for one tile (decode and prefill alike)."""
+def _gate_up_tile(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, ws_ptr, tile_ptr, rows, tok, valid, e, n, D, I, limit,
+                  pid_k, K_SPLIT, n_pairs, W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, MX: tl.constexpr, SPLITS: tl.constexpr):
+    """h[rows, n] = SwiGLU(x[tok] @ w1[e].T, x[tok] @ w3[e].T) for one tile (decode and prefill alike);
+    split-K (SPLITS > 1): this program's K range, the last split of the tile adds them and applies
+    the SwiGLU (partials [SPLITS, pairs, 2, I] float32 at ws_ptr)."""
     acc1 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for k0 in range(0, D, BLOCK_K):
+    k_lo = pid_k * K_SPLIT
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, D), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + tok[None, :] * D + k[:, None], mask=valid[None, :] & (k[:, None] < D), other=0.0)
         acc1 += _expert_dot(w1_ptr, s1_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX)
         acc3 += _expert_dot(w3_ptr, s3_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX)
-    h = _clamped_swiglu(acc1, acc3, limit)
-    tl.store(h_ptr + rows[None, :] * I + n[:, None], h.to(h_ptr.dtype.element_ty), mask=valid[None, :] & (n[:, None] < I))
+    omask = valid[None, :] & (n[:, None] < I)
+    if SPLITS > 1:
+        off = rows[None, :] * (2 * I) + n[:, None]
+        stride = n_pairs * 2 * I
+        tl.store(ws_ptr + pid_k * stride + off + I, acc3, mask=omask)  # up; arrive stores gate and releases
+        if split_k_arrive(ws_ptr, off, omask, acc1, tile_ptr, pid_k, stride, SPLITS):
+            acc1 = split_k_total(ws_ptr, off, omask, acc1, pid_k, stride, SPLITS)
+            acc3 = split_k_total(ws_ptr, off + I, omask, acc3, pid_k, stride, SPLITS)
+            h = _clamped_swiglu(acc1, acc3, limit)
+            tl.store(h_ptr + rows[None, :] * I + n[:, None], h.to(h_ptr.dtype.element_ty), mask=omask)
+    else:
+        h = _clamped_swiglu(acc1, acc3, limit)
+        tl.store(h_ptr + rows[None, :] * I + n[:, None], h.to(h_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
-def _down_tile(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, rows, load_rows, valid, e, n, D, I,
-               W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               DOT_F32: tl.constexpr, MX: tl.constexpr):
-    """y[rows, n] = routing weight * (h[rows] @ w2[e].T) for one tile; `load_rows`: rows safe to address."""
+def _down_tile(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, ws_ptr, tile_ptr, rows, load_rows, valid, e, n, D, I,
+               pid_k, K_SPLIT, n_pairs, W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, MX: tl.constexpr, SPLITS: tl.constexpr):
+    """y[rows, n] = routing weight * (h[rows] @ w2[e].T) for one tile; `load_rows`: rows safe to address;
+    split-K as in _gate_up_tile (partials [SPLITS, pairs, D])."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    k_lo = pid_k * K_SPLIT
+    for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, I), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         ht = tl.load(h_ptr + load_rows[None, :] * I + k[:, None], mask=valid[None, :] & (k[:, None] < I), other=0.0)
         acc += _expert_dot(w2_ptr, s2_ptr, e, n, k0, D, I, ht, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX)
-    rw = tl.load(rw_ptr + load_rows, mask=valid, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows[None, :] * D + n[:, None], acc * rw[None, :], mask=valid[None, :] & (n[:, None] < D))
+    omask = valid[None, :] & (n[:, None] < D)
+    off = rows[None, :] * D + n[:, None]
+    last = True
+    if SPLITS > 1:
+        last = split_k_arrive(ws_ptr, off, omask, acc, tile_ptr, pid_k, n_pairs * D, SPLITS)
+        if last:
+            acc = split_k_total(ws_ptr, off, omask, acc, pid_k, n_pairs * D, SPLITS)
+    if last:
+        rw = tl.load(rw_ptr + load_rows, mask=valid, other=0.0).to(tl.float32)
+        tl.store(y_ptr + off, acc * rw[None, :], mask=omask)
 
 
 @triton.jit
@@ -149,30 +174,33 @@ def _tile_rows(sorted_ptr, block_expert_ptr, block_start_ptr, expert_end_ptr, pi
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, sorted_ptr, block_expert_ptr, block_start_ptr,
-                    expert_end_ptr, D, I, TOPK, limit, W_FMT: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, MX: tl.constexpr):
-    """One (expert tile of BLOCK_M pairs, N tile); acc^T kept [BLOCK_N, BLOCK_M]."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, ws_ptr, sem_ptr, sorted_ptr, block_expert_ptr,
+                    block_start_ptr, expert_end_ptr, D, I, TOPK, limit, K_SPLIT, n_pairs, W_FMT: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                    MX: tl.constexpr, SPLITS: tl.constexpr):
+    """One (expert tile of BLOCK_M pairs, N tile, K split); acc^T kept [BLOCK_N, BLOCK_M]."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e, rows, valid = _tile_rows(sorted_ptr, block_expert_ptr, block_start_ptr, expert_end_ptr, pid_m, BLOCK_M)
     if e < 0:
         return
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    _gate_up_tile(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, rows, rows // TOPK, valid, e, n, D, I,
-                  limit, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, MX)
+    _gate_up_tile(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, ws_ptr, sem_ptr + pid_m * tl.num_programs(1) + pid_n,
+                  rows, rows // TOPK, valid, e, n, D, I, limit, pid_k, K_SPLIT, n_pairs,
+                  W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, MX, SPLITS)
 
 
 @triton.jit
-def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, sorted_ptr, block_expert_ptr, block_start_ptr, expert_end_ptr,
-                 D, I, W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DOT_F32: tl.constexpr, MX: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, ws_ptr, sem_ptr, sorted_ptr, block_expert_ptr, block_start_ptr,
+                 expert_end_ptr, D, I, K_SPLIT, n_pairs, W_FMT: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, MX: tl.constexpr,
+                 SPLITS: tl.constexpr):
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e, rows, valid = _tile_rows(sorted_ptr, block_expert_ptr, block_start_ptr, expert_end_ptr, pid_m, BLOCK_M)
     if e < 0:
         return
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    _down_tile(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, rows, rows, valid, e, n, D, I,
-               W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, MX)
+    _down_tile(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, ws_ptr, sem_ptr + pid_m * tl.num_programs(1) + pid_n, rows, rows,
+               valid, e, n, D, I, pid_k, K_SPLIT, n_pairs, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, MX, SPLITS)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -216,6 +244,8 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, confi
         s1, s3, s2 = (s if s.dtype == torch.float32 and s.is_contiguous() else s.float().contiguous() for s in (s1, s3, s2))
     elif fmt == 2:  # ue8m0 bytes; triton reads them as uint8
         s1, s3, s2 = (s.contiguous().view(torch.uint8) for s in (s1, s3, s2))
+        if any(w.data_ptr() % 16 for w in (w1, w3, w2)):  # the decodes load 16-byte vectors from each expert's start
+            raise ValueError("MXFP4 expert weights must start 16-byte aligned")
     else:
         s1 = s3 = s2 = w1  # unused pointers
     n_pairs = T * k
@@ -235,10 +265,23 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, confi
     sorted_ids, expert_end, block_expert, block_start = moe_align_fused(indices, E, bm)
     layout = (sorted_ids, block_expert, block_start, expert_end)
     tiles = block_expert.numel()
-    _gate_up_kernel[(tiles, triton.cdiv(I, gu["BLOCK_N"]))](
-        x, w1, w3, s1, s3, h, *layout, D, I, k, limit, W_FMT=fmt, BLOCK_M=bm, DOT_F32=_INTERPRET, **gu)
-    _down_kernel[(tiles, triton.cdiv(D, dn["BLOCK_N"]))](
-        h, w2, s2, y, rw, *layout, D, I, W_FMT=fmt, BLOCK_M=bm, DOT_F32=_INTERPRET, **dn)
+    used = quant_configs.moe_used_tiles(n_pairs, E, bm)
+    for part, n_out, k_in in (("gate_up", I, D), ("down", D, I)):
+        c = gu if part == "gate_up" else dn
+        n_tiles = triton.cdiv(n_out, c["BLOCK_N"])
+        splits = quant_configs.moe_split_k(cfg[part], used * n_tiles, triton.cdiv(k_in, c["BLOCK_K"]))
+        k_split = triton.cdiv(triton.cdiv(k_in, c["BLOCK_K"]), splits) * c["BLOCK_K"]
+        splits = triton.cdiv(k_in, k_split)
+        width = 2 * I if part == "gate_up" else D
+        ws = torch.empty(splits, n_pairs, width, dtype=torch.float32, device=x.device) if splits > 1 else y
+        sem = semaphores(x.device, tiles * n_tiles) if splits > 1 else y
+        grid = (tiles, n_tiles, splits)
+        if part == "gate_up":
+            _gate_up_kernel[grid](x, w1, w3, s1, s3, h, ws, sem, *layout, D, I, k, limit, k_split, n_pairs,
+                                  W_FMT=fmt, BLOCK_M=bm, DOT_F32=_INTERPRET, SPLITS=splits, **gu)
+        else:
+            _down_kernel[grid](h, w2, s2, y, rw, ws, sem, *layout, D, I, k_split, n_pairs,
+                               W_FMT=fmt, BLOCK_M=bm, DOT_F32=_INTERPRET, SPLITS=splits, **dn)
     idx = indices.reshape(-1)
     idx = idx if idx.is_contiguous() else idx.contiguous()
     _sum_topk_kernel[(T, triton.cdiv(D, 1024))](y, idx, out, T, D, TOPK=k, BLOCK=1024)

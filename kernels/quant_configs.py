@@ -67,6 +67,27 @@ def moe_block_m(tokens: int, pairs: int, experts: int) -> int:
     return bm if bm in MOE_BLOCK_M_MEASURED else MOE_BLOCK_M_MEASURED[0]
 
 
+def moe_used_tiles(pairs: int, experts: int, block_m: int) -> int:
+    """About how many row tiles a step fills: one per expert hit (at most min(pairs, experts)) plus
+    the rows past the first tile of each; the alignment allocates more (kernels/fused_moe_align.py)."""
+    return min(pairs, experts) + pairs // block_m
+
+
+def moe_split_k(cfg: dict, programs: int, k_blocks: int) -> int:
+    """K splits of one MoE GEMM: the config's "SPLIT_K" if set, else enough that the used tiles fill
+    about MOE_WAVES programs per SM (a decode step with few rows has a few hundred (tile, N tile)
+    programs, one per SM, each streaming its whole K: the SMs wait on latency, not bandwidth), a
+    power of two, each split at least two K steps."""
+    if cfg.get("SPLIT_K"):
+        return max(1, min(cfg["SPLIT_K"], k_blocks))
+    want, s = MOE_WAVES * SMS, 1
+    while s * programs < want and 4 * s <= k_blocks:
+        s *= 2
+    return s
+
+
+MOE_WAVES = 4
+
 # (stored format: "dense" | "fp8" | "mxfp4") -> decode tiles by BLOCK_M, or prefill [(max pairs, {"gate_up":
 # config, "down": config}), ...] ascending (None: any count). MXFP4 "MX": "scaled" multiplies the packed
 # e2m1 tile by tl.dot_scaled (Triton's PRMT-table e2m1 -> bf16 unpack and ue8m0 scale, no
@@ -82,9 +103,11 @@ def _dec(bm: int, bn: int, w: int, st: int) -> dict:
 
 _MOE_DEC = {16: _dec(16, 64, 4, 4), 32: _dec(32, 64, 4, 4), 64: _dec(64, 64, 8, 3), 128: _dec(128, 32, 8, 3)}
 _MOE_PRE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
-# Measured again with both (quant_pass2.json): "e4m3" wins at every row count on Triton 3.6 (MXFP4 1 row
-# 128 us vs 135-264 us scaled; 150 rows 4.62 ms vs 5.37-9.74 ms), so it is the default.
-_MX = {"MX": "e4m3"}
+# Decode: the integer "bf16" decode (no conversion-unit instructions) measured 1.47-1.69x faster than
+# "e4m3" at 1 / 32 / 150 rows (docs/PERF.md, session 6); prefill keeps "e4m3", which beat "scaled" there
+# (quant_pass2.json) and has not been measured against "bf16" yet.
+_MX = {"MX": "bf16"}
+_MX_PREFILL = {"MX": "e4m3"}
 
 
 def _both(cfg: dict) -> dict:
@@ -96,8 +119,8 @@ MOE_PREFILL: dict = {
     "dense": [(None, _both(_MOE_PRE))],
     "fp8": [(None, _both(_MOE_PRE))],
     "mxfp4": [
-        (24576, _both({**_MOE_PRE, **_MX})),
-        (None, _both({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, **_MX})),
+        (24576, _both({**_MOE_PRE, **_MX_PREFILL})),
+        (None, _both({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, **_MX_PREFILL})),
     ],
 }
 

@@ -100,11 +100,17 @@ def moe_candidates(rows: int, fmt: str, experts: int = 256) -> list[dict]:
         bm = quant_configs.moe_fit_block_m(rows, rows * k, experts)
         base = quant_configs.MOE_DECODE[fmt][bm]
         alts = [base, {**base, "BLOCK_N": base["BLOCK_N"] // 2}, {**base, "BLOCK_N": base["BLOCK_N"] * 2},
-                {**base, "num_warps": 12 - base["num_warps"]}, {**base, "num_stages": 7 - base["num_stages"]}]
+                {**base, "num_warps": 12 - base["num_warps"]}, {**base, "num_stages": 7 - base["num_stages"]},
+                {**base, "SPLIT_K": 1}]  # split-K off: what the K splits of few-row steps buy
         if bm > 16:
             alts.append(quant_configs.MOE_DECODE[fmt][16])  # the old re-reading tiles, for the comparison
-        if fmt == "mxfp4":
-            alts += [{**base, "MX": "scaled"}, {**base, "MX": "bf16"}, {**base, "BLOCK_N": 2 * base["BLOCK_N"], "MX": "bf16"}]
+        if fmt == "mxfp4":  # the integer bf16 decode over row tiles x N tiles x warps that keep the accumulators in registers
+            alts += [{**base, "MX": "e4m3"}, {**base, "MX": "scaled"}]
+            for m in sorted({16, 32, bm, min(64, max(16, bm))}):
+                for n, w, st in ((64, 4, 4), (128, 4, 3), (64, 8, 3), (32, 4, 4), (128, 8, 3)):
+                    if m * n * 2 <= 128 * 32 * w:  # gate and up float32 accumulators: <= 64 registers a thread
+                        alts.append({**quant_configs.MOE_DECODE[fmt][m], "BLOCK_N": n, "num_warps": w, "num_stages": st,
+                                     "MX": "bf16"})
         alts = [c for i, c in enumerate(alts) if c not in alts[:i]]
         cfgs = alts
     else:
@@ -397,6 +403,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="two linear shapes, one prefill size")
     ap.add_argument("--budget", type=float, default=220.0, help="seconds after which remaining candidates are skipped")
+    ap.add_argument("--moe-only", action="store_true", help="only the MoE cases (MXFP4 and FP8 experts)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_quant: needs a CUDA device", file=sys.stderr)
@@ -409,7 +416,7 @@ def main() -> int:
     for f in failures:
         print("  MISMATCH", f, flush=True)
     results = []
-    for case in cases(args.quick):
+    for case in [c for c in cases(args.quick) if c["op"] == "moe" or not args.moe_only]:
         t0 = time.perf_counter()
         try:
             r = (measure_linear if case["op"] == "fp8_linear" else measure_moe)(case, device, deadline)

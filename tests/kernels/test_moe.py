@@ -133,3 +133,30 @@ def test_moe_experts_quantized(fmt, T, D, I, E, k, path, mx, monkeypatch):
     hit = torch.zeros(E, dtype=torch.bool)
     hit[idx.reshape(-1)] = True
     assert hit.all() == (k == E or T >= 9), "the shapes cover both some empty experts and all experts hit"
+
+
+@pytest.mark.parametrize("fmt, mx", [("dense", "e4m3"), ("fp8", "e4m3"), ("mxfp4", "e4m3"), ("mxfp4", "bf16")])
+def test_moe_experts_split_k(fmt, mx):
+    """Split-K (the decode's few-row steps): K cut unevenly (5 K steps in 3 splits, the last one
+    short), the last split of each tile adds the partials in split order and applies the epilogue
+    (SwiGLU, routing weight); the counters are left zero for the next call and for CUDA graphs."""
+    from kernels import semaphores
+
+    T, D, I, E, k = 3, 320, 192, 8, 2  # the interpreter's BLOCK_K 64: 5 K steps for gate_up, 3 for down
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    raw = [torch.randn(E, I, D, generator=g) / D**0.5, torch.randn(E, I, D, generator=g) / D**0.5,
+           torch.randn(E, D, I, generator=g) / I**0.5]
+    if fmt == "dense":
+        (w1, w3, w2), scales = (r.to(torch.bfloat16) for r in raw), None
+    else:
+        (w1, s1), (w3, s3), (w2, s2) = (_stored_experts(r, fmt) for r in raw)
+        scales = (s1, s3, s2)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g).to(torch.bfloat16)
+    want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, scales)
+    cfg = {part: {**c, "MX": mx, "SPLIT_K": 3} for part, c in quant_configs.moe_config(T, T * k, E, fmt).items()}
+    got = moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales, config=cfg)
+    assert (got.float() - want.float()).abs().max() <= 3e-2 * max(want.abs().max().item(), 1.0)
+    assert semaphores.all_zero()
+    assert quant_configs.moe_split_k({}, 192, 32) == 4 and quant_configs.moe_split_k({}, 4096, 32) == 1

@@ -37,8 +37,12 @@ def test_candidates_fit_the_kernels_constraints():
                     k = c["gate_up"]["BLOCK_K"]
                     assert (128 % k == 0) if fmt == "fp8" else (k % 32 == 0)
                     assert c["gate_up"]["BLOCK_M"] == c["down"]["BLOCK_M"]  # one alignment serves both
-                if m == 150 and experts == 16:  # the per-step tile and the old 16-row one it is timed against
-                    assert {c["gate_up"]["BLOCK_M"] for c in cands} == {128, 16}
+                if m == 150 and experts == 16:  # the per-step tile, the old 16-row one, and (MXFP4) the bf16 decode's between
+                    assert {c["gate_up"]["BLOCK_M"] for c in cands} == ({16, 32, 64, 128} if fmt == "mxfp4" else {128, 16})
+                if m <= 150:  # split-K on and off, register-bounded accumulators
+                    assert any(c["gate_up"].get("SPLIT_K") == 1 for c in cands)
+                    assert all(c["gate_up"]["BLOCK_M"] * c["gate_up"]["BLOCK_N"] * 2 <= 128 * 32 * c["gate_up"]["num_warps"]
+                               for c in cands if c["gate_up"].get("MX") == "bf16")
 
 
 def test_linear_floor_is_memory_at_decode_and_flops_at_prefill():
