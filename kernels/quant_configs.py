@@ -47,7 +47,10 @@ FP8_LINEAR: dict = {
 }
 
 MOE_DECODE_MAX_PAIRS = 1024  # (token, expert) pairs up to which the decode tiles apply (150 rows x top-6)
-MOE_BLOCK_M_MEASURED = (16, 32)  # the decode row tiles the engine picks (_MOE_DEC holds every tile)
+# The largest decode row tile measured faster than the smaller ones, per stored format (H200, session 6,
+# docs/perf/h200-2026-12-01-s6/quant_moe.json, 16 experts at 150 rows): MXFP4 64 rows (335 us; 128 rows
+# 421 us, 16 rows 552 us), FP8 128 rows (520 us vs 639 us at 16); bf16 experts kept at session 5's 32.
+MOE_BLOCK_M_MAX = {"dense": 32, "fp8": 128, "mxfp4": 64}
 
 
 def moe_fit_block_m(tokens: int, pairs: int, experts: int) -> int:
@@ -59,12 +62,11 @@ def moe_fit_block_m(tokens: int, pairs: int, experts: int) -> int:
     return next((bm for bm in sorted(_MOE_DEC) if want <= bm), max(_MOE_DEC))
 
 
-def moe_block_m(tokens: int, pairs: int, experts: int) -> int:
-    """The engine's decode row tile: the fitting one where it was measured faster than 16 rows (32
-    rows), else 16: the 64- and 128-row tiles (BLOCK_N 32 to stay in registers) were slower than 16
-    even at 150 rows (docs/PERF.md, session 5). A CUDA graph fixes the tile per batch size."""
-    bm = moe_fit_block_m(tokens, pairs, experts)
-    return bm if bm in MOE_BLOCK_M_MEASURED else MOE_BLOCK_M_MEASURED[0]
+def moe_block_m(tokens: int, pairs: int, experts: int, fmt: str = "mxfp4") -> int:
+    """The engine's decode row tile: the fitting one, capped at the largest measured faster for the
+    format (MOE_BLOCK_M_MAX: past it the tile's accumulators cost more than the re-reads they save).
+    A CUDA graph fixes the tile per batch size."""
+    return min(moe_fit_block_m(tokens, pairs, experts), MOE_BLOCK_M_MAX[fmt])
 
 
 def moe_used_tiles(pairs: int, experts: int, block_m: int) -> int:
@@ -101,13 +103,13 @@ def _dec(bm: int, bn: int, w: int, st: int) -> dict:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": st}
 
 
-_MOE_DEC = {16: _dec(16, 64, 4, 4), 32: _dec(32, 64, 4, 4), 64: _dec(64, 64, 8, 3), 128: _dec(128, 32, 8, 3)}
+# Measured (session 6, quant_moe.json, MXFP4 bf16 decode): m16 / m32 best with 3 stages (78 / 183 us at 1 / 32
+# rows vs 81 / 211 with 4), m64 n64 w4 st4 at 150 rows, m128's best n64 w8 st3 (n32 w8: 1,391 us).
+_MOE_DEC = {16: _dec(16, 64, 4, 3), 32: _dec(32, 64, 4, 3), 64: _dec(64, 64, 4, 4), 128: _dec(128, 64, 8, 3)}
 _MOE_PRE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
-# Decode: the integer "bf16" decode (no conversion-unit instructions) measured 1.47-1.69x faster than
-# "e4m3" at 1 / 32 / 150 rows (docs/PERF.md, session 6); prefill keeps "e4m3", which beat "scaled" there
-# (quant_pass2.json) and has not been measured against "bf16" yet.
+# The integer "bf16" decode (no conversion-unit instructions) measured 1.47-1.69x faster than "e4m3" at
+# 1 / 32 / 150 rows and 1.42x at 2048 (even at 8192; docs/PERF.md, session 6), so it is the default.
 _MX = {"MX": "bf16"}
-_MX_PREFILL = {"MX": "e4m3"}
 
 
 def _both(cfg: dict) -> dict:
@@ -119,8 +121,8 @@ MOE_PREFILL: dict = {
     "dense": [(None, _both(_MOE_PRE))],
     "fp8": [(None, _both(_MOE_PRE))],
     "mxfp4": [
-        (24576, _both({**_MOE_PRE, **_MX_PREFILL})),
-        (None, _both({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, **_MX_PREFILL})),
+        (24576, _both({**_MOE_PRE, **_MX})),
+        (None, _both({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, **_MX})),
     ],
 }
 
@@ -139,7 +141,7 @@ def fp8_linear_config(m: int, n: int, k: int) -> dict:
 def moe_config(tokens: int, pairs: int, experts: int, fmt: str) -> dict:
     """{"gate_up": config, "down": config} for one MoE call; both share BLOCK_M (one alignment)."""
     if pairs <= MOE_DECODE_MAX_PAIRS:
-        return _both(MOE_DECODE[fmt][moe_block_m(tokens, pairs, experts)])
+        return _both(MOE_DECODE[fmt][moe_block_m(tokens, pairs, experts, fmt)])
     for max_pairs, cfg in MOE_PREFILL[fmt]:
         if max_pairs is None or pairs <= max_pairs:
             return cfg

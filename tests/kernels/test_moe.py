@@ -77,10 +77,12 @@ def test_alignment_matches_reference(T, E, k, block_m, skipped):
 
 def test_decode_tiles_fit_each_experts_rows():
     """Each expert's rows in one tile at the decode shapes of V4-Flash depth (16 experts, top-6) up to
-    32 rows; past that the 16-row tile, which the H200 ran faster than the 128-row one."""
+    32 rows; past that the format's largest tile measured faster (MXFP4 64 rows, FP8 128, bf16 32)."""
     assert quant_configs.moe_block_m(1, 6, 16) == 16
     assert quant_configs.moe_block_m(32, 192, 16) == 32
-    assert quant_configs.moe_block_m(150, 900, 16) == 16
+    assert quant_configs.moe_block_m(150, 900, 16) == 64
+    assert quant_configs.moe_block_m(150, 900, 16, "fp8") == 128
+    assert quant_configs.moe_block_m(150, 900, 16, "dense") == 32
     assert quant_configs.moe_block_m(150, 900, 256) == 16
 
 
