@@ -23,7 +23,7 @@ Parameter names are DeepSeek's official checkpoint names (routed experts stacked
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,7 @@ from engine import v41_ops as ops
 from engine.cache_v41 import V41KVCache
 from engine.compress_plan import compress_plan
 from engine.config_v41 import V41Config
+from engine.decode_plan_v41 import DecodePlan, decode_plan
 from engine.deepseek_v4 import (
     Linear,
     _expert_weights,
@@ -70,6 +71,7 @@ class Rows:
     engram: dict  # layer -> gathered table rows [T, cols, engram_head_dim]
     topk: torch.Tensor | None = None  # [T, index_topk] entries of the current KV group, -1 none
     candidates: torch.Tensor | None = None  # [T, entries] bool: the candidate source's blocks
+    plans: dict = field(default_factory=dict)  # ratio -> DecodePlan (decode steps: built on the device)
 
 
 class Compressor(nn.Module):
@@ -83,12 +85,13 @@ class Compressor(nn.Module):
             self.wgate = _linear(cfg.head_dim, cfg.hidden_size)
         self.norm = Norm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def latents(self, x: torch.Tensor, fb: ForwardBatch, cache: V41KVCache, layer: int):
-        """Closed groups of this step (positions >= compress_from): (latents before RoPE, sequence,
-        entry index), or None. Open groups wait in the cache's fp32 state."""
+    def latents(self, x: torch.Tensor, fb: ForwardBatch, cache: V41KVCache, layer: int, plans: dict):
+        """Closed groups of this step (positions >= compress_from): (latents before RoPE, plan), or
+        None. Open groups wait in the cache's fp32 state. plans: a decode step's (Rows.plans)."""
         m = self.ratio
         state = cache.comp_state[layer]
-        plan = compress_plan(fb, m, cache.block_size, state.pend_kv.shape[0] if state else cache.max_num_seqs + 1)
+        plan = plans[m] if m in plans else compress_plan(fb, m, cache.block_size,
+                                                         state.pend_kv.shape[0] if state else cache.max_num_seqs + 1)
         if m == 1:
             if not plan.num_blocks:
                 return None
@@ -196,16 +199,20 @@ class Attention(nn.Module):
         if layer in cfg.index_source_layer_ids:
             self.indexer = Indexer(cfg, layer)
 
-    def _absorb(self, x: torch.Tensor, fb: ForwardBatch, cache: V41KVCache, inv_freq: torch.Tensor) -> None:
+    def _absorb(self, x: torch.Tensor, fb: ForwardBatch, cache: V41KVCache, inv_freq: torch.Tensor,
+                plans: dict) -> None:
         """KV source: closed groups -> indexer keys (pre-RoPE latent) and compressed KV."""
-        got = self.compressor.latents(x, fb, cache, self.layer)
+        got = self.compressor.latents(x, fb, cache, self.layer, plans)
         if got is None:
             return
         latent, plan = got
         cos, sin = K.rope_cos_sin(plan.blk_entry * self.ratio, inv_freq, latent.dtype)
         pool, kpool = cache.compressed[self.layer], cache.index_keys[self.layer]
         per_block = pool.shape[1]
-        dst = fb.full_tables[plan.blk_seq, plan.blk_entry // per_block] * per_block + plan.blk_entry % per_block
+        if isinstance(plan, DecodePlan):
+            dst = plan.dst
+        else:
+            dst = fb.full_tables[plan.blk_seq, plan.blk_entry // per_block] * per_block + plan.blk_entry % per_block
         kpool.view(-1, kpool.shape[-1]).index_copy_(0, dst, self.indexer.keys(latent, cos, sin).to(kpool.dtype))
         entries = ops.fake_quant_fp4(ops.rope(latent, cos, sin), 16, e4m3_scales=True)
         pool.view(-1, pool.shape[-1]).index_copy_(0, dst, entries.to(pool.dtype))
@@ -223,7 +230,7 @@ class Attention(nn.Module):
         if self.ratio:
             if hasattr(self, "compressor"):
                 assert full_rows, "a KV source runs on every row"
-                self._absorb(x, fb, cache, inv_freq)
+                self._absorb(x, fb, cache, inv_freq, rows.plans)
             ratio = cfg.compress_ratios[self.source]
             if hasattr(self, "indexer"):
                 rows.topk = self.indexer.select(x, q_res, rows, fb, cache.index_keys[self.source], ratio)
@@ -359,9 +366,11 @@ def _decoder_keep(fb: ForwardBatch, window: int) -> tuple[torch.Tensor, list[int
 
 
 class DeepseekV41(nn.Module):
-    # no CUDA graphs yet: a step reads host-built inputs a replayed graph would not refresh (the
-    # compressors' plan, the Engram look-back)
-    supports_cuda_graphs = False
+    # decode steps replay CUDA graphs: their compressor plan is built on the device (DecodePlan)
+    # and the Engram look-back rides in the runner's static batch. Prefill and mixed steps run
+    # eagerly: the prefill indexer and decoder replay size their work from host values per sequence.
+    supports_cuda_graphs = True
+    supports_mixed_graphs = False
     cache_class = V41KVCache
 
     def __init__(self, cfg: V41Config, quantized: bool = False, decoder_replay: bool = True):
@@ -385,6 +394,11 @@ class DeepseekV41(nn.Module):
         return None
 
     @property
+    def source_ratios(self) -> set[int]:
+        """The compress ratios of the KV sources (each has a compressor)."""
+        return {self.cfg.compress_ratios[s] for s in self.cfg.kv_source_layer_ids if self.cfg.compress_ratios[s]}
+
+    @property
     def engram_lookback(self) -> int:
         """How many tokens before each row the runner passes (`ForwardBatch.lookback_ids`)."""
         return self.cfg.engram_max_ngram_size - 1 if self.engram_hasher is not None else 0
@@ -406,6 +420,8 @@ class DeepseekV41(nn.Module):
         ropes = {"main": K.rope_cos_sin(fb.positions, self.main_inv_freq, dtype),
                  "compress": K.rope_cos_sin(fb.positions, self.compress_inv_freq, dtype)}
         rows = Rows(fb.positions, fb.token_seq, fb.window_slots, fb.replay_start_t, ropes, self._engram_rows(fb))
+        if fb.is_decode:
+            rows.plans = {m: decode_plan(fb, m, cache) for m in self.source_ratios}
         h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # mHC: hc copies of the residual
         pre = torch.zeros(h.shape[:2], dtype=torch.float32, device=h.device)
         pre[:, 0] = 1.0  # the first site collapses stream 0

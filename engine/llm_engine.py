@@ -95,7 +95,8 @@ class LLMEngine:
         graphs = (self.device.type == "cuda" and not args.enforce_eager and args.cudagraph_mode != "NONE"
                   and kernels.backend() != "ref" and getattr(self.model, "supports_cuda_graphs", True))
         # tensor parallel: mixed steps run eagerly (the workers mirror decode graphs and eager steps)
-        mixed = mixed_sizes(args.max_num_batched_tokens) if args.cudagraph_mode == "FULL" and not self.parallel else []
+        mixed = (mixed_sizes(args.max_num_batched_tokens) if args.cudagraph_mode == "FULL" and not self.parallel
+                 and getattr(self.model, "supports_mixed_graphs", True) else [])  # V4.1: decode graphs only
         runner_kwargs = dict(max_model_len=self.max_model_len, cuda_graphs=graphs, max_num_seqs=args.max_num_seqs,
                              mixed_sizes=mixed)
         if self.parallel is not None:

@@ -13,9 +13,9 @@ import torch
 
 from engine.cache import KVCache
 from engine.deepseek_v4 import DeepseekV4
-from engine.engram import lookback_rows
+from engine.engram import DEAD, lookback_rows
 from engine.forward_batch import ForwardBatch
-from engine.mixed_graphs import MixedSteps, capture
+from engine.mixed_graphs import MixedSteps, capture, new_token_ids
 from engine.sequence import Sequence
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -159,11 +159,14 @@ class ModelRunner:
     def _padding_batch(self, size: int) -> tuple[ForwardBatch, torch.Tensor]:
         """Every row a padding row: scratch block, scratch slot, position 0. The batch's tensors
         are contiguous views of one flat buffer (ids, positions, window slots, replay starts, state
-        slots, window tables, full tables), so each replay refreshes them with a single copy."""
+        slots, window tables, full tables, then V4.1's Engram look-back ids), so each replay
+        refreshes them with a single copy."""
         c, dev, width = self.cache, self.device, self._table_width()
-        flat = torch.empty(size * (5 + 2 * width), dtype=torch.long, device=dev)
+        k = getattr(self.model, "engram_lookback", 0)
+        flat = torch.empty(size * (5 + 2 * width + k), dtype=torch.long, device=dev)
         col = [flat[i * size:(i + 1) * size] for i in range(5)]
-        tables = flat[5 * size:].view(2, size, width)
+        tables = flat[5 * size:(5 + 2 * width) * size].view(2, size, width)
+        lookback = flat[(5 + 2 * width) * size:].view(size, k).fill_(DEAD) if k else None
         for t, v in zip(col, (0, 0, c.scratch_window * c.block_size, 0, c.scratch_slot)):
             t.fill_(v)
         tables[0].fill_(c.scratch_window)
@@ -173,27 +176,39 @@ class ModelRunner:
             compress_from=[0] * size, window_slots=col[2], window_tables=tables[0], full_tables=tables[1],
             state_slots=[c.scratch_slot] * size, logits_rows=torch.arange(size, device=dev),
             token_seq=torch.arange(size, device=dev), replay_start_t=col[3], state_slot_t=col[4],
-            is_decode=True, max_pos=self.max_model_len - 1)  # the indexer sizes for the longest sequence
+            is_decode=True, max_pos=self.max_model_len - 1,  # the indexer sizes for the longest sequence
+            lookback_ids=lookback)
         return fb, flat
 
+    def static_decode_batches(self, buckets: list[int]) -> None:
+        """The decode graphs' padded static batches without capturing them: decode steps then run
+        eagerly on exactly what a replay would read (how the CPU tests check it)."""
+        self._capture(buckets, None)
+
     def _capture(self, buckets: list[int], pool) -> None:
+        """pool None: build the static batches only (graph and logits None)."""
         for size in sorted(buckets, reverse=True):  # largest first: smaller graphs reuse its memory
             fb, flat = self._padding_batch(size)
-            graph, logits = capture(lambda fb=fb: self.model(fb, self.cache), pool)
+            graph, logits = capture(lambda fb=fb: self.model(fb, self.cache), pool) if pool is not None else (None, None)
             # two pinned staging buffers, used by alternate steps: with async scheduling step N+1
             # is packed while step N's copy may still wait behind step N-1 on the GPU
-            staging = [torch.empty(flat.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            staging = [torch.empty(flat.shape, dtype=torch.long, pin_memory=pool is not None) for _ in range(2)]
             self.graphs[size] = (graph, fb, flat, staging, logits)  # fb: the graph reads its tensors
-        torch.cuda.synchronize()
+        if pool is not None:
+            torch.cuda.synchronize()
 
     def pack_decode(self, scheduled: list[tuple[Sequence, int]], size: int, host: np.ndarray) -> None:
         """Write a decode batch, padded to `size` rows, into `host` in the flat layout of
         _padding_batch (what build_batch would give for the real rows)."""
         c, n = self.cache, len(scheduled)
         bs, width = c.block_size, self._table_width()
+        k = getattr(self.model, "engram_lookback", 0)
         cols = host[:5 * size].reshape(5, size)
-        tables = host[5 * size:].reshape(2, size, width)
+        tables = host[5 * size:(5 + 2 * width) * size].reshape(2, size, width)
         tables[0, :n], tables[1, :n] = -1, 0  # then each row's blocks over the fill
+        if k:  # V4.1 Engram: the k tokens before each row, nearest first (known on the host: only the row's own may pend)
+            lookback = host[(5 + 2 * width) * size:].reshape(size, k)
+            lookback[:] = DEAD
         rows = []
         for i, (s, _) in enumerate(scheduled):
             p, b = s.num_computed_tokens, s.blocks
@@ -201,6 +216,8 @@ class ModelRunner:
             rows.append((s.last_token_id, p, wt[p // bs] * bs + p % bs, s.replay_start, b.state_slot))
             tables[0, i, :len(wt)] = wt
             tables[1, i, :len(ft)] = ft
+            if k and p:
+                lookback[i, :min(p, k)] = new_token_ids(s, max(0, p - k), min(p, k))[::-1]
         if n:
             cols[:, :n] = np.array(rows, dtype=np.int64).T  # one conversion, not a numpy write per row
         cols[:, n:] = np.array([0, 0, c.scratch_window * bs, 0, c.scratch_slot])[:, None]
@@ -222,5 +239,7 @@ class ModelRunner:
             self.workers.step_graph(size, staging.numpy())
         flat.copy_(staging, non_blocking=True)
         self._fill_pending(self.graphs[size][1].input_ids, scheduled, pending, list(range(n)))
+        if graph is None:  # static batches without a graph (static_decode_batches)
+            return self.model(self.graphs[size][1], self.cache)[:n]
         graph.replay()
         return logits[:n]

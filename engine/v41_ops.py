@@ -7,6 +7,8 @@ the QAT fake-quantisers), so a float64 run reproduces the float64 reference to ~
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -46,14 +48,21 @@ def _pow2_ceil(t: torch.Tensor) -> torch.Tensor:
     return torch.exp2(k.to(torch.float32))
 
 
+@functools.cache
+def _e2m1_grid(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rounding thresholds, values) on `device`, made once: a tensor from host values inside a
+    forward would be a host-to-device copy, which a CUDA graph capture refuses."""
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
+    ties_up = torch.tensor([False, True, False, True, False, True, False])
+    thresholds = torch.where(ties_up, bounds, torch.nextafter(bounds, torch.full_like(bounds, float("inf"))))
+    return thresholds.to(device), torch.tensor(_FP4_VALUES, dtype=torch.float32).to(device)
+
+
 def _e2m1_round(q: torch.Tensor) -> torch.Tensor:
     """Round-to-nearest-even onto the e2m1 grid (values, not codes)."""
-    mag = q.abs()
-    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32, device=q.device)
-    ties_up = torch.tensor([False, True, False, True, False, True, False], device=q.device)
-    thresholds = torch.where(ties_up, bounds, torch.nextafter(bounds, torch.full_like(bounds, float("inf"))))
-    codes = (mag.unsqueeze(-1) >= thresholds).sum(-1) + 8 * torch.signbit(q).long()
-    return torch.tensor(_FP4_VALUES, dtype=torch.float32, device=q.device)[codes]
+    thresholds, values = _e2m1_grid(q.device)
+    codes = (q.abs().unsqueeze(-1) >= thresholds).sum(-1) + 8 * torch.signbit(q).long()
+    return values[codes]
 
 
 def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> torch.Tensor:
@@ -171,4 +180,4 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: i
     s = s.masked_fill(torch.arange(nb, device=s.device) == last, float("inf"))
     top = s.topk(min(topk_blocks, nb), dim=-1)
     keep = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
-    return keep.repeat_interleave(block, dim=-1)[..., :width]
+    return keep.unsqueeze(-1).expand(*keep.shape, block).flatten(-2)[..., :width]  # no host sizing (graphs)

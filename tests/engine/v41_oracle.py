@@ -19,9 +19,11 @@ def load_golden() -> dict:
     return load_file(str(ORACLE / "golden.safetensors"))
 
 
-def greedy(model, ids: list[int], chunk: int, steps: int = 48) -> tuple[list[int], torch.Tensor]:
+def greedy(model, ids: list[int], chunk: int, steps: int = 48, decode_batches: tuple[int, ...] = ()
+           ) -> tuple[list[int], torch.Tensor]:
     """Prefill in chunks of `chunk` tokens, then decode greedily as the scheduler would; returns
-    the tokens and the logits that chose each."""
+    the tokens and the logits that chose each. decode_batches: decode steps run on the CUDA-graph
+    decode path's static batches of these sizes (eagerly, on the CPU)."""
     from engine.cache_v41 import V41KVCache
     from engine.request import SamplingParams
     from engine.runner import ModelRunner
@@ -29,7 +31,9 @@ def greedy(model, ids: list[int], chunk: int, steps: int = 48) -> tuple[list[int
 
     W = model.cfg.sliding_window
     cache = V41KVCache(model.cfg, 16, 64, 64, 2, torch.float64)
-    runner = ModelRunner(model, cache)
+    runner = ModelRunner(model, cache, max_model_len=512)
+    if decode_batches:
+        runner.static_decode_batches(list(decode_batches))
     seq = Sequence("t", list(ids), SamplingParams())
     tokens, logits = [], []
     while len(tokens) < steps:
@@ -43,6 +47,7 @@ def greedy(model, ids: list[int], chunk: int, steps: int = 48) -> tuple[list[int
             logits.append(out[-1].double())
             tokens.append(int(out[-1].argmax()))
             seq.output_token_ids.append(tokens[-1])
+    assert runner.replays == (steps - 1 if decode_batches else 0)
     return tokens, torch.stack(logits)
 
 
