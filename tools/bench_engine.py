@@ -195,18 +195,7 @@ def decode_floors(engine_args: dict, batches: list[int]) -> list[dict]:
     head_params = head.numel()
     del model, head
     torch.cuda.empty_cache()
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    copy_bw = 2 * x.numel() * 10 / (time.perf_counter() - t)
-    del x, y
-    torch.cuda.empty_cache()
+    copy_bw = copy_bandwidth()
     rows = []
     for batch in batches:
         touched = min(cfg.n_routed_experts, batch * cfg.num_experts_per_tok) / cfg.n_routed_experts
@@ -216,6 +205,23 @@ def decode_floors(engine_args: dict, batches: list[int]) -> list[dict]:
                      "head_bytes": head_bytes, "head_floor_ms": head_bytes / copy_bw * 1e3, "head_ms": head_ms[batch],
                      "active_params_per_token": active_params, "head_params": head_params})
     return rows
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write): what a memory-bound step can reach."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bw = 2 * x.numel() * 10 / (time.perf_counter() - t)
+    del x, y
+    torch.cuda.empty_cache()
+    return bw
 
 
 PEAK_BF16_FLOPS = 790e12  # the H200's bf16 matmul peak (measured 777-803 TFLOP/s, docs/PERF.md)
@@ -288,6 +294,29 @@ def per_layer(steady: list[dict], floors: list[dict]) -> list[dict]:
     return rows
 
 
+def steady_step_ms(eng, batch: int, input_len: int, steps: int) -> float:
+    """Wall ms per engine step of `batch` requests decoding together, their prompts (random,
+    `input_len` tokens) prefilled before the timing; the requests are aborted after."""
+    sp = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(batch, input_len, eng.cfg.vocab_size, seed=batch)):
+        eng.add_request(GenerationRequest(f"steady-{batch}-{i}", prompt_token_ids=prompt, sampling=sp))
+    while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
+        eng.step()
+    for _ in range(4):
+        eng.step()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    sync()
+    step_ms = (time.perf_counter() - t) / steps * 1e3
+    for rid in list(eng.requests):
+        eng.abort(rid)
+    eng.flush()
+    return step_ms
+
+
 def steady_decode(engine_args: dict, batches: list[int], input_len: int, steps: int = 64) -> list[dict]:
     """Decode alone, no prefill in the steps timed: `batch` requests whose prompts are prefilled
     first, then `steps` engine steps timed on the wall clock (host work, graph replay, sampler and
@@ -295,23 +324,7 @@ def steady_decode(engine_args: dict, batches: list[int], input_len: int, steps: 
     llm = LLM(**engine_args)
     eng, rows = llm.engine, []
     for b in batches:
-        sp = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
-        for i, prompt in enumerate(random_prompts(b, input_len, eng.cfg.vocab_size, seed=b)):
-            eng.add_request(GenerationRequest(f"steady-{b}-{i}", prompt_token_ids=prompt, sampling=sp))
-        while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
-            eng.step()
-        for _ in range(4):
-            eng.step()
-        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-        sync()
-        t = time.perf_counter()
-        for _ in range(steps):
-            eng.step()
-        sync()
-        step_ms = (time.perf_counter() - t) / steps * 1e3
-        for rid in list(eng.requests):
-            eng.abort(rid)
-        eng.flush()
+        step_ms = steady_step_ms(eng, b, input_len, steps)
         rows.append({"batch": b, "input_len": input_len, "step_ms": step_ms, "output_tok_s": b * 1e3 / step_ms})
         print(f"  steady decode: batch {b}: {step_ms:.2f} ms/step, {b * 1e3 / step_ms:.0f} tok/s", flush=True)
     return rows

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|quant|fused|depth|v41|largest|profile-depth|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
-# numpy2 and serving need .cache/h200 carried (bash tools/h200_env.sh pack).
+#   bash tools/h200_bench.sh kernels|quant|fused|depth|v41|v41-serve|largest|profile-depth|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
+# numpy2, serving, largest and v41-serve need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoints, drawn on the GPU: flash-depth (V4-Flash depth: 43 layers, 16 experts; mixed, engine, depth) and
 # flash-shaped (its per-layer shapes, 4 layers: quick and the rest).
 set -uo pipefail
@@ -28,9 +28,21 @@ depth)  # decode at V4-Flash depth (43 layers, its schedule, 16 experts): as shi
     rm -rf "$CK"/flash-depth*  # 46 GB in bf16: one at a time on the 64 GB disk
   done ;;
 v41)  # DeepSeek-V4.1-Flash-shaped (released 40-layer schedule and per-layer shapes, 8 experts; FP8 32x32 tiles +
-  # FP4 experts as shipped, dequantized to bf16 at load): TTFT 1K/8K/32K with decoder-side bounded replay off/on,
-  # batch-1 decode vs its floor (~4 min, most of it writing and loading the 16 GB checkpoint)
-  timeout 560 python3 -m tools.bench_v41 --cache-dir $CK --json "$OUT/v41.json" 2>&1 | tee "$OUT/v41.log" | tail -9
+  # FP4 experts as shipped, dequantized to bf16 at load): TTFT 1K/8K/32K with decoder-side bounded replay off/on
+  # (prefill eager), decode at batch 1/32 with CUDA graphs and eagerly vs the floor, graphed greedy tokens vs
+  # eager (~4-5 min: writing and loading the 16 GB checkpoint ~45 s, the 32K prompts ~30 s, batch-32 prefills)
+  timeout 560 python3 -m tools.bench_v41 --cache-dir $CK --json "$OUT/v41.json" 2>&1 | tee "$OUT/v41.log" | tail -14
+  rm -rf "$CK"/v41-* ;;
+v41-serve)  # V4.1-Flash-shaped through the real Triton server (engine core process), closed loop at 1/32/150 users,
+  # 512 in / 64 out (~5 min; needs .cache/h200 carried: bash tools/h200_env.sh pack)
+  bash tools/h200_env.sh setup /tmp/tvenv > "$OUT/env.log" 2>&1 || { tail "$OUT/env.log"; exit 1; }
+  M=$CK/v41-flash-shaped-fp8-fp4
+  [ -f $M/config.json ] || timeout 120 python3 -m tools.make_tiny_checkpoint $M --preset v41-flash-shaped --quant fp8-fp4 \
+    --device cuda 2>&1 | tail -1
+  timeout 400 /tmp/tvenv/bin/python -m loadtest.sweep --serve --model $M --driver threads --protocol grpc \
+    --engine-args '{"max_model_len":4096,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}' \
+    --concurrency 1,32,150 --input-len 512 --output-len 64 --duration 30 --stop-timeout 20 --out "$OUT" \
+    --label v41-triton 2>&1 | tee "$OUT/v41_sweep.log" | grep -E "c=|rror|weights" | tail -6
   rm -rf "$CK"/v41-* ;;
 mixed)  # issue 20 at V4-Flash depth as shipped (FP8 + MXFP4), one engine: mixed-step graphs vs eager (tokens, then ms
   # per step of 64 decodes + a prefill chunk at budgets 512 / 2048), then the budget sweep: 64 users, 1024-token
