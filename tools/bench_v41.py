@@ -17,6 +17,7 @@ are timed once per setting (--reps for the others).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -107,7 +108,16 @@ def main() -> None:
     args = {"model": str(model), "max_model_len": max(lengths + [a.decode_input_len + 512]) + 256,
             "max_num_seqs": max(batches + [4]), "block_size": 128, "max_num_batched_tokens": 8192,
             "kv_cache_memory_bytes": 8 << 30, "enable_prefix_caching": False, **json.loads(a.engine_args)}
-    engine = LLMEngine(args)
+    capture_error = None
+    try:
+        engine = LLMEngine(args)
+    except Exception as e:  # a failed capture: still measure (eagerly), and say why
+        capture_error = f"{type(e).__name__}: {e}"[:2000]
+    if capture_error is not None:
+        print(f"engine start with CUDA graphs FAILED ({capture_error}); measuring with enforce_eager", flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        engine = LLMEngine({**args, "enforce_eager": True})
     print(f"engine up in {time.perf_counter() - t:.0f} s; decode CUDA graphs for batch sizes "
           f"{sorted(engine.runner.graphs) or 'none'} (prefill chunks run eagerly)", flush=True)
     g = torch.Generator().manual_seed(0)
@@ -154,7 +164,7 @@ def main() -> None:
         print(f"greedy, graphs vs eager: {check['identical_streams']}/3 streams identical over {a.check_tokens} "
               f"tokens (tokens before the first difference: {agree})", flush=True)
     result = {"model": str(model), "quant": a.quant, "engine_args": args, "ttft": rows, "decode": decode,
-              "graphs_vs_eager": check, "graph_sizes": sorted(engine.runner.graphs),
+              "graphs_vs_eager": check, "graph_sizes": sorted(engine.runner.graphs), "capture_error": capture_error,
               "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))
