@@ -15,7 +15,7 @@ from kernels import reference
 
 _OPS = (
     "rms_norm", "rms_norm_unweighted", "rope_cos_sin", "apply_rope", "hc_pre", "hc_post", "hc_post_pre_norm", "hc_head",
-    "router_topk", "linear", "swiglu", "mlp", "moe_experts", "sink_attention", "grouped_linear",
+    "router_topk", "linear", "linear_split", "swiglu", "mlp", "moe_experts", "sink_attention", "grouped_linear",
     "indexer_scores", "indexer_topk", "paged_attention", "pool_blocks", "norm_rope",
     "kv_norm_rope_insert", "compress_decode", "greedy_pick",
 )

@@ -42,6 +42,13 @@ def linear_fused(x, weight, scale=None):
     return reference.linear(x, weight) if scale is None else fp8_linear_fused(x, weight, scale)
 
 
+def linear_split_fused(x, weight, split_n, scale=None):
+    """FP8: both outputs from one launch; a plain weight: the reference (one cuBLAS GEMM, two copies)."""
+    if scale is None:
+        return reference.linear_split(x, weight, split_n)
+    return fp8_linear_fused(x, weight, scale, split_n=split_n)
+
+
 GROUPED_ONE_LAUNCH_MAX_T = 32  # wo_a in one launch up to here, one launch per group past it (PERF.md, session 5)
 
 
@@ -69,6 +76,7 @@ def hc_post_pre_norm_composed(h, out, post, comb, fn, base, scale, norm_w, hc_ep
 
 FUSED = {
     "linear": linear_fused,
+    "linear_split": linear_split_fused,
     "grouped_linear": grouped_linear_fused,
     "rms_norm": rms_norm_fused,
     "rms_norm_unweighted": rms_norm_unweighted_fused,

@@ -50,14 +50,22 @@ def _round_e4m3(v):
     return tl.where(v < 0, -r, r)
 
 
+@triton.jit
+def _out_offsets(m, n, M, N, N1):
+    """Where y[m, n] goes when y is two row-major outputs back to back: [M, N1], then [M, N - N1]
+    (two linears of one input in one launch, each output contiguous for its consumer; N1 = N: one)."""
+    return tl.where(n < N1, m * N1 + n, M * N1 + m * (N - N1) + (n - N1))
+
+
 @triton.jit(do_not_specialize=["M"])
-def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, K, X_STRIDE, ROWS, K_SPLIT,
+def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STRIDE, ROWS, K_SPLIT,
                     SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     DOT_F32: tl.constexpr):
     """acc[BLOCK_N, BLOCK_M] = W[n, k-range] @ x[m, g * K + k-range]^T, g = the group of rows n (ROWS
     weight rows per group: wo_a's 8 groups read their own slice of x; a plain linear is one group).
     Split-K: each split stores its float32 partial, and the last split of a tile to finish (a
-    counter per tile, reset by it for the next call) adds them and writes y: one launch, no reduce."""
+    counter per tile, reset by it for the next call) adds them and writes y: one launch, no reduce.
+    y holds two row-major outputs back to back (_out_offsets): columns [0, N1) and [N1, N)."""
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -77,7 +85,7 @@ def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, K, X_STRI
             acc += tl.dot(w.to(tl.float32) * sw[:, None], xt.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(w.to(xt.dtype), xt) * sw[:, None]
-    out = m[None, :] * N + n[:, None]
+    out = _out_offsets(m[None, :], n[:, None], M, N, N1)
     omask = nmask[:, None] & mmask[None, :]
     if SPLITS > 1:
         tl.store(ws_ptr + pid_k * M * N + out, acc, mask=omask)
@@ -114,7 +122,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, ROUND_F3
 
 
 @triton.jit(do_not_specialize=["M"])
-def _mma_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _mma_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, y_ptr, M, N, N1, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 GROUP_M: tl.constexpr, DOT_F32: tl.constexpr):
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -144,7 +152,8 @@ def _mma_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, y_ptr, M, N, K, BLOCK_M: tl.constex
             acc += d * (sa * tl.load(s_tile + kb))[:, None]
         else:
             acc += d * (sa[:, None] * tl.load(s_row + kb, mask=nmask, other=0.0)[None, :])
-    tl.store(y_ptr + m[:, None] * N + n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    tl.store(y_ptr + _out_offsets(m[:, None], n[None, :], M, N, N1), acc.to(y_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
 
 
 def _split_k(cfg: dict, m: int, n: int, k: int) -> int:
@@ -160,7 +169,7 @@ def _launch_opts(cfg: dict) -> dict:
     return {} if _INTERPRET else {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
 
 
-def _dequant(x2, weight, scale, y, cfg, groups: int = 1):
+def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None):
     """x2 [M, groups * K] (row stride x2.stride(0)), weight [N, K] in `groups` blocks of N / groups rows."""
     M = x2.shape[0]
     N, K = weight.shape
@@ -170,12 +179,13 @@ def _dequant(x2, weight, scale, y, cfg, groups: int = 1):
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]), split)
     ws = torch.empty(split, M, N, dtype=torch.float32, device=y.device) if split > 1 else y
     sem = semaphores(y.device, grid[0] * grid[1]) if split > 1 else y
-    _dequant_kernel[grid](x2, weight, scale, y, ws, sem, M, N, K, x2.stride(0), N // groups, k_split, split,
+    _dequant_kernel[grid](x2, weight, scale, y, ws, sem, M, N, N if n1 is None else n1, K, x2.stride(0), N // groups,
+                          k_split, split,
                           BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                           DOT_F32=_INTERPRET or x2.dtype == torch.float32, **_launch_opts(cfg))
 
 
-def _mma(x2, weight, scale, y, cfg):
+def _mma(x2, weight, scale, y, cfg, n1: int | None = None):
     M, K = x2.shape
     N = weight.shape[0]
     sk = triton.cdiv(K, 128)
@@ -183,30 +193,34 @@ def _mma(x2, weight, scale, y, cfg):
     qs = torch.empty(sk, M, dtype=torch.float32, device=x2.device)
     _act_quant_kernel[(triton.cdiv(M, 32), sk)](x2, q, qs, M, K, BLOCK_M=32, ROUND_F32=_INTERPRET)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    _mma_kernel[grid](q, qs, weight, scale, y, M, N, K, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+    _mma_kernel[grid](q, qs, weight, scale, y, M, N, N if n1 is None else n1, K, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       GROUP_M=cfg.get("GROUP_M", 8), DOT_F32=_INTERPRET, **_launch_opts(cfg))
 
 
 def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, variant: str | None = None,
-                     config: dict | None = None, groups: int = 1):
+                     config: dict | None = None, groups: int = 1, split_n: int | None = None):
     """x [..., K] (bf16 / fp16 / fp32), weight e4m3 [N, K], scale float32 [cdiv(N,128), cdiv(K,128)].
     groups > 1 (wo_a): x [..., groups, K] and weight [groups * R, K], group g's rows times x's
     group g -> [..., groups * R] (R a multiple of 128); "dequant" does all groups in one launch.
+    split_n (two linears of x stacked along N, e.g. wq_a over wkv): the pair (x @ W[:split_n]^T,
+    x @ W[split_n:]^T), each contiguous, from one launch.
     `config` (tools/bench_quant.py's sweep) overrides kernels/quant_configs.py's entry."""
     if groups > 1:
         lead, K = x.shape[:-2], x.shape[-1]
     else:
         *lead, K = x.shape
     N = weight.shape[0]
+    if split_n is not None and (groups > 1 or not 0 < split_n < N):
+        raise ValueError(f"split_n must be in (0, {N}) for an ungrouped linear, got {split_n} (groups {groups})")
     x2 = x.reshape(-1, groups * K)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     M = x2.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(M * N, dtype=x.dtype, device=x.device)
     if M == 0:
-        return y.view(*lead, N)
-    cfg = dict(config or quant_configs.fp8_linear_config(M, N // groups, K))
-    variant = variant or config and config.get("variant") or variant_for(M, N, K)
+        return _outputs(y, lead, M, N, split_n)
+    cfg = dict(config or quant_configs.fp8_linear_config(M, N // groups, K))  # per group: the tiles see one group
+    variant = variant or config and config.get("variant") or variant_for(M, N // groups, K)
     if variant not in ("dequant", "mma"):
         raise ValueError(f"fp8 linear variant must be 'dequant' or 'mma', got {variant!r}")
     if _INTERPRET:
@@ -220,13 +234,19 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if variant == "dequant":
         if groups > 1 and (N // groups) % cfg["BLOCK_N"]:
             raise ValueError(f"grouped dequant tiles must not straddle groups: {N // groups} rows, {cfg}")
-        _dequant(x2, weight, scale, y, cfg, groups)
+        _dequant(x2, weight, scale, y, cfg, groups, split_n)
     elif groups == 1:
-        _mma(x2, weight, scale, y, cfg)
+        _mma(x2, weight, scale, y, cfg, split_n)
     else:  # the FP8 tensor-core kernel takes one group at a time
         R, blk = N // groups, N // groups // 128
         for g in range(groups):
             yg = torch.empty(M, R, dtype=x.dtype, device=x.device)
             _mma(x2[:, g * K:(g + 1) * K].contiguous(), weight[g * R:(g + 1) * R], scale[g * blk:(g + 1) * blk], yg, cfg)
-            y[:, g * R:(g + 1) * R] = yg
-    return y.view(*lead, N)
+            y.view(M, N)[:, g * R:(g + 1) * R] = yg
+    return _outputs(y, lead, M, N, split_n)
+
+
+def _outputs(y, lead, M: int, N: int, split_n: int | None):
+    if split_n is None:
+        return y.view(*lead, N)
+    return y[:M * split_n].view(*lead, split_n), y[M * split_n:].view(*lead, N - split_n)

@@ -171,6 +171,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = N
     return F.linear(x, dequantize(weight, scale, x.dtype))
 
 
+def linear_split(x: torch.Tensor, weight: torch.Tensor, split_n: int,
+                 scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two linears of one input stacked along N (wq_a over wkv): (x @ W[:split_n]^T, x @ W[split_n:]^T)."""
+    y = linear(x, weight, scale)
+    return y[..., :split_n].contiguous(), y[..., split_n:].contiguous()
+
+
 def linear_act_quant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The FP8 tensor-core GEMM's arithmetic: activations rounded to e4m3 per 1x128 block first."""
     xq, xs = quantize_act_1x128(x.reshape(-1, x.shape[-1]))

@@ -119,3 +119,40 @@ def test_grouped_linear_dispatch_one_launch_or_per_group(m):
     want = ref.grouped_linear(x, q, groups, s).float()
     got = grouped_linear_fused(x, q, groups, s).float()
     assert got.shape == (m, groups * rows) and (got - want).abs().max() <= 0.1 * want.abs().max()
+
+
+@pytest.mark.parametrize("variant", ["dequant", "mma"])
+@pytest.mark.parametrize("m, n1, n2, k", [(1, 128, 72, 192), (19, 100, 156, 128)])
+def test_split_linear_one_launch_matches_two_linears(variant, m, n1, n2, k):
+    """Two linears of one input stacked along N (wq_a over wkv): each output contiguous and equal to
+    its own linear, at and off the 128 block and the tile (n1 = 100 splits a BLOCK_N tile)."""
+    x, q, s = _case(m, n1 + n2, k, ue8m0=True)
+    x = x.to(torch.bfloat16)
+    a, b = fp8_linear_fused(x.view(1, m, k), q, s, variant=variant, split_n=n1)
+    assert a.shape == (1, m, n1) and b.shape == (1, m, n2) and a.is_contiguous() and b.is_contiguous()
+    tol = 1e-2 if variant == "dequant" else 0.1  # mma: e4m3 activations
+    for got, want in zip((a[0], b[0]), ref.linear_split(x, q, n1, s)):
+        assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+    with pytest.raises(ValueError, match="split_n"):
+        fp8_linear_fused(x, q, s, split_n=n1 + n2)
+
+
+def test_grouped_linear_variant_chosen_by_the_per_group_shape(monkeypatch):
+    """The grouped linear's variant comes from the same per-group (N / groups, K) entry as its tiles
+    (it used the total N: the default entry's "dequant" ran with a per-group "mma" config)."""
+    from kernels import fused_fp8_linear as ffl
+    from kernels import quant_configs
+
+    groups, rows, k = 2, 128, 128
+    monkeypatch.setitem(quant_configs.FP8_LINEAR, (rows, k), [(None, quant_configs._MID)])
+    ran = []
+    for name in ("_mma", "_dequant"):
+        real = getattr(ffl, name)
+        monkeypatch.setattr(ffl, name, lambda *a, _real=real, _name=name, **kw: ran.append(_name) or _real(*a, **kw))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, groups, k, generator=g).to(torch.bfloat16)
+    q, s = quantize_fp8_block(torch.randn(groups * rows, k, generator=g) / k**0.5, ue8m0=True)
+    s = scale_to_float(s)
+    got = fp8_linear_fused(x, q, s, groups=groups).float()
+    want = ref.grouped_linear(x, q, groups, s).float()
+    assert ran == ["_mma"] * groups and (got - want).abs().max() <= 0.1 * want.abs().max()
