@@ -23,6 +23,7 @@ from engine.compress_plan import compress_plan
 from engine.config import CSA, SLIDING, ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.parallel import SINGLE, TensorParallel
+from engine.stacked_linears import linear_pair
 from engine.weights import WeightsError
 from kernels.formats import MX_BLOCK, fp8_block_scale_shape
 
@@ -171,9 +172,10 @@ class Attention(nn.Module):
         cfg, T = self.cfg, x.shape[0]
         H, hd, W = self.num_heads, cfg.head_dim, cfg.sliding_window
         cos, sin = ropes["main" if self.layer_type == SLIDING else "compress"]
-        q_res = self.q_norm(self.wq_a(x))
+        q_lora, kv = linear_pair(self.wq_a, self.wkv, x)  # one launch where stacked at load
+        q_res = self.q_norm(q_lora)
         q = K.norm_rope(self.wq_b(q_res).view(T, H, hd), None, cos, sin, cfg.rms_norm_eps)
-        K.kv_norm_rope_insert(self.wkv(x), self.kv_norm.weight, cos, sin, cfg.rms_norm_eps, cache.window[self.layer],
+        K.kv_norm_rope_insert(kv, self.kv_norm.weight, cos, sin, cfg.rms_norm_eps, cache.window[self.layer],
                               fb.window_slots)
 
         comp_pool, selected = None, None
@@ -217,7 +219,7 @@ class SharedExpert(nn.Module):
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(K.swiglu(self.w1(x), self.w3(x), self.limit))
+        return self.w2(K.swiglu(*linear_pair(self.w1, self.w3, x), self.limit))
 
 
 def _expert_weights(module: nn.Module, name: str, E: int, out_f: int, in_f: int, fmt: str) -> None:
