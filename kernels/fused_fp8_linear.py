@@ -50,6 +50,25 @@ def _round_e4m3(v):
     return tl.where(v < 0, -r, r)
 
 
+# e4m3 -> bf16 with integer ops and one bf16x2 multiply per pair, no conversion-unit instructions
+# (the plain cast is e4m3 -> f16 -> bf16: 1.5 conversions per weight byte). prmt spreads two bytes
+# into the halves of a word with each byte's sign replicated above it; shifted by 4 and masked, a
+# half is sign << 15 | (exponent, mantissa) << 4: the e4m3 value times 2^-120 as a bf16 (subnormals
+# too: e4m3's land on bf16's); times 2^120 (0x7B80), exact. The -0.0 addend keeps -0.
+_E4M3_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 a, w, big, z;
+mov.b32 big, 0x7B807B80;
+mov.b32 z, 0x80008000;
+cvt.u32.u16 w, $1;
+prmt.b32 a, w, 0, 0x9180;
+shl.b32 a, a, 4;
+and.b32 a, a, 0x87F087F0;
+fma.rn.bf16x2 $0, a, big, z;
+}
+""")
+
+
 @triton.jit
 def _out_offsets(m, n, M, N, N1):
     """Where y[m, n] goes when y is two row-major outputs back to back: [M, N1], then [M, N - N1]
@@ -60,7 +79,7 @@ def _out_offsets(m, n, M, N, N1):
 @triton.jit(do_not_specialize=["M"])
 def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STRIDE, ROWS, K_SPLIT,
                     SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_F32: tl.constexpr):
+                    DOT_F32: tl.constexpr, W_CVT: tl.constexpr = "cast"):
     """acc[BLOCK_N, BLOCK_M] = W[n, k-range] @ x[m, g * K + k-range]^T, g = the group of rows n (ROWS
     weight rows per group: wo_a's 8 groups read their own slice of x; a plain linear is one group).
     Split-K: each split stores its float32 partial, and the last split of a tile to finish (a
@@ -75,16 +94,27 @@ def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    # the block scales one step ahead: loaded in the loop and used after its MMA, a scale load's L2
+    # latency sat between the MMA and the rescale of every step (SASS: LDG, HGMMA, wait, FFMA)
+    sw = tl.load(s_row + k_lo // 128, mask=nmask, other=0.0)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         kmask = k < k_hi
         w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         xt = tl.load(xg + m[None, :] * X_STRIDE + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
-        sw = tl.load(s_row + k0 // 128, mask=nmask, other=0.0)
+        sw_next = tl.load(s_row + tl.minimum(k0 + BLOCK_K, k_hi - 1) // 128, mask=nmask, other=0.0)  # last: unused
         if DOT_F32:  # float32 activations (and the interpreter): the dequantized tile, exact float32 products
             acc += tl.dot(w.to(tl.float32) * sw[:, None], xt.to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(w.to(xt.dtype), xt) * sw[:, None]
+            if W_CVT == "int":  # bf16 activations: integer ops (above), no conversion-unit instructions
+                wb = tl.inline_asm_elementwise(_E4M3_BF16_ASM, "=r,h", [w.to(tl.uint8, bitcast=True)],
+                                               dtype=tl.bfloat16, is_pure=True, pack=2)
+            elif W_CVT == "f32":  # e4m3 -> f16 -> f32 (FMA pipe) -> bf16 pack: no F2F.BF16.F16
+                wb = w.to(tl.float32).to(xt.dtype)
+            else:  # "cast": e4m3 -> f16 (F2FP) -> bf16 (F2F, one per byte)
+                wb = w.to(xt.dtype)
+            acc += tl.dot(wb, xt) * sw[:, None]
+        sw = sw_next
     out = _out_offsets(m[None, :], n[:, None], M, N, N1)
     omask = nmask[:, None] & mmask[None, :]
     if SPLITS > 1:
@@ -182,7 +212,8 @@ def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None):
     _dequant_kernel[grid](x2, weight, scale, y, ws, sem, M, N, N if n1 is None else n1, K, x2.stride(0), N // groups,
                           k_split, split,
                           BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                          DOT_F32=_INTERPRET or x2.dtype == torch.float32, **_launch_opts(cfg))
+                          DOT_F32=_INTERPRET or x2.dtype == torch.float32,
+                          W_CVT=cfg.get("W_CVT", quant_configs.W_CVT) if x2.dtype == torch.bfloat16 else "cast", **_launch_opts(cfg))
 
 
 def _mma(x2, weight, scale, y, cfg, n1: int | None = None):

@@ -10,15 +10,21 @@ tools/bench_quant.py sweeps candidates on the H200 and prints its winners in thi
   or 32 rows), so an expert's weights are read once or a few times per step; prefill: the measured
   tiles, 64 rows where an entry gives none.
 A config: variant, BLOCK_M, BLOCK_N, BLOCK_K (dequant), SPLIT_K (0: enough for ~2 waves of
-programs), GROUP_M (mma: programs sharing weight tiles run together), num_warps, num_stages.
+programs), GROUP_M (mma: programs sharing weight tiles run together), num_warps, num_stages,
+W_CVT (dequant, bf16 activations: how the e4m3 tile becomes bf16; "cast" e4m3 -> f16 -> bf16 costs
+1.5 conversion-unit instructions per weight byte in the SASS (F2FP + F2F.BF16.F16, the unit Hopper
+has least of), "f32" 1 (F2FP unpack + pack, the f16 -> f32 step on the FMA pipe), "int" none
+(PRMT / LOP3 / IMAD.SHL / HMUL2: kernels/fused_fp8_linear._E4M3_BF16_ASM); "int" is the default
+from that count, not yet timed: tools/bench_fused.py times the three).
 """
 
 from __future__ import annotations
 
 SMS = 132  # H200 multiprocessors; split-K sizing only (the interpreter ignores it)
 
+W_CVT = "int"
 _DECODE = {"variant": "dequant", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 0, "num_warps": 4,
-           "num_stages": 4}
+           "num_stages": 4, "W_CVT": W_CVT}
 _MID = {"variant": "mma", "BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
 _PREFILL = {"variant": "mma", "BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
 
@@ -27,7 +33,7 @@ _PREFILL = {"variant": "mma", "BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num
 # rows 1 / 32 / 150 / 2048 / 8192; each serves the rows up to the bound beside it (16 / 64 / 512 / 4096 / any).
 def _dq(bm: int, bn: int, st: int = 4, w: int = 4) -> dict:
     return {"variant": "dequant", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": 0, "num_warps": w,
-            "num_stages": st}
+            "num_stages": st, "W_CVT": W_CVT}
 
 
 def _mm(bm: int, bn: int, w: int = 4, st: int = 4) -> dict:
@@ -41,6 +47,10 @@ FP8_LINEAR: dict = {
     (32768, 1024): [(16, _mm(64, 128)), (64, _mm(64, 128)), (512, _mm(64, 128)), (4096, _mm(128, 128, 8, 3)),
                     (None, _mm(64, 128))],
     (4096, 8192): [(16, _dq(16, 128, st=3)), (64, _dq(32, 64)), (512, _mm(64, 64)), (4096, _mm(128, 128, 8, 3)),
+                   (None, _mm(128, 64))],
+    # stacked pairs (engine/stacked_linears.py), not measured: their parts' tiles. wq_a over wkv; the
+    # shared expert's w1 over w3 at tensor_parallel_size 1 (4096 x 4096) is the default entry.
+    (1536, 4096): [(16, _dq(16, 64)), (64, _dq(32, 32)), (512, _dq(64, 64)), (4096, _mm(128, 128, 8, 3)),
                    (None, _mm(128, 64))],
     (2048, 4096): [(16, _dq(16, 64)), (64, _dq(32, 128, w=8)), (512, _dq(64, 128, st=3)),
                    (4096, _mm(128, 128, 8, 3)), (None, _mm(64, 128))],

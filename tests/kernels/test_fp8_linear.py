@@ -156,3 +156,42 @@ def test_grouped_linear_variant_chosen_by_the_per_group_shape(monkeypatch):
     got = fp8_linear_fused(x, q, s, groups=groups).float()
     want = ref.grouped_linear(x, q, groups, s).float()
     assert ran == ["_mma"] * groups and (got - want).abs().max() <= 0.1 * want.abs().max()
+
+
+def test_integer_e4m3_to_bf16_recipe_equals_the_cast_for_every_code():
+    """The GPU's "int" weight conversion (PTX the interpreter cannot run): its constants read from the
+    asm and its instructions done here on the bits (prmt with sign replication, shift, mask, one
+    bf16 multiply by 2^120) give every e4m3 code's value in both lanes, -0 and subnormals included;
+    NaN (0x7f, 0xff) becomes 480, which a finite checkpoint never holds."""
+    import re
+    import struct
+
+    from kernels.fused_fp8_linear import _E4M3_BF16_ASM
+
+    asm = str(getattr(_E4M3_BF16_ASM, "value", _E4M3_BF16_ASM))
+    big = int(re.search(r"mov.b32 big, (0x[0-9A-Fa-f]+)", asm).group(1), 16)
+    sel = int(re.search(r"prmt.b32 a, w, 0, (0x[0-9A-Fa-f]+)", asm).group(1), 16)
+    shift = int(re.search(r"shl.b32 a, a, (\d+)", asm).group(1))
+    mask = int(re.search(r"and.b32 a, a, (0x[0-9A-Fa-f]+)", asm).group(1), 16)
+
+    def prmt(word, c):  # PTX prmt.b32 d, word, 0, c (default mode)
+        out = 0
+        for i in range(4):
+            nib = (c >> 4 * i) & 0xF
+            byte = (word >> 8 * (nib & 7)) & 0xFF if nib & 7 < 4 else 0
+            out |= (0xFF if byte & 0x80 else 0) << 8 * i if nib & 8 else byte << 8 * i
+        return out
+
+    def bf16(bits):
+        return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+
+    want = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().tolist()
+    for lo in range(256):
+        for hi in (lo, 255 - lo, 0x80, 0x01):
+            a = (prmt(lo | hi << 8, sel) << shift) & mask
+            for bits, code in ((a & 0xFFFF, lo), (a >> 16, hi)):
+                got = bf16(bits) * bf16(big & 0xFFFF)  # exact: a power of two times a short fraction
+                if code & 0x7F == 0x7F:
+                    assert got == (-480.0 if code & 0x80 else 480.0)
+                else:
+                    assert got == want[code] and str(got)[0] == str(want[code])[0], hex(code)  # sign of zero too
