@@ -9,7 +9,10 @@ Rows (V4-Flash decode shapes at the depth-43 benchmark's 16 experts, batch 1 / 3
   tiles of the previous decode kernel (an expert's weights read once per 16 of its rows), and
   MXFP4 through the integer bf16 decode ("MX": "bf16") vs the e4m3 placement (the default).
 - fp8 linear: the decode GEMV with its split-K reduced in the kernel (was a second reduce kernel),
-  V4-Flash's dense shapes vs floor; wo_a's 8 groups in one launch vs one call per group (the old path).
+  V4-Flash's dense shapes vs floor, with each e4m3 -> bf16 conversion (W_CVT: "cast" the old one,
+  "f32", "int" the default) where the shape's config is the dequant GEMV; wo_a's 8 groups in one
+  launch vs one call per group (the old path); the stacked pairs (engine/stacked_linears.py: wq_a
+  over wkv, the shared expert's w1 over w3) in one launch vs two.
 - mega-gate: the router in one launch (GEMM + sqrt-softplus + bias + top-k + renormalise) vs the
   reference (cuBLAS GEMM + torch ops; the depth profile's previous path was cuBLAS split-K GEMM +
   its reduce + one router kernel, ~8 us per layer at batch 1); a hash layer (tid2eid) as well.
@@ -95,6 +98,21 @@ def check(device) -> list[str]:
             err = _rel_err(got, want)
             if not err <= 2e-2:
                 failures.append(f"mega-mHC T{T} D{D} {name}: relative error {err:.3g} > 2e-2")
+    for T in (1, 32, 150):  # each weight conversion, and a stacked pair's two outputs from one launch
+        q, s = _fp8_weight(640, 512, device, seed=T)
+        x = torch.randn(T, 512, device=device).to(torch.bfloat16)
+        want = ref.linear(x, q, s)
+        for cvt in W_CVTS:
+            for split in (None, 384):
+                cfg = {**_DEQUANT_CHECK, "W_CVT": cvt}
+                try:
+                    got = fp8_linear_fused(x, q, s, config=cfg, split_n=split)
+                    err = _rel_err(torch.cat(got, -1) if split else got, want)
+                except Exception as e:  # named, and the rest runs
+                    failures.append(f"fp8 linear {cvt} T{T} split {split}: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                if not err <= 2e-2:
+                    failures.append(f"fp8 linear {cvt} T{T} split {split}: relative error {err:.3g} > 2e-2")
     for T, G, R, K in ((1, 8, 256, 512), (150, 3, 128, 640)):  # wo_a in one launch, split-K reduced in the kernel
         q, s = _fp8_weight(G * R, K, device, seed=T)
         x = torch.randn(T, G, K, device=device).to(torch.bfloat16)
@@ -163,6 +181,10 @@ def bench_moe(device, fmt: str) -> list[dict]:
     return out
 
 
+W_CVTS = ("cast", "f32", "int")  # kernels/quant_configs.py: e4m3 -> bf16 in the dequant GEMV
+_DEQUANT_CHECK = {"variant": "dequant", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 0, "num_warps": 4,
+                  "num_stages": 3}
+STACKED = {"wq_a+wkv": (1024, 512, 4096), "shared w1+w3": (2048, 2048, 4096)}  # N1, N2, K
 FP8_SHAPES = {"wq_a": (1024, 4096), "wkv": (512, 4096), "wo_b": (4096, 8192), "shared_w1": (2048, 4096),
               "shared_w2": (4096, 2048)}
 WO_A = (8, 1024, 4096)  # groups, rows per group, K per group
@@ -172,15 +194,36 @@ def bench_fp8(device) -> list[dict]:
     from kernels.fused_fp8_linear import fp8_linear_fused
     from tools.bench_quant import ROTATE_BYTES, _fp8_weight, linear_floor
 
+    from kernels import quant_configs
+
+    def rotated(n, k):  # copies enough that one timed graph walks past the L2
+        q, s = _fp8_weight(n, k, device)
+        return [(q, s)] + [(q.clone(), s.clone()) for _ in range(max(0, min(63, int(ROTATE_BYTES) // (n * k))))]
+
     out = []
     for T in ROWS:
         for name, (n, k) in FP8_SHAPES.items():
-            q, s = _fp8_weight(n, k, device)
+            ws = rotated(n, k)
             x = torch.randn(T, k, device=device).to(torch.bfloat16)
-            ws = [(q, s)] + [(q.clone(), s.clone()) for _ in range(max(0, min(63, int(ROTATE_BYTES) // (n * k))))]
-            t, err = _timed([lambda wq=wq, sc=sc: fp8_linear_fused(x, wq, sc) for wq, sc in ws])
-            out.append(_row("fp8 linear", f"{name} {n}x{k}", T, "one launch (split-K in kernel)", t,
-                            linear_floor(T, n, k, "mma")["floor_s"], error=err))
+            cfg = quant_configs.fp8_linear_config(T, n, k)
+            floor = linear_floor(T, n, k, "mma")["floor_s"]
+            base = None
+            for cvt in W_CVTS if cfg["variant"] == "dequant" else (None,):
+                c = {**cfg, "W_CVT": cvt} if cvt else cfg
+                t, err = _timed([lambda wq=wq, sc=sc, c=c: fp8_linear_fused(x, wq, sc, config=c) for wq, sc in ws])
+                label = f"{cfg['variant']} m{cfg['BLOCK_M']} n{cfg['BLOCK_N']}" + (f" W_CVT {cvt}" if cvt else "")
+                out.append(_row("fp8 linear", f"{name} {n}x{k}", T, label + (" (old)" if cvt == "cast" else ""), t,
+                                floor, base, err))
+                base = base or t
+        for name, (n1, n2, k) in STACKED.items():
+            ws = rotated(n1 + n2, k)
+            x = torch.randn(T, k, device=device).to(torch.bfloat16)
+            floor = linear_floor(T, n1 + n2, k, "mma")["floor_s"]
+            two, err_two = _timed([lambda wq=wq, sc=sc: (fp8_linear_fused(x, wq[:n1], sc[:n1 // 128]),
+                                                         fp8_linear_fused(x, wq[n1:], sc[n1 // 128:])) for wq, sc in ws])
+            one, err = _timed([lambda wq=wq, sc=sc: fp8_linear_fused(x, wq, sc, split_n=n1) for wq, sc in ws])
+            out.append(_row("fp8 linear", f"{name} {n1 + n2}x{k}", T, "two launches (old)", two, floor, error=err_two))
+            out.append(_row("fp8 linear", f"{name} {n1 + n2}x{k}", T, "stacked, one launch", one, floor, two, err))
         G, R, K = WO_A
         q, s = _fp8_weight(G * R, K, device)
         x = torch.randn(T, G, K, device=device).to(torch.bfloat16)
