@@ -22,7 +22,10 @@ Per engine `num_speculative_tokens` = k; a request speculates unless its paramet
 plain sampler at every token (penalties, logit bias, bad words, allowed ids, structured outputs,
 logprobs, a seed, or min_tokens not yet reached): those take k = 0 and keep their exact
 per-token semantics. A step with no speculating sequence takes the ordinary path (CUDA graphs,
-async scheduling). Speculative steps run eagerly and synchronously (no verify CUDA graph yet).
+async scheduling). A speculative step in which every sequence decodes replays a verify graph per
+batch bucket (engine/verify_graphs.py) when decode graphs are captured; others (prefill chunks in
+the batch) run the verify forward eagerly. Either way the step reads back before the next one is
+scheduled, and the MTP's catch-up and drafts run eagerly (step_paths counts the verify paths).
 """
 
 from __future__ import annotations
@@ -37,12 +40,22 @@ from engine.prompt_logprobs import prompt_logprob_rows
 from engine.rejection_sampler import greedy_accept, rejection_sample
 from engine.sampler import sampling_probs
 from engine.sequence import Sequence, Status
+from engine.verify_graphs import VerifySteps
 
 
 def speculates(seq: Sequence) -> bool:
     """Parameters rejection sampling reproduces exactly (the target's distribution per token)."""
     p = seq.sampling
     return not p.processes_logits and p.logprobs is None and p.seed is None
+
+
+def verify_steps(engine, k: int) -> VerifySteps | None:
+    """Verify graphs for the batch buckets the decode graphs have (those that fit the token budget),
+    captured when the runner captured decode graphs; else None (verify steps run eagerly)."""
+    if not engine.runner.graphs:
+        return None
+    buckets = [b for b in engine.runner.graphs if b * (k + 1) <= engine.args.max_num_batched_tokens]
+    return VerifySteps(engine.model, engine.cache, engine.max_model_len, k, buckets, torch.cuda.graph_pool_handle())
 
 
 class SpecDecoder:
@@ -59,6 +72,10 @@ class SpecDecoder:
         self.mtp = MTP.from_model(engine.model)
         self.mtp_cache = self.mtp.make_cache(engine.cache)
         self.forced_drafts: dict[str, list[int]] | None = None  # benchmarks: see force_drafts
+        # verify steps in which every sequence decodes replay a graph per batch bucket
+        self.verify_steps = verify_steps(engine, self.k)
+        self.use_graphs = True  # benchmarks switch it off to time the eager verify on the same engine
+        self.step_paths = {"verify_graph": 0, "verify_eager": 0}
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -90,18 +107,26 @@ class SpecDecoder:
         if not scheduled:
             return outputs
         batch = self._attach_drafts(scheduled)
-        fb = eng.runner.build_batch(batch)
-        verifying = [s for s, _ in batch if s.spec_token_ids]
-        snapshot = None
-        if verifying:
-            fb.closed_blocks = {}
-            snapshot = self._snapshot([s.blocks.state_slot for s in verifying])
-        hidden = eng.model.hidden_states(fb, eng.cache)
-        logits = eng.model.compute_logits(hidden[fb.logits_rows])
-        prompt_rows = prompt_logprob_rows(batch, eng.device)  # prompt_logprobs of this step's prefill rows
-        if prompt_rows is not None:
-            prompt_rows.hidden = hidden[prompt_rows.rows]
-            eng._score_prompts(prompt_rows)
+        verifying = any(s.spec_token_ids for s, _ in batch)
+        if self.verify_steps is not None and self.use_graphs and self.verify_steps.fits(batch):
+            self.step_paths["verify_graph"] += 1  # every sequence decodes: the bucket's padded batch
+            out = self.verify_steps.run(batch)
+            logits, hidden, closed, snapshot = out.logits, out.hidden, out.closed_blocks, out.snapshot
+            blocks = out.blocks
+        else:
+            self.step_paths["verify_eager"] += 1
+            fb = eng.runner.build_batch(batch)
+            snapshot = closed = None
+            if verifying:
+                closed = fb.closed_blocks = {}
+                snapshot = self._snapshot([s.blocks.state_slot for s, _ in batch])
+            hidden = eng.model.hidden_states(fb, eng.cache)
+            logits = eng.model.compute_logits(hidden[fb.logits_rows])
+            prompt_rows = prompt_logprob_rows(batch, eng.device)  # prompt_logprobs of this step's prefill rows
+            if prompt_rows is not None:
+                prompt_rows.hidden = hidden[prompt_rows.rows]
+                eng._score_prompts(prompt_rows)
+            blocks = None
 
         # logits rows: per sequence in batch order, from its last known token on
         plain, plain_rows, verify, verify_rows, row = [], [], [], [], 0
@@ -115,12 +140,15 @@ class SpecDecoder:
         plain, samples = eng._draw(plain, logits[plain_rows]) if plain else ([], [])
         emitted = self._verify(verify, verify_rows, logits) if verify else {}
         if verifying:
-            self._rollback(fb, batch, emitted, snapshot)
+            if blocks is None:  # the eager plan's closed blocks, read back after _verify's sync
+                blocks = {m: (plan.blk_seq.tolist(), plan.blk_entry.tolist()) for (kind, m), plan in fb.plans.items()
+                          if kind == "compress" and plan.num_blocks}
+            self._rollback(batch, emitted, blocks, closed, snapshot)
 
         # the MTP follows every speculating sequence over this step's accepted positions
         nxt = {id(s): [smp.token_id] for s, smp in zip(plain, samples) if smp.error is None}
         nxt.update({sid: [t for t, _ in toks] for sid, toks in emitted.items()})
-        self._propose(batch, fb, hidden, nxt)
+        self._propose(batch, hidden, nxt)
 
         eng.scheduler.advance([(s, len(emitted[id(s)]) if id(s) in emitted else n)
                                for s, n in batch if s.status == Status.RUNNING])
@@ -198,48 +226,48 @@ class SpecDecoder:
         return [st for st in c.comp_state + c.index_state if st is not None]
 
     def _snapshot(self, slots: list[int]) -> dict:
-        """CSA overlap state of the verifying sequences before the step (what a reopened block needs)."""
+        """CSA overlap state of the batch's slots before the step (what a reopened block needs), at
+        each sequence's batch index."""
         idx = torch.tensor(slots, device=self.engine.device)
         return {id(st): (st.prev_kv[idx].clone(), st.prev_gate[idx].clone(), st.has_prev[idx].clone())
-                for st in self._states() if st.prev_kv is not None} | {"slots": slots}
+                for st in self._states() if st.prev_kv is not None}
 
-    def _rollback(self, fb: ForwardBatch, batch, emitted: dict, snapshot: dict) -> None:
+    def _rollback(self, batch, emitted: dict, blocks: dict, closed: dict, snapshot: dict) -> None:
         """Reopen every compressor block that a rejected position closed: its rows (the gathered
         block, rows at accepted positions exact, the others rewritten when they run again) go back
         to the open-block state, and the overlap state is the one from before the step. k + 1 <=
-        ratio, so a verify closes at most one block per sequence and compressor."""
+        ratio, so a verify closes at most one block per sequence and compressor. blocks: ratio ->
+        (batch index, entry) of each closed block in plan order; closed: id(state) -> those blocks'
+        (kv, gate) rows; snapshot: id(state) -> the overlap state by batch index."""
         dev = self.engine.device
-        ends = {}  # batch index -> (first rejected position, snapshot index)
+        ends = {}  # batch index -> first rejected position
         for b, (seq, _) in enumerate(batch):
             toks = emitted.get(id(seq))
             if toks is not None and len(toks) < len(seq.spec_token_ids) + 1:
-                ends[b] = (seq.num_computed_tokens + len(toks), snapshot["slots"].index(seq.blocks.state_slot))
+                ends[b] = seq.num_computed_tokens + len(toks)
         if not ends:
             return
-        fixes = {}  # ratio -> (closed block index, state slot, snapshot index) lists
-        for (kind, m), plan in fb.plans.items():
-            if kind != "compress" or not plan.num_blocks:
-                continue
-            blk_seq, blk_entry = plan.blk_seq.tolist(), plan.blk_entry.tolist()
-            f = [(j, fb.state_slots[s], ends[s][1]) for j, (s, e) in enumerate(zip(blk_seq, blk_entry))
-                 if s in ends and (e + 1) * m > ends[s][0]]
+        fixes = {}  # ratio -> (closed block index, state slot, batch index) tensors
+        for m, (blk_seq, blk_entry) in blocks.items():
+            f = [(j, batch[s][0].blocks.state_slot, s) for j, (s, e) in enumerate(zip(blk_seq, blk_entry))
+                 if s in ends and (e + 1) * m > ends[s]]
             if f:
                 fixes[m] = [torch.tensor(x, device=dev) for x in zip(*f)]
         for st in self._states():
             m = st.pend_kv.shape[1]
-            if m not in fixes or id(st) not in fb.closed_blocks:
+            if m not in fixes or id(st) not in closed:
                 continue
-            blk, slot, snap = fixes[m]
-            kv, gate = fb.closed_blocks[id(st)]
+            blk, slot, b = fixes[m]
+            kv, gate = closed[id(st)]
             st.pend_kv[slot] = kv[blk].to(st.pend_kv.dtype)
             st.pend_gate[slot] = gate[blk].to(st.pend_gate.dtype)
             if st.prev_kv is not None:
                 prev_kv, prev_gate, has_prev = snapshot[id(st)]
-                st.prev_kv[slot], st.prev_gate[slot], st.has_prev[slot] = prev_kv[snap], prev_gate[snap], has_prev[snap]
+                st.prev_kv[slot], st.prev_gate[slot], st.has_prev[slot] = prev_kv[b], prev_gate[b], has_prev[b]
 
     # --- drafting -----------------------------------------------------------------------------
 
-    def _propose(self, batch, fb: ForwardBatch, hidden: torch.Tensor, nxt: dict[int, list[int]]) -> None:
+    def _propose(self, batch, hidden: torch.Tensor, nxt: dict[int, list[int]]) -> None:
         """MTP over each speculating sequence's accepted rows of this step (inputs: the main model's
         streams at i and the token at i + 1), then k - 1 chained single-token MTP steps: drafts."""
         eng = self.engine
