@@ -3,14 +3,15 @@
 One engine (speculative_config k = 3, CUDA graphs for its plain steps) on a random checkpoint:
 
 1. micro: at batch B, with B requests prefilled (input_len tokens), CUDA-synchronised medians of
-   the plain decode step (graph replay), the verify forward of k + 1 tokens per sequence (eager),
-   the MTP over k + 1 rows (its catch-up) and one chained draft step (one row per sequence);
+   the plain decode step (graph replay), the verify forward of k + 1 tokens per sequence (its
+   CUDA graph, engine/verify_graphs.py, and eager), the MTP over k + 1 rows (its catch-up) and
+   one chained draft step (one row per sequence);
 2. model: from those, the speed-up at a per-token acceptance rate a:
    E[tokens per step] = (1 - a^(k+1)) / (1 - a), cost = verify + catch-up + (k - 1) drafts,
-   speed-up = E[tokens] x plain / cost;
-3. end to end, decode tokens/s (after the prefills) at the two ends random weights allow: drafts
-   forced to agree (replayed from a plain run of the same prompts: acceptance ~1) and the random
-   MTP's own drafts (acceptance ~0: the pure overhead), against plain decoding.
+   speed-up = E[tokens] x plain / cost (JSON: with the graphed and with the eager verify);
+3. end to end, decode tokens/s (after the prefills) at the two ends random weights allow: the
+   random MTP's own drafts (acceptance ~0: the pure overhead) and drafts forced to agree (the
+   outputs of that speculative run replayed as drafts: acceptance ~1), against plain decoding.
 
 Prints tables, writes JSON (--json). Needs CUDA for meaningful numbers (runs on CPU for a smoke test).
 """
@@ -28,6 +29,7 @@ import torch
 from engine.llm import LLM
 from engine.random_checkpoint import PRESETS, QUANTS
 from engine.request import GenerationRequest, SamplingParams
+from engine.verify_graphs import VerifySteps
 from tools.bench_engine import random_prompts, resolve_model
 
 ALPHAS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0)
@@ -82,7 +84,13 @@ def micro(eng, spec, batch: int, input_len: int, reps: int) -> dict:
             fb = runner.build_batch(batch_k)
             return model.compute_logits(model.hidden_states(fb, cache)[fb.logits_rows])
 
-        row[f"verify_k{k}_ms"] = _median_ms(verify, reps)
+        row[f"verify_k{k}_eager_ms"] = _median_ms(verify, reps)
+        # the verify graph of this batch bucket: the engine's own for its k, one captured here for the others
+        own = spec.verify_steps is not None and k == spec.k and batch in spec.verify_steps.static
+        vs = spec.verify_steps if own else VerifySteps(
+            model, cache, eng.max_model_len, k, [batch], torch.cuda.graph_pool_handle() if eng.runner.graphs else None)
+        row[f"verify_k{k}_ms"] = _median_ms(lambda: vs.run(batch_k), reps)
+        del vs
         hc = torch.zeros(batch * (k + 1), model.cfg.hc_mult, model.cfg.hidden_size, dtype=model.embed.weight.dtype,
                          device=eng.device)
         items = [(s, s.num_computed_tokens, [s.last_token_id] * (k + 1)) for s in seqs]
@@ -101,10 +109,11 @@ def micro(eng, spec, batch: int, input_len: int, reps: int) -> dict:
     return row
 
 
-def model_speedup(row: dict) -> dict:
+def model_speedup(row: dict, verify: str = "verify_k{k}_ms") -> dict:
+    """Speed-up over plain decoding by acceptance rate, with the verify time `verify` (graphed or eager)."""
     out = {}
     for k in (1, 2, 3):
-        cost = row[f"verify_k{k}_ms"] + row[f"mtp_rows{k + 1}_ms"] + (k - 1) * row["draft_ms"]
+        cost = row[verify.format(k=k)] + row[f"mtp_rows{k + 1}_ms"] + (k - 1) * row["draft_ms"]
         for a in ALPHAS:
             tokens = k + 1 if a == 1 else (1 - a ** (k + 1)) / (1 - a)
             out[f"k{k}_a{a:g}"] = tokens * row["plain_ms"] / cost
@@ -113,12 +122,15 @@ def model_speedup(row: dict) -> dict:
 
 def end_to_end(eng, spec, batch: int, input_len: int, output_len: int) -> dict:
     """Decode tokens/s after the prefills: plain, speculative with the MTP's drafts, and with
-    drafts forced to the plain run's tokens."""
+    drafts forced to the MTP run's outputs. The forced run replays what the speculative path
+    itself produced (its verify forwards, in the same batch shapes), not the plain run's tokens:
+    plain decode steps take other kernel paths (decode graphs, one row per sequence), and on
+    random weights argmax near-ties would flip and part the replay from its source."""
     res, outputs = {"batch": batch}, {}
     for mode in ("plain", "mtp", "forced"):
         eng.spec = None if mode == "plain" else spec
-        spec.force_drafts(outputs if mode == "forced" else None)
-        before = dict(spec.counters)
+        spec.force_drafts(outputs["mtp"] if mode == "forced" else None)
+        before, paths = dict(spec.counters), dict(spec.step_paths)
         ids = _prefill(eng, batch, input_len, output_len, f"e2e-{batch}", seed=1000 + batch)
         seqs = {r: eng.requests[r].seq for r in ids}
         done = {r: len(s.output_token_ids) for r, s in seqs.items()}
@@ -130,13 +142,14 @@ def end_to_end(eng, spec, batch: int, input_len: int, output_len: int) -> dict:
         dt = time.perf_counter() - t
         tokens = sum(len(s.output_token_ids) - done[r] for r, s in seqs.items())
         res[f"{mode}_tok_s"] = tokens / dt
-        if mode == "plain":
-            outputs = {r: list(s.output_token_ids) for r, s in seqs.items()}
-        else:
+        outputs[mode] = {r: list(s.output_token_ids) for r, s in seqs.items()}
+        if mode != "plain":
             drafted = spec.counters["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
             acc = spec.counters["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
             res[f"{mode}_acceptance"] = acc / drafted if drafted else 0.0
-            res[f"{mode}_same_tokens"] = sum(list(s.output_token_ids) == outputs[r] for r, s in seqs.items())
+            res[f"{mode}_same_as_plain"] = sum(outputs[mode][r] == outputs["plain"][r] for r in ids)
+            res[f"{mode}_step_paths"] = {k: v - paths[k] for k, v in spec.step_paths.items()}
+    res["forced_same_as_mtp"] = sum(outputs["forced"][r] == outputs["mtp"][r] for r in outputs["mtp"])
     spec.force_drafts(None)
     eng.spec = spec
     res["forced_speedup"] = res["forced_tok_s"] / res["plain_tok_s"]
@@ -165,34 +178,47 @@ def main() -> None:
     eng = LLM(model, **engine_args).engine
     print(f"engine up in {time.perf_counter() - t:.0f} s (graphs: {sorted(eng.runner.graphs)})", flush=True)
     spec = eng.spec
+    print(f"verify graphs: {sorted(spec.verify_steps.static) if spec.verify_steps else 'none (eager)'}", flush=True)
     rows, e2e = [], []
-    print(f"{'batch':>5} {'plain':>7} {'verify k=1':>10} {'k=2':>7} {'k=3':>7} {'mtp 2':>7} {'mtp 3':>7} {'mtp 4':>7} "
-          f"{'draft':>7}   (ms)")
+
+    def dump():  # after every row: a run cut short by its timeout keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": model, "engine_args": engine_args, "input_len": args.input_len,
+                           "output_len": args.output_len, "verify_graphs": sorted(spec.verify_steps.static)
+                           if spec.verify_steps else [], "micro": rows, "end_to_end": e2e}, f, indent=2)
+
+    print("step times (ms): plain decode (graph); verify of k+1 tokens per sequence, graph / eager; the MTP over "
+          "k+1 rows; one chained draft step")
+    print(f"{'batch':>5} {'plain':>7} {'verify k=1':>13} {'k=2':>13} {'k=3':>13} {'mtp 2':>6} {'mtp 3':>6} "
+          f"{'mtp 4':>6} {'draft':>6}")
     for b in args.batches:
         r = micro(eng, spec, b, args.input_len, args.reps)
         r["speedup"] = model_speedup(r)
+        r["speedup_eager"] = model_speedup(r, "verify_k{k}_eager_ms")
         rows.append(r)
-        print(f"{b:>5} {r['plain_ms']:>7.2f} {r['verify_k1_ms']:>10.2f} {r['verify_k2_ms']:>7.2f} "
-              f"{r['verify_k3_ms']:>7.2f} {r['mtp_rows2_ms']:>7.2f} {r['mtp_rows3_ms']:>7.2f} {r['mtp_rows4_ms']:>7.2f} "
-              f"{r['draft_ms']:>7.2f}", flush=True)
-    print("\nmodelled speed-up over plain decoding, by per-token acceptance rate a")
+        ver = " ".join(f"{r[f'verify_k{k}_ms']:>6.2f}/{r[f'verify_k{k}_eager_ms']:<6.1f}" for k in (1, 2, 3))
+        print(f"{b:>5} {r['plain_ms']:>7.2f} {ver} {r['mtp_rows2_ms']:>6.2f} {r['mtp_rows3_ms']:>6.2f} "
+              f"{r['mtp_rows4_ms']:>6.2f} {r['draft_ms']:>6.2f}", flush=True)
+        dump()
+    print("\nmodelled speed-up over plain decoding (graphed verify), by per-token acceptance rate a")
     print(f"{'batch':>5} {'k':>2} " + " ".join(f"{'a=' + format(a, 'g'):>6}" for a in ALPHAS))
     for r in rows:
         for k in (1, 2, 3):
             print(f"{r['batch']:>5} {k:>2} " + " ".join(f"{r['speedup'][f'k{k}_a{a:g}']:>6.2f}" for a in ALPHAS))
-    print("\nend to end, k=3, decode tok/s after the prefills")
-    print(f"{'batch':>5} {'plain':>8} {'forced':>8} {'acc':>5} {'same':>5} {'mtp':>8} {'acc':>5} "
-          f"{'speed-up':>8} {'overhead':>8}")
+    print("\nend to end, k=3, decode tok/s after the prefills; forced = drafts replayed from the mtp run's outputs;"
+          "\nacc = acceptance, =plain = greedy streams equal to plain decoding's, graph = verify steps replayed as graphs")
+    print(f"{'batch':>5} {'plain':>8} {'mtp':>8} {'acc':>5} {'=plain':>6} {'forced':>8} {'acc':>5} {'=mtp':>5} "
+          f"{'graph':>9} {'speed-up':>8} {'overhead':>8}")
     for b in args.batches:
         r = end_to_end(eng, spec, b, args.input_len, args.output_len)
         e2e.append(r)
-        print(f"{b:>5} {r['plain_tok_s']:>8.1f} {r['forced_tok_s']:>8.1f} {r['forced_acceptance']:>5.2f} "
-              f"{r['forced_same_tokens']:>5} {r['mtp_tok_s']:>8.1f} {r['mtp_acceptance']:>5.2f} "
-              f"{r['forced_speedup']:>8.2f} {100 * r['mtp_overhead']:>7.1f}%", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": model, "engine_args": engine_args, "input_len": args.input_len,
-                       "output_len": args.output_len, "micro": rows, "end_to_end": e2e}, f, indent=2)
+        p = r["forced_step_paths"]
+        print(f"{b:>5} {r['plain_tok_s']:>8.1f} {r['mtp_tok_s']:>8.1f} {r['mtp_acceptance']:>5.2f} "
+              f"{r['mtp_same_as_plain']:>6} {r['forced_tok_s']:>8.1f} {r['forced_acceptance']:>5.2f} "
+              f"{r['forced_same_as_mtp']:>5} {p['verify_graph']:>4}/{sum(p.values()):<4} {r['forced_speedup']:>8.2f} "
+              f"{100 * r['mtp_overhead']:>7.1f}%", flush=True)
+        dump()
 
 
 if __name__ == "__main__":

@@ -79,8 +79,9 @@ largest)  # the largest V4-Flash-shaped model one H200 holds as shipped (43 laye
   timeout 240 /tmp/tvenv/bin/python -m loadtest.sweep --serve --model $M --engine-args "$LA" --driver threads --protocol grpc \
     --concurrency 1,32 --input-len 512 --output-len 64 --duration 15 --stop-timeout 20 --out "$OUT" --label largest-triton 2>&1 \
     | tee "$OUT/largest_sweep.log" | grep -E "c=|rror|weights" | tail -5 ;;
-spec)  # issue 21: MTP speculative decoding at V4-Flash depth (FP8 + MXFP4): draft / verify step times at batch 1, 8, 32,
-  # the modelled speed-up by acceptance rate, end to end with drafts forced to agree and with the random MTP (~0 accepted)
+spec)  # issue 21: MTP speculative decoding at V4-Flash depth (FP8 + MXFP4): plain, draft and verify (graph and eager) step
+  # times at batch 1, 8, 32, the modelled speed-up by acceptance rate, end to end with the random MTP (~0 accepted) and with
+  # drafts forced to agree (that run's outputs replayed); about 4 minutes with the checkpoint write
   timeout 270 python3 -m tools.bench_spec --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batches 1,8,32 \
     --input-len 512 --output-len 48 \
     --engine-args '{"max_model_len":4096,"block_size":128,"gpu_memory_utilization":0.9,"cudagraph_mode":"FULL_DECODE_ONLY"}' \
