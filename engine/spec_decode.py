@@ -52,7 +52,7 @@ def speculates(seq: Sequence) -> bool:
 def verify_steps(engine, k: int) -> VerifySteps | None:
     """Verify graphs for the batch buckets the decode graphs have (those that fit the token budget),
     captured when the runner captured decode graphs; else None (verify steps run eagerly)."""
-    if not engine.runner.graphs:
+    if engine.device.type != "cuda" or not any(g[0] is not None for g in engine.runner.graphs.values()):
         return None
     buckets = [b for b in engine.runner.graphs if b * (k + 1) <= engine.args.max_num_batched_tokens]
     return VerifySteps(engine.model, engine.cache, engine.max_model_len, k, buckets, torch.cuda.graph_pool_handle())
