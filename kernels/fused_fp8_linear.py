@@ -1,12 +1,15 @@
 """Block-scaled FP8 linear y = x @ dequant(W)^T, W e4m3 [N, K] with float32 128x128 block scales.
 
-Two variants (same result up to the activation rounding of the second):
+Three variants (same result up to the activation rounding of the last):
 - "dequant" (decode): a weight GEMV. Each program streams a [BLOCK_N, BLOCK_K] weight tile per
-  step (row-major, so coalesced 16-byte loads), converts it to bf16 in registers and multiplies
-  it as the MMA's left operand against x^T (swap-AB: the few rows are the MMA's narrow side).
+  step (row-major, so coalesced 16-byte loads), converts it to bf16 in registers (W_CVT:
+  kernels/quant_configs.py) and multiplies it as the MMA's left operand against x^T (swap-AB:
+  the few rows are the MMA's narrow side).
   The 128x128 block scale is one value per weight row per step (BLOCK_K divides 128), applied
   to the partial product. Split-K (fp32 partials, then one reduce) gives narrow weights enough
   programs that every SM streams bytes.
+- "gemv" (one or a few rows): the same on the CUDA cores, one activation row per program, no
+  MMA and no shared memory (the weight read once per row: L2 serves the repeats of a few rows).
 - "mma" (prefill): activations quantized once per 1x128 block by a small kernel (scale: the power
   of two >= absmax / 448, DeepSeek's ue8m0 act_quant), then the FP8 tensor cores multiply 128-wide
   K blocks, each rescaled by its activation and weight scales (DeepSeek's fp8_gemm scheme; with
@@ -115,12 +118,17 @@ def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_
                 wb = w.to(xt.dtype)
             acc += tl.dot(wb, xt) * sw[:, None]
         sw = sw_next
-    out = _out_offsets(m[None, :], n[:, None], M, N, N1)
-    omask = nmask[:, None] & mmask[None, :]
+    _split_k_store(acc, y_ptr, ws_ptr, sem_ptr + pid_m * tl.num_programs(0) + pid_n, pid_k,
+                   _out_offsets(m[None, :], n[:, None], M, N, N1), nmask[:, None] & mmask[None, :], M, N, SPLITS)
+
+
+@triton.jit
+def _split_k_store(acc, y_ptr, ws_ptr, tile, pid_k, out, omask, M, N, SPLITS: tl.constexpr):
+    """Write this split's float32 partial `acc` of y's entries `out`; the last split of the tile to
+    finish (its counter `tile`, reset by it for the next call) adds the others' and writes y."""
     if SPLITS > 1:
         tl.store(ws_ptr + pid_k * M * N + out, acc, mask=omask)
         tl.debug_barrier()  # every thread's partial is stored before the counter's release
-        tile = sem_ptr + pid_m * tl.num_programs(0) + pid_n
         if tl.atomic_add(tile, 1, sem="acq_rel") == SPLITS - 1:  # the last split of this tile adds them up
             tl.atomic_xchg(tile, 0)  # zero again for the next call (CUDA graphs replay it as is)
             for s in tl.static_range(SPLITS):  # the others' partials, from L2 (volatile: never a stale L1 line)
@@ -129,6 +137,38 @@ def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_
             tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=omask)
     else:
         tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STRIDE, ROWS, K_SPLIT,
+                 SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[m, n-tile] for one activation row m per program, on the CUDA cores: no MMA and no shared
+    memory, the weight in 16-byte loads straight to registers ([BLOCK_N, BLOCK_K / 128, 128]: the
+    last axis one scale block), e4m3 -> float32 (F2FP unpack + HADD2.F32), one FMA per weight byte,
+    each scale block's sum rescaled once. Groups and split-K as _dequant_kernel."""
+    pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    G: tl.constexpr = BLOCK_K // 128
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    j = tl.arange(0, G)
+    i = tl.arange(0, 128)
+    xg = x_ptr + m * X_STRIDE + (pid_n * BLOCK_N // ROWS) * K  # BLOCK_N divides ROWS: one group per tile
+    s_row = s_ptr + (n // 128) * tl.cdiv(K, 128)
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + j[:, None] * 128 + i[None, :]  # [G, 128]
+        kmask = k < k_hi
+        w = tl.load(w_ptr + n[:, None, None] * K + k[None, :, :], mask=nmask[:, None, None] & kmask[None, :, :],
+                    other=0.0)
+        # x in the weight tile's layout (each thread its own entries, from L1): no shared-memory broadcast
+        xk = tl.load(xg + k[None, :, :] + 0 * n[:, None, None], mask=kmask[None, :, :], other=0.0).to(tl.float32)
+        sw = tl.load(s_row[:, None] + k0 // 128 + j[None, :], mask=nmask[:, None] & (k0 + j * 128 < k_hi)[None, :],
+                     other=0.0)
+        acc += tl.sum(tl.sum(w.to(tl.float32) * xk, axis=2) * sw, axis=1)
+    _split_k_store(acc, y_ptr, ws_ptr, sem_ptr + m * tl.num_programs(0) + pid_n, pid_k,
+                   _out_offsets(m, n, M, N, N1), nmask, M, N, SPLITS)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -187,33 +227,41 @@ def _mma_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, y_ptr, M, N, N1, K, BLOCK_M: tl.con
 
 
 def _split_k(cfg: dict, m: int, n: int, k: int) -> int:
-    """Split-K so the grid is about two waves: a narrow weight at one row has a few dozen N tiles."""
+    """Split-K so the grid is about WAVES waves (2: a narrow weight at one row has a few dozen N
+    tiles), each split at least MIN_STEPS K steps long (4; the gemv: 1, its bytes in flight come
+    from many small programs per multiprocessor, 40 registers each)."""
     kblocks = triton.cdiv(k, cfg["BLOCK_K"])
     if cfg.get("SPLIT_K"):
         return max(1, min(cfg["SPLIT_K"], kblocks))
     tiles = triton.cdiv(n, cfg["BLOCK_N"]) * triton.cdiv(m, cfg["BLOCK_M"])
-    return max(1, min(triton.cdiv(2 * quant_configs.SMS, tiles), kblocks // 4))
+    return max(1, min(triton.cdiv(cfg.get("WAVES", 2) * quant_configs.SMS, tiles), kblocks // cfg.get("MIN_STEPS", 4)))
 
 
 def _launch_opts(cfg: dict) -> dict:
     return {} if _INTERPRET else {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
 
 
-def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None):
-    """x2 [M, groups * K] (row stride x2.stride(0)), weight [N, K] in `groups` blocks of N / groups rows."""
+def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None, gemv: bool = False):
+    """x2 [M, groups * K] (row stride x2.stride(0)), weight [N, K] in `groups` blocks of N / groups rows;
+    the MMA GEMV (_dequant_kernel) or, gemv, the CUDA-core one (_gemv_kernel, one row per program)."""
     M = x2.shape[0]
     N, K = weight.shape
+    if gemv:
+        cfg = {**cfg, "BLOCK_M": 1, "WAVES": cfg.get("WAVES", 8), "MIN_STEPS": cfg.get("MIN_STEPS", 1)}
     split = _split_k(cfg, M, N, K)
     k_split = triton.cdiv(triton.cdiv(K, cfg["BLOCK_K"]), split) * cfg["BLOCK_K"]
     split = triton.cdiv(K, k_split)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]), split)
     ws = torch.empty(split, M, N, dtype=torch.float32, device=y.device) if split > 1 else y
     sem = semaphores(y.device, grid[0] * grid[1]) if split > 1 else y
-    _dequant_kernel[grid](x2, weight, scale, y, ws, sem, M, N, N if n1 is None else n1, K, x2.stride(0), N // groups,
-                          k_split, split,
-                          BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+    args = (x2, weight, scale, y, ws, sem, M, N, N if n1 is None else n1, K, x2.stride(0), N // groups, k_split, split)
+    if gemv:
+        _gemv_kernel[grid](*args, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **_launch_opts(cfg))
+        return
+    _dequant_kernel[grid](*args, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                           DOT_F32=_INTERPRET or x2.dtype == torch.float32,
-                          W_CVT=cfg.get("W_CVT", quant_configs.W_CVT) if x2.dtype == torch.bfloat16 else "cast", **_launch_opts(cfg))
+                          W_CVT=cfg.get("W_CVT", quant_configs.W_CVT) if x2.dtype == torch.bfloat16 else "cast",
+                          **_launch_opts(cfg))
 
 
 def _mma(x2, weight, scale, y, cfg, n1: int | None = None):
@@ -252,20 +300,22 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         return _outputs(y, lead, M, N, split_n)
     cfg = dict(config or quant_configs.fp8_linear_config(M, N // groups, K))  # per group: the tiles see one group
     variant = variant or config and config.get("variant") or variant_for(M, N // groups, K)
-    if variant not in ("dequant", "mma"):
-        raise ValueError(f"fp8 linear variant must be 'dequant' or 'mma', got {variant!r}")
+    if variant not in ("dequant", "gemv", "mma"):
+        raise ValueError(f"fp8 linear variant must be 'dequant', 'gemv' or 'mma', got {variant!r}")
     if _INTERPRET:
         cfg.update(quant_configs.INTERPRET_LINEAR[variant])
     if variant == "dequant":
         cfg.setdefault("BLOCK_K", 128)
         if 128 % cfg["BLOCK_K"]:
             raise ValueError(f"dequant tiles must sit inside 128x128 scale blocks: {cfg}")
+    if variant == "gemv" and cfg.get("BLOCK_K", 0) % 128:
+        raise ValueError(f"gemv steps must be whole 128-wide scale blocks: {cfg}")
     if scale.dtype != torch.float32 or not scale.is_contiguous():
         scale = scale.float().contiguous()
-    if variant == "dequant":
+    if variant in ("dequant", "gemv"):
         if groups > 1 and (N // groups) % cfg["BLOCK_N"]:
-            raise ValueError(f"grouped dequant tiles must not straddle groups: {N // groups} rows, {cfg}")
-        _dequant(x2, weight, scale, y, cfg, groups, split_n)
+            raise ValueError(f"grouped {variant} tiles must not straddle groups: {N // groups} rows, {cfg}")
+        _dequant(x2, weight, scale, y, cfg, groups, split_n, gemv=variant == "gemv")
     elif groups == 1:
         _mma(x2, weight, scale, y, cfg, split_n)
     else:  # the FP8 tensor-core kernel takes one group at a time

@@ -10,7 +10,8 @@ Rows (V4-Flash decode shapes at the depth-43 benchmark's 16 experts, batch 1 / 3
   MXFP4 through the integer bf16 decode ("MX": "bf16") vs the e4m3 placement (the default).
 - fp8 linear: the decode GEMV with its split-K reduced in the kernel (was a second reduce kernel),
   V4-Flash's dense shapes vs floor, with each e4m3 -> bf16 conversion (W_CVT: "cast" the old one,
-  "f32", "int" the default) where the shape's config is the dequant GEMV; wo_a's 8 groups in one
+  "f32", "int" the default) where the shape's config is the dequant GEMV, and at 1 row the CUDA-core
+  "gemv" variant (GEMV_CONFIGS, not dispatched until measured faster); wo_a's 8 groups in one
   launch vs one call per group (the old path); the stacked pairs (engine/stacked_linears.py: wq_a
   over wkv, the shared expert's w1 over w3) in one launch vs two.
 - mega-gate: the router in one launch (GEMM + sqrt-softplus + bias + top-k + renormalise) vs the
@@ -102,9 +103,9 @@ def check(device) -> list[str]:
         q, s = _fp8_weight(640, 512, device, seed=T)
         x = torch.randn(T, 512, device=device).to(torch.bfloat16)
         want = ref.linear(x, q, s)
-        for cvt in W_CVTS:
+        for cvt in W_CVTS + ("gemv",):
             for split in (None, 384):
-                cfg = {**_DEQUANT_CHECK, "W_CVT": cvt}
+                cfg = GEMV_CONFIGS[0] if cvt == "gemv" else {**_DEQUANT_CHECK, "W_CVT": cvt}
                 try:
                     got = fp8_linear_fused(x, q, s, config=cfg, split_n=split)
                     err = _rel_err(torch.cat(got, -1) if split else got, want)
@@ -184,6 +185,9 @@ def bench_moe(device, fmt: str) -> list[dict]:
 W_CVTS = ("cast", "f32", "int")  # kernels/quant_configs.py: e4m3 -> bf16 in the dequant GEMV
 _DEQUANT_CHECK = {"variant": "dequant", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 0, "num_warps": 4,
                   "num_stages": 3}
+GEMV_CONFIGS = ({"variant": "gemv", "BLOCK_N": 16, "BLOCK_K": 512, "WAVES": 8, "num_warps": 4, "num_stages": 1},
+                {"variant": "gemv", "BLOCK_N": 32, "BLOCK_K": 256, "WAVES": 8, "num_warps": 4, "num_stages": 1},
+                {"variant": "gemv", "BLOCK_N": 16, "BLOCK_K": 512, "WAVES": 16, "num_warps": 4, "num_stages": 1})
 STACKED = {"wq_a+wkv": (1024, 512, 4096), "shared w1+w3": (2048, 2048, 4096)}  # N1, N2, K
 FP8_SHAPES = {"wq_a": (1024, 4096), "wkv": (512, 4096), "wo_b": (4096, 8192), "shared_w1": (2048, 4096),
               "shared_w2": (4096, 2048)}
@@ -215,6 +219,10 @@ def bench_fp8(device) -> list[dict]:
                 out.append(_row("fp8 linear", f"{name} {n}x{k}", T, label + (" (old)" if cvt == "cast" else ""), t,
                                 floor, base, err))
                 base = base or t
+            for c in GEMV_CONFIGS if T == 1 else ():
+                t, err = _timed([lambda wq=wq, sc=sc, c=c: fp8_linear_fused(x, wq, sc, config=c) for wq, sc in ws])
+                out.append(_row("fp8 linear", f"{name} {n}x{k}", T, f"gemv n{c['BLOCK_N']} k{c['BLOCK_K']} "
+                                f"waves {c['WAVES']}", t, floor, base, err))
         for name, (n1, n2, k) in STACKED.items():
             ws = rotated(n1 + n2, k)
             x = torch.randn(T, k, device=device).to(torch.bfloat16)
@@ -235,6 +243,9 @@ def bench_fp8(device) -> list[dict]:
         new, err = _timed([lambda: fp8_linear_fused(x, q, s, groups=G)] * 4)
         out.append(_row("fp8 linear", f"wo_a {G}x{R}x{K}", T, "one call per group (old)", old, floor, error=err_old))
         out.append(_row("fp8 linear", f"wo_a {G}x{R}x{K}", T, "all groups, one launch", new, floor, old, err))
+        if T == 1:
+            t, err = _timed([lambda: fp8_linear_fused(x, q, s, groups=G, config=GEMV_CONFIGS[0])] * 4)
+            out.append(_row("fp8 linear", f"wo_a {G}x{R}x{K}", T, "all groups, one gemv launch", t, floor, old, err))
     return out
 
 

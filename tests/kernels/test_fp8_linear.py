@@ -29,13 +29,14 @@ def _case(m, n, k, ue8m0, seed=0):
     return x, q, scale_to_float(s)
 
 
+@pytest.mark.parametrize("variant", ["dequant", "gemv"])
 @pytest.mark.parametrize("m, n, k", SHAPES)
 @pytest.mark.parametrize("ue8m0", [True, False])
-def test_dequant_variant_matches_reference(m, n, k, ue8m0):
+def test_weight_dequantizing_variants_match_reference(m, n, k, ue8m0, variant):
     x, q, s = _case(m, n, k, ue8m0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         want = ref.linear(x.to(dtype), q, s).float()
-        got = fp8_linear_fused(x.to(dtype), q, s, variant="dequant").float()
+        got = fp8_linear_fused(x.to(dtype), q, s, variant=variant).float()
         assert (got - want).abs().max() <= tol * want.abs().max(), (dtype, (got - want).abs().max())
 
 
@@ -62,7 +63,7 @@ def test_leading_dims_and_empty_rows():
     assert fp8_linear_fused(x[:0], q, s).shape == (0, 130)
 
 
-@pytest.mark.parametrize("variant", ["dequant", "mma"])
+@pytest.mark.parametrize("variant", ["dequant", "gemv", "mma"])
 @pytest.mark.parametrize("m", [1, 19])
 def test_grouped_linear_in_one_call_matches_reference(variant, m):
     """wo_a: groups of 128-row blocks, each reading its own slice of x; the dequant variant in one
@@ -77,7 +78,7 @@ def test_grouped_linear_in_one_call_matches_reference(variant, m):
     s = scale_to_float(s)
     want = ref.grouped_linear(x, q, groups, s).float()
     got = fp8_linear_fused(x, q, s, variant=variant, groups=groups).float()
-    tol = 1e-2 if variant == "dequant" else 0.1  # mma: e4m3 activations
+    tol = 0.1 if variant == "mma" else 1e-2  # mma: e4m3 activations
     assert got.shape == (m, groups * rows) and (got - want).abs().max() <= tol * want.abs().max()
     again = fp8_linear_fused(x, q, s, variant=variant, groups=groups).float()
     assert torch.equal(again, got)
@@ -121,7 +122,7 @@ def test_grouped_linear_dispatch_one_launch_or_per_group(m):
     assert got.shape == (m, groups * rows) and (got - want).abs().max() <= 0.1 * want.abs().max()
 
 
-@pytest.mark.parametrize("variant", ["dequant", "mma"])
+@pytest.mark.parametrize("variant", ["dequant", "gemv", "mma"])
 @pytest.mark.parametrize("m, n1, n2, k", [(1, 128, 72, 192), (19, 100, 156, 128)])
 def test_split_linear_one_launch_matches_two_linears(variant, m, n1, n2, k):
     """Two linears of one input stacked along N (wq_a over wkv): each output contiguous and equal to
@@ -130,7 +131,7 @@ def test_split_linear_one_launch_matches_two_linears(variant, m, n1, n2, k):
     x = x.to(torch.bfloat16)
     a, b = fp8_linear_fused(x.view(1, m, k), q, s, variant=variant, split_n=n1)
     assert a.shape == (1, m, n1) and b.shape == (1, m, n2) and a.is_contiguous() and b.is_contiguous()
-    tol = 1e-2 if variant == "dequant" else 0.1  # mma: e4m3 activations
+    tol = 0.1 if variant == "mma" else 1e-2  # mma: e4m3 activations
     for got, want in zip((a[0], b[0]), ref.linear_split(x, q, n1, s)):
         assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
     with pytest.raises(ValueError, match="split_n"):
