@@ -40,20 +40,22 @@ def _mm(bm: int, bn: int, w: int = 4, st: int = 4) -> dict:
     return {"variant": "mma", "BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": w, "num_stages": st}
 
 
+_WQ_A = [(16, _dq(16, 64)), (64, _dq(32, 32)), (512, _dq(64, 64)), (4096, _mm(128, 128, 8, 3)),
+         (None, _mm(128, 64))]
+_SHARED_W1 = [(16, _dq(16, 64)), (64, _dq(32, 128, w=8)), (512, _dq(64, 128, st=3)),
+              (4096, _mm(128, 128, 8, 3)), (None, _mm(64, 128))]
 FP8_LINEAR: dict = {
     "default": [(16, _DECODE), (64, {**_DECODE, "BLOCK_M": 64}), (512, _MID), (None, _PREFILL)],
-    (1024, 4096): [(16, _dq(16, 64)), (64, _dq(32, 32)), (512, _dq(64, 64)), (4096, _mm(128, 128, 8, 3)),
-                   (None, _mm(128, 64))],
+    (1024, 4096): _WQ_A,
     (32768, 1024): [(16, _mm(64, 128)), (64, _mm(64, 128)), (512, _mm(64, 128)), (4096, _mm(128, 128, 8, 3)),
                     (None, _mm(64, 128))],
     (4096, 8192): [(16, _dq(16, 128, st=3)), (64, _dq(32, 64)), (512, _mm(64, 64)), (4096, _mm(128, 128, 8, 3)),
                    (None, _mm(128, 64))],
-    # stacked pairs (engine/stacked_linears.py), not measured: their parts' tiles. wq_a over wkv; the
-    # shared expert's w1 over w3 at tensor_parallel_size 1 (4096 x 4096) is the default entry.
-    (1536, 4096): [(16, _dq(16, 64)), (64, _dq(32, 32)), (512, _dq(64, 64)), (4096, _mm(128, 128, 8, 3)),
-                   (None, _mm(128, 64))],
-    (2048, 4096): [(16, _dq(16, 64)), (64, _dq(32, 128, w=8)), (512, _dq(64, 128, st=3)),
-                   (4096, _mm(128, 128, 8, 3)), (None, _mm(64, 128))],
+    (2048, 4096): _SHARED_W1,
+    # stacked pairs (engine/stacked_linears.py), not measured: their first part's tiles. wq_a over
+    # wkv, and the shared expert's w1 over w3 at tensor_parallel_size 1
+    (1536, 4096): _WQ_A,
+    (4096, 4096): _SHARED_W1,
 }
 
 MOE_DECODE_MAX_PAIRS = 1024  # (token, expert) pairs up to which the decode tiles apply (150 rows x top-6)

@@ -195,10 +195,9 @@ WO_A = (8, 1024, 4096)  # groups, rows per group, K per group
 
 
 def bench_fp8(device) -> list[dict]:
+    from kernels import quant_configs
     from kernels.fused_fp8_linear import fp8_linear_fused
     from tools.bench_quant import ROTATE_BYTES, _fp8_weight, linear_floor
-
-    from kernels import quant_configs
 
     def rotated(n, k):  # copies enough that one timed graph walks past the L2
         q, s = _fp8_weight(n, k, device)
