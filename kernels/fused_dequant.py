@@ -95,10 +95,11 @@ def _bf16_lanes(t, sf):
 
 
 @triton.jit
-def mxfp4_rows_tile_bf16(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
-    """e2m1 pairs [N, K/2] with ue8m0 bytes [N, K/32] -> bf16 tile, decoded with integer ops (above);
-    loaded as 32-bit words, eight values each, 16-byte rows. ASM: the PTX (GPU), else the same bit
-    operations in Triton with the scale applied in float32 (the interpreter runs no inline asm)."""
+def mxfp4_rows_parts_bf16(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """e2m1 pairs [N, K/2] with ue8m0 bytes [N, K/32] -> eight bf16 tiles [BLOCK_N, BLOCK_K / 8], decoded
+    with integer ops (above): the q-th holds value q of every word (K = k0 + 8 w + q). Loaded as 32-bit words, eight values each, 16-byte rows. ASM: the PTX
+    (GPU), else the same bit operations in Triton with the scale applied in float32 (the interpreter
+    runs no inline asm)."""
     W: tl.constexpr = BLOCK_K // 8
     G: tl.constexpr = BLOCK_K // 32
     KW = tl.multiple_of(K // 8, 4)  # K % 32 == 0: whole 16-byte groups per row
@@ -125,6 +126,13 @@ def mxfp4_rows_tile_bf16(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, BLOCK
         o1, o5 = _bf16_lanes(((words << 2) & 0x01C001C0) | ((words << 8) & 0x80008000), sf)
         o2, o6 = _bf16_lanes(((words >> 2) & 0x01C001C0) | ((words << 4) & 0x80008000), sf)
         o3, o7 = _bf16_lanes(((words >> 6) & 0x01C001C0) | (words & 0x80008000), sf)
-    # natural K order: value p of a word sits at 4 * (p >= 4) + 2 * (p // 2 % 2) + p % 2 of the joins' axes
+    return o0, o1, o2, o3, o4, o5, o6, o7
+
+
+@triton.jit
+def mxfp4_rows_tile_bf16(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """The parts above joined into one [BLOCK_N, BLOCK_K] tile in natural K order."""
+    o0, o1, o2, o3, o4, o5, o6, o7 = mxfp4_rows_parts_bf16(w_ptr, s_ptr, n, k0, N, K, BLOCK_N, BLOCK_K, ASM)
+    # a join's new axis is the last: the outermost join picks the fastest bit of the K offset q
     t = tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7)))
     return tl.reshape(t, (BLOCK_N, BLOCK_K))

@@ -25,13 +25,13 @@ import triton
 import triton.language as tl
 
 from kernels import quant_configs
-from kernels.fused_dequant import fp8_rows_tile, mxfp4_rows_tile, mxfp4_rows_tile_bf16
+from kernels.fused_dequant import fp8_rows_tile, mxfp4_rows_parts_bf16, mxfp4_rows_tile, mxfp4_rows_tile_bf16
 from kernels.fused_moe_align import moe_align_fused
 from kernels.semaphores import semaphores, split_k_arrive, split_k_total
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
 MX_SCALED_OK = not _INTERPRET  # tl.dot_scaled for MXFP4 (tests set it to run the interpreter's dot_scaled)
-MX_MODES = {"e4m3": 0, "scaled": 1, "bf16": 2}  # MXFP4 decodes (config "MX")
+MX_MODES = {"e4m3": 0, "scaled": 1, "bf16": 2, "bf16-parts": 3}  # MXFP4 decodes (config "MX")
 _MX_ASM = tl.constexpr(not _INTERPRET)  # the "bf16" decode's PTX; the interpreter runs the same bit operations in Triton
 
 
@@ -87,19 +87,53 @@ def _expert_dot(w_ptr, s_ptr, e, n, k0, N, K, xt, W_FMT: tl.constexpr, BLOCK_N: 
     the packed e2m1 bytes and ue8m0 bytes go to tl.dot_scaled as stored, which unpacks them to bf16
     with byte permutes and integer ops (no conversion-unit instructions, which bound the e4m3
     placement at ~0.8 TB/s) and applies each 32-wide group's scale; loads stay 16-byte row-major."""
-    if W_FMT == 2 and MX == 1:
+    if W_FMT == 2 and MX == 3:
         e64 = e.to(tl.int64)
-        KH = tl.multiple_of(K // 2, 16)  # K % 32 == 0 (the scale groups): rows 16-byte aligned, so 16-byte loads
-        kb = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BLOCK_K // 2), 16), 16)
-        ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        nmask = n < N
-        w = tl.load(w_ptr + e64 * N * KH + n[:, None] * KH + kb[None, :],
-                    mask=nmask[:, None] & (kb[None, :] < KH), other=0).to(tl.uint8, bitcast=True)
-        sc = tl.load(s_ptr + e64 * N * (K // 32) + n[:, None] * (K // 32) + ks[None, :],
-                     mask=nmask[:, None] & (ks[None, :] < K // 32), other=0)
-        return tl.dot_scaled(w, sc, "e2m1", xt, None, "bf16")
-    t, sw = _expert_tile(w_ptr, s_ptr, e, n, k0, N, K, W_FMT, BLOCK_N, BLOCK_K, MX)
-    return _dot_wt(t, sw, xt, W_FMT, DOT_F32)
+        o0, o1, o2, o3, o4, o5, o6, o7 = mxfp4_rows_parts_bf16(w_ptr + e64 * N * (K // 2), s_ptr + e64 * N * (K // 32),
+                                                               n, k0, N, K, BLOCK_N, BLOCK_K, _MX_ASM)
+        acc = _dot_wt(o0, o0, xt[0], 0, DOT_F32)
+        acc += _dot_wt(o1, o1, xt[1], 0, DOT_F32)
+        acc += _dot_wt(o2, o2, xt[2], 0, DOT_F32)
+        acc += _dot_wt(o3, o3, xt[3], 0, DOT_F32)
+        acc += _dot_wt(o4, o4, xt[4], 0, DOT_F32)
+        acc += _dot_wt(o5, o5, xt[5], 0, DOT_F32)
+        acc += _dot_wt(o6, o6, xt[6], 0, DOT_F32)
+        acc += _dot_wt(o7, o7, xt[7], 0, DOT_F32)
+        res = acc
+    else:
+        if W_FMT == 2 and MX == 1:
+            e64 = e.to(tl.int64)
+            KH = tl.multiple_of(K // 2, 16)  # K % 32 == 0 (the scale groups): rows 16-byte aligned, so 16-byte loads
+            kb = tl.max_contiguous(tl.multiple_of(k0 // 2 + tl.arange(0, BLOCK_K // 2), 16), 16)
+            ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            nmask = n < N
+            w = tl.load(w_ptr + e64 * N * KH + n[:, None] * KH + kb[None, :],
+                        mask=nmask[:, None] & (kb[None, :] < KH), other=0).to(tl.uint8, bitcast=True)
+            sc = tl.load(s_ptr + e64 * N * (K // 32) + n[:, None] * (K // 32) + ks[None, :],
+                         mask=nmask[:, None] & (ks[None, :] < K // 32), other=0)
+            res = tl.dot_scaled(w, sc, "e2m1", xt, None, "bf16")
+        else:
+            t, sw = _expert_tile(w_ptr, s_ptr, e, n, k0, N, K, W_FMT, BLOCK_N, BLOCK_K, MX)
+            res = _dot_wt(t, sw, xt, W_FMT, DOT_F32)
+    return res
+
+
+@triton.jit
+def _act_tile(a_ptr, rows, valid, k0, K, BLOCK_K: tl.constexpr, MX: tl.constexpr):
+    """The activations' [BLOCK_K, BLOCK_M] tile of rows `rows` (row stride K); for the "bf16-parts"
+    decode the eight [BLOCK_K / 8, BLOCK_M] tiles its weight parts multiply (the q-th: K offset q of
+    every 8), so the decoded weights go to the tensor cores without being interleaved first."""
+    if MX == 3:
+        kw = k0 + 8 * tl.arange(0, BLOCK_K // 8)
+        base = a_ptr + rows[None, :] * K + kw[:, None]
+        m = valid[None, :] & (kw[:, None] < K)  # K % 32 == 0: a word's 8 values are in range together
+        return (tl.load(base, mask=m, other=0.0), tl.load(base + 1, mask=m, other=0.0),
+                tl.load(base + 2, mask=m, other=0.0), tl.load(base + 3, mask=m, other=0.0),
+                tl.load(base + 4, mask=m, other=0.0), tl.load(base + 5, mask=m, other=0.0),
+                tl.load(base + 6, mask=m, other=0.0), tl.load(base + 7, mask=m, other=0.0))
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(a_ptr + rows[None, :] * K + k[:, None], mask=valid[None, :] & (k[:, None] < K), other=0.0)
 
 
 @triton.jit
@@ -121,8 +155,7 @@ def _gate_up_tile(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, ws_ptr, tile_ptr
     acc3 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     k_lo = pid_k * K_SPLIT
     for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, D), BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + tok[None, :] * D + k[:, None], mask=valid[None, :] & (k[:, None] < D), other=0.0)
+        xt = _act_tile(x_ptr, tok, valid, k0, D, BLOCK_K, MX)
         acc1 += _expert_dot(w1_ptr, s1_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX)
         acc3 += _expert_dot(w3_ptr, s3_ptr, e, n, k0, I, D, xt, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX)
     omask = valid[None, :] & (n[:, None] < I)
@@ -149,8 +182,7 @@ def _down_tile(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, ws_ptr, tile_ptr, rows, loa
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     k_lo = pid_k * K_SPLIT
     for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, I), BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        ht = tl.load(h_ptr + load_rows[None, :] * I + k[:, None], mask=valid[None, :] & (k[:, None] < I), other=0.0)
+        ht = _act_tile(h_ptr, load_rows, valid, k0, I, BLOCK_K, MX)
         acc += _expert_dot(w2_ptr, s2_ptr, e, n, k0, D, I, ht, W_FMT, BLOCK_N, BLOCK_K, DOT_F32, MX)
     omask = valid[None, :] & (n[:, None] < D)
     off = rows[None, :] * D + n[:, None]
@@ -229,6 +261,8 @@ def _tiles(cfg: dict, fmt: int, act_dtype: torch.dtype) -> dict:
     # dot_scaled's unpack needs bf16 activations and the GPU (the interpreter's float32 path checks the math)
     if mx == "scaled" and not (act_dtype == torch.bfloat16 and MX_SCALED_OK):
         mx = "e4m3"
+    if mx == "bf16-parts" and fmt == 2:  # one K-16 MMA per part: the parts are BLOCK_K / 8 wide
+        cfg = {**cfg, "BLOCK_K": max(cfg["BLOCK_K"], 128)}
     return {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "MX": MX_MODES[mx] if fmt == 2 else 0, **_opts(cfg)}
 
 

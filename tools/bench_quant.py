@@ -105,7 +105,8 @@ def moe_candidates(rows: int, fmt: str, experts: int = 256) -> list[dict]:
         if bm > 16:
             alts.append(quant_configs.MOE_DECODE[fmt][16])  # the old re-reading tiles, for the comparison
         if fmt == "mxfp4":  # the integer bf16 decode over row tiles x N tiles x warps that keep the accumulators in registers
-            alts += [{**base, "MX": "e4m3"}, {**base, "MX": "scaled"}]
+            alts += [{**base, "MX": "e4m3"}, {**base, "MX": "scaled"}, {**base, "MX": "bf16-parts"},
+                     {**base, "MX": "bf16-parts", "num_stages": 7 - base["num_stages"]}]
             for m in sorted({16, 32, bm, min(64, max(16, bm))}):
                 for n, w, st in ((64, 4, 4), (128, 4, 3), (64, 8, 3), (32, 4, 4), (128, 8, 3)):
                     if m * n * 2 <= 128 * 32 * w:  # gate and up float32 accumulators: <= 64 registers a thread

@@ -105,7 +105,7 @@ def _stored_experts(w, fmt):
     (70, 256, 64, 6, 6),    # all experts hit by every token
 ])
 @pytest.mark.parametrize("path", ["decode", "sorted"])
-@pytest.mark.parametrize("mx", ["e4m3", "scaled", "bf16"])
+@pytest.mark.parametrize("mx", ["e4m3", "scaled", "bf16", "bf16-parts"])
 def test_moe_experts_quantized(fmt, T, D, I, E, k, path, mx, monkeypatch):
     """Stored FP8 (128x128 float32 scales) and MXFP4 (1x32 ue8m0) experts, dequantized in registers,
     vs the reference that dequantizes then multiplies. bf16: both sides multiply the same bf16
@@ -115,7 +115,7 @@ def test_moe_experts_quantized(fmt, T, D, I, E, k, path, mx, monkeypatch):
     tl.dot_scaled (here the interpreter's) or the integer bf16 decode (here its Triton twin of the PTX)."""
     if mx != "e4m3" and fmt != "mxfp4":
         pytest.skip("the MX decodes are MXFP4's")
-    if mx == "bf16" and path == "sorted":
+    if mx in ("bf16", "bf16-parts") and path == "sorted":
         pytest.skip("the same tile function as the decode tiles: once is enough in the interpreter")
     monkeypatch.setattr(fused_moe, "MX_SCALED_OK", mx == "scaled")
     if path == "sorted":
@@ -137,7 +137,8 @@ def test_moe_experts_quantized(fmt, T, D, I, E, k, path, mx, monkeypatch):
     assert hit.all() == (k == E or T >= 9), "the shapes cover both some empty experts and all experts hit"
 
 
-@pytest.mark.parametrize("fmt, mx", [("dense", "e4m3"), ("fp8", "e4m3"), ("mxfp4", "e4m3"), ("mxfp4", "bf16")])
+@pytest.mark.parametrize("fmt, mx", [("dense", "e4m3"), ("fp8", "e4m3"), ("mxfp4", "e4m3"), ("mxfp4", "bf16"),
+                                     ("mxfp4", "bf16-parts")])
 def test_moe_experts_split_k(fmt, mx):
     """Split-K (the decode's few-row steps): K cut unevenly (5 K steps in 3 splits, the last one
     short), the last split of each tile adds the partials in split order and applies the epilogue
