@@ -5,9 +5,9 @@ mismatch), then timed against its memory floor and against the path it replaces.
 
 Rows (V4-Flash decode shapes at the depth-43 benchmark's 16 experts, batch 1 / 32 / 150):
 - moe_align: the one-launch MoE row alignment vs the torch ops it replaced (kernels.reference.moe_align).
-- moe mxfp4 / fp8: the MoE with this step's row tile (quant_configs.moe_block_m) vs the 16-row
-  tiles of the previous decode kernel (an expert's weights read once per 16 of its rows), and
-  MXFP4 through the integer bf16 decode ("MX": "bf16") vs the e4m3 placement (the default).
+- moe mxfp4 / fp8: the engine's MoE tiles (quant_configs.moe_config: the row tile per step, split-K
+  at few rows, MXFP4 through the integer "bf16" decode) vs session 5's 16-row tiles without split-K
+  (MXFP4 through the e4m3 placement), and MXFP4's "bf16-parts" decode on the engine's tiles.
 - fp8 linear: the decode GEMV with its split-K reduced in the kernel (was a second reduce kernel),
   V4-Flash's dense shapes vs floor, with each e4m3 -> bf16 conversion (W_CVT: "cast" the old one,
   "f32", "int" the default) where the shape's config is the dequant GEMV, and at 1 row the CUDA-core
@@ -167,10 +167,11 @@ def bench_moe(device, fmt: str) -> list[dict]:
         routings = [_routing(T, E, k, device, seed=T + s) for s in range(4)]
         hit = int(torch.unique(routings[0][1]).numel())
         floor = moe_floor(T, hit, D, I, k, fmt)["floor_s"]
-        variants = [("16-row tiles (old)", _moe_cfg(T, fmt, E, k, **_tile16(fmt))),
-                    ("row tile per step", _moe_cfg(T, fmt, E, k))]
-        if fmt == "mxfp4":
-            variants.append(("row tile per step, bf16 decode", _moe_cfg(T, fmt, E, k, MX="bf16")))
+        old = {**_tile16(fmt), "MX": "e4m3", "SPLIT_K": 1} if fmt == "mxfp4" else {**_tile16(fmt), "SPLIT_K": 1}
+        variants = [("16-row tiles, no split (session 5)", _moe_cfg(T, fmt, E, k, **old)),
+                    ("the engine's tiles", _moe_cfg(T, fmt, E, k))]
+        if fmt == "mxfp4":  # the engine's default is the "bf16" decode; its interleave-free twin beside it
+            variants.append(("the engine's tiles, bf16-parts decode", _moe_cfg(T, fmt, E, k, MX="bf16-parts")))
         base = None
         for name, cfg in variants:
             t, err = _timed([lambda rw=rw, ri=ri, cfg=cfg: moe_experts_fused(x, w1, w3, w2, rw, ri, 10.0, scales,
