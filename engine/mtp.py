@@ -30,6 +30,7 @@ from engine.cache import KVCache
 from engine.config import SLIDING, ModelConfig
 from engine.deepseek_v4 import Block, DeepseekV4, Linear, Norm, cast_params, expected_names, load_weight
 from engine.forward_batch import ForwardBatch
+from engine.stacked_linears import stack_linears
 from engine.weights import WeightsError
 
 PREFIX = "mtp.0."
@@ -78,6 +79,7 @@ class MTP(nn.Module):
             load_weight(mtp, name, t.to(dev))
         for k in [k for k in model.mtp_weights if k.startswith(PREFIX)]:
             del model.mtp_weights[k]  # one copy on the device
+        stack_linears(mtp)  # its block's FP8 pairs in one launch each, as the main model's
         return mtp.eval()
 
     def make_cache(self, main: KVCache) -> KVCache:

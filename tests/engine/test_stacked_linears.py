@@ -54,3 +54,17 @@ def test_each_rank_stacks_its_own_slices(tmp_path):
         assert torch.equal(weight.view(torch.uint8), torch.cat([fs.w1.weight[rows], fs.w3.weight[rows]]).view(torch.uint8))
         assert torch.equal(scale, torch.cat([fs.w1.scale[rank:rank + 1], fs.w3.scale[rank:rank + 1]]))
         assert part.layers[1].attn.wq_a.stacked[1].shape == (256, 128)  # replicated: all of wq_a over wkv
+
+
+def test_the_mtp_block_stacks_its_pairs_too(tmp_path):
+    from engine.mtp import MTP
+
+    path = write_checkpoint(tmp_path, "tiny", seed=3, quant="fp8-fp4", override=OVERRIDE)
+    model = load_model(path, torch.float32, quantized=True)
+    ffn = model.layers[0].ffn.shared_experts
+    want = torch.cat([ffn.w1.weight, ffn.w3.weight]).view(torch.uint8).clone()  # main model's, for the shapes
+    mtp = MTP.from_model(model)
+    attn, shared = mtp.block.attn, mtp.block.ffn.shared_experts
+    assert attn.wq_a.stacked[0] is attn.wkv and shared.w1.stacked[0] is shared.w3
+    assert shared.w1.stacked[1].shape == want.shape
+    assert shared.w3.weight.data_ptr() == shared.w1.stacked[1][shared.w1.weight.shape[0]:].data_ptr()
