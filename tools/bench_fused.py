@@ -1,7 +1,8 @@
 """The fused kernels of issue 20 on CUDA: each checked against its torch reference (exit 1 on a
 mismatch), then timed against its memory floor and against the path it replaces.
 
-    python -m tools.bench_fused [--json OUT/fused.json]   (tools/h200_bench.sh fused, ~3 minutes)
+    python -m tools.bench_fused [--json OUT/fused.json] [--only fp8 ...]   (tools/h200_bench.sh fused, ~3 minutes;
+    fused-fp8: the check and the FP8 linear rows only)
 
 Rows (V4-Flash decode shapes at the depth-43 benchmark's 16 experts, batch 1 / 32 / 150):
 - moe_align: the one-launch MoE row alignment vs the torch ops it replaced (kernels.reference.moe_align).
@@ -328,9 +329,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+PARTS = {"align": bench_align, "moe-mxfp4": lambda d: bench_moe(d, "mxfp4"), "moe-fp8": lambda d: bench_moe(d, "fp8"),
+         "fp8": bench_fp8, "gate": bench_gate, "mhc": bench_mhc}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only", choices=sorted(PARTS), action="append",
+                    help="time only these parts (repeatable; the check runs whole either way)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_fused: needs a CUDA device", file=sys.stderr)
@@ -342,7 +349,9 @@ def main() -> int:
     for f in failures:
         print("  MISMATCH", f, flush=True)
     rows: list[dict] = []
-    for part in (bench_align, lambda d: bench_moe(d, "mxfp4"), lambda d: bench_moe(d, "fp8"), bench_fp8, bench_gate, bench_mhc):
+    for name, part in PARTS.items():
+        if args.only and name not in args.only:
+            continue
         try:
             rows += part(device)
         except Exception as e:  # record, keep going
