@@ -110,3 +110,26 @@ def test_packed_verify_rows_equal_build_batch_and_the_rest_is_padding(checkpoint
     seq0.num_computed_tokens -= 1
     assert not vs.fits(batch)
     seq0.num_computed_tokens += 1
+
+
+@pytest.mark.slow
+def test_fused_kernels_take_the_padded_verify_batches(tiny_dir):
+    """The kernels the GPU's verify graphs replay (the fused ones, here under the Triton
+    interpreter) on the padded batches: the same tokens and acceptance as on the unpadded ones."""
+    import kernels
+
+    prompts = _prompts(4000, seed=6, lengths=(7, 21))
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    runs = []
+    try:
+        kernels.set_backend("fused")
+        for padded in (None, [2]):
+            llm = LLM(str(tiny_dir), dtype="float32", max_model_len=128, speculative_config=SPEC)
+            spec = llm.engine.spec
+            if padded:
+                spec.verify_steps = VerifySteps(llm.engine.model, llm.engine.cache, 128, spec.k, padded)
+            runs.append(([o.token_ids for o in llm.generate(prompts, params)], spec.stats()))
+    finally:
+        kernels.set_backend("auto")
+    assert spec.step_paths["verify_graph"] >= 2
+    assert runs[0] == runs[1]
