@@ -22,10 +22,10 @@ Per engine `num_speculative_tokens` = k; a request speculates unless its paramet
 plain sampler at every token (penalties, logit bias, bad words, allowed ids, structured outputs,
 logprobs, a seed, or min_tokens not yet reached): those take k = 0 and keep their exact
 per-token semantics. A step with no speculating sequence takes the ordinary path (CUDA graphs,
-async scheduling). A speculative step in which every sequence decodes replays a verify graph per
-batch bucket (engine/verify_graphs.py) when decode graphs are captured; others (prefill chunks in
-the batch) run the verify forward eagerly. Either way the step reads back before the next one is
-scheduled, and the MTP's catch-up and drafts run eagerly (step_paths counts the verify paths).
+async scheduling). A speculative step in which every sequence decodes replays a verify graph and
+then an MTP graph per batch bucket (engine/verify_graphs.py, engine/draft_graphs.py) when decode
+graphs are captured; others (prefill chunks in the batch) run eagerly (step_paths counts both).
+Either way the step reads back before the next one is scheduled.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from engine.prompt_logprobs import prompt_logprob_rows
 from engine.rejection_sampler import greedy_accept, rejection_sample
 from engine.sampler import sampling_probs
 from engine.sequence import Sequence, Status
+from engine.draft_graphs import DraftSteps
 from engine.verify_graphs import VerifySteps
 
 
@@ -49,13 +50,16 @@ def speculates(seq: Sequence) -> bool:
     return not p.processes_logits and p.logprobs is None and p.seed is None
 
 
-def verify_steps(engine, k: int) -> VerifySteps | None:
-    """Verify graphs for the batch buckets the decode graphs have (those that fit the token budget),
-    captured when the runner captured decode graphs; else None (verify steps run eagerly)."""
+def spec_graphs(engine, k: int, mtp: MTP, mtp_cache) -> tuple[VerifySteps | None, DraftSteps | None]:
+    """The verify graphs for the batch buckets the decode graphs have (those that fit the token
+    budget) and the MTP's graphs for the same buckets, captured when the runner captured decode
+    graphs; else None (speculative steps run eagerly)."""
     if engine.device.type != "cuda" or not any(g[0] is not None for g in engine.runner.graphs.values()):
-        return None
+        return None, None
     buckets = [b for b in engine.runner.graphs if b * (k + 1) <= engine.args.max_num_batched_tokens]
-    return VerifySteps(engine.model, engine.cache, engine.max_model_len, k, buckets, torch.cuda.graph_pool_handle())
+    pool = torch.cuda.graph_pool_handle()
+    verify = VerifySteps(engine.model, engine.cache, engine.max_model_len, k, buckets, pool)
+    return verify, DraftSteps(mtp, engine.model, mtp_cache, verify, pool)
 
 
 class SpecDecoder:
@@ -72,10 +76,11 @@ class SpecDecoder:
         self.mtp = MTP.from_model(engine.model)
         self.mtp_cache = self.mtp.make_cache(engine.cache)
         self.forced_drafts: dict[str, list[int]] | None = None  # benchmarks: see force_drafts
-        # verify steps in which every sequence decodes replay a graph per batch bucket
-        self.verify_steps = verify_steps(engine, self.k)
-        self.use_graphs = True  # benchmarks switch it off to time the eager verify on the same engine
-        self.step_paths = {"verify_graph": 0, "verify_eager": 0}
+        self.mtp_drafts: dict[str, list[int]] = {}  # the last step's own MTP drafts (before force_drafts)
+        # steps in which every sequence decodes replay a verify graph and an MTP graph per batch bucket
+        self.verify_steps, self.draft_steps = spec_graphs(engine, self.k, self.mtp, self.mtp_cache)
+        self.use_graphs = True  # benchmarks switch it off to time the eager path on the same engine
+        self.step_paths = {"verify_graph": 0, "verify_eager": 0, "draft_graph": 0, "draft_eager": 0}
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -108,7 +113,8 @@ class SpecDecoder:
             return outputs
         batch = self._attach_drafts(scheduled)
         verifying = any(s.spec_token_ids for s, _ in batch)
-        if self.verify_steps is not None and self.use_graphs and self.verify_steps.fits(batch):
+        graphed = self.verify_steps is not None and self.use_graphs and self.verify_steps.fits(batch)
+        if graphed:
             self.step_paths["verify_graph"] += 1  # every sequence decodes: the bucket's padded batch
             out = self.verify_steps.run(batch)
             logits, hidden, closed, snapshot = out.logits, out.hidden, out.closed_blocks, out.snapshot
@@ -148,7 +154,7 @@ class SpecDecoder:
         # the MTP follows every speculating sequence over this step's accepted positions
         nxt = {id(s): [smp.token_id] for s, smp in zip(plain, samples) if smp.error is None}
         nxt.update({sid: [t for t, _ in toks] for sid, toks in emitted.items()})
-        self._propose(batch, hidden, nxt)
+        self._propose(batch, hidden, nxt, graphed and self.draft_steps is not None)
 
         eng.scheduler.advance([(s, len(emitted[id(s)]) if id(s) in emitted else n)
                                for s, n in batch if s.status == Status.RUNNING])
@@ -267,12 +273,14 @@ class SpecDecoder:
 
     # --- drafting -----------------------------------------------------------------------------
 
-    def _propose(self, batch, hidden: torch.Tensor, nxt: dict[int, list[int]]) -> None:
+    def _propose(self, batch, hidden: torch.Tensor, nxt: dict[int, list[int]], graphed: bool = False) -> None:
         """MTP over each speculating sequence's accepted rows of this step (inputs: the main model's
-        streams at i and the token at i + 1), then k - 1 chained single-token MTP steps: drafts."""
+        streams at i and the token at i + 1), then k - 1 chained single-token MTP steps: drafts.
+        graphed: the step replayed a verify graph, so the MTP's graph of that bucket runs them."""
         eng = self.engine
-        items, rows, row0 = [], [], 0
-        for seq, n in batch:
+        self.mtp_drafts = {}
+        items, rows, where, row0 = [], [], [], 0  # where: each item's batch index and first row
+        for b, (seq, n) in enumerate(batch):
             start = seq.num_computed_tokens
             toks = None
             if speculates(seq) and seq.status == Status.RUNNING:
@@ -283,12 +291,14 @@ class SpecDecoder:
             if toks:
                 items.append((seq, start, toks))
                 rows.extend(range(row0, row0 + len(toks)))
+                where.append((b, row0))
             seq.spec_token_ids = []
             row0 += n
         if not items:
             return
-        fb_m = self._batch(items)
-        h = self.mtp(eng.model, fb_m, self.mtp_cache, hidden[torch.tensor(rows, device=hidden.device)])
+        if not graphed:
+            fb_m = self._batch(items)
+            h = self.mtp(eng.model, fb_m, self.mtp_cache, hidden[torch.tensor(rows, device=hidden.device)])
         drafting = []  # (item index, position of its next MTP row, drafts wanted, outputs after this step)
         for j, (seq, start, toks) in enumerate(items):
             base = start + len(toks)  # num_tokens - 1 once this step's tokens are appended
@@ -301,8 +311,26 @@ class SpecDecoder:
                 k = 1
             if k > 0:
                 drafting.append((j, base, k, n_out))
-        if not drafting:
-            return
+        if graphed:  # the catch-up runs even when nobody drafts: it keeps the MTP's window KV
+            self.step_paths["draft_graph"] += 1
+            drafts = self.draft_steps.run(batch, {where[j][0]: (where[j][1], toks) for j, (_, _, toks) in enumerate(items)},
+                                          {where[j][0]: (base, k) for j, base, k, _ in drafting})
+            out = [drafts[where[j][0]][:k] for j, _, k, _ in drafting]
+        else:
+            self.step_paths["draft_eager"] += 1
+            if not drafting:
+                return
+            out = self._chain(h, fb_m, items, drafting)
+        self.mtp_drafts = {items[j][0].request_id: d for (j, *_), d in zip(drafting, out)}
+        for (j, _, _, n_out), d in zip(drafting, out):
+            seq = items[j][0]
+            if self.forced_drafts is not None and seq.request_id in self.forced_drafts:
+                d = self.forced_drafts[seq.request_id][n_out:n_out + len(d)]
+            seq.spec_token_ids = d
+
+    def _chain(self, h: torch.Tensor, fb_m: ForwardBatch, items, drafting) -> list[list[int]]:
+        """Eagerly: draft 1 from each drafting item's last catch-up row, then k - 1 chained steps."""
+        eng = self.engine
         h = h[fb_m.logits_rows[torch.tensor([j for j, *_ in drafting], device=h.device)]]
         out = [[t] for t in self.mtp.compute_logits(eng.model, h).argmax(-1).tolist()]
         for step in range(1, max(k for _, _, k, _ in drafting)):
@@ -313,11 +341,7 @@ class SpecDecoder:
             h = h.index_copy(0, sel, h_live)
             for i, t in zip(live, self.mtp.compute_logits(eng.model, h_live).argmax(-1).tolist()):
                 out[i].append(t)
-        for (j, _, _, n_out), d in zip(drafting, out):
-            seq = items[j][0]
-            if self.forced_drafts is not None and seq.request_id in self.forced_drafts:
-                d = self.forced_drafts[seq.request_id][n_out:n_out + len(d)]
-            seq.spec_token_ids = d
+        return out
 
     def _batch(self, items: list[tuple[Sequence, int, list[int]]]) -> ForwardBatch:
         """The MTP's batch: (sequence, first position, input tokens) each, one row per token, its

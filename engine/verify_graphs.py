@@ -56,6 +56,20 @@ class _Bucket:
     graph: torch.cuda.CUDAGraph | None = None
 
 
+def capture_buckets(buckets: list[int], make, forward, pool) -> dict:
+    """bucket -> make(bucket), whose `graph` captures forward(it) when `pool` is given (largest first:
+    smaller graphs reuse its memory)."""
+    out = {}
+    for b in sorted(buckets, reverse=True):
+        bk = make(b)
+        if pool is not None:
+            bk.graph, _ = capture(lambda bk=bk: forward(bk), pool)
+        out[b] = bk
+    if pool is not None:
+        torch.cuda.synchronize()
+    return out
+
+
 class VerifySteps:
     """The padded verify batches of every bucket, captured as CUDA graphs when `pool` is given."""
 
@@ -78,14 +92,7 @@ class VerifySteps:
         self.snap = {id(st): (st.prev_kv.new_zeros(B + 1, *st.prev_kv.shape[1:]),
                               st.prev_gate.new_zeros(B + 1, *st.prev_gate.shape[1:]),
                               st.has_prev.new_zeros(B + 1)) for st in self.states if st.prev_kv is not None}
-        self.static: dict[int, _Bucket] = {}
-        for b in sorted(self.buckets, reverse=True):  # largest first: smaller graphs reuse its memory
-            bk = self._bucket(b)
-            if pool is not None:
-                bk.graph, _ = capture(lambda bk=bk: self._forward(bk), pool)
-            self.static[b] = bk
-        if pool is not None:
-            torch.cuda.synchronize()
+        self.static: dict[int, _Bucket] = capture_buckets(self.buckets, self._bucket, self._forward, pool)
 
     def fits(self, batch: list[tuple[Sequence, int]]) -> bool:
         """Every sequence decodes its last token plus its drafts, within the largest bucket."""

@@ -4,11 +4,12 @@ One engine (speculative_config k = 3, CUDA graphs for its plain steps) on a rand
 
 1. micro: at batch B, with B requests prefilled (input_len tokens), CUDA-synchronised medians of
    the plain decode step (graph replay), the verify forward of k + 1 tokens per sequence (its
-   CUDA graph, engine/verify_graphs.py, and eager), the MTP over k + 1 rows (its catch-up) and
-   one chained draft step (one row per sequence);
+   CUDA graph, engine/verify_graphs.py, and eager), the MTP's graph for k drafts
+   (engine/draft_graphs.py) and eagerly the MTP over k + 1 rows (its catch-up) and one chained
+   draft step (one row per sequence);
 2. model: from those, the speed-up at a per-token acceptance rate a:
-   E[tokens per step] = (1 - a^(k+1)) / (1 - a), cost = verify + catch-up + (k - 1) drafts,
-   speed-up = E[tokens] x plain / cost (JSON: with the graphed and with the eager verify);
+   E[tokens per step] = (1 - a^(k+1)) / (1 - a), cost = verify + the MTP's work (graphed: the two
+   graphs; eager: verify + catch-up + (k - 1) drafts), speed-up = E[tokens] x plain / cost;
 3. end to end, decode tokens/s (after the prefills) at the two ends random weights allow: the
    random MTP's own drafts (acceptance ~0: the pure overhead) and drafts forced to agree (the
    outputs of that speculative run replayed as drafts: acceptance ~1), against plain decoding.
@@ -29,6 +30,7 @@ import torch
 from engine.llm import LLM
 from engine.random_checkpoint import PRESETS, QUANTS
 from engine.request import GenerationRequest, SamplingParams
+from engine.draft_graphs import DraftSteps
 from engine.verify_graphs import VerifySteps
 from tools.bench_engine import random_prompts, resolve_model
 
@@ -77,7 +79,8 @@ def micro(eng, spec, batch: int, input_len: int, reps: int) -> dict:
     for k in (1, 2, 3):
         for s in seqs:
             s.spec_token_ids = [s.last_token_id] * k
-            cache.allocate(s.blocks, eng.scheduler._window_lo(s), s.num_computed_tokens + 1 + k)
+            # the verify's k + 1 positions, then the chained drafts' k - 1 after them
+            cache.allocate(s.blocks, eng.scheduler._window_lo(s), s.num_computed_tokens + 2 * k)
         batch_k = [(s, 1 + k) for s in seqs]
 
         def verify():
@@ -87,10 +90,16 @@ def micro(eng, spec, batch: int, input_len: int, reps: int) -> dict:
         row[f"verify_k{k}_eager_ms"] = _median_ms(verify, reps)
         # the verify graph of this batch bucket: the engine's own for its k, one captured here for the others
         own = spec.verify_steps is not None and k == spec.k and batch in spec.verify_steps.static
-        vs = spec.verify_steps if own else VerifySteps(
-            model, cache, eng.max_model_len, k, [batch], torch.cuda.graph_pool_handle() if eng.runner.graphs else None)
+        pool = torch.cuda.graph_pool_handle() if spec.verify_steps is not None else None
+        vs = spec.verify_steps if own else VerifySteps(model, cache, eng.max_model_len, k, [batch], pool)
+        ds = spec.draft_steps if own else DraftSteps(spec.mtp, model, spec.mtp_cache, vs, pool)
         row[f"verify_k{k}_ms"] = _median_ms(lambda: vs.run(batch_k), reps)
-        del vs
+        # the MTP's graph after it, every draft accepted: catch-up over k + 1 rows, k - 1 chained steps
+        rows0 = [i * (k + 1) for i in range(batch)]
+        items = {i: (rows0[i], [s.last_token_id] * (k + 1)) for i, s in enumerate(seqs)}
+        chain = {i: (s.num_computed_tokens + k + 1, k) for i, s in enumerate(seqs)}
+        row[f"draft_graph_k{k}_ms"] = _median_ms(lambda: ds.run(batch_k, items, chain), reps)
+        del vs, ds
         hc = torch.zeros(batch * (k + 1), model.cfg.hc_mult, model.cfg.hidden_size, dtype=model.embed.weight.dtype,
                          device=eng.device)
         items = [(s, s.num_computed_tokens, [s.last_token_id] * (k + 1)) for s in seqs]
@@ -109,11 +118,15 @@ def micro(eng, spec, batch: int, input_len: int, reps: int) -> dict:
     return row
 
 
-def model_speedup(row: dict, verify: str = "verify_k{k}_ms") -> dict:
-    """Speed-up over plain decoding by acceptance rate, with the verify time `verify` (graphed or eager)."""
+def model_speedup(row: dict, graphs: bool = True) -> dict:
+    """Speed-up over plain decoding by acceptance rate: a step costs the verify and the MTP's work,
+    both graphed (the graphs' times) or both eager (the verify, catch-up and k - 1 draft steps)."""
     out = {}
     for k in (1, 2, 3):
-        cost = row[verify.format(k=k)] + row[f"mtp_rows{k + 1}_ms"] + (k - 1) * row["draft_ms"]
+        if graphs:
+            cost = row[f"verify_k{k}_ms"] + row[f"draft_graph_k{k}_ms"]
+        else:
+            cost = row[f"verify_k{k}_eager_ms"] + row[f"mtp_rows{k + 1}_ms"] + (k - 1) * row["draft_ms"]
         for a in ALPHAS:
             tokens = k + 1 if a == 1 else (1 - a ** (k + 1)) / (1 - a)
             out[f"k{k}_a{a:g}"] = tokens * row["plain_ms"] / cost
@@ -188,20 +201,21 @@ def main() -> None:
                            "output_len": args.output_len, "verify_graphs": sorted(spec.verify_steps.static)
                            if spec.verify_steps else [], "micro": rows, "end_to_end": e2e}, f, indent=2)
 
-    print("step times (ms): plain decode (graph); verify of k+1 tokens per sequence, graph / eager; the MTP over "
-          "k+1 rows; one chained draft step")
-    print(f"{'batch':>5} {'plain':>7} {'verify k=1':>13} {'k=2':>13} {'k=3':>13} {'mtp 2':>6} {'mtp 3':>6} "
-          f"{'mtp 4':>6} {'draft':>6}")
+    print("step times (ms): plain decode (graph); verify of k+1 tokens per sequence, graph / eager; the MTP's "
+          "graph for k drafts (catch-up over k+1 rows, k-1 chained); eager: the MTP over k+1 rows, one chained draft")
+    print(f"{'batch':>5} {'plain':>7} {'verify k=1':>13} {'k=2':>13} {'k=3':>13} {'draft graph k=1/2/3':>20} "
+          f"{'mtp 2':>6} {'mtp 3':>6} {'mtp 4':>6} {'draft':>6}")
     for b in args.batches:
         r = micro(eng, spec, b, args.input_len, args.reps)
         r["speedup"] = model_speedup(r)
-        r["speedup_eager"] = model_speedup(r, "verify_k{k}_eager_ms")
+        r["speedup_eager"] = model_speedup(r, graphs=False)
         rows.append(r)
         ver = " ".join(f"{r[f'verify_k{k}_ms']:>6.2f}/{r[f'verify_k{k}_eager_ms']:<6.1f}" for k in (1, 2, 3))
-        print(f"{b:>5} {r['plain_ms']:>7.2f} {ver} {r['mtp_rows2_ms']:>6.2f} {r['mtp_rows3_ms']:>6.2f} "
+        dg = "/".join(f"{r[f'draft_graph_k{k}_ms']:.2f}" for k in (1, 2, 3))
+        print(f"{b:>5} {r['plain_ms']:>7.2f} {ver} {dg:>20} {r['mtp_rows2_ms']:>6.2f} {r['mtp_rows3_ms']:>6.2f} "
               f"{r['mtp_rows4_ms']:>6.2f} {r['draft_ms']:>6.2f}", flush=True)
         dump()
-    print("\nmodelled speed-up over plain decoding (graphed verify), by per-token acceptance rate a")
+    print("\nmodelled speed-up over plain decoding (verify and MTP graphed), by per-token acceptance rate a")
     print(f"{'batch':>5} {'k':>2} " + " ".join(f"{'a=' + format(a, 'g'):>6}" for a in ALPHAS))
     for r in rows:
         for k in (1, 2, 3):
@@ -213,10 +227,10 @@ def main() -> None:
     for b in args.batches:
         r = end_to_end(eng, spec, b, args.input_len, args.output_len)
         e2e.append(r)
-        p = r["forced_step_paths"]
+        p = r["forced_step_paths"]  # verify steps replayed as graphs / all
         print(f"{b:>5} {r['plain_tok_s']:>8.1f} {r['mtp_tok_s']:>8.1f} {r['mtp_acceptance']:>5.2f} "
               f"{r['mtp_same_as_plain']:>6} {r['forced_tok_s']:>8.1f} {r['forced_acceptance']:>5.2f} "
-              f"{r['forced_same_as_mtp']:>5} {p['verify_graph']:>4}/{sum(p.values()):<4} {r['forced_speedup']:>8.2f} "
+              f"{r['forced_same_as_mtp']:>5} {p['verify_graph']:>4}/{p['verify_graph'] + p['verify_eager']:<4} {r['forced_speedup']:>8.2f} "
               f"{100 * r['mtp_overhead']:>7.1f}%", flush=True)
         dump()
 

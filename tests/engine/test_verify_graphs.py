@@ -12,6 +12,7 @@ import torch
 from engine.compress_plan import compress_plan
 from engine.llm import LLM
 from engine.request import GenerationRequest, SamplingParams
+from engine.draft_graphs import DraftSteps
 from engine.verify_graphs import VerifySteps
 from tests.engine.test_batching import _full
 
@@ -23,12 +24,19 @@ def _prompts(vocab, seed, lengths):
     return [torch.randint(5, vocab, (L,), generator=g).tolist() for L in lengths]
 
 
+def _padded(eng, buckets):
+    """What the GPU captures (verify and MTP graphs), as static batches run eagerly."""
+    spec = eng.spec
+    assert spec.verify_steps is None and spec.draft_steps is None  # CPU: no decode graphs, so none
+    spec.verify_steps = VerifySteps(eng.model, eng.cache, eng.max_model_len, spec.k, buckets)
+    spec.draft_steps = DraftSteps(spec.mtp, eng.model, spec.mtp_cache, spec.verify_steps)
+
+
 def _run(path, prompts, params, padded, forced=None, **kw):
     llm = LLM(str(path), dtype="float64", max_model_len=256, speculative_config=SPEC, seed=3, **kw)
     spec = llm.engine.spec
-    assert spec.verify_steps is None  # CPU: no decode graphs, so no verify graphs
     if padded:
-        spec.verify_steps = VerifySteps(llm.engine.model, llm.engine.cache, 256, spec.k, padded)
+        _padded(llm.engine, padded)
     spec.force_drafts(forced)
     out = [o.token_ids for o in llm.generate(prompts, params)]
     assert _full(llm.engine)
@@ -59,57 +67,39 @@ def test_padded_verify_equals_the_eager_verify(checkpoints, shape):
     assert p == e and 0 < e["spec_decode_num_accepted_tokens"] < e["spec_decode_num_draft_tokens"]
     paths = p_eng.spec.step_paths
     assert paths["verify_graph"] > 5 and paths["verify_eager"] > 0  # decodes padded, prefill chunks eager
-    assert sum(paths.values()) == e_eng.spec.step_paths["verify_eager"]
-    assert paths["verify_graph"] == p_eng.spec.verify_steps.replays
+    assert paths["verify_graph"] + paths["verify_eager"] == e_eng.spec.step_paths["verify_eager"]
+    assert paths["verify_graph"] == p_eng.spec.verify_steps.replays == paths["draft_graph"]
+    assert paths["draft_graph"] + paths["draft_eager"] == e_eng.spec.step_paths["draft_eager"]
 
 
-def test_packed_verify_rows_equal_build_batch_and_the_rest_is_padding(checkpoints):
-    llm = LLM(str(checkpoints["official-ratios"]), dtype="float32", max_model_len=256, speculative_config=SPEC)
-    eng, spec = llm.engine, llm.engine.spec
-    vs = VerifySteps(eng.model, eng.cache, 256, spec.k, [2, 4])
-    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-    for i, n in enumerate((5, 40, 90)):
-        eng.add_request(GenerationRequest(f"r{i}", prompt_token_ids=[7 + (j * 13 + i) % 200 for j in range(n)],
-                                          sampling=sp))
-    while len(eng.scheduler.running) < 3 or not all(s.spec_token_ids for s in eng.scheduler.running):
-        eng.step()
-    scheduled = eng.scheduler.schedule()
-    batch = spec._attach_drafts(scheduled)
-    assert vs.fits(batch) and [n for _, n in batch] == [4, 4, 4]
-    bk = vs.static[4]  # three sequences: the 4-bucket, one padding sequence and 12 + 4 rows
-    host = np.full(bk.pad.shape, 12345, dtype=np.int64)
-    T, blocks = vs.pack(batch, bk, host)
-    bk.flat.copy_(torch.from_numpy(host))
-    want, fb = eng.runner.build_batch(batch), bk.fb
-    assert T == 12 and want.logits_rows.tolist() == list(range(T)) and fb.logits_rows.tolist() == list(range(16))
-    pad = torch.from_numpy(bk.pad)
-    for name in ("input_ids", "positions", "window_slots", "token_seq"):
-        assert getattr(fb, name)[:T].tolist() == getattr(want, name).tolist(), name
-        o = bk.fields[name][0]
-        assert (getattr(fb, name)[T:] == pad[o + T:o + bk.T]).all(), name
-    assert fb.replay_start_t[:3].tolist() == want.replay_start_t.tolist()
-    assert fb.state_slot_t[:3].tolist() == want.state_slot_t.tolist() and fb.state_slot_t[3] == eng.cache.scratch_slot
-    for name in ("window_tables", "full_tables"):
-        got, ref = getattr(fb, name)[:3], getattr(want, name)
-        assert got[:, :ref.shape[1]].tolist() == ref.tolist()
-    assert (fb.window_tables[3:] == eng.cache.scratch_window).all() and (fb.full_tables[3:] == eng.cache.scratch_full).all()
-    for m in vs.ratios:  # the real plan entries first, then padding that writes only the scratch slot
-        ref, got = compress_plan(want, m, eng.cache.block_size, eng.cache.scratch_slot + 1), fb.plans[("compress", m)]
-        nb = ref.num_blocks
-        assert got.blk_seq[:nb].tolist() == ref.blk_seq.tolist() and (got.blk_seq[nb:] == 4).all()
-        assert got.blk_entry[:nb].tolist() == ref.blk_entry.tolist()
-        assert blocks.get(m, ([], []))[0] == ref.blk_seq.tolist()
-        assert got.upd_slot[:len(ref.upd_slot)].tolist() == ref.upd_slot.tolist()
-        assert (got.upd_slot[len(ref.upd_slot):] == eng.cache.scratch_slot).all()
-        assert got.pend_row[:len(ref.pend_row)].tolist() == ref.pend_row.tolist()
-        assert (got.pend_dst[len(ref.pend_dst):] == eng.cache.scratch_slot * m).all()
-    # which path: a prefill chunk, more sequences than the largest bucket, or a row without its draft
-    seq0, n0 = batch[0]
-    assert not VerifySteps(eng.model, eng.cache, 256, spec.k, [2]).fits(batch)
-    assert not vs.fits([(seq0, n0 - 1)] + batch[1:])
-    seq0.num_computed_tokens -= 1
-    assert not vs.fits(batch)
-    seq0.num_computed_tokens += 1
+@pytest.mark.parametrize("shape", ["tiny", "official-ratios"])
+def test_padded_mtp_drafts_equal_the_eager_drafts_at_every_step(checkpoints, shape):
+    """The MTP's own drafts (catch-up over every verify row, chained steps on the device) against
+    the eager MTP path, compared after every step. The verified drafts are forced to the plain
+    tokens with every third one wrong, so the MTP drafts from every accepted row; sequences near
+    max_tokens draft fewer."""
+    path = checkpoints[shape]
+    prompts = _prompts(4000, seed=8, lengths=(9, 30, 17))
+    params = [SamplingParams(max_tokens=9 + 2 * i, temperature=0, ignore_eos=True) for i in range(3)]
+    plain = [o.token_ids for o in LLM(str(path), dtype="float64", max_model_len=256).generate(prompts, params)]
+    engines = []
+    for padded in (None, [1, 2, 4]):
+        eng = LLM(str(path), dtype="float64", max_model_len=256, speculative_config=SPEC).engine
+        if padded:
+            _padded(eng, padded)
+        eng.spec.force_drafts({f"r{i}": _corrupt(p, 4000) for i, p in enumerate(plain)})
+        for i, p in enumerate(prompts):
+            eng.add_request(GenerationRequest(f"r{i}", prompt_token_ids=p, sampling=params[i]))
+        engines.append(eng)
+    drafts = 0
+    while engines[0].has_unfinished():
+        outs = [[(o.request_id, o.token_ids) for o in eng.step()] for eng in engines]
+        assert outs[0] == outs[1]
+        assert engines[0].spec.mtp_drafts == engines[1].spec.mtp_drafts
+        drafts += sum(map(len, engines[0].spec.mtp_drafts.values()))
+    assert not engines[1].has_unfinished() and drafts > 20
+    assert engines[0].spec.stats()["spec_decode_num_accepted_tokens_per_pos"][1] > 0  # drafts from rows 0, 1 and 2
+    assert engines[1].spec.step_paths["draft_graph"] > 3 and engines[1].spec.stats() == engines[0].spec.stats()
 
 
 @pytest.mark.slow
@@ -127,7 +117,7 @@ def test_fused_kernels_take_the_padded_verify_batches(tiny_dir):
             llm = LLM(str(tiny_dir), dtype="float32", max_model_len=128, speculative_config=SPEC)
             spec = llm.engine.spec
             if padded:
-                spec.verify_steps = VerifySteps(llm.engine.model, llm.engine.cache, 128, spec.k, padded)
+                _padded(llm.engine, padded)
             runs.append(([o.token_ids for o in llm.generate(prompts, params)], spec.stats()))
     finally:
         kernels.set_backend("auto")
