@@ -27,6 +27,7 @@ from engine.llm_engine import LLMEngine
 from engine.mixed_graphs import MixedSteps
 from engine.random_checkpoint import PRESETS, QUANTS
 from engine.request import GenerationRequest, SamplingParams
+from tools import mixed_diag
 from tools.bench_engine import _pct, random_prompts, resolve_model, step_paths
 
 
@@ -60,9 +61,10 @@ def _generate(eng: LLMEngine, prompts: list[list[int]], sp: SamplingParams, tag:
     return list(got.values())
 
 
-def check_mixed(eng: LLMEngine, budget: int, n_prompts: int = 8, steps: int = 16) -> dict:
+def check_mixed(eng: LLMEngine, budget: int, n_prompts: int = 8, steps: int = 16, diagnose: bool = False) -> dict:
     """The same prompts (lengths spread so the budget splits them into chunks mixed with decodes)
-    with the mixed-step graphs and with those steps eager: greedy tokens and logprobs."""
+    with the mixed-step graphs and with those steps eager: greedy tokens and logprobs. diagnose:
+    then once more with every graph step checked against its eager runs (tools/mixed_diag.py)."""
     set_budget(eng, budget)
     vocab = eng.cfg.vocab_size
     longest = min(100 + 211 * n_prompts, eng.max_model_len - steps - 2)
@@ -90,6 +92,13 @@ def check_mixed(eng: LLMEngine, budget: int, n_prompts: int = 8, steps: int = 16
         print(f"  check: mixed-step graphs vs {name.replace('_', ' ')} at budget {budget}: {same}/{n_prompts} "
               f"identical greedy streams of {steps} tokens, logprob diff {diff:.2e} (while equal); graph run's "
               f"steps {paths}", flush=True)
+    if diagnose:
+        rows = mixed_diag.diagnose(eng, lambda: _generate(eng, prompts, sp, "check-diag"))
+        r["diagnosis"] = rows
+        bad = [d for d in rows if d["first_difference"] is not None]
+        first = f"step {bad[0]['step']} ({bad[0]['path']}), its line above" if bad else "none"
+        print(f"  diag: {len(rows)} graph steps, {len(bad)} with a cache write differing from eager; first: {first}",
+              flush=True)
     return r
 
 
@@ -219,7 +228,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="steps timed per step-time row")
     ap.add_argument("--check-budget", type=int, default=512, help="first compare mixed-step graphs with eager "
                     "at this budget (0: skip)")
-    ap.add_argument("--check-only", action="store_true", help="only the graphs-vs-eager check")
+    ap.add_argument("--check-only", action="store_true", help="only the graphs-vs-eager check (and --diagnose)")
+    ap.add_argument("--diagnose", action=argparse.BooleanOptionalAction, default=None,
+                    help="after the check, every graph step against its eager runs: where the graph first "
+                    "parts from them (layer, cache write); default: on with --check-only")
     ap.add_argument("--engine-args", default="{}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -236,7 +248,8 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(out, indent=2))
 
     if args.check_budget:
-        out["check"] = check_mixed(eng, args.check_budget)
+        diagnose = args.check_only if args.diagnose is None else args.diagnose
+        out["check"] = check_mixed(eng, args.check_budget, diagnose=diagnose)
         save()
     if args.check_only:
         return
