@@ -96,10 +96,28 @@ def check_mixed(eng: LLMEngine, budget: int, n_prompts: int = 8, steps: int = 16
         rows = mixed_diag.diagnose(eng, lambda: _generate(eng, prompts, sp, "check-diag"))
         r["diagnosis"] = rows
         bad = [d for d in rows if d["first_difference"] is not None]
-        first = f"step {bad[0]['step']} ({bad[0]['path']}), its line above" if bad else "none"
-        print(f"  diag: {len(rows)} graph steps, {len(bad)} with a cache write differing from eager; first: {first}",
-              flush=True)
+        _summary("", rows)
+        used = sorted({d["graph_size"] for d in rows if d["path"] == "mixed"})
+        if mixed is not None and used and torch.cuda.is_available():
+            # the same sizes captured again into a pool of their own, after everything else: if these
+            # replay right, the fault is in sharing the pool (with the decode graphs or other sizes)
+            own = MixedSteps(eng.model, eng.cache, eng.max_model_len, mixed.max_num_seqs, used,
+                             torch.cuda.graph_pool_handle())
+            eng.runner.mixed = own
+            try:
+                r["diagnosis_own_pool"] = mixed_diag.diagnose(
+                    eng, lambda: _generate(eng, prompts, sp, "check-diag-own"), " (own pool)")
+            finally:
+                eng.runner.mixed = mixed
+            _summary(" (sizes recaptured in their own pool)", r["diagnosis_own_pool"])
     return r
+
+
+def _summary(label: str, rows: list[dict]) -> None:
+    bad = [d for d in rows if d["first_difference"] is not None]
+    first = f"step {bad[0]['step']} ({bad[0]['path']}), its line above" if bad else "none"
+    print(f"  diag{label}: {len(rows)} graph steps, {len(bad)} with a cache write differing from eager; first: "
+          f"{first}", flush=True)
 
 
 def step_times(eng: LLMEngine, budget: int, decoders: int, steps: int, context: int) -> dict:

@@ -89,8 +89,8 @@ class StepDiagnosis:
     """Installed as `runner.run` for one run: every decode-graph and mixed-graph step goes the three
     ways above; eager steps run as they are. `rows` collects one dict per step."""
 
-    def __init__(self, runner, layer_types: list[str]):
-        self.runner, self.layer_types = runner, layer_types
+    def __init__(self, runner, layer_types: list[str], label: str = ""):
+        self.runner, self.layer_types, self.label = runner, layer_types, label
         self.run_graphs = runner.run
         m = runner.mixed
         # the padded batches eagerly (on the CPU, where nothing is captured, both sides run eagerly)
@@ -103,16 +103,17 @@ class StepDiagnosis:
 
     def __call__(self, scheduled, all_logits=False, pending=None, prompt_rows=None):
         r = self.runner
-        mixed = r.mixed is not None and r.mixed.fits(scheduled, all_logits)
-        if prompt_rows is not None or not (r._decode_graph(scheduled, all_logits) or mixed):
+        decode = r._decode_graph(scheduled, all_logits)  # the runner's own order: decode graphs first
+        mixed = not decode and r.mixed is not None and r.mixed.fits(scheduled, all_logits)
+        if prompt_rows is not None or not (decode or mixed):
             return self.run_graphs(scheduled, all_logits, pending, prompt_rows)
         pend = (pending[0], pending[1]) if pending is not None else None
         saved = [t.clone() for t in _states(r.cache)]
         fb = r.build_batch(scheduled)
         r._fill_pending(fb.input_ids, scheduled, pend, [e - 1 for e in accumulate(n for _, n in scheduled)])
         unpadded = r.model(fb, r.cache).clone()
-        self._restore(saved)
         if mixed:
+            self._restore(saved)
             padded = self.padded.run(scheduled, pend, r._fill_pending).clone()
         else:
             padded = unpadded  # a decode step: the eager step is its padded-eager counterpart
@@ -132,7 +133,7 @@ class StepDiagnosis:
 
     def describe(self, row: dict) -> str:
         what = "padded eager" if row["path"] == "mixed" else "eager"
-        s = (f"  diag step {row['step']} ({row['path']}, {row['tokens']} tokens of {row['seqs']} seqs -> graph "
+        s = (f"  diag{self.label} step {row['step']} ({row['path']}, {row['tokens']} tokens of {row['seqs']} seqs -> graph "
              f"{row['graph_size']}): logits |graph - {what}| {row['logits_graph_vs_padded_eager']:.2e}")
         if row["path"] == "mixed":
             s += f", |padded - unpadded eager| {row['logits_padded_vs_unpadded_eager']:.2e}"
@@ -145,9 +146,9 @@ class StepDiagnosis:
                 f"{layers[0]}..{layers[-1]} ({len(layers)})")
 
 
-def diagnose(eng, run) -> list[dict]:
+def diagnose(eng, run, label: str = "") -> list[dict]:
     """`run()` (a generation on `eng`) with every graph step diagnosed; returns the rows."""
-    diag = StepDiagnosis(eng.runner, [str(t) for t in eng.cfg.layer_types])
+    diag = StepDiagnosis(eng.runner, [str(t) for t in eng.cfg.layer_types], label)
     eng.runner.run = diag
     try:
         run()
