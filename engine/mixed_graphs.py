@@ -105,7 +105,9 @@ class _Static:
 class MixedSteps:
     """The padded batches of every size, captured as CUDA graphs when `pool` is given."""
 
-    def __init__(self, model, cache: KVCache, max_model_len: int, max_num_seqs: int, sizes: list[int], pool=None):
+    def __init__(self, model, cache: KVCache, max_model_len: int, max_num_seqs: int, sizes: list[int], pool=None,
+                 capture_fn=capture):
+        """capture_fn: how a size's step is captured (the CPU tests pass an emulation of a CUDA graph)."""
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
         self.max_model_len = max_model_len
@@ -122,9 +124,9 @@ class MixedSteps:
             st = self._static(size)
             if pool is not None:
                 out = self.logits[:st.layout.S - 1]
-                st.graph, st.logits = capture(lambda st=st, out=out: out.copy_(self.model(st.fb, self.cache)), pool)
+                st.graph, st.logits = capture_fn(lambda st=st, out=out: out.copy_(self.model(st.fb, self.cache)), pool)
             self.static[size] = st
-        if pool is not None:
+        if pool is not None and self.device.type == "cuda":
             torch.cuda.synchronize()
 
     def fits(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> bool:
