@@ -89,8 +89,9 @@ class StepDiagnosis:
     """Installed as `runner.run` for one run: every decode-graph and mixed-graph step goes the three
     ways above; eager steps run as they are. `rows` collects one dict per step."""
 
-    def __init__(self, runner, layer_types: list[str], label: str = ""):
-        self.runner, self.layer_types, self.label = runner, layer_types, label
+    def __init__(self, runner, layer_types: list[str], label: str = "", unpadded: bool = True):
+        """unpadded=False: a mixed step skips the unpadded eager run (its logits diff reads 0)."""
+        self.runner, self.layer_types, self.label, self.unpadded = runner, layer_types, label, unpadded
         self.run_graphs = runner.run
         m = runner.mixed
         # the padded batches eagerly (on the CPU, where nothing is captured, both sides run eagerly)
@@ -109,14 +110,17 @@ class StepDiagnosis:
             return self.run_graphs(scheduled, all_logits, pending, prompt_rows)
         pend = (pending[0], pending[1]) if pending is not None else None
         saved = [t.clone() for t in _states(r.cache)]
-        fb = r.build_batch(scheduled)
-        r._fill_pending(fb.input_ids, scheduled, pend, [e - 1 for e in accumulate(n for _, n in scheduled)])
-        unpadded = r.model(fb, r.cache).clone()
+        unpadded = None
+        if self.unpadded or not mixed:
+            fb = r.build_batch(scheduled)
+            r._fill_pending(fb.input_ids, scheduled, pend, [e - 1 for e in accumulate(n for _, n in scheduled)])
+            unpadded = r.model(fb, r.cache).clone()
         if mixed:
             self._restore(saved)
             padded = self.padded.run(scheduled, pend, r._fill_pending).clone()
         else:
             padded = unpadded  # a decode step: the eager step is its padded-eager counterpart
+        unpadded = padded if unpadded is None else unpadded
         want = cache_writes(r.cache, scheduled)
         self._restore(saved)
         logits = self.run_graphs(scheduled, all_logits, pending, prompt_rows)
@@ -146,9 +150,9 @@ class StepDiagnosis:
                 f"{layers[0]}..{layers[-1]} ({len(layers)})")
 
 
-def diagnose(eng, run, label: str = "") -> list[dict]:
+def diagnose(eng, run, label: str = "", unpadded: bool = True) -> list[dict]:
     """`run()` (a generation on `eng`) with every graph step diagnosed; returns the rows."""
-    diag = StepDiagnosis(eng.runner, [str(t) for t in eng.cfg.layer_types], label)
+    diag = StepDiagnosis(eng.runner, [str(t) for t in eng.cfg.layer_types], label, unpadded)
     eng.runner.run = diag
     try:
         run()
