@@ -101,15 +101,17 @@ def check_mixed(eng: LLMEngine, budget: int, n_prompts: int = 8, steps: int = 16
         if mixed is not None and used and torch.cuda.is_available():
             # the same sizes captured again into a pool of their own, after everything else: if these
             # replay right, the fault is in sharing the pool (with the decode graphs or other sizes)
-            own = MixedSteps(eng.model, eng.cache, eng.max_model_len, mixed.max_num_seqs, used,
-                             torch.cuda.graph_pool_handle())
-            eng.runner.mixed = own
             try:
+                eng.runner.mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, mixed.max_num_seqs, used,
+                                              torch.cuda.graph_pool_handle())
                 r["diagnosis_own_pool"] = mixed_diag.diagnose(
                     eng, lambda: _generate(eng, prompts, sp, "check-diag-own"), " (own pool)")
+                _summary(" (sizes recaptured in their own pool)", r["diagnosis_own_pool"])
+            except torch.OutOfMemoryError as e:  # the first diagnosis stands; say why this one is missing
+                print(f"  diag (own pool): not run, out of GPU memory ({e})", flush=True)
+                _drain(eng)
             finally:
                 eng.runner.mixed = mixed
-            _summary(" (sizes recaptured in their own pool)", r["diagnosis_own_pool"])
     return r
 
 

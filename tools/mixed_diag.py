@@ -2,8 +2,9 @@
 
 Each step of a run goes three ways from one cache state: eagerly unpadded (build_batch), eagerly on
 the padded batch the graph replays (a MixedSteps built without capture; for a decode step the plain
-eager step), then the graph itself; between them the compressor state is put back, and the run
-carries on from the graph's result. Per step it prints the logits' differences and the first
+eager step), then the graph itself; between them everything the step writes (the window and full
+blocks holding its positions, the compressor states) is put back, and the run carries on from the
+graph's result. Per step it prints the logits' differences and the first
 (layer, cache write) where the graph's differs from the padded eager run's: the window KV a layer
 writes depends on everything before that layer's attention, its compressed entries, indexer keys
 and compressor state on its compressor, so the first differing write names the layer and the op.
@@ -23,18 +24,9 @@ from engine.sequence import Sequence
 _STATE_FIELDS = ("pend_kv", "pend_gate", "prev_kv", "prev_gate", "has_prev")
 
 
-def _states(cache) -> list[torch.Tensor]:
-    """Every compressor-state tensor a step updates in place (the prefix cache's bnd_* aside)."""
-    out = []
-    for st in cache.comp_state + cache.index_state:
-        if st is not None:
-            out += [getattr(st, f) for f in _STATE_FIELDS if getattr(st, f) is not None]
-    return out
-
-
-def cache_writes(cache, scheduled: list[tuple[Sequence, int]]) -> list[tuple[int, str, torch.Tensor]]:
-    """(layer, what, copy) of everything the step writes, in the order a layer writes it: the
-    window and full blocks that hold the step's positions, and the compressor states."""
+def _regions(cache, scheduled: list[tuple[Sequence, int]]) -> list[tuple[int, str, torch.Tensor, torch.Tensor | None]]:
+    """(layer, what, tensor, rows or None for all of it) of everything the step writes, in the order a
+    layer writes it: the window and full blocks that hold the step's positions, the compressor states."""
     bs = cache.block_size
     wb, fb = set(), set()
     for s, n in scheduled:
@@ -47,17 +39,29 @@ def cache_writes(cache, scheduled: list[tuple[Sequence, int]]) -> list[tuple[int
     f = torch.tensor(sorted(fb), dtype=torch.long, device=dev)
     out = []
     for layer in range(cache.cfg.num_layers):
-        out.append((layer, "window KV", cache.window[layer][w].clone()))
+        out.append((layer, "window KV", cache.window[layer], w))
         for name, pool, st in (("compressor", cache.compressed[layer], cache.comp_state[layer]),
                                ("indexer", cache.index_keys[layer], cache.index_state[layer])):
             if st is None:
                 continue
-            for fld in _STATE_FIELDS:
-                t = getattr(st, fld)
-                if t is not None:
-                    out.append((layer, f"{name} state {fld}", t.clone()))
-            out.append((layer, f"{name} entries", pool[f].clone()))
+            out += [(layer, f"{name} state {fld}", getattr(st, fld), None) for fld in _STATE_FIELDS
+                    if getattr(st, fld) is not None]
+            out.append((layer, f"{name} entries", pool, f))
     return out
+
+
+def cache_writes(cache, scheduled: list[tuple[Sequence, int]]) -> list[tuple[int, str, torch.Tensor]]:
+    """(layer, what, copy) of everything the step writes (see _regions)."""
+    return [(layer, what, (t if rows is None else t[rows]).clone()) for layer, what, t, rows in _regions(cache, scheduled)]
+
+
+def restore(cache, scheduled: list[tuple[Sequence, int]], saved: list[tuple[int, str, torch.Tensor]]) -> None:
+    """Put cache_writes' copies back: the next run of the step starts from the same cache."""
+    for (_, _, t, rows), (_, _, copy) in zip(_regions(cache, scheduled), saved):
+        if rows is None:
+            t.copy_(copy)
+        else:
+            t[rows] = copy
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -98,10 +102,6 @@ class StepDiagnosis:
         self.padded = MixedSteps(runner.model, runner.cache, runner.max_model_len, m.max_num_seqs, m.sizes) if m else None
         self.rows: list[dict] = []
 
-    def _restore(self, saved: list[torch.Tensor]) -> None:
-        for t, s in zip(_states(self.runner.cache), saved):
-            t.copy_(s)
-
     def __call__(self, scheduled, all_logits=False, pending=None, prompt_rows=None):
         r = self.runner
         decode = r._decode_graph(scheduled, all_logits)  # the runner's own order: decode graphs first
@@ -109,20 +109,20 @@ class StepDiagnosis:
         if prompt_rows is not None or not (decode or mixed):
             return self.run_graphs(scheduled, all_logits, pending, prompt_rows)
         pend = (pending[0], pending[1]) if pending is not None else None
-        saved = [t.clone() for t in _states(r.cache)]
+        saved = cache_writes(r.cache, scheduled)
         unpadded = None
         if self.unpadded or not mixed:
             fb = r.build_batch(scheduled)
             r._fill_pending(fb.input_ids, scheduled, pend, [e - 1 for e in accumulate(n for _, n in scheduled)])
             unpadded = r.model(fb, r.cache).clone()
         if mixed:
-            self._restore(saved)
+            restore(r.cache, scheduled, saved)
             padded = self.padded.run(scheduled, pend, r._fill_pending).clone()
         else:
             padded = unpadded  # a decode step: the eager step is its padded-eager counterpart
         unpadded = padded if unpadded is None else unpadded
         want = cache_writes(r.cache, scheduled)
-        self._restore(saved)
+        restore(r.cache, scheduled, saved)
         logits = self.run_graphs(scheduled, all_logits, pending, prompt_rows)
         got = cache_writes(r.cache, scheduled)
         T = sum(n for _, n in scheduled)
