@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from engine.forward_batch import ForwardBatch
+from engine.mixed_graphs import capture
 from engine.verify_graphs import VerifySteps, capture_buckets
 
 
@@ -42,13 +43,13 @@ class _Bucket:
 
 
 class DraftSteps:
-    def __init__(self, mtp, model, mtp_cache, verify: VerifySteps, pool=None):
+    def __init__(self, mtp, model, mtp_cache, verify: VerifySteps, pool=None, capture_fn=capture):
         self.mtp, self.model, self.cache, self.verify = mtp, model, mtp_cache, verify
         self.k = verify.k1 - 1
         self.replays = 0
         B = max(verify.buckets, default=0)
         self.drafts = torch.zeros(B, self.k, dtype=torch.long, device=verify.device)  # shared by every bucket
-        self.static: dict[int, _Bucket] = capture_buckets(verify.buckets, self._bucket, self._forward, pool)
+        self.static: dict[int, _Bucket] = capture_buckets(verify.buckets, self._bucket, self._forward, pool, capture_fn)
 
     def _bucket(self, B: int) -> _Bucket:
         vb, c, width = self.verify.static[B], self.verify.cache, self.verify.width

@@ -56,16 +56,16 @@ class _Bucket:
     graph: torch.cuda.CUDAGraph | None = None
 
 
-def capture_buckets(buckets: list[int], make, forward, pool) -> dict:
+def capture_buckets(buckets: list[int], make, forward, pool, capture_fn=capture) -> dict:
     """bucket -> make(bucket), whose `graph` captures forward(it) when `pool` is given (largest first:
-    smaller graphs reuse its memory)."""
+    smaller graphs reuse its memory). capture_fn: the CPU tests pass an emulation of a CUDA graph."""
     out = {}
     for b in sorted(buckets, reverse=True):
         bk = make(b)
         if pool is not None:
-            bk.graph, _ = capture(lambda bk=bk: forward(bk), pool)
+            bk.graph, _ = capture_fn(lambda bk=bk: forward(bk), pool)
         out[b] = bk
-    if pool is not None:
+    if pool is not None and torch.cuda.is_available():
         torch.cuda.synchronize()
     return out
 
@@ -74,7 +74,7 @@ class VerifySteps:
     """The padded verify batches of every bucket, captured as CUDA graphs when `pool` is given."""
 
     def __init__(self, model, cache: KVCache, max_model_len: int, num_speculative_tokens: int,
-                 buckets: list[int], pool=None):
+                 buckets: list[int], pool=None, capture_fn=capture):
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
         self.max_model_len, self.k1 = max_model_len, num_speculative_tokens + 1
@@ -92,7 +92,7 @@ class VerifySteps:
         self.snap = {id(st): (st.prev_kv.new_zeros(B + 1, *st.prev_kv.shape[1:]),
                               st.prev_gate.new_zeros(B + 1, *st.prev_gate.shape[1:]),
                               st.has_prev.new_zeros(B + 1)) for st in self.states if st.prev_kv is not None}
-        self.static: dict[int, _Bucket] = capture_buckets(self.buckets, self._bucket, self._forward, pool)
+        self.static: dict[int, _Bucket] = capture_buckets(self.buckets, self._bucket, self._forward, pool, capture_fn)
 
     def fits(self, batch: list[tuple[Sequence, int]]) -> bool:
         """Every sequence decodes its last token plus its drafts, within the largest bucket."""

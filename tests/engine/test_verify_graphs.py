@@ -124,3 +124,36 @@ def test_fused_kernels_take_the_padded_verify_batches(tiny_dir):
         kernels.set_backend("auto")
     assert spec.step_paths["verify_graph"] >= 2
     assert runs[0] == runs[1]
+
+
+@pytest.mark.slow
+def test_emulated_verify_and_mtp_graph_replays_equal_the_eager_path(tiny_dir):
+    """The verify and MTP graphs captured and replayed through the CPU emulation of CUDA graphs
+    (tests/engine/graph_emulation.py: host values baked in at capture on the all-padding batch,
+    allocations poisoned at each replay, host reads refused), fused kernels under the Triton
+    interpreter: the same tokens and acceptance as the eager path, and as plain decoding. The
+    drafts are forced with every third one wrong, so rollbacks and accepted rows both run.
+    (About 2 minutes of CPU.)"""
+    import kernels
+    from tests.engine.graph_emulation import capture
+
+    prompts = _prompts(4000, seed=6, lengths=(7, 21))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(tiny_dir), dtype="float32", max_model_len=128).generate(prompts, params)]
+    runs = []
+    try:
+        for emulated in (False, True):
+            llm = LLM(str(tiny_dir), dtype="float32", max_model_len=128, speculative_config=SPEC)
+            kernels.set_backend("fused")  # after the engine, which sets its `kernels` argument's backend
+            eng, spec = llm.engine, llm.engine.spec
+            if emulated:
+                spec.verify_steps = VerifySteps(eng.model, eng.cache, 128, spec.k, [2], "emulated", capture)
+                spec.draft_steps = DraftSteps(spec.mtp, eng.model, spec.mtp_cache, spec.verify_steps, "emulated", capture)
+            spec.force_drafts({f"offline-{i}": _corrupt(p, 4000) for i, p in enumerate(plain)})
+            runs.append(([o.token_ids for o in llm.generate(prompts, params)], spec.stats()))
+    finally:
+        kernels.set_backend("auto")
+    assert spec.verify_steps.static[2].graph.replays == spec.step_paths["verify_graph"] >= 2
+    assert spec.draft_steps.static[2].graph.replays == spec.step_paths["draft_graph"] >= 2
+    assert runs[0] == runs[1] and runs[1][0] == plain
+    assert 0 < runs[1][1]["spec_decode_num_accepted_tokens"] < runs[1][1]["spec_decode_num_draft_tokens"]
