@@ -14,8 +14,9 @@ programs), GROUP_M (mma: programs sharing weight tiles run together), num_warps,
 W_CVT (dequant, bf16 activations: how the e4m3 tile becomes bf16; "cast" e4m3 -> f16 -> bf16 costs
 1.5 conversion-unit instructions per weight byte in the SASS (F2FP + F2F.BF16.F16, the unit Hopper
 has least of), "f32" 1 (F2FP unpack + pack, the f16 -> f32 step on the FMA pipe), "int" none
-(PRMT / LOP3 / IMAD.SHL / HMUL2: kernels/fused_fp8_linear._E4M3_BF16_ASM); "int" is the default
-from that count, not yet timed: tools/bench_fused.py times the three).
+(PRMT / LOP3 / IMAD.SHL / HMUL2: kernels/fused_fp8_linear._E4M3_BF16_ASM); "int" is the default:
+1.04-1.28x faster than "cast" at 1 / 32 / 150 rows on the H200, "f32" within a few percent of it,
+session 6's fused3.log).
 """
 
 from __future__ import annotations
@@ -40,12 +41,16 @@ def _mm(bm: int, bn: int, w: int = 4, st: int = 4) -> dict:
     return {"variant": "mma", "BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": w, "num_stages": st}
 
 
-_WQ_A = [(16, _dq(16, 64)), (64, _dq(32, 32)), (512, _dq(64, 64)), (4096, _mm(128, 128, 8, 3)),
+# One activation row on the CUDA cores (no MMA): measured 1.13-1.45x faster than the dequant GEMV at 1 row
+# for N <= 4096, K 2048-4096 (wq_a 6.1 vs 7.5 us, wkv 5.7 vs 7.2, shared_w1 7.0 vs 8.8, shared_w2 7.1 vs 8.0,
+# wo_a's groups 14.8 vs 15.3; docs/perf/h200-2026-12-01-s6/fused3.log); wo_b (K 8192) keeps the dequant GEMV.
+_GEMV = {"variant": "gemv", "BLOCK_N": 16, "BLOCK_K": 512, "WAVES": 8, "num_warps": 4, "num_stages": 1}
+_WQ_A = [(1, _GEMV), (16, _dq(16, 64)), (64, _dq(32, 32)), (512, _dq(64, 64)), (4096, _mm(128, 128, 8, 3)),
          (None, _mm(128, 64))]
-_SHARED_W1 = [(16, _dq(16, 64)), (64, _dq(32, 128, w=8)), (512, _dq(64, 128, st=3)),
+_SHARED_W1 = [(1, _GEMV), (16, _dq(16, 64)), (64, _dq(32, 128, w=8)), (512, _dq(64, 128, st=3)),
               (4096, _mm(128, 128, 8, 3)), (None, _mm(64, 128))]
 FP8_LINEAR: dict = {
-    "default": [(16, _DECODE), (64, {**_DECODE, "BLOCK_M": 64}), (512, _MID), (None, _PREFILL)],
+    "default": [(1, _GEMV), (16, _DECODE), (64, {**_DECODE, "BLOCK_M": 64}), (512, _MID), (None, _PREFILL)],
     (1024, 4096): _WQ_A,
     (32768, 1024): [(16, _mm(64, 128)), (64, _mm(64, 128)), (512, _mm(64, 128)), (4096, _mm(128, 128, 8, 3)),
                     (None, _mm(64, 128))],
