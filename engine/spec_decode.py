@@ -34,13 +34,13 @@ import torch
 
 from engine.args import InvalidEngineArgs
 from engine.deepseek_v4 import DeepseekV4
+from engine.draft_graphs import DraftSteps
 from engine.forward_batch import ForwardBatch
 from engine.mtp import MTP
 from engine.prompt_logprobs import prompt_logprob_rows
 from engine.rejection_sampler import greedy_accept, rejection_sample
 from engine.sampler import sampling_probs
 from engine.sequence import Sequence, Status
-from engine.draft_graphs import DraftSteps
 from engine.verify_graphs import VerifySteps
 
 

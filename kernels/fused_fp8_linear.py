@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels import quant_configs
-from kernels.semaphores import semaphores
+from kernels.semaphores import semaphores, split_k_arrive, split_k_total
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
 
@@ -125,15 +125,12 @@ def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_
 @triton.jit
 def _split_k_store(acc, y_ptr, ws_ptr, tile, pid_k, out, omask, M, N, SPLITS: tl.constexpr):
     """Write this split's float32 partial `acc` of y's entries `out`; the last split of the tile to
-    finish (its counter `tile`, reset by it for the next call) adds the others' and writes y."""
+    finish adds every split's partial in split order (the same sum whichever split is last: the
+    order used to start from the last one's own, so equal inputs could round differently run to
+    run) and writes y."""
     if SPLITS > 1:
-        tl.store(ws_ptr + pid_k * M * N + out, acc, mask=omask)
-        tl.debug_barrier()  # every thread's partial is stored before the counter's release
-        if tl.atomic_add(tile, 1, sem="acq_rel") == SPLITS - 1:  # the last split of this tile adds them up
-            tl.atomic_xchg(tile, 0)  # zero again for the next call (CUDA graphs replay it as is)
-            for s in tl.static_range(SPLITS):  # the others' partials, from L2 (volatile: never a stale L1 line)
-                part = tl.load(ws_ptr + s * M * N + out, mask=omask, other=0.0, volatile=True)
-                acc += tl.where(pid_k == s, 0.0, part)
+        if split_k_arrive(ws_ptr, out, omask, acc, tile, pid_k, M * N, SPLITS):
+            acc = split_k_total(ws_ptr, out, omask, acc, pid_k, M * N, SPLITS)
             tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=omask)
     else:
         tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=omask)

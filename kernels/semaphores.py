@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 _BUFFERS: dict = {}
+_RETIRED: list = []  # outgrown buffers: graphs captured before the growth still point at them
 
 
 def semaphores(device: torch.device, count: int) -> torch.Tensor:
@@ -19,6 +20,8 @@ def semaphores(device: torch.device, count: int) -> torch.Tensor:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"kernels.semaphores: {count} counters first asked for inside a CUDA graph capture; "
                                "run the step once before capturing it (engine/mixed_graphs.capture warms up twice)")
+        if buf is not None:
+            _RETIRED.append(buf)  # never freed: its memory must not be handed to another tensor
         buf = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
         _BUFFERS[device] = buf
     return buf

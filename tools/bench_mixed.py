@@ -95,7 +95,6 @@ def check_mixed(eng: LLMEngine, budget: int, n_prompts: int = 8, steps: int = 16
     if diagnose:
         rows = mixed_diag.diagnose(eng, lambda: _generate(eng, prompts, sp, "check-diag"))
         r["diagnosis"] = rows
-        bad = [d for d in rows if d["first_difference"] is not None]
         _summary("", rows)
         used = sorted({d["graph_size"] for d in rows if d["path"] == "mixed"})
         if mixed is not None and used and torch.cuda.is_available():

@@ -27,10 +27,10 @@ from types import SimpleNamespace
 
 import torch
 
+from engine.draft_graphs import DraftSteps
 from engine.llm import LLM
 from engine.random_checkpoint import PRESETS, QUANTS
 from engine.request import GenerationRequest, SamplingParams
-from engine.draft_graphs import DraftSteps
 from engine.verify_graphs import VerifySteps
 from tools.bench_engine import random_prompts, resolve_model
 
@@ -93,12 +93,12 @@ def micro(eng, spec, batch: int, input_len: int, reps: int) -> dict:
         pool = torch.cuda.graph_pool_handle() if spec.verify_steps is not None else None
         vs = spec.verify_steps if own else VerifySteps(model, cache, eng.max_model_len, k, [batch], pool)
         ds = spec.draft_steps if own else DraftSteps(spec.mtp, model, spec.mtp_cache, vs, pool)
-        row[f"verify_k{k}_ms"] = _median_ms(lambda: vs.run(batch_k), reps)
+        row[f"verify_k{k}_ms"] = _median_ms(lambda vs=vs: vs.run(batch_k), reps)
         # the MTP's graph after it, every draft accepted: catch-up over k + 1 rows, k - 1 chained steps
         rows0 = [i * (k + 1) for i in range(batch)]
         items = {i: (rows0[i], [s.last_token_id] * (k + 1)) for i, s in enumerate(seqs)}
         chain = {i: (s.num_computed_tokens + k + 1, k) for i, s in enumerate(seqs)}
-        row[f"draft_graph_k{k}_ms"] = _median_ms(lambda: ds.run(batch_k, items, chain), reps)
+        row[f"draft_graph_k{k}_ms"] = _median_ms(lambda ds=ds: ds.run(batch_k, items, chain), reps)
         del vs, ds
         hc = torch.zeros(batch * (k + 1), model.cfg.hc_mult, model.cfg.hidden_size, dtype=model.embed.weight.dtype,
                          device=eng.device)

@@ -5,14 +5,12 @@ verify: the same tokens (greedy and sampled: the same logits draw the same sampl
 acceptance counts (the rollback reads the graph's closed-block and overlap-state buffers), and
 which steps took which path."""
 
-import numpy as np
 import pytest
 import torch
 
-from engine.compress_plan import compress_plan
+from engine.draft_graphs import DraftSteps
 from engine.llm import LLM
 from engine.request import GenerationRequest, SamplingParams
-from engine.draft_graphs import DraftSteps
 from engine.verify_graphs import VerifySteps
 from tests.engine.test_batching import _full
 
