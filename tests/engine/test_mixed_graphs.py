@@ -102,33 +102,6 @@ def test_new_token_ids_slices_prompt_and_output():
 
 
 @pytest.mark.slow
-def test_fused_kernels_take_the_padded_batches(tiny_dir):
-    """The kernels the GPU graphs replay (the fused ones, here under the Triton interpreter) on the
-    padded batches: the same tokens as on the unpadded batches, logprobs to float32 rounding."""
-    import kernels
-
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(5, 4000, (n,), generator=g).tolist() for n in (7, 33)]
-    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=1)
-    runs = []
-    try:
-        kernels.set_backend("fused")
-        for padded in (False, True):
-            llm = LLM(str(tiny_dir), dtype="float32", max_model_len=256, max_num_batched_tokens=32)
-            if padded:
-                eng = llm.engine
-                eng.runner.mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [16, 32])
-            runs.append(llm.generate(prompts, params))
-    finally:
-        kernels.set_backend("auto")
-    assert eng.runner.mixed.replays >= 2 and eng.runner.eager_steps <= 2  # the decode-only steps
-    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
-    for a, b in zip(*runs):
-        for la, lb in zip(a.logprobs, b.logprobs):
-            assert all(abs(la[k] - lb[k]) <= 1e-4 for k in la)
-
-
-@pytest.mark.slow
 def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(tiny_dir):
     """The mixed-step graph captured and replayed through an emulation of CUDA graphs on the CPU
     (tests/engine/graph_emulation.py: every host value baked in at capture, on the all-padding
