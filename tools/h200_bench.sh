@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|quant|fused|fused-fp8|depth|v41|v41-serve|largest|profile-depth|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh kernels|quant|fused|fused-fp8|recheck|depth|v41|v41-serve|largest|profile-depth|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
 # numpy2, serving, largest and v41-serve need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoints, drawn on the GPU: flash-depth (V4-Flash depth: 43 layers, 16 experts; mixed, engine, depth) and
 # flash-shaped (its per-layer shapes, 4 layers: quick and the rest).
@@ -46,6 +46,17 @@ v41-serve)  # V4.1-Flash-shaped through the real Triton server (engine core proc
     --concurrency 1,32,150 --input-len 512 --output-len 64 --duration 30 --stop-timeout 20 --out "$OUT" \
     --label v41-triton 2>&1 | tee "$OUT/v41_sweep.log" | grep -E "c=|rror|weights" | tail -6
   rm -rf "$CK"/v41-* ;;
+recheck)  # after session 6's split-order fix: do graph steps now equal their eager twins (issues 20 and 21)? One
+  # checkpoint: the mixed-step check + diagnosis at budget 512 (8/8 against padded eager means FULL graphs can be
+  # the default again), then speculative decoding at batch 1 and 8 (forced acceptance near 1 means the verify
+  # graph reproduces the run it replays); about 6 minutes with the checkpoint write
+  timeout 300 python3 -m tools.bench_mixed --preset flash-depth --quant fp8-fp4 --cache-dir $CK --check-only \
+    --step-budgets 512 --budgets 512 --users 8 --engine-args '{"max_model_len":8192,"block_size":128,"gpu_memory_utilization":0.9}' \
+    --json "$OUT/mixed_check.json" 2>&1 | tee "$OUT/mixed_check.log" | grep -E "check:|diag:|diag \(sizes" | tail -6
+  timeout 240 python3 -m tools.bench_spec --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batches 1,8 \
+    --input-len 512 --output-len 48 \
+    --engine-args '{"max_model_len":4096,"block_size":128,"gpu_memory_utilization":0.9,"cudagraph_mode":"FULL_DECODE_ONLY"}' \
+    --json "$OUT/spec.json" 2>&1 | tee "$OUT/spec.log" | grep -vE "^(INFO|WARNING)" | tail -8 ;;
 mixed)  # issue 20 at V4-Flash depth as shipped (FP8 + MXFP4), one engine: mixed-step graphs vs eager (tokens, then ms
   # per step of 64 decodes + a prefill chunk at budgets 512 / 2048), then the budget sweep: 64 users, 1024-token
   # prompts, 128 output tokens, closed loop, per budget TTFT / ITL / out tok/s (about 5-7 minutes with the checkpoint)
