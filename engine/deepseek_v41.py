@@ -269,17 +269,17 @@ class MoE(nn.Module):
         self.cfg = cfg
         E, inter, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.gate = Gate(cfg)
-        fmt = cfg.expert_dtype if quantized else "bf16"
+        fmt = cfg.expert_dtype if quantized and cfg.expert_dtype == "fp4" else "bf16"  # MXFP4 as stored
         _expert_weights(self, "w1", E, inter, D, fmt)
         _expert_weights(self, "w3", E, inter, D, fmt)
         _expert_weights(self, "w2", E, D, inter, fmt)
-        self.shared_experts = SharedExpert(cfg, quantized and cfg.fp8_linears)
+        self.shared_experts = SharedExpert(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         weights, indices = ops.router(x, self.gate.weight, self.gate.bias, cfg.num_experts_per_tok,
                                       cfg.routed_scaling_factor, cfg.scoring_func, cfg.gate_temp, cfg.norm_topk_prob)
-        if x.is_cuda:  # the fused grouped kernels (weight after w2: equal up to rounding)
+        if x.is_cuda or self.experts_w1_scale is not None:  # the grouped kernels (weight after w2: equal up to rounding)
             scales = None if self.experts_w1_scale is None else (self.experts_w1_scale, self.experts_w3_scale,
                                                                  self.experts_w2_scale)
             routed = K.moe_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights.to(x.dtype),
@@ -325,7 +325,7 @@ class Block(nn.Module):
             setattr(self, f"hc_{kind}_fn", nn.Parameter(torch.zeros(mix, hc * D, dtype=torch.float32)))
             setattr(self, f"hc_{kind}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
             setattr(self, f"hc_{kind}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
-        self.attn = Attention(cfg, layer, quantized and cfg.fp8_linears)
+        self.attn = Attention(cfg, layer)
         self.ffn = MoE(cfg, quantized)
         if layer in cfg.engram_layer_ids:
             self.engram = Engram(cfg, cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)])

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's stored formats, dequantized at load (CPU and GPU alike today).
+"""DeepSeek-V4.1's stored formats, dequantized at load, except MXFP4 routed experts on CUDA (keep_mxfp4).
 
 - FP8 e4m3 linears with one scale per `block` x `block` tile (32 in the released V4.1, 128 in V4),
   `<stem>.scale` (or transformers' `weight_scale_inv`) of shape [ceil(N/block), ceil(K/block)];
@@ -6,11 +6,13 @@
   along K, g = K / scale.shape[-1] (16 or 32);
 - Engram tables: FP8 rows with one scale per row chunk ([rows, head_dim / c]).
 Scales are ue8m0 (or float32). The existing FP8 kernels assume 128x128 blocks, so V4.1's 32x32
-weights are dequantized to the model dtype (said in docs/USAGE.md).
+weights are dequantized to the model dtype (said in docs/USAGE.md); experts in MXFP4 exactly (g = 32,
+ue8m0) can stay packed for the fused MoE, which reads V4's experts in that format.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -59,10 +61,36 @@ def dequantize_rows(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (w.float().unflatten(-1, (scale.shape[-1], -1)) * scale_to_float(scale).unsqueeze(-1)).flatten(-2)
 
 
+_EXPERT_WEIGHT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+_UE8M0 = (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8))
+
+
+def _mxfp4_pair(name: str, w: torch.Tensor, scale: torch.Tensor) -> bool:
+    """A routed expert (official name) in MXFP4 exactly: e2m1 pairs with one ue8m0 byte per 32 values."""
+    return (_EXPERT_WEIGHT.search(name) is not None and w.dtype == torch.int8 and scale.dtype in _UE8M0
+            and scale.shape[:-1] == w.shape[:-1] and 2 * w.shape[-1] == 32 * scale.shape[-1])
+
+
+def mxfp4_experts(model_dir: str | Path) -> bool:
+    """Whether the checkpoint's routed experts are MXFP4 under official names (read from the first
+    expert tensor's header: no data), so the fused MoE can read them as stored."""
+    for p in checkpoint_files(model_dir):
+        with safe_open(str(p), framework="pt") as f:
+            for name in f.keys():
+                if _EXPERT_WEIGHT.search(name):
+                    scale = name[: -len(".weight")] + ".scale"
+                    if scale not in f.keys():
+                        return False
+                    return _mxfp4_pair(name, f.get_slice(name)[:1], f.get_slice(scale)[:1])
+    return False
+
+
 def iter_v41_checkpoint(model_dir: str | Path, block: tuple[int, int] = (32, 32),
-                        device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+                        device: str | torch.device = "cpu", keep_mxfp4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name as stored, float tensor on `device`) for every weight; scales are consumed. Stored
-    weights move to `device` first and dequantize there (seconds on a GPU, not minutes)."""
+    weights move to `device` first and dequantize there (seconds on a GPU, not minutes).
+    keep_mxfp4: routed MXFP4 experts come as stored instead, each with its ue8m0 scale bytes
+    (`<stem>.scale`, uint8), for the fused MoE."""
     files = [p for p in checkpoint_files(model_dir) if p.name.startswith("model")] or checkpoint_files(model_dir)
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in files]
@@ -82,7 +110,10 @@ def iter_v41_checkpoint(model_dir: str | Path, block: tuple[int, int] = (32, 32)
             if scale_name is None:
                 raise WeightsError(f"quantized tensor {name} has no .scale / weight_scale_inv beside it")
             scale = where[scale_name].get_tensor(scale_name).to(device)
-            if t.dtype == torch.int8:
+            if keep_mxfp4 and _mxfp4_pair(name, t, scale):
+                yield name, t
+                yield name[: -len(".weight")] + ".scale", scale.view(torch.uint8)
+            elif t.dtype == torch.int8:
                 yield name, dequantize_fp4_groups(t, scale)
             elif table:
                 yield name, dequantize_rows(t, scale)

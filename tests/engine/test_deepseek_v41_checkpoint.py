@@ -10,7 +10,8 @@ import torch
 from engine.config_v41 import RELEASED_INDEX_SOURCES, RELEASED_KV_SOURCES, RELEASED_RATIOS, parse_v41_config
 from engine.loader_v41 import load_v41_model
 from engine.random_checkpoint_v41 import build_text_config, write_v41_checkpoint
-from engine.weights_v41 import dequantize_fp8_tiles, quantize_fp8_tiles
+from engine.weights import WeightsError
+from engine.weights_v41 import dequantize_fp8_tiles, mxfp4_experts, quantize_fp8_tiles
 from tests.engine.v41_oracle import one_shot
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -59,3 +60,24 @@ def test_flash_shaped_preset_keeps_the_released_schedule(tmp_path):
     assert list(cfg.index_source_layer_ids) == RELEASED_INDEX_SOURCES and cfg.candidate_source_layer_id == 20
     assert (cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank) == (5120, 64, 512, 1280)
     assert cfg.engram_layer_ids == (1, 14) and cfg.last_kv_source == 20
+
+
+def test_mxfp4_experts_kept_as_stored_give_the_dequantized_logits(checkpoints):
+    """On CUDA the routed experts stay packed (e2m1 pairs + ue8m0 bytes, a quarter of bf16's bytes)
+    for the fused MoE; here the same model built that way runs the MoE on them (the reference
+    kernels dequantize inside) and gives the logits of the model dequantized at load. The FP8
+    32x32 linears are dequantized either way (the FP8 kernels read 128x128 blocks)."""
+    ck = checkpoints["fp8-fp4"]
+    assert mxfp4_experts(ck) and not mxfp4_experts(checkpoints["bf16"])
+    dq = load_v41_model(ck, torch.float32)  # the CPU default
+    st = load_v41_model(ck, torch.float32, experts_as_stored=True)
+    ffn = st.layers[2].ffn
+    assert ffn.experts_w1.dtype == torch.int8 and ffn.experts_w1_scale.dtype == torch.uint8
+    assert ffn.experts_w1.numel() * 2 == dq.layers[2].ffn.experts_w1.numel()  # two values per byte
+    assert st.layers[3].attn.wq_b.weight.dtype == torch.float32  # FP8 32x32: dequantized
+    ids = torch.arange(5, 60).tolist()
+    a, b = one_shot(dq.double(), ids), one_shot(st.double(), ids)
+    # the packed path's MoE works in float32 (kernels.reference dequantizes there): float32 rounding, not more
+    assert (a - b).abs().max() <= 1e-6 * a.abs().max()
+    with pytest.raises(WeightsError, match="experts_as_stored needs MXFP4"):
+        load_v41_model(checkpoints["bf16"], torch.float32, experts_as_stored=True)
