@@ -58,6 +58,36 @@ def new_token_ids(seq: Sequence, start: int, n: int) -> list[int]:
     return p[start:start + n] + seq.output_token_ids[:max(0, start + n - len(p))]
 
 
+def pack_rows(batch: list[tuple[Sequence, int]], token_ids: list[list[int]], col, tables: np.ndarray, bs: int):
+    """The rows every padded static batch packs alike (mixed steps, speculative verify): each
+    sequence's block tables over the padding fill, its `token_ids` at the positions after its
+    computed tokens, the window slots they write, its replay start and state slot (`col(name)`:
+    that field of the flat host buffer). -> (rows per sequence, starts, compress_from, state slots,
+    first row per sequence), numpy."""
+    S = len(batch)
+    n = np.fromiter((k for _, k in batch), dtype=np.int64, count=S)
+    starts = np.fromiter((s.num_computed_tokens for s, _ in batch), dtype=np.int64, count=S)
+    cfrom = np.fromiter((s.compress_from for s, _ in batch), dtype=np.int64, count=S)
+    slots = np.fromiter((s.blocks.state_slot for s, _ in batch), dtype=np.int64, count=S)
+    tables[0, :S], tables[1, :S] = -1, 0  # then each row's blocks over the fill
+    for i, (s, _) in enumerate(batch):
+        wt, ft = s.blocks.window_table, s.blocks.full_table
+        tables[0, i, :len(wt)] = wt
+        tables[1, i, :len(ft)] = ft
+    ids = [t for row in token_ids for t in row]
+    T = len(ids)
+    row0 = np.cumsum(n) - n
+    seq = np.repeat(np.arange(S), n)
+    pos = np.arange(T) + np.repeat(starts - row0, n)
+    col("input_ids")[:T] = ids
+    col("positions")[:T] = pos
+    col("token_seq")[:T] = seq
+    col("window_slots")[:T] = tables[0, seq, pos // bs] * bs + pos % bs
+    col("replay_start_t")[:S] = [s.replay_start for s, _ in batch]
+    col("state_slot_t")[:S] = slots
+    return n, starts, cfrom, slots, row0
+
+
 @dataclass
 class _Layout:
     """Where each field sits in a size's flat buffer: (offset, length)."""
@@ -182,28 +212,9 @@ class MixedSteps:
         f = lay.fields
         col = lambda name: host[f[name][0]:f[name][0] + f[name][1]]
         tables = col("tables").reshape(2, lay.S, lay.width)
+        ids = [new_token_ids(s, s.num_computed_tokens, k) for s, k in scheduled]
+        n, starts, cfrom, slots, row0 = pack_rows(scheduled, ids, col, tables, bs)
         S = len(scheduled)
-        n = np.fromiter((k for _, k in scheduled), dtype=np.int64, count=S)
-        starts = np.fromiter((s.num_computed_tokens for s, _ in scheduled), dtype=np.int64, count=S)
-        cfrom = np.fromiter((s.compress_from for s, _ in scheduled), dtype=np.int64, count=S)
-        slots = np.fromiter((s.blocks.state_slot for s, _ in scheduled), dtype=np.int64, count=S)
-        ids = []
-        tables[0, :S], tables[1, :S] = -1, 0  # then each row's blocks over the fill
-        for i, (s, k) in enumerate(scheduled):
-            ids += new_token_ids(s, int(starts[i]), k)
-            wt, ft = s.blocks.window_table, s.blocks.full_table
-            tables[0, i, :len(wt)] = wt
-            tables[1, i, :len(ft)] = ft
-        T = len(ids)
-        row0 = np.cumsum(n) - n
-        seq = np.repeat(np.arange(S), n)
-        pos = np.arange(T) + np.repeat(starts - row0, n)
-        col("input_ids")[:T] = ids
-        col("positions")[:T] = pos
-        col("token_seq")[:T] = seq
-        col("window_slots")[:T] = tables[0, seq, pos // bs] * bs + pos % bs
-        col("replay_start_t")[:S] = [s.replay_start for s, _ in scheduled]
-        col("state_slot_t")[:S] = slots
         samples = starts + n == np.fromiter((s.num_tokens for s, _ in scheduled), dtype=np.int64, count=S)
         rows = (row0 + n - 1)[samples]
         col("logits_rows")[:len(rows)] = rows

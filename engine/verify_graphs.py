@@ -26,7 +26,7 @@ import torch
 from engine.cache import KVCache
 from engine.compress_plan import CompressPlan, plan_arrays
 from engine.forward_batch import ForwardBatch
-from engine.mixed_graphs import capture
+from engine.mixed_graphs import capture, pack_rows
 from engine.sequence import Sequence
 
 # the plan's arrays in CompressPlan's order (src, blk_seq, blk_entry, prev, bnd_blk, bnd_seq,
@@ -144,29 +144,9 @@ class VerifySteps:
         host[:] = bk.pad
         col = lambda name: host[bk.fields[name][0]:bk.fields[name][0] + bk.fields[name][1]]
         tables = col("tables").reshape(2, bk.B + 1, self.width)
-        S = len(batch)
-        n = np.fromiter((k for _, k in batch), dtype=np.int64, count=S)
-        starts = np.fromiter((s.num_computed_tokens for s, _ in batch), dtype=np.int64, count=S)
-        cfrom = np.fromiter((s.compress_from for s, _ in batch), dtype=np.int64, count=S)
-        slots = np.fromiter((s.blocks.state_slot for s, _ in batch), dtype=np.int64, count=S)
-        ids = []
-        tables[0, :S], tables[1, :S] = -1, 0  # then each row's blocks over the fill
-        for i, (s, k) in enumerate(batch):
-            ids.append(s.last_token_id)
-            ids += s.spec_token_ids[:k - 1]
-            wt, ft = s.blocks.window_table, s.blocks.full_table
-            tables[0, i, :len(wt)] = wt
-            tables[1, i, :len(ft)] = ft
-        T = len(ids)
-        row0 = np.cumsum(n) - n
-        seq = np.repeat(np.arange(S), n)
-        pos = np.arange(T) + np.repeat(starts - row0, n)
-        col("input_ids")[:T] = ids
-        col("positions")[:T] = pos
-        col("token_seq")[:T] = seq
-        col("window_slots")[:T] = tables[0, seq, pos // bs] * bs + pos % bs
-        col("replay_start_t")[:S] = [s.replay_start for s, _ in batch]
-        col("state_slot_t")[:S] = slots
+        ids = [[s.last_token_id, *s.spec_token_ids[:k - 1]] for s, k in batch]
+        n, starts, cfrom, slots, row0 = pack_rows(batch, ids, col, tables, bs)
+        T = int(n.sum())
         blocks = {}
         for m, parts in bk.plans.items():
             arrays = plan_arrays(n, starts, cfrom, slots, m, bs, c.scratch_slot + 1, bk.T)
