@@ -29,6 +29,14 @@ def _case(m, n, k, ue8m0, seed=0):
     return x, q, scale_to_float(s)
 
 
+def _grouped_case(m: int, groups: int, rows: int, k: int, seed: int):
+    """bf16 activations [m, groups, k] and a grouped FP8 weight [groups * rows, k] with float32 block scales."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, groups, k, generator=g).to(torch.bfloat16)
+    q, s = quantize_fp8_block(torch.randn(groups * rows, k, generator=g) / k**0.5, ue8m0=True)
+    return x, q, scale_to_float(s)
+
+
 @pytest.mark.parametrize("variant", ["dequant", "gemv"])
 @pytest.mark.parametrize("m, n, k", SHAPES)
 @pytest.mark.parametrize("ue8m0", [True, False])
@@ -72,10 +80,7 @@ def test_grouped_linear_in_one_call_matches_reference(variant, m):
     from kernels.semaphores import all_zero
 
     groups, rows, k = 3, 128, 192
-    g = torch.Generator().manual_seed(m)
-    x = torch.randn(m, groups, k, generator=g).to(torch.bfloat16)
-    q, s = quantize_fp8_block(torch.randn(groups * rows, k, generator=g) / k**0.5, ue8m0=True)
-    s = scale_to_float(s)
+    x, q, s = _grouped_case(m, groups, rows, k, seed=m)
     want = ref.grouped_linear(x, q, groups, s).float()
     got = fp8_linear_fused(x, q, s, variant=variant, groups=groups).float()
     tol = 0.1 if variant == "mma" else 1e-2  # mma: e4m3 activations
@@ -116,10 +121,7 @@ def test_grouped_linear_dispatch_one_launch_or_per_group(m):
 
     assert (m <= GROUPED_ONE_LAUNCH_MAX_T) == (m == 2)
     groups, rows, k = 2, 128, 128
-    g = torch.Generator().manual_seed(m)
-    x = torch.randn(m, groups, k, generator=g).to(torch.bfloat16)
-    q, s = quantize_fp8_block(torch.randn(groups * rows, k, generator=g) / k**0.5, ue8m0=True)
-    s = scale_to_float(s)
+    x, q, s = _grouped_case(m, groups, rows, k, seed=m)
     want = ref.grouped_linear(x, q, groups, s).float()
     got = grouped_linear_fused(x, q, groups, s).float()
     assert got.shape == (m, groups * rows) and (got - want).abs().max() <= 0.1 * want.abs().max()
@@ -153,10 +155,7 @@ def test_grouped_linear_variant_chosen_by_the_per_group_shape(monkeypatch):
     for name in ("_mma", "_dequant"):
         real = getattr(ffl, name)
         monkeypatch.setattr(ffl, name, lambda *a, _real=real, _name=name, **kw: ran.append(_name) or _real(*a, **kw))
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(1, groups, k, generator=g).to(torch.bfloat16)
-    q, s = quantize_fp8_block(torch.randn(groups * rows, k, generator=g) / k**0.5, ue8m0=True)
-    s = scale_to_float(s)
+    x, q, s = _grouped_case(1, groups, rows, k, seed=3)
     got = fp8_linear_fused(x, q, s, groups=groups).float()
     want = ref.grouped_linear(x, q, groups, s).float()
     assert ran == ["_mma"] * groups and (got - want).abs().max() <= 0.1 * want.abs().max()
