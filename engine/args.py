@@ -41,9 +41,9 @@ class EngineArgs:
     enforce_eager: bool = False
     # vLLM's compilation_config.cudagraph_mode values: FULL (decode and mixed prefill + decode steps
     # replay full graphs, engine/mixed_graphs.py), FULL_DECODE_ONLY (mixed steps eager), NONE (= enforce_eager)
-    # FULL_DECODE_ONLY by default: on the H200 the mixed-step graphs' greedy streams left eager's within
-    # 16 tokens (docs/PERF.md, session 5) and no speed-up was measured yet; FULL stays opt-in.
-    cudagraph_mode: str = "FULL_DECODE_ONLY"
+    # FULL by default, as vLLM: on the H200 the mixed-step graphs' greedy streams equal the same padded
+    # batches run eagerly (docs/PERF.md, session 7); padding alone moves bf16 ulps, as decode graphs' does
+    cudagraph_mode: str = "FULL"
     # launch decode step N+1 before reading step N's tokens back (greedy steps): the host's
     # scheduling and output work overlaps the GPU's step. None: on when running on CUDA.
     async_scheduling: bool | None = None

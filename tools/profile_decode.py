@@ -1,13 +1,15 @@
 """Where a decode step's time goes (GPU): profile a batch-1 generation that is almost all decode
 and print the kernels by total CUDA time.
 
-    python -m tools.profile_decode [--model DIR | --preset flash-shaped] [--batch 1] [--steps 200]
+    python -m tools.profile_decode [--model DIR | --preset flash-shaped] [--batch 1] [--steps 200] [--host]
+        [--engine-args '{"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}']
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import pstats
 import time
 from pathlib import Path
@@ -31,13 +33,15 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--prompt-len", type=int, default=16, help="long prompts profile the prefill steps too")
     ap.add_argument("--host", action="store_true", help="profile the host (cProfile) instead of the GPU kernels")
+    ap.add_argument("--engine-args", default="{}", help="JSON over the defaults below (e.g. a speculative_config)")
     a = ap.parse_args()
     model = a.model
     if model is None:
         model = str(Path(a.cache_dir) / (a.preset if a.quant == "bf16" else f"{a.preset}-{a.quant}"))
         if not (Path(model) / "config.json").exists():
             write_checkpoint(model, a.preset, device="cuda", quant=a.quant)
-    llm = LLM(model, max_model_len=4096, max_num_seqs=max(64, a.batch), block_size=128, gpu_memory_utilization=0.85)
+    args = dict(max_model_len=4096, max_num_seqs=max(64, a.batch), block_size=128, gpu_memory_utilization=0.85)
+    llm = LLM(model, **{**args, **json.loads(a.engine_args)})
     sp = SamplingParams(max_tokens=a.steps, temperature=0, ignore_eos=True)
     prompts = [[5 + (i * 31 + j * 7) % 4000 for j in range(a.prompt_len)] for i in range(a.batch)]
     llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm
@@ -47,7 +51,9 @@ def main() -> None:
         prof.runcall(llm.generate, prompts, sp)
         wall = time.perf_counter() - t0
         pstats.Stats(prof).sort_stats("tottime").print_stats(a.rows)
-        print(f"wall time per step under cProfile: {wall / a.steps * 1e3:.3f} ms (batch {a.batch})")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats("engine/", a.rows)  # the engine's own calls
+        print(f"wall time per output token under cProfile: {wall / a.steps * 1e3:.3f} ms (batch {a.batch}); "
+              f"{(llm.engine.spec.stats(), llm.engine.spec.step_paths) if llm.engine.spec else ''}")
         return
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
