@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from engine.forward_batch import ForwardBatch
-from engine.mixed_graphs import capture
-from engine.verify_graphs import VerifySteps, capture_buckets
+from engine.mixed_graphs import capture, capture_buckets
+from engine.verify_graphs import VerifySteps
 
 
 @dataclass
@@ -122,7 +122,7 @@ class DraftSteps:
 
     def run(self, batch, items, drafting) -> list[list[int]]:
         """-> each batch row's k drafts (the host keeps the ones it wanted)."""
-        bk = self.static[min(b for b in self.verify.buckets if b >= len(batch))]
+        bk = self.static[self.verify.bucket(len(batch))]
         self.replays += 1
         self.pack(batch, items, drafting, bk, bk.staging.numpy())
         bk.flat.copy_(bk.staging, non_blocking=True)

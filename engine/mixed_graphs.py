@@ -58,6 +58,20 @@ def new_token_ids(seq: Sequence, start: int, n: int) -> list[int]:
     return p[start:start + n] + seq.output_token_ids[:max(0, start + n - len(p))]
 
 
+def capture_buckets(buckets: list[int], make, forward, pool, capture_fn=capture) -> dict:
+    """bucket -> make(bucket), whose `graph` captures forward(it) when `pool` is given (largest first:
+    smaller graphs reuse its memory). capture_fn: the CPU tests pass an emulation of a CUDA graph."""
+    out = {}
+    for b in sorted(buckets, reverse=True):
+        bk = make(b)
+        if pool is not None:
+            bk.graph, _ = capture_fn(lambda bk=bk: forward(bk), pool)
+        out[b] = bk
+    if pool is not None and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out
+
+
 def pack_rows(batch: list[tuple[Sequence, int]], token_ids: list[list[int]], col, tables: np.ndarray, bs: int):
     """The rows every padded static batch packs alike (mixed steps, speculative verify): each
     sequence's block tables over the padding fill, its `token_ids` at the positions after its

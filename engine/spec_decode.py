@@ -39,6 +39,7 @@ from engine.forward_batch import ForwardBatch
 from engine.mtp import MTP
 from engine.prompt_logprobs import prompt_logprob_rows
 from engine.rejection_sampler import greedy_accept, rejection_sample
+from engine.rollback_graphs import reopen
 from engine.sampler import sampling_probs
 from engine.sequence import Sequence, Status
 from engine.verify_graphs import VerifySteps
@@ -149,7 +150,7 @@ class SpecDecoder:
             if blocks is None:  # the eager plan's closed blocks, read back after _verify's sync
                 blocks = {m: (plan.blk_seq.tolist(), plan.blk_entry.tolist()) for (kind, m), plan in fb.plans.items()
                           if kind == "compress" and plan.num_blocks}
-            self._rollback(batch, emitted, blocks, closed, snapshot)
+            self._rollback(batch, emitted, blocks, closed, snapshot, graphed)
 
         # the MTP follows every speculating sequence over this step's accepted positions
         nxt = {id(s): [smp.token_id] for s, smp in zip(plain, samples) if smp.error is None}
@@ -238,14 +239,14 @@ class SpecDecoder:
         return {id(st): (st.prev_kv[idx].clone(), st.prev_gate[idx].clone(), st.has_prev[idx].clone())
                 for st in self._states() if st.prev_kv is not None}
 
-    def _rollback(self, batch, emitted: dict, blocks: dict, closed: dict, snapshot: dict) -> None:
+    def _rollback(self, batch, emitted: dict, blocks: dict, closed: dict, snapshot: dict, graphed: bool) -> None:
         """Reopen every compressor block that a rejected position closed: its rows (the gathered
         block, rows at accepted positions exact, the others rewritten when they run again) go back
         to the open-block state, and the overlap state is the one from before the step. k + 1 <=
         ratio, so a verify closes at most one block per sequence and compressor. blocks: ratio ->
         (batch index, entry) of each closed block in plan order; closed: id(state) -> those blocks'
-        (kv, gate) rows; snapshot: id(state) -> the overlap state by batch index."""
-        dev = self.engine.device
+        (kv, gate) rows; snapshot: id(state) -> the overlap state by batch index. graphed: after a
+        verify graph, whose rollback graph does the copies (engine/rollback_graphs.py)."""
         ends = {}  # batch index -> first rejected position
         for b, (seq, _) in enumerate(batch):
             toks = emitted.get(id(seq))
@@ -253,23 +254,19 @@ class SpecDecoder:
                 ends[b] = seq.num_computed_tokens + len(toks)
         if not ends:
             return
-        fixes = {}  # ratio -> (closed block index, state slot, batch index) tensors
+        fixes = {}  # ratio -> (closed block index, state slot, batch index) of each block to reopen
         for m, (blk_seq, blk_entry) in blocks.items():
             f = [(j, batch[s][0].blocks.state_slot, s) for j, (s, e) in enumerate(zip(blk_seq, blk_entry))
                  if s in ends and (e + 1) * m > ends[s]]
             if f:
-                fixes[m] = [torch.tensor(x, device=dev) for x in zip(*f)]
-        for st in self._states():
-            m = st.pend_kv.shape[1]
-            if m not in fixes or id(st) not in closed:
-                continue
-            blk, slot, b = fixes[m]
-            kv, gate = closed[id(st)]
-            st.pend_kv[slot] = kv[blk].to(st.pend_kv.dtype)
-            st.pend_gate[slot] = gate[blk].to(st.pend_gate.dtype)
-            if st.prev_kv is not None:
-                prev_kv, prev_gate, has_prev = snapshot[id(st)]
-                st.prev_kv[slot], st.prev_gate[slot], st.has_prev[slot] = prev_kv[b], prev_gate[b], has_prev[b]
+                fixes[m] = f
+        if graphed:
+            if fixes:
+                self.verify_steps.rollback.run(len(batch), fixes)
+            return
+        dev = self.engine.device
+        for m, f in fixes.items():
+            reopen(self._states(), closed, snapshot, m, *(torch.tensor(x, device=dev) for x in zip(*f)))
 
     # --- drafting -----------------------------------------------------------------------------
 

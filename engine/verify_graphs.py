@@ -26,7 +26,8 @@ import torch
 from engine.cache import KVCache
 from engine.compress_plan import CompressPlan, plan_arrays
 from engine.forward_batch import ForwardBatch
-from engine.mixed_graphs import capture, pack_rows
+from engine.mixed_graphs import capture, capture_buckets, pack_rows
+from engine.rollback_graphs import RollbackSteps
 from engine.sequence import Sequence
 
 # the plan's arrays in CompressPlan's order (src, blk_seq, blk_entry, prev, bnd_blk, bnd_seq,
@@ -56,20 +57,6 @@ class _Bucket:
     graph: torch.cuda.CUDAGraph | None = None
 
 
-def capture_buckets(buckets: list[int], make, forward, pool, capture_fn=capture) -> dict:
-    """bucket -> make(bucket), whose `graph` captures forward(it) when `pool` is given (largest first:
-    smaller graphs reuse its memory). capture_fn: the CPU tests pass an emulation of a CUDA graph."""
-    out = {}
-    for b in sorted(buckets, reverse=True):
-        bk = make(b)
-        if pool is not None:
-            bk.graph, _ = capture_fn(lambda bk=bk: forward(bk), pool)
-        out[b] = bk
-    if pool is not None and torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return out
-
-
 class VerifySteps:
     """The padded verify batches of every bucket, captured as CUDA graphs when `pool` is given."""
 
@@ -93,6 +80,11 @@ class VerifySteps:
                               st.prev_gate.new_zeros(B + 1, *st.prev_gate.shape[1:]),
                               st.has_prev.new_zeros(B + 1)) for st in self.states if st.prev_kv is not None}
         self.static: dict[int, _Bucket] = capture_buckets(self.buckets, self._bucket, self._forward, pool, capture_fn)
+        self.rollback = RollbackSteps(self, pool, capture_fn)  # after a replay: reopen what rejected drafts closed
+
+    def bucket(self, batch_size: int) -> int:
+        """The smallest bucket that holds `batch_size` sequences."""
+        return min(b for b in self.buckets if b >= batch_size)
 
     def fits(self, batch: list[tuple[Sequence, int]]) -> bool:
         """Every sequence decodes its last token plus its drafts, within the largest bucket."""
@@ -175,7 +167,7 @@ class VerifySteps:
 
     def run(self, batch: list[tuple[Sequence, int]]) -> VerifyOutput:
         """Pack, one copy, replay (or run the padded batch eagerly, on the CPU)."""
-        bk = self.static[min(b for b in self.buckets if b >= len(batch))]
+        bk = self.static[self.bucket(len(batch))]
         self.replays += 1
         T, blocks = self.pack(batch, bk, bk.staging.numpy())
         bk.flat.copy_(bk.staging, non_blocking=True)

@@ -67,6 +67,7 @@ def test_padded_verify_equals_the_eager_verify(checkpoints, shape):
     assert paths["verify_graph"] > 5 and paths["verify_eager"] > 0  # decodes padded, prefill chunks eager
     assert paths["verify_graph"] + paths["verify_eager"] == e_eng.spec.step_paths["verify_eager"]
     assert paths["verify_graph"] == p_eng.spec.verify_steps.replays == paths["draft_graph"]
+    assert p_eng.spec.verify_steps.rollback.replays > 0  # rejected drafts closed blocks in padded steps too
     assert paths["draft_graph"] + paths["draft_eager"] == e_eng.spec.step_paths["draft_eager"]
 
 
@@ -153,5 +154,6 @@ def test_emulated_verify_and_mtp_graph_replays_equal_the_eager_path(tiny_dir):
         kernels.set_backend("auto")
     assert spec.verify_steps.static[2].graph.replays == spec.step_paths["verify_graph"] >= 2
     assert spec.draft_steps.static[2].graph.replays == spec.step_paths["draft_graph"] >= 2
+    assert spec.verify_steps.rollback.static[2].graph.replays == spec.verify_steps.rollback.replays >= 1
     assert runs[0] == runs[1] and runs[1][0] == plain
     assert 0 < runs[1][1]["spec_decode_num_accepted_tokens"] < runs[1][1]["spec_decode_num_draft_tokens"]
