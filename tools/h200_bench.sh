@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|quant|fused|fused-fp8|recheck|depth|v41|v41-serve|largest|profile-depth|profile-spec|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh kernels|quant|fused|fused-fp8|recheck|depth|v41|v41-serve|largest|profile-depth|profile-spec|serve-depth|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
 # numpy2, serving, largest and v41-serve need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoints, drawn on the GPU: flash-depth (V4-Flash depth: 43 layers, 16 experts; mixed, engine, depth) and
 # flash-shaped (its per-layer shapes, 4 layers: quick and the rest).
@@ -146,6 +146,18 @@ except serve.ServerError as e:
     print("model refused:", [line for line in str(e).splitlines() if "BYTES" in line][:1])
 EOF
   ;;
+serve-depth)  # issue 20's serving target at V4-Flash depth as shipped (43 layers, 16 experts, FP8 + MXFP4, cudagraph_mode FULL):
+  # the pure-decode step at batch 64, then 64 users through the real Triton server (engine core process), 1024-token
+  # prompts, 128 output tokens, closed loop for 90 s: ITL p50 against that step, TTFT p90 against p50 (~6 min)
+  bash tools/h200_env.sh setup /tmp/tvenv > "$OUT/env.log" 2>&1 || { tail "$OUT/env.log"; exit 1; }
+  M=$CK/flash-depth-fp8-fp4; DA='{"max_model_len":8192,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}'
+  [ -f $M/config.json ] || timeout 150 python3 -m tools.make_tiny_checkpoint $M --preset flash-depth --quant fp8-fp4 \
+    --device cuda 2>&1 | tail -1
+  timeout 150 python3 -m tools.bench_engine --model $M --concurrency '' --steady 64 --input-len 1024 --engine-args "$DA" \
+    --json "$OUT/depth_steady64.json" 2>&1 | tee "$OUT/depth_steady64.log" | grep -E "steady|rror" | tail -2
+  timeout 300 /tmp/tvenv/bin/python -m loadtest.sweep --serve --model $M --engine-args "$DA" --driver threads --protocol grpc \
+    --concurrency 64 --input-len 1024 --output-len 128 --duration 90 --stop-timeout 30 --out "$OUT" --label depth-triton-64 \
+    2>&1 | tee "$OUT/depth_sweep.log" | grep -E "c=|rror|weights" | tail -4 ;;
 serving)  # issue 16: one closed-loop workload through Triton (engine core process) and through the engine's async API
   bash tools/h200_env.sh setup /tmp/tvenv > "$OUT/env.log" 2>&1 || { tail "$OUT/env.log"; exit 1; }
   bench --concurrency 1 --input-len 16 --output-len 4 --requests-per-user 1 --engine-args "{$EA}" > "$OUT/ckpt.log" 2>&1  # writes $CK/flash-shaped
