@@ -55,7 +55,7 @@ class Norm(V4Norm):
     """V4's weight holder; V4.1's order: statistics cast back before the weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+        return K.v41_rms_norm(x, self.weight, self.eps)
 
 
 @dataclass
@@ -128,15 +128,15 @@ class Indexer(nn.Module):
         self.uses_candidates = 0 <= cfg.candidate_source_layer_id < layer
 
     def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        k = ops.rope(self.k_norm(self.wk(latent)), cos, sin)
-        return ops.fake_quant_fp4(k, 32)
+        k = K.v41_rope(self.k_norm(self.wk(latent)), cos, sin)
+        return K.v41_fake_quant_fp4(k, 32)
 
     def select(self, x: torch.Tensor, q_res: torch.Tensor, rows: Rows, fb: ForwardBatch, keys_pool: torch.Tensor,
                ratio: int) -> torch.Tensor:
         """Top-k entries per query row [T, index_topk], best first, -1 where fewer are visible."""
         T = x.shape[0]
         cos, sin = rows.ropes["compress"]
-        iq = ops.fake_quant_fp4(ops.rope(self.wq_b(q_res).view(T, self.n_heads, self.head_dim), cos, sin), 32).float()
+        iq = K.v41_fake_quant_fp4(K.v41_rope(self.wq_b(q_res).view(T, self.n_heads, self.head_dim), cos, sin), 32).float()
         iw = self.weights_proj(x).float() * self.n_heads**-0.5
         out = torch.full((T, self.topk), -1, dtype=torch.long, device=x.device)
         per_block, d = keys_pool.shape[1], keys_pool.shape[-1]
@@ -214,7 +214,7 @@ class Attention(nn.Module):
         else:
             dst = fb.full_tables[plan.blk_seq, plan.blk_entry // per_block] * per_block + plan.blk_entry % per_block
         kpool.view(-1, kpool.shape[-1]).index_copy_(0, dst, self.indexer.keys(latent, cos, sin).to(kpool.dtype))
-        entries = ops.fake_quant_fp4(ops.rope(latent, cos, sin), 16, e4m3_scales=True)
+        entries = K.v41_fake_quant_fp4(K.v41_rope(latent, cos, sin), 16, e4m3_scales=True)
         pool.view(-1, pool.shape[-1]).index_copy_(0, dst, entries.to(pool.dtype))
 
     def forward(self, x: torch.Tensor, rows: Rows, fb: ForwardBatch, cache: V41KVCache,
@@ -223,8 +223,8 @@ class Attention(nn.Module):
         H, hd = cfg.num_heads, cfg.head_dim
         cos, sin = rows.ropes["compress" if self.ratio else "main"]
         q_res = self.q_norm(self.wq_a(x))
-        q = ops.rope(self.wq_b(q_res).view(T, H, hd), cos, sin)
-        kv = ops.fake_quant_fp8(ops.rope(self.kv_norm(self.wkv(x)), cos, sin), 32)
+        q = K.v41_rope(self.wq_b(q_res).view(T, H, hd), cos, sin)
+        kv = K.v41_fake_quant_fp8(K.v41_rope(self.kv_norm(self.wkv(x)), cos, sin), 32)
         cache.write_window(self.layer, rows.window_slots, kv)
         comp_pool, ratio = None, 0
         if self.ratio:
@@ -238,7 +238,7 @@ class Attention(nn.Module):
         out = K.paged_attention(q, rows.positions, rows.token_seq, cache.window[self.layer], fb.window_tables,
                                 rows.replay_start_t, cfg.sliding_window, comp_pool, fb.full_tables, ratio or 1,
                                 rows.topk if self.ratio else None, self.attn_sink, hd**-0.5)
-        out = ops.rope(out, cos, sin, inverse=True)  # K = V carried RoPE: take the query's off
+        out = K.v41_rope(out, cos, sin, inverse=True)  # K = V carried RoPE: take the query's off
         o = K.grouped_linear(out.view(T, cfg.o_groups, -1), self.wo_a.weight, cfg.o_groups, self.wo_a.scale)
         return self.wo_b(o)
 
@@ -330,19 +330,21 @@ class Block(nn.Module):
         if layer in cfg.engram_layer_ids:
             self.engram = Engram(cfg, cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)])
 
-    def _site(self, kind: str, h: torch.Tensor):
+    def _site(self, kind: str, h: torch.Tensor, pre: torch.Tensor):
+        """This site's (pre, post, comb) and h collapsed with the previous site's pre (one fused op)."""
         c = self.cfg
-        return ops.hc_site(h, getattr(self, f"hc_{kind}_fn"), getattr(self, f"hc_{kind}_base"),
-                           getattr(self, f"hc_{kind}_scale"), c.hc_eps, c.rms_norm_eps, c.hc_sinkhorn_iters)
+        return K.v41_hc_site_collapse(h, pre, getattr(self, f"hc_{kind}_fn"), getattr(self, f"hc_{kind}_base"),
+                                      getattr(self, f"hc_{kind}_scale"), c.hc_eps, c.rms_norm_eps,
+                                      c.hc_sinkhorn_iters)
 
     def forward(self, h, pre, rows: Rows, fb: ForwardBatch, cache: V41KVCache, inv_freq, full_rows: bool):
         if hasattr(self, "engram"):
             h = self.engram(h, rows.engram[self.layer])
-        attn_pre, post, comb = self._site("attn", h)
-        x = self.attn(self.attn_norm(ops.hc_collapse(h, pre)), rows, fb, cache, inv_freq, full_rows)
-        h = ops.hc_expand(x, h, post, comb)
-        ffn_pre, post, comb = self._site("ffn", h)
-        h = ops.hc_expand(self.ffn(self.ffn_norm(ops.hc_collapse(h, attn_pre))), h, post, comb)
+        attn_pre, post, comb, x = self._site("attn", h, pre)
+        x = self.attn(self.attn_norm(x), rows, fb, cache, inv_freq, full_rows)
+        h = K.v41_hc_expand(x, h, post, comb)
+        ffn_pre, post, comb, x = self._site("ffn", h, attn_pre)
+        h = K.v41_hc_expand(self.ffn(self.ffn_norm(x)), h, post, comb)
         return h, ffn_pre
 
 

@@ -1,129 +1,26 @@
 """The DeepSeek-V4.1 ops whose arithmetic differs from V4's: torch, packed tokens [T, ...].
 
 Each mirrors transformers' DeepseekV41 code step by step, including where it computes in float32
-inside a float64 (or bf16) model (norm statistics, RoPE, mHC, router, SwiGLU, compressor pooling,
-the QAT fake-quantisers), so a float64 run reproduces the float64 reference to ~1e-6.
+inside a float64 (or bf16) model (router, SwiGLU, the two-level top-k), so a float64 run
+reproduces the float64 reference to ~1e-6. Norms, RoPE, the fake-quantisers and mHC live in
+kernels/reference_v41.py, the spec of their fused kernels.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-# --- norms, RoPE --------------------------------------------------------------------------------
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Statistics in fp32, cast back, then the weight (the reference's order)."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """Interleaved-pair RoPE on the trailing 2 * cos.shape[-1] channels; x [T, D] or [T, H, D],
-    cos/sin [T, r/2] in the model dtype. inverse: the conjugate rotation (attention output)."""
-    if inverse:
-        sin = -sin
-    r = cos.shape[-1] * 2
-    nope, rot = x[..., :-r], x[..., -r:]
-    if x.dim() == 3:
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    even, odd = rot[..., 0::2].float(), rot[..., 1::2].float()
-    out = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
-    return torch.cat([nope, out.to(x.dtype)], dim=-1)
-
-
-# --- QAT fake-quantisers (always on in the reference forward) -----------------------------------
-
-_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def _pow2_ceil(t: torch.Tensor) -> torch.Tensor:
-    """ue8m0 scale: 2^ceil(log2 t) for fp32 t > 0, from the IEEE bits as the reference kernel does."""
-    bits = t.contiguous().view(torch.int32)
-    k = ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return torch.exp2(k.to(torch.float32))
-
-
-@functools.cache
-def _e2m1_grid(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rounding thresholds, values) on `device`, made once: a tensor from host values inside a
-    forward would be a host-to-device copy, which a CUDA graph capture refuses."""
-    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
-    ties_up = torch.tensor([False, True, False, True, False, True, False])
-    thresholds = torch.where(ties_up, bounds, torch.nextafter(bounds, torch.full_like(bounds, float("inf"))))
-    return thresholds.to(device), torch.tensor(_FP4_VALUES, dtype=torch.float32).to(device)
-
-
-def _e2m1_round(q: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest-even onto the e2m1 grid (values, not codes)."""
-    thresholds, values = _e2m1_grid(q.device)
-    codes = (q.abs().unsqueeze(-1) >= thresholds).sum(-1) + 8 * torch.signbit(q).long()
-    return values[codes]
-
-
-def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> torch.Tensor:
-    """FP4 e2m1 per `block` channels: ue8m0 scales (indexer keys and queries, block 32) or e4m3
-    scales (compressed KV, block 16). Last dims that are not a block multiple pass unquantised."""
-    n = x.shape[-1]
-    if n % block:
-        return x
-    b = x.float().view(*x.shape[:-1], n // block, block)
-    amax = b.abs().amax(-1)
-    if e4m3_scales:
-        scale = (amax.clamp_min(6.0 * 2.0**-9) / 6.0).to(torch.float8_e4m3fn).float()
-    else:
-        scale = _pow2_ceil(amax.clamp_min(6.0 * 2.0**-126) * (1.0 / 6.0))
-    q = _e2m1_round((b / scale.unsqueeze(-1)).clamp(-6.0, 6.0))
-    return (q * scale.unsqueeze(-1)).view(x.shape).to(x.dtype)
-
-
-def fake_quant_fp8(x: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """FP8 e4m3 with a ue8m0 scale per `block` channels (window KV, RoPE tail included)."""
-    n = x.shape[-1]
-    if n % block:
-        return x
-    b = x.float().view(*x.shape[:-1], n // block, block)
-    scale = _pow2_ceil(b.abs().amax(-1).clamp_min(1e-4) * (1.0 / 448.0))
-    q = (b / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
-    return (q * scale.unsqueeze(-1)).view(x.shape).to(x.dtype)
-
-
-# --- single-pass mHC ----------------------------------------------------------------------------
-
-
-def hc_site(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
-            norm_eps: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h [T, hc, D] -> (pre [T, hc], post [T, hc], comb [T, hc, hc]), all fp32. `pre` is for the
-    NEXT site's collapse (V4.1's single pass)."""
-    hc = h.shape[1]
-    flat = h.flatten(1).float()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    pre_w, post_w, comb_w = F.linear(flat, fn.float()).split([hc, hc, hc * hc], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
-    s = scale.float()
-    pre = torch.sigmoid(pre_w * s[0] + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * s[1] + post_b)
-    comb = torch.softmax(comb_w.view(-1, hc, hc) * s[2] + comb_b.view(hc, hc), dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    return pre, post, comb
-
-
-def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    return (pre.unsqueeze(-1) * h.float()).sum(dim=1).to(h.dtype)
-
-
-def hc_expand(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """stream k = post_k * out + sum_j comb[j, k] * residual_j, in fp32."""
-    mixed = torch.einsum("tjk,tjd->tkd", comb.float(), residual.float())
-    return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(residual.dtype)
-
+# norms, RoPE, the fake-quantisers and mHC: kernels/reference_v41.py (the fused kernels' spec)
+from kernels.reference_v41 import (  # noqa: F401
+    fake_quant_fp4,
+    fake_quant_fp8,
+    hc_collapse,
+    hc_expand,
+    hc_site,
+    rms_norm,
+    rope,
+)
 
 # --- MoE ----------------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """The one API the engine calls for every hot op of DeepSeek-V4.
 
 Dispatch lives here and only here: a fused Triton kernel where one exists and the
-tensors are on CUDA, else the torch reference (kernels/reference.py, the spec).
+tensors are on CUDA, else the torch reference (kernels/reference.py, the spec; V4.1's own ops,
+`v41_*`: kernels/reference_v41.py).
 `DSV4_KERNELS=ref` (or `set_backend("ref")`, the engine argument `kernels`) forces the
 references everywhere; `set_backend("fused")` forces the kernels on any device (tests, with
 TRITON_INTERPRET=1 on the CPU).
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from kernels import reference
+from kernels import reference, reference_v41
 
 _OPS = (
     "rms_norm", "rms_norm_unweighted", "rope_cos_sin", "apply_rope", "hc_pre", "hc_post", "hc_post_pre_norm", "hc_head",
@@ -19,6 +20,8 @@ _OPS = (
     "indexer_scores", "indexer_topk", "paged_attention", "pool_blocks", "norm_rope",
     "kv_norm_rope_insert", "compress_decode", "greedy_pick",
 )
+# DeepSeek-V4.1's ops whose arithmetic differs from V4's (kernels/reference_v41.py): bound as v41_<name>
+_V41_OPS = ("hc_site_collapse", "hc_expand", "rms_norm", "rope", "fake_quant_fp4", "fake_quant_fp8")
 _backend = os.environ.get("DSV4_KERNELS", "auto")
 
 
@@ -45,10 +48,17 @@ def _fused_ops() -> dict:
     return fused.FUSED if _backend == "fused" else fused.OPS
 
 
+def reference_of(name: str):
+    """The torch reference an op of this API falls back to (v41_<name>: kernels/reference_v41.py)."""
+    if name.startswith("v41_"):
+        return getattr(reference_v41, name[4:])
+    return getattr(reference, name)
+
+
 def _bind() -> None:
     fused = _fused_ops()
-    for name in _OPS:
-        globals()[name] = fused.get(name, getattr(reference, name))
+    for name in _OPS + tuple(f"v41_{n}" for n in _V41_OPS):
+        globals()[name] = fused.get(name, reference_of(name))
 
 
 _bind()

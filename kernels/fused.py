@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from kernels import reference
+from kernels import fused_v41, reference
 from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
 from kernels.fused_fp8_linear import fp8_linear_fused
@@ -92,5 +92,14 @@ FUSED = {
     "compress_decode": compress_decode_fused,
     "indexer_topk": indexer_topk_fused,
     "greedy_pick": greedy_pick_fused,
+    **{f"v41_{name[:-len('_fused')]}": getattr(fused_v41, name) for name in fused_v41.__all__},
 }
-OPS = {name: _on_cuda(fn, getattr(reference, name)) for name, fn in FUSED.items()}
+
+
+def _reference(name: str):
+    import kernels  # the dispatcher's lookup (kernels/__init__.py imports this module lazily)
+
+    return kernels.reference_of(name)
+
+
+OPS = {name: _on_cuda(fn, _reference(name)) for name, fn in FUSED.items()}

@@ -15,13 +15,17 @@ import triton.language as tl
 # --- RMSNorm ----------------------------------------------------------------------------------
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+                     CAST_FIRST: tl.constexpr = False):
+    """CAST_FIRST (V4.1's order): the normalised row rounded to x's dtype before the weight."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    r = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-    y = x * r
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    r = tl.rsqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=0) / D + eps)
+    y = x.to(tl.float32) * r
+    if CAST_FIRST:
+        y = y.to(x.dtype).to(tl.float32)
     if HAS_W:
         y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -88,12 +92,13 @@ def _col(a, i: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["T"])
-def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, w_ptr, T, D, N_SPLIT, hc_eps,
-                      norm_eps, out_eps, ITERS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                      PW: tl.constexpr, NORM: tl.constexpr):
+def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, w_ptr, pre_in_ptr, pre_out_ptr,
+                      T, D, N_SPLIT, hc_eps, norm_eps, out_eps, ITERS: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_D: tl.constexpr, PW: tl.constexpr, NORM: tl.constexpr, SINGLE_PASS: tl.constexpr):
     """Sums the split partials (PW floats per token: 24 mixes, the sum of squares, and with NORM the
     streams' 4x4 Gram matrix), Sinkhorn in registers, collapses the streams; NORM: then the weighted
-    RMSNorm of the collapsed row, whose sum of squares is pre^T Gram pre (no second pass over D)."""
+    RMSNorm of the collapsed row, whose sum of squares is pre^T Gram pre (no second pass over D).
+    SINGLE_PASS (V4.1): stores this site's pre and collapses with the previous site's (pre_in)."""
     HC: tl.constexpr = 4
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     pid_d = tl.program_id(1)
@@ -134,6 +139,10 @@ def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, 
             comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
         tl.store(comb_ptr + t[:, None] * 16 + r16[None, :], tl.reshape(comb, (BLOCK_T, 16)), mask=tmask[:, None])
         tl.store(post_ptr + t[:, None] * HC + r16[None, :], post, mask=small)
+        if SINGLE_PASS:
+            tl.store(pre_out_ptr + t[:, None] * HC + r16[None, :], pre, mask=small)
+    if SINGLE_PASS:
+        pre = tl.load(pre_in_ptr + t[:, None] * HC + r16[None, :], mask=small, other=0.0)
     p0 = tl.sum(tl.where(r16[None, :] == 0, pre, 0.0), axis=1)[:, None]
     p1 = tl.sum(tl.where(r16[None, :] == 1, pre, 0.0), axis=1)[:, None]
     p2 = tl.sum(tl.where(r16[None, :] == 2, pre, 0.0), axis=1)[:, None]
@@ -157,23 +166,26 @@ def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, 
 FINISH_WARPS = 4  # tuning knob for the Sinkhorn/collapse kernel (tools/tune_small_kernels.py)
 
 
-def _hc_finish(x, part, base, scale, out, norm_w, hc_eps, norm_eps, out_eps, sinkhorn_iters):
-    """post, comb and the collapsed streams (weighted-RMSNorm'ed with norm_w) into `out`, from the partials."""
+def _hc_finish(x, part, base, scale, out, norm_w, hc_eps, norm_eps, out_eps, sinkhorn_iters, pre_in=None,
+               pre_out=None):
+    """post, comb and the collapsed streams (weighted-RMSNorm'ed with norm_w) into `out`, from the partials;
+    pre_in given (V4.1's single pass): collapsed with it, and this site's pre into pre_out."""
     T, hc, D = x.shape
     post = torch.empty(T, hc, dtype=torch.float32, device=x.device)
     comb = torch.empty(T, hc, hc, dtype=torch.float32, device=x.device)
     BLOCK_T, BLOCK_D = 16, min(512, triton.next_power_of_2(D))
     _hc_finish_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D))](
         x, part, base.float().contiguous(), scale.float().contiguous(), post, comb, out,
-        out if norm_w is None else norm_w, T, D, part.shape[0], hc_eps, norm_eps, out_eps, ITERS=sinkhorn_iters,
-        BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, PW=part.shape[-1], NORM=norm_w is not None, num_warps=FINISH_WARPS)
+        out if norm_w is None else norm_w, post if pre_in is None else pre_in, post if pre_out is None else pre_out,
+        T, D, part.shape[0], hc_eps, norm_eps, out_eps, ITERS=sinkhorn_iters, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+        PW=part.shape[-1], NORM=norm_w is not None, SINGLE_PASS=pre_in is not None, num_warps=FINISH_WARPS)
     return post, comb, out
 
 
-def hc_pre_fused(x, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
+def _hc_mix_partials(x, fn):
+    """The split-K partials of the 24 mixes and the sum of squares of x [T, 4, D] (contiguous)."""
     T, hc, D = x.shape
     assert hc == 4, "the fused mHC kernel is written for 4 streams (DeepSeek-V4's hc_mult)"
-    x = x.contiguous()
     K = hc * D
     BLOCK_T, BLOCK_K = 16, min(128, triton.next_power_of_2(K))
     n_split = max(1, min(64, triton.cdiv(K, BLOCK_K)))  # enough programs to fill the GPU at T = 1
@@ -182,8 +194,25 @@ def hc_pre_fused(x, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
     part = torch.empty(n_split, T, 32, dtype=torch.float32, device=x.device)
     _hc_mix_partial_kernel[(triton.cdiv(T, BLOCK_T), n_split)](
         x, fn.float().contiguous(), part, T, K, k_split, PRECISION=_PRECISION, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K)
-    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
-    return _hc_finish(x, part, base, scale, out, None, hc_eps, norm_eps, 0.0, sinkhorn_iters)
+    return part
+
+
+def hc_pre_fused(x, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], x.shape[2], dtype=x.dtype, device=x.device)
+    return _hc_finish(x, _hc_mix_partials(x, fn), base, scale, out, None, hc_eps, norm_eps, 0.0, sinkhorn_iters)
+
+
+def hc_site_collapse_fused(h, pre_in, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
+    """V4.1's single-pass site (kernels/reference_v41.hc_site_collapse): hc_pre's two launches, the
+    collapse using the previous site's pre."""
+    h = h.contiguous()
+    T, hc, D = h.shape
+    pre = torch.empty(T, hc, dtype=torch.float32, device=h.device)
+    out = torch.empty(T, D, dtype=h.dtype, device=h.device)
+    post, comb, out = _hc_finish(h, _hc_mix_partials(h, fn), base, scale, out, None, hc_eps, norm_eps, 0.0,
+                                 sinkhorn_iters, pre_in=pre_in.float().contiguous(), pre_out=pre)
+    return pre, post, comb, out
 
 
 # --- Mega-mHC: one sublayer's hc_post, the next sublayer's hc_pre and its RMSNorm in two launches (were

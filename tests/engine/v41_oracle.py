@@ -19,18 +19,18 @@ def load_golden() -> dict:
     return load_file(str(ORACLE / "golden.safetensors"))
 
 
-def greedy(model, ids: list[int], chunk: int, steps: int = 48, decode_batches: tuple[int, ...] = ()
-           ) -> tuple[list[int], torch.Tensor]:
+def greedy(model, ids: list[int], chunk: int, steps: int = 48, decode_batches: tuple[int, ...] = (),
+           dtype: torch.dtype = torch.float64) -> tuple[list[int], torch.Tensor]:
     """Prefill in chunks of `chunk` tokens, then decode greedily as the scheduler would; returns
     the tokens and the logits that chose each. decode_batches: decode steps run on the CUDA-graph
-    decode path's static batches of these sizes (eagerly, on the CPU)."""
+    decode path's static batches of these sizes (eagerly, on the CPU). dtype: the cache's (the model's)."""
     from engine.cache_v41 import V41KVCache
     from engine.request import SamplingParams
     from engine.runner import ModelRunner
     from engine.sequence import Sequence
 
     W = model.cfg.sliding_window
-    cache = V41KVCache(model.cfg, 16, 64, 64, 2, torch.float64)
+    cache = V41KVCache(model.cfg, 16, 64, 64, 2, dtype)
     runner = ModelRunner(model, cache, max_model_len=512)
     if decode_batches:
         runner.static_decode_batches(list(decode_batches))
