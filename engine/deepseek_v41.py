@@ -260,7 +260,7 @@ class SharedExpert(nn.Module):
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(ops.clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+        return self.w2(K.v41_clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
 
 
 class MoE(nn.Module):
@@ -277,8 +277,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        weights, indices = ops.router(x, self.gate.weight, self.gate.bias, cfg.num_experts_per_tok,
-                                      cfg.routed_scaling_factor, cfg.scoring_func, cfg.gate_temp, cfg.norm_topk_prob)
+        weights, indices = K.v41_router(x, self.gate.weight, self.gate.bias, cfg.num_experts_per_tok,
+                                        cfg.routed_scaling_factor, cfg.scoring_func, cfg.gate_temp,
+                                        cfg.norm_topk_prob)
         if x.is_cuda or self.experts_w1_scale is not None:  # the grouped kernels (weight after w2: equal up to rounding)
             scales = None if self.experts_w1_scale is None else (self.experts_w1_scale, self.experts_w3_scale,
                                                                  self.experts_w2_scale)

@@ -1,8 +1,8 @@
 """The DeepSeek-V4.1 ops whose arithmetic differs from V4's: torch, packed tokens [T, ...].
 
 Each mirrors transformers' DeepseekV41 code step by step, including where it computes in float32
-inside a float64 (or bf16) model (router, SwiGLU, the two-level top-k), so a float64 run
-reproduces the float64 reference to ~1e-6. Norms, RoPE, the fake-quantisers and mHC live in
+inside a float64 (or bf16) model (the routed experts, the two-level top-k), so a float64 run
+reproduces the float64 reference to ~1e-6. Norms, RoPE, the fake-quantisers, mHC, the router and SwiGLU live in
 kernels/reference_v41.py, the spec of their fused kernels.
 """
 
@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# norms, RoPE, the fake-quantisers and mHC: kernels/reference_v41.py (the fused kernels' spec)
+# norms, RoPE, the fake-quantisers, mHC, the router and SwiGLU: kernels/reference_v41.py (the fused kernels' spec)
 from kernels.reference_v41 import (  # noqa: F401
+    clamped_swiglu,
     fake_quant_fp4,
     fake_quant_fp8,
     hc_collapse,
@@ -20,33 +21,10 @@ from kernels.reference_v41 import (  # noqa: F401
     hc_site,
     rms_norm,
     rope,
+    router,
 )
 
 # --- MoE ----------------------------------------------------------------------------------------
-
-
-def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
-           scoring_func: str, gate_temp: float, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """noaux_tc: fp32 scores; the bias steers selection only. -> (weights [T, k] fp32, indices)."""
-    logits = F.linear(x.float(), weight.float()) / gate_temp
-    if scoring_func == "sqrtsoftplus":
-        scores = torch.sqrt(F.softplus(logits))
-    elif scoring_func == "sigmoid":
-        scores = torch.sigmoid(logits)
-    else:
-        scores = torch.softmax(logits, dim=-1)
-    indices = (scores + bias.float()).topk(top_k, dim=-1).indices
-    w = scores.gather(1, indices)
-    if renorm and top_k > 1:
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return w * scaling, indices
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    gate, up = gate.float(), up.float()
-    if limit > 0:
-        up, gate = up.clamp(min=-limit, max=limit), gate.clamp(max=limit)
-    return F.silu(gate) * up
 
 
 def routed_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

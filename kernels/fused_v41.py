@@ -5,14 +5,18 @@ kernels (kernels/fused_norm_mhc.py, kernels/fused_rope.py) with a flag, not new 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
+import triton.language as tl
 
+from kernels import reference_v41
 from kernels.fused_fake_quant import fake_quant_fp4_fused, fake_quant_fp8_fused
+from kernels.fused_gate import _SCORING, _router_kernel
 from kernels.fused_norm_mhc import _rms_norm_kernel, _rows, hc_post_fused, hc_site_collapse_fused
 from kernels.fused_rope import _launch as _rope_launch
 
 __all__ = ["hc_site_collapse_fused", "hc_expand_fused", "rms_norm_fused", "rope_fused", "fake_quant_fp4_fused",
-           "fake_quant_fp8_fused"]
+           "fake_quant_fp8_fused", "router_fused", "clamped_swiglu_fused"]
 
 
 def hc_expand_fused(out, residual, post, comb):
@@ -33,3 +37,43 @@ def rope_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     """Interleaved-pair RoPE on the trailing 2 * cos.shape[-1] channels (inverse: the conjugate)."""
     x = x.contiguous()
     return _rope_launch(x, None, cos, sin, 0.0, False, torch.empty_like(x), sin_sign=-1.0 if inverse else 1.0)
+
+
+def router_fused(x, weight, bias, top_k, scaling, scoring_func, gate_temp, renorm):
+    """V4.1's noaux router: the fp32 gate GEMM (cuBLAS), then V4's one program per token for scores,
+    bias, top-k, renormalisation and scale. Without renormalisation (V4's kernel always renormalises):
+    the reference."""
+    if not (renorm and top_k > 1) or bias is None or x.shape[0] == 0:
+        return reference_v41.router(x, weight, bias, top_k, scaling, scoring_func, gate_temp, renorm)
+    logits = F.linear(x.float(), weight.float())
+    if gate_temp != 1.0:
+        logits = logits / gate_temp
+    T, E = logits.shape
+    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    _router_kernel[(T,)](logits, bias.float().contiguous(), w, idx, E, scaling, K=top_k,
+                         KP=triton.next_power_of_2(top_k), SCORING=_SCORING[scoring_func],
+                         BLOCK_E=triton.next_power_of_2(E))
+    return w, idx
+
+
+@triton.jit
+def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    g = tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + i, mask=m, other=0.0).to(tl.float32)
+    if CLAMP:
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        g = tl.minimum(g, limit)
+    tl.store(out_ptr + i, g * tl.sigmoid(g) * u, mask=m)
+
+
+def clamped_swiglu_fused(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(gate clamped above) * up clamped both ways, fp32 out, one launch."""
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty(gate.shape, dtype=torch.float32, device=gate.device)
+    n, block = gate.numel(), 1024
+    if n:
+        _swiglu_kernel[(triton.cdiv(n, block),)](gate, up, out, n, float(limit), CLAMP=limit > 0, BLOCK=block)
+    return out

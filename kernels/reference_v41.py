@@ -3,7 +3,7 @@ V4.1 fused kernels must match (kernels/fused_v41.py), bound by the dispatcher in
 as `v41_<name>`.
 
 Each mirrors transformers' DeepseekV41 code step by step, including where it computes in float32
-inside a float64 (or bf16) model (norm statistics, RoPE, mHC, the QAT fake-quantisers), so a
+inside a float64 (or bf16) model (norm statistics, RoPE, mHC, the QAT fake-quantisers, the router, SwiGLU), so a
 float64 run reproduces the float64 reference to ~1e-6.
 """
 
@@ -133,3 +133,30 @@ def hc_expand(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, com
     """stream k = post_k * out + sum_j comb[j, k] * residual_j, in fp32."""
     mixed = torch.einsum("tjk,tjd->tkd", comb.float(), residual.float())
     return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(residual.dtype)
+
+
+# --- MoE: router, SwiGLU --------------------------------------------------------------------------
+
+
+def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
+           scoring_func: str, gate_temp: float, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """noaux_tc: fp32 scores; the bias steers selection only. -> (weights [T, k] fp32, indices)."""
+    logits = F.linear(x.float(), weight.float()) / gate_temp
+    if scoring_func == "sqrtsoftplus":
+        scores = torch.sqrt(F.softplus(logits))
+    elif scoring_func == "sigmoid":
+        scores = torch.sigmoid(logits)
+    else:
+        scores = torch.softmax(logits, dim=-1)
+    indices = (scores + bias.float()).topk(top_k, dim=-1).indices
+    w = scores.gather(1, indices)
+    if renorm and top_k > 1:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scaling, indices
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        up, gate = up.clamp(min=-limit, max=limit), gate.clamp(max=limit)
+    return F.silu(gate) * up

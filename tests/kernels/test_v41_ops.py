@@ -126,3 +126,32 @@ def test_fake_quant_fp4_matches_reference(shape, block, e4m3, dtype):
         assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7).all()
     odd = torch.randn(3, 40)
     assert fused.FUSED["v41_fake_quant_fp4"](odd, 32) is odd
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+@pytest.mark.parametrize("T, E, k, D, temp", [(1, 8, 6, 64, 1.0), (5, 384, 6, 96, 1.0), (3, 30, 2, 40, 0.7)])
+def test_router_matches_reference(scoring, T, E, k, D, temp):
+    """The same experts (as sets: the MoE sums over them) with the same fp32 weights, bf16 input; no
+    renormalisation (V4's kernel always renormalises) falls back to the reference."""
+    torch.manual_seed(E)
+    x, w = torch.randn(T, D).to(torch.bfloat16), (torch.randn(E, D) * 0.2).to(torch.bfloat16)
+    bias = torch.randn(E) * 0.1
+    got_w, got_i = fused.FUSED["v41_router"](x, w, bias, k, 2.5, scoring, temp, True)
+    want_w, want_i = ref.router(x, w, bias, k, 2.5, scoring, temp, True)
+    assert got_w.dtype == torch.float32 and got_i.dtype == want_i.dtype
+    order_g, order_w = got_i.sort(-1), want_i.sort(-1)
+    assert torch.equal(order_g.values, order_w.values)
+    assert (got_w.gather(1, order_g.indices) - want_w.gather(1, order_w.indices)).abs().max() <= 1e-5
+    no_renorm = fused.FUSED["v41_router"](x, w, bias, k, 2.5, scoring, temp, False)
+    for g, want in zip(no_renorm, ref.router(x, w, bias, k, 2.5, scoring, temp, False)):
+        assert torch.equal(g, want)
+
+
+@pytest.mark.parametrize("limit", [10.0, 0.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_clamped_swiglu_matches_reference(limit, dtype):
+    """fp32 out from either input dtype, clamps where limit > 0 (values reach past it here)."""
+    gate, up = (torch.randn(3, 1500) * 8).to(dtype), (torch.randn(3, 1500) * 8).to(dtype)
+    got, want = fused.FUSED["v41_clamped_swiglu"](gate, up, limit), ref.clamped_swiglu(gate, up, limit)
+    assert got.dtype == want.dtype == torch.float32
+    assert _rel(got, want) <= 1e-6
