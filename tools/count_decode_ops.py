@@ -1,14 +1,15 @@
-"""How many device ops a DeepSeek-V4.1 decode step issues, by the engine function that issues them
-(CPU, no GPU needed): the launch budget a decode CUDA graph replays.
+"""How many device kernels a DeepSeek-V4.1 decode step launches, by the engine function that launches
+them (CPU, no GPU needed): the budget a decode CUDA graph replays.
 
-    python -m tools.count_decode_ops [--model DIR | --preset v41-tiny] [--dtype bfloat16] [--json OUT]
+    python -m tools.count_decode_ops [--model DIR | --preset v41-tiny] [--dtype bfloat16] [--by-kind] [--json OUT]
 
-Every aten op of one model forward on the decode path's static batch of 1 (what a graph captures)
-is counted, views excluded (they launch nothing), and charged to the innermost engine/ or kernels/
-function on the stack. An op of the kernels API that is a fused Triton kernel on CUDA
-(kernels/fused.py) counts as one launch, whatever its torch reference does on the CPU: the counts
-are what the GPU would run. Per layer kind too (window only, ratio r source / reader, index
-source, Engram), so a 40-layer model's budget follows from the tiny one's.
+One model forward on the decode path's static batch of 1 (what a graph captures) runs with every op
+the CUDA dispatch (kernels/fused.py) binds to a Triton kernel running that kernel (under Triton's
+interpreter), and the routed experts through the fused MoE as on CUDA. Counted: every aten op that
+launches work (views and allocations excluded), charged to the innermost engine/ or kernels/
+function on the stack, and every Triton launch, charged to its kernels API op. Per layer kind too
+(window only, ratio r source / reader, index source, Engram), so a 40-layer model's budget follows
+from the tiny one's.
 """
 
 from __future__ import annotations
@@ -16,17 +17,33 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the kernels run on the CPU
 
-import kernels
-from kernels import fused
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import fused  # noqa: E402
 
 ROOTS = ("/engine/", "/kernels/")
+NO_LAUNCH = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default, torch.ops.aten.empty.memory_format,
+             torch.ops.aten.empty_strided.default, torch.ops.aten.empty_like.default}
+
+
+def _launches(func, args, out) -> bool:
+    """Whether an aten op runs a kernel: views do not, nor ops returning no tensor (dtype queries);
+    `.to(dtype)` is an aliasing op that copies unless the dtype already matches."""
+    if not isinstance(out, torch.Tensor) and not (isinstance(out, (tuple, list)) and out
+                                                   and isinstance(out[0], torch.Tensor)):
+        return func is torch.ops.aten._local_scalar_dense.default  # a host sync: shown, never hidden
+    if func._schema.name == "aten::to":
+        return out.data_ptr() != args[0].data_ptr()
+    return not func.is_view
 
 
 class _Count(TorchDispatchMode):
@@ -34,16 +51,22 @@ class _Count(TorchDispatchMode):
         super().__init__()
         self.by_source: collections.Counter = collections.Counter()
         self.by_layer: collections.Counter = collections.Counter()
+        self.by_layer_source: collections.Counter = collections.Counter()
         self.layer = "head"
-        self.muted = 0  # inside a fused op's torch reference
+        self.muted = 0  # inside a Triton launch (the interpreter's own torch calls)
+        self.label = None  # inside a fused op: its name
 
     def charge(self, source: str) -> None:
         self.by_source[source] += 1
         self.by_layer[self.layer] += 1
+        self.by_layer_source[self.layer, source] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.muted or func.is_view or func in (torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default):
+        if self.muted or func in NO_LAUNCH or not _launches(func, args, out):
+            return out
+        if self.label is not None:
+            self.charge(self.label)
             return out
         f = sys._getframe(1)
         while f is not None and not any(r in f.f_code.co_filename for r in ROOTS):
@@ -53,36 +76,42 @@ class _Count(TorchDispatchMode):
         return out
 
 
-def _fused_as_one(counter: _Count) -> None:
-    """Each op kernels.fused binds on CUDA: one launch (its reference runs muted)."""
-    for name in fused.FUSED:
-        ref = getattr(kernels, name)
-
-        def op(*a, _ref=ref, _name=name, **k):
-            counter.charge(f"kernels.{_name} (fused)")
-            counter.muted += 1
-            try:
-                return _ref(*a, **k)
-            finally:
-                counter.muted -= 1
-        setattr(kernels, name, op)
-
-
-def _moe_as_fused(counter: _Count):
-    """The CPU's per-expert loop (ops.routed_experts) stands for CUDA's kernels.moe_experts: one launch."""
-    from engine import v41_ops
-
-    ref = v41_ops.routed_experts
-
+def _run_fused(counter: _Count, name: str, fn):
     def op(*a, **k):
-        counter.charge("kernels.moe_experts (fused)")
+        outer, counter.label = counter.label, f"kernels.{name} (fused)"
+        try:
+            return fn(*a, **k)
+        finally:
+            counter.label = outer
+    return op
+
+
+def _count_launches(counter: _Count):
+    """Every Triton launch (interpreted): one kernel, charged to the fused op around it."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def counted(self, *a, **k):
+        counter.charge(counter.label or f"triton.{self.fn.__name__}")
         counter.muted += 1
         try:
-            return ref(*a, **k)
+            return run(self, *a, **k)
         finally:
             counter.muted -= 1
-    v41_ops.routed_experts = op
-    return ref
+    InterpretedFunction.run = counted
+    return run
+
+
+def _moe_as_on_cuda(model) -> list:
+    """The CPU MoE's per-expert loop (ops.routed_experts) replaced by CUDA's fused MoE call."""
+    from engine import v41_ops
+
+    def routed(x, w1, w3, w2, weights, indices, limit):
+        return kernels.moe_experts(x, w1, w3, w2, weights.to(x.dtype), indices, limit, None).float()
+    saved = v41_ops.routed_experts
+    v41_ops.routed_experts = routed
+    return [saved]
 
 
 def layer_kind(cfg, i: int) -> str:
@@ -122,11 +151,15 @@ def count(model_dir: str, dtype: torch.dtype, prompt_len: int = 40) -> dict:
     hooks = [b.register_forward_pre_hook(lambda m, a: setattr(counter, "layer", m.layer)) for b in model.layers]
     hooks.append(model.register_forward_pre_hook(lambda m, a: setattr(counter, "layer", "embed")))
     forward = model.forward
+    from triton.runtime.interpreter import InterpretedFunction
+
     from engine import v41_ops
-    moe = v41_ops.routed_experts
+
+    run = _count_launches(counter)
+    (moe,) = _moe_as_on_cuda(model)
     try:
-        _fused_as_one(counter)
-        _moe_as_fused(counter)
+        for name, fn in fused.FUSED.items():
+            setattr(kernels, name, _run_fused(counter, name, fn))
 
         def counted(*a, **k):
             with counter:
@@ -136,16 +169,23 @@ def count(model_dir: str, dtype: torch.dtype, prompt_len: int = 40) -> dict:
     finally:
         model.forward = forward
         v41_ops.routed_experts = moe
+        InterpretedFunction.run = run
         for h in hooks:
             h.remove()
         for name, fn in saved.items():
             setattr(kernels, name, fn)
     per_layer = {i: counter.by_layer[i] for i in range(cfg.num_layers)}
     kinds: dict = {}
+    first_of_kind: dict = {}
     for i, n in per_layer.items():
         kinds.setdefault(layer_kind(cfg, i), []).append(n)
+        first_of_kind.setdefault(layer_kind(cfg, i), i)
+    kind_sources = {kind: dict(sorted(((src, n) for (layer, src), n in counter.by_layer_source.items() if layer == i),
+                                      key=lambda kv: -kv[1]))
+                    for kind, i in first_of_kind.items()}
     return {"total": sum(counter.by_source.values()), "by_source": dict(counter.by_source.most_common()),
             "per_layer": per_layer, "by_kind": {k: sorted(set(v)) for k, v in kinds.items()},
+            "by_kind_source": kind_sources,
             "outside_layers": counter.by_layer["embed"] + counter.by_layer["head"]}
 
 
@@ -156,6 +196,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--by-kind", action="store_true", help="each layer kind's ops by source (its first layer)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model
@@ -163,15 +204,17 @@ def main() -> None:
             from engine.random_checkpoint_v41 import write_v41_checkpoint
             model = str(write_v41_checkpoint(Path(tmp) / a.preset, a.preset))
         res = count(model, getattr(torch, a.dtype))
-    print(f"ops per decode step (batch 1, {a.dtype}, backend {kernels.backend()!r}, fused ops as one launch): "
-          f"{res['total']}")
-    print(f"{'source':<52} {'ops':>6}")
+    print(f"kernels per decode step (batch 1, {a.dtype}, the CUDA dispatch): {res['total']}")
+    print(f"{'source':<52} {'kernels':>7}")
     for src, n in list(res["by_source"].items())[:a.rows]:
         print(f"{src:<52} {n:>6}")
-    print(f"{'layer kind':<52} ops per layer")
+    print(f"{'layer kind':<52} kernels per layer")
     for kind, ns in res["by_kind"].items():
         print(f"{kind:<52} {ns}")
     print(f"{'embed + head (outside the layers)':<52} {res['outside_layers']}")
+    if a.by_kind:
+        for kind, srcs in res["by_kind_source"].items():
+            print(f"{kind}: " + ", ".join(f"{s} {n}" for s, n in srcs.items()))
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1, default=str))
 
