@@ -13,8 +13,9 @@ work has a fixed shape too:
   rows there (the padding sequence: scratch window block, position 0).
 
 The host decides what the eager path decides (which sequences draft, how many, their blocks) and
-packs it; one replay, one read-back of the [B, k] drafts. On the CPU the same function runs
-eagerly on the static buffers (the tests compare it with the eager MTP path).
+packs it; one replay, then the host does the step's scheduler and output work while it runs, then
+one read-back of the [B, k] drafts. On the CPU the same function runs eagerly on the static
+buffers (the tests compare it with the eager MTP path).
 """
 
 from __future__ import annotations
@@ -120,8 +121,8 @@ class DraftSteps:
                 p = base + s - 1
                 col(f"pos{s}")[b], col(f"slots{s}")[b], col(f"seq{s}")[b] = p, wt[p // bs] * bs + p % bs, b
 
-    def run(self, batch, items, drafting) -> list[list[int]]:
-        """-> each batch row's k drafts (the host keeps the ones it wanted)."""
+    def launch(self, batch, items, drafting) -> None:
+        """Pack, one copy, replay (or run the static batch eagerly, on the CPU); read() waits for it."""
         bk = self.static[self.verify.bucket(len(batch))]
         self.replays += 1
         self.pack(batch, items, drafting, bk, bk.staging.numpy())
@@ -130,4 +131,7 @@ class DraftSteps:
             self._forward(bk)
         else:
             bk.graph.replay()
-        return self.drafts[:len(batch)].tolist()
+
+    def read(self, batch_size: int) -> list[list[int]]:
+        """-> each batch row's k drafts (the host keeps the ones it wanted)."""
+        return self.drafts[:batch_size].tolist()

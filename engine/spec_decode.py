@@ -155,8 +155,9 @@ class SpecDecoder:
         # the MTP follows every speculating sequence over this step's accepted positions
         nxt = {id(s): [smp.token_id] for s, smp in zip(plain, samples) if smp.error is None}
         nxt.update({sid: [t for t, _ in toks] for sid, toks in emitted.items()})
-        self._propose(batch, hidden, nxt, graphed and self.draft_steps is not None)
+        drafted = self._propose(batch, hidden, nxt, graphed and self.draft_steps is not None)
 
+        # while the MTP's graph runs: the scheduler and the outputs (neither reads the drafts)
         eng.scheduler.advance([(s, len(emitted[id(s)]) if id(s) in emitted else n)
                                for s, n in batch if s.status == Status.RUNNING])
         for seq, smp in zip(plain, samples):
@@ -166,6 +167,7 @@ class SpecDecoder:
                 if seq.request_id not in eng.requests:
                     break  # finished (stop, length, stop string): the rest is dropped
                 outputs += eng._process(seq, token, logprob, None)
+        drafted()
         return outputs
 
     def _attach_drafts(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
@@ -270,10 +272,11 @@ class SpecDecoder:
 
     # --- drafting -----------------------------------------------------------------------------
 
-    def _propose(self, batch, hidden: torch.Tensor, nxt: dict[int, list[int]], graphed: bool = False) -> None:
+    def _propose(self, batch, hidden: torch.Tensor, nxt: dict[int, list[int]], graphed: bool = False):
         """MTP over each speculating sequence's accepted rows of this step (inputs: the main model's
         streams at i and the token at i + 1), then k - 1 chained single-token MTP steps: drafts.
-        graphed: the step replayed a verify graph, so the MTP's graph of that bucket runs them."""
+        graphed: the step replayed a verify graph, so the MTP's graph of that bucket runs them.
+        -> a function that sets the drafts as spec_token_ids (the graph's read-back waits there)."""
         eng = self.engine
         self.mtp_drafts = {}
         items, rows, where, row0 = [], [], [], 0  # where: each item's batch index and first row
@@ -292,7 +295,7 @@ class SpecDecoder:
             seq.spec_token_ids = []
             row0 += n
         if not items:
-            return
+            return lambda: None
         if not graphed:
             fb_m = self._batch(items)
             h = self.mtp(eng.model, fb_m, self.mtp_cache, hidden[torch.tensor(rows, device=hidden.device)])
@@ -310,14 +313,19 @@ class SpecDecoder:
                 drafting.append((j, base, k, n_out))
         if graphed:  # the catch-up runs even when nobody drafts: it keeps the MTP's window KV
             self.step_paths["draft_graph"] += 1
-            drafts = self.draft_steps.run(batch, {where[j][0]: (where[j][1], toks) for j, (_, _, toks) in enumerate(items)},
-                                          {where[j][0]: (base, k) for j, base, k, _ in drafting})
-            out = [drafts[where[j][0]][:k] for j, _, k, _ in drafting]
-        else:
-            self.step_paths["draft_eager"] += 1
-            if not drafting:
-                return
-            out = self._chain(h, fb_m, items, drafting)
+            self.draft_steps.launch(batch, {where[j][0]: (where[j][1], toks) for j, (_, _, toks) in enumerate(items)},
+                                    {where[j][0]: (base, k) for j, base, k, _ in drafting})
+
+            def read():
+                drafts = self.draft_steps.read(len(batch))
+                self._set_drafts(items, drafting, [drafts[where[j][0]][:k] for j, _, k, _ in drafting])
+            return read
+        self.step_paths["draft_eager"] += 1
+        if drafting:
+            self._set_drafts(items, drafting, self._chain(h, fb_m, items, drafting))
+        return lambda: None
+
+    def _set_drafts(self, items, drafting, out: list[list[int]]) -> None:
         self.mtp_drafts = {items[j][0].request_id: d for (j, *_), d in zip(drafting, out)}
         for (j, _, _, n_out), d in zip(drafting, out):
             seq = items[j][0]

@@ -98,7 +98,7 @@ def micro(eng, spec, batch: int, input_len: int, reps: int) -> dict:
         rows0 = [i * (k + 1) for i in range(batch)]
         items = {i: (rows0[i], [s.last_token_id] * (k + 1)) for i, s in enumerate(seqs)}
         chain = {i: (s.num_computed_tokens + k + 1, k) for i, s in enumerate(seqs)}
-        row[f"draft_graph_k{k}_ms"] = _median_ms(lambda ds=ds: ds.run(batch_k, items, chain), reps)
+        row[f"draft_graph_k{k}_ms"] = _median_ms(lambda ds=ds: (ds.launch(batch_k, items, chain), ds.read(batch)), reps)
         del vs, ds
         hc = torch.zeros(batch * (k + 1), model.cfg.hc_mult, model.cfg.hidden_size, dtype=model.embed.weight.dtype,
                          device=eng.device)
