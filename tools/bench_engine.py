@@ -422,6 +422,8 @@ def main() -> None:
     ap.add_argument("--floor", action="store_true", help="report the decode memory floor (GPU)")
     ap.add_argument("--steady", default=None, help="batch sizes: time decode-only steps (after prefill)")
     ap.add_argument("--check-graphs", action="store_true", help="compare CUDA graphs with eager first (GPU)")
+    ap.add_argument("--check-kernels", action="store_true", help="compare the default engine with the torch "
+                    "references run eagerly first (GPU; --check-graphs does it too)")
     ap.add_argument("--label", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -433,6 +435,7 @@ def main() -> None:
     results, vocab, extra = [], [], {}
     if args.check_graphs:
         extra["check_graphs"] = check_graphs(engine_args)
+    if args.check_graphs or args.check_kernels:
         extra["check_kernels"] = check_graphs(engine_args, against={"kernels": "ref", "enforce_eager": True})
     if args.steady:
         extra["steady_decode"] = steady_decode(engine_args, [int(b) for b in args.steady.split(",")], args.input_len)
