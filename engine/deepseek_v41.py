@@ -136,21 +136,17 @@ class Indexer(nn.Module):
         """Top-k entries per query row [T, index_topk], best first, -1 where fewer are visible."""
         T = x.shape[0]
         cos, sin = rows.ropes["compress"]
-        iq = K.v41_fake_quant_fp4(K.v41_rope(self.wq_b(q_res).view(T, self.n_heads, self.head_dim), cos, sin), 32).float()
+        # FP4 values times a power of two: exact in x's dtype, so the fused scores' dot reads them as they are
+        iq = K.v41_fake_quant_fp4(K.v41_rope(self.wq_b(q_res).view(T, self.n_heads, self.head_dim), cos, sin), 32)
         iw = self.weights_proj(x).float() * self.n_heads**-0.5
-        out = torch.full((T, self.topk), -1, dtype=torch.long, device=x.device)
-        per_block, d = keys_pool.shape[1], keys_pool.shape[-1]
-        flat = keys_pool.view(-1, d)
         if self.is_candidate_source:
             rows.candidates = torch.zeros((T, (fb.max_pos + 1) // ratio), dtype=torch.bool, device=x.device)
         if fb.is_decode:  # one row per sequence: all at once, no host sync
-            n = (fb.max_pos + 1) // ratio
-            if n:
-                e = torch.arange(n, device=x.device)
-                keys = flat[fb.full_tables[rows.token_seq][:, e // per_block] * per_block + e % per_block].float()
-                visible = (rows.positions + 1) // ratio
-                out[:, : min(self.topk, n)] = self._pick(iq, iw, keys, e, visible, rows, slice(None))
-            return out
+            return self._select_decode(iq, iw, rows, fb, keys_pool, ratio)
+        iq = iq.float()
+        out = torch.full((T, self.topk), -1, dtype=torch.long, device=x.device)
+        per_block, d = keys_pool.shape[1], keys_pool.shape[-1]
+        flat = keys_pool.view(-1, d)
         for s in torch.unique(rows.token_seq).tolist():
             idx = (rows.token_seq == s).nonzero().flatten()
             pos = rows.positions[idx]
@@ -166,14 +162,30 @@ class Indexer(nn.Module):
                 out[r, : min(self.topk, n)] = self._pick(iq[r], iw[r], keys, e, visible[lo:lo + chunk], rows, r)
         return out
 
+    def _select_decode(self, iq, iw, rows: Rows, fb: ForwardBatch, keys_pool: torch.Tensor, ratio: int):
+        """A decode batch's selection over the paged keys: scores and top-k in the kernels API's fused
+        indexer where no candidate blocks are involved; else its fused scores, then the two-level top-k."""
+        if not (self.is_candidate_source or self.uses_candidates):
+            return K.indexer_topk(iq, iw, keys_pool, fb.full_tables, rows.positions, rows.token_seq, ratio, self.topk,
+                                  max_pos=fb.max_pos, one_per_seq=True)
+        out = torch.full((iq.shape[0], self.topk), -1, dtype=torch.long, device=iq.device)
+        n = (fb.max_pos + 1) // ratio
+        if n:
+            sc = K.indexer_scores_paged(iq, iw, keys_pool, fb.full_tables, rows.positions, rows.token_seq, ratio, n)
+            out[:, : min(self.topk, n)] = self._top(sc, (rows.positions + 1) // ratio, rows, slice(None))
+        return out
+
     def _pick(self, iq, iw, keys, e, visible, rows: Rows, r) -> torch.Tensor:
-        """Scores of query rows `r` over entries `e` (keys [n, d] shared, or [rows, n, d]), the
-        two-level top-k -> [rows, min(topk, n)] best first, -1 where fewer are visible."""
-        n = e.shape[0]
-        sc = torch.einsum("thd,ed->the" if keys.dim() == 2 else "thd,ted->the", iq, keys)
+        """Scores of query rows `r` over entries `e` (keys [n, d]), then the two-level top-k."""
+        sc = torch.einsum("thd,ed->the", iq, keys)
         sc = sc.relu_() * self.head_dim**-0.5
         sc = (sc * iw.unsqueeze(-1)).sum(dim=1)
-        sc = sc.masked_fill(e[None] >= visible[:, None], float("-inf"))
+        return self._top(sc.masked_fill(e[None] >= visible[:, None], float("-inf")), visible, rows, r)
+
+    def _top(self, sc, visible, rows: Rows, r) -> torch.Tensor:
+        """Score rows sc [rows, n] (-inf where not visible) of query rows `r` -> the two-level top-k
+        [rows, min(topk, n)] best first, -1 where fewer are visible."""
+        n = sc.shape[1]
         if self.is_candidate_source:
             rows.candidates[r, :n] = ops.candidate_blocks(sc, visible, self.cfg.candidate_topk_blocks,
                                                           self.cfg.candidate_block_size)

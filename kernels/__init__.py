@@ -17,7 +17,7 @@ from kernels import reference, reference_v41
 _OPS = (
     "rms_norm", "rms_norm_unweighted", "rope_cos_sin", "apply_rope", "hc_pre", "hc_post", "hc_post_pre_norm", "hc_head",
     "router_topk", "linear", "linear_split", "swiglu", "mlp", "moe_experts", "sink_attention", "grouped_linear",
-    "indexer_scores", "indexer_topk", "paged_attention", "pool_blocks", "norm_rope",
+    "indexer_scores", "indexer_scores_paged", "indexer_topk", "paged_attention", "pool_blocks", "norm_rope",
     "kv_norm_rope_insert", "compress_decode", "greedy_pick",
 )
 # DeepSeek-V4.1's ops whose arithmetic differs from V4's (kernels/reference_v41.py): bound as v41_<name>

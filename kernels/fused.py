@@ -18,7 +18,7 @@ from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
 from kernels.fused_fp8_linear import fp8_linear_fused
 from kernels.fused_gate import router_topk_gemm_fused
-from kernels.fused_indexer import indexer_topk_fused
+from kernels.fused_indexer import indexer_scores_paged, indexer_topk_fused
 from kernels.fused_moe import moe_experts_fused
 from kernels.fused_norm_mhc import (
     hc_post_fused,
@@ -90,6 +90,7 @@ FUSED = {
     "apply_rope": apply_rope_fused,
     "kv_norm_rope_insert": kv_norm_rope_insert_fused,
     "compress_decode": compress_decode_fused,
+    "indexer_scores_paged": indexer_scores_paged,
     "indexer_topk": indexer_topk_fused,
     "greedy_pick": greedy_pick_fused,
     **{f"v41_{name[:-len('_fused')]}": getattr(fused_v41, name) for name in fused_v41.__all__},

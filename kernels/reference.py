@@ -310,6 +310,19 @@ def _entry_slots(table: torch.Tensor, per_block: int, entries: torch.Tensor) -> 
     return table[entries // per_block] * per_block + entries % per_block
 
 
+def indexer_scores_paged(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, full_tables: torch.Tensor,
+                         positions: torch.Tensor, token_seq: torch.Tensor, ratio: int, n_max: int) -> torch.Tensor:
+    """The indexer's scores of each query token (one row per sequence, a decode batch) over the first
+    n_max entries of its sequence's paged index keys -> [T, n_max] fp32, -inf where the entry is not
+    visible yet ((e + 1) * ratio > pos + 1)."""
+    per_block, d = index_pool.shape[1], index_pool.shape[-1]
+    e = torch.arange(n_max, device=iq.device)
+    keys = index_pool.view(-1, d)[full_tables[token_seq][:, e // per_block] * per_block + e % per_block]  # [T, n, d]
+    s = torch.einsum("thd,ted->the", iq.float(), keys.float())
+    scores = (torch.relu(s) * d**-0.5 * iw.float().unsqueeze(-1)).sum(dim=1)
+    return scores.masked_fill(e[None] >= ((positions + 1) // ratio)[:, None], float("-inf"))
+
+
 def indexer_topk(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, full_tables: torch.Tensor,
                  positions: torch.Tensor, token_seq: torch.Tensor, ratio: int, topk: int,
                  max_pos: int | None = None, one_per_seq: bool = False) -> torch.Tensor:
@@ -323,13 +336,10 @@ def indexer_topk(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, f
         n = (max_pos + 1) // ratio
         if n == 0:
             return out
-        e = torch.arange(n, device=iq.device)
-        keys = flat[full_tables[token_seq][:, e // per_block] * per_block + e % per_block]  # [T, n, d]
-        s = torch.einsum("thd,ted->the", iq.float(), keys.float())
-        scores = (torch.relu(s) * d**-0.5 * iw.float().unsqueeze(-1)).sum(dim=1)
+        scores = indexer_scores_paged(iq, iw, index_pool, full_tables, positions, token_seq, ratio, n)
         limit = ((positions + 1) // ratio)[:, None]
         k = min(topk, n)
-        idx = scores.masked_fill(e[None] >= limit, float("-inf")).topk(k, dim=-1).indices
+        idx = scores.topk(k, dim=-1).indices
         out[:, :k] = torch.where(idx < limit, idx, -1)
         return out
     for s in torch.unique(token_seq).tolist():

@@ -22,8 +22,8 @@ pytestmark = [needs_oracle, pytest.mark.usefixtures("single_thread")]
 
 
 def test_decode_through_the_fused_kernels_equals_the_references(v41_golden):
-    """Chunked prefill then greedy decode on the CUDA-graph path's static batch of 1: the same tokens,
-    and every step's logits within 1e-5 of the logit scale."""
+    """Chunked prefill then greedy decode on the CUDA-graph path's static batch of 1 (index layers with
+    and without candidate blocks): the same tokens, and every step's logits within 1e-5 of the logit scale."""
     from engine.loader_v41 import load_v41_model
 
     model = load_v41_model(ORACLE, torch.float32, decoder_replay=False)
@@ -32,8 +32,8 @@ def test_decode_through_the_fused_kernels_equals_the_references(v41_golden):
         kernels.set_backend("ref")
         want_tokens, want = greedy(model, ids, 16, steps=4, decode_batches=(1,), dtype=torch.float32)
         kernels.set_backend("fused")
-        for name in kernels._V41_OPS:  # every V4.1 op runs its kernel
-            assert getattr(kernels, f"v41_{name}") is fused.FUSED[f"v41_{name}"]
+        for name in [f"v41_{n}" for n in kernels._V41_OPS] + ["indexer_topk", "indexer_scores_paged"]:
+            assert getattr(kernels, name) is fused.FUSED[name]  # every V4.1 op and the decode indexer: kernels
         got_tokens, got = greedy(model, ids, 16, steps=4, decode_batches=(1,), dtype=torch.float32)
     finally:
         kernels.set_backend("auto")

@@ -70,3 +70,17 @@ def test_sort_and_torch_topk_paths_agree_and_put_valid_picks_first(monkeypatch):
         assert sorted(row) == sorted(by_torch[t].tolist())
         n_valid = sum(v >= 0 for v in row)
         assert n_valid == min(8, (int(pos[t]) + 1) // 4) and all(v >= 0 for v in row[:n_valid])
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_paged_scores_reference_matches_the_kernel(dtype, tol):
+    """reference.indexer_scores_paged (the decode batch's scores, the spec V4.1's two-level top-k
+    reads) vs the kernel: finite values within tol of the scale, -inf exactly where not visible."""
+    H, d, ratio, bs = 6, 16, 2, 32
+    iq, iw, pool, ft, pos, seq = _batch(SPECS[2], H, d, ratio, bs, dtype, seed=5)
+    n = (int(pos.max()) + 1) // ratio + 3  # padded past the longest, as a graph's rows are
+    want = ref.indexer_scores_paged(iq, iw, pool, ft, pos, seq, ratio, n)
+    got = indexer_scores_paged(iq, iw, pool, ft, pos, seq, ratio, n)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    fin = torch.isfinite(want)
+    assert (got[fin] - want[fin]).abs().max() <= tol * max(want[fin].abs().max(), 1.0)
