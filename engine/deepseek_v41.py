@@ -272,7 +272,7 @@ class SharedExpert(nn.Module):
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(K.v41_clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+        return self.w2(K.v41_clamped_swiglu(self.w1(x), self.w3(x), self.limit, x.dtype))
 
 
 class MoE(nn.Module):
@@ -296,11 +296,11 @@ class MoE(nn.Module):
             scales = None if self.experts_w1_scale is None else (self.experts_w1_scale, self.experts_w3_scale,
                                                                  self.experts_w2_scale)
             routed = K.moe_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights.to(x.dtype),
-                                   indices, cfg.swiglu_limit, scales).float()
+                                   indices, cfg.swiglu_limit, scales)
         else:
             routed = ops.routed_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights, indices,
                                         cfg.swiglu_limit)
-        return (routed + self.shared_experts(x).float()).to(x.dtype)
+        return K.v41_moe_sum(routed, self.shared_experts(x), x.dtype)
 
 
 class Engram(nn.Module):

@@ -16,7 +16,7 @@ from kernels.fused_norm_mhc import _rms_norm_kernel, _rows, hc_post_fused, hc_si
 from kernels.fused_rope import _launch as _rope_launch
 
 __all__ = ["hc_site_collapse_fused", "hc_expand_fused", "rms_norm_fused", "rope_fused", "fake_quant_fp4_fused",
-           "fake_quant_fp8_fused", "router_fused", "clamped_swiglu_fused"]
+           "fake_quant_fp8_fused", "router_fused", "clamped_swiglu_fused", "moe_sum_fused"]
 
 
 def hc_expand_fused(out, residual, post, comb):
@@ -58,22 +58,37 @@ def router_fused(x, weight, bias, top_k, scaling, scoring_func, gate_temp, renor
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, out_ptr, N, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+def _pair_kernel(a_ptr, b_ptr, out_ptr, N, limit, OP: tl.constexpr, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    """Elementwise over two inputs in fp32, one rounding to out's dtype. OP 0: the clamped SwiGLU of
+    (gate a, up b); 1: a + b."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
-    g = tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + i, mask=m, other=0.0).to(tl.float32)
-    if CLAMP:
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        g = tl.minimum(g, limit)
-    tl.store(out_ptr + i, g * tl.sigmoid(g) * u, mask=m)
+    a = tl.load(a_ptr + i, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + i, mask=m, other=0.0).to(tl.float32)
+    if OP == 0:
+        if CLAMP:
+            b = tl.minimum(tl.maximum(b, -limit), limit)
+            a = tl.minimum(a, limit)
+        y = a * tl.sigmoid(a) * b
+    else:
+        y = a + b
+    tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def clamped_swiglu_fused(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(gate clamped above) * up clamped both ways, fp32 out, one launch."""
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty(gate.shape, dtype=torch.float32, device=gate.device)
-    n, block = gate.numel(), 1024
+def _pair(a, b, dtype, op, limit=0.0):
+    a, b = a.contiguous(), b.contiguous()
+    out = torch.empty(a.shape, dtype=dtype, device=a.device)
+    n, block = a.numel(), 1024
     if n:
-        _swiglu_kernel[(triton.cdiv(n, block),)](gate, up, out, n, float(limit), CLAMP=limit > 0, BLOCK=block)
+        _pair_kernel[(triton.cdiv(n, block),)](a, b, out, n, float(limit), OP=op, CLAMP=limit > 0, BLOCK=block)
     return out
+
+
+def clamped_swiglu_fused(gate: torch.Tensor, up: torch.Tensor, limit: float,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """silu(gate clamped above) * up clamped both ways, in fp32, one launch."""
+    return _pair(gate, up, out_dtype or torch.float32, 0, limit)
+
+
+def moe_sum_fused(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _pair(routed, shared, dtype, 1)

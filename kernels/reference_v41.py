@@ -155,8 +155,16 @@ def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int
     return w * scaling, indices
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """In fp32; out_dtype: the result rounded to it once (the shared expert's w2 input), else fp32."""
     gate, up = gate.float(), up.float()
     if limit > 0:
         up, gate = up.clamp(min=-limit, max=limit), gate.clamp(max=limit)
-    return F.silu(gate) * up
+    out = F.silu(gate) * up
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def moe_sum(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The MoE's output: routed + shared experts added in fp32, rounded once to `dtype`."""
+    return (routed.float() + shared.float()).to(dtype)

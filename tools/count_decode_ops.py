@@ -108,7 +108,7 @@ def _moe_as_on_cuda(model) -> list:
     from engine import v41_ops
 
     def routed(x, w1, w3, w2, weights, indices, limit):
-        return kernels.moe_experts(x, w1, w3, w2, weights.to(x.dtype), indices, limit, None).float()
+        return kernels.moe_experts(x, w1, w3, w2, weights.to(x.dtype), indices, limit, None)
     saved = v41_ops.routed_experts
     v41_ops.routed_experts = routed
     return [saved]

@@ -155,3 +155,22 @@ def test_clamped_swiglu_matches_reference(limit, dtype):
     got, want = fused.FUSED["v41_clamped_swiglu"](gate, up, limit), ref.clamped_swiglu(gate, up, limit)
     assert got.dtype == want.dtype == torch.float32
     assert _rel(got, want) <= 1e-6
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+def test_clamped_swiglu_rounds_once_to_out_dtype(out_dtype):
+    gate, up = (torch.randn(2, 700) * 8).to(torch.bfloat16), (torch.randn(2, 700) * 8).to(torch.bfloat16)
+    got, want = (fused.FUSED["v41_clamped_swiglu"](gate, up, 10.0, out_dtype),
+                 ref.clamped_swiglu(gate, up, 10.0, out_dtype))
+    assert got.dtype == want.dtype == (out_dtype or torch.float32)
+    assert _rel(got, want) <= (BF16 if out_dtype else 1e-6)
+
+
+@pytest.mark.parametrize("a_dtype, dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                            (torch.float32, torch.float32)])
+def test_moe_sum_adds_in_fp32(a_dtype, dtype):
+    """routed (the fused MoE's x dtype, or the CPU loop's fp32) + shared, one rounding to dtype."""
+    a, b = torch.randn(3, 333).to(a_dtype), torch.randn(3, 333).to(torch.bfloat16)
+    got, want = fused.FUSED["v41_moe_sum"](a, b, dtype), ref.moe_sum(a, b, dtype)
+    assert got.dtype == want.dtype == dtype
+    assert _rel(got, want) <= (BF16 if dtype == torch.bfloat16 else 1e-7)
