@@ -74,10 +74,19 @@ def hc_post_pre_norm_composed(h, out, post, comb, fn, base, scale, norm_w, hc_ep
     return new, post2, comb2, rms_norm_fused(x, norm_w, out_eps)
 
 
+def swiglu_fused(gate, up, limit):
+    """V4's shared-expert SwiGLU in one launch instead of four: V4.1's kernel (fp32 inside, one rounding
+    to the input dtype, where the reference rounds after each op); the reference when nothing clamps."""
+    if limit <= 0:
+        return reference.swiglu(gate, up, limit)
+    return fused_v41.clamped_swiglu_fused(gate, up, limit, out_dtype=gate.dtype)
+
+
 FUSED = {
     "linear": linear_fused,
     "linear_split": linear_split_fused,
     "grouped_linear": grouped_linear_fused,
+    "swiglu": swiglu_fused,
     "rms_norm": rms_norm_fused,
     "rms_norm_unweighted": rms_norm_unweighted_fused,
     "hc_pre": hc_pre_fused,

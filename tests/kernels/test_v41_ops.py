@@ -6,6 +6,7 @@ import torch
 
 import kernels
 from kernels import fused
+from kernels import reference as ref_v4
 from kernels import reference_v41 as ref
 
 # bf16: Triton's interpreter truncates float32 -> bf16 casts (the GPU rounds to nearest), so a value cast
@@ -174,3 +175,13 @@ def test_moe_sum_adds_in_fp32(a_dtype, dtype):
     got, want = fused.FUSED["v41_moe_sum"](a, b, dtype), ref.moe_sum(a, b, dtype)
     assert got.dtype == want.dtype == dtype
     assert _rel(got, want) <= (BF16 if dtype == torch.bfloat16 else 1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_v4_swiglu_matches_reference(dtype):
+    """V4's shared expert through V4.1's kernel: the input dtype out, clamped (values reach past the
+    limit); bf16 within two roundings of the reference (it rounds after silu, the clamp and the product)."""
+    gate, up = (torch.randn(3, 1500) * 8).to(dtype), (torch.randn(3, 1500) * 8).to(dtype)
+    got, want = fused.FUSED["swiglu"](gate, up, 10.0), ref_v4.swiglu(gate, up, 10.0)
+    assert got.dtype == want.dtype == dtype
+    assert _rel(got, want) <= (1e-6 if dtype == torch.float32 else 1e-2)
