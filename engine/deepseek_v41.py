@@ -47,6 +47,7 @@ from engine.deepseek_v4 import (
 from engine.deepseek_v4 import Norm as V4Norm
 from engine.engram import EngramHasher
 from engine.forward_batch import ForwardBatch
+from engine.mixed_rows_v41 import PLAN_KEY, DecoderRows, V41MixedRows
 
 SCORE_BUDGET = 1 << 27  # fp32 elements of one indexer score chunk [rows, heads, entries]
 
@@ -141,6 +142,13 @@ class Indexer(nn.Module):
         iw = self.weights_proj(x).float() * self.n_heads**-0.5
         if self.is_candidate_source:
             rows.candidates = torch.zeros((T, (fb.max_pos + 1) // ratio), dtype=torch.bool, device=x.device)
+        if PLAN_KEY in fb.plans:  # a padded mixed step (engine/mixed_graphs.py): every row at once, no host read
+            n = (fb.max_pos + 1) // ratio
+            out = torch.full((T, self.topk), -1, dtype=torch.long, device=x.device)
+            if n:
+                sc = K.indexer_scores_paged(iq, iw, keys_pool, fb.full_tables, rows.positions, rows.token_seq, ratio, n)
+                out[:, : min(self.topk, n)] = self._top(sc, (rows.positions + 1) // ratio, rows, slice(None))
+            return out
         if fb.is_decode:  # one row per sequence: all at once, no host sync
             return self._select_decode(iq, iw, rows, fb, keys_pool, ratio)
         iq = iq.float()
@@ -194,8 +202,8 @@ class Indexer(nn.Module):
             if cand.shape[1] < n:  # the candidate source saw fewer entries: nothing beyond
                 cand = F.pad(cand, (0, n - cand.shape[1]), value=False)
             sc = sc.masked_fill(~cand, float("-inf"))
-        top = sc.topk(min(self.topk, n), dim=-1)
-        return torch.where(top.values > float("-inf"), top.indices, -1)
+        values, indices = ops.topk_first(sc, min(self.topk, n))
+        return torch.where(values > float("-inf"), indices, -1)
 
 
 class Attention(nn.Module):
@@ -368,12 +376,13 @@ def engram_hasher(cfg: V41Config) -> EngramHasher:
 
 def _decoder_keep(fb: ForwardBatch, window: int) -> tuple[torch.Tensor, list[int]] | None:
     """Rows of each sequence's last `window` tokens (decoder replay), and each sequence's first
-    kept position; None when nothing would be dropped."""
+    kept position (0 for a sequence that drops nothing: its window reads the cache as without
+    trimming); None when nothing would be dropped."""
     keep, first, row = [], [], 0
     for n, start in zip(fb.seq_lens, fb.starts):
         k = min(n, window)
         keep.extend(range(row + n - k, row + n))
-        first.append(start + n - k)
+        first.append(start + n - k if n > window else 0)
         row += n
     if len(keep) == row:
         return None
@@ -382,8 +391,9 @@ def _decoder_keep(fb: ForwardBatch, window: int) -> tuple[torch.Tensor, list[int
 
 class DeepseekV41(nn.Module):
     # decode steps replay CUDA graphs: their compressor plan is built on the device (DecodePlan)
-    # and the Engram look-back rides in the runner's static batch. Prefill and mixed steps run
-    # eagerly: the prefill indexer and decoder replay size their work from host values per sequence.
+    # and the Engram look-back rides in the runner's static batch. Mixed steps run on padded static
+    # batches (engine/mixed_graphs.py + engine/mixed_rows_v41.py): padded plans, the look-back and
+    # decoder replay's kept rows at a fixed capacity, the indexer over fixed-width score rows.
     supports_cuda_graphs = True
     supports_mixed_graphs = False
     cache_class = V41KVCache
@@ -412,6 +422,10 @@ class DeepseekV41(nn.Module):
     def source_ratios(self) -> set[int]:
         """The compress ratios of the KV sources (each has a compressor)."""
         return {self.cfg.compress_ratios[s] for s in self.cfg.kv_source_layer_ids if self.cfg.compress_ratios[s]}
+
+    def mixed_rows(self, cache: V41KVCache) -> V41MixedRows:
+        """This model's fields of a padded mixed step (engine/mixed_graphs.py)."""
+        return V41MixedRows(self, cache)
 
     @property
     def engram_lookback(self) -> int:
@@ -443,10 +457,12 @@ class DeepseekV41(nn.Module):
         logits_rows, full_rows = fb.logits_rows, True
         for block in self.layers:
             if block.layer == cfg.last_kv_source + 1 and self.decoder_replay and not fb.is_decode:
-                got = _decoder_keep(fb, cfg.sliding_window)
-                if got is not None and bool(torch.isin(fb.logits_rows, got[0]).all()):
-                    keep, first = got
-                    h, pre, rows, logits_rows = self._trim(h, pre, rows, fb, keep, first)
+                if PLAN_KEY in fb.plans:  # a padded mixed step: its kept rows were packed on the host
+                    h, pre, rows, logits_rows = self._trim_packed(h, pre, rows, fb.plans[PLAN_KEY])
+                    full_rows = False
+                elif (got := _decoder_keep(fb, cfg.sliding_window)) is not None and bool(
+                        torch.isin(fb.logits_rows, got[0]).all()):
+                    h, pre, rows, logits_rows = self._trim(h, pre, rows, fb, *got)
                     full_rows = False
             h, pre = block(h, pre, rows, fb, cache, self.compress_inv_freq, full_rows)
         h, pre = h[logits_rows], pre[logits_rows]
@@ -459,13 +475,29 @@ class DeepseekV41(nn.Module):
         start = torch.maximum(fb.replay_start_t, torch.tensor(first, device=keep.device))
         new_index = torch.full((h.shape[0],), -1, dtype=torch.long, device=keep.device)
         new_index[keep] = torch.arange(len(keep), device=keep.device)
+        h, pre, trimmed = DeepseekV41._kept(h, pre, rows, keep, rows.positions[keep], rows.token_seq[keep],
+                                            rows.window_slots[keep], start)
+        return h, pre, trimmed, new_index[fb.logits_rows]
+
+    @staticmethod
+    def _trim_packed(h, pre, rows: Rows, dr: DecoderRows):
+        """_trim with the kept rows of a padded mixed step (their padding rows' metadata: scratch)."""
+        h, pre, trimmed = DeepseekV41._kept(h, pre, rows, dr.keep, dr.positions, dr.token_seq, dr.window_slots,
+                                            dr.replay_start_t)
+        if trimmed.topk is not None:  # a padding row took row 0's state: it selects nothing
+            pad = dr.token_seq == dr.replay_start_t.shape[0] - 1
+            trimmed.topk = trimmed.topk.masked_fill(pad[:, None], -1)
+        return h, pre, trimmed, dr.logits_rows
+
+    @staticmethod
+    def _kept(h, pre, rows: Rows, keep, positions, token_seq, window_slots, replay_start_t):
         trimmed = replace(
-            rows, positions=rows.positions[keep], token_seq=rows.token_seq[keep], window_slots=rows.window_slots[keep],
-            replay_start_t=start, ropes={k: (c[keep], s[keep]) for k, (c, s) in rows.ropes.items()},
+            rows, positions=positions, token_seq=token_seq, window_slots=window_slots,
+            replay_start_t=replay_start_t, ropes={k: (c[keep], s[keep]) for k, (c, s) in rows.ropes.items()},
             engram={k: v[keep] for k, v in rows.engram.items()},
             topk=None if rows.topk is None else rows.topk[keep],
             candidates=None if rows.candidates is None else rows.candidates[keep])
-        return h[keep], pre[keep], trimmed, new_index[fb.logits_rows]
+        return h[keep], pre[keep], trimmed
 
     # --- loading: official names and stacked experts as V4's (engine/deepseek_v4.py) -------------
 

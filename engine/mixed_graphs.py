@@ -11,7 +11,8 @@ to a padding sequence whose block tables hold the cache's scratch blocks, paddin
 row 0 and write only the scratch block / slot, padding logits rows repeat row 0. The batch's
 tensors are views of one flat buffer, so a step is one pinned host-to-device copy and one replay.
 On the CPU (no graphs) the same padded batches run eagerly: the tests compare them with the
-unpadded path there.
+unpadded path there. A model may add fields of its own (`model.mixed_rows(cache)`: DeepSeek-V4.1's
+Engram look-back and decoder replay's kept rows, engine/mixed_rows_v41.py).
 """
 
 from __future__ import annotations
@@ -115,12 +116,14 @@ class _Layout:
     size: int
 
 
-def _layout(T: int, max_num_seqs: int, width: int, ratios: list[int]) -> _Layout:
+def _layout(T: int, max_num_seqs: int, width: int, ratios: list[int], extra=None) -> _Layout:
+    """extra(T, S): the model's own fields, (name, length) (V4.1: engine/mixed_rows_v41.py)."""
     S = min(T, max_num_seqs) + 1
     L = S - 1  # logits rows: one per sampling sequence at most
     fields, at = {}, 0
     for name, n in (("input_ids", T), ("positions", T), ("window_slots", T), ("token_seq", T),
-                    ("replay_start_t", S), ("state_slot_t", S), ("logits_rows", L), ("tables", 2 * S * width)):
+                    ("replay_start_t", S), ("state_slot_t", S), ("logits_rows", L), ("tables", 2 * S * width),
+                    *(extra(T, S) if extra else ())):
         fields[name] = (at, n)
         at += n
     plans, caps = {}, {}
@@ -155,7 +158,9 @@ class MixedSteps:
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
         self.max_model_len = max_model_len
-        self.ratios = sorted({r for r in model.cfg.compress_ratios if r})
+        # V4.1: only its KV sources compress (a plan per their ratios)
+        self.ratios = sorted(getattr(model, "source_ratios", None) or {r for r in model.cfg.compress_ratios if r})
+        self.extra = model.mixed_rows(cache) if hasattr(model, "mixed_rows") else None
         self.width = -(-max_model_len // cache.block_size) + 1
         self.max_num_seqs = max_num_seqs
         self.sizes = sorted(set(sizes))
@@ -174,7 +179,8 @@ class MixedSteps:
             torch.cuda.synchronize()
 
     def fits(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> bool:
-        return bool(self.sizes) and not all_logits and sum(n for _, n in scheduled) <= self.sizes[-1]
+        return (bool(self.sizes) and not all_logits and sum(n for _, n in scheduled) <= self.sizes[-1]
+                and len(scheduled) <= self.max_num_seqs)
 
     # --- the padded batch -----------------------------------------------------------------------
 
@@ -195,10 +201,12 @@ class MixedSteps:
             vals = (0, lay.S - 1, 0, 0, 0, lay.S - 1, 0, c.scratch_slot, 0, 0, c.scratch_slot * m)
             for (o, n), v in zip(parts, vals):
                 host[o:o + n] = v
+        if self.extra is not None:
+            self.extra.pad(lambda name: host[f[name][0]:f[name][0] + f[name][1]], lay.S)
         return host
 
     def _static(self, size: int) -> _Static:
-        lay = _layout(size, self.max_num_seqs, self.width, self.ratios)
+        lay = _layout(size, self.max_num_seqs, self.width, self.ratios, self.extra and self.extra.fields)
         pad = self._pad_values(lay)
         flat = torch.from_numpy(pad.copy()).to(self.device)
         v = {name: flat[o:o + n] for name, (o, n) in lay.fields.items()}
@@ -213,6 +221,8 @@ class MixedSteps:
             replay_start_t=v["replay_start_t"], state_slot_t=v["state_slot_t"],
             is_decode=False, max_pos=self.max_model_len - 1,  # the indexer sizes for the longest sequence
             plans=plans)
+        if self.extra is not None:
+            self.extra.attach(fb, lambda name: v[name], lay.T)
         pin = self.device.type == "cuda"
         stagings = [torch.empty(lay.size, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         return _Static(lay, fb, flat, stagings, pad)
@@ -237,6 +247,8 @@ class MixedSteps:
             arrays = plan_arrays(n, starts, cfrom, slots, m, bs, num_slots, lay.T)
             for (o, _), a in zip(parts, arrays):
                 host[o:o + len(a)] = a
+        if self.extra is not None:
+            self.extra.pack(col, scheduled, n, starts, row0, samples)
         return len(rows)
 
     def run(self, scheduled: list[tuple[Sequence, int]], pending, fill_pending) -> torch.Tensor:

@@ -53,6 +53,20 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: i
     nb = s.shape[-1]
     last = torch.div(visible - 1, block, rounding_mode="floor").unsqueeze(-1)
     s = s.masked_fill(torch.arange(nb, device=s.device) == last, float("inf"))
-    top = s.topk(min(topk_blocks, nb), dim=-1)
-    keep = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    values, indices = topk_first(s, min(topk_blocks, nb))
+    keep = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))
     return keep.unsqueeze(-1).expand(*keep.shape, block).flatten(-2)[..., :width]  # no host sizing (graphs)
+
+
+def topk_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores.topk(k) over the last dim (fp32), ties going to the lower index: torch's own choice
+    among equal scores (relu'd index scores tie at 0) depends on the row's length, and a padded
+    step's rows are longer than the eager step's. Score bits made order-preserving in the high
+    half of an int64 key, the reversed index in the low half (the fused top-k kernel's packing).
+    -> (values, indices), best first."""
+    n = scores.shape[-1]
+    bits = scores.float().contiguous().view(torch.int32).long()
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    packed = (key << 32) | (n - 1 - torch.arange(n, device=scores.device))
+    indices = n - 1 - (packed.topk(k, dim=-1).values & 0xFFFFFFFF)
+    return scores.gather(-1, indices), indices
