@@ -171,7 +171,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, fb: ForwardBatch, cache: KVCache, ropes: dict) -> torch.Tensor:
         cfg, T = self.cfg, x.shape[0]
         H, hd, W = self.num_heads, cfg.head_dim, cfg.sliding_window
-        cos, sin = ropes["main" if self.layer_type == SLIDING else "compress"]
+        rope = "main" if self.layer_type == SLIDING else "compress"
+        cos, sin = ropes[rope]
         q_lora, kv = linear_pair(self.wq_a, self.wkv, x)  # one launch where stacked at load
         q_res = self.q_norm(q_lora)
         q = K.norm_rope(self.wq_b(q_res).view(T, H, hd), None, cos, sin, cfg.rms_norm_eps)
@@ -193,7 +194,7 @@ class Attention(nn.Module):
         out = K.paged_attention(q, fb.positions, fb.token_seq, cache.window[self.layer], fb.window_tables,
                                 fb.replay_start_t, W, comp_pool, fb.full_tables, self.ratio, selected,
                                 self.attn_sink, hd**-0.5)
-        out = K.apply_rope(out, cos, -sin)  # undo RoPE on the value's rope slice (K = V)
+        out = K.apply_rope(out, *ropes[f"{rope}_inverse"])  # undo RoPE on the value's rope slice (K = V)
         o = K.grouped_linear(out.view(T, self.o_groups, -1), self.wo_a.weight, self.o_groups, self.wo_a.scale)
         return self.tp.all_reduce(self.wo_b(o))  # tensor parallel: each rank's heads' partial sum
 
@@ -333,11 +334,11 @@ class DeepseekV4(nn.Module):
         return None if self.head is None else self.compute_logits(h[fb.logits_rows])
 
     def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
-        return {
-            "main": K.rope_cos_sin(positions, self.main_inv_freq, dtype),
-            "compress": K.rope_cos_sin(positions, self.compress_inv_freq, dtype),
-            "compress_inv_freq": self.compress_inv_freq,
-        }
+        """cos / sin per row, once per step; the inverse rotations too (one negation per step, not per layer)."""
+        main = K.rope_cos_sin(positions, self.main_inv_freq, dtype)
+        compress = K.rope_cos_sin(positions, self.compress_inv_freq, dtype)
+        return {"main": main, "compress": compress, "main_inverse": (main[0], -main[1]),
+                "compress_inverse": (compress[0], -compress[1]), "compress_inv_freq": self.compress_inv_freq}
 
     @torch.inference_mode()
     def hidden_states(self, fb: ForwardBatch, cache: KVCache) -> torch.Tensor:
