@@ -1,17 +1,21 @@
 """DeepSeek-V4.1 on one GPU (a script, not a test): TTFT with decoder-side bounded replay off and
-on, decode steps with CUDA graphs and eagerly against their memory floor, and the graphed
-greedy tokens against the eager ones. Prints tables, writes JSON.
+on, the prefill through CUDA graphs and eagerly; decode steps with CUDA graphs and eagerly against
+their memory floor; the graphed greedy tokens against the eager ones, for decode steps and for
+mixed prefill + decode steps. Prints tables, writes JSON.
 
     python -m tools.bench_v41 [--model DIR | --preset v41-flash-shaped] [--quant fp8-fp4|bf16]
         [--lengths 1024,8192,32768] [--reps 2] [--batches 1,32] [--json out.json]
 
 The checkpoint (random weights, the released V4.1-Flash per-layer shapes and 40-layer schedule,
 8 experts) is drawn on the GPU and written once under --cache-dir. One engine serves every
-measurement: decode steps replay the CUDA graphs it captured per batch size (prefill chunks run
-eagerly: V4.1 has no mixed-step graphs), and for the eager figures its graphs are set aside.
-Decoder replay is switched per run (the `swa_decoder_replay` engine argument sets the same flag
-at start). Prefix caching is off: every prompt is a cold prefill. Prompts longer than 8192 tokens
-are timed once per setting (--reps for the others).
+measurement: decode steps replay the CUDA graphs it captured per batch size, mixed steps (prefill
+chunks with or without decodes) the graphs it captured per token count (engine/mixed_graphs.py;
+where the engine captured none, the mixed-step check captures the sizes it needs here), and for
+the eager figures its graphs are set aside. A graph bakes in decoder replay's setting and
+the padded batch's capacity of kept rows (min(T, max_num_seqs * window)), so the TTFT graphs are
+captured here per setting for one sequence (max_num_seqs 1: each chunk's last window kept), only
+for the chunk sizes the prompts need. Prefix caching is off: every prompt is a cold prefill.
+Prompts longer than 8192 tokens are timed once per setting (--reps for the others).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 import torch
 
 from engine.llm_engine import LLMEngine
+from engine.mixed_graphs import MixedSteps, mixed_sizes
 from engine.random_checkpoint_v41 import PRESETS, write_v41_checkpoint
 from engine.request import GenerationRequest, SamplingParams
 from tools.bench_engine import copy_bandwidth, random_prompts, steady_step_ms
@@ -56,6 +61,48 @@ class eager_steps:
 
     def __exit__(self, *exc):
         self.runner.graphs = self.graphs
+
+
+class mixed_steps:
+    """Within: the engine's mixed steps run on `steps` (a MixedSteps; None: eagerly, unpadded)."""
+
+    def __init__(self, engine: LLMEngine, steps: MixedSteps | None):
+        self.runner, self.steps = engine.runner, steps
+
+    def __enter__(self):
+        self.saved, self.runner.mixed = self.runner.mixed, self.steps
+
+    def __exit__(self, *exc):
+        self.runner.mixed = self.saved
+
+
+def single_request_graphs(engine: LLMEngine, lengths: list[int], warm: int) -> MixedSteps:
+    """Mixed-step graphs for one sequence, at the sizes a cold prefill of each length (and the warm-up
+    prompt) pads its chunks to, captured with the model's decoder_replay as it is now."""
+    budget = engine.args.max_num_batched_tokens
+    sizes, chunks = mixed_sizes(budget), {warm} | {min(L, budget) for L in lengths} | {L % budget for L in lengths}
+    need = sorted({min(s for s in sizes if s >= c) for c in chunks if c})
+    return MixedSteps(engine.model, engine.cache, engine.max_model_len, 1, need, torch.cuda.graph_pool_handle())
+
+
+def staggered_streams(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """Greedy streams with one prompt added per step: each prefill shares its step with the decodes
+    of the prompts before it (mixed steps)."""
+    sp = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    out: dict[str, list[int]] = {}
+    waiting = list(enumerate(prompts))
+    while waiting or engine.has_unfinished():
+        if waiting:
+            i, ids = waiting.pop(0)
+            out[f"mixed-{i}"] = []
+            engine.add_request(GenerationRequest(f"mixed-{i}", prompt_token_ids=ids, sampling=sp))
+        for o in engine.step():
+            out[o.request_id] += o.token_ids
+    return list(out.values())
+
+
+def first_differences(a: list[list[int]], b: list[list[int]]) -> list[int]:
+    return [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, b)]
 
 
 def floor_bytes(engine: LLMEngine, batch: int) -> float:
@@ -121,25 +168,50 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         engine = LLMEngine({**args, "enforce_eager": True})
+    mixed = engine.runner.mixed
     print(f"engine up in {time.perf_counter() - t:.0f} s; decode CUDA graphs for batch sizes "
-          f"{sorted(engine.runner.graphs) or 'none'} (prefill chunks run eagerly)", flush=True)
+          f"{sorted(engine.runner.graphs) or 'none'}; mixed-step graphs for token counts "
+          f"{mixed.sizes if mixed is not None and mixed.static and mixed.static[mixed.sizes[0]].graph is not None else 'none'}",
+          flush=True)
     g = torch.Generator().manual_seed(0)
-    rows = []
-    if lengths:
-        print("prompt | decoder replay off ms | on ms | speedup", flush=True)
-    for L in lengths:
-        ids = torch.randint(5, engine.cfg.vocab_size, (L,), generator=g).tolist()
-        reps = a.reps if L <= 8192 else 1
-        out = {}
+    rows, started_replay = [], engine.model.decoder_replay
+    prompts = {L: torch.randint(5, engine.cfg.vocab_size, (L,), generator=g).tolist() for L in lengths}
+    ttft = {}  # (graphs, decoder replay, prompt tokens) -> [ms]
+    graphs_on = cuda and bool(engine.runner.graphs)  # CUDA graphs enabled (mixed-step ones built here if need be)
+    for graphs in ((False, True) if graphs_on else (False,)):
         for on in (False, True):
-            engine.model.decoder_replay = on
-            ttft_s(engine, f"warm-{L}-{on}", ids[: min(L, 512)])
-            out[on] = [ttft_s(engine, f"{L}-{on}-{i}", ids) * 1e3 for i in range(reps)]
-        off_ms, on_ms = statistics.median(out[False]), statistics.median(out[True])
-        rows.append({"prompt_tokens": L, "ttft_ms_replay_off": out[False], "ttft_ms_replay_on": out[True],
-                     "speedup": off_ms / on_ms})
-        print(f"{L} | {off_ms:.1f} | {on_ms:.1f} | {off_ms / on_ms:.2f}x", flush=True)
-    engine.model.decoder_replay = True
+            engine.model.decoder_replay = on  # before the capture: a graph bakes it in
+            steps = single_request_graphs(engine, lengths, 512) if graphs else None
+            with mixed_steps(engine, steps):
+                for L, ids in prompts.items():
+                    ttft_s(engine, f"warm-{L}-{graphs}-{on}", ids[: min(L, 512)])
+                    reps = a.reps if L <= 8192 else 1
+                    ttft[graphs, on, L] = [ttft_s(engine, f"{L}-{graphs}-{on}-{i}", ids) * 1e3 for i in range(reps)]
+                    print(f"  TTFT {L} tokens, {'graphs' if graphs else 'eager'}, decoder replay {'on' if on else 'off'}: "
+                          f"{statistics.median(ttft[graphs, on, L]):.1f} ms", flush=True)
+            del steps
+            gc.collect()
+            torch.cuda.empty_cache()
+    engine.model.decoder_replay = started_replay  # what the engine's own graphs were captured with
+    if lengths:
+        print("prompt | eager: replay off ms | on ms | speedup | graphs: replay off ms | on ms | speedup | "
+              "graphs+replay vs eager without", flush=True)
+    med = {k: statistics.median(v) for k, v in ttft.items()}
+    for L in lengths:
+        row = {"prompt_tokens": L, "ttft_ms_eager_replay_off": ttft[False, False, L],
+               "ttft_ms_eager_replay_on": ttft[False, True, L],
+               "speedup_eager": med[False, False, L] / med[False, True, L]}
+        shown = f"{L} | {med[False, False, L]:.1f} | {med[False, True, L]:.1f} | {row['speedup_eager']:.2f}x"
+        if (True, True, L) in med:
+            row.update({"ttft_ms_graphs_replay_off": ttft[True, False, L], "ttft_ms_graphs_replay_on": ttft[True, True, L],
+                        "speedup_graphs": med[True, False, L] / med[True, True, L],
+                        "graphs_replay_on_vs_eager_replay_off": med[False, False, L] / med[True, True, L]})
+            shown += (f" | {med[True, False, L]:.1f} | {med[True, True, L]:.1f} | {row['speedup_graphs']:.2f}x | "
+                      f"{row['graphs_replay_on_vs_eager_replay_off']:.2f}x")
+        else:
+            shown += " | no mixed-step graphs"
+        rows.append(row)
+        print(shown, flush=True)
     bw = copy_bandwidth() if cuda else float("nan")
     decode = []
     print(f"decode ({a.decode_input_len}-token prompts) | graphs ms/step | eager ms/step | floor ms (GB) | "
@@ -169,8 +241,30 @@ def main() -> None:
                            "tokens_before_first_difference": agree}
             print(f"greedy, graphs vs {name.replace('_', ' ')}: {check[name]['identical_streams']}/3 streams identical "
                   f"over {a.check_tokens} tokens (tokens before the first difference: {agree})", flush=True)
+    mixed_check = None
+    if a.check_tokens and graphs_on:  # prompts longer than the window: decoder replay drops rows
+        prompts = random_prompts(3, 300, engine.cfg.vocab_size, seed=8)
+        own = mixed if mixed is not None else MixedSteps(  # the engine's graphs, or the sizes these steps need
+            engine.model, engine.cache, engine.max_model_len, engine.args.max_num_seqs,
+            [s for s in mixed_sizes(engine.args.max_num_batched_tokens) if s <= 1024], torch.cuda.graph_pool_handle())
+        before = own.replays
+        with mixed_steps(engine, own):
+            graphed = staggered_streams(engine, prompts, a.check_tokens)
+        mixed_check = {"prompts": 3, "tokens": a.check_tokens, "decoder_replay": engine.model.decoder_replay,
+                       "mixed_graph_replays": own.replays - before, "engine_captured": mixed is not None}
+        padded = MixedSteps(engine.model, engine.cache, engine.max_model_len, engine.args.max_num_seqs, own.sizes)
+        for name, steps in (("padded_eager", padded), ("eager", None)):
+            with mixed_steps(engine, steps):
+                other = staggered_streams(engine, prompts, a.check_tokens)
+            agree = first_differences(graphed, other)
+            mixed_check[name] = {"identical_streams": sum(p == q for p, q in zip(graphed, other)),
+                                 "tokens_before_first_difference": agree}
+            print(f"greedy with mixed steps ({mixed_check['mixed_graph_replays']} replayed), graphs vs "
+                  f"{name.replace('_', ' ')}: {mixed_check[name]['identical_streams']}/3 streams identical over "
+                  f"{a.check_tokens} tokens (tokens before the first difference: {agree})", flush=True)
     result = {"model": str(model), "quant": a.quant, "engine_args": args, "ttft": rows, "decode": decode,
-              "graphs_vs_eager": check, "graph_sizes": sorted(engine.runner.graphs), "capture_error": capture_error,
+              "graphs_vs_eager": check, "mixed_graphs_vs_eager": mixed_check, "graph_sizes": sorted(engine.runner.graphs),
+              "mixed_graph_sizes": mixed.sizes if mixed is not None else [], "capture_error": capture_error,
               "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))
