@@ -317,7 +317,7 @@ class Engram(nn.Module):
     def __init__(self, cfg: V41Config, rows: int):
         super().__init__()
         cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
-        self.hc, self.D, self.eps = cfg.hc_mult, cfg.hidden_size, cfg.rms_norm_eps
+        self.eps = cfg.rms_norm_eps
         self.embed = nn.Embedding(rows, cfg.engram_head_dim)
         self.wkv = _linear(cfg.hidden_size * (cfg.hc_mult + 1), cols * cfg.engram_head_dim)
         self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.hidden_size))
@@ -325,14 +325,7 @@ class Engram(nn.Module):
 
     def forward(self, h: torch.Tensor, table_rows: torch.Tensor) -> torch.Tensor:
         kv = self.wkv(table_rows.flatten(-2).to(h.dtype))
-        key, value = kv.split([self.hc * self.D, self.D], dim=-1)
-        key = key.float().unflatten(-1, (self.hc, self.D))
-        w = self.q_weight.float() * self.k_weight.float()
-        hf = h.float()
-        rstd = torch.rsqrt(hf.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = (hf * w * key).sum(-1) * rstd * self.D**-0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))  # signed sqrt
-        return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)
+        return K.v41_engram_gate(h, kv, self.q_weight, self.k_weight, self.eps)
 
 
 class Block(nn.Module):

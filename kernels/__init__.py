@@ -22,7 +22,7 @@ _OPS = (
 )
 # DeepSeek-V4.1's ops whose arithmetic differs from V4's (kernels/reference_v41.py): bound as v41_<name>
 _V41_OPS = ("hc_site_collapse", "hc_expand", "rms_norm", "rope", "fake_quant_fp4", "fake_quant_fp8", "router",
-            "clamped_swiglu", "moe_sum")
+            "clamped_swiglu", "moe_sum", "engram_gate")
 _backend = os.environ.get("DSV4_KERNELS", "auto")
 
 

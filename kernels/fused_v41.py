@@ -16,7 +16,7 @@ from kernels.fused_norm_mhc import _rms_norm_kernel, _rows, hc_post_fused, hc_si
 from kernels.fused_rope import _launch as _rope_launch
 
 __all__ = ["hc_site_collapse_fused", "hc_expand_fused", "rms_norm_fused", "rope_fused", "fake_quant_fp4_fused",
-           "fake_quant_fp8_fused", "router_fused", "clamped_swiglu_fused", "moe_sum_fused"]
+           "fake_quant_fp8_fused", "router_fused", "clamped_swiglu_fused", "moe_sum_fused", "engram_gate_fused"]
 
 
 def hc_expand_fused(out, residual, post, comb):
@@ -92,3 +92,48 @@ def clamped_swiglu_fused(gate: torch.Tensor, up: torch.Tensor, limit: float,
 
 def moe_sum_fused(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return _pair(routed, shared, dtype, 1)
+
+
+@triton.jit
+def _engram_gate_kernel(h_ptr, kv_ptr, qw_ptr, kw_ptr, out_ptr, D, eps, scale, HC: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """One program per (token, stream): the three row sums over D, then the gated write."""
+    t = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1)
+    h_row = h_ptr + (t * HC + k) * D
+    key_row = kv_ptr + t * (HC + 1) * D + k * D
+    hh = tl.zeros((BLOCK,), tl.float32)
+    kk = tl.zeros((BLOCK,), tl.float32)
+    hk = tl.zeros((BLOCK,), tl.float32)
+    for d0 in range(0, D, BLOCK):
+        d = d0 + tl.arange(0, BLOCK)
+        m = d < D
+        h = tl.load(h_row + d, mask=m, other=0.0).to(tl.float32)
+        key = tl.load(key_row + d, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(qw_ptr + k * D + d, mask=m, other=0.0).to(tl.float32) * tl.load(kw_ptr + k * D + d, mask=m,
+                                                                                    other=0.0).to(tl.float32)
+        hh += h * h
+        kk += key * key
+        hk += h * w * key
+    rstd = tl.rsqrt(tl.sum(hh, axis=0) / D + eps) * tl.rsqrt(tl.sum(kk, axis=0) / D + eps)
+    dot = tl.sum(hk, axis=0) * rstd * scale
+    root = tl.sqrt(tl.maximum(tl.abs(dot), 1e-6))
+    gate = tl.sigmoid(tl.where(dot < 0, -root, root))
+    val_row = kv_ptr + t * (HC + 1) * D + HC * D
+    for d0 in range(0, D, BLOCK):
+        d = d0 + tl.arange(0, BLOCK)
+        m = d < D
+        h = tl.load(h_row + d, mask=m, other=0.0).to(tl.float32)
+        v = tl.load(val_row + d, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + (t * HC + k) * D + d, (h + gate * v).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def engram_gate_fused(h: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+    T, hc, D = h.shape
+    h, kv = h.contiguous(), kv.contiguous()
+    out = torch.empty_like(h)
+    if T:
+        _engram_gate_kernel[(T, hc)](h, kv, q_weight.contiguous(), k_weight.contiguous(), out, D, eps, D**-0.5,
+                                     HC=hc, BLOCK=min(1024, triton.next_power_of_2(D)))
+    return out

@@ -168,3 +168,22 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float,
 def moe_sum(routed: torch.Tensor, shared: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The MoE's output: routed + shared experts added in fp32, rounded once to `dtype`."""
     return (routed.float() + shared.float()).to(dtype)
+
+
+# --- Engram ---------------------------------------------------------------------------------------
+
+
+def engram_gate(h: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """Engram's write into the hc streams: h [T, hc, D], kv [T, (hc + 1) * D] (the table rows through
+    wkv: hc keys, then one value). Stream k gains sigmoid(signed sqrt(match)) * value, where match is
+    the RMS-normalised h_k . (q_weight_k * k_weight_k * key_k) / sqrt(D); fp32, rounded once to h's dtype."""
+    hc, D = h.shape[1], h.shape[2]
+    key, value = kv.split([hc * D, D], dim=-1)
+    key = key.float().unflatten(-1, (hc, D))
+    w = q_weight.float() * k_weight.float()
+    hf = h.float()
+    rstd = torch.rsqrt(hf.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    dot = (hf * w * key).sum(-1) * rstd * D**-0.5
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))  # signed sqrt
+    return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)

@@ -185,3 +185,21 @@ def test_v4_swiglu_matches_reference(dtype):
     got, want = fused.FUSED["swiglu"](gate, up, 10.0), ref_v4.swiglu(gate, up, 10.0)
     assert got.dtype == want.dtype == dtype
     assert _rel(got, want) <= (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("T, D", [(1, 64), (3, 1500)])  # the last: two passes of 1024 columns
+def test_engram_gate_matches_reference(T, D):
+    """Gates near 0, 1/2 and 1 (matches of both signs; a zero key: the signed sqrt's clamp), fp32
+    within 1e-5 and bf16 within BF16 of the scale."""
+    torch.manual_seed(D)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, BF16)):
+        h = torch.randn(T, 4, D)
+        key = torch.randn(T, 4, D)
+        key[:, 0] = h[:, 0] * 3  # a strong positive match
+        key[:, 1] = -h[:, 1]  # a strong negative one
+        key[:, 2] = 0.0  # no match: the gate is sigmoid(sqrt(1e-6))
+        kv = torch.cat([key.flatten(1), torch.randn(T, D)], dim=-1).to(dtype)
+        h = h.to(dtype)
+        qw, kw = (torch.rand(4, D) + 0.5).to(dtype), (torch.rand(4, D) + 0.5).to(dtype)
+        got, want = fused.FUSED["v41_engram_gate"](h, kv, qw, kw, 1e-6), ref.engram_gate(h, kv, qw, kw, 1e-6)
+        assert got.dtype == dtype and _rel(got, want) <= tol, _rel(got, want)
