@@ -300,7 +300,9 @@ class MoE(nn.Module):
         weights, indices = K.v41_router(x, self.gate.weight, self.gate.bias, cfg.num_experts_per_tok,
                                         cfg.routed_scaling_factor, cfg.scoring_func, cfg.gate_temp,
                                         cfg.norm_topk_prob)
-        if x.is_cuda or self.experts_w1_scale is not None:  # the grouped kernels (weight after w2: equal up to rounding)
+        # the grouped kernels (weight after w2: equal up to rounding); the CPU's torch loop reads the experts
+        # hit on the host, so a forced fused backend (kernels.set_backend("fused")) takes the kernels too
+        if x.is_cuda or self.experts_w1_scale is not None or K.backend() == "fused":
             scales = None if self.experts_w1_scale is None else (self.experts_w1_scale, self.experts_w3_scale,
                                                                  self.experts_w2_scale)
             routed = K.moe_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights.to(x.dtype),
