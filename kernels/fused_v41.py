@@ -57,7 +57,7 @@ def router_fused(x, weight, bias, top_k, scaling, scoring_func, gate_temp, renor
     return w, idx
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])  # N follows the step's token count (kernels/fused.py says why)
 def _pair_kernel(a_ptr, b_ptr, out_ptr, N, limit, OP: tl.constexpr, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
     """Elementwise over two inputs in fp32, one rounding to out's dtype. OP 0: the clamped SwiGLU of
     (gate a, up b); 1: a + b."""
