@@ -82,36 +82,10 @@ class Compressor(nn.Module):
         if fb.is_decode:
             return self._absorb_decode(kv_all, gate_all, fb, state, pool, cache, rope[0])
         plan = compress_plan(fb, m, cache.block_size, state.pend_kv.shape[0])
-        C = kv_all.shape[-1]
-        if plan.num_blocks:
-            # every closed block of every sequence: rows from this step or from the open block
-            kv = torch.cat([kv_all, state.pend_kv.view(-1, C)])[plan.src].view(-1, m, C)
-            gate = torch.cat([gate_all.to(state.pend_gate.dtype), state.pend_gate.view(-1, C)])[plan.src].view(-1, m, C)
-            if fb.closed_blocks is not None:
-                fb.closed_blocks[id(state)] = (kv, gate)
-            prev = (None, None, None)
-            if self.overlap:  # block b pools with block b-1's Ca slice: this step's, or the state's
-                hd = self.head_dim
-                prev = (torch.cat([state.prev_kv, kv[..., :hd]])[plan.prev],
-                        torch.cat([state.prev_gate, gate[..., :hd]])[plan.prev],
-                        torch.cat([state.has_prev, state.has_prev.new_ones(plan.num_blocks)])[plan.prev])
-            entries = self.norm(K.pool_blocks(kv, gate, *prev, self.head_dim))
-            cos, sin = K.rope_cos_sin(plan.blk_entry * m, rope[0], entries.dtype)
-            entries = K.apply_rope(entries, cos, sin)
-            per_block = pool.shape[1]
-            dst = fb.full_tables[plan.blk_seq, plan.blk_entry // per_block] * per_block + plan.blk_entry % per_block
-            pool.view(-1, pool.shape[-1]).index_copy_(0, dst, entries.to(pool.dtype))
-            if self.overlap:
-                hd = self.head_dim
-                if state.bnd_kv is not None and plan.bnd_blk.numel():  # prefix caching: state at block ends
-                    blocks = fb.full_tables[plan.bnd_seq, plan.bnd_logical]
-                    state.bnd_kv.index_copy_(0, blocks, kv[plan.bnd_blk, :, :hd])
-                    state.bnd_gate.index_copy_(0, blocks, gate[plan.bnd_blk, :, :hd])
-                state.prev_kv.index_copy_(0, plan.upd_slot, kv[plan.upd_blk, :, :hd])
-                state.prev_gate.index_copy_(0, plan.upd_slot, gate[plan.upd_blk, :, :hd])
-                state.has_prev.index_fill_(0, plan.upd_slot, True)
-        state.pend_kv.view(-1, C).index_copy_(0, plan.pend_dst, kv_all[plan.pend_row].to(state.pend_kv.dtype))
-        state.pend_gate.view(-1, C).index_copy_(0, plan.pend_dst, gate_all[plan.pend_row].to(state.pend_gate.dtype))
+        closed = K.compress_blocks(kv_all, gate_all, plan, state, self.norm.weight, self.norm.eps, rope[0], pool,
+                                   fb.full_tables, self.head_dim, fb.closed_blocks is not None)
+        if closed is not None:
+            fb.closed_blocks[id(state)] = closed
 
     def _absorb_decode(self, kv_all, gate_all, fb: ForwardBatch, state: CompressorState, pool: torch.Tensor,
                        cache: KVCache, inv_freq: torch.Tensor) -> None:

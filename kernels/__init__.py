@@ -18,7 +18,7 @@ _OPS = (
     "rms_norm", "rms_norm_unweighted", "rope_cos_sin", "apply_rope", "hc_pre", "hc_post", "hc_post_pre_norm", "hc_head",
     "router_topk", "linear", "linear_split", "swiglu", "mlp", "moe_experts", "sink_attention", "grouped_linear",
     "indexer_scores", "indexer_scores_paged", "indexer_topk", "paged_attention", "pool_blocks", "norm_rope",
-    "kv_norm_rope_insert", "compress_decode", "greedy_pick",
+    "kv_norm_rope_insert", "compress_decode", "compress_blocks", "greedy_pick",
 )
 # DeepSeek-V4.1's ops whose arithmetic differs from V4's (kernels/reference_v41.py): bound as v41_<name>
 _V41_OPS = ("hc_site_collapse", "hc_expand", "rms_norm", "rope", "fake_quant_fp4", "fake_quant_fp8", "router",

@@ -16,6 +16,7 @@ import torch
 from kernels import fused_v41, reference
 from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
+from kernels.fused_compress_blocks import compress_blocks_fused
 from kernels.fused_fp8_linear import fp8_linear_fused
 from kernels.fused_gate import router_topk_gemm_fused
 from kernels.fused_indexer import indexer_scores_paged, indexer_topk_fused
@@ -99,6 +100,7 @@ FUSED = {
     "apply_rope": apply_rope_fused,
     "kv_norm_rope_insert": kv_norm_rope_insert_fused,
     "compress_decode": compress_decode_fused,
+    "compress_blocks": compress_blocks_fused,
     "indexer_scores_paged": indexer_scores_paged,
     "indexer_topk": indexer_topk_fused,
     "greedy_pick": greedy_pick_fused,

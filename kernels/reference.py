@@ -296,6 +296,49 @@ def compress_decode(kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tenso
         has_prev[slots] = has_prev[slots] | closing
 
 
+def compress_blocks(kv: torch.Tensor, gate: torch.Tensor, plan, state, norm_w: torch.Tensor, eps: float,
+                    inv_freq: torch.Tensor, pool: torch.Tensor, full_tables: torch.Tensor, head_dim: int,
+                    keep_closed: bool = False):
+    """The compressor's multi-row step (prefill chunks, mixed steps, speculative verify): this step's
+    rows kv/gate [T, c * head_dim] (gate with the position bias) against the open blocks in `state`
+    (engine.cache.CompressorState), as `plan` (engine.compress_plan.CompressPlan) says. Every closed
+    block is gathered from this step's rows or the open block (plan.src), pooled (CSA: with the
+    previous block's Ca slice, from the state or this step), RMSNorm'd, RoPE'd at its first position
+    and written at its paged entry in `pool`; CSA keeps each sequence's last Ca slice (and at full-block
+    ends, prefix caching, in bnd_*); the rows left open go to pend_*. No host sync.
+    -> the closed blocks' rows (kv, gate) [blocks, ratio, c * head_dim] when keep_closed, else None."""
+    m, hd, st = plan.ratio, head_dim, state
+    C = kv.shape[-1]
+    closed = None
+    if plan.num_blocks:
+        # every closed block of every sequence: rows from this step or from the open block
+        kvb = torch.cat([kv, st.pend_kv.view(-1, C)])[plan.src].view(-1, m, C)
+        gb = torch.cat([gate.to(st.pend_gate.dtype), st.pend_gate.view(-1, C)])[plan.src].view(-1, m, C)
+        closed = (kvb, gb) if keep_closed else None
+        prev = (None, None, None)
+        if st.prev_kv is not None:  # block b pools with block b-1's Ca slice: this step's, or the state's
+            prev = (torch.cat([st.prev_kv, kvb[..., :hd]])[plan.prev],
+                    torch.cat([st.prev_gate, gb[..., :hd]])[plan.prev],
+                    torch.cat([st.has_prev, st.has_prev.new_ones(plan.num_blocks)])[plan.prev])
+        entries = rms_norm(pool_blocks(kvb, gb, *prev, hd), norm_w, eps)
+        cos, sin = rope_cos_sin(plan.blk_entry * m, inv_freq, entries.dtype)
+        entries = apply_rope(entries, cos, sin)
+        per_block = pool.shape[1]
+        dst = full_tables[plan.blk_seq, plan.blk_entry // per_block] * per_block + plan.blk_entry % per_block
+        pool.view(-1, pool.shape[-1]).index_copy_(0, dst, entries.to(pool.dtype))
+        if st.prev_kv is not None:
+            if st.bnd_kv is not None and plan.bnd_blk.numel():  # prefix caching: state at block ends
+                blocks = full_tables[plan.bnd_seq, plan.bnd_logical]
+                st.bnd_kv.index_copy_(0, blocks, kvb[plan.bnd_blk, :, :hd])
+                st.bnd_gate.index_copy_(0, blocks, gb[plan.bnd_blk, :, :hd])
+            st.prev_kv.index_copy_(0, plan.upd_slot, kvb[plan.upd_blk, :, :hd])
+            st.prev_gate.index_copy_(0, plan.upd_slot, gb[plan.upd_blk, :, :hd])
+            st.has_prev.index_fill_(0, plan.upd_slot, True)
+    st.pend_kv.view(-1, C).index_copy_(0, plan.pend_dst, kv[plan.pend_row].to(st.pend_kv.dtype))
+    st.pend_gate.view(-1, C).index_copy_(0, plan.pend_dst, gate[plan.pend_row].to(st.pend_gate.dtype))
+    return closed
+
+
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Lightning indexer: sum_h w[t,h] * relu(q[t,h] . k[s]) * head_dim^-0.5.
     q [n, Hi, d], keys [E, d], weights [n, Hi] (already scaled by Hi^-0.5) -> [n, E] fp32."""

@@ -1,0 +1,197 @@
+"""Fused compressor multi-row step (prefill chunks, mixed steps, speculative verify): what
+kernels.reference.compress_blocks does in ~40 small torch ops per compressor, in three launches
+(two without CSA overlap) over the plan's padded arrays (engine/compress_plan.py):
+
+1. one program per closed block: its rows straight from this step's kv/gate or the open block
+   (plan.src picks; no concatenation), CSA's overlap with the previous block's Ca slice (the state's
+   or this step's block j - 1, from either source), softmax-pool, RMSNorm, RoPE at the block's first
+   position, the entry into the paged pool; the block's rows to `closed` (speculative rollback) and,
+   at a full-block end, its Ca slice to the prefix-cache boundary state.
+2. CSA: one program per sequence that closed a block: its last Ca slice becomes the overlap state.
+3. one program per row left open: into pend_*.
+
+The launches are separate because each reads state the next one overwrites (1 reads prev_* and
+pend_*, 2 reads pend_* rows a closed block took from the open block, 3 writes pend_*). The
+arithmetic is _compress_decode_kernel's (fp32 softmax and sums, the pooled entry rounded to the pool
+dtype before the norm), so a block closed here and one closed by a decode step agree.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rows(step_ptr, pend_ptr, src, T, col, mask, W: tl.constexpr, other):
+    """Rows `src` [BLOCK_M] at columns `col` [BLOCK_D]: src < T from this step's rows, else row
+    src - T of the open blocks (pend_*, [slots * ratio, W])."""
+    step = src < T
+    a = tl.load(step_ptr + src[:, None] * W + col[None, :], mask=mask & step[:, None], other=other)
+    b = tl.load(pend_ptr + (src - T)[:, None] * W + col[None, :], mask=mask & (~step)[:, None], other=other)
+    return tl.where(step[:, None], a, b)
+
+
+@triton.jit(do_not_specialize=["T", "NS", "ftab_stride"])
+def _compress_blocks_kernel(
+    kv_ptr, gate_ptr, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr, has_prev_ptr, bnd_kv_ptr, bnd_gate_ptr,
+    src_ptr, blk_seq_ptr, blk_entry_ptr, prev_ptr, w_ptr, inv_freq_ptr, pool_ptr, ftab_ptr, ckv_ptr, cgate_ptr,
+    T, NS, ftab_stride, eps, BS, PER_BLOCK,
+    M: tl.constexpr, HD: tl.constexpr, C: tl.constexpr, R: tl.constexpr, OVERLAP: tl.constexpr,
+    HAS_BND: tl.constexpr, KEEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    j = tl.program_id(0).to(tl.int64)
+    W: tl.constexpr = C * HD
+    r = tl.arange(0, BLOCK_M)
+    rm = r < M
+    src = tl.load(src_ptr + j * M + r, mask=rm, other=0)
+    e = tl.load(blk_entry_ptr + j)
+    seq = tl.load(blk_seq_ptr + j)
+    blk = tl.load(ftab_ptr + seq * ftab_stride + e // PER_BLOCK).to(tl.int64)
+    dst = pool_ptr + (blk * PER_BLOCK + e % PER_BLOCK) * HD
+    if OVERLAP:
+        pv = tl.load(prev_ptr + j)
+        from_state = pv < NS  # the sequence's first closed block: the state's slice (if it has one)
+        st_r = ((r * 0 + pv) < NS)[:, None]  # the same per row (the interpreter masks by vectors only)
+        pslot = tl.where(from_state, pv, 0)
+        have = tl.where(from_state, tl.load(has_prev_ptr + pslot).to(tl.int32), 1)
+        psrc = tl.load(src_ptr + tl.where(from_state, 0, pv - NS) * M + r, mask=rm, other=0)  # block j - 1's rows
+    sumsq = 0.0
+    # 1. softmax-pool over the block's rows (CSA: Ca of the previous block + Cb of this one), per feature
+    for d0 in range(0, HD, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dm = d < HD
+        m2 = rm[:, None] & dm[None, :]
+        kv = _rows(kv_ptr, pend_kv_ptr, src, T, (C - 1) * HD + d, m2, W, 0.0).to(tl.float32)  # CSA: Cb; HCA: all
+        g = _rows(gate_ptr, pend_gate_ptr, src, T, (C - 1) * HD + d, m2, W, -float("inf")).to(tl.float32)
+        mx = tl.max(g, axis=0)
+        if OVERLAP:
+            ps = (pslot * M + r[:, None]) * HD + d[None, :]
+            skv = tl.load(prev_kv_ptr + ps, mask=m2 & st_r, other=0.0).to(tl.float32)
+            sg = tl.load(prev_gate_ptr + ps, mask=m2 & st_r, other=-float("inf")).to(tl.float32)
+            bkv = _rows(kv_ptr, pend_kv_ptr, psrc, T, d, m2 & ~st_r, W, 0.0).to(tl.float32)
+            bg = _rows(gate_ptr, pend_gate_ptr, psrc, T, d, m2 & ~st_r, W, -float("inf")).to(tl.float32)
+            pkv = tl.where(st_r, skv, bkv)
+            pg = tl.where(st_r, sg, bg)
+            pkv = tl.where(have != 0, pkv, 0.0)  # no previous block yet: weight 0
+            pg = tl.where(have != 0, pg, -float("inf"))
+            mx = tl.maximum(mx, tl.max(pg, axis=0))
+        p = tl.exp(g - mx[None, :])
+        den = tl.sum(p, axis=0)
+        num = tl.sum(p * kv, axis=0)
+        if OVERLAP:
+            pp = tl.exp(pg - mx[None, :])
+            den += tl.sum(pp, axis=0)
+            num += tl.sum(pp * pkv, axis=0)
+        pooled = num / den
+        sumsq += tl.sum(tl.where(dm, pooled * pooled, 0.0), axis=0)
+        tl.store(dst + d, pooled.to(pool_ptr.dtype.element_ty), mask=dm)
+    tl.debug_barrier()  # the pooled entry is read back below by other threads of this program
+    # 2. RMSNorm and RoPE at the block's first position, in place in the pool
+    rs = tl.rsqrt(sumsq / HD + eps)
+    NOPE: tl.constexpr = HD - R
+    for d0 in range(0, NOPE, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dm = d < NOPE
+        y = tl.load(dst + d, mask=dm, other=0.0).to(tl.float32) * rs * tl.load(w_ptr + d, mask=dm, other=0.0)
+        tl.store(dst + d, y.to(pool_ptr.dtype.element_ty), mask=dm)
+    i = tl.arange(0, BLOCK_R)
+    im = i < R // 2
+    ev = NOPE + 2 * i
+    xe = tl.load(dst + ev, mask=im, other=0.0).to(tl.float32) * rs * tl.load(w_ptr + ev, mask=im, other=0.0)
+    xo = tl.load(dst + ev + 1, mask=im, other=0.0).to(tl.float32) * rs * tl.load(w_ptr + ev + 1, mask=im, other=0.0)
+    ang = (e * M).to(tl.float32) * tl.load(inv_freq_ptr + i, mask=im, other=0.0)
+    c, s = tl.cos(ang), tl.sin(ang)
+    tl.store(dst + ev, (xe * c - xo * s).to(pool_ptr.dtype.element_ty), mask=im)
+    tl.store(dst + ev + 1, (xo * c + xe * s).to(pool_ptr.dtype.element_ty), mask=im)
+    # 3. the block's rows for a speculative rollback; CSA at a full-block end: its Ca slice, cached
+    if KEEP:
+        for d0 in range(0, W, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            m2 = rm[:, None] & (d[None, :] < W)
+            o = (j * M + r[:, None]) * W + d[None, :]
+            tl.store(ckv_ptr + o, _rows(kv_ptr, pend_kv_ptr, src, T, d, m2, W, 0.0), mask=m2)
+            tl.store(cgate_ptr + o, _rows(gate_ptr, pend_gate_ptr, src, T, d, m2, W, 0.0), mask=m2)
+    if HAS_BND:
+        if ((e + 1) * M) % BS == 0:
+            bblk = tl.load(ftab_ptr + seq * ftab_stride + ((e + 1) * M) // BS - 1).to(tl.int64)
+            for d0 in range(0, HD, BLOCK_D):
+                d = d0 + tl.arange(0, BLOCK_D)
+                m2 = rm[:, None] & (d[None, :] < HD)
+                o = (bblk * M + r[:, None]) * HD + d[None, :]
+                tl.store(bnd_kv_ptr + o, _rows(kv_ptr, pend_kv_ptr, src, T, d, m2, W, 0.0), mask=m2)
+                tl.store(bnd_gate_ptr + o, _rows(gate_ptr, pend_gate_ptr, src, T, d, m2, W, 0.0), mask=m2)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _compress_overlap_state_kernel(
+    kv_ptr, gate_ptr, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr, has_prev_ptr, src_ptr, upd_slot_ptr,
+    upd_blk_ptr, T, M: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    k = tl.program_id(0)
+    W: tl.constexpr = 2 * HD
+    slot = tl.load(upd_slot_ptr + k).to(tl.int64)
+    j = tl.load(upd_blk_ptr + k)
+    r = tl.arange(0, BLOCK_M)
+    rm = r < M
+    src = tl.load(src_ptr + j * M + r, mask=rm, other=0)
+    for d0 in range(0, HD, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        m2 = rm[:, None] & (d[None, :] < HD)
+        o = (slot * M + r[:, None]) * HD + d[None, :]
+        tl.store(prev_kv_ptr + o, _rows(kv_ptr, pend_kv_ptr, src, T, d, m2, W, 0.0), mask=m2)
+        tl.store(prev_gate_ptr + o, _rows(gate_ptr, pend_gate_ptr, src, T, d, m2, W, 0.0), mask=m2)
+    tl.store(has_prev_ptr + slot, 1)
+
+
+@triton.jit
+def _compress_pend_kernel(kv_ptr, gate_ptr, pend_kv_ptr, pend_gate_ptr, row_ptr, dst_ptr, W: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    p = tl.program_id(0)
+    row = tl.load(row_ptr + p).to(tl.int64)
+    dst = tl.load(dst_ptr + p).to(tl.int64)
+    for d0 in range(0, W, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dm = d < W
+        kv = tl.load(kv_ptr + row * W + d, mask=dm)
+        tl.store(pend_kv_ptr + dst * W + d, kv.to(pend_kv_ptr.dtype.element_ty), mask=dm)
+        g = tl.load(gate_ptr + row * W + d, mask=dm)
+        tl.store(pend_gate_ptr + dst * W + d, g.to(pend_gate_ptr.dtype.element_ty), mask=dm)
+
+
+def compress_blocks_fused(kv, gate, plan, state, norm_w, eps, inv_freq, pool, full_tables, head_dim,
+                          keep_closed=False):
+    st, m, hd = state, plan.ratio, head_dim
+    overlap = st.prev_kv is not None
+    C = 2 if overlap else 1
+    W, R = C * hd, 2 * inv_freq.shape[0]
+    T = kv.shape[0]
+    kv = kv.to(st.pend_kv.dtype).contiguous()
+    gate = gate.to(st.pend_gate.dtype).contiguous()
+    NB = plan.blk_seq.shape[0]
+    block_m = triton.next_power_of_2(m)
+    block_d = min(triton.next_power_of_2(hd), max(16, 4096 // m))
+    closed = None
+    if plan.num_blocks:
+        if keep_closed:
+            closed = (st.pend_kv.new_empty(NB, m, W), st.pend_gate.new_empty(NB, m, W))
+        dummy = st.pend_gate
+        has_bnd = overlap and st.bnd_kv is not None
+        _compress_blocks_kernel[(NB,)](
+            kv, gate, st.pend_kv, st.pend_gate, st.prev_kv if overlap else dummy, st.prev_gate if overlap else dummy,
+            st.has_prev.view(torch.uint8) if overlap else dummy, st.bnd_kv if has_bnd else dummy,
+            st.bnd_gate if has_bnd else dummy, plan.src, plan.blk_seq, plan.blk_entry, plan.prev,
+            norm_w.float().contiguous(), inv_freq.float().contiguous(), pool, full_tables,
+            closed[0] if closed else dummy, closed[1] if closed else dummy,
+            T, st.pend_kv.shape[0], full_tables.stride(0), eps, pool.shape[1] * m, pool.shape[1],
+            M=m, HD=hd, C=C, R=R, OVERLAP=overlap, HAS_BND=has_bnd, KEEP=closed is not None,
+            BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_R=triton.next_power_of_2(max(R // 2, 1)))
+        if overlap and plan.upd_slot.shape[0]:
+            _compress_overlap_state_kernel[(plan.upd_slot.shape[0],)](
+                kv, gate, st.pend_kv, st.pend_gate, st.prev_kv, st.prev_gate, st.has_prev.view(torch.uint8), plan.src,
+                plan.upd_slot, plan.upd_blk, T, M=m, HD=hd, BLOCK_M=block_m, BLOCK_D=block_d)
+    if plan.pend_row.shape[0]:
+        _compress_pend_kernel[(plan.pend_row.shape[0],)](kv, gate, st.pend_kv, st.pend_gate, plan.pend_row,
+                                                        plan.pend_dst, W=W, BLOCK_D=min(triton.next_power_of_2(W), 1024))
+    return closed
