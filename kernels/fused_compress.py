@@ -12,6 +12,29 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _norm_rope_entry(dst, sumsq, w_ptr, inv_freq_ptr, pos0, eps, HD: tl.constexpr, R: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """A pooled entry at `dst` (sum of its squares: sumsq): RMSNorm, then RoPE (interleaved pairs,
+    the last R features) at position pos0, in place."""
+    rs = tl.rsqrt(sumsq / HD + eps)
+    NOPE: tl.constexpr = HD - R
+    for d0 in range(0, NOPE, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        dm = d < NOPE
+        y = tl.load(dst + d, mask=dm, other=0.0).to(tl.float32) * rs * tl.load(w_ptr + d, mask=dm, other=0.0)
+        tl.store(dst + d, y.to(dst.dtype.element_ty), mask=dm)
+    j = tl.arange(0, BLOCK_R)
+    jm = j < R // 2
+    ev = NOPE + 2 * j
+    xe = tl.load(dst + ev, mask=jm, other=0.0).to(tl.float32) * rs * tl.load(w_ptr + ev, mask=jm, other=0.0)
+    xo = tl.load(dst + ev + 1, mask=jm, other=0.0).to(tl.float32) * rs * tl.load(w_ptr + ev + 1, mask=jm, other=0.0)
+    ang = pos0.to(tl.float32) * tl.load(inv_freq_ptr + j, mask=jm, other=0.0)
+    c, s = tl.cos(ang), tl.sin(ang)
+    tl.store(dst + ev, (xe * c - xo * s).to(dst.dtype.element_ty), mask=jm)
+    tl.store(dst + ev + 1, (xo * c + xe * s).to(dst.dtype.element_ty), mask=jm)
+
+
 @triton.jit(do_not_specialize=["ftab_stride"])
 def _compress_decode_kernel(
     kv_ptr, gate_ptr, pos_ptr, slot_ptr, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr, has_prev_ptr,
@@ -69,22 +92,7 @@ def _compress_decode_kernel(
             tl.store(dst + d, pooled.to(pool_ptr.dtype.element_ty), mask=dm)
         tl.debug_barrier()
         # 3. RMSNorm and RoPE at the block's first position, in place in the pool
-        rs = tl.rsqrt(sumsq / HD + eps)
-        NOPE: tl.constexpr = HD - R
-        for d0 in range(0, NOPE, BLOCK_D):
-            d = d0 + tl.arange(0, BLOCK_D)
-            dm = d < NOPE
-            y = tl.load(dst + d, mask=dm, other=0.0).to(tl.float32) * rs * tl.load(w_ptr + d, mask=dm, other=0.0)
-            tl.store(dst + d, y.to(pool_ptr.dtype.element_ty), mask=dm)
-        j = tl.arange(0, BLOCK_R)
-        jm = j < R // 2
-        ev = NOPE + 2 * j
-        xe = tl.load(dst + ev, mask=jm, other=0.0).to(tl.float32) * rs * tl.load(w_ptr + ev, mask=jm, other=0.0)
-        xo = tl.load(dst + ev + 1, mask=jm, other=0.0).to(tl.float32) * rs * tl.load(w_ptr + ev + 1, mask=jm, other=0.0)
-        ang = (e * M).to(tl.float32) * tl.load(inv_freq_ptr + j, mask=jm, other=0.0)
-        c, s = tl.cos(ang), tl.sin(ang)
-        tl.store(dst + ev, (xe * c - xo * s).to(pool_ptr.dtype.element_ty), mask=jm)
-        tl.store(dst + ev + 1, (xo * c + xe * s).to(pool_ptr.dtype.element_ty), mask=jm)
+        _norm_rope_entry(dst, sumsq, w_ptr, inv_freq_ptr, e * M, eps, HD, R, BLOCK_D, BLOCK_R)
         # 4. CSA: this block's Ca slice is the next block's overlap (and, at a full-block end, cached)
         if OVERLAP:
             at_end = (pos + 1) % BS == 0

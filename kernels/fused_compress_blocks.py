@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fused_compress import _norm_rope_entry
+
 
 @triton.jit
 def _rows(step_ptr, pend_ptr, src, T, col, mask, W: tl.constexpr, other):
@@ -33,7 +35,10 @@ def _rows(step_ptr, pend_ptr, src, T, col, mask, W: tl.constexpr, other):
     return tl.where(step[:, None], a, b)
 
 
-@triton.jit(do_not_specialize=["T", "NS", "ftab_stride"])
+# the plan's arrays are views at step-dependent offsets of one buffer (engine/compress_plan.py): no
+# specializing on their alignment, which would compile new variants inside some request's step
+@triton.jit(do_not_specialize=["T", "NS", "ftab_stride"],
+            do_not_specialize_on_alignment=["src_ptr", "blk_seq_ptr", "blk_entry_ptr", "prev_ptr", "ftab_ptr"])
 def _compress_blocks_kernel(
     kv_ptr, gate_ptr, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr, has_prev_ptr, bnd_kv_ptr, bnd_gate_ptr,
     src_ptr, blk_seq_ptr, blk_entry_ptr, prev_ptr, w_ptr, inv_freq_ptr, pool_ptr, ftab_ptr, ckv_ptr, cgate_ptr,
@@ -89,22 +94,7 @@ def _compress_blocks_kernel(
         tl.store(dst + d, pooled.to(pool_ptr.dtype.element_ty), mask=dm)
     tl.debug_barrier()  # the pooled entry is read back below by other threads of this program
     # 2. RMSNorm and RoPE at the block's first position, in place in the pool
-    rs = tl.rsqrt(sumsq / HD + eps)
-    NOPE: tl.constexpr = HD - R
-    for d0 in range(0, NOPE, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        dm = d < NOPE
-        y = tl.load(dst + d, mask=dm, other=0.0).to(tl.float32) * rs * tl.load(w_ptr + d, mask=dm, other=0.0)
-        tl.store(dst + d, y.to(pool_ptr.dtype.element_ty), mask=dm)
-    i = tl.arange(0, BLOCK_R)
-    im = i < R // 2
-    ev = NOPE + 2 * i
-    xe = tl.load(dst + ev, mask=im, other=0.0).to(tl.float32) * rs * tl.load(w_ptr + ev, mask=im, other=0.0)
-    xo = tl.load(dst + ev + 1, mask=im, other=0.0).to(tl.float32) * rs * tl.load(w_ptr + ev + 1, mask=im, other=0.0)
-    ang = (e * M).to(tl.float32) * tl.load(inv_freq_ptr + i, mask=im, other=0.0)
-    c, s = tl.cos(ang), tl.sin(ang)
-    tl.store(dst + ev, (xe * c - xo * s).to(pool_ptr.dtype.element_ty), mask=im)
-    tl.store(dst + ev + 1, (xo * c + xe * s).to(pool_ptr.dtype.element_ty), mask=im)
+    _norm_rope_entry(dst, sumsq, w_ptr, inv_freq_ptr, e * M, eps, HD, R, BLOCK_D, BLOCK_R)
     # 3. the block's rows for a speculative rollback; CSA at a full-block end: its Ca slice, cached
     if KEEP:
         for d0 in range(0, W, BLOCK_D):
@@ -124,7 +114,7 @@ def _compress_blocks_kernel(
                 tl.store(bnd_gate_ptr + o, _rows(gate_ptr, pend_gate_ptr, src, T, d, m2, W, 0.0), mask=m2)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T"], do_not_specialize_on_alignment=["src_ptr", "upd_slot_ptr", "upd_blk_ptr"])
 def _compress_overlap_state_kernel(
     kv_ptr, gate_ptr, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr, has_prev_ptr, src_ptr, upd_slot_ptr,
     upd_blk_ptr, T, M: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -145,7 +135,7 @@ def _compress_overlap_state_kernel(
     tl.store(has_prev_ptr + slot, 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["row_ptr", "dst_ptr"])
 def _compress_pend_kernel(kv_ptr, gate_ptr, pend_kv_ptr, pend_gate_ptr, row_ptr, dst_ptr, W: tl.constexpr,
                           BLOCK_D: tl.constexpr):
     p = tl.program_id(0)
