@@ -19,6 +19,8 @@ Rows (V4-Flash decode shapes at the depth-43 benchmark's 16 experts, batch 1 / 3
   reference (cuBLAS GEMM + torch ops; the depth profile's previous path was cuBLAS split-K GEMM +
   its reduce + one router kernel, ~8 us per layer at batch 1); a hash layer (tid2eid) as well.
 - mega-mHC: hc_post + the next hc_pre + its RMSNorm in two launches vs the three fused ops (four launches).
+- compress: the compressors' multi-row step (prefill chunk, speculative verify) fused vs its torch ops
+  (tools/bench_compress.py).
 Times: CUDA-graph replay (tools.bench_quant._graph_time, host overhead out). Floor = bytes / 4.2 TB/s.
 """
 
@@ -31,6 +33,7 @@ import time
 
 import torch
 
+from tools import bench_compress
 from tools.bench_quant import H200, _experts, _graph_time, _rel_err, _routing, exit_status, moe_floor
 
 ROWS = (1, 32, 150)
@@ -123,7 +126,7 @@ def check(device) -> list[str]:
             err = _rel_err(fp8_linear_fused(x, q, s, variant=variant, groups=G), want)
             if not err <= (2e-2 if variant == "dequant" else 0.1):
                 failures.append(f"fp8 grouped linear {variant} T{T} G{G}: relative error {err:.3g}")
-    return failures
+    return failures + bench_compress.check(device)
 
 
 def _row(op: str, shape: str, rows: int, variant: str, seconds: float | None, floor_s: float | None,
@@ -330,7 +333,8 @@ def table(rows: list[dict]) -> str:
 
 
 PARTS = {"align": bench_align, "moe-mxfp4": lambda d: bench_moe(d, "mxfp4"), "moe-fp8": lambda d: bench_moe(d, "fp8"),
-         "fp8": bench_fp8, "gate": bench_gate, "mhc": bench_mhc}
+         "fp8": bench_fp8, "gate": bench_gate, "mhc": bench_mhc,
+         "compress": lambda d: bench_compress.bench(d, _timed, _row)}
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|quant|fused|fused-fp8|recheck|depth|v41|v41-serve|largest|profile-depth|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-serve|largest|profile-depth|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
 # numpy2, serving, largest and v41-serve need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoints, drawn on the GPU: flash-depth (V4-Flash depth: 43 layers, 16 experts; mixed, engine, depth) and
 # flash-shaped (its per-layer shapes, 4 layers: quick and the rest).
@@ -19,6 +19,8 @@ quant)  # FP8 GEMM + MXFP4 / FP8 MoE: checked vs the torch references (non-zero 
   timeout 280 python3 -m tools.bench_quant --budget 220 --json "$OUT/quant.json" 2>&1 | tee "$OUT/quant.log" | tail -40 ;;
 fused)  # issue 20's fused kernels: checked vs the torch references (non-zero exit on a mismatch), timed vs floor and the old path
   timeout 300 python3 -m tools.bench_fused --json "$OUT/fused.json" 2>&1 | tee "$OUT/fused.log" | tail -40 ;;
+compress)  # the compressors' multi-row step: the fused kernels' check (with the others'), then fused vs torch ops (~2 min)
+  timeout 240 python3 -m tools.bench_fused --only compress --json "$OUT/compress.json" 2>&1 | tee "$OUT/compress.log" | tail -24 ;;
 fused-fp8)  # the same check, then only the FP8 linear rows (W_CVT per shape, the gemv at 1 row, the stacked pairs)
   timeout 240 python3 -m tools.bench_fused --only fp8 --json "$OUT/fused_fp8.json" 2>&1 | tee "$OUT/fused_fp8.log" | tail -80 ;;
 depth)  # decode at V4-Flash depth (43 layers, its schedule, 16 experts): as shipped (FP8 + MXFP4) vs bf16, each vs its floor
