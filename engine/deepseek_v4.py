@@ -78,22 +78,23 @@ class Compressor(nn.Module):
         """Feed this step's tokens (those at positions >= compress_from) and write closed blocks."""
         m = self.ratio
         kv_all = self.wkv(x)
+        if fb.is_decode:  # its kernel adds the position bias
+            return self._absorb_decode(kv_all, self.wgate(x), fb, state, pool, cache, rope[0])
         gate_all = self.wgate(x) + self.ape[fb.positions % m]  # promotes to >= fp32, as the reference
-        if fb.is_decode:
-            return self._absorb_decode(kv_all, gate_all, fb, state, pool, cache, rope[0])
         plan = compress_plan(fb, m, cache.block_size, state.pend_kv.shape[0])
         closed = K.compress_blocks(kv_all, gate_all, plan, state, self.norm.weight, self.norm.eps, rope[0], pool,
                                    fb.full_tables, self.head_dim, fb.closed_blocks is not None)
         if closed is not None:
             fb.closed_blocks[id(state)] = closed
 
-    def _absorb_decode(self, kv_all, gate_all, fb: ForwardBatch, state: CompressorState, pool: torch.Tensor,
+    def _absorb_decode(self, kv_all, gate, fb: ForwardBatch, state: CompressorState, pool: torch.Tensor,
                        cache: KVCache, inv_freq: torch.Tensor) -> None:
-        """One token per sequence, all sequences at once, no host sync (kernels.compress_decode)."""
-        K.compress_decode(kv_all, gate_all, fb.positions, fb.state_slot_t, state.pend_kv, state.pend_gate,
+        """One token per sequence, all sequences at once, no host sync (kernels.compress_decode); gate
+        before its position bias (ape), which the kernel adds."""
+        K.compress_decode(kv_all, gate, fb.positions, fb.state_slot_t, state.pend_kv, state.pend_gate,
                           state.prev_kv, state.prev_gate, state.has_prev, state.bnd_kv, state.bnd_gate,
                           self.norm.weight, self.norm.eps, inv_freq, pool, fb.full_tables, cache.block_size,
-                          self.ratio, self.head_dim)
+                          self.ratio, self.head_dim, ape=self.ape)
 
 
 class Indexer(nn.Module):

@@ -1,5 +1,5 @@
 """Fused compressor decode step: one program per sequence does what kernels.reference.compress_decode
-does in ~40 small torch ops: store the new token into the open block; when it closes the block,
+does in ~40 small torch ops: add the gate's position bias (ape) and store the new token into the open block; when it closes the block,
 softmax-pool it (CSA: with the previous block's Ca slice), RMSNorm, RoPE at the block's first
 position, write the entry into the paged pool, and keep the Ca slice for the next block (and at a
 full-block end for the prefix cache).
@@ -37,10 +37,11 @@ def _norm_rope_entry(dst, sumsq, w_ptr, inv_freq_ptr, pos0, eps, HD: tl.constexp
 
 @triton.jit(do_not_specialize=["ftab_stride"])
 def _compress_decode_kernel(
-    kv_ptr, gate_ptr, pos_ptr, slot_ptr, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr, has_prev_ptr,
-    bnd_kv_ptr, bnd_gate_ptr, w_ptr, inv_freq_ptr, pool_ptr, ftab_ptr, ftab_stride, eps, BS, PER_BLOCK,
+    kv_ptr, gate_ptr, ape_ptr, pos_ptr, slot_ptr, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr,
+    has_prev_ptr, bnd_kv_ptr, bnd_gate_ptr, w_ptr, inv_freq_ptr, pool_ptr, ftab_ptr, ftab_stride, eps, BS, PER_BLOCK,
     M: tl.constexpr, HD: tl.constexpr, C: tl.constexpr, R: tl.constexpr, OVERLAP: tl.constexpr,
-    HAS_BND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_BND: tl.constexpr, HAS_APE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     i = tl.program_id(0)
     pos = tl.load(pos_ptr + i)
@@ -52,7 +53,10 @@ def _compress_decode_kernel(
         d = d0 + tl.arange(0, BLOCK_D)
         dm = d < W
         tl.store(pend_kv_ptr + (slot * M + off) * W + d, tl.load(kv_ptr + i * W + d, mask=dm), mask=dm)
-        tl.store(pend_gate_ptr + (slot * M + off) * W + d, tl.load(gate_ptr + i * W + d, mask=dm), mask=dm)
+        g = tl.load(gate_ptr + i * W + d, mask=dm)
+        if HAS_APE:  # the gate's position bias for its slot in the block, added in fp32 as torch promotes
+            g = g.to(tl.float32) + tl.load(ape_ptr + off * W + d, mask=dm)
+        tl.store(pend_gate_ptr + (slot * M + off) * W + d, g.to(pend_gate_ptr.dtype.element_ty), mask=dm)
     if off == M - 1:
         tl.debug_barrier()  # the stores above are read back below by other threads of this program
         r = tl.arange(0, BLOCK_M)
@@ -113,20 +117,21 @@ def _compress_decode_kernel(
 
 
 def compress_decode_fused(kv, gate, positions, slots, pend_kv, pend_gate, prev_kv, prev_gate, has_prev, bnd_kv,
-                          bnd_gate, norm_w, eps, inv_freq, pool, full_tables, block_size, ratio, head_dim):
+                          bnd_gate, norm_w, eps, inv_freq, pool, full_tables, block_size, ratio, head_dim, ape=None):
     S = positions.shape[0]
     overlap = prev_kv is not None
     C = 2 if overlap else 1
     R = 2 * inv_freq.shape[0]
     kv = kv.to(pend_kv.dtype).contiguous()
-    gate = gate.to(pend_gate.dtype).contiguous()
+    gate = (gate if ape is not None else gate.to(pend_gate.dtype)).contiguous()  # ape: the kernel adds and casts
     dummy = pend_gate
     hp = has_prev.view(torch.uint8) if overlap else dummy
     _compress_decode_kernel[(S,)](
-        kv, gate, positions, slots, pend_kv, pend_gate, prev_kv if overlap else dummy,
+        kv, gate, ape.float().contiguous() if ape is not None else dummy, positions, slots, pend_kv, pend_gate,
+        prev_kv if overlap else dummy,
         prev_gate if overlap else dummy, hp, bnd_kv if bnd_kv is not None else dummy,
         bnd_gate if bnd_gate is not None else dummy, norm_w.float().contiguous(), inv_freq.float().contiguous(),
         pool, full_tables, full_tables.stride(0), eps, block_size, pool.shape[1],
-        M=ratio, HD=head_dim, C=C, R=R, OVERLAP=overlap, HAS_BND=bnd_kv is not None,
+        M=ratio, HD=head_dim, C=C, R=R, OVERLAP=overlap, HAS_BND=bnd_kv is not None, HAS_APE=ape is not None,
         BLOCK_M=triton.next_power_of_2(ratio), BLOCK_D=min(triton.next_power_of_2(head_dim), max(16, 4096 // ratio)),
         BLOCK_R=triton.next_power_of_2(max(R // 2, 1)))

@@ -264,13 +264,17 @@ def compress_decode(kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tenso
                     pend_kv: torch.Tensor, pend_gate: torch.Tensor, prev_kv: torch.Tensor | None,
                     prev_gate: torch.Tensor | None, has_prev: torch.Tensor | None, bnd_kv: torch.Tensor | None,
                     bnd_gate: torch.Tensor | None, norm_w: torch.Tensor, eps: float, inv_freq: torch.Tensor,
-                    pool: torch.Tensor, full_tables: torch.Tensor, block_size: int, ratio: int, head_dim: int) -> None:
+                    pool: torch.Tensor, full_tables: torch.Tensor, block_size: int, ratio: int, head_dim: int,
+                    ape: torch.Tensor | None = None) -> None:
     """The compressor's decode step for one new token per sequence (row i of the batch, state slot
-    slots[i]): add it to the sequence's open block; where it closes the block, pool, norm, RoPE at
+    slots[i]): its gate plus the position bias ape[pos % ratio] when given (fp32, as the multi-row
+    path adds it); add it to the sequence's open block; where it closes the block, pool, norm, RoPE at
     the block's first position and write the entry into `pool`; CSA (prev_* given) keeps the
     block's Ca slice for the next, and at a full-block end also in bnd_* (prefix caching).
     All sequences at once, no host sync (CUDA-graph safe)."""
     m, hd, pos = ratio, head_dim, positions
+    if ape is not None:
+        gate = gate + ape[pos % m]
     rows = torch.arange(pos.shape[0], device=pos.device)
     pend_kv[slots, pos % m] = kv.to(pend_kv.dtype)
     pend_gate[slots, pos % m] = gate.to(pend_gate.dtype)

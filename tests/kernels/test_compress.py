@@ -11,7 +11,9 @@ from kernels.fused_compress import compress_decode_fused
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("ratio, overlap", [(4, True), (16, False)])
-def test_compress_decode(dtype, tol, ratio, overlap):
+@pytest.mark.parametrize("with_ape", [False, True])
+def test_compress_decode(dtype, tol, ratio, overlap, with_ape):
+    """with_ape: the gate in the model dtype and its position bias added inside (the engine's decode)."""
     g = torch.Generator().manual_seed(ratio)
     hd, r, bs, slots_n, nb = 32, 8, 32, 6, 24
     c = 2 if overlap else 1
@@ -30,12 +32,15 @@ def test_compress_decode(dtype, tol, ratio, overlap):
     }
     kv = torch.randn(S, c * hd, generator=g).to(dtype)
     gate = torch.randn(S, c * hd, generator=g).float()
+    ape = None
+    if with_ape:
+        gate, ape = gate.to(dtype), torch.randn(ratio, c * hd, generator=g)
     tables = torch.randperm(nb, generator=g)[: S * 4].view(S, 4)
     w, inv = torch.rand(hd, generator=g) + 0.5, 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
     copies = [{k: (v.clone() if v is not None else None) for k, v in state.items()} for _ in range(2)]
     for fn, st in ((ref.compress_decode, copies[0]), (compress_decode_fused, copies[1])):
         fn(kv, gate, positions, slots, st["pend_kv"], st["pend_gate"], st["prev_kv"], st["prev_gate"], st["has_prev"],
-           st["bnd_kv"], st["bnd_gate"], w, 1e-6, inv, st["pool"], tables, bs, ratio, hd)
+           st["bnd_kv"], st["bnd_gate"], w, 1e-6, inv, st["pool"], tables, bs, ratio, hd, ape=ape)
     for k in state:
         if state[k] is None:
             continue
