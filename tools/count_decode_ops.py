@@ -1,7 +1,8 @@
-"""How many device kernels a DeepSeek-V4.1 decode step launches, by the engine function that launches
-them (CPU, no GPU needed): the budget a decode CUDA graph replays.
+"""How many device kernels a DeepSeek-V4.1 (or V4) decode step launches, by the engine function that
+launches them (CPU, no GPU needed): the budget a decode CUDA graph replays.
 
     python -m tools.count_decode_ops [--model DIR | --preset v41-tiny] [--dtype bfloat16] [--by-kind] [--json OUT]
+    python -m tools.count_decode_ops --preset tiny --quant fp8-fp4 --override '{"hidden_size": 256, ...}'
 
 One model forward on the decode path's static batch of 1 (what a graph captures) runs with every op
 the CUDA dispatch (kernels/fused.py) binds to a Triton kernel running that kernel (under Triton's
@@ -126,17 +127,59 @@ def layer_kind(cfg, i: int) -> str:
     return kind
 
 
+def layer_kind_v4(cfg, i: int) -> str:
+    r = cfg.compress_ratios[i]
+    return ("window" if not r else f"r{r}") + (" +hash" if i < cfg.num_hash_layers else "")
+
+
+def _v4(model_dir: str, dtype: torch.dtype):
+    """A DeepSeek-V4 checkpoint in its stored formats (as CUDA keeps them), its cache, its layer kinds."""
+    import json as _json
+
+    from engine.cache import KVCache
+    from engine.loader import load_model
+
+    quantized = bool(_json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config"))
+    model = load_model(model_dir, dtype, quantized=quantized)
+    return model, KVCache(model.cfg, 16, 64, 64, 2, dtype), layer_kind_v4
+
+
+def _on_layer(model, counter) -> list:
+    """Charge each layer's launches to it: V4.1's layers run through forward (a pre-hook), V4's blocks
+    through run (wrapped for the count; the returned function undoes it)."""
+    if hasattr(model.layers[0], "run"):
+        def wrap(i, block):
+            run = block.run
+
+            def counted(*a, **k):
+                counter.layer = i
+                try:
+                    return run(*a, **k)
+                finally:
+                    counter.layer = "head"
+            block.run = counted
+        for i, block in enumerate(model.layers):
+            wrap(i, block)
+        return [lambda: [b.__dict__.pop("run") for b in model.layers]]
+    hooks = [b.register_forward_pre_hook(lambda m, a: setattr(counter, "layer", m.layer)) for b in model.layers]
+    return [h.remove for h in hooks]
+
+
 def count(model_dir: str, dtype: torch.dtype, prompt_len: int = 40) -> dict:
     from engine.cache_v41 import V41KVCache
+    from engine.config_v41 import is_v41
     from engine.loader_v41 import load_v41_model
     from engine.request import SamplingParams
     from engine.runner import ModelRunner
     from engine.sequence import Sequence
 
     torch.set_num_threads(1)
-    model = load_v41_model(model_dir, dtype, decoder_replay=False)
+    if is_v41(model_dir):
+        model = load_v41_model(model_dir, dtype, decoder_replay=False)
+        cache, kind_of = V41KVCache(model.cfg, 16, 64, 64, 2, dtype), layer_kind
+    else:
+        model, cache, kind_of = _v4(model_dir, dtype)
     cfg = model.cfg
-    cache = V41KVCache(cfg, 16, 64, 64, 2, dtype)
     runner = ModelRunner(model, cache, max_model_len=512)
     runner.static_decode_batches([1])
     seq = Sequence("t", [5 + (7 * j) % 200 for j in range(prompt_len)], SamplingParams())
@@ -148,8 +191,8 @@ def count(model_dir: str, dtype: torch.dtype, prompt_len: int = 40) -> dict:
 
     counter = _Count()
     saved = {name: getattr(kernels, name) for name in fused.FUSED}
-    hooks = [b.register_forward_pre_hook(lambda m, a: setattr(counter, "layer", m.layer)) for b in model.layers]
-    hooks.append(model.register_forward_pre_hook(lambda m, a: setattr(counter, "layer", "embed")))
+    undo = _on_layer(model, counter)
+    undo.append(model.register_forward_pre_hook(lambda m, a: setattr(counter, "layer", "embed")).remove)
     forward = model.forward
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -170,16 +213,16 @@ def count(model_dir: str, dtype: torch.dtype, prompt_len: int = 40) -> dict:
         model.forward = forward
         v41_ops.routed_experts = moe
         InterpretedFunction.run = run
-        for h in hooks:
-            h.remove()
+        for u in undo:
+            u()
         for name, fn in saved.items():
             setattr(kernels, name, fn)
     per_layer = {i: counter.by_layer[i] for i in range(cfg.num_layers)}
     kinds: dict = {}
     first_of_kind: dict = {}
     for i, n in per_layer.items():
-        kinds.setdefault(layer_kind(cfg, i), []).append(n)
-        first_of_kind.setdefault(layer_kind(cfg, i), i)
+        kinds.setdefault(kind_of(cfg, i), []).append(n)
+        first_of_kind.setdefault(kind_of(cfg, i), i)
     kind_sources = {kind: dict(sorted(((src, n) for (layer, src), n in counter.by_layer_source.items() if layer == i),
                                       key=lambda kv: -kv[1]))
                     for kind, i in first_of_kind.items()}
@@ -191,8 +234,10 @@ def count(model_dir: str, dtype: torch.dtype, prompt_len: int = 40) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="a V4.1 checkpoint (default: a fresh random --preset one)")
-    ap.add_argument("--preset", default="v41-tiny")
+    ap.add_argument("--model", default=None, help="a V4.1 or V4 checkpoint (default: a fresh random --preset one)")
+    ap.add_argument("--preset", default="v41-tiny", help="v41-* (engine/random_checkpoint_v41.py) or a V4 one")
+    ap.add_argument("--quant", default="bf16", help="V4 presets: the weights as stored (random_checkpoint.QUANTS)")
+    ap.add_argument("--override", default="{}", help="V4 presets: JSON over the preset's config")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("--json", default=None)
@@ -200,9 +245,12 @@ def main() -> None:
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model
-        if model is None:
+        if model is None and a.preset.startswith("v41"):
             from engine.random_checkpoint_v41 import write_v41_checkpoint
             model = str(write_v41_checkpoint(Path(tmp) / a.preset, a.preset))
+        elif model is None:
+            from engine.random_checkpoint import write_checkpoint
+            model = str(write_checkpoint(Path(tmp) / a.preset, a.preset, override=json.loads(a.override), quant=a.quant))
         res = count(model, getattr(torch, a.dtype))
     print(f"kernels per decode step (batch 1, {a.dtype}, the CUDA dispatch): {res['total']}")
     print(f"{'source':<52} {'kernels':>7}")
