@@ -105,8 +105,8 @@ spec)  # issue 21: MTP speculative decoding at V4-Flash depth (FP8 + MXFP4): pla
     --json "$OUT/spec.json" 2>&1 | tee "$OUT/spec.log" | grep -vE "^(INFO|WARNING)" | tail -30 ;;
 final)  # session 7's last call, most important first: the fused kernels against the torch references on the GPU (4-layer
   # V4 as shipped: chunked prefill, mixed and decode steps; then V4.1-Flash-shaped), V4.1's TTFT / decode, then
-  # speculative decoding at V4-Flash depth at batch 1 and 8 (~9 min)
-  bench --quant fp8-fp4 --concurrency '' --check-graphs --engine-args "{$EA}" --json "$OUT/check_v4.json" 2>&1 \
+  # speculative decoding at V4-Flash depth at batch 1 and 8, then the compressors' multi-row kernels timed (~9.5 min)
+  bench --quant fp8-fp4 --concurrency '' --check-kernels --engine-args "{$EA}" --json "$OUT/check_v4.json" 2>&1 \
     | tee "$OUT/check_v4.log" | grep -E "default vs|rror" | tail -3
   M=$CK/v41-flash-shaped-fp8-fp4
   timeout 120 python3 -m tools.make_tiny_checkpoint $M --preset v41-flash-shaped --quant fp8-fp4 --device cuda 2>&1 | tail -1
@@ -118,7 +118,9 @@ final)  # session 7's last call, most important first: the fused kernels against
   timeout 200 python3 -m tools.bench_spec --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batches 1,8 \
     --input-len 512 --output-len 48 \
     --engine-args '{"max_model_len":4096,"block_size":128,"gpu_memory_utilization":0.9,"cudagraph_mode":"FULL_DECODE_ONLY"}' \
-    --json "$OUT/spec.json" 2>&1 | tee "$OUT/spec.log" | grep -vE "^(INFO|WARNING)" | tail -22 ;;
+    --json "$OUT/spec.json" 2>&1 | tee "$OUT/spec.log" | grep -vE "^(INFO|WARNING)" | tail -22
+  timeout 100 python3 -m tools.bench_fused --only compress --json "$OUT/compress.json" > "$OUT/compress.log" 2>&1
+  tail -12 "$OUT/compress.log" ;;
 profile-spec)  # issues 21 and 25: where a speculative step's time goes at V4-Flash depth as shipped (batch 1, k = 3: the
   # host under cProfile, then the GPU's kernels), and a V4.1-Flash-shaped decode step's kernels at batch 1 (~5 min)
   SPEC='{"speculative_config":{"method":"mtp","num_speculative_tokens":3},"cudagraph_mode":"FULL_DECODE_ONLY"}'
