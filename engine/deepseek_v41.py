@@ -388,9 +388,10 @@ class DeepseekV41(nn.Module):
     # decode steps replay CUDA graphs: their compressor plan is built on the device (DecodePlan)
     # and the Engram look-back rides in the runner's static batch. Mixed steps run on padded static
     # batches (engine/mixed_graphs.py + engine/mixed_rows_v41.py): padded plans, the look-back and
-    # decoder replay's kept rows at a fixed capacity, the indexer over fixed-width score rows.
+    # decoder replay's kept rows at a fixed capacity, the indexer over fixed-width score rows
+    # (tests/engine/test_v41_mixed_graphs.py: eagerly and through the CPU emulation of a graph).
     supports_cuda_graphs = True
-    supports_mixed_graphs = False
+    supports_mixed_graphs = True
     cache_class = V41KVCache
 
     def __init__(self, cfg: V41Config, quantized: bool = False, decoder_replay: bool = True):

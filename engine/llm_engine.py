@@ -96,7 +96,7 @@ class LLMEngine:
                   and kernels.backend() != "ref" and getattr(self.model, "supports_cuda_graphs", True))
         # tensor parallel: mixed steps run eagerly (the workers mirror decode graphs and eager steps)
         mixed = (mixed_sizes(args.max_num_batched_tokens) if args.cudagraph_mode == "FULL" and not self.parallel
-                 and getattr(self.model, "supports_mixed_graphs", True) else [])  # V4.1: decode graphs only
+                 and getattr(self.model, "supports_mixed_graphs", True) else [])  # a model may opt out
         runner_kwargs = dict(max_model_len=self.max_model_len, cuda_graphs=graphs, max_num_seqs=args.max_num_seqs,
                              mixed_sizes=mixed)
         if self.parallel is not None:
