@@ -104,22 +104,26 @@ spec)  # issue 21: MTP speculative decoding at V4-Flash depth (FP8 + MXFP4): pla
     --engine-args '{"max_model_len":4096,"block_size":128,"gpu_memory_utilization":0.9,"cudagraph_mode":"FULL_DECODE_ONLY"}' \
     --json "$OUT/spec.json" 2>&1 | tee "$OUT/spec.log" | grep -vE "^(INFO|WARNING)" | tail -30 ;;
 final)  # session 7's last call, most important first: the fused kernels against the torch references on the GPU (4-layer
-  # V4 as shipped: chunked prefill, mixed and decode steps; then V4.1-Flash-shaped), V4.1's TTFT / decode, then
-  # speculative decoding at V4-Flash depth at batch 1 and 8, then the compressors' multi-row kernels timed (~9.5 min)
-  bench --quant fp8-fp4 --concurrency '' --check-kernels --engine-args "{$EA}" --json "$OUT/check_v4.json" 2>&1 \
-    | tee "$OUT/check_v4.log" | grep -E "default vs|rror" | tail -3
-  M=$CK/v41-flash-shaped-fp8-fp4
-  timeout 120 python3 -m tools.make_tiny_checkpoint $M --preset v41-flash-shaped --quant fp8-fp4 --device cuda 2>&1 | tail -1
-  timeout 150 python3 -m tools.bench_engine --model $M --concurrency '' --check-kernels \
-    --engine-args '{"max_model_len":4096,"max_num_seqs":32,"block_size":128,"gpu_memory_utilization":0.9}' \
-    --json "$OUT/check_v41.json" 2>&1 | tee "$OUT/check_v41.log" | grep -E "default vs|rror" | tail -3
-  timeout 200 python3 -m tools.bench_v41 --cache-dir $CK --reps 1 --json "$OUT/v41.json" 2>&1 | tee "$OUT/v41.log" | tail -14
-  rm -rf "$CK"/v41-*
-  timeout 200 python3 -m tools.bench_spec --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batches 1,8 \
+  # V4 as shipped: chunked prefill, mixed and decode steps), speculative decoding at V4-Flash depth at batch 1 and 8,
+  # then V4.1-Flash-shaped: its kernels against the references, TTFT / decode / mixed graphs; the compressors'
+  # multi-row kernels timed last (~9.5 min)
+  timeout 90 python3 -m tools.bench_engine --preset flash-shaped --cache-dir $CK --quant fp8-fp4 --concurrency '' \
+    --check-kernels --engine-args "{$EA}" --json "$OUT/check_v4.json" 2>&1 | tee "$OUT/check_v4.log" \
+    | grep -E "default vs|rror" | tail -3
+  timeout 170 python3 -m tools.bench_spec --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batches 1,8 \
     --input-len 512 --output-len 48 \
     --engine-args '{"max_model_len":4096,"block_size":128,"gpu_memory_utilization":0.9,"cudagraph_mode":"FULL_DECODE_ONLY"}' \
     --json "$OUT/spec.json" 2>&1 | tee "$OUT/spec.log" | grep -vE "^(INFO|WARNING)" | tail -22
-  timeout 100 python3 -m tools.bench_fused --only compress --json "$OUT/compress.json" > "$OUT/compress.log" 2>&1
+  rm -rf "$CK"/flash-depth-*
+  M=$CK/v41-flash-shaped-fp8-fp4
+  timeout 120 python3 -m tools.make_tiny_checkpoint $M --preset v41-flash-shaped --quant fp8-fp4 --device cuda 2>&1 | tail -1
+  timeout 130 python3 -m tools.bench_engine --model $M --concurrency '' --check-kernels \
+    --engine-args '{"max_model_len":4096,"max_num_seqs":32,"block_size":128,"gpu_memory_utilization":0.9}' \
+    --json "$OUT/check_v41.json" 2>&1 | tee "$OUT/check_v41.log" | grep -E "default vs|rror" | tail -3
+  timeout 230 python3 -m tools.bench_v41 --cache-dir $CK --reps 1 --eager-steps 4 --lengths 1024,8192 \
+    --json "$OUT/v41.json" 2>&1 | tee "$OUT/v41.log" | grep -v "^  TTFT" | tail -16
+  rm -rf "$CK"/v41-*
+  timeout 60 python3 -m tools.bench_fused --only compress --json "$OUT/compress.json" > "$OUT/compress.log" 2>&1
   tail -12 "$OUT/compress.log" ;;
 profile-spec)  # issues 21 and 25: where a speculative step's time goes at V4-Flash depth as shipped (batch 1, k = 3: the
   # host under cProfile, then the GPU's kernels), and a V4.1-Flash-shaped decode step's kernels at batch 1 (~5 min)
