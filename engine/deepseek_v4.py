@@ -80,10 +80,10 @@ class Compressor(nn.Module):
         kv_all = self.wkv(x)
         if fb.is_decode:  # its kernel adds the position bias
             return self._absorb_decode(kv_all, self.wgate(x), fb, state, pool, cache, rope[0])
-        gate_all = self.wgate(x) + self.ape[fb.positions % m]  # promotes to >= fp32, as the reference
         plan = compress_plan(fb, m, cache.block_size, state.pend_kv.shape[0])
-        closed = K.compress_blocks(kv_all, gate_all, plan, state, self.norm.weight, self.norm.eps, rope[0], pool,
-                                   fb.full_tables, self.head_dim, fb.closed_blocks is not None)
+        closed = K.compress_blocks(kv_all, self.wgate(x), plan, state, self.norm.weight, self.norm.eps, rope[0],
+                                   pool, fb.full_tables, self.head_dim, fb.closed_blocks is not None,
+                                   fb.positions, self.ape)  # the op adds the gate's position bias
         if closed is not None:
             fb.closed_blocks[id(state)] = closed
 

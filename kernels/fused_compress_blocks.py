@@ -1,5 +1,5 @@
 """Fused compressor multi-row step (prefill chunks, mixed steps, speculative verify): what
-kernels.reference.compress_blocks does in ~40 small torch ops per compressor, in three launches
+kernels.reference.compress_blocks does in 45-70 small torch ops per compressor, in three launches
 (two without CSA overlap) over the plan's padded arrays (engine/compress_plan.py):
 
 1. one program per closed block: its rows straight from this step's kv/gate or the open block
@@ -10,6 +10,7 @@ kernels.reference.compress_blocks does in ~40 small torch ops per compressor, in
 2. CSA: one program per sequence that closed a block: its last Ca slice becomes the overlap state.
 3. one program per row left open: into pend_*.
 
+This step's gate rows get their position bias (ape) where they are read, as the decode kernel does.
 The launches are separate because each reads state the next one overwrites (1 reads prev_* and
 pend_*, 2 reads pend_* rows a closed block took from the open block, 3 writes pend_*). The
 arithmetic is _compress_decode_kernel's (fp32 softmax and sums, the pooled entry rounded to the pool
@@ -37,14 +38,28 @@ def _rows(step_ptr, pend_ptr, src, T, col, mask, W: tl.constexpr, other):
 
 # the plan's arrays are views at step-dependent offsets of one buffer (engine/compress_plan.py): no
 # specializing on their alignment, which would compile new variants inside some request's step
+@triton.jit
+def _gate_rows(gate_ptr, pend_gate_ptr, ape_ptr, src, T, r, col, mask, W: tl.constexpr, other, HAS_APE: tl.constexpr):
+    """_rows of the gate in the open blocks' dtype; this step's rows get their position bias here when
+    HAS_APE (ape [ratio, W]: a block's row r sits at position % ratio == r)."""
+    step = src < T
+    a = tl.load(gate_ptr + src[:, None] * W + col[None, :], mask=mask & step[:, None], other=other)
+    a = a.to(pend_gate_ptr.dtype.element_ty)
+    if HAS_APE:
+        a += tl.load(ape_ptr + r[:, None] * W + col[None, :], mask=mask & step[:, None], other=0.0).to(a.dtype)
+    b = tl.load(pend_gate_ptr + (src - T)[:, None] * W + col[None, :], mask=mask & (~step)[:, None], other=other)
+    return tl.where(step[:, None], a, b)
+
+
 @triton.jit(do_not_specialize=["T", "NS", "ftab_stride"],
             do_not_specialize_on_alignment=["src_ptr", "blk_seq_ptr", "blk_entry_ptr", "prev_ptr", "ftab_ptr"])
 def _compress_blocks_kernel(
     kv_ptr, gate_ptr, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr, has_prev_ptr, bnd_kv_ptr, bnd_gate_ptr,
     src_ptr, blk_seq_ptr, blk_entry_ptr, prev_ptr, w_ptr, inv_freq_ptr, pool_ptr, ftab_ptr, ckv_ptr, cgate_ptr,
-    T, NS, ftab_stride, eps, BS, PER_BLOCK,
+    ape_ptr, T, NS, ftab_stride, eps, BS, PER_BLOCK,
     M: tl.constexpr, HD: tl.constexpr, C: tl.constexpr, R: tl.constexpr, OVERLAP: tl.constexpr,
-    HAS_BND: tl.constexpr, KEEP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_BND: tl.constexpr, KEEP: tl.constexpr, HAS_APE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):
     j = tl.program_id(0).to(tl.int64)
     W: tl.constexpr = C * HD
@@ -69,14 +84,16 @@ def _compress_blocks_kernel(
         dm = d < HD
         m2 = rm[:, None] & dm[None, :]
         kv = _rows(kv_ptr, pend_kv_ptr, src, T, (C - 1) * HD + d, m2, W, 0.0).to(tl.float32)  # CSA: Cb; HCA: all
-        g = _rows(gate_ptr, pend_gate_ptr, src, T, (C - 1) * HD + d, m2, W, -float("inf")).to(tl.float32)
+        g = _gate_rows(gate_ptr, pend_gate_ptr, ape_ptr, src, T, r, (C - 1) * HD + d, m2, W, -float("inf"),
+                       HAS_APE).to(tl.float32)
         mx = tl.max(g, axis=0)
         if OVERLAP:
             ps = (pslot * M + r[:, None]) * HD + d[None, :]
             skv = tl.load(prev_kv_ptr + ps, mask=m2 & st_r, other=0.0).to(tl.float32)
             sg = tl.load(prev_gate_ptr + ps, mask=m2 & st_r, other=-float("inf")).to(tl.float32)
             bkv = _rows(kv_ptr, pend_kv_ptr, psrc, T, d, m2 & ~st_r, W, 0.0).to(tl.float32)
-            bg = _rows(gate_ptr, pend_gate_ptr, psrc, T, d, m2 & ~st_r, W, -float("inf")).to(tl.float32)
+            bg = _gate_rows(gate_ptr, pend_gate_ptr, ape_ptr, psrc, T, r, d, m2 & ~st_r, W, -float("inf"),
+                            HAS_APE).to(tl.float32)
             pkv = tl.where(st_r, skv, bkv)
             pg = tl.where(st_r, sg, bg)
             pkv = tl.where(have != 0, pkv, 0.0)  # no previous block yet: weight 0
@@ -102,7 +119,8 @@ def _compress_blocks_kernel(
             m2 = rm[:, None] & (d[None, :] < W)
             o = (j * M + r[:, None]) * W + d[None, :]
             tl.store(ckv_ptr + o, _rows(kv_ptr, pend_kv_ptr, src, T, d, m2, W, 0.0), mask=m2)
-            tl.store(cgate_ptr + o, _rows(gate_ptr, pend_gate_ptr, src, T, d, m2, W, 0.0), mask=m2)
+            g = _gate_rows(gate_ptr, pend_gate_ptr, ape_ptr, src, T, r, d, m2, W, 0.0, HAS_APE)
+            tl.store(cgate_ptr + o, g, mask=m2)
     if HAS_BND:
         if ((e + 1) * M) % BS == 0:
             bblk = tl.load(ftab_ptr + seq * ftab_stride + ((e + 1) * M) // BS - 1).to(tl.int64)
@@ -111,13 +129,15 @@ def _compress_blocks_kernel(
                 m2 = rm[:, None] & (d[None, :] < HD)
                 o = (bblk * M + r[:, None]) * HD + d[None, :]
                 tl.store(bnd_kv_ptr + o, _rows(kv_ptr, pend_kv_ptr, src, T, d, m2, W, 0.0), mask=m2)
-                tl.store(bnd_gate_ptr + o, _rows(gate_ptr, pend_gate_ptr, src, T, d, m2, W, 0.0), mask=m2)
+                g = _gate_rows(gate_ptr, pend_gate_ptr, ape_ptr, src, T, r, d, m2, W, 0.0, HAS_APE)
+                tl.store(bnd_gate_ptr + o, g, mask=m2)
 
 
 @triton.jit(do_not_specialize=["T"], do_not_specialize_on_alignment=["src_ptr", "upd_slot_ptr", "upd_blk_ptr"])
 def _compress_overlap_state_kernel(
     kv_ptr, gate_ptr, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr, has_prev_ptr, src_ptr, upd_slot_ptr,
-    upd_blk_ptr, T, M: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    upd_blk_ptr, ape_ptr, T, M: tl.constexpr, HD: tl.constexpr, HAS_APE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     k = tl.program_id(0)
     W: tl.constexpr = 2 * HD
@@ -131,13 +151,14 @@ def _compress_overlap_state_kernel(
         m2 = rm[:, None] & (d[None, :] < HD)
         o = (slot * M + r[:, None]) * HD + d[None, :]
         tl.store(prev_kv_ptr + o, _rows(kv_ptr, pend_kv_ptr, src, T, d, m2, W, 0.0), mask=m2)
-        tl.store(prev_gate_ptr + o, _rows(gate_ptr, pend_gate_ptr, src, T, d, m2, W, 0.0), mask=m2)
+        g = _gate_rows(gate_ptr, pend_gate_ptr, ape_ptr, src, T, r, d, m2, W, 0.0, HAS_APE)
+        tl.store(prev_gate_ptr + o, g, mask=m2)
     tl.store(has_prev_ptr + slot, 1)
 
 
 @triton.jit(do_not_specialize_on_alignment=["row_ptr", "dst_ptr"])
-def _compress_pend_kernel(kv_ptr, gate_ptr, pend_kv_ptr, pend_gate_ptr, row_ptr, dst_ptr, W: tl.constexpr,
-                          BLOCK_D: tl.constexpr):
+def _compress_pend_kernel(kv_ptr, gate_ptr, pend_kv_ptr, pend_gate_ptr, row_ptr, dst_ptr, ape_ptr, M: tl.constexpr,
+                          W: tl.constexpr, HAS_APE: tl.constexpr, BLOCK_D: tl.constexpr):
     p = tl.program_id(0)
     row = tl.load(row_ptr + p).to(tl.int64)
     dst = tl.load(dst_ptr + p).to(tl.int64)
@@ -146,19 +167,23 @@ def _compress_pend_kernel(kv_ptr, gate_ptr, pend_kv_ptr, pend_gate_ptr, row_ptr,
         dm = d < W
         kv = tl.load(kv_ptr + row * W + d, mask=dm)
         tl.store(pend_kv_ptr + dst * W + d, kv.to(pend_kv_ptr.dtype.element_ty), mask=dm)
-        g = tl.load(gate_ptr + row * W + d, mask=dm)
-        tl.store(pend_gate_ptr + dst * W + d, g.to(pend_gate_ptr.dtype.element_ty), mask=dm)
+        g = tl.load(gate_ptr + row * W + d, mask=dm).to(pend_gate_ptr.dtype.element_ty)
+        if HAS_APE:  # its place in the open block is its position % ratio
+            g += tl.load(ape_ptr + (dst % M) * W + d, mask=dm).to(g.dtype)
+        tl.store(pend_gate_ptr + dst * W + d, g, mask=dm)
 
 
 def compress_blocks_fused(kv, gate, plan, state, norm_w, eps, inv_freq, pool, full_tables, head_dim,
-                          keep_closed=False):
+                          keep_closed=False, positions=None, ape=None):
     st, m, hd = state, plan.ratio, head_dim
     overlap = st.prev_kv is not None
     C = 2 if overlap else 1
     W, R = C * hd, 2 * inv_freq.shape[0]
     T = kv.shape[0]
     kv = kv.to(st.pend_kv.dtype).contiguous()
-    gate = gate.to(st.pend_gate.dtype).contiguous()
+    gate = gate.contiguous()  # the kernels cast it to the open blocks' dtype (and add ape there)
+    has_ape = ape is not None
+    ape = ape.contiguous() if has_ape else st.pend_gate
     NB = plan.blk_seq.shape[0]
     block_m = triton.next_power_of_2(m)
     block_d = min(triton.next_power_of_2(hd), max(16, 4096 // m))
@@ -173,15 +198,16 @@ def compress_blocks_fused(kv, gate, plan, state, norm_w, eps, inv_freq, pool, fu
             st.has_prev.view(torch.uint8) if overlap else dummy, st.bnd_kv if has_bnd else dummy,
             st.bnd_gate if has_bnd else dummy, plan.src, plan.blk_seq, plan.blk_entry, plan.prev,
             norm_w.float().contiguous(), inv_freq.float().contiguous(), pool, full_tables,
-            closed[0] if closed else dummy, closed[1] if closed else dummy,
+            closed[0] if closed else dummy, closed[1] if closed else dummy, ape,
             T, st.pend_kv.shape[0], full_tables.stride(0), eps, pool.shape[1] * m, pool.shape[1],
-            M=m, HD=hd, C=C, R=R, OVERLAP=overlap, HAS_BND=has_bnd, KEEP=closed is not None,
+            M=m, HD=hd, C=C, R=R, OVERLAP=overlap, HAS_BND=has_bnd, KEEP=closed is not None, HAS_APE=has_ape,
             BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_R=triton.next_power_of_2(max(R // 2, 1)))
         if overlap and plan.upd_slot.shape[0]:
             _compress_overlap_state_kernel[(plan.upd_slot.shape[0],)](
                 kv, gate, st.pend_kv, st.pend_gate, st.prev_kv, st.prev_gate, st.has_prev.view(torch.uint8), plan.src,
-                plan.upd_slot, plan.upd_blk, T, M=m, HD=hd, BLOCK_M=block_m, BLOCK_D=block_d)
+                plan.upd_slot, plan.upd_blk, ape, T, M=m, HD=hd, HAS_APE=has_ape, BLOCK_M=block_m, BLOCK_D=block_d)
     if plan.pend_row.shape[0]:
         _compress_pend_kernel[(plan.pend_row.shape[0],)](kv, gate, st.pend_kv, st.pend_gate, plan.pend_row,
-                                                        plan.pend_dst, W=W, BLOCK_D=min(triton.next_power_of_2(W), 1024))
+                                                        plan.pend_dst, ape, M=m, W=W, HAS_APE=has_ape,
+                                                        BLOCK_D=min(triton.next_power_of_2(W), 1024))
     return closed

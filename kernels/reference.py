@@ -302,16 +302,19 @@ def compress_decode(kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tenso
 
 def compress_blocks(kv: torch.Tensor, gate: torch.Tensor, plan, state, norm_w: torch.Tensor, eps: float,
                     inv_freq: torch.Tensor, pool: torch.Tensor, full_tables: torch.Tensor, head_dim: int,
-                    keep_closed: bool = False):
+                    keep_closed: bool = False, positions: torch.Tensor | None = None, ape: torch.Tensor | None = None):
     """The compressor's multi-row step (prefill chunks, mixed steps, speculative verify): this step's
     rows kv/gate [T, c * head_dim] (gate with the position bias) against the open blocks in `state`
     (engine.cache.CompressorState), as `plan` (engine.compress_plan.CompressPlan) says. Every closed
     block is gathered from this step's rows or the open block (plan.src), pooled (CSA: with the
     previous block's Ca slice, from the state or this step), RMSNorm'd, RoPE'd at its first position
     and written at its paged entry in `pool`; CSA keeps each sequence's last Ca slice (and at full-block
-    ends, prefix caching, in bnd_*); the rows left open go to pend_*. No host sync.
+    ends, prefix caching, in bnd_*); the rows left open go to pend_*. No host sync. ape given: gate is
+    before its position bias, ape[positions % ratio] (fp32), added here.
     -> the closed blocks' rows (kv, gate) [blocks, ratio, c * head_dim] when keep_closed, else None."""
     m, hd, st = plan.ratio, head_dim, state
+    if ape is not None:
+        gate = gate + ape[positions % m]  # promotes to >= fp32, as the reference model
     C = kv.shape[-1]
     closed = None
     if plan.num_blocks:

@@ -55,20 +55,22 @@ def case(name: str, m: int, hd: int, overlap: bool, step: tuple, device, seed: i
                 bnd_kv=rnd(nb, m, hd, **bf) if overlap else None, bnd_gate=rnd(nb, m, hd, **f32) if overlap else None)
     pool = rnd(nb, bs // m, hd, **bf)
     tables = torch.from_numpy(np.random.default_rng(seed).permutation(nb)[:S * width].reshape(S, width)).to(device)
-    kv, gate = rnd(T, c * hd, **bf), rnd(T, c * hd, **f32) * 2
+    kv, gate = rnd(T, c * hd, **bf), rnd(T, c * hd, **bf)  # gate before its fp32 position bias, which the op adds
+    ape = rnd(m, c * hd, **f32)
+    positions = torch.from_numpy(np.concatenate([np.arange(s, s + k) for s, k in zip(starts, n)])).to(device)
     w, inv = (torch.rand(hd, generator=g) + 0.5).to(device), 1.0 / (10000 ** (torch.arange(0, 64, 2) / 64)).to(device)
 
     def fresh():
         st = SimpleNamespace(**{k: (v.clone() if v is not None else None) for k, v in base.items()})
         return st, pool.clone()
 
-    return (kv, gate, plan, w, 1e-6, inv, tables, hd, keep), fresh
+    return (kv, gate, plan, w, 1e-6, inv, tables, hd, keep, positions, ape), fresh
 
 
 def run(fn, args, fresh):
-    kv, gate, plan, w, eps, inv, tables, hd, keep = args
+    kv, gate, plan, w, eps, inv, tables, hd, keep, positions, ape = args
     st, pool = fresh()
-    closed = fn(kv, gate, plan, st, w, eps, inv, pool, tables, hd, keep)
+    closed = fn(kv, gate, plan, st, w, eps, inv, pool, tables, hd, keep, positions, ape)
     return st, pool, closed
 
 
@@ -105,8 +107,8 @@ def bench(device, timed, row) -> list[dict]:
         for sname, step in steps().items():
             args, fresh = case(name, m, hd, overlap, step, device)
             states = [fresh() for _ in range(4)]
-            kv, gate, plan, w, eps, inv, tables, hd_, keep = args
-            calls = {fn: [lambda fn=fn, s=s: fn(kv, gate, plan, s[0], w, eps, inv, s[1], tables, hd_, keep)
+            kv, gate, plan, w, eps, inv, tables, hd_, keep, pos, ape = args
+            calls = {fn: [lambda fn=fn, s=s: fn(kv, gate, plan, s[0], w, eps, inv, s[1], tables, hd_, keep, pos, ape)
                           for s in states] for fn in (ref.compress_blocks, compress_blocks_fused)}
             t_old, e_old = timed(calls[ref.compress_blocks])
             t_new, e_new = timed(calls[compress_blocks_fused])
