@@ -273,6 +273,18 @@ def _mma(x2, weight, scale, y, cfg, n1: int | None = None):
                       GROUP_M=cfg.get("GROUP_M", 8), DOT_F32=_INTERPRET, **_launch_opts(cfg))
 
 
+def tiles(m: int, n: int, k: int, variant: str | None = None, config: dict | None = None) -> tuple[str, dict]:
+    """(variant, config) of one call: `config` (a sweep's) or the table's for the shape; a variant asked for by
+    name where the table picks another for the shape takes that variant's own tiles."""
+    cfg = dict(config or quant_configs.fp8_linear_config(m, n, k))
+    variant = variant or config and config.get("variant") or variant_for(m, n, k)
+    if variant not in ("dequant", "gemv", "mma"):
+        raise ValueError(f"fp8 linear variant must be 'dequant', 'gemv' or 'mma', got {variant!r}")
+    if config is None and cfg.get("variant", variant) != variant:
+        cfg = dict(quant_configs.FP8_VARIANT_TILES[variant])
+    return variant, cfg
+
+
 def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, variant: str | None = None,
                      config: dict | None = None, groups: int = 1, split_n: int | None = None):
     """x [..., K] (bf16 / fp16 / fp32), weight e4m3 [N, K], scale float32 [cdiv(N,128), cdiv(K,128)].
@@ -295,10 +307,7 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     y = torch.empty(M * N, dtype=x.dtype, device=x.device)
     if M == 0:
         return _outputs(y, lead, M, N, split_n)
-    cfg = dict(config or quant_configs.fp8_linear_config(M, N // groups, K))  # per group: the tiles see one group
-    variant = variant or config and config.get("variant") or variant_for(M, N // groups, K)
-    if variant not in ("dequant", "gemv", "mma"):
-        raise ValueError(f"fp8 linear variant must be 'dequant', 'gemv' or 'mma', got {variant!r}")
+    variant, cfg = tiles(M, N // groups, K, variant, config)  # per group: the tiles see one group
     if _INTERPRET:
         cfg.update(quant_configs.INTERPRET_LINEAR[variant])
     if variant == "dequant":

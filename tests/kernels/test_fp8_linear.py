@@ -198,3 +198,22 @@ def test_integer_e4m3_to_bf16_recipe_equals_the_cast_for_every_code():
                     assert got == (-480.0 if code & 0x80 else 480.0)
                 else:
                     assert got == want[code] and str(got)[0] == str(want[code])[0], hex(code)  # sign of zero too
+
+
+@pytest.mark.parametrize("variant", ["dequant", "gemv", "mma"])
+def test_a_variant_asked_for_by_name_takes_its_own_tiles(variant):
+    """At one row the table picks the gemv's tiles (BLOCK_K 512); a variant asked for by name (the H200
+    check of wo_a asks for "dequant") takes its own, which the launch accepts, and still matches."""
+    from kernels import quant_configs
+    from kernels.fused_fp8_linear import tiles
+
+    groups, rows, k = 2, 128, 512
+    assert quant_configs.fp8_linear_config(1, rows, k)["variant"] == "gemv"
+    got_variant, cfg = tiles(1, rows, k, variant)
+    assert got_variant == variant and cfg.get("variant") == variant
+    if variant == "dequant":
+        assert 128 % cfg["BLOCK_K"] == 0  # inside the 128x128 scale blocks
+    x, q, s = _grouped_case(1, groups, rows, k, seed=5)
+    want = ref.grouped_linear(x, q, groups, s).float()
+    got = fp8_linear_fused(x, q, s, variant=variant, groups=groups).float()
+    assert (got - want).abs().max() <= 0.1 * max(want.abs().max().item(), 1.0)
