@@ -153,9 +153,12 @@ class MixedSteps:
     """The padded batches of every size, captured as CUDA graphs when `pool` is given."""
 
     def __init__(self, model, cache: KVCache, max_model_len: int, max_num_seqs: int, sizes: list[int], pool=None,
-                 capture_fn=capture):
-        """capture_fn: how a size's step is captured (the CPU tests pass an emulation of a CUDA graph)."""
+                 capture_fn=capture, trim_eagerly: bool = True):
+        """capture_fn: how a size's step is captured (the CPU tests pass an emulation of a CUDA graph).
+        trim_eagerly: V4.1 steps that decoder replay trims to half their rows or fewer run eagerly
+        (engine/mixed_rows_v41.py, prefers_eager); the tests of the padded path switch it off."""
         self.model, self.cache = model, cache
+        self.trim_eagerly = trim_eagerly
         self.device = next(model.parameters()).device
         self.max_model_len = max_model_len
         # V4.1: only its KV sources compress (a plan per their ratios)
@@ -179,8 +182,12 @@ class MixedSteps:
             torch.cuda.synchronize()
 
     def fits(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> bool:
-        return (bool(self.sizes) and not all_logits and sum(n for _, n in scheduled) <= self.sizes[-1]
-                and len(scheduled) <= self.max_num_seqs)
+        T = sum(n for _, n in scheduled)
+        if not (self.sizes and not all_logits and T <= self.sizes[-1] and len(scheduled) <= self.max_num_seqs):
+            return False
+        size = min(s for s in self.sizes if s >= T)
+        return not (self.trim_eagerly and self.extra is not None
+                    and self.extra.prefers_eager(scheduled, size, self.static[size].layout.S - 1))
 
     # --- the padded batch -----------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ class V41MixedRows:
 
     def __init__(self, model, cache):
         cfg = model.cfg
+        self.model = model  # its decoder_replay switch is read per step
         self.k = model.engram_lookback
         self.window = cfg.sliding_window
         self.trims = cfg.last_kv_source + 1 < cfg.num_layers  # some layers own only window KV
@@ -53,6 +54,16 @@ class V41MixedRows:
 
     def capacity(self, T: int, L: int) -> int:
         return min(T, L * self.window)
+
+    def prefers_eager(self, scheduled, size: int, L: int) -> bool:
+        """Decoder replay keeps each sequence's last `window` rows on the trimmed layers: eagerly those
+        layers run just the kept rows, a graph of `size` tokens runs its capacity (min(size, L * window):
+        every row at the usual max_num_seqs). Where the capacity is at least twice the kept rows (a long
+        prefill chunk), the eager step is the faster one (the H200's TTFT, docs/PERF.md session 7)."""
+        if not (self.trims and self.model.decoder_replay):
+            return False
+        kept = sum(min(n, self.window) for _, n in scheduled)
+        return self.capacity(size, L) >= 2 * kept
 
     def fields(self, T: int, S: int) -> list[tuple[str, int]]:
         out = [("lookback_ids", T * self.k)] if self.k else []

@@ -50,7 +50,7 @@ def _run(path, prompts, params, padded: bool, warm=None, **args):
     eng = llm.engine
     if padded:
         eng.runner.mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs,
-                                      mixed_sizes(eng.args.max_num_batched_tokens))
+                                      mixed_sizes(eng.args.max_num_batched_tokens), trim_eagerly=False)
     if warm:
         llm.generate(warm, params)
     return llm.generate(prompts, params), eng
@@ -162,6 +162,28 @@ def test_kept_rows_and_look_back_are_packed_and_the_rest_is_padding(v41_golden):
 
 
 @needs_oracle
+def test_steps_decoder_replay_trims_to_half_run_eagerly():
+    """A graph of T tokens runs its capacity of kept rows (min(T, L * window)) on the trimmed layers,
+    the eager step only the kept ones: a step whose kept rows are at most half that capacity (a long
+    chunk) runs eagerly; decode-heavy steps, a capacity that trims as much (L = 1) and decoder replay
+    off replay the graph."""
+    llm = LLM(str(ORACLE), dtype="float64", max_model_len=256, max_num_batched_tokens=32)
+    eng = llm.engine
+    W = eng.cfg.sliding_window
+    assert W == 16
+    rows = eng.model.mixed_rows(eng.cache)
+    assert rows.prefers_eager([(None, 32)], 32, 32)  # keeps 16 of a capacity of 32
+    assert not rows.prefers_eager([(None, 1)] * 20 + [(None, 12)], 32, 32)  # keeps every row
+    assert not rows.prefers_eager([(None, 32)], 32, 1)  # capacity 16: the graph trims as much
+    mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [32])
+    assert not mixed.fits([(None, 30)]) and mixed.fits([(None, 1)] * 20 + [(None, 12)])
+    assert MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [32],
+                      trim_eagerly=False).fits([(None, 30)])
+    eng.model.decoder_replay = False
+    assert not rows.prefers_eager([(None, 32)], 32, 32) and mixed.fits([(None, 30)])
+
+
+@needs_oracle
 @pytest.mark.slow
 def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch):
     """The padded mixed step captured once (on the all-padding batch, as MixedSteps captures it)
@@ -193,7 +215,7 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch
         monkeypatch.setattr(v41_ops, "routed_experts", lambda x, w1, w3, w2, weights, indices, limit: kernels.moe_experts(
             x, w1, w3, w2, weights.to(x.dtype), indices, limit, None))
         eng.runner.mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [32],
-                                      pool="emulated", capture_fn=capture)
+                                      pool="emulated", capture_fn=capture, trim_eagerly=False)
         got = []
         rows = diagnose(eng, lambda: got.extend(llm.generate(prompts, params)))
     finally:
