@@ -134,61 +134,33 @@ class Indexer(nn.Module):
 
     def select(self, x: torch.Tensor, q_res: torch.Tensor, rows: Rows, fb: ForwardBatch, keys_pool: torch.Tensor,
                ratio: int) -> torch.Tensor:
-        """Top-k entries per query row [T, index_topk], best first, -1 where fewer are visible."""
+        """Top-k entries per query row [T, index_topk], best first, -1 where fewer are visible. Every
+        row of the batch at once (no loop over sequences, no host read): the scores span the entries
+        of the batch's longest sequence (`fb.max_pos`; a graph's batch: `max_model_len`), each row's
+        beyond its own visible ones masked."""
         T = x.shape[0]
         cos, sin = rows.ropes["compress"]
         # FP4 values times a power of two: exact in x's dtype, so the fused scores' dot reads them as they are
         iq = K.v41_fake_quant_fp4(K.v41_rope(self.wq_b(q_res).view(T, self.n_heads, self.head_dim), cos, sin), 32)
         iw = self.weights_proj(x).float() * self.n_heads**-0.5
+        n = (fb.max_pos + 1) // ratio
         if self.is_candidate_source:
-            rows.candidates = torch.zeros((T, (fb.max_pos + 1) // ratio), dtype=torch.bool, device=x.device)
-        if PLAN_KEY in fb.plans:  # a padded mixed step (engine/mixed_graphs.py): every row at once, no host read
-            n = (fb.max_pos + 1) // ratio
-            out = torch.full((T, self.topk), -1, dtype=torch.long, device=x.device)
-            if n:
-                sc = K.indexer_scores_paged(iq, iw, keys_pool, fb.full_tables, rows.positions, rows.token_seq, ratio, n)
-                out[:, : min(self.topk, n)] = self._top(sc, (rows.positions + 1) // ratio, rows, slice(None))
-            return out
-        if fb.is_decode:  # one row per sequence: all at once, no host sync
-            return self._select_decode(iq, iw, rows, fb, keys_pool, ratio)
-        iq = iq.float()
-        out = torch.full((T, self.topk), -1, dtype=torch.long, device=x.device)
-        per_block, d = keys_pool.shape[1], keys_pool.shape[-1]
-        flat = keys_pool.view(-1, d)
-        for s in torch.unique(rows.token_seq).tolist():
-            idx = (rows.token_seq == s).nonzero().flatten()
-            pos = rows.positions[idx]
-            n = (int(pos.max()) + 1) // ratio
-            if n == 0:
-                continue
-            e = torch.arange(n, device=x.device)
-            keys = flat[fb.full_tables[s][e // per_block] * per_block + e % per_block].float()
-            visible = (pos + 1) // ratio
-            chunk = max(1, SCORE_BUDGET // max(self.n_heads * n, 1))
-            for lo in range(0, len(idx), chunk):
-                r = idx[lo:lo + chunk]
-                out[r, : min(self.topk, n)] = self._pick(iq[r], iw[r], keys, e, visible[lo:lo + chunk], rows, r)
-        return out
-
-    def _select_decode(self, iq, iw, rows: Rows, fb: ForwardBatch, keys_pool: torch.Tensor, ratio: int):
-        """A decode batch's selection over the paged keys: scores and top-k in the kernels API's fused
-        indexer where no candidate blocks are involved; else its fused scores, then the two-level top-k."""
-        if not (self.is_candidate_source or self.uses_candidates):
+            rows.candidates = torch.zeros((T, n), dtype=torch.bool, device=x.device)
+        if fb.is_decode and not (self.is_candidate_source or self.uses_candidates):  # scores and top-k in one
             return K.indexer_topk(iq, iw, keys_pool, fb.full_tables, rows.positions, rows.token_seq, ratio, self.topk,
                                   max_pos=fb.max_pos, one_per_seq=True)
-        out = torch.full((iq.shape[0], self.topk), -1, dtype=torch.long, device=iq.device)
-        n = (fb.max_pos + 1) // ratio
-        if n:
-            sc = K.indexer_scores_paged(iq, iw, keys_pool, fb.full_tables, rows.positions, rows.token_seq, ratio, n)
-            out[:, : min(self.topk, n)] = self._top(sc, (rows.positions + 1) // ratio, rows, slice(None))
+        out = torch.full((T, self.topk), -1, dtype=torch.long, device=x.device)
+        if n == 0:
+            return out
+        visible = (rows.positions + 1) // ratio
+        # the torch reference gathers [rows, entries, head_dim] keys: row chunks bound its memory
+        chunk = max(1, SCORE_BUDGET // ((self.n_heads + self.head_dim) * n))
+        for lo in range(0, T, chunk):
+            r = slice(lo, lo + chunk)
+            sc = K.indexer_scores_paged(iq[r], iw[r], keys_pool, fb.full_tables, rows.positions[r], rows.token_seq[r],
+                                        ratio, n)
+            out[r, : min(self.topk, n)] = self._top(sc, visible[r], rows, r)
         return out
-
-    def _pick(self, iq, iw, keys, e, visible, rows: Rows, r) -> torch.Tensor:
-        """Scores of query rows `r` over entries `e` (keys [n, d]), then the two-level top-k."""
-        sc = torch.einsum("thd,ed->the", iq, keys)
-        sc = sc.relu_() * self.head_dim**-0.5
-        sc = (sc * iw.unsqueeze(-1)).sum(dim=1)
-        return self._top(sc.masked_fill(e[None] >= visible[:, None], float("-inf")), visible, rows, r)
 
     def _top(self, sc, visible, rows: Rows, r) -> torch.Tensor:
         """Score rows sc [rows, n] (-inf where not visible) of query rows `r` -> the two-level top-k
