@@ -35,6 +35,28 @@ def _norm_rope_entry(dst, sumsq, w_ptr, inv_freq_ptr, pos0, eps, HD: tl.constexp
     tl.store(dst + ev + 1, (xo * c + xe * s).to(dst.dtype.element_ty), mask=jm)
 
 
+@triton.jit
+def _pool_store(kv, g, pkv, pg, have, dst, d, dm, sumsq, OVERLAP: tl.constexpr):
+    """Softmax-pool one feature slice of a block (rows [BLOCK_M, BLOCK_D]: kv and its gate g; CSA also
+    the previous block's Ca rows pkv / pg, weighted 0 while `have` is 0), store it at dst + d in the
+    pool's dtype; returns sumsq plus the slice's sum of squares (for the entry's RMSNorm)."""
+    mx = tl.max(g, axis=0)
+    if OVERLAP:
+        pkv = tl.where(have != 0, pkv, 0.0)  # no previous block yet: weight 0
+        pg = tl.where(have != 0, pg, -float("inf"))
+        mx = tl.maximum(mx, tl.max(pg, axis=0))
+    p = tl.exp(g - mx[None, :])
+    den = tl.sum(p, axis=0)
+    num = tl.sum(p * kv, axis=0)
+    if OVERLAP:
+        pp = tl.exp(pg - mx[None, :])
+        den += tl.sum(pp, axis=0)
+        num += tl.sum(pp * pkv, axis=0)
+    pooled = num / den
+    tl.store(dst + d, pooled.to(dst.dtype.element_ty), mask=dm)
+    return sumsq + tl.sum(tl.where(dm, pooled * pooled, 0.0), axis=0)
+
+
 @triton.jit(do_not_specialize=["ftab_stride"])
 def _compress_decode_kernel(
     kv_ptr, gate_ptr, ape_ptr, pos_ptr, slot_ptr, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr,
@@ -75,25 +97,13 @@ def _compress_decode_kernel(
             base = (slot * M + r[:, None]) * W + (C - 1) * HD + d[None, :]  # CSA: the Cb half; HCA: all
             kv = tl.load(pend_kv_ptr + base, mask=rm[:, None] & dm[None, :], other=0.0).to(tl.float32)
             g = tl.load(pend_gate_ptr + base, mask=rm[:, None] & dm[None, :], other=-float("inf")).to(tl.float32)
-            mx = tl.max(g, axis=0)
+            pkv, pg = kv, g  # HCA: not read
             if OVERLAP:
                 pbase = (slot * M + r[:, None]) * HD + d[None, :]
                 pm = rm[:, None] & dm[None, :]
                 pkv = tl.load(prev_kv_ptr + pbase, mask=pm, other=0.0).to(tl.float32)
                 pg = tl.load(prev_gate_ptr + pbase, mask=pm, other=-float("inf")).to(tl.float32)
-                pkv = tl.where(have != 0, pkv, 0.0)  # no previous block yet: weight 0
-                pg = tl.where(have != 0, pg, -float("inf"))
-                mx = tl.maximum(mx, tl.max(pg, axis=0))
-            p = tl.exp(g - mx[None, :])
-            den = tl.sum(p, axis=0)
-            num = tl.sum(p * kv, axis=0)
-            if OVERLAP:
-                pp = tl.exp(pg - mx[None, :])
-                den += tl.sum(pp, axis=0)
-                num += tl.sum(pp * pkv, axis=0)
-            pooled = num / den
-            sumsq += tl.sum(tl.where(dm, pooled * pooled, 0.0), axis=0)
-            tl.store(dst + d, pooled.to(pool_ptr.dtype.element_ty), mask=dm)
+            sumsq = _pool_store(kv, g, pkv, pg, have, dst, d, dm, sumsq, OVERLAP)
         tl.debug_barrier()
         # 3. RMSNorm and RoPE at the block's first position, in place in the pool
         _norm_rope_entry(dst, sumsq, w_ptr, inv_freq_ptr, e * M, eps, HD, R, BLOCK_D, BLOCK_R)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_compress import _norm_rope_entry
+from kernels.fused_compress import _norm_rope_entry, _pool_store
 
 
 @triton.jit
@@ -70,6 +70,7 @@ def _compress_blocks_kernel(
     seq = tl.load(blk_seq_ptr + j)
     blk = tl.load(ftab_ptr + seq * ftab_stride + e // PER_BLOCK).to(tl.int64)
     dst = pool_ptr + (blk * PER_BLOCK + e % PER_BLOCK) * HD
+    have = 0
     if OVERLAP:
         pv = tl.load(prev_ptr + j)
         from_state = pv < NS  # the sequence's first closed block: the state's slice (if it has one)
@@ -86,7 +87,7 @@ def _compress_blocks_kernel(
         kv = _rows(kv_ptr, pend_kv_ptr, src, T, (C - 1) * HD + d, m2, W, 0.0).to(tl.float32)  # CSA: Cb; HCA: all
         g = _gate_rows(gate_ptr, pend_gate_ptr, ape_ptr, src, T, r, (C - 1) * HD + d, m2, W, -float("inf"),
                        HAS_APE).to(tl.float32)
-        mx = tl.max(g, axis=0)
+        pkv, pg = kv, g  # HCA: not read
         if OVERLAP:
             ps = (pslot * M + r[:, None]) * HD + d[None, :]
             skv = tl.load(prev_kv_ptr + ps, mask=m2 & st_r, other=0.0).to(tl.float32)
@@ -96,19 +97,7 @@ def _compress_blocks_kernel(
                             HAS_APE).to(tl.float32)
             pkv = tl.where(st_r, skv, bkv)
             pg = tl.where(st_r, sg, bg)
-            pkv = tl.where(have != 0, pkv, 0.0)  # no previous block yet: weight 0
-            pg = tl.where(have != 0, pg, -float("inf"))
-            mx = tl.maximum(mx, tl.max(pg, axis=0))
-        p = tl.exp(g - mx[None, :])
-        den = tl.sum(p, axis=0)
-        num = tl.sum(p * kv, axis=0)
-        if OVERLAP:
-            pp = tl.exp(pg - mx[None, :])
-            den += tl.sum(pp, axis=0)
-            num += tl.sum(pp * pkv, axis=0)
-        pooled = num / den
-        sumsq += tl.sum(tl.where(dm, pooled * pooled, 0.0), axis=0)
-        tl.store(dst + d, pooled.to(pool_ptr.dtype.element_ty), mask=dm)
+        sumsq = _pool_store(kv, g, pkv, pg, have, dst, d, dm, sumsq, OVERLAP)
     tl.debug_barrier()  # the pooled entry is read back below by other threads of this program
     # 2. RMSNorm and RoPE at the block's first position, in place in the pool
     _norm_rope_entry(dst, sumsq, w_ptr, inv_freq_ptr, e * M, eps, HD, R, BLOCK_D, BLOCK_R)
