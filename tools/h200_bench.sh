@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-serve|largest|profile-depth|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
-# numpy2, serving, largest and v41-serve need .cache/h200 carried (bash tools/h200_env.sh pack).
+#   bash tools/h200_bench.sh kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-serve|ratio-depth|largest|profile-depth|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
+# numpy2, serving, largest, v41-serve and ratio-depth need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoints, drawn on the GPU: flash-depth (V4-Flash depth: 43 layers, 16 experts; mixed, engine, depth) and
 # flash-shaped (its per-layer shapes, 4 layers: quick and the rest).
 set -uo pipefail
@@ -184,6 +184,20 @@ serve-depth)  # issue 20's serving target at V4-Flash depth as shipped (43 layer
   timeout 300 /tmp/tvenv/bin/python -m loadtest.sweep --serve --model $M --engine-args "$DA" --driver threads --protocol grpc \
     --concurrency 64 --input-len 1024 --output-len 128 --duration 90 --stop-timeout 30 --out "$OUT" --label depth-triton-64 \
     2>&1 | tee "$OUT/depth_sweep.log" | grep -E "c=|rror|weights" | tail -4 ;;
+ratio-depth)  # issue 20's last target at V4-Flash depth as shipped: output tok/s per GPU at 150 tok/s per user (or the
+  # baseline's best), optimized vs the engine's own baseline (tools/bench_engine.py BASELINE), both through the real
+  # Triton server, 1024 in / 128 out, 20 s per level (~9 min: two server starts; needs .cache/h200 carried)
+  bash tools/h200_env.sh setup /tmp/tvenv > "$OUT/env.log" 2>&1 || { tail "$OUT/env.log"; exit 1; }
+  M=$CK/flash-depth-fp8-fp4; DA='"max_model_len":8192,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9'
+  [ -f $M/config.json ] || timeout 150 python3 -m tools.make_tiny_checkpoint $M --preset flash-depth --quant fp8-fp4 \
+    --device cuda 2>&1 | tail -1
+  SW="/tmp/tvenv/bin/python -m loadtest.sweep --serve --model $M --driver threads --protocol grpc --input-len 1024
+    --output-len 128 --duration 20 --stop-timeout 20 --out $OUT"
+  timeout 250 $SW --engine-args "{$DA}" --concurrency 1,32,64,150 --label depth-optimized 2>&1 | grep -E "c=|rror" | tail -5
+  timeout 230 $SW --engine-args "{$DA,\"kernels\":\"ref\",\"enforce_eager\":true,\"enable_prefix_caching\":false,\"async_scheduling\":false}" \
+    --concurrency 1,8,32 --label depth-baseline 2>&1 | grep -E "c=|rror" | tail -4
+  python3 -m loadtest.interactivity "$OUT/depth-optimized.json" "$OUT/depth-baseline.json" --at 150 \
+    --json "$OUT/ratio_depth.json" | tail -1 ;;
 serving)  # issue 16: one closed-loop workload through Triton (engine core process) and through the engine's async API
   bash tools/h200_env.sh setup /tmp/tvenv > "$OUT/env.log" 2>&1 || { tail "$OUT/env.log"; exit 1; }
   bench --concurrency 1 --input-len 16 --output-len 4 --requests-per-user 1 --engine-args "{$EA}" > "$OUT/ckpt.log" 2>&1  # writes $CK/flash-shaped
