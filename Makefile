@@ -44,8 +44,8 @@ $(STAMP): pyproject.toml constraints.txt
 serve: setup ## serve the tiny default model on a real Triton server (127.0.0.1:8000/8001/8002, OpenAI API on :9000)
 	$(PY) -m backend.serve $(VLLM_SERVE_ARGS) --openai-port $(OPENAI_PORT) $(ARGS)
 
-test: setup ## run the whole test suite
-	$(PY) -m pytest -q $(VLLM_TESTS) $(ARGS)
+test: setup ## run the whole test suite (the 25 slowest listed at the end: the suite's time budget)
+	$(PY) -m pytest -q --durations=25 $(VLLM_TESTS) $(ARGS)
 
 test-fast: setup ## tests without the slow (server) ones
 	$(PY) -m pytest -q -m "not slow" $(ARGS)
