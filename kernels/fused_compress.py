@@ -59,8 +59,9 @@ def _pool_store(kv, g, pkv, pg, have, dst, d, dm, sumsq, OVERLAP: tl.constexpr):
 
 @triton.jit(do_not_specialize=["ftab_stride"])
 def _compress_decode_kernel(
-    kv_ptr, gate_ptr, ape_ptr, pos_ptr, slot_ptr, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr,
-    has_prev_ptr, bnd_kv_ptr, bnd_gate_ptr, w_ptr, inv_freq_ptr, pool_ptr, ftab_ptr, ftab_stride, eps, BS, PER_BLOCK,
+    kv_ptr, kv_stride, gate_ptr, gate_stride, ape_ptr, pos_ptr, slot_ptr, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr,
+    prev_gate_ptr, has_prev_ptr, bnd_kv_ptr, bnd_gate_ptr, w_ptr, inv_freq_ptr, pool_ptr, ftab_ptr, ftab_stride, eps,
+    BS, PER_BLOCK,
     M: tl.constexpr, HD: tl.constexpr, C: tl.constexpr, R: tl.constexpr, OVERLAP: tl.constexpr,
     HAS_BND: tl.constexpr, HAS_APE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -74,8 +75,8 @@ def _compress_decode_kernel(
     for d0 in range(0, W, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         dm = d < W
-        tl.store(pend_kv_ptr + (slot * M + off) * W + d, tl.load(kv_ptr + i * W + d, mask=dm), mask=dm)
-        g = tl.load(gate_ptr + i * W + d, mask=dm)
+        tl.store(pend_kv_ptr + (slot * M + off) * W + d, tl.load(kv_ptr + i * kv_stride + d, mask=dm), mask=dm)
+        g = tl.load(gate_ptr + i * gate_stride + d, mask=dm)
         if HAS_APE:  # the gate's position bias for its slot in the block, added in fp32 as torch promotes
             g = g.to(tl.float32) + tl.load(ape_ptr + off * W + d, mask=dm)
         tl.store(pend_gate_ptr + (slot * M + off) * W + d, g.to(pend_gate_ptr.dtype.element_ty), mask=dm)
@@ -126,18 +127,24 @@ def _compress_decode_kernel(
             tl.store(has_prev_ptr + slot, 1)
 
 
+def rows_unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """t [rows, W] as the kernels read it: any row stride (a column slice of engine/stacked_linears.py's
+    one output), unit stride along a row."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def compress_decode_fused(kv, gate, positions, slots, pend_kv, pend_gate, prev_kv, prev_gate, has_prev, bnd_kv,
                           bnd_gate, norm_w, eps, inv_freq, pool, full_tables, block_size, ratio, head_dim, ape=None):
     S = positions.shape[0]
     overlap = prev_kv is not None
     C = 2 if overlap else 1
     R = 2 * inv_freq.shape[0]
-    kv = kv.to(pend_kv.dtype).contiguous()
-    gate = (gate if ape is not None else gate.to(pend_gate.dtype)).contiguous()  # ape: the kernel adds and casts
+    kv = rows_unit_stride(kv.to(pend_kv.dtype))  # rows may be a column slice of a stacked GEMM's output
+    gate = rows_unit_stride(gate if ape is not None else gate.to(pend_gate.dtype))  # ape: the kernel adds and casts
     dummy = pend_gate
     hp = has_prev.view(torch.uint8) if overlap else dummy
     _compress_decode_kernel[(S,)](
-        kv, gate, ape.float().contiguous() if ape is not None else dummy, positions, slots, pend_kv, pend_gate,
+        kv, kv.stride(0), gate, gate.stride(0), ape.float().contiguous() if ape is not None else dummy, positions, slots, pend_kv, pend_gate,
         prev_kv if overlap else dummy,
         prev_gate if overlap else dummy, hp, bnd_kv if bnd_kv is not None else dummy,
         bnd_gate if bnd_gate is not None else dummy, norm_w.float().contiguous(), inv_freq.float().contiguous(),

@@ -23,15 +23,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_compress import _norm_rope_entry, _pool_store
+from kernels.fused_compress import _norm_rope_entry, _pool_store, rows_unit_stride
 
 
 @triton.jit
-def _rows(step_ptr, pend_ptr, src, T, col, mask, W: tl.constexpr, other):
-    """Rows `src` [BLOCK_M] at columns `col` [BLOCK_D]: src < T from this step's rows, else row
-    src - T of the open blocks (pend_*, [slots * ratio, W])."""
+def _rows(step_ptr, step_stride, pend_ptr, src, T, col, mask, W: tl.constexpr, other):
+    """Rows `src` [BLOCK_M] at columns `col` [BLOCK_D]: src < T from this step's rows (row stride
+    step_stride: they may be a column slice of a stacked GEMM's output), else row src - T of the open
+    blocks (pend_*, [slots * ratio, W])."""
     step = src < T
-    a = tl.load(step_ptr + src[:, None] * W + col[None, :], mask=mask & step[:, None], other=other)
+    a = tl.load(step_ptr + src[:, None] * step_stride + col[None, :], mask=mask & step[:, None], other=other)
     b = tl.load(pend_ptr + (src - T)[:, None] * W + col[None, :], mask=mask & (~step)[:, None], other=other)
     return tl.where(step[:, None], a, b)
 
@@ -39,11 +40,12 @@ def _rows(step_ptr, pend_ptr, src, T, col, mask, W: tl.constexpr, other):
 # the plan's arrays are views at step-dependent offsets of one buffer (engine/compress_plan.py): no
 # specializing on their alignment, which would compile new variants inside some request's step
 @triton.jit
-def _gate_rows(gate_ptr, pend_gate_ptr, ape_ptr, src, T, r, col, mask, W: tl.constexpr, other, HAS_APE: tl.constexpr):
+def _gate_rows(gate_ptr, gate_stride, pend_gate_ptr, ape_ptr, src, T, r, col, mask, W: tl.constexpr, other,
+               HAS_APE: tl.constexpr):
     """_rows of the gate in the open blocks' dtype; this step's rows get their position bias here when
     HAS_APE (ape [ratio, W]: a block's row r sits at position % ratio == r)."""
     step = src < T
-    a = tl.load(gate_ptr + src[:, None] * W + col[None, :], mask=mask & step[:, None], other=other)
+    a = tl.load(gate_ptr + src[:, None] * gate_stride + col[None, :], mask=mask & step[:, None], other=other)
     a = a.to(pend_gate_ptr.dtype.element_ty)
     if HAS_APE:
         a += tl.load(ape_ptr + r[:, None] * W + col[None, :], mask=mask & step[:, None], other=0.0).to(a.dtype)
@@ -54,8 +56,8 @@ def _gate_rows(gate_ptr, pend_gate_ptr, ape_ptr, src, T, r, col, mask, W: tl.con
 @triton.jit(do_not_specialize=["T", "NS", "ftab_stride"],
             do_not_specialize_on_alignment=["src_ptr", "blk_seq_ptr", "blk_entry_ptr", "prev_ptr", "ftab_ptr"])
 def _compress_blocks_kernel(
-    kv_ptr, gate_ptr, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr, has_prev_ptr, bnd_kv_ptr, bnd_gate_ptr,
-    src_ptr, blk_seq_ptr, blk_entry_ptr, prev_ptr, w_ptr, inv_freq_ptr, pool_ptr, ftab_ptr, ckv_ptr, cgate_ptr,
+    kv_ptr, kv_stride, gate_ptr, gate_stride, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr, has_prev_ptr,
+    bnd_kv_ptr, bnd_gate_ptr, src_ptr, blk_seq_ptr, blk_entry_ptr, prev_ptr, w_ptr, inv_freq_ptr, pool_ptr, ftab_ptr, ckv_ptr, cgate_ptr,
     ape_ptr, T, NS, ftab_stride, eps, BS, PER_BLOCK,
     M: tl.constexpr, HD: tl.constexpr, C: tl.constexpr, R: tl.constexpr, OVERLAP: tl.constexpr,
     HAS_BND: tl.constexpr, KEEP: tl.constexpr, HAS_APE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -84,17 +86,18 @@ def _compress_blocks_kernel(
         d = d0 + tl.arange(0, BLOCK_D)
         dm = d < HD
         m2 = rm[:, None] & dm[None, :]
-        kv = _rows(kv_ptr, pend_kv_ptr, src, T, (C - 1) * HD + d, m2, W, 0.0).to(tl.float32)  # CSA: Cb; HCA: all
-        g = _gate_rows(gate_ptr, pend_gate_ptr, ape_ptr, src, T, r, (C - 1) * HD + d, m2, W, -float("inf"),
+        col = (C - 1) * HD + d  # CSA: Cb; HCA: all
+        kv = _rows(kv_ptr, kv_stride, pend_kv_ptr, src, T, col, m2, W, 0.0).to(tl.float32)
+        g = _gate_rows(gate_ptr, gate_stride, pend_gate_ptr, ape_ptr, src, T, r, col, m2, W, -float("inf"),
                        HAS_APE).to(tl.float32)
         pkv, pg = kv, g  # HCA: not read
         if OVERLAP:
             ps = (pslot * M + r[:, None]) * HD + d[None, :]
             skv = tl.load(prev_kv_ptr + ps, mask=m2 & st_r, other=0.0).to(tl.float32)
             sg = tl.load(prev_gate_ptr + ps, mask=m2 & st_r, other=-float("inf")).to(tl.float32)
-            bkv = _rows(kv_ptr, pend_kv_ptr, psrc, T, d, m2 & ~st_r, W, 0.0).to(tl.float32)
-            bg = _gate_rows(gate_ptr, pend_gate_ptr, ape_ptr, psrc, T, r, d, m2 & ~st_r, W, -float("inf"),
-                            HAS_APE).to(tl.float32)
+            bkv = _rows(kv_ptr, kv_stride, pend_kv_ptr, psrc, T, d, m2 & ~st_r, W, 0.0).to(tl.float32)
+            bg = _gate_rows(gate_ptr, gate_stride, pend_gate_ptr, ape_ptr, psrc, T, r, d, m2 & ~st_r, W,
+                            -float("inf"), HAS_APE).to(tl.float32)
             pkv = tl.where(st_r, skv, bkv)
             pg = tl.where(st_r, sg, bg)
         sumsq = _pool_store(kv, g, pkv, pg, have, dst, d, dm, sumsq, OVERLAP)
@@ -107,8 +110,8 @@ def _compress_blocks_kernel(
             d = d0 + tl.arange(0, BLOCK_D)
             m2 = rm[:, None] & (d[None, :] < W)
             o = (j * M + r[:, None]) * W + d[None, :]
-            tl.store(ckv_ptr + o, _rows(kv_ptr, pend_kv_ptr, src, T, d, m2, W, 0.0), mask=m2)
-            g = _gate_rows(gate_ptr, pend_gate_ptr, ape_ptr, src, T, r, d, m2, W, 0.0, HAS_APE)
+            tl.store(ckv_ptr + o, _rows(kv_ptr, kv_stride, pend_kv_ptr, src, T, d, m2, W, 0.0), mask=m2)
+            g = _gate_rows(gate_ptr, gate_stride, pend_gate_ptr, ape_ptr, src, T, r, d, m2, W, 0.0, HAS_APE)
             tl.store(cgate_ptr + o, g, mask=m2)
     if HAS_BND:
         if ((e + 1) * M) % BS == 0:
@@ -117,15 +120,15 @@ def _compress_blocks_kernel(
                 d = d0 + tl.arange(0, BLOCK_D)
                 m2 = rm[:, None] & (d[None, :] < HD)
                 o = (bblk * M + r[:, None]) * HD + d[None, :]
-                tl.store(bnd_kv_ptr + o, _rows(kv_ptr, pend_kv_ptr, src, T, d, m2, W, 0.0), mask=m2)
-                g = _gate_rows(gate_ptr, pend_gate_ptr, ape_ptr, src, T, r, d, m2, W, 0.0, HAS_APE)
+                tl.store(bnd_kv_ptr + o, _rows(kv_ptr, kv_stride, pend_kv_ptr, src, T, d, m2, W, 0.0), mask=m2)
+                g = _gate_rows(gate_ptr, gate_stride, pend_gate_ptr, ape_ptr, src, T, r, d, m2, W, 0.0, HAS_APE)
                 tl.store(bnd_gate_ptr + o, g, mask=m2)
 
 
 @triton.jit(do_not_specialize=["T"], do_not_specialize_on_alignment=["src_ptr", "upd_slot_ptr", "upd_blk_ptr"])
 def _compress_overlap_state_kernel(
-    kv_ptr, gate_ptr, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr, has_prev_ptr, src_ptr, upd_slot_ptr,
-    upd_blk_ptr, ape_ptr, T, M: tl.constexpr, HD: tl.constexpr, HAS_APE: tl.constexpr, BLOCK_M: tl.constexpr,
+    kv_ptr, kv_stride, gate_ptr, gate_stride, pend_kv_ptr, pend_gate_ptr, prev_kv_ptr, prev_gate_ptr, has_prev_ptr,
+    src_ptr, upd_slot_ptr, upd_blk_ptr, ape_ptr, T, M: tl.constexpr, HD: tl.constexpr, HAS_APE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     k = tl.program_id(0)
@@ -139,24 +142,24 @@ def _compress_overlap_state_kernel(
         d = d0 + tl.arange(0, BLOCK_D)
         m2 = rm[:, None] & (d[None, :] < HD)
         o = (slot * M + r[:, None]) * HD + d[None, :]
-        tl.store(prev_kv_ptr + o, _rows(kv_ptr, pend_kv_ptr, src, T, d, m2, W, 0.0), mask=m2)
-        g = _gate_rows(gate_ptr, pend_gate_ptr, ape_ptr, src, T, r, d, m2, W, 0.0, HAS_APE)
+        tl.store(prev_kv_ptr + o, _rows(kv_ptr, kv_stride, pend_kv_ptr, src, T, d, m2, W, 0.0), mask=m2)
+        g = _gate_rows(gate_ptr, gate_stride, pend_gate_ptr, ape_ptr, src, T, r, d, m2, W, 0.0, HAS_APE)
         tl.store(prev_gate_ptr + o, g, mask=m2)
     tl.store(has_prev_ptr + slot, 1)
 
 
 @triton.jit(do_not_specialize_on_alignment=["row_ptr", "dst_ptr"])
-def _compress_pend_kernel(kv_ptr, gate_ptr, pend_kv_ptr, pend_gate_ptr, row_ptr, dst_ptr, ape_ptr, M: tl.constexpr,
-                          W: tl.constexpr, HAS_APE: tl.constexpr, BLOCK_D: tl.constexpr):
+def _compress_pend_kernel(kv_ptr, kv_stride, gate_ptr, gate_stride, pend_kv_ptr, pend_gate_ptr, row_ptr, dst_ptr,
+                          ape_ptr, M: tl.constexpr, W: tl.constexpr, HAS_APE: tl.constexpr, BLOCK_D: tl.constexpr):
     p = tl.program_id(0)
     row = tl.load(row_ptr + p).to(tl.int64)
     dst = tl.load(dst_ptr + p).to(tl.int64)
     for d0 in range(0, W, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         dm = d < W
-        kv = tl.load(kv_ptr + row * W + d, mask=dm)
+        kv = tl.load(kv_ptr + row * kv_stride + d, mask=dm)
         tl.store(pend_kv_ptr + dst * W + d, kv.to(pend_kv_ptr.dtype.element_ty), mask=dm)
-        g = tl.load(gate_ptr + row * W + d, mask=dm).to(pend_gate_ptr.dtype.element_ty)
+        g = tl.load(gate_ptr + row * gate_stride + d, mask=dm).to(pend_gate_ptr.dtype.element_ty)
         if HAS_APE:  # its place in the open block is its position % ratio
             g += tl.load(ape_ptr + (dst % M) * W + d, mask=dm).to(g.dtype)
         tl.store(pend_gate_ptr + dst * W + d, g, mask=dm)
@@ -169,8 +172,8 @@ def compress_blocks_fused(kv, gate, plan, state, norm_w, eps, inv_freq, pool, fu
     C = 2 if overlap else 1
     W, R = C * hd, 2 * inv_freq.shape[0]
     T = kv.shape[0]
-    kv = kv.to(st.pend_kv.dtype).contiguous()
-    gate = gate.contiguous()  # the kernels cast it to the open blocks' dtype (and add ape there)
+    kv = rows_unit_stride(kv.to(st.pend_kv.dtype))  # any row stride: a stacked GEMM's column slice reads in place
+    gate = rows_unit_stride(gate)  # the kernels cast it to the open blocks' dtype (and add ape there)
     has_ape = ape is not None
     ape = ape.contiguous() if has_ape else st.pend_gate
     NB = plan.blk_seq.shape[0]
@@ -183,7 +186,8 @@ def compress_blocks_fused(kv, gate, plan, state, norm_w, eps, inv_freq, pool, fu
         dummy = st.pend_gate
         has_bnd = overlap and st.bnd_kv is not None
         _compress_blocks_kernel[(NB,)](
-            kv, gate, st.pend_kv, st.pend_gate, st.prev_kv if overlap else dummy, st.prev_gate if overlap else dummy,
+            kv, kv.stride(0), gate, gate.stride(0), st.pend_kv, st.pend_gate, st.prev_kv if overlap else dummy,
+            st.prev_gate if overlap else dummy,
             st.has_prev.view(torch.uint8) if overlap else dummy, st.bnd_kv if has_bnd else dummy,
             st.bnd_gate if has_bnd else dummy, plan.src, plan.blk_seq, plan.blk_entry, plan.prev,
             norm_w.float().contiguous(), inv_freq.float().contiguous(), pool, full_tables,
@@ -193,10 +197,10 @@ def compress_blocks_fused(kv, gate, plan, state, norm_w, eps, inv_freq, pool, fu
             BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_R=triton.next_power_of_2(max(R // 2, 1)))
         if overlap and plan.upd_slot.shape[0]:
             _compress_overlap_state_kernel[(plan.upd_slot.shape[0],)](
-                kv, gate, st.pend_kv, st.pend_gate, st.prev_kv, st.prev_gate, st.has_prev.view(torch.uint8), plan.src,
-                plan.upd_slot, plan.upd_blk, ape, T, M=m, HD=hd, HAS_APE=has_ape, BLOCK_M=block_m, BLOCK_D=block_d)
+                kv, kv.stride(0), gate, gate.stride(0), st.pend_kv, st.pend_gate, st.prev_kv, st.prev_gate,
+                st.has_prev.view(torch.uint8), plan.src, plan.upd_slot, plan.upd_blk, ape, T, M=m, HD=hd, HAS_APE=has_ape, BLOCK_M=block_m, BLOCK_D=block_d)
     if plan.pend_row.shape[0]:
-        _compress_pend_kernel[(plan.pend_row.shape[0],)](kv, gate, st.pend_kv, st.pend_gate, plan.pend_row,
-                                                        plan.pend_dst, ape, M=m, W=W, HAS_APE=has_ape,
+        _compress_pend_kernel[(plan.pend_row.shape[0],)](kv, kv.stride(0), gate, gate.stride(0), st.pend_kv,
+                                                        st.pend_gate, plan.pend_row, plan.pend_dst, ape, M=m, W=W, HAS_APE=has_ape,
                                                         BLOCK_D=min(triton.next_power_of_2(W), 1024))
     return closed

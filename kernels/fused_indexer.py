@@ -15,10 +15,11 @@ import triton
 import triton.language as tl
 
 from kernels.fused_attention import _INTERPRET
+from kernels.fused_compress import rows_unit_stride
 
 
 @triton.jit(do_not_specialize=["ftab_stride", "n_max"])  # sizes vary per eager step
-def _indexer_scores_kernel(q_ptr, w_ptr, keys_ptr, ftab_ptr, ftab_stride, pos_ptr, seq_ptr, out_ptr, n_max, H,
+def _indexer_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, keys_ptr, ftab_ptr, ftab_stride, pos_ptr, seq_ptr, out_ptr, n_max, H,
                            RATIO, PER_BLOCK, scale, HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
                            DOT_F32: tl.constexpr):
     t = tl.program_id(0)
@@ -32,7 +33,7 @@ def _indexer_scores_kernel(q_ptr, w_ptr, keys_ptr, ftab_ptr, ftab_stride, pos_pt
         hmask = heads < H
         d = tl.arange(0, HD)
         q = tl.load(q_ptr + (t * H + heads)[:, None] * HD + d[None, :], mask=hmask[:, None], other=0.0)
-        w = tl.load(w_ptr + t * H + heads, mask=hmask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + t * w_stride + heads, mask=hmask, other=0.0).to(tl.float32) * w_scale
         blk = tl.load(ftab_ptr + s * ftab_stride + e // PER_BLOCK, mask=valid, other=0)
         k = tl.load(keys_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * HD + d[None, :], mask=valid[:, None],
                     other=0.0)
@@ -65,21 +66,24 @@ SORT_MAX = 4096  # rows up to this many entries are sorted in one program; longe
 
 
 def indexer_scores_paged(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, full_tables: torch.Tensor,
-                         positions: torch.Tensor, token_seq: torch.Tensor, ratio: int, n_max: int) -> torch.Tensor:
-    """-> [T, n_max] fp32 scores, -inf where the entry is not (yet) visible to the token."""
+                         positions: torch.Tensor, token_seq: torch.Tensor, ratio: int, n_max: int,
+                         iw_scale: float = 1.0) -> torch.Tensor:
+    """-> [T, n_max] fp32 scores, -inf where the entry is not (yet) visible to the token. iw: any float
+    dtype and row stride (a column slice of a stacked GEMM's output), times iw_scale in fp32 here."""
     T, H, hd = iq.shape
     assert hd & (hd - 1) == 0 and hd >= 16, "index_head_dim must be a power of two >= 16"
     out = torch.empty(T, n_max, dtype=torch.float32, device=iq.device)
+    iw = rows_unit_stride(iw)
     BLOCK_E = 64
     _indexer_scores_kernel[(T, triton.cdiv(n_max, BLOCK_E))](
-        iq.contiguous(), iw.float().contiguous(), index_pool, full_tables, full_tables.stride(0), positions,
+        iq.contiguous(), iw, iw.stride(0), iw_scale, index_pool, full_tables, full_tables.stride(0), positions,
         token_seq, out, n_max, H, ratio, index_pool.shape[1], hd**-0.5,
         HD=hd, BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_E=BLOCK_E, DOT_F32=_INTERPRET, num_warps=4)
     return out
 
 
 def indexer_topk_fused(iq, iw, index_pool, full_tables, positions, token_seq, ratio, topk, max_pos=None,
-                       one_per_seq=False):
+                       one_per_seq=False, iw_scale=1.0):
     """The indexer's selection per query token: [T, topk] entry indices, -1 where fewer are visible.
     max_pos (a host int) sizes the score rows; one_per_seq is accepted for the reference's sake."""
     T = iq.shape[0]
@@ -87,7 +91,7 @@ def indexer_topk_fused(iq, iw, index_pool, full_tables, positions, token_seq, ra
     n = (int(max_pos if max_pos is not None else positions.max()) + 1) // ratio
     if n == 0 or T == 0:
         return out
-    scores = indexer_scores_paged(iq, iw, index_pool, full_tables, positions, token_seq, ratio, n)
+    scores = indexer_scores_paged(iq, iw, index_pool, full_tables, positions, token_seq, ratio, n, iw_scale)
     if n <= SORT_MAX:
         _topk_kernel[(T,)](scores, positions, out, n, ratio, TOPK=topk, BLOCK=max(16, triton.next_power_of_2(n)),
                            num_warps=4 if n <= 1024 else 8)

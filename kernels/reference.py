@@ -360,11 +360,19 @@ def _entry_slots(table: torch.Tensor, per_block: int, entries: torch.Tensor) -> 
     return table[entries // per_block] * per_block + entries % per_block
 
 
+def _scaled_head_weights(iw: torch.Tensor, iw_scale: float) -> torch.Tensor:
+    """The indexer's head weights in fp32 times their scale, as the model computed them before the
+    fused kernel took the scale."""
+    return iw if iw_scale == 1.0 else iw.float() * iw_scale
+
+
 def indexer_scores_paged(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, full_tables: torch.Tensor,
-                         positions: torch.Tensor, token_seq: torch.Tensor, ratio: int, n_max: int) -> torch.Tensor:
+                         positions: torch.Tensor, token_seq: torch.Tensor, ratio: int, n_max: int,
+                         iw_scale: float = 1.0) -> torch.Tensor:
     """The indexer's scores of each query token (one row per sequence, a decode batch) over the first
     n_max entries of its sequence's paged index keys -> [T, n_max] fp32, -inf where the entry is not
-    visible yet ((e + 1) * ratio > pos + 1)."""
+    visible yet ((e + 1) * ratio > pos + 1). iw: the head weights before their scale iw_scale."""
+    iw = _scaled_head_weights(iw, iw_scale)
     per_block, d = index_pool.shape[1], index_pool.shape[-1]
     e = torch.arange(n_max, device=iq.device)
     keys = index_pool.view(-1, d)[full_tables[token_seq][:, e // per_block] * per_block + e % per_block]  # [T, n, d]
@@ -375,10 +383,12 @@ def indexer_scores_paged(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.T
 
 def indexer_topk(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, full_tables: torch.Tensor,
                  positions: torch.Tensor, token_seq: torch.Tensor, ratio: int, topk: int,
-                 max_pos: int | None = None, one_per_seq: bool = False) -> torch.Tensor:
+                 max_pos: int | None = None, one_per_seq: bool = False, iw_scale: float = 1.0) -> torch.Tensor:
     """Lightning indexer selection per query token: indices [T, topk] of the compressed entries to
     attend, best first, then -1 where fewer are visible (the fused attention relies on that order). A query at i sees entry e once its block is complete: (e + 1) * ratio <= i + 1.
-    one_per_seq (decode): all sequences at once, padded to the largest, no host sync."""
+    one_per_seq (decode): all sequences at once, padded to the largest, no host sync. iw: the head
+    weights [T, Hi] before their scale iw_scale (V4: Hi^-0.5), which the fused kernel applies in fp32."""
+    iw = _scaled_head_weights(iw, iw_scale)
     T, per_block, d = iq.shape[0], index_pool.shape[1], index_pool.shape[-1]
     out = torch.full((T, topk), -1, dtype=torch.long, device=iq.device)
     flat = index_pool.view(-1, d)

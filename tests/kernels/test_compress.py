@@ -13,7 +13,8 @@ from kernels.fused_compress import compress_decode_fused
 @pytest.mark.parametrize("ratio, overlap", [(4, True), (16, False)])
 @pytest.mark.parametrize("with_ape", [False, True])
 def test_compress_decode(dtype, tol, ratio, overlap, with_ape):
-    """with_ape: the gate in the model dtype and its position bias added inside (the engine's decode)."""
+    """with_ape: the gate in the model dtype and its position bias added inside, kv and gate strided column
+    slices of one tensor (the engine's decode)."""
     g = torch.Generator().manual_seed(ratio)
     hd, r, bs, slots_n, nb = 32, 8, 32, 6, 24
     c = 2 if overlap else 1
@@ -35,6 +36,8 @@ def test_compress_decode(dtype, tol, ratio, overlap, with_ape):
     ape = None
     if with_ape:
         gate, ape = gate.to(dtype), torch.randn(ratio, c * hd, generator=g)
+        wide = torch.cat([gate, kv, kv[:, :3]], dim=1)  # as the model's: column slices of one stacked GEMM output
+        gate, kv = wide[:, :c * hd], wide[:, c * hd:2 * c * hd]
     tables = torch.randperm(nb, generator=g)[: S * 4].view(S, 4)
     w, inv = torch.rand(hd, generator=g) + 0.5, 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
     copies = [{k: (v.clone() if v is not None else None) for k, v in state.items()} for _ in range(2)]

@@ -61,6 +61,8 @@ def _case(seed, ratio, overlap, boundary, dtype, padded, ape=False):
         positions = torch.zeros(T, dtype=torch.long)  # padding rows: position 0
         positions[:int(n.sum())] = torch.from_numpy(np.concatenate([np.arange(s, s + k) for s, k in zip(starts, n)]))
         bias = (torch.randn(ratio, c * hd, generator=g), positions)
+        wide = torch.cat([kv, gate, kv[:, :5]], dim=1)  # as the model's: column slices of one stacked GEMM output
+        kv, gate = wide[:, :c * hd], wide[:, c * hd:2 * c * hd]
     else:
         gate = torch.randn(T, c * hd, generator=g).float() * 2  # fp32: the projection plus the fp32 position bias
         bias = None

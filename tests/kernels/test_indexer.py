@@ -84,3 +84,24 @@ def test_paged_scores_reference_matches_the_kernel(dtype, tol):
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     fin = torch.isfinite(want)
     assert (got[fin] - want[fin]).abs().max() <= tol * max(want[fin].abs().max(), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_weights_as_a_strided_slice_with_their_scale_inside(dtype):
+    """The model's head weights: a column slice of the stacked GEMM's output in the model dtype, their
+    H^-0.5 scale applied in the kernel (iw_scale). The same fp32 product as scaling them first in torch,
+    so the scores are bitwise those of the pre-scaled contiguous weights; the reference agrees too."""
+    H, d, ratio, bs = 6, 16, 4, 32
+    iq, _, pool, ft, pos, seq = _batch(SPECS[1], H, d, ratio, bs, torch.float32, seed=3)
+    wide = torch.randn(pos.shape[0], H + 9, generator=torch.Generator().manual_seed(1)).to(dtype)
+    raw = wide[:, 5:5 + H]  # row stride H + 9
+    n = (int(pos.max()) + 1) // ratio
+    scaled = raw.float() * H**-0.5
+    want = indexer_scores_paged(iq, scaled, pool, ft, pos, seq, ratio, n)
+    assert torch.equal(indexer_scores_paged(iq, raw, pool, ft, pos, seq, ratio, n, H**-0.5), want)
+    assert torch.equal(ref.indexer_scores_paged(iq, raw, pool, ft, pos, seq, ratio, n, H**-0.5),
+                       ref.indexer_scores_paged(iq, scaled, pool, ft, pos, seq, ratio, n))
+    args = (iq, raw, pool, ft, pos, seq, ratio, 8, int(pos.max()))
+    assert torch.equal(indexer_topk_fused(*args, iw_scale=H**-0.5),
+                       indexer_topk_fused(iq, scaled, *args[2:]))
+    assert torch.equal(ref.indexer_topk(*args, iw_scale=H**-0.5), ref.indexer_topk(iq, scaled, *args[2:]))
