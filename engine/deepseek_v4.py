@@ -23,7 +23,7 @@ from engine.compress_plan import compress_plan
 from engine.config import CSA, SLIDING, ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.parallel import SINGLE, TensorParallel
-from engine.stacked_linears import linear_pair
+from engine.stacked_linears import ATTENTION_X_READERS, linear_group, members
 from engine.weights import WeightsError
 from kernels.formats import MX_BLOCK, fp8_block_scale_shape
 
@@ -73,15 +73,15 @@ class Compressor(nn.Module):
         self.norm = Norm(head_dim, cfg.rms_norm_eps)
         self.ape = nn.Parameter(torch.zeros(ratio, c * head_dim, dtype=torch.float32))
 
-    def absorb(self, x: torch.Tensor, fb: ForwardBatch, state: CompressorState, pool: torch.Tensor,
-               cache: KVCache, rope: tuple[torch.Tensor, ...]) -> None:
-        """Feed this step's tokens (those at positions >= compress_from) and write closed blocks."""
+    def absorb(self, kv_all: torch.Tensor, gate: torch.Tensor, fb: ForwardBatch, state: CompressorState,
+               pool: torch.Tensor, cache: KVCache, rope: tuple[torch.Tensor, ...]) -> None:
+        """Feed this step's tokens (those at positions >= compress_from) and write closed blocks. kv_all,
+        gate: wkv(x), wgate(x) (column views of the layer's stacked GEMM: the kernels take row strides)."""
         m = self.ratio
-        kv_all = self.wkv(x)
         if fb.is_decode:  # its kernel adds the position bias
-            return self._absorb_decode(kv_all, self.wgate(x), fb, state, pool, cache, rope[0])
+            return self._absorb_decode(kv_all, gate, fb, state, pool, cache, rope[0])
         plan = compress_plan(fb, m, cache.block_size, state.pend_kv.shape[0])
-        closed = K.compress_blocks(kv_all, self.wgate(x), plan, state, self.norm.weight, self.norm.eps, rope[0],
+        closed = K.compress_blocks(kv_all, gate, plan, state, self.norm.weight, self.norm.eps, rope[0],
                                    pool, fb.full_tables, self.head_dim, fb.closed_blocks is not None,
                                    fb.positions, self.ape)  # the op adds the gate's position bias
         if closed is not None:
@@ -142,13 +142,14 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg, self.ratio, hd, overlap=csa)
         if csa:
             self.indexer = Indexer(cfg, self.ratio)
+        self.x_readers = members(self, ATTENTION_X_READERS)  # one GEMM where stacked at load (a plain tuple)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, cache: KVCache, ropes: dict) -> torch.Tensor:
         cfg, T = self.cfg, x.shape[0]
         H, hd, W = self.num_heads, cfg.head_dim, cfg.sliding_window
         rope = "main" if self.layer_type == SLIDING else "compress"
         cos, sin = ropes[rope]
-        q_lora, kv = linear_pair(self.wq_a, self.wkv, x)  # one launch where stacked at load
+        q_lora, kv = linear_group((self.wq_a, self.wkv), x)  # one launch where stacked at load
         q_res = self.q_norm(q_lora)
         q = K.norm_rope(self.wq_b(q_res).view(T, H, hd), None, cos, sin, cfg.rms_norm_eps)
         K.kv_norm_rope_insert(kv, self.kv_norm.weight, cos, sin, cfg.rms_norm_eps, cache.window[self.layer],
@@ -158,14 +159,16 @@ class Attention(nn.Module):
         if self.layer_type != SLIDING:
             inv = ropes["compress_inv_freq"]
             comp_pool = cache.compressed[self.layer]
-            self.compressor.absorb(x, fb, cache.comp_state[self.layer], comp_pool, cache, (inv,))
+            kv_c, gate_c, *index_x = linear_group(self.x_readers, x)
+            self.compressor.absorb(kv_c, gate_c, fb, cache.comp_state[self.layer], comp_pool, cache, (inv,))
             if self.layer_type == CSA:
-                ix = self.indexer
-                ix.compressor.absorb(x, fb, cache.index_state[self.layer], cache.index_keys[self.layer], cache, (inv,))
+                ix, (ikv, igate, iw) = self.indexer, index_x
+                ix.compressor.absorb(ikv, igate, fb, cache.index_state[self.layer], cache.index_keys[self.layer],
+                                     cache, (inv,))
                 iq = K.apply_rope(ix.wq_b(q_res).view(T, ix.n_heads, ix.head_dim), cos, sin)
-                iw = ix.weights_proj(x).float() * ix.n_heads**-0.5
                 selected = K.indexer_topk(iq, iw, cache.index_keys[self.layer], fb.full_tables, fb.positions,
-                                          fb.token_seq, self.ratio, ix.topk, fb.max_pos, fb.is_decode)
+                                          fb.token_seq, self.ratio, ix.topk, fb.max_pos, fb.is_decode,
+                                          iw_scale=ix.n_heads**-0.5)  # head weights' scale: in the kernel, fp32
         out = K.paged_attention(q, fb.positions, fb.token_seq, cache.window[self.layer], fb.window_tables,
                                 fb.replay_start_t, W, comp_pool, fb.full_tables, self.ratio, selected,
                                 self.attn_sink, hd**-0.5)
@@ -195,7 +198,7 @@ class SharedExpert(nn.Module):
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(K.swiglu(*linear_pair(self.w1, self.w3, x), self.limit))
+        return self.w2(K.swiglu(*linear_group((self.w1, self.w3), x), self.limit))
 
 
 def _expert_weights(module: nn.Module, name: str, E: int, out_f: int, in_f: int, fmt: str) -> None:

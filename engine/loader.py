@@ -68,10 +68,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     load_named(model, ((local_expert_name(name, tp, cfg), tensor)
                        for name, tensor in iter_checkpoint(model_dir, dequantize=not quantized, shard=shard)),
                device, model_dir)
-    stacked = stack_linears(model)  # FP8 pairs reading one input: one launch each (engine/stacked_linears.py)
+    stacked = stack_linears(model)  # linears reading one input: one launch per group (engine/stacked_linears.py)
     log.info("weights: %smodel on %s holds %.3f GB (%s; %d MTP tensors kept)",
              f"rank {tp.rank}/{tp.world}: " if tp.world > 1 else "", device, device_bytes(model) / 1e9,
-             f"as stored, {stacked} FP8 pairs stacked" if quantized else f"dequantized to {dtype}" if cfg.fp8_linears else str(dtype),
+             f"as stored, {stacked} linear groups stacked" if quantized else f"dequantized to {dtype}" if cfg.fp8_linears else str(dtype),
              len(model.mtp_weights))
     return model.eval()
 
