@@ -47,7 +47,8 @@ from engine.deepseek_v4 import (
 from engine.deepseek_v4 import Norm as V4Norm
 from engine.engram import EngramHasher
 from engine.forward_batch import ForwardBatch
-from engine.mixed_rows_v41 import PLAN_KEY, DecoderRows, V41MixedRows
+from engine.mixed_rows_v41 import PLAN_KEY, V41MixedRows
+from engine.mixed_split_v41 import V41SplitSteps
 
 SCORE_BUDGET = 1 << 27  # fp32 elements of one indexer score chunk [rows, heads, entries]
 
@@ -359,9 +360,10 @@ def _decoder_keep(fb: ForwardBatch, window: int) -> tuple[torch.Tensor, list[int
 class DeepseekV41(nn.Module):
     # decode steps replay CUDA graphs: their compressor plan is built on the device (DecodePlan)
     # and the Engram look-back rides in the runner's static batch. Mixed steps run on padded static
-    # batches (engine/mixed_graphs.py + engine/mixed_rows_v41.py): padded plans, the look-back and
-    # decoder replay's kept rows at a fixed capacity, the indexer over fixed-width score rows
-    # (tests/engine/test_v41_mixed_graphs.py: eagerly and through the CPU emulation of a graph).
+    # batches (engine/mixed_graphs.py + engine/mixed_rows_v41.py): padded plans, the look-back, the
+    # indexer over fixed-width score rows; with decoder replay as two graphs, the second over the kept
+    # rows (engine/mixed_split_v41.py; tests/engine/test_v41_mixed_graphs.py: eagerly and through the
+    # CPU emulation of a graph).
     supports_cuda_graphs = True
     supports_mixed_graphs = True
     cache_class = V41KVCache
@@ -395,46 +397,78 @@ class DeepseekV41(nn.Module):
         """This model's fields of a padded mixed step (engine/mixed_graphs.py)."""
         return V41MixedRows(self, cache)
 
+    def mixed_split(self, cache: V41KVCache, sizes: list[int], max_num_seqs: int, width: int,
+                    max_model_len: int) -> V41SplitSteps | None:
+        """A padded mixed step as two graphs where decoder replay has layers to trim (as set now: a
+        graph bakes the setting in; engine/mixed_split_v41.py); None: one graph, every row throughout."""
+        if not (self.decoder_replay and self.replay_cut < len(self.layers)):
+            return None
+        return V41SplitSteps(self, cache, sizes, max_num_seqs, width, max_model_len)
+
     @property
     def engram_lookback(self) -> int:
         """How many tokens before each row the runner passes (`ForwardBatch.lookback_ids`)."""
         return self.cfg.engram_max_ngram_size - 1 if self.engram_hasher is not None else 0
 
-    def _engram_rows(self, fb: ForwardBatch) -> dict:
-        if self.engram_hasher is None:
+    def _engram_rows(self, fb: ForwardBatch, layers: tuple[int, ...] | None = None) -> dict:
+        """layer -> its table rows for every row of fb (layers: only these Engram layers)."""
+        if self.engram_hasher is None or layers == ():
             return {}
         if fb.lookback_ids is None:
             raise RuntimeError("the Engram layers need ForwardBatch.lookback_ids (the runner builds them)")
         ids = self.engram_hasher(fb.input_ids, fb.lookback_ids)  # [T, L, cols]
-        return {layer: self.layers[layer].engram.embed(ids[:, k]) for k, layer in enumerate(self.cfg.engram_layer_ids)}
+        return {layer: self.layers[layer].engram.embed(ids[:, k]) for k, layer in enumerate(self.cfg.engram_layer_ids)
+                if layers is None or layer in layers}
+
+    @property
+    def replay_cut(self) -> int:
+        """The first layer decoder replay trims (after the last KV source: those own only window KV)."""
+        return self.cfg.last_kv_source + 1
+
+    def rows_of(self, fb: ForwardBatch, dtype: torch.dtype, engram_layers: tuple[int, ...] | None = None) -> Rows:
+        """The Rows of every row of fb (ropes, Engram table rows of `engram_layers`, default all)."""
+        ropes = {"main": K.rope_cos_sin(fb.positions, self.main_inv_freq, dtype),
+                 "compress": K.rope_cos_sin(fb.positions, self.compress_inv_freq, dtype)}
+        return Rows(fb.positions, fb.token_seq, fb.window_slots, fb.replay_start_t, ropes,
+                    self._engram_rows(fb, engram_layers))
+
+    def embed_rows(self, fb: ForwardBatch, cache: V41KVCache):
+        """-> (h, pre, rows) before the first block: the hc copies of the embedding, the first site's pre."""
+        x = self.embed(fb.input_ids)
+        rows = self.rows_of(fb, x.dtype)
+        if fb.is_decode:
+            rows.plans = {m: decode_plan(fb, m, cache) for m in self.source_ratios}
+        h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # mHC: hc copies of the residual
+        pre = torch.zeros(h.shape[:2], dtype=torch.float32, device=h.device)
+        pre[:, 0] = 1.0  # the first site collapses stream 0
+        return h, pre, rows
+
+    def run_layers(self, h, pre, rows: Rows, fb: ForwardBatch, cache: V41KVCache, lo: int, hi: int | None,
+                   full_rows: bool = True):
+        """Blocks lo..hi - 1 (hi None: to the last)."""
+        for block in self.layers[lo:hi]:
+            h, pre = block(h, pre, rows, fb, cache, self.compress_inv_freq, full_rows)
+        return h, pre
+
+    def logits_of(self, h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        """The final site's collapse, norm and LM head: logits in fp32."""
+        return F.linear(self.norm(ops.hc_collapse(h, pre)), self.head.weight).float()
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, cache: V41KVCache) -> torch.Tensor:
         """One step over packed tokens; returns logits [len(fb.logits_rows), vocab] in fp32."""
-        cfg = self.cfg
-        x = self.embed(fb.input_ids)
-        dtype = x.dtype
-        ropes = {"main": K.rope_cos_sin(fb.positions, self.main_inv_freq, dtype),
-                 "compress": K.rope_cos_sin(fb.positions, self.compress_inv_freq, dtype)}
-        rows = Rows(fb.positions, fb.token_seq, fb.window_slots, fb.replay_start_t, ropes, self._engram_rows(fb))
-        if fb.is_decode:
-            rows.plans = {m: decode_plan(fb, m, cache) for m in self.source_ratios}
-        h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()  # mHC: hc copies of the residual
-        pre = torch.zeros(h.shape[:2], dtype=torch.float32, device=h.device)
-        pre[:, 0] = 1.0  # the first site collapses stream 0
+        h, pre, rows = self.embed_rows(fb, cache)
+        cut = self.replay_cut
+        h, pre = self.run_layers(h, pre, rows, fb, cache, 0, cut)
         logits_rows, full_rows = fb.logits_rows, True
-        for block in self.layers:
-            if block.layer == cfg.last_kv_source + 1 and self.decoder_replay and not fb.is_decode:
-                if PLAN_KEY in fb.plans:  # a padded mixed step: its kept rows were packed on the host
-                    h, pre, rows, logits_rows = self._trim_packed(h, pre, rows, fb.plans[PLAN_KEY])
-                    full_rows = False
-                elif (got := _decoder_keep(fb, cfg.sliding_window)) is not None and bool(
-                        torch.isin(fb.logits_rows, got[0]).all()):
-                    h, pre, rows, logits_rows = self._trim(h, pre, rows, fb, *got)
-                    full_rows = False
-            h, pre = block(h, pre, rows, fb, cache, self.compress_inv_freq, full_rows)
-        h, pre = h[logits_rows], pre[logits_rows]
-        return F.linear(self.norm(ops.hc_collapse(h, pre)), self.head.weight).float()
+        # decoder replay; a padded mixed step (PLAN_KEY) trims in its tail graph (engine/mixed_split_v41.py)
+        if cut < len(self.layers) and self.decoder_replay and not fb.is_decode and PLAN_KEY not in fb.plans:
+            got = _decoder_keep(fb, self.cfg.sliding_window)
+            if got is not None and bool(torch.isin(fb.logits_rows, got[0]).all()):
+                h, pre, rows, logits_rows = self._trim(h, pre, rows, fb, *got)
+                full_rows = False
+        h, pre = self.run_layers(h, pre, rows, fb, cache, cut, None, full_rows)
+        return self.logits_of(h[logits_rows], pre[logits_rows])
 
     @staticmethod
     def _trim(h, pre, rows: Rows, fb: ForwardBatch, keep: torch.Tensor, first: list[int]):
@@ -443,29 +477,13 @@ class DeepseekV41(nn.Module):
         start = torch.maximum(fb.replay_start_t, torch.tensor(first, device=keep.device))
         new_index = torch.full((h.shape[0],), -1, dtype=torch.long, device=keep.device)
         new_index[keep] = torch.arange(len(keep), device=keep.device)
-        h, pre, trimmed = DeepseekV41._kept(h, pre, rows, keep, rows.positions[keep], rows.token_seq[keep],
-                                            rows.window_slots[keep], start)
-        return h, pre, trimmed, new_index[fb.logits_rows]
-
-    @staticmethod
-    def _trim_packed(h, pre, rows: Rows, dr: DecoderRows):
-        """_trim with the kept rows of a padded mixed step (their padding rows' metadata: scratch)."""
-        h, pre, trimmed = DeepseekV41._kept(h, pre, rows, dr.keep, dr.positions, dr.token_seq, dr.window_slots,
-                                            dr.replay_start_t)
-        if trimmed.topk is not None:  # a padding row took row 0's state: it selects nothing
-            pad = dr.token_seq == dr.replay_start_t.shape[0] - 1
-            trimmed.topk = trimmed.topk.masked_fill(pad[:, None], -1)
-        return h, pre, trimmed, dr.logits_rows
-
-    @staticmethod
-    def _kept(h, pre, rows: Rows, keep, positions, token_seq, window_slots, replay_start_t):
         trimmed = replace(
-            rows, positions=positions, token_seq=token_seq, window_slots=window_slots,
-            replay_start_t=replay_start_t, ropes={k: (c[keep], s[keep]) for k, (c, s) in rows.ropes.items()},
+            rows, positions=rows.positions[keep], token_seq=rows.token_seq[keep], window_slots=rows.window_slots[keep],
+            replay_start_t=start, ropes={k: (c[keep], s[keep]) for k, (c, s) in rows.ropes.items()},
             engram={k: v[keep] for k, v in rows.engram.items()},
             topk=None if rows.topk is None else rows.topk[keep],
             candidates=None if rows.candidates is None else rows.candidates[keep])
-        return h[keep], pre[keep], trimmed
+        return h[keep], pre[keep], trimmed, new_index[fb.logits_rows]
 
     # --- loading: official names and stacked experts as V4's (engine/deepseek_v4.py) -------------
 

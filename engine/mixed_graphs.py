@@ -12,7 +12,8 @@ row 0 and write only the scratch block / slot, padding logits rows repeat row 0.
 tensors are views of one flat buffer, so a step is one pinned host-to-device copy and one replay.
 On the CPU (no graphs) the same padded batches run eagerly: the tests compare them with the
 unpadded path there. A model may add fields of its own (`model.mixed_rows(cache)`: DeepSeek-V4.1's
-Engram look-back and decoder replay's kept rows, engine/mixed_rows_v41.py).
+Engram look-back, engine/mixed_rows_v41.py) and run a step as two graphs (V4.1's decoder replay: the
+layers after the last KV source on each sequence's last window only, engine/mixed_split_v41.py).
 """
 
 from __future__ import annotations
@@ -73,15 +74,17 @@ def capture_buckets(buckets: list[int], make, forward, pool, capture_fn=capture)
     return out
 
 
-def pack_rows(batch: list[tuple[Sequence, int]], token_ids: list[list[int]], col, tables: np.ndarray, bs: int):
+def pack_rows(batch: list[tuple[Sequence, int]], token_ids: list[list[int]], col, tables: np.ndarray, bs: int,
+              starts: np.ndarray | None = None):
     """The rows every padded static batch packs alike (mixed steps, speculative verify): each
     sequence's block tables over the padding fill, its `token_ids` at the positions after its
-    computed tokens, the window slots they write, its replay start and state slot (`col(name)`:
-    that field of the flat host buffer). -> (rows per sequence, starts, compress_from, state slots,
-    first row per sequence), numpy."""
+    computed tokens (or from `starts`), the window slots they write, its replay start and state
+    slot (`col(name)`: that field of the flat host buffer). -> (rows per sequence, starts,
+    compress_from, state slots, first row per sequence), numpy."""
     S = len(batch)
     n = np.fromiter((k for _, k in batch), dtype=np.int64, count=S)
-    starts = np.fromiter((s.num_computed_tokens for s, _ in batch), dtype=np.int64, count=S)
+    if starts is None:
+        starts = np.fromiter((s.num_computed_tokens for s, _ in batch), dtype=np.int64, count=S)
     cfrom = np.fromiter((s.compress_from for s, _ in batch), dtype=np.int64, count=S)
     slots = np.fromiter((s.blocks.state_slot for s, _ in batch), dtype=np.int64, count=S)
     tables[0, :S], tables[1, :S] = -1, 0  # then each row's blocks over the fill
@@ -143,22 +146,72 @@ class _Static:
     layout: _Layout
     fb: ForwardBatch  # its tensors are views of `flat`; the graph reads them
     flat: torch.Tensor
-    stagings: list[torch.Tensor]  # two host buffers, used by alternate steps (see run)
+    stagings: list[torch.Tensor]  # two host buffers, used by alternate steps (see MixedSteps.run)
     pad: np.ndarray  # the all-padding contents of flat
+    views: dict[str, torch.Tensor]  # every field of flat by name
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
+
+
+def _pad_values(lay: _Layout, cache: KVCache, extra) -> np.ndarray:
+    c, bs = cache, cache.block_size
+    host = np.zeros(lay.size, dtype=np.int64)
+    f = lay.fields
+    for name, v in (("window_slots", c.scratch_window * bs), ("token_seq", lay.S - 1),
+                    ("state_slot_t", c.scratch_slot)):
+        o, n = f[name]
+        host[o:o + n] = v
+    o, n = f["tables"]
+    tables = host[o:o + n].reshape(2, lay.S, lay.width)
+    tables[0], tables[1] = c.scratch_window, c.scratch_full
+    for m, parts in lay.plans.items():
+        # src, blk_seq, blk_entry, prev, bnd_blk, bnd_seq, bnd_logical, upd_slot, upd_blk, pend_row, pend_dst:
+        # the padding sequence's (scratch) blocks, the scratch slot, row 0 to read
+        vals = (0, lay.S - 1, 0, 0, 0, lay.S - 1, 0, c.scratch_slot, 0, 0, c.scratch_slot * m)
+        for (o, n), v in zip(parts, vals):
+            host[o:o + n] = v
+    if extra is not None:
+        extra.pad(lambda name: host[f[name][0]:f[name][0] + f[name][1]], lay.S)
+    return host
+
+
+def padded_batch(lay: _Layout, cache: KVCache, device: torch.device, max_model_len: int, extra=None) -> _Static:
+    """The static batch of `lay`, all padding: its ForwardBatch's tensors are views of one flat
+    device buffer. extra: the model's fields (`pad`, `attach`; V4.1: engine/mixed_rows_v41.py)."""
+    pad = _pad_values(lay, cache, extra)
+    flat = torch.from_numpy(pad.copy()).to(device)
+    v = {name: flat[o:o + n] for name, (o, n) in lay.fields.items()}
+    tables = v["tables"].view(2, lay.S, lay.width)
+    plans = {}
+    for m, parts in lay.plans.items():
+        plans[("compress", m)] = CompressPlan(m, lay.caps[m], *(flat[o:o + n] for o, n in parts))
+    fb = ForwardBatch(
+        input_ids=v["input_ids"], positions=v["positions"], seq_lens=[], starts=[], replay_starts=[],
+        compress_from=[], window_slots=v["window_slots"], window_tables=tables[0], full_tables=tables[1],
+        state_slots=[], logits_rows=v["logits_rows"], token_seq=v["token_seq"],
+        replay_start_t=v["replay_start_t"], state_slot_t=v["state_slot_t"],
+        is_decode=False, max_pos=max_model_len - 1,  # the indexer sizes for the longest sequence
+        plans=plans)
+    if extra is not None:
+        extra.attach(fb, lambda name: v[name], lay.T)
+    pin = device.type == "cuda"
+    stagings = [torch.empty(lay.size, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+    return _Static(lay, fb, flat, stagings, pad, v)
+
+
+def host_fields(st: _Static, host: np.ndarray):
+    """col(name): that field of `host` (a flat buffer in st's layout)."""
+    f = st.layout.fields
+    return lambda name: host[f[name][0]:f[name][0] + f[name][1]]
 
 
 class MixedSteps:
     """The padded batches of every size, captured as CUDA graphs when `pool` is given."""
 
     def __init__(self, model, cache: KVCache, max_model_len: int, max_num_seqs: int, sizes: list[int], pool=None,
-                 capture_fn=capture, trim_eagerly: bool = True):
-        """capture_fn: how a size's step is captured (the CPU tests pass an emulation of a CUDA graph).
-        trim_eagerly: V4.1 steps that decoder replay trims to half their rows or fewer run eagerly
-        (engine/mixed_rows_v41.py, prefers_eager); the tests of the padded path switch it off."""
+                 capture_fn=capture):
+        """capture_fn: how a size's step is captured (the CPU tests pass an emulation of a CUDA graph)."""
         self.model, self.cache = model, cache
-        self.trim_eagerly = trim_eagerly
         self.device = next(model.parameters()).device
         self.max_model_len = max_model_len
         # V4.1: only its KV sources compress (a plan per their ratios)
@@ -169,6 +222,10 @@ class MixedSteps:
         self.sizes = sorted(set(sizes))
         self.static: dict[int, _Static] = {}
         self.replays = 0  # mixed steps run through a padded batch
+        # a model may run a step as two graphs (V4.1 with decoder replay: every row up to the last KV
+        # source, then only the kept rows, engine/mixed_split_v41.py); None: one graph per size
+        self.split = (model.mixed_split(cache, self.sizes, max_num_seqs, self.width, max_model_len)
+                      if hasattr(model, "mixed_split") else None)
         # every graph writes its logits into one buffer, so no graph keeps an output of its own in the pool
         rows = min(max(self.sizes, default=0), max_num_seqs)
         self.logits = torch.empty(rows, model.cfg.vocab_size, device=self.device) if pool is not None else None
@@ -176,63 +233,29 @@ class MixedSteps:
             st = self._static(size)
             if pool is not None:
                 out = self.logits[:st.layout.S - 1]
-                st.graph, st.logits = capture_fn(lambda st=st, out=out: out.copy_(self.model(st.fb, self.cache)), pool)
+                run = ((lambda st=st: self.split.front(st.fb)) if self.split is not None
+                       else (lambda st=st, out=out: out.copy_(self.model(st.fb, self.cache))))
+                st.graph, st.logits = capture_fn(run, pool)
             self.static[size] = st
+        if self.split is not None:  # its tail graphs, in the same pool
+            self.split.build(pool, capture_fn, self.logits)
         if pool is not None and self.device.type == "cuda":
             torch.cuda.synchronize()
 
     def fits(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> bool:
         T = sum(n for _, n in scheduled)
-        if not (self.sizes and not all_logits and T <= self.sizes[-1] and len(scheduled) <= self.max_num_seqs):
-            return False
-        size = min(s for s in self.sizes if s >= T)
-        return not (self.trim_eagerly and self.extra is not None
-                    and self.extra.prefers_eager(scheduled, size, self.static[size].layout.S - 1))
+        return bool(self.sizes and not all_logits and T <= self.sizes[-1] and len(scheduled) <= self.max_num_seqs)
+
+    def num_graphs(self) -> int:
+        """CUDA graphs captured (the split's tail graphs included)."""
+        own = sum(st.graph is not None for st in self.static.values())
+        return own + (self.split.num_graphs() if self.split is not None else 0)
 
     # --- the padded batch -----------------------------------------------------------------------
 
-    def _pad_values(self, lay: _Layout) -> np.ndarray:
-        c, bs = self.cache, self.cache.block_size
-        host = np.zeros(lay.size, dtype=np.int64)
-        f = lay.fields
-        for name, v in (("window_slots", c.scratch_window * bs), ("token_seq", lay.S - 1),
-                        ("state_slot_t", c.scratch_slot)):
-            o, n = f[name]
-            host[o:o + n] = v
-        o, n = f["tables"]
-        tables = host[o:o + n].reshape(2, lay.S, lay.width)
-        tables[0], tables[1] = c.scratch_window, c.scratch_full
-        for m, parts in lay.plans.items():
-            # src, blk_seq, blk_entry, prev, bnd_blk, bnd_seq, bnd_logical, upd_slot, upd_blk, pend_row, pend_dst:
-            # the padding sequence's (scratch) blocks, the scratch slot, row 0 to read
-            vals = (0, lay.S - 1, 0, 0, 0, lay.S - 1, 0, c.scratch_slot, 0, 0, c.scratch_slot * m)
-            for (o, n), v in zip(parts, vals):
-                host[o:o + n] = v
-        if self.extra is not None:
-            self.extra.pad(lambda name: host[f[name][0]:f[name][0] + f[name][1]], lay.S)
-        return host
-
     def _static(self, size: int) -> _Static:
         lay = _layout(size, self.max_num_seqs, self.width, self.ratios, self.extra and self.extra.fields)
-        pad = self._pad_values(lay)
-        flat = torch.from_numpy(pad.copy()).to(self.device)
-        v = {name: flat[o:o + n] for name, (o, n) in lay.fields.items()}
-        tables = v["tables"].view(2, lay.S, lay.width)
-        plans = {}
-        for m, parts in lay.plans.items():
-            plans[("compress", m)] = CompressPlan(m, lay.caps[m], *(flat[o:o + n] for o, n in parts))
-        fb = ForwardBatch(
-            input_ids=v["input_ids"], positions=v["positions"], seq_lens=[], starts=[], replay_starts=[],
-            compress_from=[], window_slots=v["window_slots"], window_tables=tables[0], full_tables=tables[1],
-            state_slots=[], logits_rows=v["logits_rows"], token_seq=v["token_seq"],
-            replay_start_t=v["replay_start_t"], state_slot_t=v["state_slot_t"],
-            is_decode=False, max_pos=self.max_model_len - 1,  # the indexer sizes for the longest sequence
-            plans=plans)
-        if self.extra is not None:
-            self.extra.attach(fb, lambda name: v[name], lay.T)
-        pin = self.device.type == "cuda"
-        stagings = [torch.empty(lay.size, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-        return _Static(lay, fb, flat, stagings, pad)
+        return padded_batch(lay, self.cache, self.device, self.max_model_len, self.extra)
 
     def pack(self, scheduled: list[tuple[Sequence, int]], size: int, host: np.ndarray) -> int:
         """Write the step into `host` in `size`'s flat layout (what build_batch gives for the real
@@ -240,8 +263,7 @@ class MixedSteps:
         c, st = self.cache, self.static[size]
         lay, bs = st.layout, c.block_size
         host[:] = st.pad
-        f = lay.fields
-        col = lambda name: host[f[name][0]:f[name][0] + f[name][1]]
+        col = host_fields(st, host)
         tables = col("tables").reshape(2, lay.S, lay.width)
         ids = [new_token_ids(s, s.num_computed_tokens, k) for s, k in scheduled]
         n, starts, cfrom, slots, row0 = pack_rows(scheduled, ids, col, tables, bs)
@@ -255,7 +277,7 @@ class MixedSteps:
             for (o, _), a in zip(parts, arrays):
                 host[o:o + len(a)] = a
         if self.extra is not None:
-            self.extra.pack(col, scheduled, n, starts, row0, samples)
+            self.extra.pack(col, scheduled, starts, row0)
         return len(rows)
 
     def run(self, scheduled: list[tuple[Sequence, int]], pending, fill_pending) -> torch.Tensor:
@@ -271,6 +293,9 @@ class MixedSteps:
         st.flat.copy_(staging, non_blocking=True)
         ends = np.cumsum([n for _, n in scheduled]) - 1
         fill_pending(st.fb.input_ids, scheduled, pending, ends.tolist())
+        if self.split is not None:  # this size's front graph, then the tail graph that holds the step's kept rows
+            front = st.graph.replay if st.graph is not None else (lambda: self.split.front(st.fb))
+            return self.split.run(scheduled, size, pending, fill_pending, front)[:n_logits]
         if st.graph is None:
             return self.model(st.fb, self.cache)[:n_logits]
         st.graph.replay()

@@ -24,7 +24,6 @@ import torch
 
 from engine.llm import LLM
 from engine.mixed_graphs import MixedSteps, mixed_sizes
-from engine.mixed_rows_v41 import PLAN_KEY
 from engine.request import SamplingParams
 from tests.engine.v41_oracle import ORACLE, needs_oracle
 
@@ -45,12 +44,14 @@ def _prompts(n, vocab, seed, shared=0, lo=3, hi=60):
             for L in torch.randint(lo, hi, (n,), generator=g)]
 
 
-def _run(path, prompts, params, padded: bool, warm=None, **args):
+def _run(path, prompts, params, padded: bool, warm=None, on_engine=None, **args):
     llm = LLM(str(path), dtype="float64", max_model_len=256, **args)
     eng = llm.engine
+    if on_engine:
+        on_engine(eng)
     if padded:
         eng.runner.mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs,
-                                      mixed_sizes(eng.args.max_num_batched_tokens), trim_eagerly=False)
+                                      mixed_sizes(eng.args.max_num_batched_tokens))
     if warm:
         llm.generate(warm, params)
     return llm.generate(prompts, params), eng
@@ -93,6 +94,39 @@ def test_oracle_mixed_steps_on_padded_batches_equal_the_unpadded_path(v41_golden
             assert padded[i].token_ids == v41_golden[f"greedy_ids_{i}"].tolist()[:len(padded[i].token_ids)]
 
 
+def test_engram_layers_after_the_split_hash_the_kept_rows_under_async_scheduling(tmp_path_factory):
+    """v41-tiny with an Engram layer after the last KV source (layer 8, in the tail): the tail hashes
+    its kept rows' own ids and look-back, a decode's id still pending (async scheduling: greedy, no
+    logprobs) written into the tail's batch as into the front's. Same tokens as the unpadded eager
+    steps (a tail that hashed the placeholder instead changes them)."""
+    from engine.random_checkpoint_v41 import write_v41_checkpoint
+
+    path = write_v41_checkpoint(tmp_path_factory.mktemp("v41") / "engram8", "v41-tiny", seed=3,
+                                override={"engram_layer_ids": [1, 8]}, quant="bf16")
+    prompts = _prompts(6, 4000, seed=3, hi=70)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    args = dict(max_num_batched_tokens=40, max_num_seqs=256, async_scheduling=True)
+    eager, e_eng = _run(path, prompts, params, padded=False, **args)
+    filled = []
+    padded, p_eng = _run(path, prompts, params, padded=True, on_engine=lambda eng: _count_pending(eng, filled), **args)
+    assert [o.token_ids for o in padded] == [o.token_ids for o in eager]
+    _mixed_steps_ran(p_eng, e_eng)
+    split = p_eng.runner.mixed.split
+    assert split.engram == (8,) and all("lookback_ids" in st.layout.fields for st in split.static.values())
+    assert any(K < size for size, K in split.steps)
+    assert sum(filled) > 0  # mixed steps took pending decodes
+
+
+def _count_pending(eng, filled: list) -> None:
+    """Collect how many rows each of the runner's fill_pending calls writes."""
+    fill = eng.runner._fill_pending
+
+    def counted(input_ids, scheduled, pending, last_rows):
+        filled.append(sum(s.has_pending_token for s, _ in scheduled))
+        return fill(input_ids, scheduled, pending, last_rows)
+    eng.runner._fill_pending = counted
+
+
 @needs_oracle
 def test_oracle_padded_mixed_steps_with_a_prefix_cache_hit():
     """A warm request, then prompts sharing its 40-token prefix (a hit beyond the window:
@@ -118,10 +152,11 @@ def test_v41_tiny_preset_mixed_steps_on_padded_batches_equal_the_unpadded_path(v
 
 
 @needs_oracle
-def test_kept_rows_and_look_back_are_packed_and_the_rest_is_padding(v41_golden):
-    """One mixed step (a decode, a 30-token chunk, a 1-token chunk) in a 32-row batch: the kept rows
-    are each sequence's last 16 (window), their metadata that of the full rows, padding elsewhere
-    (the padding sequence, the scratch block); the look-back is the runner's build_batch's."""
+def test_front_and_tail_batches_are_packed_and_the_rest_is_padding(v41_golden):
+    """One mixed step (a decode, a 30-token chunk, a 1-token chunk) in a 32-row front batch: its
+    look-back is the runner's build_batch's; the tail batch holds each sequence's last 16 (window)
+    rows, with the metadata of the full rows, `keep` their rows in the front, padding elsewhere (the
+    padding sequence, the scratch block), and the smallest bucket that holds them."""
     from engine.request import GenerationRequest
 
     llm = LLM(str(ORACLE), dtype="float64", max_model_len=256, max_num_batched_tokens=32)
@@ -143,44 +178,75 @@ def test_kept_rows_and_look_back_are_packed_and_the_rest_is_padding(v41_golden):
     T, W = sum(k for _, k in scheduled), eng.cfg.sliding_window
     assert fb.lookback_ids[:T].tolist() == want.lookback_ids.tolist()
     assert (fb.lookback_ids[T:] == -1).all()
-    dr = fb.plans[PLAN_KEY]
     keep, row = [], 0
     for _, k in scheduled:
         keep += range(row + k - min(k, W), row + k)
         row += k
-    K = len(keep)
-    assert dr.keep[:K].tolist() == keep and (dr.keep[K:] == 0).all()
+    split, K = mixed.split, len(keep)
+    assert split.sizes == [16, 32] and split.bucket(scheduled) == min(b for b in (16, 32) if b >= K)
+    tail = split.static[split.bucket(scheduled)]
+    host = np.full(tail.layout.size, 12345, dtype=np.int64)
+    assert split.pack(scheduled, tail.layout.T, host) == n_logits
+    tail.flat.copy_(torch.from_numpy(host))
+    tb, v = tail.fb, tail.views
+    assert v["keep"][:K].tolist() == keep and (v["keep"][K:] == 0).all()
+    assert tb.input_ids[:K].tolist() == want.input_ids[keep].tolist()
     for name in ("positions", "token_seq", "window_slots"):
-        assert getattr(dr, name)[:K].tolist() == getattr(want, name)[keep].tolist(), name
-    assert (dr.token_seq[K:] == st.layout.S - 1).all()
-    assert (dr.window_slots[K:] == eng.cache.scratch_window * eng.cache.block_size).all()
+        assert getattr(tb, name)[:K].tolist() == getattr(want, name)[keep].tolist(), name
+    assert (tb.token_seq[K:] == tail.layout.S - 1).all()
+    assert (tb.window_slots[K:] == eng.cache.scratch_window * eng.cache.block_size).all()
+    S, cols = len(scheduled), want.window_tables.shape[1]
+    assert torch.equal(tb.window_tables[:S, :cols], want.window_tables)
+    assert torch.equal(tb.full_tables[:S, :cols], want.full_tables)
+    assert (tb.window_tables[S:] == eng.cache.scratch_window).all()
     for i, (s, k) in enumerate(scheduled):  # a sequence that drops rows reads none below its first kept one
         first = s.num_computed_tokens + k - W if k > W else 0
-        assert dr.replay_start_t[i] == max(s.replay_start, first)
+        assert tb.replay_start_t[i] == max(s.replay_start, first)
     new_index = {r: j for j, r in enumerate(keep)}
-    assert dr.logits_rows[:n_logits].tolist() == [new_index[r] for r in want.logits_rows.tolist()]
+    assert tb.logits_rows[:n_logits].tolist() == [new_index[r] for r in want.logits_rows.tolist()]
 
 
 @needs_oracle
-def test_steps_decoder_replay_trims_to_half_run_eagerly():
-    """A graph of T tokens runs its capacity of kept rows (min(T, L * window)) on the trimmed layers,
-    the eager step only the kept ones: a step whose kept rows are at most half that capacity (a long
-    chunk) runs eagerly; decode-heavy steps, a capacity that trims as much (L = 1) and decoder replay
-    off replay the graph."""
-    llm = LLM(str(ORACLE), dtype="float64", max_model_len=256, max_num_batched_tokens=32)
+def test_a_step_splits_where_decoder_replay_trims(monkeypatch):
+    """With decoder replay on, a padded step is a front (every row to the last KV source) and a tail
+    over the smallest bucket holding its kept rows; replay switched off after capture keeps every
+    row; a MixedSteps built with replay off, or for a model with nothing after its last KV source,
+    is one graph per size."""
+    llm = LLM(str(ORACLE), dtype="float64", max_model_len=256, max_num_batched_tokens=64)
     eng = llm.engine
-    W = eng.cfg.sliding_window
-    assert W == 16
-    rows = eng.model.mixed_rows(eng.cache)
-    assert rows.prefers_eager([(None, 32)], 32, 32)  # keeps 16 of a capacity of 32
-    assert not rows.prefers_eager([(None, 1)] * 20 + [(None, 12)], 32, 32)  # keeps every row
-    assert not rows.prefers_eager([(None, 32)], 32, 1)  # capacity 16: the graph trims as much
-    mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [32])
-    assert not mixed.fits([(None, 30)]) and mixed.fits([(None, 1)] * 20 + [(None, 12)])
-    assert MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [32],
-                      trim_eagerly=False).fits([(None, 30)])
+    assert eng.cfg.sliding_window == 16 and eng.model.replay_cut == 7 < eng.cfg.num_layers
+    mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, 256, [32, 64])
+    split = mixed.split
+    assert split.sizes == [16, 32, 64] and mixed.num_graphs() == 0  # no pool: nothing captured
+    assert split.bucket([(None, 64)]) == 16  # one chunk: its last window
+    assert split.bucket([(None, 1)] * 20 + [(None, 30)]) == 64  # 20 decodes and a window
+    assert split.bucket([(None, 1)] * 8 + [(None, 5)]) == 16
     eng.model.decoder_replay = False
-    assert not rows.prefers_eager([(None, 32)], 32, 32) and mixed.fits([(None, 30)])
+    assert split.bucket([(None, 64)]) == 64  # every row
+    assert MixedSteps(eng.model, eng.cache, eng.max_model_len, 256, [64]).split is None
+    eng.model.decoder_replay = True
+    monkeypatch.setattr(type(eng.model), "replay_cut", property(lambda m: len(m.layers)))
+    assert MixedSteps(eng.model, eng.cache, eng.max_model_len, 256, [64]).split is None
+
+
+@needs_oracle
+def test_serving_max_num_seqs_steps_run_the_later_layers_on_the_kept_rows_only():
+    """At a serving max_num_seqs (256: one graph per token count would have kept every row) the
+    padded steps' tails run the kept rows only (a whole 64-token chunk in the 16-row bucket, chunks of
+    two prompts in the 32-row one): the same greedy tokens and logprobs (the module's tolerance; no
+    difference above 1e-4 seen) as the unpadded eager steps, which trim."""
+    prompts = _prompts(3, 4000, seed=4, lo=100, hi=160)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+    args = dict(max_num_batched_tokens=64, max_num_seqs=256)
+    eager, e_eng = _run(ORACLE, prompts, params, padded=False, **args)
+    padded, p_eng = _run(ORACLE, prompts, params, padded=True, **args)
+    _compare(eager, padded)
+    _mixed_steps_ran(p_eng, e_eng)
+    steps = p_eng.runner.mixed.split.steps  # (front size, tail bucket) -> steps; measured {64/16: 1, 64/32: 5, 16/16: 4}
+    print(dict(steps))
+    assert steps[64, 16] >= 1  # a whole chunk of one prompt: its last window
+    assert sum(c for (size, K), c in steps.items() if size == 64) >= 5
+    assert all(K <= 32 for size, K in steps if size == 64)  # the chunks of two prompts: two windows
 
 
 @needs_oracle
@@ -190,10 +256,11 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch
     and replayed through the CPU emulation of a CUDA graph (host values baked in at capture,
     allocations poisoned per replay, host reads refused), the fused kernels under the Triton
     interpreter, the routed experts through the grouped MoE kernel CUDA runs (the CPU's per-expert
-    loop reads the routing on the host), decoder replay on: a prefill of a 6-token prompt and 26
-    tokens of a 40-token one (decoder replay drops 10 of those rows), then a mixed step (the 14
-    left and a decode), then a decode (measured: graph vs padded eager 0.0, padded vs unpadded
-    <= 8.1e-6). Each replayed step's logits equal the same padded batch run
+    loop reads the routing on the host), decoder replay on, so the step is a front graph of 32 rows
+    and a tail graph per kept-row bucket (16, 32): a prefill of a 6-token prompt and 26 tokens of a
+    40-token one (decoder replay drops 10 of those rows: 22 kept, tail 32), then a mixed step (the 14
+    left and a decode: tail 16), then a decode (tail 16) (measured: graph vs padded eager 0.0,
+    padded vs unpadded <= 9.6e-6). Each replayed step's logits equal the same padded batch run
     eagerly from the same cache state, and so does every cache write (tools/mixed_diag.py); the
     padded step's logits the unpadded one's to float32 rounding, and the greedy tokens the
     unpadded reference path's. (Minutes of CPU: the interpreter runs every kernel program in Python.)"""
@@ -215,7 +282,7 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch
         monkeypatch.setattr(v41_ops, "routed_experts", lambda x, w1, w3, w2, weights, indices, limit: kernels.moe_experts(
             x, w1, w3, w2, weights.to(x.dtype), indices, limit, None))
         eng.runner.mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [32],
-                                      pool="emulated", capture_fn=capture, trim_eagerly=False)
+                                      pool="emulated", capture_fn=capture)
         got = []
         rows = diagnose(eng, lambda: got.extend(llm.generate(prompts, params)))
     finally:
@@ -223,7 +290,9 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch
     print(rows)
     # no decode graphs on the CPU: the last decode replays the mixed graph too
     assert [(r["path"], r["tokens"]) for r in rows] == [("mixed", 32), ("mixed", 15), ("mixed", 1)]
-    assert eng.runner.mixed.static[32].graph.replays == 3
+    mixed = eng.runner.mixed
+    assert mixed.static[32].graph.replays == 3 and mixed.num_graphs() == 3
+    assert [mixed.split.static[K].graph.replays for K in (16, 32)] == [2, 1]
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for r in rows:
         assert r["first_difference"] is None, r
