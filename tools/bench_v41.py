@@ -11,11 +11,12 @@ The checkpoint (random weights, the released V4.1-Flash per-layer shapes and 40-
 measurement: decode steps replay the CUDA graphs it captured per batch size, mixed steps (prefill
 chunks with or without decodes) the graphs it captured per token count (engine/mixed_graphs.py;
 where the engine captured none, the mixed-step check captures the sizes it needs here), and for
-the eager figures its graphs are set aside. A graph bakes in decoder replay's setting and
-the padded batch's capacity of kept rows (min(T, max_num_seqs * window)), so the TTFT graphs are
-captured here per setting for one sequence (max_num_seqs 1: each chunk's last window kept), only
-for the chunk sizes the prompts need. Prefix caching is off: every prompt is a cold prefill.
-Prompts longer than 8192 tokens are timed once per setting (--reps for the others).
+the eager figures its graphs are set aside. The TTFT graphs are the engine's own, at its serving
+max_num_seqs (64 unless --engine-args says otherwise): with decoder replay on, a front graph per
+token count and a tail graph per kept-row bucket (engine/mixed_split_v41.py), so a chunk's later
+layers run its last window only; the other setting's graphs (a graph bakes decoder replay's
+setting in) are captured here at the same max_num_seqs, only for the chunk sizes the prompts need.
+Prefix caching is off: every prompt is a cold prefill. Prompts longer than 8192 tokens are timed once per setting (--reps for the others).
 """
 
 from __future__ import annotations
@@ -76,13 +77,20 @@ class mixed_steps:
         self.runner.mixed = self.saved
 
 
-def single_request_graphs(engine: LLMEngine, lengths: list[int], warm: int) -> MixedSteps:
-    """Mixed-step graphs for one sequence, at the sizes a cold prefill of each length (and the warm-up
-    prompt) pads its chunks to, captured with the model's decoder_replay as it is now."""
+def prefill_graphs(engine: LLMEngine, lengths: list[int], warm: int) -> MixedSteps:
+    """Mixed-step graphs at the engine's max_num_seqs, at the sizes a cold prefill of each length (and
+    the warm-up prompt) pads its chunks to, captured with the model's decoder_replay as it is now."""
     budget = engine.args.max_num_batched_tokens
     sizes, chunks = mixed_sizes(budget), {warm} | {min(L, budget) for L in lengths} | {L % budget for L in lengths}
     need = sorted({min(s for s in sizes if s >= c) for c in chunks if c})
-    return MixedSteps(engine.model, engine.cache, engine.max_model_len, 1, need, torch.cuda.graph_pool_handle())
+    return MixedSteps(engine.model, engine.cache, engine.max_model_len, engine.args.max_num_seqs, need,
+                      torch.cuda.graph_pool_handle())
+
+
+def tail_steps(steps: MixedSteps | None) -> dict:
+    """'front size/tail bucket' -> steps run so far (V4.1's split step; {} without one)."""
+    split = steps.split if steps is not None else None
+    return {f"{size}/{K}": n for (size, K), n in sorted(split.steps.items())} if split is not None else {}
 
 
 def staggered_streams(engine: LLMEngine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
@@ -156,7 +164,7 @@ def main() -> None:
         print(f"wrote {model} in {time.perf_counter() - t:.0f} s", flush=True)
     t = time.perf_counter()
     args = {"model": str(model), "max_model_len": max(lengths + [a.decode_input_len + 512]) + 256,
-            "max_num_seqs": max(batches + [4]), "block_size": 128, "max_num_batched_tokens": 8192,
+            "max_num_seqs": max(batches + [64]), "block_size": 128, "max_num_batched_tokens": 8192,
             "kv_cache_memory_bytes": 8 << 30, "enable_prefix_caching": False, **json.loads(a.engine_args)}
     capture_error = None
     try:
@@ -169,29 +177,40 @@ def main() -> None:
         torch.cuda.empty_cache()
         engine = LLMEngine({**args, "enforce_eager": True})
     mixed = engine.runner.mixed
-    print(f"engine up in {time.perf_counter() - t:.0f} s; decode CUDA graphs for batch sizes "
-          f"{sorted(engine.runner.graphs) or 'none'}; mixed-step graphs for token counts "
-          f"{mixed.sizes if mixed is not None and mixed.static and mixed.static[mixed.sizes[0]].graph is not None else 'none'}",
-          flush=True)
+    counts = {"decode": len(engine.runner.graphs), "mixed": mixed.num_graphs() if mixed is not None else 0,
+              "mixed_tail": mixed.split.num_graphs() if mixed is not None and mixed.split is not None else 0}
+    print(f"engine up in {time.perf_counter() - t:.0f} s (max_num_seqs {engine.args.max_num_seqs}); decode CUDA graphs "
+          f"for batch sizes {sorted(engine.runner.graphs) or 'none'}; mixed-step graphs for token counts "
+          f"{mixed.sizes if mixed is not None and counts['mixed'] else 'none'}; graphs captured {counts} (mixed: "
+          f"fronts + tails where decoder replay splits the step)", flush=True)
     g = torch.Generator().manual_seed(0)
     rows, started_replay = [], engine.model.decoder_replay
     prompts = {L: torch.randint(5, engine.cfg.vocab_size, (L,), generator=g).tolist() for L in lengths}
     ttft = {}  # (graphs, decoder replay, prompt tokens) -> [ms]
+    tails = {}  # (decoder replay, prompt tokens) -> the timed prefills' 'front size/tail bucket' steps
     graphs_on = cuda and bool(engine.runner.graphs)  # CUDA graphs enabled (mixed-step ones built here if need be)
     for graphs in ((False, True) if graphs_on else (False,)):
         for on in (False, True):
-            engine.model.decoder_replay = on  # before the capture: a graph bakes it in
-            steps = single_request_graphs(engine, lengths, 512) if graphs else None
+            engine.model.decoder_replay = on  # before a capture: a graph bakes it in
+            own = graphs and mixed is not None and on == started_replay  # the engine's own graphs
+            steps = (mixed if own else prefill_graphs(engine, lengths, 512)) if graphs else None
             with mixed_steps(engine, steps):
                 for L, ids in prompts.items():
                     ttft_s(engine, f"warm-{L}-{graphs}-{on}", ids[: min(L, 512)])
                     reps = a.reps if L <= 8192 else 1
+                    before = tail_steps(steps)
                     ttft[graphs, on, L] = [ttft_s(engine, f"{L}-{graphs}-{on}-{i}", ids) * 1e3 for i in range(reps)]
-                    print(f"  TTFT {L} tokens, {'graphs' if graphs else 'eager'}, decoder replay {'on' if on else 'off'}: "
-                          f"{statistics.median(ttft[graphs, on, L]):.1f} ms", flush=True)
-            del steps
-            gc.collect()
-            torch.cuda.empty_cache()
+                    if graphs:
+                        tails[on, L] = {k: v - before.get(k, 0) for k, v in tail_steps(steps).items()
+                                        if v > before.get(k, 0)}
+                    how = "graphs (the engine's own)" if own else "graphs" if graphs else "eager"
+                    print(f"  TTFT {L} tokens, {how}, decoder replay {'on' if on else 'off'}: "
+                          f"{statistics.median(ttft[graphs, on, L]):.1f} ms"
+                          f"{' front/tail steps ' + str(tails[on, L]) if tails.get((on, L)) else ''}", flush=True)
+            if not own:
+                del steps
+                gc.collect()
+                torch.cuda.empty_cache()
     engine.model.decoder_replay = started_replay  # what the engine's own graphs were captured with
     if lengths:
         print("prompt | eager: replay off ms | on ms | speedup | graphs: replay off ms | on ms | speedup | "
@@ -204,6 +223,7 @@ def main() -> None:
         shown = f"{L} | {med[False, False, L]:.1f} | {med[False, True, L]:.1f} | {row['speedup_eager']:.2f}x"
         if (True, True, L) in med:
             row.update({"ttft_ms_graphs_replay_off": ttft[True, False, L], "ttft_ms_graphs_replay_on": ttft[True, True, L],
+                        "graphs_replay_on_front_tail_steps": tails.get((True, L), {}),
                         "speedup_graphs": med[True, False, L] / med[True, True, L],
                         "graphs_replay_on_vs_eager_replay_off": med[False, False, L] / med[True, True, L]})
             shown += (f" | {med[True, False, L]:.1f} | {med[True, True, L]:.1f} | {row['speedup_graphs']:.2f}x | "
@@ -264,7 +284,8 @@ def main() -> None:
                   f"{a.check_tokens} tokens (tokens before the first difference: {agree})", flush=True)
     result = {"model": str(model), "quant": a.quant, "engine_args": args, "ttft": rows, "decode": decode,
               "graphs_vs_eager": check, "mixed_graphs_vs_eager": mixed_check, "graph_sizes": sorted(engine.runner.graphs),
-              "mixed_graph_sizes": mixed.sizes if mixed is not None else [], "capture_error": capture_error,
+              "mixed_graph_sizes": mixed.sizes if mixed is not None else [], "graphs_captured": counts,
+              "capture_error": capture_error,
               "gpu": torch.cuda.get_device_name() if cuda else "cpu"}
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=2))

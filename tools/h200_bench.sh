@@ -33,9 +33,11 @@ depth)  # decode at V4-Flash depth (43 layers, its schedule, 16 experts): as shi
   done ;;
 v41)  # DeepSeek-V4.1-Flash-shaped (released 40-layer schedule and per-layer shapes, 8 experts; FP8 32x32 tiles +
   # FP4 experts as shipped, dequantized to bf16 at load): TTFT 1K/8K/32K with decoder-side bounded replay off/on,
-  # the prefill eager and through mixed-step CUDA graphs; decode at batch 1/32 with CUDA graphs and eagerly vs the
-  # floor; graphed greedy tokens vs padded eager / eager for decode and for mixed steps (~5 min: the 16 GB
-  # checkpoint ~45 s, the mixed-step captures, the 32K prompts ~60 s, batch-32 prefills)
+  # the prefill eager and through the engine's own mixed-step CUDA graphs at max_num_seqs 64 (replay on: a front
+  # graph per token count + a tail graph per kept-row bucket; replay off: graphs captured for it at the same
+  # max_num_seqs); decode at batch 1/32 with CUDA graphs and eagerly vs the floor; graphed greedy tokens vs padded
+  # eager / eager for decode and for mixed steps (~5 min: the 16 GB checkpoint ~45 s, the captures, the 32K
+  # prompts ~60 s, batch-32 prefills)
   timeout 560 python3 -m tools.bench_v41 --cache-dir $CK --reps 1 --eager-steps 4 --json "$OUT/v41.json" 2>&1 \
     | tee "$OUT/v41.log" | grep -v "^  TTFT" | tail -16
   rm -rf "$CK"/v41-* ;;

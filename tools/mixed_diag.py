@@ -127,7 +127,9 @@ class StepDiagnosis:
         got = cache_writes(r.cache, scheduled)
         T = sum(n for _, n in scheduled)
         size = min(s for s in r.mixed.sizes if s >= T) if mixed else min(b for b in r.graphs if b >= len(scheduled))
+        split = r.mixed.split if mixed else None  # V4.1 decoder replay: the tail graph over the kept rows
         row = {"step": len(self.rows), "path": "mixed" if mixed else "decode", "tokens": T, "graph_size": size,
+               "tail_bucket": split.bucket(scheduled) if split is not None else None,
                "seqs": len(scheduled), "logits_graph_vs_padded_eager": max_diff(logits, padded),
                "logits_padded_vs_unpadded_eager": max_diff(padded, unpadded),
                "first_difference": first_difference(got, want)}
@@ -138,7 +140,8 @@ class StepDiagnosis:
     def describe(self, row: dict) -> str:
         what = "padded eager" if row["path"] == "mixed" else "eager"
         s = (f"  diag{self.label} step {row['step']} ({row['path']}, {row['tokens']} tokens of {row['seqs']} seqs -> graph "
-             f"{row['graph_size']}): logits |graph - {what}| {row['logits_graph_vs_padded_eager']:.2e}")
+             f"{row['graph_size']}{'' if row['tail_bucket'] is None else ', tail ' + str(row['tail_bucket'])}): "
+             f"logits |graph - {what}| {row['logits_graph_vs_padded_eager']:.2e}")
         if row["path"] == "mixed":
             s += f", |padded - unpadded eager| {row['logits_padded_vs_unpadded_eager']:.2e}"
         d = row["first_difference"]
