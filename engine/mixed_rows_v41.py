@@ -18,7 +18,7 @@ import numpy as np
 
 from engine.engram import DEAD, lookback_rows
 
-PLAN_KEY = "v41_mixed"  # in fb.plans: a padded mixed step (the indexer's fixed-width path; no trim in forward)
+PLAN_KEY = "v41_mixed"  # in fb.plans: a padded mixed step (the forward does not trim it: its tail graph does)
 
 
 class V41MixedRows:
