@@ -1,8 +1,9 @@
 """The stored weight formats of DeepSeek-V4 checkpoints, in torch: quantize and dequantize.
 
-- FP8 block: e4m3 weight [N, K], one scale per 128x128 block, scale [ceil(N/128), ceil(K/128)];
-  value = weight * scale. V4-Flash stores the scales as ue8m0 (`float8_e8m0fnu`), Flash-Base
-  as float32 (vLLM's DeepseekV4FP8Config says so).
+- FP8 block: e4m3 weight [N, K], one scale per b x b block, scale [ceil(N/b), ceil(K/b)];
+  value = weight * scale. b = 128 in V4, 32 in V4.1 (FP8_BLOCKS; read from the scale's shape
+  against the weight's: fp8_block_of). V4-Flash stores the scales as ue8m0 (`float8_e8m0fnu`),
+  Flash-Base as float32 (vLLM's DeepseekV4FP8Config says so).
 - MXFP4: e2m1 values two per byte in an int8 tensor [N, K/2] (low nibble = even k, as
   transformers' Fp8Dequantize unpacks), one ue8m0 scale per 32 values along K, scale [N, K/32].
 
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-FP8_BLOCK = 128
+FP8_BLOCK = 128  # V4's, the default
+FP8_BLOCKS = (128, 32)  # the FP8 block sizes DeepSeek ships: V4's, V4.1's
 MX_BLOCK = 32
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -36,23 +38,36 @@ def ue8m0_ceil(x: torch.Tensor) -> torch.Tensor:
     return (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
-def fp8_block_scale_shape(n: int, k: int) -> tuple[int, int]:
-    return -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+def fp8_block_scale_shape(n: int, k: int, block: int = FP8_BLOCK) -> tuple[int, int]:
+    return -(-n // block), -(-k // block)
+
+
+def fp8_block_of(weight_shape, scale_shape) -> int:
+    """The block size b of an FP8 weight [..., N, K] from its scales' shape [..., ceil(N/b), ceil(K/b)],
+    b in FP8_BLOCKS (128 first). Unambiguous: two powers of two b1 < b2 give the same scale shape only
+    when N, K <= b1, one block either way, so the same values."""
+    n, k = weight_shape[-2:]
+    for b in FP8_BLOCKS:
+        if tuple(scale_shape[-2:]) == fp8_block_scale_shape(n, k, b):
+            return b
+    raise ValueError(f"FP8 scale {tuple(scale_shape)} does not tile weight {tuple(weight_shape)} in blocks of "
+                     f"{' or '.join(map(str, FP8_BLOCKS))}")
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 [..., N, K] times its block scales [..., ceil(N/128), ceil(K/128)] -> float32."""
+    """e4m3 [..., N, K] times its block scales [..., ceil(N/b), ceil(K/b)] -> float32 (b: fp8_block_of)."""
     n, k = weight.shape[-2:]
-    s = scale_to_float(scale).repeat_interleave(FP8_BLOCK, -2)[..., :n, :]
-    return weight.float() * s.repeat_interleave(FP8_BLOCK, -1)[..., :k]
+    b = fp8_block_of(weight.shape, scale.shape)
+    s = scale_to_float(scale).repeat_interleave(b, -2)[..., :n, :]
+    return weight.float() * s.repeat_interleave(b, -1)[..., :k]
 
 
-def quantize_fp8_block(w: torch.Tensor, ue8m0: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., N, K] -> (e4m3 weight, block scales: ue8m0, or float32 absmax/448 when ue8m0=False)."""
+def quantize_fp8_block(w: torch.Tensor, ue8m0: bool = True, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] -> (e4m3 weight, block x block scales: ue8m0, or float32 absmax/448 when ue8m0=False)."""
     n, k = w.shape[-2:]
-    rows, cols = fp8_block_scale_shape(n, k)
-    pad = torch.nn.functional.pad(w.float(), (0, cols * FP8_BLOCK - k, 0, rows * FP8_BLOCK - n))
-    blocks = pad.unflatten(-1, (cols, FP8_BLOCK)).unflatten(-3, (rows, FP8_BLOCK))  # [..., r, 128, c, 128]
+    rows, cols = fp8_block_scale_shape(n, k, block)
+    pad = torch.nn.functional.pad(w.float(), (0, cols * block - k, 0, rows * block - n))
+    blocks = pad.unflatten(-1, (cols, block)).unflatten(-3, (rows, block))  # [..., r, b, c, b]
     amax = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12)
     scale = ue8m0_ceil(amax / E4M3_MAX) if ue8m0 else amax / E4M3_MAX
     s = scale_to_float(scale)[..., :, None, :, None]

@@ -14,6 +14,7 @@ import functools
 import torch
 
 from kernels import fused_v41, reference
+from kernels.formats import fp8_block_of
 from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
 from kernels.fused_compress_blocks import compress_blocks_fused
@@ -55,13 +56,14 @@ GROUPED_ONE_LAUNCH_MAX_T = 32  # wo_a in one launch up to here, one launch per g
 
 def grouped_linear_fused(x, weight, groups, scale=None):
     """FP8 wo_a: all groups in one launch at small batches, one launch per group at large ones (where
-    it measured faster: docs/PERF.md, session 5); needs whole 128-row scale blocks per group."""
+    it measured faster: docs/PERF.md, session 5); needs whole scale blocks (128 V4, 32 V4.1) per group."""
     rows = weight.shape[0] // groups
-    if scale is None or rows % 128:
+    block = None if scale is None else fp8_block_of(weight.shape, scale.shape)
+    if scale is None or rows % block:
         return reference.grouped_linear(x, weight, groups, scale)
     if x.shape[0] <= GROUPED_ONE_LAUNCH_MAX_T:
         return fp8_linear_fused(x, weight, scale, groups=groups)
-    blk = rows // 128
+    blk = rows // block
     return torch.cat([fp8_linear_fused(x[:, g], weight[g * rows:(g + 1) * rows], scale[g * blk:(g + 1) * blk])
                       for g in range(groups)], dim=-1)
 

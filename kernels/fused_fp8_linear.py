@@ -1,19 +1,22 @@
-"""Block-scaled FP8 linear y = x @ dequant(W)^T, W e4m3 [N, K] with float32 128x128 block scales.
+"""Block-scaled FP8 linear y = x @ dequant(W)^T, W e4m3 [N, K] with float32 B x B block scales (B = 128
+in V4, 32 in V4.1: read from the scale's shape, a constexpr of every kernel; scale index n // B, k // B).
 
 Three variants (same result up to the activation rounding of the last):
 - "dequant" (decode): a weight GEMV. Each program streams a [BLOCK_N, BLOCK_K] weight tile per
   step (row-major, so coalesced 16-byte loads), converts it to bf16 in registers (W_CVT:
   kernels/quant_configs.py) and multiplies it as the MMA's left operand against x^T (swap-AB:
   the few rows are the MMA's narrow side).
-  The 128x128 block scale is one value per weight row per step (BLOCK_K divides 128), applied
-  to the partial product. Split-K (fp32 partials, then one reduce) gives narrow weights enough
+  The block scale is one value per weight row per step where BLOCK_K divides B (V4), applied to
+  the partial product; with smaller blocks (V4.1's 32 under a 128-wide step) a step runs as
+  BLOCK_K / B sub-steps, each rescaled by its own scale (V4's loop is the first branch, unchanged). Split-K (fp32 partials, then one reduce) gives narrow weights enough
   programs that every SM streams bytes.
 - "gemv" (one or a few rows): the same on the CUDA cores, one activation row per program, no
   MMA and no shared memory (the weight read once per row: L2 serves the repeats of a few rows).
 - "mma" (prefill): activations quantized once per 1x128 block by a small kernel (scale: the power
   of two >= absmax / 448, DeepSeek's ue8m0 act_quant), then the FP8 tensor cores multiply 128-wide
   K blocks, each rescaled by its activation and weight scales (DeepSeek's fp8_gemm scheme; with
-  BLOCK_N dividing 128 the weight scale is one per tile, so the rescale is one FMA per element).
+  BLOCK_N dividing B the weight scale is one per tile, so the rescale is one FMA per element; B = 32:
+  each 128-wide block as four 32-wide sub-dots, each rescaled by its own weight scales).
   Power-of-two scales make the division exact, so the kernel rounds each activation exactly as
   kernels.reference.linear_act_quant does.
 Which variant and tiles per shape: kernels/quant_configs.py (measured by tools/bench_quant.py).
@@ -28,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels import quant_configs
+from kernels.formats import FP8_BLOCK, fp8_block_of
 from kernels.semaphores import semaphores, split_k_arrive, split_k_total
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
@@ -79,45 +83,65 @@ def _out_offsets(m, n, M, N, N1):
     return tl.where(n < N1, m * N1 + n, M * N1 + m * (N - N1) + (n - N1))
 
 
+@triton.jit
+def _scaled_dot(w, xt, sw, DOT_F32: tl.constexpr, W_CVT: tl.constexpr):
+    """W tile [BLOCK_N, k] (e4m3) @ x^T [k, BLOCK_M] times the weight rows' scales sw [BLOCK_N]: the k
+    columns share one scale per row."""
+    if DOT_F32:  # float32 activations (and the interpreter): the dequantized tile, exact float32 products
+        return tl.dot(w.to(tl.float32) * sw[:, None], xt.to(tl.float32), input_precision="ieee")
+    else:
+        if W_CVT == "int":  # bf16 activations: integer ops (above), no conversion-unit instructions
+            wb = tl.inline_asm_elementwise(_E4M3_BF16_ASM, "=r,h", [w.to(tl.uint8, bitcast=True)],
+                                           dtype=tl.bfloat16, is_pure=True, pack=2)
+        elif W_CVT == "f32":  # e4m3 -> f16 -> f32 (FMA pipe) -> bf16 pack: no F2F.BF16.F16
+            wb = w.to(tl.float32).to(xt.dtype)
+        else:  # "cast": e4m3 -> f16 (F2FP) -> bf16 (F2F, one per byte)
+            wb = w.to(xt.dtype)
+        return tl.dot(wb, xt) * sw[:, None]
+
+
 @triton.jit(do_not_specialize=["M"])
 def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STRIDE, ROWS, K_SPLIT,
                     SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_F32: tl.constexpr, W_CVT: tl.constexpr = "cast"):
+                    DOT_F32: tl.constexpr, W_CVT: tl.constexpr = "cast", B: tl.constexpr = 128):
     """acc[BLOCK_N, BLOCK_M] = W[n, k-range] @ x[m, g * K + k-range]^T, g = the group of rows n (ROWS
     weight rows per group: wo_a's 8 groups read their own slice of x; a plain linear is one group).
-    Split-K: each split stores its float32 partial, and the last split of a tile to finish (a
-    counter per tile, reset by it for the next call) adds them and writes y: one launch, no reduce.
-    y holds two row-major outputs back to back (_out_offsets): columns [0, N1) and [N1, N)."""
+    B: the scale block (128 V4, 32 V4.1). Split-K: each split stores its float32 partial, and the last
+    split of a tile to finish (a counter per tile, reset by it for the next call) adds them and writes
+    y: one launch, no reduce. y holds two row-major outputs back to back (_out_offsets): columns
+    [0, N1) and [N1, N)."""
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     nmask, mmask = n < N, m < M
     xg = x_ptr + (pid_n * BLOCK_N // ROWS) * K  # BLOCK_N divides ROWS: one group per tile
-    s_row = s_ptr + (n // 128) * tl.cdiv(K, 128)  # hoisted: one scale per weight row per 128-wide K block
+    s_row = s_ptr + (n // B) * tl.cdiv(K, B)  # hoisted: one scale per weight row per B-wide K block
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    # the block scales one step ahead: loaded in the loop and used after its MMA, a scale load's L2
-    # latency sat between the MMA and the rescale of every step (SASS: LDG, HGMMA, wait, FFMA)
-    sw = tl.load(s_row + k_lo // 128, mask=nmask, other=0.0)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        kmask = k < k_hi
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        xt = tl.load(xg + m[None, :] * X_STRIDE + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
-        sw_next = tl.load(s_row + tl.minimum(k0 + BLOCK_K, k_hi - 1) // 128, mask=nmask, other=0.0)  # last: unused
-        if DOT_F32:  # float32 activations (and the interpreter): the dequantized tile, exact float32 products
-            acc += tl.dot(w.to(tl.float32) * sw[:, None], xt.to(tl.float32), input_precision="ieee")
-        else:
-            if W_CVT == "int":  # bf16 activations: integer ops (above), no conversion-unit instructions
-                wb = tl.inline_asm_elementwise(_E4M3_BF16_ASM, "=r,h", [w.to(tl.uint8, bitcast=True)],
-                                               dtype=tl.bfloat16, is_pure=True, pack=2)
-            elif W_CVT == "f32":  # e4m3 -> f16 -> f32 (FMA pipe) -> bf16 pack: no F2F.BF16.F16
-                wb = w.to(tl.float32).to(xt.dtype)
-            else:  # "cast": e4m3 -> f16 (F2FP) -> bf16 (F2F, one per byte)
-                wb = w.to(xt.dtype)
-            acc += tl.dot(wb, xt) * sw[:, None]
-        sw = sw_next
+    if BLOCK_K <= B:  # each step inside one scale block (V4): one scale per weight row per step
+        # the block scales one step ahead: loaded in the loop and used after its MMA, a scale load's L2
+        # latency sat between the MMA and the rescale of every step (SASS: LDG, HGMMA, wait, FFMA)
+        sw = tl.load(s_row + k_lo // B, mask=nmask, other=0.0)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < k_hi
+            w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            xt = tl.load(xg + m[None, :] * X_STRIDE + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+            sw_next = tl.load(s_row + tl.minimum(k0 + BLOCK_K, k_hi - 1) // B, mask=nmask, other=0.0)  # last: unused
+            acc += _scaled_dot(w, xt, sw, DOT_F32, W_CVT)
+            sw = sw_next
+    else:  # smaller scale blocks (V4.1's 32): the step's BLOCK_K bytes per row as BLOCK_K / B sub-steps
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            for j in tl.static_range(BLOCK_K // B):
+                k = k0 + j * B + tl.arange(0, B)
+                kmask = k < k_hi
+                w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+                xt = tl.load(xg + m[None, :] * X_STRIDE + k[:, None], mask=kmask[:, None] & mmask[None, :],
+                             other=0.0)
+                # past k_hi (a split's or K's end) the tile is masked to zero: any in-bounds scale does
+                sw = tl.load(s_row + tl.minimum(k0 + j * B, k_hi - 1) // B, mask=nmask, other=0.0)
+                acc += _scaled_dot(w, xt, sw, DOT_F32, W_CVT)
     _split_k_store(acc, y_ptr, ws_ptr, sem_ptr + pid_m * tl.num_programs(0) + pid_n, pid_k,
                    _out_offsets(m[None, :], n[:, None], M, N, N1), nmask[:, None] & mmask[None, :], M, N, SPLITS)
 
@@ -138,30 +162,30 @@ def _split_k_store(acc, y_ptr, ws_ptr, tile, pid_k, out, omask, M, N, SPLITS: tl
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STRIDE, ROWS, K_SPLIT,
-                 SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B: tl.constexpr = 128):
     """y[m, n-tile] for one activation row m per program, on the CUDA cores: no MMA and no shared
-    memory, the weight in 16-byte loads straight to registers ([BLOCK_N, BLOCK_K / 128, 128]: the
-    last axis one scale block), e4m3 -> float32 (F2FP unpack + HADD2.F32), one FMA per weight byte,
-    each scale block's sum rescaled once. Groups and split-K as _dequant_kernel."""
+    memory, the weight in 16-byte loads straight to registers ([BLOCK_N, BLOCK_K / B, B]: the last
+    axis one scale block, B = 128 in V4, 32 in V4.1), e4m3 -> float32 (F2FP unpack + HADD2.F32), one
+    FMA per weight byte, each scale block's sum rescaled once. Groups and split-K as _dequant_kernel."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    G: tl.constexpr = BLOCK_K // 128
+    G: tl.constexpr = BLOCK_K // B
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
     j = tl.arange(0, G)
-    i = tl.arange(0, 128)
+    i = tl.arange(0, B)
     xg = x_ptr + m * X_STRIDE + (pid_n * BLOCK_N // ROWS) * K  # BLOCK_N divides ROWS: one group per tile
-    s_row = s_ptr + (n // 128) * tl.cdiv(K, 128)
+    s_row = s_ptr + (n // B) * tl.cdiv(K, B)
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     acc = tl.zeros((BLOCK_N,), tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + j[:, None] * 128 + i[None, :]  # [G, 128]
+        k = k0 + j[:, None] * B + i[None, :]  # [G, B]
         kmask = k < k_hi
         w = tl.load(w_ptr + n[:, None, None] * K + k[None, :, :], mask=nmask[:, None, None] & kmask[None, :, :],
                     other=0.0)
         # x in the weight tile's layout (each thread its own entries, from L1): no shared-memory broadcast
         xk = tl.load(xg + k[None, :, :] + 0 * n[:, None, None], mask=kmask[None, :, :], other=0.0).to(tl.float32)
-        sw = tl.load(s_row[:, None] + k0 // 128 + j[None, :], mask=nmask[:, None] & (k0 + j * 128 < k_hi)[None, :],
+        sw = tl.load(s_row[:, None] + k0 // B + j[None, :], mask=nmask[:, None] & (k0 + j * B < k_hi)[None, :],
                      other=0.0)
         acc += tl.sum(tl.sum(w.to(tl.float32) * xk, axis=2) * sw, axis=1)
     _split_k_store(acc, y_ptr, ws_ptr, sem_ptr + m * tl.num_programs(0) + pid_n, pid_k,
@@ -190,7 +214,9 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, ROUND_F3
 
 @triton.jit(do_not_specialize=["M"])
 def _mma_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, y_ptr, M, N, N1, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                GROUP_M: tl.constexpr, DOT_F32: tl.constexpr):
+                GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, B: tl.constexpr = 128):
+    """y = dequant(q) @ dequant(W)^T over 128-wide K blocks (the activation scale's); B: the weight's
+    scale block (128 V4; 32 V4.1: each K block as 128 / B sub-dots, each rescaled by its own scales)."""
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = GROUP_M * num_n  # GROUP_M row tiles walk the N tiles together: weight tiles are reused from L2
@@ -202,23 +228,41 @@ def _mma_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, y_ptr, M, N, N1, K, BLOCK_M: tl.con
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask, nmask = m < M, n < N
     sk = tl.cdiv(K, 128)
-    s_row = s_ptr + (n // 128) * sk
-    s_tile = s_ptr + (pid_n * BLOCK_N // 128) * sk  # BLOCK_N divides 128: the tile's rows share one weight scale
+    skw = tl.cdiv(K, B)  # weight scale columns
+    s_row = s_ptr + (n // B) * skw
+    s_tile = s_ptr + (pid_n * BLOCK_N // B) * skw  # BLOCK_N divides B: the tile's rows share one weight scale
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kb in range(0, sk):
-        k = kb * 128 + tl.arange(0, 128)
-        kmask = k < K
-        a = tl.load(q_ptr + m[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        sa = tl.load(qs_ptr + kb * M + m, mask=mmask, other=0.0)
-        if DOT_F32:  # the interpreter: e4m3 values held in float32, multiplied in float32 (same products)
-            d = tl.dot(a, tl.trans(w.to(tl.float32)))
+        if B == 128:
+            k = kb * 128 + tl.arange(0, 128)
+            kmask = k < K
+            a = tl.load(q_ptr + m[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            sa = tl.load(qs_ptr + kb * M + m, mask=mmask, other=0.0)
+            if DOT_F32:  # the interpreter: e4m3 values held in float32, multiplied in float32 (same products)
+                d = tl.dot(a, tl.trans(w.to(tl.float32)))
+            else:
+                d = tl.dot(a, tl.trans(w))
+            if 128 % BLOCK_N == 0:  # the rescale is one FMA per accumulator element (SASS: FFMA, no FMUL)
+                acc += d * (sa * tl.load(s_tile + kb))[:, None]
+            else:
+                acc += d * (sa[:, None] * tl.load(s_row + kb, mask=nmask, other=0.0)[None, :])
         else:
-            d = tl.dot(a, tl.trans(w))
-        if 128 % BLOCK_N == 0:  # the rescale is one FMA per accumulator element (SASS: FFMA, no FMUL)
-            acc += d * (sa * tl.load(s_tile + kb))[:, None]
-        else:
-            acc += d * (sa[:, None] * tl.load(s_row + kb, mask=nmask, other=0.0)[None, :])
+            sa = tl.load(qs_ptr + kb * M + m, mask=mmask, other=0.0)
+            for j in tl.static_range(128 // B):
+                k = kb * 128 + j * B + tl.arange(0, B)
+                kmask = k < K
+                a = tl.load(q_ptr + m[:, None] * K + k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0)
+                w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+                if DOT_F32:
+                    d = tl.dot(a, tl.trans(w.to(tl.float32)))
+                else:
+                    d = tl.dot(a, tl.trans(w))
+                c = tl.minimum(kb * (128 // B) + j, skw - 1)  # this sub-block's scale column (past K its dot is 0)
+                if B % BLOCK_N == 0:
+                    acc += d * (sa * tl.load(s_tile + c))[:, None]
+                else:
+                    acc += d * (sa[:, None] * tl.load(s_row + c, mask=nmask, other=0.0)[None, :])
     tl.store(y_ptr + _out_offsets(m[:, None], n[None, :], M, N, N1), acc.to(y_ptr.dtype.element_ty),
              mask=mmask[:, None] & nmask[None, :])
 
@@ -238,9 +282,11 @@ def _launch_opts(cfg: dict) -> dict:
     return {} if _INTERPRET else {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
 
 
-def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None, gemv: bool = False):
+def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None, gemv: bool = False,
+             block: int = FP8_BLOCK):
     """x2 [M, groups * K] (row stride x2.stride(0)), weight [N, K] in `groups` blocks of N / groups rows;
-    the MMA GEMV (_dequant_kernel) or, gemv, the CUDA-core one (_gemv_kernel, one row per program)."""
+    the MMA GEMV (_dequant_kernel) or, gemv, the CUDA-core one (_gemv_kernel, one row per program).
+    block: the weight's scale block (kernels.formats.fp8_block_of)."""
     M = x2.shape[0]
     N, K = weight.shape
     if gemv:
@@ -253,15 +299,15 @@ def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None, 
     sem = semaphores(y.device, grid[0] * grid[1]) if split > 1 else y
     args = (x2, weight, scale, y, ws, sem, M, N, N if n1 is None else n1, K, x2.stride(0), N // groups, k_split, split)
     if gemv:
-        _gemv_kernel[grid](*args, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **_launch_opts(cfg))
+        _gemv_kernel[grid](*args, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], B=block, **_launch_opts(cfg))
         return
     _dequant_kernel[grid](*args, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                           DOT_F32=_INTERPRET or x2.dtype == torch.float32,
                           W_CVT=cfg.get("W_CVT", quant_configs.W_CVT) if x2.dtype == torch.bfloat16 else "cast",
-                          **_launch_opts(cfg))
+                          B=block, **_launch_opts(cfg))
 
 
-def _mma(x2, weight, scale, y, cfg, n1: int | None = None):
+def _mma(x2, weight, scale, y, cfg, n1: int | None = None, block: int = FP8_BLOCK):
     M, K = x2.shape
     N = weight.shape[0]
     sk = triton.cdiv(K, 128)
@@ -270,7 +316,7 @@ def _mma(x2, weight, scale, y, cfg, n1: int | None = None):
     _act_quant_kernel[(triton.cdiv(M, 32), sk)](x2, q, qs, M, K, BLOCK_M=32, ROUND_F32=_INTERPRET)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     _mma_kernel[grid](q, qs, weight, scale, y, M, N, N if n1 is None else n1, K, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      GROUP_M=cfg.get("GROUP_M", 8), DOT_F32=_INTERPRET, **_launch_opts(cfg))
+                      GROUP_M=cfg.get("GROUP_M", 8), DOT_F32=_INTERPRET, B=block, **_launch_opts(cfg))
 
 
 def tiles(m: int, n: int, k: int, variant: str | None = None, config: dict | None = None) -> tuple[str, dict]:
@@ -287,9 +333,10 @@ def tiles(m: int, n: int, k: int, variant: str | None = None, config: dict | Non
 
 def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, variant: str | None = None,
                      config: dict | None = None, groups: int = 1, split_n: int | None = None):
-    """x [..., K] (bf16 / fp16 / fp32), weight e4m3 [N, K], scale float32 [cdiv(N,128), cdiv(K,128)].
+    """x [..., K] (bf16 / fp16 / fp32), weight e4m3 [N, K], scale float32 [cdiv(N,b), cdiv(K,b)], b the
+    block (kernels.formats.fp8_block_of: 128 V4, 32 V4.1).
     groups > 1 (wo_a): x [..., groups, K] and weight [groups * R, K], group g's rows times x's
-    group g -> [..., groups * R] (R a multiple of 128); "dequant" does all groups in one launch.
+    group g -> [..., groups * R] (R a multiple of b); "dequant" does all groups in one launch.
     split_n (two linears of x stacked along N, e.g. wq_a over wkv): the pair (x @ W[:split_n]^T,
     x @ W[split_n:]^T), each contiguous, from one launch.
     `config` (tools/bench_quant.py's sweep) overrides kernels/quant_configs.py's entry."""
@@ -310,25 +357,29 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     variant, cfg = tiles(M, N // groups, K, variant, config)  # per group: the tiles see one group
     if _INTERPRET:
         cfg.update(quant_configs.INTERPRET_LINEAR[variant])
+    block = fp8_block_of(weight.shape, scale.shape)
+    if groups > 1 and (N // groups) % block:
+        raise ValueError(f"grouped FP8 linear: {N // groups} rows per group are not whole {block}-row scale blocks")
     if variant == "dequant":
         cfg.setdefault("BLOCK_K", 128)
-        if 128 % cfg["BLOCK_K"]:
-            raise ValueError(f"dequant tiles must sit inside 128x128 scale blocks: {cfg}")
-    if variant == "gemv" and cfg.get("BLOCK_K", 0) % 128:
-        raise ValueError(f"gemv steps must be whole 128-wide scale blocks: {cfg}")
+        if max(block, cfg["BLOCK_K"]) % min(block, cfg["BLOCK_K"]):
+            raise ValueError(f"dequant steps must sit inside {block}x{block} scale blocks or hold whole ones: {cfg}")
+    if variant == "gemv" and cfg.get("BLOCK_K", 0) % block:
+        raise ValueError(f"gemv steps must be whole {block}-wide scale blocks: {cfg}")
     if scale.dtype != torch.float32 or not scale.is_contiguous():
         scale = scale.float().contiguous()
     if variant in ("dequant", "gemv"):
         if groups > 1 and (N // groups) % cfg["BLOCK_N"]:
             raise ValueError(f"grouped {variant} tiles must not straddle groups: {N // groups} rows, {cfg}")
-        _dequant(x2, weight, scale, y, cfg, groups, split_n, gemv=variant == "gemv")
+        _dequant(x2, weight, scale, y, cfg, groups, split_n, gemv=variant == "gemv", block=block)
     elif groups == 1:
-        _mma(x2, weight, scale, y, cfg, split_n)
+        _mma(x2, weight, scale, y, cfg, split_n, block)
     else:  # the FP8 tensor-core kernel takes one group at a time
-        R, blk = N // groups, N // groups // 128
+        R, blk = N // groups, N // groups // block
         for g in range(groups):
             yg = torch.empty(M, R, dtype=x.dtype, device=x.device)
-            _mma(x2[:, g * K:(g + 1) * K].contiguous(), weight[g * R:(g + 1) * R], scale[g * blk:(g + 1) * blk], yg, cfg)
+            _mma(x2[:, g * K:(g + 1) * K].contiguous(), weight[g * R:(g + 1) * R], scale[g * blk:(g + 1) * blk], yg, cfg,
+                 block=block)
             y.view(M, N)[:, g * R:(g + 1) * R] = yg
     return _outputs(y, lead, M, N, split_n)
 

@@ -217,3 +217,67 @@ def test_a_variant_asked_for_by_name_takes_its_own_tiles(variant):
     want = ref.grouped_linear(x, q, groups, s).float()
     got = fp8_linear_fused(x, q, s, variant=variant, groups=groups).float()
     assert (got - want).abs().max() <= 0.1 * max(want.abs().max().item(), 1.0)
+
+
+def _case32(m: int, n: int, k: int, seed: int = 0):
+    """x and an FP8 weight in DeepSeek-V4.1's 32x32 tiles, the tiles' magnitudes spread over 12 octaves
+    so a scale read from the wrong tile shows (ue8m0 scales, float32 as the kernels hold them)."""
+    g = torch.Generator().manual_seed(seed + m * 7 + n + k)
+    x = torch.randn(m, k, generator=g)
+    octaves = torch.randint(-6, 6, (-(-n // 32), -(-k // 32)), generator=g).float()
+    w = torch.randn(n, k, generator=g) / k**0.5 * torch.exp2(octaves).repeat_interleave(32, 0).repeat_interleave(32, 1)[:n, :k]
+    q, s = quantize_fp8_block(w, block=32)
+    return x, q, scale_to_float(s)
+
+
+@pytest.mark.parametrize("variant, m, n, k", [
+    (v, *shape) for v in ("gemv", "dequant", "mma")  # one row, a few, several row tiles (the gemv: one row per program)
+    for shape in ((1, 96, 200), (5, 130, 257), (2 if v == "gemv" else 40, 160, 384))])
+def test_fp8_linear_with_32x32_blocks_matches_reference(variant, m, n, k):
+    """V4.1's blocks: the block read from the scale's shape (kernels.formats.fp8_block_of), each
+    kernel's K step applying the scales of the 32-wide sub-blocks it spans (interpreter tiles: gemv
+    4 per step, dequant 2, mma 4 per 128-wide activation block); split-K 2 for the GEMVs."""
+    from kernels.formats import fp8_block_of
+
+    x, q, s = _case32(m, n, k)
+    assert fp8_block_of(q.shape, s.shape) == 32
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        want = (ref.linear_act_quant if variant == "mma" else ref.linear)(x.to(dtype), q, s).float()
+        got = fp8_linear_fused(x.to(dtype), q, s, variant=variant).float()
+        assert (got - want).abs().max() <= tol * want.abs().max(), (dtype, (got - want).abs().max())
+
+
+@pytest.mark.parametrize("variant, tiles", [("dequant", {"BLOCK_K": 32}), ("dequant", {"BLOCK_K": 16}),
+                                            ("dequant", {"BLOCK_K": 128, "SPLIT_K": 3}), ("mma", {"BLOCK_N": 64})])
+def test_32x32_blocks_with_other_tiles(monkeypatch, variant, tiles):
+    """The other branches: dequant steps inside one 32-wide block (V4's loop with B = 32), a split-K
+    boundary inside a step, and an mma tile taller than a block (one weight scale per row, not per tile)."""
+    from kernels import quant_configs
+
+    monkeypatch.setitem(quant_configs.INTERPRET_LINEAR, variant, {**quant_configs.INTERPRET_LINEAR[variant], **tiles})
+    x, q, s = _case32(3, 96, 300, seed=1)
+    want = (ref.linear_act_quant if variant == "mma" else ref.linear)(x, q, s)
+    got = fp8_linear_fused(x, q, s, variant=variant)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("variant", ["gemv", "dequant", "mma"])
+def test_grouped_and_split_linears_with_32x32_blocks(variant):
+    """wo_a's groups of 32-row blocks (one launch, or mma one group at a time) and a stacked pair split
+    on a 32-row boundary, against the reference; kernels.fused's dispatch takes the 32-row groups too."""
+    from kernels.fused import grouped_linear_fused
+
+    groups, rows, k = 3, 32, 160
+    _, q, s = _case32(2, groups * rows, k, seed=2)
+    x = torch.randn(2, groups, k, generator=torch.Generator().manual_seed(2))
+    want = ref.grouped_linear(x, q, groups, s)
+    tol = 1e-1 if variant == "mma" else 1e-5  # mma: e4m3 activations
+    got = fp8_linear_fused(x, q, s, variant=variant, groups=groups)
+    assert (got - want).abs().max() <= tol * want.abs().max()
+    if variant == "dequant":  # the dispatch at 2 rows: one launch
+        assert (grouped_linear_fused(x, q, groups, s) - want).abs().max() <= 1e-5 * want.abs().max()
+    x2 = x[:, 0]
+    a, b = fp8_linear_fused(x2, q, s, variant=variant, split_n=64)
+    exact = ref.linear_act_quant if variant == "mma" else ref.linear
+    ya, yb = exact(x2, q, s).split([64, groups * rows - 64], -1)
+    assert (a - ya).abs().max() <= 1e-5 * ya.abs().max() and (b - yb).abs().max() <= 1e-5 * yb.abs().max()
