@@ -25,7 +25,7 @@ from engine.forward_batch import ForwardBatch
 from engine.parallel import SINGLE, TensorParallel
 from engine.stacked_linears import ATTENTION_X_READERS, linear_group, members
 from engine.weights import WeightsError
-from kernels.formats import MX_BLOCK, fp8_block_scale_shape
+from kernels.formats import FP8_BLOCK, MX_BLOCK, fp8_block_scale_shape
 
 
 def _linear(out_f: int, in_f: int) -> nn.Linear:
@@ -34,13 +34,13 @@ def _linear(out_f: int, in_f: int) -> nn.Linear:
 
 class Linear(nn.Module):
     """A dense linear the checkpoint may store in FP8: e4m3 weight + `scale` (one float32 per
-    128x128 block) when fp8, else a plain weight and no scale."""
+    block x block tile: 128 in V4, 32 in V4.1) when fp8, else a plain weight and no scale."""
 
-    def __init__(self, out_f: int, in_f: int, fp8: bool = False):
+    def __init__(self, out_f: int, in_f: int, fp8: bool = False, block: int = FP8_BLOCK):
         super().__init__()
         dtype = torch.float8_e4m3fn if fp8 else None
         self.weight = nn.Parameter(torch.empty(out_f, in_f, dtype=dtype), requires_grad=not fp8)
-        scale = torch.empty(fp8_block_scale_shape(out_f, in_f), dtype=torch.float32) if fp8 else None
+        scale = torch.empty(fp8_block_scale_shape(out_f, in_f, block), dtype=torch.float32) if fp8 else None
         self.register_buffer("scale", scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -109,19 +109,20 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg, ratio, cfg.index_head_dim, overlap=True)
 
 
-def add_attention_projections(m: nn.Module, cfg, heads: int, groups: int, fp8: bool, norm=None) -> None:
+def add_attention_projections(m: nn.Module, cfg, heads: int, groups: int, fp8: bool, norm=None,
+                              block: int = FP8_BLOCK) -> None:
     """The projections V4 and V4.1 attention share, as the checkpoints name them: the q LoRA (wq_a,
     q_norm, wq_b), the shared KV latent (wkv, kv_norm), the grouped low-rank output (wo_a, wo_b) and
-    the per-head sinks. `norm`: the model's Norm class (V4.1 keeps its own)."""
+    the per-head sinks. `norm`: the model's Norm class (V4.1 keeps its own); `block`: the FP8 tile."""
     norm = norm or Norm
     hd = cfg.head_dim
-    m.wq_a = Linear(cfg.q_lora_rank, cfg.hidden_size, fp8)
+    m.wq_a = Linear(cfg.q_lora_rank, cfg.hidden_size, fp8, block)
     m.q_norm = norm(cfg.q_lora_rank, cfg.rms_norm_eps)
-    m.wq_b = Linear(heads * hd, cfg.q_lora_rank, fp8)
-    m.wkv = Linear(hd, cfg.hidden_size, fp8)
+    m.wq_b = Linear(heads * hd, cfg.q_lora_rank, fp8, block)
+    m.wkv = Linear(hd, cfg.hidden_size, fp8, block)
     m.kv_norm = norm(hd, cfg.rms_norm_eps)
-    m.wo_a = Linear(groups * cfg.o_lora_rank, heads * hd // groups, fp8)
-    m.wo_b = Linear(cfg.hidden_size, groups * cfg.o_lora_rank, fp8)
+    m.wo_a = Linear(groups * cfg.o_lora_rank, heads * hd // groups, fp8, block)
+    m.wo_b = Linear(cfg.hidden_size, groups * cfg.o_lora_rank, fp8, block)
     m.attn_sink = nn.Parameter(torch.zeros(heads, dtype=torch.float32))
 
 

@@ -49,6 +49,7 @@ from engine.engram import EngramHasher
 from engine.forward_batch import ForwardBatch
 from engine.mixed_rows_v41 import PLAN_KEY, V41MixedRows
 from engine.mixed_split_v41 import V41SplitSteps
+from engine.stacked_linears import linear_group
 
 SCORE_BUDGET = 1 << 27  # fp32 elements of one indexer score chunk [rows, heads, entries]
 
@@ -186,7 +187,7 @@ class Attention(nn.Module):
         self.ratio = cfg.compress_ratios[layer]
         self.source = cfg.kv_source_of(layer)
         H = cfg.num_heads
-        add_attention_projections(self, cfg, H, cfg.o_groups, fp8, norm=Norm)
+        add_attention_projections(self, cfg, H, cfg.o_groups, fp8, norm=Norm, block=cfg.weight_block_size[0])
         if layer in cfg.kv_source_layer_ids:
             self.compressor = Compressor(cfg, self.ratio)
         if layer in cfg.index_source_layer_ids:
@@ -215,9 +216,10 @@ class Attention(nn.Module):
         cfg, T = self.cfg, x.shape[0]
         H, hd = cfg.num_heads, cfg.head_dim
         cos, sin = rows.ropes["compress" if self.ratio else "main"]
-        q_res = self.q_norm(self.wq_a(x))
+        q_a, kv = linear_group((self.wq_a, self.wkv), x)  # one launch where the FP8 pair is stacked
+        q_res = self.q_norm(q_a)
         q = K.v41_rope(self.wq_b(q_res).view(T, H, hd), cos, sin)
-        kv = K.v41_fake_quant_fp8(K.v41_rope(self.kv_norm(self.wkv(x)), cos, sin), 32)
+        kv = K.v41_fake_quant_fp8(K.v41_rope(self.kv_norm(kv), cos, sin), 32)
         cache.write_window(self.layer, rows.window_slots, kv)
         comp_pool, ratio = None, 0
         if self.ratio:
@@ -247,17 +249,18 @@ class Gate(nn.Module):
 class SharedExpert(nn.Module):
     def __init__(self, cfg: V41Config, fp8: bool = False):
         super().__init__()
-        inter = cfg.moe_intermediate_size
-        self.w1, self.w3 = Linear(inter, cfg.hidden_size, fp8), Linear(inter, cfg.hidden_size, fp8)
-        self.w2 = Linear(cfg.hidden_size, inter, fp8)
+        inter, b = cfg.moe_intermediate_size, cfg.weight_block_size[0]
+        self.w1, self.w3 = Linear(inter, cfg.hidden_size, fp8, b), Linear(inter, cfg.hidden_size, fp8, b)
+        self.w2 = Linear(cfg.hidden_size, inter, fp8, b)
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(K.v41_clamped_swiglu(self.w1(x), self.w3(x), self.limit, x.dtype))
+        gate, up = linear_group((self.w1, self.w3), x)
+        return self.w2(K.v41_clamped_swiglu(gate, up, self.limit, x.dtype))
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: V41Config, quantized: bool = False):
+    def __init__(self, cfg: V41Config, quantized: bool = False, fp8: bool = False):
         super().__init__()
         self.cfg = cfg
         E, inter, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
@@ -266,7 +269,7 @@ class MoE(nn.Module):
         _expert_weights(self, "w1", E, inter, D, fmt)
         _expert_weights(self, "w3", E, inter, D, fmt)
         _expert_weights(self, "w2", E, D, inter, fmt)
-        self.shared_experts = SharedExpert(cfg)
+        self.shared_experts = SharedExpert(cfg, fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -289,12 +292,12 @@ class MoE(nn.Module):
 class Engram(nn.Module):
     """An n-gram lookup written into each hc stream, gated by its match with the stream."""
 
-    def __init__(self, cfg: V41Config, rows: int):
+    def __init__(self, cfg: V41Config, rows: int, fp8: bool = False):
         super().__init__()
         cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         self.eps = cfg.rms_norm_eps
         self.embed = nn.Embedding(rows, cfg.engram_head_dim)
-        self.wkv = _linear(cfg.hidden_size * (cfg.hc_mult + 1), cols * cfg.engram_head_dim)
+        self.wkv = Linear(cfg.hidden_size * (cfg.hc_mult + 1), cols * cfg.engram_head_dim, fp8, cfg.weight_block_size[0])
         self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.hidden_size))
         self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.hidden_size))
 
@@ -304,7 +307,7 @@ class Engram(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: V41Config, layer: int, quantized: bool = False):
+    def __init__(self, cfg: V41Config, layer: int, quantized: bool = False, fp8: bool = False):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         mix, hc, D = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult, cfg.hidden_size
@@ -314,10 +317,10 @@ class Block(nn.Module):
             setattr(self, f"hc_{kind}_fn", nn.Parameter(torch.zeros(mix, hc * D, dtype=torch.float32)))
             setattr(self, f"hc_{kind}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
             setattr(self, f"hc_{kind}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
-        self.attn = Attention(cfg, layer)
-        self.ffn = MoE(cfg, quantized)
+        self.attn = Attention(cfg, layer, fp8)
+        self.ffn = MoE(cfg, quantized, fp8)
         if layer in cfg.engram_layer_ids:
-            self.engram = Engram(cfg, cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)])
+            self.engram = Engram(cfg, cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)], fp8)
 
     def _site(self, kind: str, h: torch.Tensor, pre: torch.Tensor):
         """This site's (pre, post, comb) and h collapsed with the previous site's pre (one fused op)."""
@@ -368,12 +371,14 @@ class DeepseekV41(nn.Module):
     supports_mixed_graphs = True
     cache_class = V41KVCache
 
-    def __init__(self, cfg: V41Config, quantized: bool = False, decoder_replay: bool = True):
+    def __init__(self, cfg: V41Config, quantized: bool = False, decoder_replay: bool = True, fp8_linears: bool = False):
+        """quantized: routed experts as stored (MXFP4); fp8_linears: the FP8 linears as stored (e4m3 +
+        float32 scales per cfg.weight_block_size tile), else in the model dtype."""
         super().__init__()
         self.cfg, self.quantized, self.decoder_replay = cfg, quantized, decoder_replay
         D = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, D)
-        self.layers = nn.ModuleList(Block(cfg, i, quantized) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, quantized, fp8_linears) for i in range(cfg.num_layers))
         self.norm = Norm(D, cfg.rms_norm_eps)
         self.head = _linear(cfg.vocab_size, D)
         self.mtp_weights: dict[str, torch.Tensor] = {}  # DSpark draft layers: kept, not run

@@ -66,9 +66,22 @@ def to_official(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Te
         for e in range(tensor.shape[0]):
             yield f"layers.{layer}.ffn.experts.{e}.w2.weight", tensor[e]
         return
+    if rest.endswith(".scale") and rest[: -len("scale")] + "weight" in _LAYER_MAP:  # a kept FP8 linear's scale
+        yield f"layers.{layer}.{_LAYER_MAP[rest[: -len('scale')] + 'weight'][: -len('weight')]}scale", tensor
+        return
     if rest not in _LAYER_MAP:
         raise KeyError(name)
     yield f"layers.{layer}.{_LAYER_MAP[rest]}", tensor
+
+
+def official_name(name: str) -> str | None:
+    """The official name of a one-tensor entry (every name but transformers' fused experts: None)."""
+    if not is_transformers_name(name):
+        return name
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    m = _LAYER_RE.fullmatch(name)
+    return f"layers.{m[1]}.{_LAYER_MAP[m[2]]}" if m is not None and m[2] in _LAYER_MAP else None
 
 
 def to_transformers(name: str) -> str:

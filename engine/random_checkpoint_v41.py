@@ -24,8 +24,8 @@ from safetensors.torch import save_file
 from engine.config_v41 import RELEASED_INDEX_SOURCES, RELEASED_KV_SOURCES, RELEASED_RATIOS
 from engine.engram import EngramLayout, compressed_token_map
 from engine.random_checkpoint import _Rand, expert_tensors, write_tokenizer
-from engine.weights_v41 import quantize_fp8_tiles, quantize_rows
-from kernels.formats import quantize_mxfp4
+from engine.weights_v41 import quantize_rows
+from kernels.formats import quantize_fp8_block, quantize_mxfp4
 
 COMMON = dict(hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-20, routed_scaling_factor=1.5,
               scoring_func="sqrtsoftplus", topk_method="noaux_tc", swiglu_limit=10.0, bos_token_id=0, eos_token_id=1,
@@ -131,7 +131,7 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], quant: str) -> dict[str, 
         if ROUTED_EXPERT.search(name):
             out[name], out[stem + ".scale"] = quantize_mxfp4(t)
         elif FP8_LINEAR.search(name):
-            out[name], out[stem + ".scale"] = quantize_fp8_tiles(t, FP8_TILE)
+            out[name], out[stem + ".scale"] = quantize_fp8_block(t, block=FP8_TILE)
         elif name.endswith(".engram.embed.weight"):
             out[name], out[stem + ".scale"] = quantize_rows(t, 32)
         else:

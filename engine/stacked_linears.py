@@ -9,8 +9,8 @@ H200: cuBLAS split-K plus its reduce), so a group of n in one launch saves n - 1
 
 The modules keep their own weights, as views of the stacked tensor (no extra memory; names and
 shapes unchanged, so tensor-parallel slicing and the state dict see nothing new; stacking runs after
-each rank loaded its slices). FP8 members stack only where every N before the last is a whole number
-of 128-row scale blocks: their scales then stack too.
+each rank loaded its slices). FP8 members stack only where they share one scale block (128 V4, 32
+V4.1) and every N before the last is a whole number of blocks: their scales then stack too.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import kernels as K
-from kernels.formats import FP8_BLOCK
+from kernels.formats import fp8_block_of
 
 # the compressors' and the indexer's projections of the attention input, in stacking order
 ATTENTION_X_READERS = ("compressor.wkv", "compressor.wgate", "indexer.compressor.wkv", "indexer.compressor.wgate",
@@ -64,7 +64,7 @@ def members(module: nn.Module, names: tuple[str, ...]) -> tuple[nn.Module, ...]:
 def stack_group(linears: tuple[nn.Module, ...], views: bool) -> bool:
     """Stack the linears' weights (and FP8 scales) into one tensor, theirs views of it; False (left
     apart) where they cannot: fewer than two, different inputs, devices or formats, an FP8 split off a
-    128-row block, or contiguous outputs (views=False) from anything but an FP8 pair's split launch."""
+    scale block, or contiguous outputs (views=False) from anything but an FP8 pair's split launch."""
     if len(linears) < 2:
         return False
     ws = [m.weight for m in linears]
@@ -72,8 +72,10 @@ def stack_group(linears: tuple[nn.Module, ...], views: bool) -> bool:
     fp8 = scales[0] is not None
     if any((s is not None) != fp8 for s in scales) or len({(w.shape[1], w.dtype, w.device) for w in ws}) > 1:
         return False
-    if fp8 and any(w.shape[0] % FP8_BLOCK for w in ws[:-1]):
-        return False
+    if fp8:
+        tiles = {fp8_block_of(w.shape, s.shape) for w, s in zip(ws, scales)}
+        if len(tiles) > 1 or any(w.shape[0] % min(tiles) for w in ws[:-1]):
+            return False
     if not views and not (fp8 and len(linears) == 2):
         return False  # only K.linear_split's FP8 kernel writes split outputs contiguous in one launch
     weight = torch.cat([w.data for w in ws])

@@ -1,19 +1,23 @@
-"""DeepSeek-V4.1's stored formats, dequantized at load, except MXFP4 routed experts on CUDA (keep_mxfp4).
+"""DeepSeek-V4.1's stored formats: what the engine keeps as stored and what it dequantizes at load.
 
 - FP8 e4m3 linears with one scale per `block` x `block` tile (32 in the released V4.1, 128 in V4),
   `<stem>.scale` (or transformers' `weight_scale_inv`) of shape [ceil(N/block), ceil(K/block)];
 - packed FP4 e2m1 routed experts: int8 [N, K/2] (low nibble first) with one scale per g values
   along K, g = K / scale.shape[-1] (16 or 32);
 - Engram tables: FP8 rows with one scale per row chunk ([rows, head_dim / c]).
-Scales are ue8m0 (or float32). The existing FP8 kernels assume 128x128 blocks, so V4.1's 32x32
-weights are dequantized to the model dtype (said in docs/USAGE.md); experts in MXFP4 exactly (g = 32,
-ue8m0) can stay packed for the fused MoE, which reads V4's experts in that format.
+Scales are ue8m0 (or float32). Kept as stored (loader_v41: on CUDA by default, on any device when
+asked): the FP8 linears the forward runs through kernels.linear / grouped_linear (attention wq_a,
+wq_b, wkv, wo_a, wo_b; the shared expert's w1, w3, w2; Engram's wkv), weight + float32 tile scales
+(the FP8 kernels and kernels.reference read the block from the scale's shape), and routed experts in
+MXFP4 exactly (g = 32, ue8m0) for the fused MoE. Dequantized to the model dtype: Engram tables (an
+embedding gather, no FP8 path), FP4 experts in other groupings, FP8 DSpark (`mtp.*`) tensors, and
+any FP8 tensor the model holds in the model dtype.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -21,7 +25,14 @@ import torch
 from safetensors import safe_open
 
 from engine.weights import WeightsError, checkpoint_files
-from kernels.formats import E4M3_MAX, scale_to_float, ue8m0_ceil, unpack_e2m1
+from kernels.formats import (
+    E4M3_MAX,
+    dequantize_fp8_block,
+    fp8_block_scale_shape,
+    scale_to_float,
+    ue8m0_ceil,
+    unpack_e2m1,
+)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -34,14 +45,11 @@ def _scale_of(names: set[str], name: str) -> str | None:
     return None
 
 
-def dequantize_fp8_tiles(w: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """e4m3 [N, K] x per-tile scales [ceil(N/block), ceil(K/block)] -> float32."""
-    n, k = w.shape[-2:]
-    if tuple(scale.shape[-2:]) != (-(-n // block), -(-k // block)):
+def check_fp8_tiles(w: torch.Tensor, scale: torch.Tensor, block: int) -> None:
+    """Refuse scales that do not tile e4m3 [N, K] in the config's block x block tiles."""
+    if tuple(scale.shape[-2:]) != fp8_block_scale_shape(*w.shape[-2:], block):
         raise WeightsError(f"FP8 scale {tuple(scale.shape)} does not tile weight {tuple(w.shape)} in {block}x{block} "
                            "blocks (quantization_config.weight_block_size)")
-    s = scale_to_float(scale).repeat_interleave(block, -2)[..., :n, :].repeat_interleave(block, -1)[..., :k]
-    return w.float() * s
 
 
 def dequantize_fp4_groups(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -86,11 +94,13 @@ def mxfp4_experts(model_dir: str | Path) -> bool:
 
 
 def iter_v41_checkpoint(model_dir: str | Path, block: tuple[int, int] = (32, 32),
-                        device: str | torch.device = "cpu", keep_mxfp4: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                        device: str | torch.device = "cpu", keep_mxfp4: bool = False,
+                        keep_fp8: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name as stored, float tensor on `device`) for every weight; scales are consumed. Stored
     weights move to `device` first and dequantize there (seconds on a GPU, not minutes).
     keep_mxfp4: routed MXFP4 experts come as stored instead, each with its ue8m0 scale bytes
-    (`<stem>.scale`, uint8), for the fused MoE."""
+    (`<stem>.scale`, uint8), for the fused MoE. keep_fp8(name): FP8 tiled linears it says yes to
+    come as stored (e4m3), each followed by `<stem>.scale` in float32."""
     files = [p for p in checkpoint_files(model_dir) if p.name.startswith("model")] or checkpoint_files(model_dir)
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in files]
@@ -118,18 +128,12 @@ def iter_v41_checkpoint(model_dir: str | Path, block: tuple[int, int] = (32, 32)
             elif table:
                 yield name, dequantize_rows(t, scale)
             else:
-                yield name, dequantize_fp8_tiles(t, scale, block[0])
-
-
-def quantize_fp8_tiles(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (e4m3 weight, ue8m0 scales [ceil(N/b), ceil(K/b)]): the inverse of dequantize_fp8_tiles."""
-    n, k = w.shape
-    rows, cols = -(-n // block), -(-k // block)
-    pad = torch.nn.functional.pad(w.float(), (0, cols * block - k, 0, rows * block - n))
-    tiles = pad.view(rows, block, cols, block)
-    scale = ue8m0_ceil(tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / E4M3_MAX)
-    q = (tiles / scale_to_float(scale)[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).view(rows * block, -1)
-    return q[:n, :k].to(torch.float8_e4m3fn), scale
+                check_fp8_tiles(t, scale, block[0])
+                if keep_fp8 is not None and t.dtype == torch.float8_e4m3fn and name.endswith(".weight") and keep_fp8(name):
+                    yield name, t
+                    yield name[: -len(".weight")] + ".scale", scale_to_float(scale)
+                else:
+                    yield name, dequantize_fp8_block(t, scale)
 
 
 def quantize_rows(w: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:

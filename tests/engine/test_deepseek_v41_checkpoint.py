@@ -11,8 +11,9 @@ from engine.config_v41 import RELEASED_INDEX_SOURCES, RELEASED_KV_SOURCES, RELEA
 from engine.loader_v41 import load_v41_model
 from engine.random_checkpoint_v41 import build_text_config, write_v41_checkpoint
 from engine.weights import WeightsError
-from engine.weights_v41 import dequantize_fp8_tiles, mxfp4_experts, quantize_fp8_tiles
-from tests.engine.v41_oracle import one_shot
+from engine.weights_v41 import check_fp8_tiles, mxfp4_experts
+from kernels.formats import dequantize_fp8_block, fp8_block_of, quantize_fp8_block
+from tests.engine.v41_oracle import greedy, one_shot
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -43,11 +44,14 @@ def test_shipped_formats_load_close_to_bf16(checkpoints):
 
 def test_fp8_tiles_round_trip_and_refuse_a_wrong_tiling():
     w = torch.randn(100, 70)
-    q, s = quantize_fp8_tiles(w, 32)
-    assert q.dtype == torch.float8_e4m3fn and s.shape == (4, 3)
-    assert _rel(dequantize_fp8_tiles(q, s, 32), w) < 0.05
-    with pytest.raises(ValueError, match="32x32 blocks"):
-        dequantize_fp8_tiles(q, s[:, :2], 32)
+    q, s = quantize_fp8_block(w, block=32)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (4, 3) and fp8_block_of(q.shape, s.shape) == 32
+    assert _rel(dequantize_fp8_block(q, s), w) < 0.05
+    check_fp8_tiles(q, s, 32)
+    with pytest.raises(WeightsError, match="in 128x128 blocks"):
+        check_fp8_tiles(q, s, 128)
+    with pytest.raises(ValueError, match="blocks of 128 or 32"):
+        dequantize_fp8_block(q, s[:, :2])
 
 
 def test_flash_shaped_preset_keeps_the_released_schedule(tmp_path):
@@ -66,7 +70,7 @@ def test_mxfp4_experts_kept_as_stored_give_the_dequantized_logits(checkpoints):
     """On CUDA the routed experts stay packed (e2m1 pairs + ue8m0 bytes, a quarter of bf16's bytes)
     for the fused MoE; here the same model built that way runs the MoE on them (the reference
     kernels dequantize inside) and gives the logits of the model dequantized at load. The FP8
-    32x32 linears are dequantized either way (the FP8 kernels read 128x128 blocks)."""
+    32x32 linears stay dequantized here (the CPU default; kept as stored: the next test)."""
     ck = checkpoints["fp8-fp4"]
     assert mxfp4_experts(ck) and not mxfp4_experts(checkpoints["bf16"])
     dq = load_v41_model(ck, torch.float32)  # the CPU default
@@ -81,3 +85,50 @@ def test_mxfp4_experts_kept_as_stored_give_the_dequantized_logits(checkpoints):
     assert (a - b).abs().max() <= 1e-6 * a.abs().max()
     with pytest.raises(WeightsError, match="experts_as_stored needs MXFP4"):
         load_v41_model(checkpoints["bf16"], torch.float32, experts_as_stored=True)
+
+
+def test_fp8_linears_kept_as_stored_give_the_dequantized_tokens(checkpoints):
+    """V4.1's FP8 32x32 linears kept as e4m3 + float32 tile scales (the CUDA default, for the FP8
+    kernels; here on the CPU, where kernels.reference dequantizes each per call) against the same
+    checkpoint dequantized at load, in float32: the same greedy tokens through chunked prefill and
+    decode, logits within 1e-6 of their scale (seen: equal; both dequantize in float32). Every FP8
+    linear the checkpoint stores is kept; the FP8 Engram tables stay dequantized (a gather)."""
+    from engine.names_v41 import official_name, to_official
+    from engine.random_checkpoint_v41 import FP8_LINEAR
+
+    ck = checkpoints["fp8-fp4"]
+    dq = load_v41_model(ck, torch.float32)
+    st = load_v41_model(ck, torch.float32, linears_as_stored=True)
+    kept = {n for n, p in st.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    assert kept == {n for n, _ in dq.named_parameters() if FP8_LINEAR.search(n)} and len(kept) == 10 * 8 + 2
+    wq_b = st.layers[3].attn.wq_b
+    assert wq_b.scale.dtype == torch.float32 and tuple(wq_b.scale.shape) == (4 * 64 // 32, 32 // 32)
+    assert st.layers[1].engram.embed.weight.dtype == torch.float32
+    a = st.layers[3].attn  # wq_a over wkv (32 rows: one 32-row block) stacked: one launch
+    assert a.wq_a.stacked.members == (a.wq_a, a.wkv) and a.wkv.weight.data_ptr() == a.wq_a.stacked.weight[32:].data_ptr()
+    ids = torch.arange(5, 60).tolist()
+    ta, la = greedy(dq, ids, chunk=24, steps=5, dtype=torch.float32)
+    tb, lb = greedy(st, ids, chunk=24, steps=5, dtype=torch.float32)
+    assert ta == tb and (la - lb).abs().max() <= 1e-6 * la.abs().max()
+    # transformers' names: a kept linear's scale follows its weight's name
+    assert official_name("model.layers.3.self_attn.q_b_proj.weight") == "layers.3.attn.wq_b.weight"
+    assert next(to_official("model.layers.3.mlp.shared_experts.down_proj.scale", wq_b.scale))[0] == \
+        "layers.3.ffn.shared_experts.w2.scale"
+    with pytest.raises(WeightsError, match="linears_as_stored needs FP8"):
+        load_v41_model(checkpoints["bf16"], torch.float32, linears_as_stored=True)
+
+
+def test_fp8_linears_through_the_fused_kernels_equal_the_references(checkpoints, monkeypatch):
+    """The kept FP8 32x32 linears through the FP8 kernels (TRITON_INTERPRET=1: the dispatch's linear,
+    stacked pair and grouped wo_a bound to them, every other op the reference): the same greedy tokens
+    and logits within 1e-5 of the logit scale in float32 (the kernels' float32 dot)."""
+    import kernels
+    from kernels import fused
+
+    st = load_v41_model(checkpoints["fp8-fp4"], torch.float32, linears_as_stored=True)
+    ids = torch.arange(5, 25).tolist()  # a 20-row prefill (the dequant GEMV), then a decode step (the gemv)
+    want_tokens, want = greedy(st, ids, chunk=24, steps=2, dtype=torch.float32)
+    for name in ("linear", "linear_split", "grouped_linear"):
+        monkeypatch.setattr(kernels, name, fused.FUSED[name])
+    got_tokens, got = greedy(st, ids, chunk=24, steps=2, dtype=torch.float32)
+    assert got_tokens == want_tokens and (got - want).abs().max() <= 1e-5 * want.abs().max()
