@@ -2,6 +2,7 @@
 launch configurations per shape, timed against floors; prints the winners.
 
     python -m tools.bench_quant [--json OUT/quant.json] [--quick] [--budget S]   (tools/h200_bench.sh quant)
+    python -m tools.bench_quant --v41 ...   DeepSeek-V4.1-Flash's FP8 linears, 32x32 tiles (h200_bench.sh v41-fp8)
 
 1. Check (fails the run, exit 1): the block-scaled FP8 linear, both variants (the "mma" one on the
    FP8 tensor cores), and the fused MoE on MXFP4 and FP8 experts (decode and sorted paths), vs
@@ -35,6 +36,10 @@ DECODE_ROWS = (1, 32, 150)
 PREFILL_ROWS = (2048, 8192)
 # V4-Flash's FP8 dense linears, (N, K): attention projections and the shared expert
 LINEAR_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wo_b": (4096, 8192), "shared_w1": (2048, 4096)}
+# DeepSeek-V4.1-Flash's (hidden 5120, q LoRA 1280, head 512, o LoRA 1024 x 8 groups, expert width 2304), 32x32 tiles
+V41_LINEAR_SHAPES = {"wq_a": (1280, 5120), "wq_b": (32768, 1280), "wkv": (512, 5120), "wo_a": (1024, 4096),
+                     "wo_b": (5120, 8192), "shared_w1": (2304, 5120), "shared_w2": (5120, 2304)}
+V41_BLOCK = 32
 MOE_SHAPE = {"D": 4096, "I": 2048, "E": 256, "k": 6}
 MOE_DEPTH_SHAPE = {**MOE_SHAPE, "E": 16}  # the depth-43 benchmark checkpoint: ~56 rows per expert at 150 rows
 L2_BYTES = 60e6
@@ -45,10 +50,10 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def linear_floor(m: int, n: int, k: int, variant: str, hw: dict = H200) -> dict:
+def linear_floor(m: int, n: int, k: int, variant: str, hw: dict = H200, block: int = 128) -> dict:
     """Bytes: FP8 weight + float32 block scales + bf16 activations in and out. FLOPs at the bf16 peak
     (dequant: bf16 MMA) or the FP8 peak (mma)."""
-    nbytes = n * k + cdiv(n, 128) * cdiv(k, 128) * 4 + 2 * m * k + 2 * m * n
+    nbytes = n * k + cdiv(n, block) * cdiv(k, block) * 4 + 2 * m * k + 2 * m * n
     flops = 2 * m * n * k
     mem_s = nbytes / hw["bytes_per_s"]
     flop_s = flops / hw["fp8_flops" if variant == "mma" else "bf16_flops"]
@@ -124,9 +129,13 @@ def moe_candidates(rows: int, fmt: str, experts: int = 256) -> list[dict]:
     return [{"gate_up": c, "down": c} for c in cfgs]
 
 
-def cases(quick: bool = False) -> list[dict]:
-    """Every swept shape: FP8 linears and MoE (mxfp4 at all rows, fp8 experts at decode); decode first."""
+def cases(quick: bool = False, v41: bool = False) -> list[dict]:
+    """Every swept shape: FP8 linears and MoE (mxfp4 at all rows, fp8 experts at decode); decode first.
+    v41: V4.1-Flash's FP8 linears in 32x32 tiles only (its MXFP4 experts run V4's MoE kernel)."""
     rows = DECODE_ROWS + (PREFILL_ROWS[:1] if quick else PREFILL_ROWS)
+    if v41:
+        return [{"op": "fp8_linear", "name": name, "rows": m, "n": n, "k": k, "block": V41_BLOCK}
+                for m in rows for name, (n, k) in V41_LINEAR_SHAPES.items()]
     shapes = dict(list(LINEAR_SHAPES.items())[:2]) if quick else LINEAR_SHAPES
     out = [{"op": "fp8_linear", "name": name, "rows": m, "n": n, "k": k}
            for m in rows for name, (n, k) in shapes.items()]
@@ -190,11 +199,11 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _fp8_weight(n: int, k: int, device, ue8m0: bool = True, seed: int = 0):
+def _fp8_weight(n: int, k: int, device, ue8m0: bool = True, seed: int = 0, block: int = 128):
     from kernels.formats import quantize_fp8_block, scale_to_float
 
     g = torch.Generator(device=device).manual_seed(seed)
-    q, s = quantize_fp8_block(torch.randn(n, k, device=device, generator=g) / k**0.5, ue8m0=ue8m0)
+    q, s = quantize_fp8_block(torch.randn(n, k, device=device, generator=g) / k**0.5, ue8m0=ue8m0, block=block)
     return q, scale_to_float(s)
 
 
@@ -253,15 +262,18 @@ def check(device) -> list[str]:
     from kernels.fused_moe import moe_experts_fused
 
     failures = []
-    for m, n, k in ((1, 256, 512), (33, 200, 300), (150, 384, 1024)):
-        q, s = _fp8_weight(n, k, device, seed=m)
+    # V4's 128x128 blocks, and V4.1's 32x32 (the gemv too: the one-row variant)
+    shapes = ((1, 256, 512, 128), (33, 200, 300, 128), (150, 384, 1024, 128), (1, 160, 544, 32))
+    for m, n, k, block in shapes + ((33, 200, 300, 32),) * (device.type == "cuda"):  # GPU only: slow in the interpreter
+        q, s = _fp8_weight(n, k, device, seed=m, block=block)
         x = torch.randn(m, k, device=device).to(torch.bfloat16)
         want, want_q = ref.linear(x, q, s).float(), ref.linear_act_quant(x, q, s).float()
         scale = want.abs().max().item()
-        for variant, target, tol in (("dequant", want, 1e-2), ("mma", want_q, 1e-2), ("mma", want, 0.1)):
+        variants = (("dequant", want, 1e-2), ("mma", want_q, 1e-2), ("mma", want, 0.1))
+        for variant, target, tol in variants + ((("gemv", want, 1e-2),) if m == 1 else ()):
             err = (fp8_linear_fused(x, q, s, variant=variant).float() - target).abs().max().item()
             if not err <= tol * scale:  # `not <=` also catches NaN
-                failures.append(f"fp8_linear {variant} {m}x{n}x{k}: max error {err:.3g} > {tol} x {scale:.3g}")
+                failures.append(f"fp8_linear {variant} {m}x{n}x{k} block {block}: max error {err:.3g} > {tol} x {scale:.3g}")
     for fmt in ("mxfp4", "fp8"):
         shapes = ((1, 256, 128, 8, 2), (40, 384, 256, 6, 6)) + ((150, 256, 128, 16, 6),) * (device.type == "cuda")
         for T, D, I, E, k in shapes:  # 16-, 64- and (GPU only: slow in the interpreter) 128-row tiles
@@ -362,8 +374,8 @@ def measure_linear(case: dict, device, deadline: float) -> dict:
     from kernels import reference as ref
     from kernels.fused_fp8_linear import fp8_linear_fused
 
-    m, n, k = case["rows"], case["n"], case["k"]
-    q, s = _fp8_weight(n, k, device)
+    m, n, k, block = case["rows"], case["n"], case["k"], case.get("block", 128)
+    q, s = _fp8_weight(n, k, device, block=block)
     x = torch.randn(m, k, device=device).to(torch.bfloat16)
     copies = max(1, min(64, cdiv(int(ROTATE_BYTES), n * k)))
     ws = [(q, s)] + [(q.clone(), s.clone()) for _ in range(copies - 1)]
@@ -377,7 +389,7 @@ def measure_linear(case: dict, device, deadline: float) -> dict:
             v = r["config"]["variant"]
             by[v] = min(by.get(v, 1e9), r["seconds"])
     res["by_variant"] = by
-    res["floor"] = linear_floor(m, n, k, "mma")  # the lower of the two floors: FP8 peak
+    res["floor"] = linear_floor(m, n, k, "mma", block=block)  # the lower of the two floors: FP8 peak
     return res
 
 
@@ -405,6 +417,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="two linear shapes, one prefill size")
     ap.add_argument("--budget", type=float, default=220.0, help="seconds after which remaining candidates are skipped")
     ap.add_argument("--moe-only", action="store_true", help="only the MoE cases (MXFP4 and FP8 experts)")
+    ap.add_argument("--v41", action="store_true", help="DeepSeek-V4.1-Flash's FP8 linears in 32x32 tiles instead")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_quant: needs a CUDA device", file=sys.stderr)
@@ -417,7 +430,7 @@ def main() -> int:
     for f in failures:
         print("  MISMATCH", f, flush=True)
     results = []
-    for case in [c for c in cases(args.quick) if c["op"] == "moe" or not args.moe_only]:
+    for case in [c for c in cases(args.quick, args.v41) if c["op"] == "moe" or not args.moe_only]:
         t0 = time.perf_counter()
         try:
             r = (measure_linear if case["op"] == "fp8_linear" else measure_moe)(case, device, deadline)

@@ -113,12 +113,19 @@ def first_differences(a: list[list[int]], b: list[list[int]]) -> list[int]:
     return [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), len(p)) for p, q in zip(a, b)]
 
 
+def _weights(model) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and the stored formats' scales (FP8 tiles, MXFP4 groups: buffers), as the model holds them."""
+    scales = [(n, b) for n, b in model.named_buffers() if b is not None and n.endswith("scale")]
+    return list(model.named_parameters()) + scales
+
+
 def floor_bytes(engine: LLMEngine, batch: int) -> float:
-    """Bytes a decode step of `batch` rows must read: every weight but the routed experts no row
-    picks (expected, uniform routing) and the gathered tables."""
+    """Bytes a decode step of `batch` rows must read: every weight (FP8 linears and MXFP4 experts as
+    stored, with their scales) but the routed experts no row picks (expected, uniform routing) and the
+    gathered tables."""
     model, cfg = engine.model, engine.cfg
-    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts_w" in n)
-    other = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+    experts = sum(p.numel() * p.element_size() for n, p in _weights(model) if ".experts_w" in n)
+    other = sum(p.numel() * p.element_size() for n, p in _weights(model)
                 if ".experts_w" not in n and not n.startswith("embed") and ".engram.embed" not in n)
     touched = 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** batch
     return other + experts * touched
@@ -179,6 +186,9 @@ def main() -> None:
     mixed = engine.runner.mixed
     counts = {"decode": len(engine.runner.graphs), "mixed": mixed.num_graphs() if mixed is not None else 0,
               "mixed_tail": mixed.split.num_graphs() if mixed is not None and mixed.split is not None else 0}
+    fp8 = sum(p.dtype == torch.float8_e4m3fn for p in engine.model.parameters())
+    weight_bytes = sum(t.numel() * t.element_size() for _, t in _weights(engine.model))
+    print(f"weights {weight_bytes / 1e9:.2f} GB ({fp8} FP8 linears as stored)", flush=True)
     print(f"engine up in {time.perf_counter() - t:.0f} s (max_num_seqs {engine.args.max_num_seqs}); decode CUDA graphs "
           f"for batch sizes {sorted(engine.runner.graphs) or 'none'}; mixed-step graphs for token counts "
           f"{mixed.sizes if mixed is not None and counts['mixed'] else 'none'}; graphs captured {counts} (mixed: "
@@ -282,7 +292,8 @@ def main() -> None:
             print(f"greedy with mixed steps ({mixed_check['mixed_graph_replays']} replayed), graphs vs "
                   f"{name.replace('_', ' ')}: {mixed_check[name]['identical_streams']}/3 streams identical over "
                   f"{a.check_tokens} tokens (tokens before the first difference: {agree})", flush=True)
-    result = {"model": str(model), "quant": a.quant, "engine_args": args, "ttft": rows, "decode": decode,
+    result = {"model": str(model), "quant": a.quant, "engine_args": args, "weight_bytes": weight_bytes,
+              "fp8_linears_as_stored": fp8, "ttft": rows, "decode": decode,
               "graphs_vs_eager": check, "mixed_graphs_vs_eager": mixed_check, "graph_sizes": sorted(engine.runner.graphs),
               "mixed_graph_sizes": mixed.sizes if mixed is not None else [], "graphs_captured": counts,
               "capture_error": capture_error,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-serve|ratio-depth|largest|profile-depth|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-fp8|v41-serve|ratio-depth|largest|profile-depth|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
 # numpy2, serving, largest, v41-serve and ratio-depth need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoints, drawn on the GPU: flash-depth (V4-Flash depth: 43 layers, 16 experts; mixed, engine, depth) and
 # flash-shaped (its per-layer shapes, 4 layers: quick and the rest).
@@ -32,7 +32,8 @@ depth)  # decode at V4-Flash depth (43 layers, its schedule, 16 experts): as shi
     rm -rf "$CK"/flash-depth*  # 46 GB in bf16: one at a time on the 64 GB disk
   done ;;
 v41)  # DeepSeek-V4.1-Flash-shaped (released 40-layer schedule and per-layer shapes, 8 experts; FP8 32x32 tiles +
-  # FP4 experts as shipped, dequantized to bf16 at load): TTFT 1K/8K/32K with decoder-side bounded replay off/on,
+  # FP4 experts as shipped, both kept as stored: the FP8 kernels read the 32x32 tiles): TTFT 1K/8K/32K with
+  # decoder-side bounded replay off/on,
   # the prefill eager and through the engine's own mixed-step CUDA graphs at max_num_seqs 64 (replay on: a front
   # graph per token count + a tail graph per kept-row bucket; replay off: graphs captured for it at the same
   # max_num_seqs); decode at batch 1/32 with CUDA graphs and eagerly vs the floor; graphed greedy tokens vs padded
@@ -41,6 +42,19 @@ v41)  # DeepSeek-V4.1-Flash-shaped (released 40-layer schedule and per-layer sha
   timeout 560 python3 -m tools.bench_v41 --cache-dir $CK --reps 1 --eager-steps 4 --json "$OUT/v41.json" 2>&1 \
     | tee "$OUT/v41.log" | grep -v "^  TTFT" | tail -16
   rm -rf "$CK"/v41-* ;;
+v41-fp8)  # issue 25, V4.1's FP8 32x32 linears kept as stored: the V4.1-Flash-shaped engine's fused kernels (the FP8
+  # GEMVs and MMA reading 32x32 tiles, on every linear) against the torch references through prefill, mixed and decode
+  # steps, then the FP8 linear kernels alone at V4.1-Flash's shapes (check, then a sweep of tiles; ~6 min with the
+  # checkpoint write). Decode vs its floor (which now counts the FP8 bytes): the v41 mode.
+  M=$CK/v41-flash-shaped-fp8-fp4
+  [ -f $M/config.json ] || timeout 120 python3 -m tools.make_tiny_checkpoint $M --preset v41-flash-shaped --quant fp8-fp4 \
+    --device cuda 2>&1 | tail -1
+  timeout 150 python3 -m tools.bench_engine --model $M --concurrency '' --check-kernels \
+    --engine-args '{"max_model_len":4096,"max_num_seqs":32,"block_size":128,"gpu_memory_utilization":0.9}' \
+    --json "$OUT/check_v41.json" 2>&1 | tee "$OUT/check_v41.log" | grep -E "default vs|rror|FP8 linears" | tail -4
+  rm -rf "$CK"/v41-*
+  timeout 170 python3 -m tools.bench_quant --v41 --quick --budget 130 --json "$OUT/quant_v41.json" 2>&1 \
+    | tee "$OUT/quant_v41.log" | tail -32 ;;
 v41-serve)  # V4.1-Flash-shaped through the real Triton server (engine core process), closed loop at 1/32/150 users,
   # 512 in / 64 out (~5 min; needs .cache/h200 carried: bash tools/h200_env.sh pack)
   bash tools/h200_env.sh setup /tmp/tvenv > "$OUT/env.log" 2>&1 || { tail "$OUT/env.log"; exit 1; }

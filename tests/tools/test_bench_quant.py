@@ -99,3 +99,9 @@ def test_sweep_reports_failing_candidates_and_goes_on():
 
 def test_check_passes_on_the_kernels_under_the_interpreter():
     assert bq.check(torch.device("cpu")) == []
+
+
+def test_v41_cases_sweep_its_linears_in_32x32_tiles():
+    cases = bq.cases(v41=True)
+    assert {c["block"] for c in cases} == {32} and {(c["n"], c["k"]) for c in cases} == set(bq.V41_LINEAR_SHAPES.values())
+    assert bq.linear_floor(1, 64, 64, "mma", block=32)["bytes"] - bq.linear_floor(1, 64, 64, "mma")["bytes"] == 3 * 4
