@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-fp8|v41-serve|ratio-depth|largest|profile-depth|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh check-defaults|kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-fp8|v41-serve|ratio-depth|largest|profile-depth|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
 # numpy2, serving, largest, v41-serve and ratio-depth need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoints, drawn on the GPU: flash-depth (V4-Flash depth: 43 layers, 16 experts; mixed, engine, depth) and
 # flash-shaped (its per-layer shapes, 4 layers: quick and the rest).
@@ -119,11 +119,24 @@ spec)  # issue 21: MTP speculative decoding at V4-Flash depth (FP8 + MXFP4): pla
     --input-len 512 --output-len 48 \
     --engine-args '{"max_model_len":4096,"block_size":128,"gpu_memory_utilization":0.9,"cudagraph_mode":"FULL_DECODE_ONLY"}' \
     --json "$OUT/spec.json" 2>&1 | tee "$OUT/spec.log" | grep -vE "^(INFO|WARNING)" | tail -30 ;;
+check-defaults)  # first after CPU-only work: every default path changed since the last GPU run, checked against the
+  # torch references before anything is timed (~8 min): 4-layer V4 as shipped (the stacked bf16 readers of the attention
+  # input, the compressor kernels reading strided column views, the indexer's scale in its kernel), then
+  # V4.1-Flash-shaped (the FP8 32x32 linears kept as stored, the split front + tail mixed graphs)
+  timeout 180 python3 -m tools.bench_engine --preset flash-shaped --cache-dir $CK --quant fp8-fp4 --concurrency '' \
+    --check-kernels --engine-args "{$EA}" --json "$OUT/check_v4.json" 2>&1 | tee "$OUT/check_v4.log" \
+    | grep -E "default vs|rror" | tail -3
+  M=$CK/v41-flash-shaped-fp8-fp4
+  [ -f $M/config.json ] || timeout 120 python3 -m tools.make_tiny_checkpoint $M --preset v41-flash-shaped --quant fp8-fp4 \
+    --device cuda 2>&1 | tail -1
+  timeout 200 python3 -m tools.bench_engine --model $M --concurrency '' --check-kernels \
+    --engine-args '{"max_model_len":4096,"max_num_seqs":32,"block_size":128,"gpu_memory_utilization":0.9}' \
+    --json "$OUT/check_v41.json" 2>&1 | tee "$OUT/check_v41.log" | grep -E "default vs|rror|FP8 linears" | tail -4 ;;
 final)  # session 7's last call, most important first: the fused kernels against the torch references on the GPU (4-layer
   # V4 as shipped: chunked prefill, mixed and decode steps), speculative decoding at V4-Flash depth at batch 1 and 8,
   # then V4.1-Flash-shaped: its kernels against the references, TTFT / decode / mixed graphs; the compressors'
   # multi-row kernels timed last (~9.5 min)
-  timeout 90 python3 -m tools.bench_engine --preset flash-shaped --cache-dir $CK --quant fp8-fp4 --concurrency '' \
+  timeout 180 python3 -m tools.bench_engine --preset flash-shaped --cache-dir $CK --quant fp8-fp4 --concurrency '' \
     --check-kernels --engine-args "{$EA}" --json "$OUT/check_v4.json" 2>&1 | tee "$OUT/check_v4.log" \
     | grep -E "default vs|rror" | tail -3
   timeout 170 python3 -m tools.bench_spec --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batches 1,8 \
