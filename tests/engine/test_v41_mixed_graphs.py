@@ -259,8 +259,9 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch
     loop reads the routing on the host), decoder replay on, so the step is a front graph of 32 rows
     and a tail graph per kept-row bucket (16, 32): a prefill of a 6-token prompt and 26 tokens of a
     40-token one (decoder replay drops 10 of those rows: 22 kept, tail 32), then a mixed step (the 14
-    left and a decode: tail 16), then a decode (tail 16) (measured: graph vs padded eager 0.0,
-    padded vs unpadded <= 9.6e-6). Each replayed step's logits equal the same padded batch run
+    left and the first prompt's decode: tail 16), where both requests end (two steps, not a third
+    pure decode: the interpreter makes each step minutes; decode graphs have their own tests)
+    (measured: graph vs padded eager 0.0, padded vs unpadded <= 9.6e-6). Each replayed step's logits equal the same padded batch run
     eagerly from the same cache state, and so does every cache write (tools/mixed_diag.py); the
     padded step's logits the unpadded one's to float32 rounding, and the greedy tokens the
     unpadded reference path's. (Minutes of CPU: the interpreter runs every kernel program in Python.)"""
@@ -270,7 +271,7 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch
 
     prompts = _prompts(2, 4000, seed=9, lo=40, hi=41)
     prompts = [prompts[0][:6], prompts[1]]  # 6 and 40 tokens: 32-token steps
-    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, logprobs=1)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (2, 1)]
     from engine import v41_ops
 
     path = str(ORACLE)
@@ -288,11 +289,10 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch
     finally:
         kernels.set_backend("auto")
     print(rows)
-    # no decode graphs on the CPU: the last decode replays the mixed graph too
-    assert [(r["path"], r["tokens"]) for r in rows] == [("mixed", 32), ("mixed", 15), ("mixed", 1)]
+    assert [(r["path"], r["tokens"]) for r in rows] == [("mixed", 32), ("mixed", 15)]
     mixed = eng.runner.mixed
-    assert mixed.static[32].graph.replays == 3 and mixed.num_graphs() == 3
-    assert [mixed.split.static[K].graph.replays for K in (16, 32)] == [2, 1]
+    assert mixed.static[32].graph.replays == 2 and mixed.num_graphs() == 3
+    assert [mixed.split.static[K].graph.replays for K in (16, 32)] == [1, 1]
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for r in rows:
         assert r["first_difference"] is None, r
