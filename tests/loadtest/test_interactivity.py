@@ -49,6 +49,15 @@ def test_interpolation_and_the_ratio_at_a_fixed_interactivity():
     assert r["at_tok_per_s_per_user"] == 250.0 and "never reaches 300" in r["note"]
     assert r["baseline"]["output_tok_per_s_per_gpu"] == 250.0 and r["ratio"] == pytest.approx(
         (500 + (6400 - 500) * (250 - 500) / (200 - 500)) / 250.0)
+    # a baseline far slower than every optimized level (1 tok/s per user): the optimized sweep's best
+    # throughput among its levels, all more interactive, taken as a lower bound
+    slow = sweep("slow", [(1, 1000.0, 1.0), (32, 2000.0, 16.0)])
+    r = interactivity.compare(opt, slow, 150.0)
+    assert r["at_tok_per_s_per_user"] == 1.0 and r["optimized"]["output_tok_per_s_per_gpu"] == 12000.0
+    assert r["ratio"] == pytest.approx(12000.0) and "lower bound" in r["note"] and "c=150" in r["note"]
+    # an optimized sweep entirely below the point compared at still gives no ratio
+    r = interactivity.compare(slow, opt, 150.0)
+    assert r["ratio"] is None and "does not cover" in r["note"]
 
 
 def test_cli_writes_the_comparison(tmp_path, capsys):
