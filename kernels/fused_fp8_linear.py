@@ -1,7 +1,7 @@
 """Block-scaled FP8 linear y = x @ dequant(W)^T, W e4m3 [N, K] with float32 B x B block scales (B = 128
 in V4, 32 in V4.1: read from the scale's shape, a constexpr of every kernel; scale index n // B, k // B).
 
-Three variants (same result up to the activation rounding of the last):
+Four variants (the same result up to the activation rounding of "mma"):
 - "dequant" (decode): a weight GEMV. Each program streams a [BLOCK_N, BLOCK_K] weight tile per
   step (row-major, so coalesced 16-byte loads), converts it to bf16 in registers (W_CVT:
   kernels/quant_configs.py) and multiplies it as the MMA's left operand against x^T (swap-AB:
@@ -19,6 +19,9 @@ Three variants (same result up to the activation rounding of the last):
   each 128-wide block as four 32-wide sub-dots, each rescaled by its own weight scales).
   Power-of-two scales make the division exact, so the kernel rounds each activation exactly as
   kernels.reference.linear_act_quant does.
+- "unpacked" (prefill with V4.1's 32x32 blocks): the weight unpacked to x's dtype by one kernel
+  (kernels/fp8_unpack.py), then torch's GEMM: kernels.reference.linear's arithmetic. It replaces
+  "mma" for weights whose blocks are narrower than MMA_MIN_BLOCK.
 Which variant and tiles per shape: kernels/quant_configs.py (measured by tools/bench_quant.py).
 """
 
@@ -32,9 +35,14 @@ import triton.language as tl
 
 from kernels import quant_configs
 from kernels.formats import FP8_BLOCK, fp8_block_of
+from kernels.fp8_unpack import fp8_unpacked
 from kernels.semaphores import semaphores, split_k_arrive, split_k_total
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
+# The tensor-core kernel runs a weight with smaller scale blocks (V4.1's 32) as 32-wide sub-dots, far
+# slower than unpacking the weight and torch's GEMM (docs/PERF.md, session 9): where the tables pick
+# "mma" for such a weight, "unpacked" runs instead
+MMA_MIN_BLOCK = 128
 
 
 def variant_for(m: int, n: int, k: int) -> str:
@@ -324,8 +332,8 @@ def tiles(m: int, n: int, k: int, variant: str | None = None, config: dict | Non
     name where the table picks another for the shape takes that variant's own tiles."""
     cfg = dict(config or quant_configs.fp8_linear_config(m, n, k))
     variant = variant or config and config.get("variant") or variant_for(m, n, k)
-    if variant not in ("dequant", "gemv", "mma"):
-        raise ValueError(f"fp8 linear variant must be 'dequant', 'gemv' or 'mma', got {variant!r}")
+    if variant not in ("dequant", "gemv", "mma", "unpacked"):
+        raise ValueError(f"fp8 linear variant must be 'dequant', 'gemv', 'mma' or 'unpacked', got {variant!r}")
     if config is None and cfg.get("variant", variant) != variant:
         cfg = dict(quant_configs.FP8_VARIANT_TILES[variant])
     return variant, cfg
@@ -351,15 +359,18 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     M = x2.shape[0]
-    y = torch.empty(M * N, dtype=x.dtype, device=x.device)
     if M == 0:
-        return _outputs(y, lead, M, N, split_n)
+        return _outputs(torch.empty(0, dtype=x.dtype, device=x.device), lead, M, N, split_n)
+    asked = variant or config and config.get("variant")
     variant, cfg = tiles(M, N // groups, K, variant, config)  # per group: the tiles see one group
     if _INTERPRET:
         cfg.update(quant_configs.INTERPRET_LINEAR[variant])
     block = fp8_block_of(weight.shape, scale.shape)
     if groups > 1 and (N // groups) % block:
         raise ValueError(f"grouped FP8 linear: {N // groups} rows per group are not whole {block}-row scale blocks")
+    if variant == "unpacked" or variant == "mma" and block < MMA_MIN_BLOCK and not asked:
+        return _unpacked(x2, weight, scale, lead, M, N, K, groups, split_n)
+    y = torch.empty(M * N, dtype=x.dtype, device=x.device)
     if variant == "dequant":
         cfg.setdefault("BLOCK_K", 128)
         if max(block, cfg["BLOCK_K"]) % min(block, cfg["BLOCK_K"]):
@@ -382,6 +393,19 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                  block=block)
             y.view(M, N)[:, g * R:(g + 1) * R] = yg
     return _outputs(y, lead, M, N, split_n)
+
+
+def _unpacked(x2, weight, scale, lead, M: int, N: int, K: int, groups: int, split_n: int | None):
+    """The "unpacked" variant: the weight unpacked to x's dtype (kernels/fp8_unpack.py), then torch's
+    GEMM; the same arithmetic as kernels.reference.linear."""
+    w = fp8_unpacked(weight, scale, x2.dtype)
+    if groups > 1:  # x [M, groups, K] against each group's [R, K] rows
+        y = torch.bmm(x2.view(M, groups, K).transpose(0, 1), w.view(groups, N // groups, K).transpose(1, 2))
+        return y.transpose(0, 1).reshape(*lead, groups, N // groups).flatten(-2)
+    if split_n is None:
+        return torch.nn.functional.linear(x2, w).view(*lead, N)
+    return (torch.nn.functional.linear(x2, w[:split_n]).view(*lead, split_n),
+            torch.nn.functional.linear(x2, w[split_n:]).view(*lead, N - split_n))
 
 
 def _outputs(y, lead, M: int, N: int, split_n: int | None):

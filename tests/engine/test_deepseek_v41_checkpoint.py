@@ -132,3 +132,20 @@ def test_fp8_linears_through_the_fused_kernels_equal_the_references(checkpoints,
         monkeypatch.setattr(kernels, name, fused.FUSED[name])
     got_tokens, got = greedy(st, ids, chunk=24, steps=2, dtype=torch.float32)
     assert got_tokens == want_tokens and (got - want).abs().max() <= 1e-5 * want.abs().max()
+    # a 70-row chunk: past the GEMV rows, where the tables pick the tensor-core kernel and a 32x32
+    # weight is unpacked for torch's GEMM instead (kernels/fp8_unpack.py)
+    from kernels import fused_fp8_linear
+    from kernels.fp8_unpack import fp8_unpacked
+
+    assert fused_fp8_linear.variant_for(70, 1280, 5120) == "mma"
+    long_ids = torch.arange(5, 75).tolist()
+    monkeypatch.undo()
+    want_tokens, want = greedy(st, long_ids, chunk=80, steps=1, dtype=torch.float32)
+    for name in ("linear", "linear_split", "grouped_linear"):
+        monkeypatch.setattr(kernels, name, fused.FUSED[name])
+    unpacked = []
+    monkeypatch.setattr(fused_fp8_linear, "fp8_unpacked", lambda *a: unpacked.append(a[0].shape) or
+                        fp8_unpacked(*a))
+    got_tokens, got = greedy(st, long_ids, chunk=80, steps=1, dtype=torch.float32)
+    assert got_tokens == want_tokens and (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert len(unpacked) >= 10  # the chunk's linears of every layer

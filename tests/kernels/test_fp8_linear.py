@@ -281,3 +281,51 @@ def test_grouped_and_split_linears_with_32x32_blocks(variant):
     exact = ref.linear_act_quant if variant == "mma" else ref.linear
     ya, yb = exact(x2, q, s).split([64, groups * rows - 64], -1)
     assert (a - ya).abs().max() <= 1e-5 * ya.abs().max() and (b - yb).abs().max() <= 1e-5 * yb.abs().max()
+
+
+@pytest.mark.parametrize("block, n, k", [(32, 96, 200), (32, 130, 257), (128, 200, 300)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unpacked_weight_equals_the_formats_dequantizer_exactly(block, n, k, dtype):
+    """kernels/fp8_unpack.py: the same float32 product rounded once, bit for bit, on and off the block
+    (bf16: within one bf16 step, the interpreter's float32 -> bf16 cast truncating where the GPU's rounds)."""
+    from kernels.fp8_unpack import fp8_unpacked
+
+    g = torch.Generator().manual_seed(n + k)
+    octaves = torch.randint(-6, 6, (-(-n // block), -(-k // block)), generator=g).float()
+    w = torch.randn(n, k, generator=g) * torch.exp2(octaves).repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]
+    for ue8m0 in (True, False):
+        q, s = quantize_fp8_block(w, ue8m0=ue8m0, block=block)
+        s = scale_to_float(s)
+        got, want = fp8_unpacked(q, s, dtype).float(), dequantize_fp8_block(q, s)
+        if dtype == torch.float32:
+            assert torch.equal(got, want)
+        else:
+            assert ((got - want).abs() <= want.abs() * 2.0**-7).all() and (got != 0).sum() == (want != 0).sum()
+
+
+def test_32x32_blocks_at_prefill_rows_take_the_unpacked_weight():
+    """Where the tables pick the tensor-core kernel for a weight in V4.1's 32x32 blocks, the weight is
+    unpacked and multiplied by torch's GEMM instead: kernels.reference.linear's result exactly (plain,
+    grouped as wo_a, split as a stacked pair); asked for by name, "mma" still runs (its e4m3
+    activations differ from the reference); V4's 128x128 blocks keep "mma"."""
+    from kernels import quant_configs
+
+    m = 600  # past every table's decode rows: "mma"
+    assert variant_for(m, 96, 200) == "mma" and quant_configs.fp8_linear_config(m, 96, 200)["variant"] == "mma"
+    x, q, s = _case32(m, 96, 200)
+    assert torch.equal(fp8_linear_fused(x, q, s), ref.linear(x, q, s))
+    xb = x.to(torch.bfloat16)  # the interpreter's bf16 cast truncates (see the test above)
+    want = ref.linear(xb, q, s).float()
+    assert (fp8_linear_fused(xb, q, s).float() - want).abs().max() <= 1e-2 * want.abs().max()
+    assert not torch.equal(fp8_linear_fused(x, q, s, variant="mma"), ref.linear(x, q, s))
+    assert torch.equal(fp8_linear_fused(x, q, s, variant="unpacked"), ref.linear(x, q, s))
+    a, b = fp8_linear_fused(x, q, s, split_n=64)
+    want = ref.linear(x, q, s)
+    assert torch.equal(a, want[:, :64]) and torch.equal(b, want[:, 64:]) and a.is_contiguous() and b.is_contiguous()
+    groups, rows = 3, 32
+    _, qg, sg = _case32(m, groups * rows, 160, seed=3)
+    xg = torch.randn(m, groups, 160, generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(fp8_linear_fused(xg, qg, sg, groups=groups), ref.grouped_linear(xg, qg, groups, sg),
+                          rtol=1e-5, atol=1e-5)
+    x4, q4, s4 = _case(m, 256, 384, ue8m0=True)
+    assert torch.equal(fp8_linear_fused(x4, q4, s4), fp8_linear_fused(x4, q4, s4, variant="mma"))
