@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh check-defaults|kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-fp8|v41-serve|ratio-depth|largest|profile-depth|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh check-defaults|fp8-bf16|kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-fp8|v41-serve|ratio-depth|largest|profile-depth|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
 # numpy2, serving, largest, v41-serve and ratio-depth need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoints, drawn on the GPU: flash-depth (V4-Flash depth: 43 layers, 16 experts; mixed, engine, depth) and
 # flash-shaped (its per-layer shapes, 4 layers: quick and the rest).
@@ -55,6 +55,9 @@ v41-fp8)  # issue 25, V4.1's FP8 32x32 linears kept as stored: the V4.1-Flash-sh
   rm -rf "$CK"/v41-*
   timeout 170 python3 -m tools.bench_quant --v41 --quick --budget 130 --json "$OUT/quant_v41.json" 2>&1 \
     | tee "$OUT/quant_v41.log" | tail -32 ;;
+fp8-bf16)  # does keeping FP8 linears as stored pay? The engine's FP8 dispatch per V4.1 / V4 linear vs cuBLAS on the
+  # same weight in bf16 at 1 / 32 / 2048 rows (~30 s; session 9: V4.1's 32x32 MMA 7-12x slower at 2048 rows)
+  timeout 170 python3 -m tools.bench_fp8_vs_bf16 --rows 1,32,2048 --json "$OUT/fp8_vs_bf16.json" 2>&1 | tail -45 ;;
 v41-serve)  # V4.1-Flash-shaped through the real Triton server (engine core process), closed loop at 1/32/150 users,
   # 512 in / 64 out (~5 min; needs .cache/h200 carried: bash tools/h200_env.sh pack)
   bash tools/h200_env.sh setup /tmp/tvenv > "$OUT/env.log" 2>&1 || { tail "$OUT/env.log"; exit 1; }
@@ -223,8 +226,10 @@ ratio-depth)  # issue 20's last target at V4-Flash depth as shipped: output tok/
   SW="/tmp/tvenv/bin/python -m loadtest.sweep --serve --model $M --driver threads --protocol grpc --input-len 1024
     --output-len 128 --duration 20 --stop-timeout 20 --out $OUT"
   timeout 250 $SW --engine-args "{$DA}" --concurrency 1,32,64,150 --label depth-optimized 2>&1 | grep -E "c=|rror" | tail -5
-  timeout 230 $SW --engine-args "{$DA,\"kernels\":\"ref\",\"enforce_eager\":true,\"enable_prefix_caching\":false,\"async_scheduling\":false}" \
-    --concurrency 1,8,32 --label depth-baseline 2>&1 | grep -E "c=|rror" | tail -4
+  # the baseline's step at this depth is ~0.76 s (session 9): one 128-token request takes ~100 s, so one user,
+  # a window it fits in, and the wait for it (at 32 users nothing finished in 190 s)
+  timeout 300 $SW --engine-args "{$DA,\"kernels\":\"ref\",\"enforce_eager\":true,\"enable_prefix_caching\":false,\"async_scheduling\":false}" \
+    --concurrency 1 --duration 40 --stop-timeout 150 --label depth-baseline 2>&1 | grep -E "c=|rror" | tail -4
   python3 -m loadtest.interactivity "$OUT/depth-optimized.json" "$OUT/depth-baseline.json" --at 150 \
     --json "$OUT/ratio_depth.json" | tail -1 ;;
 serving)  # issue 16: one closed-loop workload through Triton (engine core process) and through the engine's async API
