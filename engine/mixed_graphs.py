@@ -107,7 +107,7 @@ def pack_rows(batch: list[tuple[Sequence, int]], token_ids: list[list[int]], col
 
 
 @dataclass
-class _Layout:
+class StepLayout:
     """Where each field sits in a size's flat buffer: (offset, length)."""
 
     T: int  # tokens
@@ -119,7 +119,7 @@ class _Layout:
     size: int
 
 
-def _layout(T: int, max_num_seqs: int, width: int, ratios: list[int], extra=None) -> _Layout:
+def step_layout(T: int, max_num_seqs: int, width: int, ratios: list[int], extra=None) -> StepLayout:
     """extra(T, S): the model's own fields, (name, length) (V4.1: engine/mixed_rows_v41.py)."""
     S = min(T, max_num_seqs) + 1
     L = S - 1  # logits rows: one per sampling sequence at most
@@ -138,12 +138,12 @@ def _layout(T: int, max_num_seqs: int, width: int, ratios: list[int], extra=None
         for n in (nb * m, nb, nb, nb, nb, nb, nb, L, L, T, T):
             plans[m].append((at, n))
             at += n
-    return _Layout(T, S, width, fields, plans, caps, at)
+    return StepLayout(T, S, width, fields, plans, caps, at)
 
 
 @dataclass
-class _Static:
-    layout: _Layout
+class StaticBatch:
+    layout: StepLayout
     fb: ForwardBatch  # its tensors are views of `flat`; the graph reads them
     flat: torch.Tensor
     stagings: list[torch.Tensor]  # two host buffers, used by alternate steps (see MixedSteps.run)
@@ -153,7 +153,7 @@ class _Static:
     logits: torch.Tensor | None = None
 
 
-def _pad_values(lay: _Layout, cache: KVCache, extra) -> np.ndarray:
+def _pad_values(lay: StepLayout, cache: KVCache, extra) -> np.ndarray:
     c, bs = cache, cache.block_size
     host = np.zeros(lay.size, dtype=np.int64)
     f = lay.fields
@@ -175,7 +175,7 @@ def _pad_values(lay: _Layout, cache: KVCache, extra) -> np.ndarray:
     return host
 
 
-def padded_batch(lay: _Layout, cache: KVCache, device: torch.device, max_model_len: int, extra=None) -> _Static:
+def padded_batch(lay: StepLayout, cache: KVCache, device: torch.device, max_model_len: int, extra=None) -> StaticBatch:
     """The static batch of `lay`, all padding: its ForwardBatch's tensors are views of one flat
     device buffer. extra: the model's fields (`pad`, `attach`; V4.1: engine/mixed_rows_v41.py)."""
     pad = _pad_values(lay, cache, extra)
@@ -196,10 +196,10 @@ def padded_batch(lay: _Layout, cache: KVCache, device: torch.device, max_model_l
         extra.attach(fb, lambda name: v[name], lay.T)
     pin = device.type == "cuda"
     stagings = [torch.empty(lay.size, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-    return _Static(lay, fb, flat, stagings, pad, v)
+    return StaticBatch(lay, fb, flat, stagings, pad, v)
 
 
-def host_fields(st: _Static, host: np.ndarray):
+def host_fields(st: StaticBatch, host: np.ndarray):
     """col(name): that field of `host` (a flat buffer in st's layout)."""
     f = st.layout.fields
     return lambda name: host[f[name][0]:f[name][0] + f[name][1]]
@@ -220,7 +220,7 @@ class MixedSteps:
         self.width = -(-max_model_len // cache.block_size) + 1
         self.max_num_seqs = max_num_seqs
         self.sizes = sorted(set(sizes))
-        self.static: dict[int, _Static] = {}
+        self.static: dict[int, StaticBatch] = {}
         self.replays = 0  # mixed steps run through a padded batch
         # a model may run a step as two graphs (V4.1 with decoder replay: every row up to the last KV
         # source, then only the kept rows, engine/mixed_split_v41.py); None: one graph per size
@@ -253,8 +253,8 @@ class MixedSteps:
 
     # --- the padded batch -----------------------------------------------------------------------
 
-    def _static(self, size: int) -> _Static:
-        lay = _layout(size, self.max_num_seqs, self.width, self.ratios, self.extra and self.extra.fields)
+    def _static(self, size: int) -> StaticBatch:
+        lay = step_layout(size, self.max_num_seqs, self.width, self.ratios, self.extra and self.extra.fields)
         return padded_batch(lay, self.cache, self.device, self.max_model_len, self.extra)
 
     def pack(self, scheduled: list[tuple[Sequence, int]], size: int, host: np.ndarray) -> int:

@@ -26,14 +26,14 @@ import numpy as np
 import torch
 
 from engine.mixed_graphs import (
-    _layout,
-    _Static,
+    StaticBatch,
     capture_buckets,
     host_fields,
     mixed_sizes,
     new_token_ids,
     pack_rows,
     padded_batch,
+    step_layout,
 )
 from engine.mixed_rows_v41 import V41MixedRows
 
@@ -71,7 +71,7 @@ class V41SplitSteps:
             topk=(torch.full((T, cfg.index_topk), -1, dtype=torch.long, device=dev)
                   if any(i < self.cut for i in cfg.index_source_layer_ids) else None),
             candidates=torch.zeros(T, entries, dtype=torch.bool, device=dev) if entries else None)
-        self.static: dict[int, _Static] = {}
+        self.static: dict[int, StaticBatch] = {}
         self.logits: torch.Tensor | None = None
         self.replays = 0
         self.steps: Counter = Counter()  # (front size, tail bucket) -> steps run
@@ -85,8 +85,8 @@ class V41SplitSteps:
     def num_graphs(self) -> int:
         return sum(st.graph is not None for st in self.static.values())
 
-    def _batch(self, K: int) -> _Static:
-        lay = _layout(K, self.max_num_seqs, self.width, [], lambda T, S: self.rows.fields(T, S) + [("keep", T)])
+    def _batch(self, K: int) -> StaticBatch:
+        lay = step_layout(K, self.max_num_seqs, self.width, [], lambda T, S: self.rows.fields(T, S) + [("keep", T)])
         return padded_batch(lay, self.cache, next(self.model.parameters()).device, self.max_model_len, self.rows)
 
     # --- the two halves of the step ---------------------------------------------------------------
@@ -106,7 +106,7 @@ class V41SplitSteps:
             s.candidates[:T].copy_(rows.candidates)
 
     @torch.inference_mode()
-    def tail(self, st: _Static) -> torch.Tensor:
+    def tail(self, st: StaticBatch) -> torch.Tensor:
         """The kept rows of bucket st through the later layers -> logits of its logits rows."""
         m, s, fb = self.model, self.state, st.fb
         keep = st.views["keep"]
