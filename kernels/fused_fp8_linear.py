@@ -8,7 +8,8 @@ Four variants (the same result up to the activation rounding of "mma"):
   the few rows are the MMA's narrow side).
   The block scale is one value per weight row per step where BLOCK_K divides B (V4), applied to
   the partial product; with smaller blocks (V4.1's 32 under a 128-wide step) a step runs as
-  BLOCK_K / B sub-steps, each rescaled by its own scale (V4's loop is the first branch, unchanged). Split-K (fp32 partials, then one reduce) gives narrow weights enough
+  BLOCK_K / B sub-steps, each rescaled by its own scale (V4's loop is the first branch, unchanged),
+  or, config SCALE_TILE, as one MMA over the tile scaled per element in float32 first. Split-K (fp32 partials, then one reduce) gives narrow weights enough
   programs that every SM streams bytes.
 - "gemv" (one or a few rows): the same on the CUDA cores, one activation row per program, no
   MMA and no shared memory (the weight read once per row: L2 serves the repeats of a few rows).
@@ -111,7 +112,8 @@ def _scaled_dot(w, xt, sw, DOT_F32: tl.constexpr, W_CVT: tl.constexpr):
 @triton.jit(do_not_specialize=["M"])
 def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STRIDE, ROWS, K_SPLIT,
                     SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    DOT_F32: tl.constexpr, W_CVT: tl.constexpr = "cast", B: tl.constexpr = 128):
+                    DOT_F32: tl.constexpr, W_CVT: tl.constexpr = "cast", B: tl.constexpr = 128,
+                    SCALE_TILE: tl.constexpr = False):
     """acc[BLOCK_N, BLOCK_M] = W[n, k-range] @ x[m, g * K + k-range]^T, g = the group of rows n (ROWS
     weight rows per group: wo_a's 8 groups read their own slice of x; a plain linear is one group).
     B: the scale block (128 V4, 32 V4.1). Split-K: each split stores its float32 partial, and the last
@@ -139,6 +141,19 @@ def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_
             sw_next = tl.load(s_row + tl.minimum(k0 + BLOCK_K, k_hi - 1) // B, mask=nmask, other=0.0)  # last: unused
             acc += _scaled_dot(w, xt, sw, DOT_F32, W_CVT)
             sw = sw_next
+    elif SCALE_TILE:  # smaller scale blocks, one MMA per step: the tile scaled in float32 (each weight's
+        # own block scale), rounded once to the activations' dtype: kernels.reference.linear's weight
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < k_hi
+            wmask = nmask[:, None] & kmask[None, :]
+            w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=wmask, other=0.0)
+            xt = tl.load(xg + m[None, :] * X_STRIDE + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+            st = tl.load(s_row[:, None] + k[None, :] // B, mask=wmask, other=0.0)
+            if DOT_F32:
+                acc += tl.dot(w.to(tl.float32) * st, xt.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot((w.to(tl.float32) * st).to(xt.dtype), xt)
     else:  # smaller scale blocks (V4.1's 32): the step's BLOCK_K bytes per row as BLOCK_K / B sub-steps
         for k0 in range(k_lo, k_hi, BLOCK_K):
             for j in tl.static_range(BLOCK_K // B):
@@ -312,7 +327,7 @@ def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None, 
     _dequant_kernel[grid](*args, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                           DOT_F32=_INTERPRET or x2.dtype == torch.float32,
                           W_CVT=cfg.get("W_CVT", quant_configs.W_CVT) if x2.dtype == torch.bfloat16 else "cast",
-                          B=block, **_launch_opts(cfg))
+                          B=block, SCALE_TILE=cfg.get("SCALE_TILE", False), **_launch_opts(cfg))
 
 
 def _mma(x2, weight, scale, y, cfg, n1: int | None = None, block: int = FP8_BLOCK):

@@ -179,7 +179,7 @@ def _short(cfg: dict) -> str:
         cfg = cfg["gate_up"]
     names = {"variant": "", "BLOCK_M": "m", "BLOCK_N": "n", "BLOCK_K": "k", "SPLIT_K": "s", "GROUP_M": "g",
              "num_warps": "w", "num_stages": "st", "MX": ""}
-    return " ".join(f"{names[k]}{v}" for k, v in cfg.items() if k in names)
+    return " ".join(f"{names[k]}{v}" for k, v in cfg.items() if k in names) + (" scaled-tile" if cfg.get("SCALE_TILE") else "")
 
 
 def table(results: list[dict]) -> str:
@@ -380,13 +380,16 @@ def measure_linear(case: dict, device, deadline: float) -> dict:
     copies = max(1, min(64, cdiv(int(ROTATE_BYTES), n * k)))
     ws = [(q, s)] + [(q.clone(), s.clone()) for _ in range(copies - 1)]
     want = ref.linear(x, q, s)
-    res = _sweep(case, linear_candidates(m), lambda cfg: fp8_linear_fused(x, q, s, config=cfg), want,
-                 lambda cfg: 2e-2 if cfg["variant"] == "dequant" else 0.1,  # mma rounds activations to e4m3
+    cands = linear_candidates(m)
+    if block < 128:  # the dequant GEMV's steps as one MMA over the scaled tile, against its 32-wide sub-steps
+        cands += [{**c, "SCALE_TILE": True} for c in cands if c["variant"] == "dequant"] + [{"variant": "unpacked"}]
+    res = _sweep(case, cands, lambda cfg: fp8_linear_fused(x, q, s, config=cfg), want,
+                 lambda cfg: 0.1 if cfg["variant"] == "mma" else 2e-2,  # mma rounds activations to e4m3
                  lambda cfg: [functools.partial(fp8_linear_fused, x, wq, ws_, config=cfg) for wq, ws_ in ws], deadline)
     by = {}
     for r in res["candidates"]:
         if "seconds" in r:
-            v = r["config"]["variant"]
+            v = r["config"]["variant"] + (" scaled-tile" if r["config"].get("SCALE_TILE") else "")
             by[v] = min(by.get(v, 1e9), r["seconds"])
     res["by_variant"] = by
     res["floor"] = linear_floor(m, n, k, "mma", block=block)  # the lower of the two floors: FP8 peak

@@ -248,10 +248,13 @@ def test_fp8_linear_with_32x32_blocks_matches_reference(variant, m, n, k):
 
 
 @pytest.mark.parametrize("variant, tiles", [("dequant", {"BLOCK_K": 32}), ("dequant", {"BLOCK_K": 16}),
-                                            ("dequant", {"BLOCK_K": 128, "SPLIT_K": 3}), ("mma", {"BLOCK_N": 64})])
+                                            ("dequant", {"BLOCK_K": 128, "SPLIT_K": 3}), ("mma", {"BLOCK_N": 64}),
+                                            ("dequant", {"BLOCK_K": 128, "SCALE_TILE": True}),
+                                            ("dequant", {"BLOCK_K": 64, "SPLIT_K": 3, "SCALE_TILE": True})])
 def test_32x32_blocks_with_other_tiles(monkeypatch, variant, tiles):
     """The other branches: dequant steps inside one 32-wide block (V4's loop with B = 32), a split-K
-    boundary inside a step, and an mma tile taller than a block (one weight scale per row, not per tile)."""
+    boundary inside a step, an mma tile taller than a block (one weight scale per row, not per tile),
+    and the dequant step as one MMA over the tile scaled per element (SCALE_TILE), split-K too."""
     from kernels import quant_configs
 
     monkeypatch.setitem(quant_configs.INTERPRET_LINEAR, variant, {**quant_configs.INTERPRET_LINEAR[variant], **tiles})
