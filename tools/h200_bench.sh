@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh check-defaults|fp8-bf16|kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-fp8|v41-serve|ratio-depth|largest|profile-depth|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh check-defaults|fp8-bf16|kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-fp8|v41-serve|ratio-depth|largest|profile-depth|profile-prefill|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
 # numpy2, serving, largest, v41-serve and ratio-depth need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoints, drawn on the GPU: flash-depth (V4-Flash depth: 43 layers, 16 experts; mixed, engine, depth) and
 # flash-shaped (its per-layer shapes, 4 layers: quick and the rest).
@@ -174,6 +174,13 @@ profile-depth)  # where a depth-43 decode step goes as shipped (FP8 + MXFP4): ke
     timeout 160 python3 -m tools.profile_decode --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batch $b --steps 48 \
       --rows 45 > "$OUT/profile_depth_b$b.txt" 2>&1; tail -1 "$OUT/profile_depth_b$b.txt"
   done ;;
+profile-prefill)  # issues 20 and 25: where a 1024-token prefill's time goes (kernels by CUDA time, 4 prompts in one
+  # step each, one output token): V4-Flash depth as shipped, then V4.1-Flash-shaped (~5 min with both checkpoints)
+  timeout 200 python3 -m tools.profile_decode --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batch 4 --steps 1 \
+    --prompt-len 1024 --rows 45 > "$OUT/profile_prefill_v4.txt" 2>&1; tail -1 "$OUT/profile_prefill_v4.txt"
+  rm -rf "$CK"/flash-depth-*
+  timeout 200 python3 -m tools.profile_decode --preset v41-flash-shaped --quant fp8-fp4 --cache-dir $CK --batch 4 \
+    --steps 1 --prompt-len 1024 --rows 45 > "$OUT/profile_prefill_v41.txt" 2>&1; tail -1 "$OUT/profile_prefill_v41.txt" ;;
 profile)
   python3 -m tools.profile_decode --batch 1 --steps 200 --rows 40 > "$OUT/profile_b1.txt" 2>&1; tail -1 "$OUT/profile_b1.txt"
   python3 -m tools.profile_decode --batch 1 --steps 200 --rows 30 --host > "$OUT/host_b1.txt" 2>&1; tail -1 "$OUT/host_b1.txt" ;;

@@ -1,7 +1,7 @@
 """Where a decode step's time goes (GPU): profile a batch-1 generation that is almost all decode
 and print the kernels by total CUDA time.
 
-    python -m tools.profile_decode [--model DIR | --preset flash-shaped] [--batch 1] [--steps 200] [--host]
+    python -m tools.profile_decode [--model DIR | --preset flash-shaped | v41-flash-shaped] [--batch 1] [--steps 200] [--host]
         [--engine-args '{"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}']
 """
 
@@ -19,6 +19,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine.llm import LLM
 from engine.random_checkpoint import write_checkpoint
+from engine.random_checkpoint_v41 import PRESETS as V41_PRESETS
+from engine.random_checkpoint_v41 import write_v41_checkpoint
 from engine.request import SamplingParams
 
 
@@ -39,7 +41,10 @@ def main() -> None:
     if model is None:
         model = str(Path(a.cache_dir) / (a.preset if a.quant == "bf16" else f"{a.preset}-{a.quant}"))
         if not (Path(model) / "config.json").exists():
-            write_checkpoint(model, a.preset, device="cuda", quant=a.quant)
+            if a.preset in V41_PRESETS:
+                write_v41_checkpoint(model, a.preset, device="cuda", quant=a.quant)
+            else:
+                write_checkpoint(model, a.preset, device="cuda", quant=a.quant)
     args = dict(max_model_len=4096, max_num_seqs=max(64, a.batch), block_size=128, gpu_memory_utilization=0.85)
     llm = LLM(model, **{**args, **json.loads(a.engine_args)})
     sp = SamplingParams(max_tokens=a.steps, temperature=0, ignore_eos=True)
@@ -63,7 +68,7 @@ def main() -> None:
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=60)
     print(table)
     total = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
-    print(f"CUDA kernel time per decode step: {total / a.steps / 1e3:.3f} ms (batch {a.batch}, prompts of "
+    print(f"CUDA kernel time per step, the prefill counted in: {total / a.steps / 1e3:.3f} ms (batch {a.batch}, prompts of "
           f"{a.prompt_len}); wall time per step under the profiler: {wall / a.steps * 1e3:.3f} ms")
 
 
