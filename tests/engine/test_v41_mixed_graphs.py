@@ -37,6 +37,16 @@ def v41_tiny(tmp_path_factory):
     return write_v41_checkpoint(tmp_path_factory.mktemp("v41") / "bf16", "v41-tiny", seed=3, quant="bf16")
 
 
+# v41-tiny's layer kinds in 5 layers, not 10, and half its heads (under the Triton interpreter a
+# step costs its kernel launches times their grids, rows x heads). Before the cut: a sliding layer
+# (Engram), a ratio-2 KV source (Engram), the ratio-1 KV source that picks the candidate blocks;
+# after it, a layer attending with the top-k the front left and one whose own indexer reads the
+# front's candidate blocks: what crosses the cut, as in the oracle's tail.
+SPLIT_SMALL = dict(num_hidden_layers=5, compress_ratios=[0, 2, 1, 1, 1], kv_source_layer_ids=[1, 2],
+                   index_source_layer_ids=[1, 2, 4], candidate_source_layer_id=2, engram_layer_ids=[0, 1],
+                   num_attention_heads=2, index_n_heads=4)
+
+
 def _prompts(n, vocab, seed, shared=0, lo=3, hi=60):
     g = torch.Generator().manual_seed(seed)
     prefix = torch.randint(5, vocab, (shared,), generator=g).tolist()
@@ -249,11 +259,10 @@ def test_serving_max_num_seqs_steps_run_the_later_layers_on_the_kept_rows_only()
     assert all(K <= 32 for size, K in steps if size == 64)  # the chunks of two prompts: two windows
 
 
-@needs_oracle
 @pytest.mark.slow
-def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch):
-    """The padded mixed step captured once (on the all-padding batch, as MixedSteps captures it)
-    and replayed through the CPU emulation of a CUDA graph (host values baked in at capture,
+def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch, tmp_path_factory):
+    """The padded mixed step of the 5-layer SPLIT_SMALL model captured once (on the all-padding
+    batch, as MixedSteps captures it) and replayed through the CPU emulation of a CUDA graph (host values baked in at capture,
     allocations poisoned per replay, host reads refused), the fused kernels under the Triton
     interpreter, the routed experts through the grouped MoE kernel CUDA runs (the CPU's per-expert
     loop reads the routing on the host), decoder replay on, so the step is a front graph of 32 rows
@@ -261,8 +270,8 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch
     40-token one (decoder replay drops 10 of those rows: 22 kept, tail 32), then a mixed step (the 14
     left and the first prompt's decode: tail 16), where both requests end (two steps, not a third
     pure decode: the interpreter makes each step minutes; decode graphs have their own tests)
-    (measured: graph vs padded eager 0.0, padded vs unpadded <= 9.6e-6). Each replayed step's logits equal the same padded batch run
-    eagerly from the same cache state, and so does every cache write (tools/mixed_diag.py); the
+    (measured: graph vs padded eager 0.0, padded vs unpadded <= 1.7e-6). Each replayed step's
+    logits equal the same padded batch run eagerly from the same cache state, and so does every cache write (tools/mixed_diag.py); the
     padded step's logits the unpadded one's to float32 rounding, and the greedy tokens the
     unpadded reference path's. (Minutes of CPU: the interpreter runs every kernel program in Python.)"""
     import kernels
@@ -273,8 +282,10 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch
     prompts = [prompts[0][:6], prompts[1]]  # 6 and 40 tokens: 32-token steps
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (2, 1)]
     from engine import v41_ops
+    from engine.random_checkpoint_v41 import write_v41_checkpoint
 
-    path = str(ORACLE)
+    path = str(write_v41_checkpoint(tmp_path_factory.mktemp("v41") / "small", "v41-tiny", seed=3,
+                                    override=SPLIT_SMALL, quant="bf16"))
     want = LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=32).generate(prompts, params)
     llm = LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=32)
     eng = llm.engine
