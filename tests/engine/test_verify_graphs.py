@@ -102,58 +102,52 @@ def test_padded_mtp_drafts_equal_the_eager_drafts_at_every_step(checkpoints, sha
 
 
 @pytest.mark.slow
-def test_fused_kernels_take_the_padded_verify_batches(tiny_dir):
-    """The kernels the GPU's verify graphs replay (the fused ones, here under the Triton
-    interpreter) on the padded batches: the same tokens and acceptance as on the unpadded ones.
-    (About 1.5 minutes of CPU: the interpreter runs every kernel program in Python.)"""
-    import kernels
-
-    prompts = _prompts(4000, seed=6, lengths=(7, 21))
-    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    runs = []
-    try:
-        for padded in (None, [2]):
-            llm = LLM(str(tiny_dir), dtype="float32", max_model_len=128, speculative_config=SPEC)
-            kernels.set_backend("fused")  # after the engine, which sets its `kernels` argument's backend
-            spec = llm.engine.spec
-            if padded:
-                _padded(llm.engine, padded)
-            runs.append(([o.token_ids for o in llm.generate(prompts, params)], spec.stats()))
-    finally:
-        kernels.set_backend("auto")
-    assert spec.step_paths["verify_graph"] >= 2
-    assert runs[0] == runs[1]
-
-
-@pytest.mark.slow
-def test_emulated_verify_and_mtp_graph_replays_equal_the_eager_path(tiny_dir):
-    """The verify and MTP graphs captured and replayed through the CPU emulation of CUDA graphs
+def test_fused_kernels_on_the_padded_and_the_emulated_verify_and_mtp_graphs_equal_the_eager_path(tiny_dir):
+    """The kernels the GPU's verify and MTP graphs replay (the fused ones, here under the Triton
+    interpreter) three ways in step: on the unpadded batches, on the padded batches run eagerly,
+    and on the graphs captured and replayed through the CPU emulation of CUDA graphs
     (tests/engine/graph_emulation.py: host values baked in at capture on the all-padding batch,
-    allocations poisoned at each replay, host reads refused), fused kernels under the Triton
-    interpreter: the same tokens and acceptance as the eager path, and as plain decoding. The
-    drafts are forced with every third one wrong, so rollbacks and accepted rows both run.
-    (About 2 minutes of CPU.)"""
+    allocations poisoned at each replay, host reads refused). Every step the same tokens and the
+    same MTP drafts all three ways; at the end the same acceptance, and the tokens of plain
+    decoding. The verified drafts are forced with every third one wrong, so rollbacks and accepted
+    rows both run. (One test, not one per padded path: the unpadded run they compare with is the
+    same; about 4 minutes of CPU.)"""
     import kernels
     from tests.engine.graph_emulation import capture
 
     prompts = _prompts(4000, seed=6, lengths=(7, 21))
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     plain = [o.token_ids for o in LLM(str(tiny_dir), dtype="float32", max_model_len=128).generate(prompts, params)]
-    runs = []
+    engines, tokens = [], {f"r{i}": [] for i in range(len(prompts))}
     try:
-        for emulated in (False, True):
-            llm = LLM(str(tiny_dir), dtype="float32", max_model_len=128, speculative_config=SPEC)
+        for how in ("unpadded", "padded", "emulated"):
+            eng = LLM(str(tiny_dir), dtype="float32", max_model_len=128, speculative_config=SPEC).engine
             kernels.set_backend("fused")  # after the engine, which sets its `kernels` argument's backend
-            eng, spec = llm.engine, llm.engine.spec
-            if emulated:
+            spec = eng.spec
+            if how == "padded":
+                _padded(eng, [2])
+            elif how == "emulated":
                 spec.verify_steps = VerifySteps(eng.model, eng.cache, 128, spec.k, [2], "emulated", capture)
                 spec.draft_steps = DraftSteps(spec.mtp, eng.model, spec.mtp_cache, spec.verify_steps, "emulated", capture)
-            spec.force_drafts({f"offline-{i}": _corrupt(p, 4000) for i, p in enumerate(plain)})
-            runs.append(([o.token_ids for o in llm.generate(prompts, params)], spec.stats()))
+            spec.force_drafts({f"r{i}": _corrupt(p, 4000) for i, p in enumerate(plain)})
+            for i, p in enumerate(prompts):
+                eng.add_request(GenerationRequest(f"r{i}", prompt_token_ids=p, sampling=params))
+            engines.append(eng)
+        while engines[0].has_unfinished():
+            outs = [[(o.request_id, o.token_ids) for o in eng.step()] for eng in engines]
+            assert outs[0] == outs[1] == outs[2]
+            assert engines[0].spec.mtp_drafts == engines[1].spec.mtp_drafts == engines[2].spec.mtp_drafts
+            for rid, ids in outs[0]:
+                tokens[rid] += ids
     finally:
         kernels.set_backend("auto")
+    assert not any(eng.has_unfinished() for eng in engines) and list(tokens.values()) == plain
+    unpadded, padded, spec = (eng.spec for eng in engines)
+    assert padded.step_paths["verify_graph"] >= 2 and padded.step_paths["draft_graph"] >= 2
+    assert padded.verify_steps.rollback.replays >= 1
     assert spec.verify_steps.static[2].graph.replays == spec.step_paths["verify_graph"] >= 2
     assert spec.draft_steps.static[2].graph.replays == spec.step_paths["draft_graph"] >= 2
     assert spec.verify_steps.rollback.static[2].graph.replays == spec.verify_steps.rollback.replays >= 1
-    assert runs[0] == runs[1] and runs[1][0] == plain
-    assert 0 < runs[1][1]["spec_decode_num_accepted_tokens"] < runs[1][1]["spec_decode_num_draft_tokens"]
+    stats = unpadded.stats()
+    assert padded.stats() == stats == spec.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
