@@ -87,6 +87,7 @@ class Compressor(nn.Module):
         if ratio > 1:
             self.wgate = _linear(cfg.head_dim, cfg.hidden_size)
         self.norm = Norm(cfg.head_dim, cfg.rms_norm_eps)
+        self.pool: torch.Tensor | None = None  # ratio > 1: wkv over wgate in fp32, one GEMM (hold_fp32_weights)
 
     def latents(self, x: torch.Tensor, fb: ForwardBatch, cache: V41KVCache, layer: int, plans: dict):
         """Closed groups of this step (positions >= compress_from): (latents before RoPE, plan), or
@@ -99,8 +100,7 @@ class Compressor(nn.Module):
             if not plan.num_blocks:
                 return None
             return self.norm(self.wkv(x[plan.src])), plan
-        kv = F.linear(x.float(), self.wkv.weight.float())  # pooling and its gate in fp32
-        gate = F.linear(x.float(), self.wgate.weight.float())
+        kv, gate = F.linear(x.float(), self.pool).split(self.wkv.weight.shape[0], -1)  # pooling and its gate in fp32
         out = None
         if plan.num_blocks:
             d = kv.shape[-1]
@@ -112,6 +112,19 @@ class Compressor(nn.Module):
         state.pend_gate.view(-1, kv.shape[-1]).index_copy_(0, plan.pend_dst,
                                                           gate[plan.pend_row].to(state.pend_gate.dtype))
         return out
+
+
+def hold_fp32_weights(model: nn.Module) -> None:
+    """After loading: the weights the forward multiplies in fp32 held in fp32, so no step converts
+    them (bf16 -> fp32 is exact: the same products). The router's gate; each pooling compressor's
+    wkv over wgate as one [2 * head_dim, hidden] matrix, the two parameters views into it."""
+    for module in model.modules():
+        if isinstance(module, Gate):
+            module.weight.data = module.weight.data.float()
+        elif isinstance(module, Compressor) and module.ratio > 1:
+            d = module.wkv.weight.shape[0]
+            module.pool = torch.cat([module.wkv.weight.data, module.wgate.weight.data]).float()
+            module.wkv.weight.data, module.wgate.weight.data = module.pool[:d], module.pool[d:]
 
 
 class Indexer(nn.Module):

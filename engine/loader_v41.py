@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from engine.config_v41 import load_v41_config
-from engine.deepseek_v41 import DeepseekV41, engram_hasher
+from engine.deepseek_v41 import DeepseekV41, engram_hasher, hold_fp32_weights
 from engine.engram import find_tokenizer_json
 from engine.loader import device_bytes, load_named
 from engine.names_v41 import official_name, to_official
@@ -59,6 +59,7 @@ def load_v41_model(model_dir: str | Path, dtype: torch.dtype, device: str | torc
     load_named(model, _text_weights(model_dir, cfg.weight_block_size, device, experts_as_stored, fp8), device,
                model_dir)
     stacked = stack_linears(model) if fp8 else 0  # wq_a over wkv, w1 over w3: one FP8 launch per pair
+    hold_fp32_weights(model)
     log.info("weights: DeepSeek-V4.1 on %s in %s%s%s (%d DSpark tensors kept aside; %.3f GB)", device, dtype,
              ", routed experts as stored (MXFP4)" if experts_as_stored else "",
              f", {len(fp8)} FP8 linears as stored ({cfg.weight_block_size[0]}x{cfg.weight_block_size[1]} tiles, "

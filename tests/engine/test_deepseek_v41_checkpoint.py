@@ -4,6 +4,8 @@ weights within their rounding."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -149,3 +151,24 @@ def test_fp8_linears_through_the_fused_kernels_equal_the_references(checkpoints,
     got_tokens, got = greedy(st, long_ids, chunk=80, steps=1, dtype=torch.float32)
     assert got_tokens == want_tokens and (got - want).abs().max() <= 1e-5 * want.abs().max()
     assert len(unpacked) >= 10  # the chunk's linears of every layer
+
+
+def test_fp32_math_weights_are_held_in_fp32_after_loading(checkpoints):
+    """hold_fp32_weights: in a bf16 model the router's gate and each pooling compressor's wkv over
+    wgate (one matrix, the parameters views into it) are fp32 holding the checkpoint's bf16 values
+    exactly, so no decode step converts them; the ratio-1 compressor keeps the model dtype."""
+    from safetensors.torch import load_file
+
+    m = load_v41_model(checkpoints["bf16"], torch.bfloat16)
+    comp = m.layers[2].attn.compressor
+    assert comp.ratio == 2 and comp.pool.dtype == torch.float32 and comp.pool.shape[0] == 2 * comp.wkv.weight.shape[0]
+    assert comp.wkv.weight.data_ptr() == comp.pool.data_ptr() and comp.wgate.weight.data_ptr() == comp.pool[
+        comp.wkv.weight.shape[0]:].data_ptr()
+    stored = {}
+    for f in sorted(Path(checkpoints["bf16"]).glob("*.safetensors")):
+        stored.update(load_file(str(f)))
+    wkv = next(t for n, t in stored.items() if n.endswith("layers.2.attn.compressor.wkv.weight"))
+    assert wkv.dtype == torch.bfloat16 and torch.equal(comp.wkv.weight, wkv.float())
+    assert m.layers[3].ffn.gate.weight.dtype == torch.float32
+    assert m.layers[6].attn.compressor.ratio == 1 and m.layers[6].attn.compressor.pool is None
+    assert m.layers[6].attn.compressor.wkv.weight.dtype == torch.bfloat16
