@@ -108,27 +108,28 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(tiny_dir):
     batch as MixedSteps captures it; allocations poisoned at each replay; host reads refused), with
     the fused kernels under the Triton interpreter: each replayed step's logits and every cache
     write equal the same padded batch run eagerly from the same cache state (tools/mixed_diag.py),
-    and its logits the unpadded step's to float32 rounding. (About a minute and a half of CPU: the
+    and its logits the unpadded step's to float32 rounding. (About a minute of CPU: the
     interpreter runs every kernel program in Python.)"""
     import kernels
     from tests.engine.graph_emulation import capture
     from tools.mixed_diag import diagnose
 
     g = torch.Generator().manual_seed(4)
-    # two steps: both prompts' prefills (13 tokens), then both decodes (2), each padded to 16
-    prompts = [torch.randint(5, 4000, (n,), generator=g).tolist() for n in (9, 4)]
+    # two steps: both prompts' prefills (7 tokens: the first closes a ratio-4 group), then both
+    # decodes (2: the second closes one), each padded to 8 (not 16: the interpreter's cost is rows)
+    prompts = [torch.randint(5, 4000, (n,), generator=g).tolist() for n in (4, 3)]
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, logprobs=1)
-    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=256, max_num_batched_tokens=16)
+    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=256, max_num_batched_tokens=8)
     eng = llm.engine
     try:
         kernels.set_backend("fused")  # after the engine, which sets its `kernels` argument's backend
-        eng.runner.mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [16],
+        eng.runner.mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [8],
                                       pool="emulated", capture_fn=capture)
         rows = diagnose(eng, lambda: llm.generate(prompts, params))
     finally:
         kernels.set_backend("auto")
-    assert [(r["path"], r["tokens"], r["graph_size"]) for r in rows] == [("mixed", 13, 16), ("mixed", 2, 16)]
-    assert eng.runner.mixed.static[16].graph.replays == 2
+    assert [(r["path"], r["tokens"], r["graph_size"]) for r in rows] == [("mixed", 7, 8), ("mixed", 2, 8)]
+    assert eng.runner.mixed.static[8].graph.replays == 2
     for r in rows:
         assert r["first_difference"] is None, r
         assert r["logits_graph_vs_padded_eager"] == 0.0, r
