@@ -9,7 +9,9 @@ from tests.engine.conftest import incremental_logits
 
 def test_engine_logits_kernels_on_vs_off(tiny_dir):
     model = load_model(tiny_dir, torch.bfloat16)
-    ids = torch.randint(5, model.cfg.vocab_size, (41,), generator=torch.Generator().manual_seed(0)).tolist()
+    # a 30-token chunk, then 6 decodes (positions 30-35: groups of both ratios close at 31, one of 4 at
+    # 35); each decode is four layers of kernel launches under the interpreter
+    ids = torch.randint(5, model.cfg.vocab_size, (36,), generator=torch.Generator().manual_seed(0)).tolist()
     try:
         kernels.set_backend("ref")
         want = incremental_logits(model, ids, chunks=[30])
