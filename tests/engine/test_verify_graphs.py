@@ -107,11 +107,13 @@ def test_fused_kernels_on_the_padded_and_the_emulated_verify_and_mtp_graphs_equa
     interpreter) three ways in step: on the unpadded batches, on the padded batches run eagerly,
     and on the graphs captured and replayed through the CPU emulation of CUDA graphs
     (tests/engine/graph_emulation.py: host values baked in at capture on the all-padding batch,
-    allocations poisoned at each replay, host reads refused). Every step the same tokens and the
+    allocations poisoned at each replay, host reads refused); the prompts' prefill before them on
+    the references (other tests run prefills on the kernels; here it would be 40% of the
+    interpreter's time). Every step the same tokens and the
     same MTP drafts all three ways; at the end the same acceptance, and the tokens of plain
     decoding. The verified drafts are forced with every third one wrong, so rollbacks and accepted
     rows both run. (One test, not one per padded path: the unpadded run they compare with is the
-    same; about 4 minutes of CPU.)"""
+    same; about 2 minutes of CPU.)"""
     import kernels
     from tests.engine.graph_emulation import capture
 
@@ -133,8 +135,10 @@ def test_fused_kernels_on_the_padded_and_the_emulated_verify_and_mtp_graphs_equa
             for i, p in enumerate(prompts):
                 eng.add_request(GenerationRequest(f"r{i}", prompt_token_ids=p, sampling=params))
             engines.append(eng)
+        kernels.set_backend("ref")  # the prompts' prefill (one eager step, the heaviest) on the references
         while engines[0].has_unfinished():
             outs = [[(o.request_id, o.token_ids) for o in eng.step()] for eng in engines]
+            kernels.set_backend("fused")  # every verify and MTP step after it on the kernels
             assert outs[0] == outs[1] == outs[2]
             assert engines[0].spec.mtp_drafts == engines[1].spec.mtp_drafts == engines[2].spec.mtp_drafts
             for rid, ids in outs[0]:
@@ -143,6 +147,7 @@ def test_fused_kernels_on_the_padded_and_the_emulated_verify_and_mtp_graphs_equa
         kernels.set_backend("auto")
     assert not any(eng.has_unfinished() for eng in engines) and list(tokens.values()) == plain
     unpadded, padded, spec = (eng.spec for eng in engines)
+    assert padded.step_paths["verify_eager"] == spec.step_paths["verify_eager"] == 1  # the prefill, only
     assert padded.step_paths["verify_graph"] >= 2 and padded.step_paths["draft_graph"] >= 2
     assert padded.verify_steps.rollback.replays >= 1
     assert spec.verify_steps.static[2].graph.replays == spec.step_paths["verify_graph"] >= 2
