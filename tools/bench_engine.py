@@ -323,10 +323,14 @@ def steady_decode(engine_args: dict, batches: list[int], input_len: int, steps: 
     the async read-back included). The figure the decode-throughput target is about."""
     llm = LLM(**engine_args)
     eng, rows = llm.engine, []
-    for b in batches:
-        step_ms = steady_step_ms(eng, b, input_len, steps)
-        rows.append({"batch": b, "input_len": input_len, "step_ms": step_ms, "output_tok_s": b * 1e3 / step_ms})
-        print(f"  steady decode: batch {b}: {step_ms:.2f} ms/step, {b * 1e3 / step_ms:.0f} tok/s", flush=True)
+    try:
+        for b in batches:
+            step_ms = steady_step_ms(eng, b, input_len, steps)
+            rows.append({"batch": b, "input_len": input_len, "step_ms": step_ms, "output_tok_s": b * 1e3 / step_ms})
+            print(f"  steady decode: batch {b}: {step_ms:.2f} ms/step, {b * 1e3 / step_ms:.0f} tok/s", flush=True)
+    finally:
+        if eng.parallel is not None:  # one process group per process: the online engine after this one needs it
+            eng.parallel.close()
     return rows
 
 
