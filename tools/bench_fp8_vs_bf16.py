@@ -1,7 +1,9 @@
 """Does keeping an FP8 linear as stored pay? The engine's own dispatch of each FP8 linear
 (kernels.fused.fp8 -> kernels/quant_configs.py's tiles, 128x128 V4 or 32x32 V4.1 scale blocks)
 against cuBLAS on the same weight dequantized to bf16 at load, at decode and prefill row counts,
-timed in CUDA-graph replays over weight copies the L2 cannot hold. Prints a table, writes JSON.
+timed in CUDA-graph replays over weight copies the L2 cannot hold; for V4's blocks also cuBLAS's
+own blockwise FP8 GEMM (torch's scaled_mm), checked against the act-quant reference. Prints a
+table, writes JSON.
 
     python -m tools.bench_fp8_vs_bf16 [--rows 1,32,1024,4096] [--json out.json]
 """
@@ -26,6 +28,33 @@ from tools.bench_quant import (
 )
 
 
+def blockwise_cublas(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
+    """The FP8 GEMM through torch's scaled_mm (cuBLASLt) with DeepSeek's recipe: activations 1x128,
+    the weight 128x128 (V4's blocks only). -> (a call, its output) or (None, why not). cuBLAS wants
+    the activation scales token-major with M a multiple of 4, the weight's K blocks a multiple of 4.
+    The activation quantization runs outside the timed call."""
+    import torch.nn.functional as F
+
+    from kernels.formats import quantize_act_1x128
+
+    if not hasattr(F, "scaled_mm"):
+        return None, f"torch {torch.__version__} has no torch.nn.functional.scaled_mm"
+    M = x.shape[0]
+    xp = F.pad(x, (0, 0, 0, -M % 4))
+    xq, xs = quantize_act_1x128(xp)
+    xs = xs.t().contiguous().t()
+    sp = F.pad(s, (0, -s.shape[1] % 4)).t()
+
+    def call():
+        return F.scaled_mm(xq, q.t(), xs, F.ScalingType.BlockWise1x128, sp, F.ScalingType.BlockWise128x128,
+                           output_dtype=torch.bfloat16)
+
+    try:
+        return call, call()[:M]
+    except (RuntimeError, NotImplementedError, ValueError, TypeError) as e:
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+
 def time_pair(m: int, n: int, k: int, block: int, device) -> dict:
     from kernels import reference as ref
     from kernels.fused_fp8_linear import MMA_MIN_BLOCK, fp8_linear_fused, tiles
@@ -39,11 +68,20 @@ def time_pair(m: int, n: int, k: int, block: int, device) -> dict:
     err = (fp8_linear_fused(x, q, s).float() - torch.nn.functional.linear(x, w).float()).abs().max().item()
     t_fp8 = _graph_time([functools.partial(fp8_linear_fused, x, wq, ws) for wq, ws in fp8s])
     t_bf16 = _graph_time([functools.partial(torch.nn.functional.linear, x, wb) for wb in bf16s])
+    extra = {}
+    if block == 128:  # cuBLAS's own FP8 GEMM on the stored weight, against the same act-quant reference
+        call, got = blockwise_cublas(x, q, s)
+        if call is None:
+            extra["cublas_fp8_error"] = got
+        else:
+            want = ref.linear_act_quant(x, q, s).float()
+            extra["cublas_fp8_rel_err"] = ((got.float() - want).abs().max() / want.abs().max()).item()
+            extra["cublas_fp8_us"] = _graph_time([call]) * 1e6
     variant, cfg = tiles(m, n, k, None, None)
     if variant == "mma" and block < MMA_MIN_BLOCK:  # fp8_linear_fused's own substitution
         variant, cfg = "unpacked", {}
     return {"rows": m, "n": n, "k": k, "block": block, "fp8_us": t_fp8 * 1e6, "bf16_us": t_bf16 * 1e6,
-            "fp8_over_bf16": t_fp8 / t_bf16, "variant": variant, "config": cfg, "max_abs_diff": err}
+            "fp8_over_bf16": t_fp8 / t_bf16, "variant": variant, "config": cfg, "max_abs_diff": err, **extra}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     sets = [("v41", V41_LINEAR_SHAPES, V41_BLOCK), ("v4", LINEAR_SHAPES, 128)]
     rows = [int(r) for r in a.rows.split(",") if r]
     out = []
-    print("model | linear | rows | FP8 as stored us (variant) | bf16 cuBLAS us | FP8 / bf16", flush=True)
+    print("model | linear | rows | FP8 as stored us (variant) | bf16 cuBLAS us | FP8 / bf16 | cuBLAS FP8 "
+          "blockwise us (GEMM only, rel err)", flush=True)
     for model, shapes, block in sets:
         if a.only and model != a.only:
             continue
@@ -67,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
             for name, (n, k) in shapes.items():
                 r = {"model": model, "name": name, **time_pair(m, n, k, block, device)}
                 out.append(r)
+                blockwise = (f"{r['cublas_fp8_us']:.1f} ({r['cublas_fp8_rel_err']:.1e})" if "cublas_fp8_us" in r
+                             else r.get("cublas_fp8_error", "-"))
                 print(f"{model} | {name} {n}x{k} | {m} | {r['fp8_us']:.1f} ({r['variant']}) | {r['bf16_us']:.1f} | "
-                      f"{r['fp8_over_bf16']:.2f}", flush=True)
+                      f"{r['fp8_over_bf16']:.2f} | {blockwise}", flush=True)
     for model in ("v4", "v41"):
         for m in rows:
             sel = [r for r in out if r["model"] == model and r["rows"] == m]
