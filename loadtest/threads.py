@@ -24,11 +24,15 @@ ERROR_BACKOFF_S = 0.2
 
 
 def run(config: LoadConfig, protocol: str, users: int, duration_s: float, stop_timeout_s: float) -> int:
-    """Closed-loop users for duration_s; then in-flight requests get stop_timeout_s to finish
-    (threads still busy after that are abandoned: daemon threads, gone with the process)."""
+    """Closed-loop users for duration_s; then in-flight requests get stop_timeout_s to finish.
+    Threads still busy after that are abandoned (daemon threads, gone with the process), their
+    requests recorded as cancelled with what they had streamed, as the Locust driver records users
+    it stops mid-stream: a level whose requests outlive the window still counts its tokens."""
     workload = make_workload(WorkloadConfig.from_dict(config.workload))
     records = RecordWriter(config.records or None)
     stopping = threading.Event()
+    in_flight: dict[int, tuple] = {}  # user -> (request, Measure); whoever pops it writes its record
+    lock = threading.Lock()
 
     def user(index: int) -> None:
         session = workload.session(index, config.level_seed)
@@ -41,12 +45,17 @@ def run(config: LoadConfig, protocol: str, users: int, duration_s: float, stop_t
                 request = session.next_request()
                 m = Measure()
                 error = None
+                with lock:
+                    in_flight[index] = (request, m)
                 try:
                     kwargs = {"timeout_s": config.request_timeout_s} if protocol == "grpc" else {}
                     for delta in client.generate_stream(request.prompt, **kwargs, **config.sampling(request)):
                         m.add(delta)
                 except Exception as e:  # noqa: BLE001 - a failed request is data
                     error = e
+                with lock:
+                    if in_flight.pop(index, None) is None:  # abandoned at the stop: recorded there
+                        return
                 rec = m.record(request, error, cancelled=False)
                 records.write("request", user=index, **rec)
                 if rec["ok"]:
@@ -68,6 +77,11 @@ def run(config: LoadConfig, protocol: str, users: int, duration_s: float, stop_t
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     left = sum(t.is_alive() for t in threads)
+    with lock:
+        abandoned = list(in_flight.items())
+        in_flight.clear()
+    for index, (request, m) in abandoned:
+        records.write("request", user=index, **m.record(request, None, cancelled=True))
     records.mark("stop")
     records.close()
     if left:

@@ -117,3 +117,21 @@ def test_users_cancelled_at_stop_still_exit(triton_server, tmp_path):
     assert all(r["output_tokens"] < r["max_tokens"] for r in lv["records"] if r["cancelled"])
     assert lv["output_tok_per_s"] > 0
     wait_idle(triton_server.metrics_url)  # the server aborted them: nothing is left running
+
+
+def test_thread_users_abandoned_at_the_stop_are_recorded_cancelled(triton_server, tmp_path):
+    """The thread driver: requests that outlive the window and the stop timeout are recorded as
+    cancelled with what they streamed (as Locust's users stopped mid-stream are), so the level
+    counts their tokens instead of reporting that none came."""
+    wait_idle(triton_server.metrics_url)
+    result, _ = run_sweep(
+        tmp_path, "abandon", "--driver", "threads", "--url", triton_server.grpc_url,
+        "--metrics-url", triton_server.metrics_url, "--concurrency", "2", "--duration", "2s", "--stop-timeout", "1s",
+        "--input-len", "16", "--output-len", "400")
+    (lv,) = result["levels"]
+    assert lv["failure"] is None and lv["driver"]["exit_code"] == 0
+    assert lv["requests"] == 0 and lv["errors"] == 0 and lv["cancelled"] == 2  # both users mid-request
+    cancelled = [r for r in lv["records"] if r["cancelled"]]
+    assert all(0 < r["output_tokens"] < r["max_tokens"] and r["ttft_ms"] is not None for r in cancelled)
+    assert lv["output_tok_per_s"] > 0
+    wait_idle(triton_server.metrics_url)  # the streams were dropped with the driver: the server aborted them
