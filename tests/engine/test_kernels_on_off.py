@@ -7,7 +7,7 @@ from engine.loader import load_model
 from tests.engine.conftest import incremental_logits
 
 
-def test_engine_logits_kernels_on_vs_off(tiny_dir):
+def test_engine_logits_kernels_on_vs_off(tiny_dir, single_thread):
     model = load_model(tiny_dir, torch.bfloat16)
     # a 30-token chunk, then 6 decodes (positions 30-35: groups of both ratios close at 31, one of 4 at
     # 35); each decode is four layers of kernel launches under the interpreter

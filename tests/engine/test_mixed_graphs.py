@@ -13,6 +13,8 @@ from engine.mixed_graphs import MixedSteps, mixed_sizes, new_token_ids
 from engine.request import SamplingParams
 from engine.sequence import Sequence
 
+pytestmark = [pytest.mark.usefixtures("single_thread")]
+
 
 def _prompts(n, vocab, seed, shared=0):
     g = torch.Generator().manual_seed(seed)

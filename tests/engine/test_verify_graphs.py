@@ -15,6 +15,7 @@ from engine.verify_graphs import VerifySteps
 from tests.engine.test_batching import _full
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 3}
+pytestmark = [pytest.mark.usefixtures("single_thread")]
 
 
 def _prompts(vocab, seed, lengths):
