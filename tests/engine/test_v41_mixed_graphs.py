@@ -266,11 +266,12 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch
     allocations poisoned per replay, host reads refused), the fused kernels under the Triton
     interpreter, the routed experts through the grouped MoE kernel CUDA runs (the CPU's per-expert
     loop reads the routing on the host), decoder replay on, so the step is a front graph of 32 rows
-    and a tail graph per kept-row bucket (16, 32): a prefill of a 6-token prompt and 26 tokens of a
-    40-token one (decoder replay drops 10 of those rows: 22 kept, tail 32), then a mixed step (the 14
-    left and the first prompt's decode: tail 16), where both requests end (two steps, not a third
-    pure decode: the interpreter makes each step minutes; decode graphs have their own tests)
-    (measured: graph vs padded eager 0.0, padded vs unpadded <= 1.7e-6). Each replayed step's
+    and a tail graph per kept-row bucket (16, 32): the prefills of a 6- and a 26-token prompt
+    (decoder replay drops 10 rows of the second: 22 kept, tail 32), then a mixed step (a 14-token
+    prompt and both first prompts' decodes: tail 16), where every request ends (two steps, not a third
+    pure decode: the interpreter makes each step minutes; decode graphs have their own tests). Every
+    prompt's last row is a logits row of one of the two steps, so a tail that reads another row's
+    state (its top-k, its candidate blocks) shows against the unpadded step. Each replayed step's
     logits equal the same padded batch run eagerly from the same cache state, and so does every cache write (tools/mixed_diag.py); the
     padded step's logits the unpadded one's to float32 rounding, and the greedy tokens the
     unpadded reference path's. (Minutes of CPU: the interpreter runs every kernel program in Python.)"""
@@ -278,9 +279,9 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch
     from tests.engine.graph_emulation import capture
     from tools.mixed_diag import diagnose
 
-    prompts = _prompts(2, 4000, seed=9, lo=40, hi=41)
-    prompts = [prompts[0][:6], prompts[1]]  # 6 and 40 tokens: 32-token steps
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (2, 1)]
+    prompts = _prompts(3, 4000, seed=9, lo=40, hi=41)
+    prompts = [prompts[0][:6], prompts[1][:26], prompts[2][:14]]  # a 32-token prefill step, then 14 + 2 decodes
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=1) for n in (2, 2, 1)]
     from engine import v41_ops
     from engine.random_checkpoint_v41 import write_v41_checkpoint
 
@@ -300,7 +301,7 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch
     finally:
         kernels.set_backend("auto")
     print(rows)
-    assert [(r["path"], r["tokens"]) for r in rows] == [("mixed", 32), ("mixed", 15)]
+    assert [(r["path"], r["tokens"]) for r in rows] == [("mixed", 32), ("mixed", 16)]
     mixed = eng.runner.mixed
     assert mixed.static[32].graph.replays == 2 and mixed.num_graphs() == 3
     assert [mixed.split.static[K].graph.replays for K in (16, 32)] == [1, 1]
