@@ -342,11 +342,16 @@ def _mma(x2, weight, scale, y, cfg, n1: int | None = None, block: int = FP8_BLOC
                       GROUP_M=cfg.get("GROUP_M", 8), DOT_F32=_INTERPRET, B=block, **_launch_opts(cfg))
 
 
-def tiles(m: int, n: int, k: int, variant: str | None = None, config: dict | None = None) -> tuple[str, dict]:
+def tiles(m: int, n: int, k: int, variant: str | None = None, config: dict | None = None,
+          block: int = FP8_BLOCK) -> tuple[str, dict]:
     """(variant, config) of one call: `config` (a sweep's) or the table's for the shape; a variant asked for by
-    name where the table picks another for the shape takes that variant's own tiles."""
+    name where the table picks another for the shape takes that variant's own tiles. block: the weight's
+    scale block; the table's "mma" for blocks narrower than MMA_MIN_BLOCK becomes "unpacked"."""
+    asked = variant or config and config.get("variant")
     cfg = dict(config or quant_configs.fp8_linear_config(m, n, k))
-    variant = variant or config and config.get("variant") or variant_for(m, n, k)
+    variant = asked or variant_for(m, n, k)
+    if variant == "mma" and block < MMA_MIN_BLOCK and not asked:
+        variant = "unpacked"
     if variant not in ("dequant", "gemv", "mma", "unpacked"):
         raise ValueError(f"fp8 linear variant must be 'dequant', 'gemv', 'mma' or 'unpacked', got {variant!r}")
     if config is None and cfg.get("variant", variant) != variant:
@@ -376,15 +381,14 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     M = x2.shape[0]
     if M == 0:
         return _outputs(torch.empty(0, dtype=x.dtype, device=x.device), lead, M, N, split_n)
-    asked = variant or config and config.get("variant")
-    variant, cfg = tiles(M, N // groups, K, variant, config)  # per group: the tiles see one group
-    if _INTERPRET:
-        cfg.update(quant_configs.INTERPRET_LINEAR[variant])
     block = fp8_block_of(weight.shape, scale.shape)
     if groups > 1 and (N // groups) % block:
         raise ValueError(f"grouped FP8 linear: {N // groups} rows per group are not whole {block}-row scale blocks")
-    if variant == "unpacked" or variant == "mma" and block < MMA_MIN_BLOCK and not asked:
+    variant, cfg = tiles(M, N // groups, K, variant, config, block)  # per group: the tiles see one group
+    if variant == "unpacked":
         return _unpacked(x2, weight, scale, lead, M, N, K, groups, split_n)
+    if _INTERPRET:
+        cfg.update(quant_configs.INTERPRET_LINEAR[variant])
     y = torch.empty(M * N, dtype=x.dtype, device=x.device)
     if variant == "dequant":
         cfg.setdefault("BLOCK_K", 128)

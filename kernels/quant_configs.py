@@ -147,7 +147,7 @@ MOE_PREFILL: dict = {
 
 INTERPRET_LINEAR = {"dequant": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2},
                     "gemv": {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2},
-                    "mma": {"BLOCK_M": 16, "BLOCK_N": 32, "GROUP_M": 2}, "unpacked": {}}
+                    "mma": {"BLOCK_M": 16, "BLOCK_N": 32, "GROUP_M": 2}}
 INTERPRET_MOE = {"BLOCK_N": 32, "BLOCK_K": 64}  # BLOCK_M stays the chosen one: the tests cover every row tile
 
 

@@ -57,7 +57,7 @@ def blockwise_cublas(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
 
 def time_pair(m: int, n: int, k: int, block: int, device) -> dict:
     from kernels import reference as ref
-    from kernels.fused_fp8_linear import MMA_MIN_BLOCK, fp8_linear_fused, tiles
+    from kernels.fused_fp8_linear import fp8_linear_fused, tiles
 
     q, s = _fp8_weight(n, k, device, block=block)
     w = ref.dequantize(q, s, torch.bfloat16)
@@ -77,9 +77,7 @@ def time_pair(m: int, n: int, k: int, block: int, device) -> dict:
             want = ref.linear_act_quant(x, q, s).float()
             extra["cublas_fp8_rel_err"] = ((got.float() - want).abs().max() / want.abs().max()).item()
             extra["cublas_fp8_us"] = _graph_time([call]) * 1e6
-    variant, cfg = tiles(m, n, k, None, None)
-    if variant == "mma" and block < MMA_MIN_BLOCK:  # fp8_linear_fused's own substitution
-        variant, cfg = "unpacked", {}
+    variant, cfg = tiles(m, n, k, block=block)
     return {"rows": m, "n": n, "k": k, "block": block, "fp8_us": t_fp8 * 1e6, "bf16_us": t_bf16 * 1e6,
             "fp8_over_bf16": t_fp8 / t_bf16, "variant": variant, "config": cfg, "max_abs_diff": err, **extra}
 
