@@ -44,6 +44,13 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong i
 # slower than unpacking the weight and torch's GEMM (docs/PERF.md, session 9): where the tables pick
 # "mma" for such a weight, "unpacked" runs instead
 MMA_MIN_BLOCK = 128
+# cuBLAS's own blockwise FP8 GEMM (torch's scaled_mm, DeepSeek's 1x128 x 128x128 recipe) for a 128x128-block
+# weight at FP8_CUBLAS_MIN_ROWS rows or more (quant_configs), in place of the tables' "mma" or "dequant": faster
+# for every V4 linear from 256 rows on the H200 (docs/PERF.md, session 10). Not in the interpreter (CPU tests).
+CUBLAS_OK = not _INTERPRET and hasattr(torch.nn.functional, "scaled_mm")
+
+
+VARIANTS = ("dequant", "gemv", "mma", "unpacked", "cublas")
 
 
 def variant_for(m: int, n: int, k: int) -> str:
@@ -352,8 +359,11 @@ def tiles(m: int, n: int, k: int, variant: str | None = None, config: dict | Non
     variant = asked or variant_for(m, n, k)
     if variant == "mma" and block < MMA_MIN_BLOCK and not asked:
         variant = "unpacked"
-    if variant not in ("dequant", "gemv", "mma", "unpacked"):
-        raise ValueError(f"fp8 linear variant must be 'dequant', 'gemv', 'mma' or 'unpacked', got {variant!r}")
+    if variant in ("mma", "dequant") and block == FP8_BLOCK and not asked and CUBLAS_OK \
+            and m >= quant_configs.FP8_CUBLAS_MIN_ROWS:
+        variant = "cublas"
+    if variant not in VARIANTS:
+        raise ValueError(f"fp8 linear variant must be one of {VARIANTS}, got {variant!r}")
     if config is None and cfg.get("variant", variant) != variant:
         cfg = dict(quant_configs.FP8_VARIANT_TILES[variant])
     return variant, cfg
@@ -387,6 +397,8 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     variant, cfg = tiles(M, N // groups, K, variant, config, block)  # per group: the tiles see one group
     if variant == "unpacked":
         return _unpacked(x2, weight, scale, lead, M, N, K, groups, split_n)
+    if variant == "cublas":
+        return _cublas(x2, weight, scale, lead, M, N, K, groups, split_n)
     if _INTERPRET:
         cfg.update(quant_configs.INTERPRET_LINEAR[variant])
     y = torch.empty(M * N, dtype=x.dtype, device=x.device)
@@ -425,6 +437,35 @@ def _unpacked(x2, weight, scale, lead, M: int, N: int, K: int, groups: int, spli
         return torch.nn.functional.linear(x2, w).view(*lead, N)
     return (torch.nn.functional.linear(x2, w[:split_n]).view(*lead, split_n),
             torch.nn.functional.linear(x2, w[split_n:]).view(*lead, N - split_n))
+
+
+def _cublas(x2, weight, scale, lead, M: int, N: int, K: int, groups: int, split_n: int | None):
+    """The "cublas" variant: activations quantized per 1x128 block by _act_quant_kernel (the "mma" variant's
+    rounding), then torch's blockwise scaled_mm. cuBLAS wants the activation scales M-major with M a multiple
+    of 4 (zero rows pad the activations, their outputs dropped) and whole groups of 4 K blocks in the weight's
+    scales."""
+    F = torch.nn.functional
+    sk, Mp, R = triton.cdiv(K, 128), M + (-M % 4), N // groups
+    ws = scale.float()
+    if ws.shape[1] % 4:
+        ws = F.pad(ws, (0, -ws.shape[1] % 4))
+    ws = ws.contiguous()
+    ys = []
+    for g in range(groups):  # wo_a: one GEMM per group, as "mma"
+        xg = x2 if groups == 1 else x2[:, g * K:(g + 1) * K].contiguous()
+        if Mp > M:
+            xg = F.pad(xg, (0, 0, 0, Mp - M))
+        q = torch.empty(Mp, K, dtype=torch.float8_e4m3fn, device=x2.device)
+        qs = torch.empty(sk, Mp, dtype=torch.float32, device=x2.device)
+        _act_quant_kernel[(triton.cdiv(Mp, 32), sk)](xg, q, qs, Mp, K, BLOCK_M=32, ROUND_F32=False)
+        blk = R // FP8_BLOCK
+        ys.append(F.scaled_mm(q, weight[g * R:(g + 1) * R].t(), qs.t(), F.ScalingType.BlockWise1x128,
+                              ws[g * blk:(g + 1) * blk].t(), F.ScalingType.BlockWise128x128,
+                              output_dtype=x2.dtype)[:M])
+    y = ys[0] if groups == 1 else torch.cat(ys, dim=-1)
+    if split_n is None:
+        return y.reshape(*lead, N)
+    return y[:, :split_n].contiguous().view(*lead, split_n), y[:, split_n:].contiguous().view(*lead, N - split_n)
 
 
 def _outputs(y, lead, M: int, N: int, split_n: int | None):
