@@ -27,11 +27,13 @@ import triton.language as tl
 from kernels import quant_configs
 from kernels.fused_dequant import fp8_rows_tile, mxfp4_rows_parts_bf16, mxfp4_rows_tile, mxfp4_rows_tile_bf16
 from kernels.fused_moe_align import moe_align_fused
+from kernels.moe_grouped import moe_experts_grouped
 from kernels.semaphores import semaphores, split_k_arrive, split_k_total
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
 MX_SCALED_OK = not _INTERPRET  # tl.dot_scaled for MXFP4 (tests set it to run the interpreter's dot_scaled)
 MX_MODES = {"e4m3": 0, "scaled": 1, "bf16": 2, "bf16-parts": 3}  # MXFP4 decodes (config "MX")
+GROUPED_OK = not _INTERPRET  # prefill through kernels/moe_grouped.py (tests set it to run that path on the CPU)
 _MX_ASM = tl.constexpr(not _INTERPRET)  # the "bf16" decode's PTX; the interpreter runs the same bit operations in Triton
 
 
@@ -283,6 +285,9 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, confi
     else:
         s1 = s3 = s2 = w1  # unused pointers
     n_pairs = T * k
+    if config is None and GROUPED_OK and x.dtype == torch.bfloat16 and quant_configs.moe_grouped(
+            n_pairs, E, E * I * D * 2 if fmt else 0, FORMAT_NAMES[fmt]):
+        return moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales)
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if n_pairs == 0:
         return out

@@ -1,0 +1,44 @@
+"""MXFP4 expert weights unpacked to bf16: e2m1 pairs [E, N, K/2] (int8) with ue8m0 bytes [E, N, K/32] ->
+[E, N, K]. One pass: each stored byte read once, each output element written once. The decode is the fused MoE's own
+(kernels/fused_dequant.mxfp4_rows_tile_bf16); e2m1 times a power of two is exact in bf16, so the result
+equals kernels.formats' dequantizer to bf16 exactly. Used by kernels/moe_grouped.py."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fused_dequant import mxfp4_rows_tile_bf16
+
+_ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")  # the interpreter runs no inline PTX
+
+
+@triton.jit
+def _mxfp4_unpack_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    e = tl.program_id(2).to(tl.int64)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    t = mxfp4_rows_tile_bf16(w_ptr + e * N * (K // 2), s_ptr + e * N * (K // 32), n, k0, N, K, BLOCK_N, BLOCK_K, ASM)
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + e * N * K + n[:, None] * K + k[None, :], t, mask=(n < N)[:, None] & (k < K)[None, :])
+
+
+def mxfp4_unpacked(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """weight int8 [E, N, K/2], scale ue8m0 [E, N, K/32] -> bf16 [E, N, K]."""
+    E, N, KH = weight.shape
+    K = 2 * KH
+    if K % 128:
+        raise ValueError(f"MXFP4 unpack: K {K} must be a multiple of 128")
+    weight = weight.contiguous()
+    if weight.data_ptr() % 16:
+        raise ValueError("MXFP4 expert weights must start 16-byte aligned")
+    scale = scale.contiguous().view(torch.uint8)
+    out = torch.empty(E, N, K, dtype=torch.bfloat16, device=weight.device)
+    if E and N:
+        grid = (triton.cdiv(N, 64), K // 128, E)
+        _mxfp4_unpack_kernel[grid](weight, scale, out, N, K, BLOCK_N=64, BLOCK_K=128, ASM=_ASM)
+    return out
