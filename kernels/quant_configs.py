@@ -46,7 +46,8 @@ def _mm(bm: int, bn: int, w: int = 4, st: int = 4) -> dict:
 # wo_a's groups 14.8 vs 15.3; docs/perf/h200-2026-12-01-s6/fused3.log); wo_b (K 8192) keeps the dequant GEMV.
 _GEMV = {"variant": "gemv", "BLOCK_N": 16, "BLOCK_K": 512, "WAVES": 8, "num_warps": 4, "num_stages": 1}
 # a variant asked for by name (benchmarks, checks) where the table picks another for the shape: its own tiles
-FP8_VARIANT_TILES = {"gemv": _GEMV, "dequant": _DECODE, "mma": _PREFILL, "unpacked": {"variant": "unpacked"}}
+FP8_VARIANT_TILES = {"gemv": _GEMV, "dequant": _DECODE, "mma": _PREFILL, "unpacked": {"variant": "unpacked"},
+                     "cublas": {"variant": "cublas"}}
 _WQ_A = [(1, _GEMV), (16, _dq(16, 64)), (64, _dq(32, 32)), (512, _dq(64, 64)), (4096, _mm(128, 128, 8, 3)),
          (None, _mm(128, 64))]
 _SHARED_W1 = [(1, _GEMV), (16, _dq(16, 64)), (64, _dq(32, 128, w=8)), (512, _dq(64, 128, st=3)),
@@ -144,6 +145,27 @@ MOE_PREFILL: dict = {
         (None, _both({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, **_MX})),
     ],
 }
+
+# Prefill MoE through bf16-unpacked experts and torch's grouped GEMM (kernels/moe_grouped.py) once the
+# experts average this many rows per call, per stored format: unpacking costs a pass over the experts' bytes
+# that the rows must repay (none for bf16 experts), and the unpacked experts of one call must fit
+# MOE_GROUPED_MAX_BYTES (16 MXFP4 experts: 256 MB per weight; 256 experts: 4 GB, the fused kernel).
+# (H200, session 10, 16 MXFP4 experts: 0.80x the fused kernels at 96 rows per expert, 1.25x at 192, 2.1x at 768)
+MOE_GROUPED_MIN_ROWS = {"dense": 32, "fp8": 160, "mxfp4": 160}
+MOE_GROUPED_MAX_BYTES = 1 << 30
+
+
+def moe_grouped(pairs: int, experts: int, unpacked_bytes: int, fmt: str) -> bool:
+    """Whether a MoE call of `pairs` (token, expert) pairs takes the grouped-GEMM path: a prefill-sized call
+    (past the decode tiles) whose experts average MOE_GROUPED_MIN_ROWS rows, with the largest unpacked
+    weight (`unpacked_bytes`, bf16) under MOE_GROUPED_MAX_BYTES."""
+    return (pairs > MOE_DECODE_MAX_PAIRS and pairs >= MOE_GROUPED_MIN_ROWS[fmt] * experts
+            and unpacked_bytes <= MOE_GROUPED_MAX_BYTES)
+
+
+# V4's FP8 linears run as cuBLAS's blockwise FP8 GEMM from this many rows (kernels/fused_fp8_linear.py; H200,
+# session 10: faster than the table's pick for all four V4 linears at 256-2048 rows, not for wq_a at 128)
+FP8_CUBLAS_MIN_ROWS = 256
 
 INTERPRET_LINEAR = {"dequant": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2},
                     "gemv": {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2},
