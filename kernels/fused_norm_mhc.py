@@ -182,13 +182,22 @@ def _hc_finish(x, part, base, scale, out, norm_w, hc_eps, norm_eps, out_eps, sin
     return post, comb, out
 
 
+MIX_WIDE_T = 256  # token count from which the mix partials take the prefill tiles
+SMS = 132  # H200 multiprocessors: how many programs fill the GPU
+
+
 def _hc_mix_partials(x, fn):
     """The split-K partials of the 24 mixes and the sum of squares of x [T, 4, D] (contiguous)."""
     T, hc, D = x.shape
     assert hc == 4, "the fused mHC kernel is written for 4 streams (DeepSeek-V4's hc_mult)"
     K = hc * D
-    BLOCK_T, BLOCK_K = 16, min(128, triton.next_power_of_2(K))
+    BLOCK_K = min(128, triton.next_power_of_2(K))
     n_split = max(1, min(64, triton.cdiv(K, BLOCK_K)))  # enough programs to fill the GPU at T = 1
+    BLOCK_T = 16
+    if T >= MIX_WIDE_T:  # prefill: wider token tiles and only the splits that fill the GPU (each token tile
+        # reads all of fn once from L2, and each split's partials go through memory to the finish kernel)
+        BLOCK_T = 64
+        n_split = max(1, min(n_split, triton.cdiv(2 * SMS, triton.cdiv(T, BLOCK_T))))
     k_split = triton.cdiv(triton.cdiv(K, n_split), BLOCK_K) * BLOCK_K
     n_split = triton.cdiv(K, k_split)
     part = torch.empty(n_split, T, 32, dtype=torch.float32, device=x.device)

@@ -31,7 +31,8 @@ def test_rms_norm(dtype, rows, dim):
     _close(rms_norm_unweighted_fused(x.view(rows, 1, dim), 1e-6), ref.rms_norm_unweighted(x.view(rows, 1, dim), 1e-6), dtype)
 
 
-@pytest.mark.parametrize("T, D", [(1, 24), (17, 40), (33, 8), (3, 2100)])  # the last: many K splits
+@pytest.mark.parametrize("T, D", [(1, 24), (17, 40), (33, 8), (3, 2100),  # many K splits
+                                  (300, 520)])  # the prefill tiles (fused_norm_mhc.MIX_WIDE_T), a partial last tile
 def test_hc_pre_matches_reference(T, D):
     torch.manual_seed(T)
     x = torch.randn(T, 4, D)
