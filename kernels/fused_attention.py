@@ -133,9 +133,18 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
              mask=hmask[:, None])
 
 
+# Prefill chunks (PREFILL_T tokens or more) of V4-Flash's heads (64 x 512): the tiles that measured fastest per
+# branch (H200, session 10, tools/bench_attention_prefill.py on 2048 tokens at position 2048): CSA 32 heads x 32
+# keys x 4 warps (1.88 ms vs 4.17 ms with the decode tiles), HCA and the window alone 64 x 32 x 8 (0.56 vs 1.18 ms)
+PREFILL_T = 256
+PREFILL_TILES = {0: (64, 32, 8), 1: (64, 32, 8), 2: (32, 32, 4)}  # MODE -> (BLOCK_H, BLOCK_N, num_warps)
+
+
 def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, replay_starts, sliding_window,
                           comp_pool, full_tables, ratio, selected, sinks, scale, nsplit: int | None = None,
-                          block_h: int | None = None):
+                          block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None):
+    """nsplit, block_h, block_n, num_warps: the launch's tiles (tools/bench_attention_prefill.py sweeps them);
+    None: the defaults below."""
     T, H, hd = q.shape
     assert hd & (hd - 1) == 0, "head_dim must be a power of two for the fused attention kernel"
     q = q.contiguous()
@@ -145,7 +154,10 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
     # every head of a token reads the same keys: more heads per program read them fewer times
     # (prefill, big decode batches); a few tokens need the smaller blocks for parallelism
     BLOCK_H = block_h or (32 if T >= 32 and H >= 32 else 16)
-    BLOCK_N = 32 if hd <= 128 else 16
+    BLOCK_N = block_n or (32 if hd <= 128 else 16)
+    warps = num_warps or (4 if hd <= 128 else 8)
+    if T >= PREFILL_T and H >= 64 and hd == 512 and not (block_h or block_n or num_warps):
+        BLOCK_H, BLOCK_N, warps = PREFILL_TILES[mode]
     head_blocks = triton.cdiv(H, BLOCK_H)
     if nsplit is None:  # enough programs for ~2 waves on a 132-SM GPU when few tokens decode
         nsplit = 1
@@ -166,7 +178,7 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
         sinks.float().contiguous(), scale, H, sliding_window, window_pool.shape[1], max(ratio, 1),
         comp_pool.shape[1] if comp_pool is not None else 1,
         HD=hd, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, MODE=mode, TOPK=topk, NSPLIT=nsplit, DOT_F32=_INTERPRET,
-        num_warps=4 if hd <= 128 else 8,
+        num_warps=warps,
     )
     if nsplit > 1:
         _combine_kernel[(T, head_blocks)](out, part_m, part_l, part_acc, sinks.float().contiguous(), H,

@@ -1,0 +1,111 @@
+"""The fused paged attention at prefill (kernels/fused_attention.py): one sequence's chunk of T query tokens at
+positions [P, P + T) with V4-Flash's heads (64 x 512, shared KV), the 128-token window and either the CSA branch
+(ratio 4, the indexer's 512 picks per token) or the HCA branch (ratio 128, every complete entry); a sweep of
+the launch's tiles (heads per program, keys per step, warps), each checked against the default tiles (which the
+tests hold to the reference; here the default is checked against the reference once) and timed in CUDA-graph
+replays, next to the FLOP floor. Prints a table (best last), writes JSON.
+
+    python -m tools.bench_attention_prefill [--tokens 2048] [--start 2048] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+
+import torch
+
+from tools.bench_quant import _graph_time
+
+H, HD, W, BS, TOPK = 64, 512, 128, 128, 512
+PEAK_BF16 = 790e12
+# (heads per program, keys per step, warps): the default at prefill (32, 16, 8) and its neighbours
+TILES = ((32, 16, 8), (16, 16, 8), (64, 16, 8), (32, 32, 8), (64, 32, 8), (16, 32, 4), (32, 32, 4), (32, 64, 8),
+         (64, 64, 8))
+
+
+def _case(mode: str, T: int, start: int, dev):
+    """Arguments of paged_attention_fused for one chunk; keys drawn at random, CSA picks drawn among the visible
+    entries (valid first, -1 after, as indexer_topk returns them)."""
+    g = torch.Generator(device=dev).manual_seed(T + start)
+    L = start + T
+    nblk = -(-L // BS)
+    ratio = 4 if mode == "csa" else 128
+    window = torch.randn(nblk, BS, HD, device=dev, generator=g).bfloat16()
+    comp = torch.randn(nblk, BS // ratio, HD, device=dev, generator=g).bfloat16()
+    tables = torch.arange(nblk, device=dev, dtype=torch.int32)[None]
+    q = (torch.randn(T, H, HD, device=dev, generator=g) / 4).bfloat16()
+    pos = torch.arange(start, L, device=dev)
+    seq = torch.zeros(T, dtype=torch.long, device=dev)
+    sel = None
+    if mode == "csa":
+        vis = (pos + 1) // ratio
+        scores = torch.rand(T, L // ratio, device=dev, generator=g)
+        scores = scores.masked_fill(torch.arange(L // ratio, device=dev)[None] >= vis[:, None], -1.0)
+        top = scores.topk(min(TOPK, L // ratio), dim=1)
+        sel = torch.where(top.values >= 0, top.indices, -1)
+        sel = torch.nn.functional.pad(sel, (0, TOPK - sel.shape[1]), value=-1).int()
+    sinks = torch.randn(H, device=dev, generator=g)
+    args = (q, pos, seq, window, tables, torch.zeros(1, dtype=torch.long, device=dev), W, comp, tables, ratio, sel,
+            sinks, HD**-0.5)
+    keys = (torch.clamp(pos + 1, max=W) + (torch.clamp((pos + 1) // ratio, max=TOPK) if mode == "csa"
+                                           else (pos + 1) // ratio)).sum().item()
+    return args, 4 * H * HD * keys  # QK and PV, 2 FLOPs per multiply-add
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_attention_prefill", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--start", type=int, default=2048, help="the chunk's first position (tokens already cached)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: needs a CUDA GPU (the timings are CUDA-graph replays)", file=sys.stderr)
+        return 1
+    from kernels import reference as ref
+    from kernels.fused_attention import paged_attention_fused
+
+    dev, rows, bad = torch.device("cuda"), [], []
+    for mode in ("csa", "hca"):
+        args, flops = _case(mode, a.tokens, a.start, dev)
+        base = paged_attention_fused(*args).float()
+        small, _ = _case(mode, 256, a.start, dev)
+        err = ((paged_attention_fused(*small).float() - ref.paged_attention(*small).float()).abs().max()).item()
+        print(f"{mode}: default tiles vs the reference (256 tokens): max abs diff {err:.2e}", flush=True)
+        if err > 2e-2:
+            bad.append((mode, "default vs reference", err))
+        floor = flops / PEAK_BF16 * 1e6
+        for bh, bn, nw in TILES:
+            fn = functools.partial(paged_attention_fused, *args, nsplit=1, block_h=bh, block_n=bn, num_warps=nw)
+            try:
+                diff = (fn().float() - base).abs().max().item()
+                us = _graph_time([fn]) * 1e6
+            except Exception as e:  # noqa: BLE001 - a tile that does not fit the chip's shared memory or registers
+                print(f"{mode} | h{bh} n{bn} w{nw} | failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}",
+                      flush=True)
+                continue
+            rows.append({"mode": mode, "block_h": bh, "block_n": bn, "num_warps": nw, "us": us, "floor_us": floor,
+                         "max_abs_diff_vs_default": diff, "tokens": a.tokens, "start": a.start})
+            if diff > 2e-2:
+                bad.append((mode, bh, bn, nw, diff))
+            print(f"{mode} | h{bh} n{bn} w{nw} | {us:.1f} us | {floor / us:.1%} of FLOP peak | diff {diff:.1e}",
+                  flush=True)
+    for mode in ("csa", "hca"):
+        sel = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["us"])
+        if sel:
+            b = sel[0]
+            print(f"best {mode}: h{b['block_h']} n{b['block_n']} w{b['num_warps']} {b['us']:.1f} us "
+                  f"(floor {b['floor_us']:.1f} us)", flush=True)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    if bad:
+        print(f"MISMATCH: {bad}", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
