@@ -82,7 +82,6 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, K_SPLIT, PRECISION: tl
     tl.store(part_ptr + (split * T + t[:, None]) * 32 + r32[None, :], acc, mask=tmask[:, None] & (r32[None, :] < 25))
 
 
-SPLITS_AT_ONCE = tl.constexpr(8)  # the finish kernel sums this many splits per step
 
 
 @triton.jit
@@ -94,7 +93,8 @@ def _col(a, i: tl.constexpr):
 @triton.jit(do_not_specialize=["T"])
 def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, w_ptr, pre_in_ptr, pre_out_ptr,
                       T, D, N_SPLIT, hc_eps, norm_eps, out_eps, ITERS: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_D: tl.constexpr, PW: tl.constexpr, NORM: tl.constexpr, SINGLE_PASS: tl.constexpr):
+                      BLOCK_D: tl.constexpr, PW: tl.constexpr, NORM: tl.constexpr, SINGLE_PASS: tl.constexpr,
+                      SPLITS_AT_ONCE: tl.constexpr):
     """Sums the split partials (PW floats per token: 24 mixes, the sum of squares, and with NORM the
     streams' 4x4 Gram matrix), Sinkhorn in registers, collapses the streams; NORM: then the weighted
     RMSNorm of the collapsed row, whose sum of squares is pre^T Gram pre (no second pass over D).
@@ -173,12 +173,16 @@ def _hc_finish(x, part, base, scale, out, norm_w, hc_eps, norm_eps, out_eps, sin
     T, hc, D = x.shape
     post = torch.empty(T, hc, dtype=torch.float32, device=x.device)
     comb = torch.empty(T, hc, hc, dtype=torch.float32, device=x.device)
-    BLOCK_T, BLOCK_D = 16, min(512, triton.next_power_of_2(D))
+    # decode's few tokens: a token tile no wider than the tokens (the Sinkhorn's reductions run over the whole
+    # tile) and every split's partials loaded in one step (each step waits on L2); 16 tokens and 8 splits a step past
+    BLOCK_T, BLOCK_D = min(16, triton.next_power_of_2(T)), min(512, triton.next_power_of_2(D))
+    splits_at_once = max(8, min(triton.next_power_of_2(part.shape[0]), 128 // BLOCK_T))
     _hc_finish_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D))](
         x, part, base.float().contiguous(), scale.float().contiguous(), post, comb, out,
         out if norm_w is None else norm_w, post if pre_in is None else pre_in, post if pre_out is None else pre_out,
         T, D, part.shape[0], hc_eps, norm_eps, out_eps, ITERS=sinkhorn_iters, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-        PW=part.shape[-1], NORM=norm_w is not None, SINGLE_PASS=pre_in is not None, num_warps=FINISH_WARPS)
+        PW=part.shape[-1], NORM=norm_w is not None, SINGLE_PASS=pre_in is not None, SPLITS_AT_ONCE=splits_at_once,
+        num_warps=FINISH_WARPS)
     return post, comb, out
 
 
