@@ -18,7 +18,7 @@ from kernels.formats import fp8_block_of
 from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
 from kernels.fused_compress_blocks import compress_blocks_fused
-from kernels.fused_fp8_linear import fp8_linear_fused
+from kernels.fused_fp8_linear import fp8_linear_fused, tiles
 from kernels.fused_gate import router_topk_gemm_fused
 from kernels.fused_indexer import indexer_scores_paged, indexer_topk_fused
 from kernels.fused_moe import moe_experts_fused
@@ -55,14 +55,16 @@ GROUPED_ONE_LAUNCH_MAX_T = 32  # wo_a in one launch up to here, one launch per g
 
 
 def grouped_linear_fused(x, weight, groups, scale=None):
-    """FP8 wo_a: all groups in one launch at small batches, one launch per group at large ones (where
-    it measured faster: docs/PERF.md, session 5); needs whole scale blocks (128 V4, 32 V4.1) per group."""
+    """FP8 wo_a: all groups in one launch at small batches, one launch per group at larger ones (where
+    it measured faster: docs/PERF.md, session 5), and from the cuBLAS rows (V4's blocks) one call that runs
+    cuBLAS per group on x in place; needs whole scale blocks (128 V4, 32 V4.1) per group."""
     rows = weight.shape[0] // groups
     block = None if scale is None else fp8_block_of(weight.shape, scale.shape)
     if scale is None or rows % block:
         return reference.grouped_linear(x, weight, groups, scale)
-    if x.shape[0] <= GROUPED_ONE_LAUNCH_MAX_T:
-        return fp8_linear_fused(x, weight, scale, groups=groups)
+    m = x.numel() // (groups * x.shape[-1])
+    if m <= GROUPED_ONE_LAUNCH_MAX_T or tiles(m, rows, x.shape[-1], block=block)[0] == "cublas":
+        return fp8_linear_fused(x, weight, scale, groups=groups)  # cuBLAS: one call, each group read in place
     blk = rows // block
     return torch.cat([fp8_linear_fused(x[:, g], weight[g * rows:(g + 1) * rows], scale[g * blk:(g + 1) * blk])
                       for g in range(groups)], dim=-1)

@@ -222,14 +222,15 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STR
                    _out_offsets(m, n, M, N, N1), nmask, M, N, SPLITS)
 
 
-@triton.jit(do_not_specialize=["M"])
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, ROUND_F32: tl.constexpr):
-    """x [M, K] -> q [M, K] e4m3 (float32 holding e4m3 values in the interpreter), scales [cdiv(K,128), M]."""
+@triton.jit(do_not_specialize=["M", "M_OUT"])
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_x, BLOCK_M: tl.constexpr, ROUND_F32: tl.constexpr):
+    """x [M, K] (row stride stride_x) -> q [M_OUT, K] e4m3 (float32 holding e4m3 values in the interpreter), scales
+    [cdiv(K,128), M_OUT]; rows M..M_OUT quantize zeros (padding)."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     k = kb * 128 + tl.arange(0, 128)
-    mask = (m[:, None] < M) & (k[None, :] < K)
-    a = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    mask = (m[:, None] < M_OUT) & (k[None, :] < K)
+    a = tl.load(x_ptr + m[:, None] * stride_x + k[None, :], mask=mask & (m[:, None] < M), other=0.0).to(tl.float32)
     bits = tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12).to(tl.int32, bitcast=True)
     j = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # kernels.formats.act_scale_1x128
     j = tl.minimum(tl.maximum(j, 1), 253)
@@ -239,7 +240,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, BLOCK_M: tl.constexpr, ROUND_F3
     else:
         q = (a * inv[:, None]).to(tl.float8e4nv)
     tl.store(q_ptr + m[:, None] * K + k[None, :], q, mask=mask)
-    tl.store(s_ptr + kb * M + m, (j << 23).to(tl.float32, bitcast=True), mask=m < M)
+    tl.store(s_ptr + kb * M_OUT + m, (j << 23).to(tl.float32, bitcast=True), mask=m < M_OUT)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -343,7 +344,7 @@ def _mma(x2, weight, scale, y, cfg, n1: int | None = None, block: int = FP8_BLOC
     sk = triton.cdiv(K, 128)
     q = torch.empty(M, K, dtype=torch.float32 if _INTERPRET else torch.float8_e4m3fn, device=x2.device)
     qs = torch.empty(sk, M, dtype=torch.float32, device=x2.device)
-    _act_quant_kernel[(triton.cdiv(M, 32), sk)](x2, q, qs, M, K, BLOCK_M=32, ROUND_F32=_INTERPRET)
+    _act_quant_kernel[(triton.cdiv(M, 32), sk)](x2, q, qs, M, M, K, K, BLOCK_M=32, ROUND_F32=_INTERPRET)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     _mma_kernel[grid](q, qs, weight, scale, y, M, N, N if n1 is None else n1, K, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                       GROUP_M=cfg.get("GROUP_M", 8), DOT_F32=_INTERPRET, B=block, **_launch_opts(cfg))
@@ -441,9 +442,9 @@ def _unpacked(x2, weight, scale, lead, M: int, N: int, K: int, groups: int, spli
 
 def _cublas(x2, weight, scale, lead, M: int, N: int, K: int, groups: int, split_n: int | None):
     """The "cublas" variant: activations quantized per 1x128 block by _act_quant_kernel (the "mma" variant's
-    rounding), then torch's blockwise scaled_mm. cuBLAS wants the activation scales M-major with M a multiple
-    of 4 (zero rows pad the activations, their outputs dropped) and whole groups of 4 K blocks in the weight's
-    scales."""
+    rounding, reading each group's columns in place), then torch's blockwise scaled_mm. cuBLAS wants the
+    activation scales M-major with M a multiple of 4 (zero rows pad the activations, their outputs dropped) and
+    whole groups of 4 K blocks in the weight's scales."""
     F = torch.nn.functional
     sk, Mp, R = triton.cdiv(K, 128), M + (-M % 4), N // groups
     ws = scale.float()
@@ -452,12 +453,10 @@ def _cublas(x2, weight, scale, lead, M: int, N: int, K: int, groups: int, split_
     ws = ws.contiguous()
     ys = []
     for g in range(groups):  # wo_a: one GEMM per group, as "mma"
-        xg = x2 if groups == 1 else x2[:, g * K:(g + 1) * K].contiguous()
-        if Mp > M:
-            xg = F.pad(xg, (0, 0, 0, Mp - M))
         q = torch.empty(Mp, K, dtype=torch.float8_e4m3fn, device=x2.device)
         qs = torch.empty(sk, Mp, dtype=torch.float32, device=x2.device)
-        _act_quant_kernel[(triton.cdiv(Mp, 32), sk)](xg, q, qs, Mp, K, BLOCK_M=32, ROUND_F32=False)
+        _act_quant_kernel[(triton.cdiv(Mp, 32), sk)](x2[:, g * K:], q, qs, M, Mp, K, x2.stride(0), BLOCK_M=32,
+                                                     ROUND_F32=False)
         blk = R // FP8_BLOCK
         ys.append(F.scaled_mm(q, weight[g * R:(g + 1) * R].t(), qs.t(), F.ScalingType.BlockWise1x128,
                               ws[g * blk:(g + 1) * blk].t(), F.ScalingType.BlockWise128x128,
