@@ -126,6 +126,24 @@ def check(device) -> list[str]:
             err = _rel_err(fp8_linear_fused(x, q, s, variant=variant, groups=G), want)
             if not err <= (2e-2 if variant == "dequant" else 0.1):
                 failures.append(f"fp8 grouped linear {variant} T{T} G{G}: relative error {err:.3g}")
+    from kernels.fused import grouped_linear_fused
+    from kernels.fused_norm_mhc import hc_pre_fused
+
+    for T in (300, 513):  # wo_a from the cuBLAS rows: one call, each group read in place (M off a multiple of 4)
+        q, s = _fp8_weight(8 * 1024, 4096, device, seed=T)
+        x = torch.randn(T, 8, 4096, device=device).to(torch.bfloat16)
+        err = _rel_err(grouped_linear_fused(x, q, 8, s), ref.grouped_linear(x, q, 8, s))
+        if not err <= 0.1:
+            failures.append(f"fp8 grouped linear (cublas) T{T}: relative error {err:.3g}")
+    for T in (1, 3, 32, 300):  # hc_pre: the finish kernel's token tiles at decode, the mix's prefill tiles
+        h = torch.randn(T, 4, 4096, device=device).to(torch.bfloat16)
+        fn, base, scale = (torch.randn(24, 4 * 4096, device=device) * 0.02, torch.randn(24, device=device) * 0.1,
+                           torch.rand(3, device=device) + 0.5)
+        for name, got, want in zip(("post", "comb", "x"), hc_pre_fused(h, fn, base, scale, 1e-6, 1e-6, 20),
+                                   ref.hc_pre(h, fn, base, scale, 1e-6, 1e-6, 20)):
+            err = _rel_err(got, want)
+            if not err <= 2e-2:
+                failures.append(f"hc_pre T{T} {name}: relative error {err:.3g} > 2e-2")
     return failures + bench_compress.check(device)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh check-defaults|fp8-bf16|kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-fp8|v41-serve|ratio-depth|largest|profile-depth|profile-prefill|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh check-defaults|fp8-bf16|kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-fp8|v41-serve|ratio-depth|largest|profile-depth|profile-prefill|profile-v4|prefill|depth-s10|check-s10|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
 # numpy2, serving, largest, v41-serve and ratio-depth need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoints, drawn on the GPU: flash-depth (V4-Flash depth: 43 layers, 16 experts; mixed, engine, depth) and
 # flash-shaped (its per-layer shapes, 4 layers: quick and the rest).
@@ -172,6 +172,57 @@ profile-depth)  # where a depth-43 decode step goes as shipped (FP8 + MXFP4): ke
     timeout 160 python3 -m tools.profile_decode --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batch $b --steps 48 \
       --rows 45 > "$OUT/profile_depth_b$b.txt" 2>&1; tail -1 "$OUT/profile_depth_b$b.txt"
   done ;;
+check-s10)  # session 10's last changes: the fused kernels' check on the GPU (wo_a through cuBLAS per group in place, hc_pre's
+  # decode token tiles, with the rest), then at V4-Flash depth as shipped TTFT of 1024 tokens and decode at 1 / 32 (~6 min)
+  timeout 170 python3 -m tools.bench_fused --only align --json "$OUT/fused_check.json" 2>&1 | tee "$OUT/fused_check.log" \
+    | grep -E "check:|MISMATCH" | head -12
+  timeout 230 python3 -m tools.bench_engine --preset flash-depth --quant fp8-fp4 --cache-dir $CK --concurrency 1 --input-len 1024 \
+    --output-len 8 --requests-per-user 3 --floor --steady 1,32 \
+    --engine-args '{"max_model_len":8192,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}' \
+    --json "$OUT/engine_depth.json" 2>&1 | tee "$OUT/engine_depth.log" | grep -E "TTFT of|batch [0-9]+: step|rror" | tail -4 ;;
+depth-s10)  # issue 20 after session 10's prefill paths, at V4-Flash depth as shipped: TTFT of 1024 tokens and decode steps
+  # vs their floors, where a 4 x 1024-token prefill goes, then 64 users through the real Triton server, 1024 in / 128
+  # out, 60 s (~9 min; needs .cache/h200 carried)
+  bash tools/h200_env.sh setup /tmp/tvenv > /tmp/env.log 2>&1 || { tail /tmp/env.log; exit 1; }
+  M=$CK/flash-depth-fp8-fp4; DA='{"max_model_len":8192,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}'
+  timeout 240 python3 -m tools.bench_engine --preset flash-depth --quant fp8-fp4 --cache-dir $CK --concurrency 1 --input-len 1024 \
+    --output-len 8 --requests-per-user 3 --floor --steady 1,64,150 --engine-args "$DA" \
+    --json "$OUT/engine_depth.json" 2>&1 | tee "$OUT/engine_depth.log" | grep -E "TTFT of|batch [0-9]+: step|rror" | tail -5
+  timeout 120 python3 -m tools.profile_decode --model $M --batch 4 --steps 1 --prompt-len 1024 --rows 30 \
+    > "$OUT/profile_prefill_v4.txt" 2>&1; tail -1 "$OUT/profile_prefill_v4.txt"
+  timeout 200 /tmp/tvenv/bin/python -m loadtest.sweep --serve --model $M --engine-args "$DA" --driver threads --protocol grpc \
+    --concurrency 64 --input-len 1024 --output-len 128 --duration 60 --stop-timeout 30 --out "$OUT" --label depth-triton-64 \
+    2>&1 | tee /tmp/depth_sweep.log | grep -E "c=|rror|weights" | tail -4 ;;
+prefill)  # issue 20, session 10's prefill paths: V4's FP8 linears through cuBLAS's blockwise FP8 GEMM (checked vs the
+  # act-quant reference, timed vs the "mma" kernel it replaces), the MoE through unpacked experts + grouped GEMM
+  # (checked, timed vs the fused kernels), the default engine vs the references (4-layer, as shipped), then at V4-Flash
+  # depth the one-user TTFT of 1024 tokens and where a 4 x 1024-token prefill goes; the attention tiles swept last (~10 min)
+  timeout 100 python3 -m tools.bench_fp8_vs_bf16 --rows 128,256,512,1024,2048 --only v4 --json "$OUT/fp8_cublas.json" 2>&1 \
+    | tail -22
+  timeout 120 python3 -m tools.bench_moe_prefill --experts 16 --fmt mxfp4 --json "$OUT/moe_prefill.json" 2>&1 | tail -7
+  timeout 150 python3 -m tools.bench_engine --preset flash-shaped --cache-dir $CK --quant fp8-fp4 --concurrency '' \
+    --check-kernels --engine-args "{$EA}" --json "$OUT/check_v4.json" 2>&1 | tee "$OUT/check_v4.log" \
+    | grep -E "default vs|rror" | tail -3
+  timeout 150 python3 -m tools.bench_engine --preset flash-depth --quant fp8-fp4 --cache-dir $CK --concurrency 1 --input-len 1024 \
+    --output-len 8 --requests-per-user 3 --floor \
+    --engine-args '{"max_model_len":8192,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}' \
+    --json "$OUT/engine_ttft.json" 2>&1 | tee "$OUT/engine_ttft.log" | grep -E "TTFT of|rror" | tail -3
+  timeout 150 python3 -m tools.profile_decode --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batch 4 --steps 1 \
+    --prompt-len 1024 --rows 40 > "$OUT/profile_prefill_v4.txt" 2>&1; tail -1 "$OUT/profile_prefill_v4.txt"
+  timeout 200 python3 -m tools.bench_attention_prefill --json "$OUT/attention_prefill.json" 2>&1 | tee "$OUT/attention.log" \
+    | grep -E "best|MISMATCH|reference|rror" ;;
+profile-v4)  # issue 20 at V4-Flash depth as shipped, one checkpoint: where a 1024-token prefill goes (4 prompts, kernels by
+  # CUDA time), where a batch-1 decode step goes, the one-user TTFT of 1024 tokens vs its FLOP floor, then V4's FP8
+  # linears against cuBLAS bf16 and cuBLAS's blockwise FP8 GEMM (~8 min with the checkpoint write)
+  timeout 200 python3 -m tools.profile_decode --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batch 4 --steps 1 \
+    --prompt-len 1024 --rows 60 > "$OUT/profile_prefill_v4.txt" 2>&1; tail -1 "$OUT/profile_prefill_v4.txt"
+  timeout 120 python3 -m tools.profile_decode --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batch 1 --steps 48 \
+    --rows 60 > "$OUT/profile_depth_b1.txt" 2>&1; tail -1 "$OUT/profile_depth_b1.txt"
+  timeout 150 python3 -m tools.bench_engine --preset flash-depth --quant fp8-fp4 --cache-dir $CK --concurrency 1 --input-len 1024 \
+    --output-len 8 --requests-per-user 3 --floor --steady 1 \
+    --engine-args '{"max_model_len":8192,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}' \
+    --json "$OUT/engine_ttft.json" 2>&1 | tee "$OUT/engine_ttft.log" | grep -E "floor|steady|layer|online|rror" | tail -8
+  timeout 120 python3 -m tools.bench_fp8_vs_bf16 --rows 1,32,1024,2048 --only v4 --json "$OUT/fp8_vs_bf16.json" 2>&1 | tail -24 ;;
 profile-prefill)  # issues 20 and 25: where a 1024-token prefill's time goes (kernels by CUDA time, 4 prompts in one
   # step each, one output token): V4-Flash depth as shipped, then V4.1-Flash-shaped (~5 min with both checkpoints)
   timeout 200 python3 -m tools.profile_decode --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batch 4 --steps 1 \
