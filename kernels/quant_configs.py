@@ -149,10 +149,13 @@ MOE_PREFILL: dict = {
 # Prefill MoE through bf16-unpacked experts and torch's grouped GEMM (kernels/moe_grouped.py) once the
 # experts average this many rows per call, per stored format: unpacking costs a pass over the experts' bytes
 # that the rows must repay (none for bf16 experts), and the unpacked experts of one call must fit
-# MOE_GROUPED_MAX_BYTES (16 MXFP4 experts: 256 MB per weight; 256 experts: 4 GB, the fused kernel).
-# (H200, session 10, 16 MXFP4 experts: 0.80x the fused kernels at 96 rows per expert, 1.25x at 192, 2.1x at 768)
+# MOE_GROUPED_MAX_BYTES: the scratch lives in the engine's 2 GiB activation reserve (engine/llm_engine.py), one
+# weight at a time (16 MXFP4 experts: 256 MiB per weight; 32, one rank's share of V4-Flash at 8-way expert
+# parallelism: 512 MiB; all 256 on one GPU: 4 GiB, the fused kernels).
+# (H200, session 10, 16 MXFP4 experts: 0.80x the fused kernels at 96 rows per expert, 1.25x at 192, 2.1x at 768;
+# bf16 experts' bound is reasoned, not measured: the grouped GEMM reads them as stored, no unpack to repay)
 MOE_GROUPED_MIN_ROWS = {"dense": 32, "fp8": 160, "mxfp4": 160}
-MOE_GROUPED_MAX_BYTES = 1 << 30
+MOE_GROUPED_MAX_BYTES = 512 << 20
 
 
 def moe_grouped(pairs: int, experts: int, unpacked_bytes: int, fmt: str) -> bool:
