@@ -46,8 +46,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong i
 MMA_MIN_BLOCK = 128
 # cuBLAS's own blockwise FP8 GEMM (torch's scaled_mm, DeepSeek's 1x128 x 128x128 recipe) for a 128x128-block
 # weight at FP8_CUBLAS_MIN_ROWS rows or more (quant_configs), in place of the tables' "mma" or "dequant": faster
-# for every V4 linear from 256 rows on the H200 (docs/PERF.md, session 10). Not in the interpreter (CPU tests).
-CUBLAS_OK = not _INTERPRET and hasattr(torch.nn.functional, "scaled_mm")
+# for every V4 linear from 256 rows on the H200 (docs/PERF.md, session 10). On Hopper only (quant_configs.hopper),
+# not in the interpreter (CPU tests).
+CUBLAS_OK = not _INTERPRET and hasattr(torch.nn.functional, "scaled_mm") and torch.cuda.is_available()
 
 
 VARIANTS = ("dequant", "gemv", "mma", "unpacked", "cublas")
@@ -361,7 +362,7 @@ def tiles(m: int, n: int, k: int, variant: str | None = None, config: dict | Non
     if variant == "mma" and block < MMA_MIN_BLOCK and not asked:
         variant = "unpacked"
     if variant in ("mma", "dequant") and block == FP8_BLOCK and not asked and CUBLAS_OK \
-            and m >= quant_configs.FP8_CUBLAS_MIN_ROWS:
+            and m >= quant_configs.FP8_CUBLAS_MIN_ROWS and quant_configs.hopper(torch.cuda.current_device()):
         variant = "cublas"
     if variant not in VARIANTS:
         raise ValueError(f"fp8 linear variant must be one of {VARIANTS}, got {variant!r}")

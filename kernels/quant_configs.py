@@ -21,7 +21,18 @@ session 6's fused3.log).
 
 from __future__ import annotations
 
+import functools
+
 SMS = 132  # H200 multiprocessors; split-K sizing only (the interpreter ignores it)
+
+
+@functools.cache
+def hopper(device_index: int) -> bool:
+    """Whether CUDA device `device_index` is sm90 (H100 / H200), where cuBLAS's blockwise FP8 GEMM and torch's
+    grouped GEMM were measured (and cuBLAS has the blockwise FP8 recipe); other GPUs keep the Triton kernels."""
+    import torch
+
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 W_CVT = "int"
 _DECODE = {"variant": "dequant", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 0, "num_warps": 4,
