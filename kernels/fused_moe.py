@@ -285,10 +285,6 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, confi
     else:
         s1 = s3 = s2 = w1  # unused pointers
     n_pairs = T * k
-    if config is None and T <= quant_configs.MOE_GEMV_MAX_TOKENS:
-        from kernels.moe_gemv import moe_experts_gemv  # it builds on this module's tiles
-
-        return moe_experts_gemv(x, w1, w3, w2, weights, indices, limit, scales)
     if config is None and GROUPED_OK and x.dtype == torch.bfloat16 and quant_configs.moe_grouped(
             n_pairs, E, E * I * D * 2 if fmt else 0, FORMAT_NAMES[fmt]) and (
             not x.is_cuda or quant_configs.hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())):

@@ -169,12 +169,6 @@ MOE_GROUPED_MIN_ROWS = {"dense": 32, "fp8": 160, "mxfp4": 160}
 MOE_GROUPED_MAX_BYTES = 512 << 20
 
 
-# The MoE at a few tokens on the CUDA cores (kernels/moe_gemv.py): its tiles, and up to how many tokens the engine
-# takes it (0: never; written in session 10 without a GPU, tools/bench_moe_decode.py times it against the decode tiles)
-MOE_GEMV = {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4}
-MOE_GEMV_MAX_TOKENS = 0
-
-
 def moe_grouped(pairs: int, experts: int, unpacked_bytes: int, fmt: str) -> bool:
     """Whether a MoE call of `pairs` (token, expert) pairs takes the grouped-GEMM path: a prefill-sized call
     (past the decode tiles) whose experts average MOE_GROUPED_MIN_ROWS rows, with the largest unpacked

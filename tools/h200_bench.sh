@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh check-defaults|fp8-bf16|kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-fp8|v41-serve|ratio-depth|largest|profile-depth|profile-prefill|profile-v4|prefill|depth-s10|check-s10|moe-decode|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh check-defaults|fp8-bf16|kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-fp8|v41-serve|ratio-depth|largest|profile-depth|profile-prefill|profile-v4|prefill|depth-s10|check-s10|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
 # numpy2, serving, largest, v41-serve and ratio-depth need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoints, drawn on the GPU: flash-depth (V4-Flash depth: 43 layers, 16 experts; mixed, engine, depth) and
 # flash-shaped (its per-layer shapes, 4 layers: quick and the rest).
@@ -172,9 +172,6 @@ profile-depth)  # where a depth-43 decode step goes as shipped (FP8 + MXFP4): ke
     timeout 160 python3 -m tools.profile_decode --preset flash-depth --quant fp8-fp4 --cache-dir $CK --batch $b --steps 48 \
       --rows 45 > "$OUT/profile_depth_b$b.txt" 2>&1; tail -1 "$OUT/profile_depth_b$b.txt"
   done ;;
-moe-decode)  # the decode MoE at 1 / 2 tokens: the fused decode tiles vs the CUDA-core GEMV (kernels/moe_gemv.py) and its
-  # tiles, 16 MXFP4 experts as at V4-Flash depth, checked vs the reference, timed (~1 min)
-  timeout 150 python3 -m tools.bench_moe_decode --json "$OUT/moe_decode.json" 2>&1 | tail -12 ;;
 check-s10)  # session 10's last changes: the fused kernels' check on the GPU (wo_a through cuBLAS per group in place, hc_pre's
   # decode token tiles, with the rest), then at V4-Flash depth as shipped TTFT of 1024 tokens and decode at 1 / 32 (~6 min)
   timeout 170 python3 -m tools.bench_fused --only align --json "$OUT/fused_check.json" 2>&1 | tee "$OUT/fused_check.log" \
