@@ -1,7 +1,7 @@
 """Block-scaled FP8 linear y = x @ dequant(W)^T, W e4m3 [N, K] with float32 B x B block scales (B = 128
 in V4, 32 in V4.1: read from the scale's shape, a constexpr of every kernel; scale index n // B, k // B).
 
-Four variants (the same result up to the activation rounding of "mma"):
+Five variants (the same result up to the activation rounding of "mma" and "cublas"):
 - "dequant" (decode): a weight GEMV. Each program streams a [BLOCK_N, BLOCK_K] weight tile per
   step (row-major, so coalesced 16-byte loads), converts it to bf16 in registers (W_CVT:
   kernels/quant_configs.py) and multiplies it as the MMA's left operand against x^T (swap-AB:
@@ -23,6 +23,8 @@ Four variants (the same result up to the activation rounding of "mma"):
 - "unpacked" (prefill with V4.1's 32x32 blocks): the weight unpacked to x's dtype by one kernel
   (kernels/fp8_unpack.py), then torch's GEMM: kernels.reference.linear's arithmetic. It replaces
   "mma" for weights whose blocks are narrower than MMA_MIN_BLOCK.
+- "cublas" (prefill with V4's 128x128 blocks, on Hopper): the activations quantized as "mma" does, then cuBLAS's
+  blockwise FP8 GEMM (torch's scaled_mm); it replaces the tables' pick from quant_configs.FP8_CUBLAS_MIN_ROWS rows.
 Which variant and tiles per shape: kernels/quant_configs.py (measured by tools/bench_quant.py).
 """
 

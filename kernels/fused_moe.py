@@ -14,6 +14,9 @@ Stored expert formats (W_FMT): 0 dense, 1 FP8 e4m3 with 128x128 block scales (Ba
 (V4-Flash), decoded in registers (kernels/fused_dequant.py: config "MX": "e4m3", the e4m3 bit
 placement, or "bf16", integer ops straight to bf16), or on the GPU with bf16 activations ("scaled")
 handed packed to tl.dot_scaled. Tiles: kernels/quant_configs.py.
+
+Prefill calls whose experts average enough rows go to kernels/moe_grouped.py instead (the experts unpacked to
+bf16, then torch's grouped GEMM; quant_configs.moe_grouped says when).
 """
 
 from __future__ import annotations
