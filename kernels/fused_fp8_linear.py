@@ -51,6 +51,9 @@ MMA_MIN_BLOCK = 128
 # for every V4 linear from 256 rows on the H200 (docs/PERF.md, session 10). On Hopper only (quant_configs.hopper),
 # not in the interpreter (CPU tests).
 CUBLAS_OK = not _INTERPRET and hasattr(torch.nn.functional, "scaled_mm") and torch.cuda.is_available()
+# cuBLAS takes whole groups of 4 K blocks in the scales: K a multiple of 512 (every V4 linear at tensor_parallel_size
+# 1 is; a shard such as shared_w2's 256 columns at 8-way keeps the Triton kernels)
+CUBLAS_K_ALIGN = 4 * FP8_BLOCK
 
 
 VARIANTS = ("dequant", "gemv", "mma", "unpacked", "cublas")
@@ -364,7 +367,8 @@ def tiles(m: int, n: int, k: int, variant: str | None = None, config: dict | Non
     if variant == "mma" and block < MMA_MIN_BLOCK and not asked:
         variant = "unpacked"
     if variant in ("mma", "dequant") and block == FP8_BLOCK and not asked and CUBLAS_OK \
-            and m >= quant_configs.FP8_CUBLAS_MIN_ROWS and quant_configs.hopper(torch.cuda.current_device()):
+            and m >= quant_configs.FP8_CUBLAS_MIN_ROWS and k % CUBLAS_K_ALIGN == 0 and n % FP8_BLOCK == 0 \
+            and quant_configs.hopper():
         variant = "cublas"
     if variant not in VARIANTS:
         raise ValueError(f"fp8 linear variant must be one of {VARIANTS}, got {variant!r}")
@@ -447,13 +451,10 @@ def _cublas(x2, weight, scale, lead, M: int, N: int, K: int, groups: int, split_
     """The "cublas" variant: activations quantized per 1x128 block by _act_quant_kernel (the "mma" variant's
     rounding, reading each group's columns in place), then torch's blockwise scaled_mm. cuBLAS wants the
     activation scales M-major with M a multiple of 4 (zero rows pad the activations, their outputs dropped) and
-    whole groups of 4 K blocks in the weight's scales."""
+    whole groups of 4 K blocks (tiles() takes this variant only where K has them)."""
     F = torch.nn.functional
     sk, Mp, R = triton.cdiv(K, 128), M + (-M % 4), N // groups
-    ws = scale.float()
-    if ws.shape[1] % 4:
-        ws = F.pad(ws, (0, -ws.shape[1] % 4))
-    ws = ws.contiguous()
+    ws = scale.float().contiguous()
     ys = []
     for g in range(groups):  # wo_a: one GEMM per group, as "mma"
         q = torch.empty(Mp, K, dtype=torch.float8_e4m3fn, device=x2.device)

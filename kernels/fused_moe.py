@@ -290,7 +290,7 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, confi
     n_pairs = T * k
     if config is None and GROUPED_OK and x.dtype == torch.bfloat16 and quant_configs.moe_grouped(
             n_pairs, E, E * I * D * 2 if fmt else 0, FORMAT_NAMES[fmt]) and (
-            not x.is_cuda or quant_configs.hopper(x.device.index if x.device.index is not None else torch.cuda.current_device())):
+            not x.is_cuda or quant_configs.hopper(x.device)):
         return moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales)
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if n_pairs == 0:

@@ -26,13 +26,22 @@ import functools
 SMS = 132  # H200 multiprocessors; split-K sizing only (the interpreter ignores it)
 
 
-@functools.cache
-def hopper(device_index: int) -> bool:
-    """Whether CUDA device `device_index` is sm90 (H100 / H200), where cuBLAS's blockwise FP8 GEMM and torch's
-    grouped GEMM were measured (and cuBLAS has the blockwise FP8 recipe); other GPUs keep the Triton kernels."""
+def hopper(device=None) -> bool:
+    """Whether the CUDA device (a torch.device; None: the current one) is sm90 (H100 / H200), where cuBLAS's
+    blockwise FP8 GEMM and torch's grouped GEMM were measured (and cuBLAS has the blockwise FP8 recipe); other GPUs
+    keep the Triton kernels."""
     import torch
 
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    return _capability(index) == (9, 0)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability(index)
+
 
 W_CVT = "int"
 _DECODE = {"variant": "dequant", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 0, "num_warps": 4,

@@ -332,3 +332,24 @@ def test_32x32_blocks_at_prefill_rows_take_the_unpacked_weight():
                           rtol=1e-5, atol=1e-5)
     x4, q4, s4 = _case(m, 256, 384, ue8m0=True)
     assert torch.equal(fp8_linear_fused(x4, q4, s4), fp8_linear_fused(x4, q4, s4, variant="mma"))
+
+
+def test_cublas_variant_where_rows_shape_and_device_allow(monkeypatch):
+    """V4's 128x128-block linears take cuBLAS's blockwise FP8 GEMM from FP8_CUBLAS_MIN_ROWS rows, in place of the
+    table's "mma" or "dequant", only where K has whole groups of 4 scale blocks and on Hopper; a variant asked for
+    by name, V4.1's 32x32 blocks, fewer rows, another GPU and the interpreter keep the Triton kernels."""
+    from kernels import fused_fp8_linear, quant_configs
+    from kernels.fused_fp8_linear import tiles
+
+    assert tiles(300, 1024, 4096)[0] == "dequant"  # the interpreter (CUBLAS_OK off): the table's pick
+    monkeypatch.setattr(fused_fp8_linear, "CUBLAS_OK", True)
+    monkeypatch.setattr(quant_configs, "hopper", lambda device=None: True)
+    rows = quant_configs.FP8_CUBLAS_MIN_ROWS
+    assert tiles(rows, 1024, 4096)[0] == "cublas"  # wq_a's table says "dequant" up to 512 rows
+    assert tiles(2048, 32768, 1024)[0] == "cublas" and tiles(2048, 4096, 8192)[0] == "cublas"
+    assert tiles(rows - 1, 1024, 4096)[0] == "dequant"
+    assert tiles(2048, 4096, 256)[0] == "mma"  # a K of 2 scale blocks (shared_w2's shard at 8-way)
+    assert tiles(2048, 4096, 4096, variant="mma")[0] == "mma"
+    assert tiles(2048, 4096, 4096, block=32)[0] == "unpacked"
+    monkeypatch.setattr(quant_configs, "hopper", lambda device=None: False)
+    assert tiles(2048, 4096, 4096)[0] == "mma"
