@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 
 import torch
 
-from tools.bench_quant import _graph_time
+from tools.bench_quant import _graph_time, finish
 
 H, HD, W, BS, TOPK = 64, 512, 128, 128, 512
 PEAK_BF16 = 790e12
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         err = ((paged_attention_fused(*small).float() - ref.paged_attention(*small).float()).abs().max()).item()
         print(f"{mode}: default tiles vs the reference (256 tokens): max abs diff {err:.2e}", flush=True)
         if err > 2e-2:
-            bad.append((mode, "default vs reference", err))
+            bad.append(f"{mode} default tiles vs the reference: {err:.3g}")
         floor = flops / PEAK_BF16 * 1e6
         for bh, bn, nw in TILES:
             fn = functools.partial(paged_attention_fused, *args, nsplit=1, block_h=bh, block_n=bn, num_warps=nw)
@@ -89,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"mode": mode, "block_h": bh, "block_n": bn, "num_warps": nw, "us": us, "floor_us": floor,
                          "max_abs_diff_vs_default": diff, "tokens": a.tokens, "start": a.start})
             if diff > 2e-2:
-                bad.append((mode, bh, bn, nw, diff))
+                bad.append(f"{mode} h{bh} n{bn} w{nw} vs the default tiles: {diff:.3g}")
             print(f"{mode} | h{bh} n{bn} w{nw} | {us:.1f} us | {floor / us:.1%} of FLOP peak | diff {diff:.1e}",
                   flush=True)
     for mode in ("csa", "hca"):
@@ -98,13 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             b = sel[0]
             print(f"best {mode}: h{b['block_h']} n{b['block_n']} w{b['num_warps']} {b['us']:.1f} us "
                   f"(floor {b['floor_us']:.1f} us)", flush=True)
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
-    if bad:
-        print(f"MISMATCH: {bad}", flush=True)
-        return 1
-    return 0
+    return finish("bench_attention_prefill", rows, a.json, bad)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 
 import torch
 
-from tools.bench_quant import _experts, _graph_time, _routing
+from tools.bench_quant import _experts, _graph_time, _routing, finish
 
 D, I, TOPK = 4096, 2048, 6
 PEAK_BF16 = 790e12  # FLOP/s, docs/PERF.md's measured bf16 matmul ceiling
@@ -63,14 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                      "fused_rel_err": err["fused"], "grouped_rel_err": err["grouped"], "floor_us": floor, "pick": pick})
         print(f"{T} | {t_f:.1f} ({err['fused']:.1e}) | {t_g:.1f} ({err['grouped']:.1e}) | {t_f / t_g:.2f} | "
               f"{floor:.1f} | {pick}", flush=True)
-    bad = [r for r in rows if max(r["fused_rel_err"], r["grouped_rel_err"]) > 2e-2]
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
-    if bad:
-        print(f"MISMATCH against the reference at tokens {[r['tokens'] for r in bad]}", flush=True)
-        return 1
-    return 0
+    failures = [f"tokens {r['tokens']}: {path} relative error {r[path + '_rel_err']:.3g} > 2e-2"
+                for r in rows for path in ("fused", "grouped") if r[path + "_rel_err"] > 2e-2]
+    return finish("bench_moe_prefill", rows, a.json, failures)
 
 
 if __name__ == "__main__":

@@ -457,6 +457,16 @@ def main() -> int:
     return exit_status("bench_quant", failures)
 
 
+def finish(tool: str, rows: list[dict], json_path: str | None, failures: list[str]) -> int:
+    """A sweep's end: its rows as JSON (if asked), each failure named, then exit_status."""
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    for f in failures:
+        print("  MISMATCH", f, flush=True)
+    return exit_status(tool, failures)
+
+
 def exit_status(tool: str, failures: list[str]) -> int:
     """1 when a kernel disagreed with its reference (named on stderr), else 0."""
     if failures:
