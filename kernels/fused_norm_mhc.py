@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import quant_configs
+
 # --- RMSNorm ----------------------------------------------------------------------------------
 
 @triton.jit
@@ -187,7 +189,6 @@ def _hc_finish(x, part, base, scale, out, norm_w, hc_eps, norm_eps, out_eps, sin
 
 
 MIX_WIDE_T = 256  # token count from which the mix partials take the prefill tiles
-SMS = 132  # H200 multiprocessors: how many programs fill the GPU
 
 
 def _hc_mix_partials(x, fn):
@@ -201,7 +202,7 @@ def _hc_mix_partials(x, fn):
     if T >= MIX_WIDE_T:  # prefill: wider token tiles and only the splits that fill the GPU (each token tile
         # reads all of fn once from L2, and each split's partials go through memory to the finish kernel)
         BLOCK_T = 64
-        n_split = max(1, min(n_split, triton.cdiv(2 * SMS, triton.cdiv(T, BLOCK_T))))
+        n_split = max(1, min(n_split, triton.cdiv(2 * quant_configs.SMS, triton.cdiv(T, BLOCK_T))))
     k_split = triton.cdiv(triton.cdiv(K, n_split), BLOCK_K) * BLOCK_K
     n_split = triton.cdiv(K, k_split)
     part = torch.empty(n_split, T, 32, dtype=torch.float32, device=x.device)
