@@ -6,7 +6,8 @@ decode). Keys stream in blocks from the paged window pool (positions (i - W, i],
 the sequence's replay_start), then from the compressed pool: every complete entry (HCA) or
 the indexer's selection (CSA; read only up to the visible count, since indexer_topk puts
 its valid picks before the -1 padding). Online softmax; the sink joins the denominator at the end.
-Same signature as kernels.reference.paged_attention.
+Same signature as kernels.reference.paged_attention. Prefill chunks (PREFILL_T tokens or more) run
+kernels/fused_attention_prefill.py instead.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels.fused_attention_prefill import comp_offset, prefill_attention
 
 # Triton's CPU interpreter computes bf16 tl.dot wrongly (seen with Triton 3.9: errors of 1e10),
 # so under TRITON_INTERPRET the dots run in fp32; on the GPU they stay in the model dtype.
@@ -109,11 +112,13 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
-                    HD: tl.constexpr, BLOCK_H: tl.constexpr, NSPLIT: tl.constexpr):
+                    HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr):
+    """Program (token, heads, columns): its own small slice, so the partials of one decode token are read by many
+    programs at once (one program per 16 heads read 512 KB each for V4's 64 x 512 at 16 splits)."""
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
-    d = tl.arange(0, HD)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     sp = tl.arange(0, NSPLIT)
     rows = (t * H + heads)[:, None] * NSPLIT + sp[None, :]
     m = tl.load(part_m_ptr + rows, mask=hmask[:, None], other=-float("inf"))
@@ -133,18 +138,28 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
              mask=hmask[:, None])
 
 
-# Prefill chunks (PREFILL_T tokens or more) of V4-Flash's heads (64 x 512): the tiles that measured fastest per
-# branch (H200, session 10, tools/bench_attention_prefill.py on 2048 tokens at position 2048): CSA 32 heads x 32
-# keys x 4 warps (1.88 ms vs 4.17 ms with the decode tiles), HCA and the window alone 64 x 32 x 8 (0.56 vs 1.18 ms)
+# Prefill chunks of PREFILL_T tokens or more run kernels/fused_attention_prefill.py (one pipelined loop over every
+# key of a token); its tiles per branch (MODE: 0 window only, 1 HCA, 2 CSA) for V4's 64 heads x 512, else
+# PREFILL_TILES_SMALL: (BLOCK_H, BLOCK_N, num_warps, BLOCK_D); BLOCK_D None: the whole head_dim
 PREFILL_T = 256
-PREFILL_TILES = {0: (64, 32, 8), 1: (64, 32, 8), 2: (32, 32, 4)}  # MODE -> (BLOCK_H, BLOCK_N, num_warps)
+COMBINE_BLOCK_H, COMBINE_BLOCK_D = 8, 128  # the split-K combine's slice per program
+PREFILL_TILES = {0: (64, 32, 8, 512), 1: (64, 32, 8, 512), 2: (64, 32, 8, 512)}
+PREFILL_TILES_SMALL = (16, 32, 4, None)
+
+
+def _prefill_tiles(mode: int, H: int, hd: int) -> tuple:
+    if H >= 64 and hd == 512:
+        return PREFILL_TILES[mode]
+    bh, bn, warps, _ = PREFILL_TILES_SMALL
+    return max(bh, min(64, triton.next_power_of_2(H))), bn, warps, hd
 
 
 def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, replay_starts, sliding_window,
                           comp_pool, full_tables, ratio, selected, sinks, scale, nsplit: int | None = None,
-                          block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None):
-    """nsplit, block_h, block_n, num_warps: the launch's tiles (tools/bench_attention_prefill.py sweeps them);
-    None: the defaults below."""
+                          block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                          prefill_tiles: tuple | None = None):
+    """nsplit, block_h, block_n, num_warps: the decode kernel's tiles; prefill_tiles: the prefill kernel's (either
+    kind asked for by its tiles: tools/bench_attention_prefill.py sweeps them); None: the defaults below."""
     T, H, hd = q.shape
     assert hd & (hd - 1) == 0, "head_dim must be a power of two for the fused attention kernel"
     q = q.contiguous()
@@ -156,8 +171,15 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
     BLOCK_H = block_h or (32 if T >= 32 and H >= 32 else 16)
     BLOCK_N = block_n or (32 if hd <= 128 else 16)
     warps = num_warps or (4 if hd <= 128 else 8)
-    if T >= PREFILL_T and H >= 64 and hd == 512 and not (block_h or block_n or num_warps):
-        BLOCK_H, BLOCK_N, warps = PREFILL_TILES[mode]
+    decode_asked = nsplit is not None or block_h or block_n or num_warps
+    if prefill_tiles or (T >= PREFILL_T and not decode_asked):
+        comp_off = comp_offset(window_pool, comp_pool)
+        if comp_off is not None:
+            return prefill_attention(q, out, positions, token_seq, window_pool, window_tables, replay_starts,
+                                     sliding_window, comp_off, full_tables, ratio,
+                                     comp_pool.shape[1] if comp_pool is not None else 1, selected,
+                                     sinks.float().contiguous(), scale, mode,
+                                     prefill_tiles or _prefill_tiles(mode, H, hd), _INTERPRET)
     head_blocks = triton.cdiv(H, BLOCK_H)
     if nsplit is None:  # enough programs for ~2 waves on a 132-SM GPU when few tokens decode
         nsplit = 1
@@ -181,6 +203,7 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
         num_warps=warps,
     )
     if nsplit > 1:
-        _combine_kernel[(T, head_blocks)](out, part_m, part_l, part_acc, sinks.float().contiguous(), H,
-                                          HD=hd, BLOCK_H=BLOCK_H, NSPLIT=nsplit)
+        cb_h, cb_d = min(COMBINE_BLOCK_H, BLOCK_H), min(COMBINE_BLOCK_D, hd)
+        _combine_kernel[(T, triton.cdiv(H, cb_h), hd // cb_d)](out, part_m, part_l, part_acc, sinks.float().contiguous(),
+                                                               H, HD=hd, BLOCK_H=cb_h, BLOCK_D=cb_d, NSPLIT=nsplit)
     return out

@@ -1,11 +1,12 @@
 """The fused paged attention at prefill (kernels/fused_attention.py): one sequence's chunk of T query tokens at
 positions [P, P + T) with V4-Flash's heads (64 x 512, shared KV), the 128-token window and either the CSA branch
 (ratio 4, the indexer's 512 picks per token) or the HCA branch (ratio 128, every complete entry); a sweep of
-the launch's tiles (heads per program, keys per step, warps), each checked against the default tiles (which the
-tests hold to the reference; here the default is checked against the reference once) and timed in CUDA-graph
-replays, next to the FLOP floor. Prints a table (best last), writes JSON.
+the launch's tiles of both kernels (the decode kernel: heads per program, keys per step, warps; the prefill kernel,
+kernels/fused_attention_prefill.py: the same plus output columns per program and pipeline stages), each checked
+against the default tiles (which the tests hold to the reference; here the default is checked against the reference
+once) and timed in CUDA-graph replays, next to the FLOP floor. Prints a table (best last), writes JSON.
 
-    python -m tools.bench_attention_prefill [--tokens 2048] [--start 2048] [--json out.json]
+    python -m tools.bench_attention_prefill [--tokens 2048] [--start 2048] [--only prefill] [--json out.json]
 """
 
 from __future__ import annotations
@@ -20,9 +21,13 @@ from tools.bench_quant import _graph_time, finish
 
 H, HD, W, BS, TOPK = 64, 512, 128, 128, 512
 PEAK_BF16 = 790e12
-# (heads per program, keys per step, warps): the default at prefill (32, 16, 8) and its neighbours
-TILES = ((32, 16, 8), (16, 16, 8), (64, 16, 8), (32, 32, 8), (64, 32, 8), (16, 32, 4), (32, 32, 4), (32, 64, 8),
-         (64, 64, 8))
+# the decode kernel (heads per program, keys per step, warps): session 10's prefill picks and their neighbours
+DECODE_TILES = ((64, 32, 8), (32, 32, 4), (64, 16, 8))
+# the prefill kernel (+ output columns per program, pipeline stages): those that compile without spilling much
+# for sm90 (ptxas: 177-255 registers, 0-168 bytes of stack) and their neighbours
+PREFILL_TILES = ((64, 32, 8, 512, 3), (64, 16, 8, 512, 3), (64, 16, 8, 512, 4), (64, 32, 8, 256, 3),
+                 (64, 32, 8, 256, 4), (64, 64, 8, 256, 2), (64, 32, 8, 128, 3), (64, 64, 8, 128, 3),
+                 (64, 32, 4, 128, 3), (32, 32, 4, 512, 3), (64, 64, 8, 512, 2))
 
 
 def _case(mode: str, T: int, start: int, dev):
@@ -58,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench_attention_prefill", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--start", type=int, default=2048, help="the chunk's first position (tokens already cached)")
+    ap.add_argument("--only", choices=("decode", "prefill"), default=None, help="one kernel's tiles")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -76,26 +82,29 @@ def main(argv: list[str] | None = None) -> int:
         if err > 2e-2:
             bad.append(f"{mode} default tiles vs the reference: {err:.3g}")
         floor = flops / PEAK_BF16 * 1e6
-        for bh, bn, nw in TILES:
-            fn = functools.partial(paged_attention_fused, *args, nsplit=1, block_h=bh, block_n=bn, num_warps=nw)
+        cands = [("decode", t, dict(nsplit=1, block_h=t[0], block_n=t[1], num_warps=t[2])) for t in DECODE_TILES]
+        cands += [("prefill", t, dict(prefill_tiles=t)) for t in PREFILL_TILES]
+        for kernel, tile, kw in cands:
+            if a.only and kernel != a.only:
+                continue
+            name = f"{kernel} " + " ".join(f"{k}{v}" for k, v in zip("hnwds", tile))
+            fn = functools.partial(paged_attention_fused, *args, **kw)
             try:
                 diff = (fn().float() - base).abs().max().item()
                 us = _graph_time([fn]) * 1e6
             except Exception as e:  # noqa: BLE001 - a tile that does not fit the chip's shared memory or registers
-                print(f"{mode} | h{bh} n{bn} w{nw} | failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}",
-                      flush=True)
+                print(f"{mode} | {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
                 continue
-            rows.append({"mode": mode, "block_h": bh, "block_n": bn, "num_warps": nw, "us": us, "floor_us": floor,
-                         "max_abs_diff_vs_default": diff, "tokens": a.tokens, "start": a.start})
+            rows.append({"mode": mode, "kernel": kernel, "tiles": list(tile), "name": name, "us": us,
+                         "floor_us": floor, "max_abs_diff_vs_default": diff, "tokens": a.tokens, "start": a.start})
             if diff > 2e-2:
-                bad.append(f"{mode} h{bh} n{bn} w{nw} vs the default tiles: {diff:.3g}")
-            print(f"{mode} | h{bh} n{bn} w{nw} | {us:.1f} us | {floor / us:.1%} of FLOP peak | diff {diff:.1e}",
-                  flush=True)
+                bad.append(f"{mode} {name} vs the default tiles: {diff:.3g}")
+            print(f"{mode} | {name} | {us:.1f} us | {floor / us:.1%} of FLOP peak | diff {diff:.1e}", flush=True)
     for mode in ("csa", "hca"):
         sel = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["us"])
         if sel:
             b = sel[0]
-            print(f"best {mode}: h{b['block_h']} n{b['block_n']} w{b['num_warps']} {b['us']:.1f} us "
+            print(f"best {mode}: {b['name']} {b['us']:.1f} us "
                   f"(floor {b['floor_us']:.1f} us)", flush=True)
     return finish("bench_attention_prefill", rows, a.json, bad)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU measurement in docs/PERF.md, one device call per part:
-#   bash tools/h200_bench.sh check-defaults|fp8-bf16|kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-fp8|v41-serve|ratio-depth|largest|profile-depth|profile-prefill|profile-v4|prefill|depth-s10|check-s10|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
+#   bash tools/h200_bench.sh check-defaults|fp8-bf16|kernels|quant|fused|compress|fused-fp8|recheck|depth|v41|v41-fp8|v41-serve|ratio-depth|largest|profile-depth|profile-prefill|profile-v4|prefill|depth-s10|check-s10|attention-s11|depth-s11|profile-spec|serve-depth|final|spec|mixed|engine|quick|sync|agentic|ttft|peer|profile|numpy2|serving|tp-share|structured  (JSON + logs under $OUT)
 # numpy2, serving, largest, v41-serve, ratio-depth and depth-s10 need .cache/h200 carried (bash tools/h200_env.sh pack).
 # Checkpoints, drawn on the GPU: flash-depth (V4-Flash depth: 43 layers, 16 experts; mixed, engine, depth) and
 # flash-shaped (its per-layer shapes, 4 layers: quick and the rest).
@@ -180,6 +180,24 @@ check-s10)  # session 10's last changes: the fused kernels' check on the GPU (wo
     --output-len 8 --requests-per-user 3 --floor --steady 1,32 \
     --engine-args '{"max_model_len":8192,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}' \
     --json "$OUT/engine_depth.json" 2>&1 | tee "$OUT/engine_depth.log" | grep -E "TTFT of|batch [0-9]+: step|rror" | tail -4 ;;
+attention-s11)  # session 11: the prefill attention kernel (kernels/fused_attention_prefill.py) swept against the decode
+  # kernel's prefill tiles on a 2048-token chunk, then the 4-layer engine as shipped against the references (~5 min)
+  timeout 300 python3 -m tools.bench_attention_prefill --json "$OUT/attention_prefill.json" 2>&1 | tee "$OUT/attention.log" \
+    | grep -E "best|MISMATCH|reference" | tail -6
+  timeout 200 python3 -m tools.bench_engine --preset flash-shaped --cache-dir $CK --quant fp8-fp4 --concurrency '' \
+    --check-kernels --engine-args "{$EA}" --json "$OUT/check_v4.json" 2>&1 | tee "$OUT/check_v4.log" \
+    | grep -E "default vs|rror" | tail -3 ;;
+depth-s11)  # session 11 at V4-Flash depth as shipped: TTFT of 1024 tokens and decode steps at 1 / 32 / 64 / 150 vs their
+  # floors, then where a 4 x 1024-token prefill and a batch-64 decode step go, kernels and the torch ops that launched
+  # them (~8 min with the checkpoint write)
+  M=$CK/flash-depth-fp8-fp4; DA='{"max_model_len":8192,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}'
+  timeout 300 python3 -m tools.bench_engine --preset flash-depth --quant fp8-fp4 --cache-dir $CK --concurrency 1 --input-len 1024 \
+    --output-len 8 --requests-per-user 3 --floor --steady 1,32,64,150 --engine-args "$DA" \
+    --json "$OUT/engine_depth.json" 2>&1 | tee "$OUT/engine_depth.log" | grep -E "TTFT of|batch [0-9]+: step|rror" | tail -6
+  timeout 110 python3 -m tools.profile_decode --model $M --batch 4 --steps 1 --prompt-len 1024 --rows 40 --ops \
+    > "$OUT/profile_prefill_v4.txt" 2>&1; tail -1 "$OUT/profile_prefill_v4.txt"
+  timeout 100 python3 -m tools.profile_decode --model $M --batch 64 --steps 24 --rows 40 --ops \
+    > "$OUT/profile_depth_b64.txt" 2>&1; tail -1 "$OUT/profile_depth_b64.txt" ;;
 depth-s10)  # issue 20 after session 10's prefill paths, at V4-Flash depth as shipped: TTFT of 1024 tokens and decode steps
   # vs their floors, where a 4 x 1024-token prefill goes, then 64 users through the real Triton server, 1024 in / 128
   # out, 60 s (~9 min; needs .cache/h200 carried)

@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--prompt-len", type=int, default=16, help="long prompts profile the prefill steps too")
     ap.add_argument("--host", action="store_true", help="profile the host (cProfile) instead of the GPU kernels")
+    ap.add_argument("--ops", action="store_true", help="also the torch ops by the CUDA time of their kernels, with "
+                    "input shapes (which op launched an anonymous elementwise or copy kernel)")
     ap.add_argument("--engine-args", default="{}", help="JSON over the defaults below (e.g. a speculative_config)")
     a = ap.parse_args()
     model = a.model
@@ -62,13 +64,19 @@ def main() -> None:
         print(f"wall time per output token under cProfile: {wall / a.steps * 1e3:.3f} ms (batch {a.batch}); "
               f"{(llm.engine.spec.stats(), llm.engine.spec.step_paths) if llm.engine.spec else ''}")
         return
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=a.ops) as prof:
         t0 = time.perf_counter()
         llm.generate(prompts, sp)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=60)
     print(table)
+    if a.ops:
+        ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
+        ops.sort(key=lambda e: e.device_time_total, reverse=True)
+        print("torch ops by CUDA time (their kernels counted in; nested ops count twice):")
+        for e in ops[:a.rows]:
+            print(f"  {e.device_time_total / 1e3:9.3f} ms  {e.count:6d} calls  {e.key:28s} {str(e.input_shapes)[:110]}")
     total = sum(e.device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA")
     print(f"CUDA kernel time per step, the prefill counted in: {total / a.steps / 1e3:.3f} ms (batch {a.batch}, prompts of "
           f"{a.prompt_len}); wall time per step under the profiler: {wall / a.steps * 1e3:.3f} ms")
