@@ -127,7 +127,7 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
     m_all = tl.maximum(tl.max(m, axis=1), sink)
     w = tl.exp(m - m_all[:, None])
     l_all = tl.sum(l * w, axis=1) + tl.exp(sink - m_all)
-    o = tl.zeros((BLOCK_H, HD), tl.float32)
+    o = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     for i in tl.static_range(NSPLIT):
         wi = tl.sum(tl.where(sp[None, :] == i, w, 0.0), axis=1)
         a = tl.load(part_acc_ptr + ((t * H + heads) * NSPLIT + i)[:, None] * HD + d[None, :], mask=hmask[:, None],
@@ -143,7 +143,7 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
 # PREFILL_TILES_SMALL: (BLOCK_H, BLOCK_N, num_warps, BLOCK_D); BLOCK_D None: the whole head_dim
 PREFILL_T = 256
 COMBINE_BLOCK_H, COMBINE_BLOCK_D = 8, 128  # the split-K combine's slice per program
-PREFILL_TILES = {0: (64, 32, 8, 512), 1: (64, 32, 8, 512), 2: (64, 32, 8, 512)}
+PREFILL_TILES = {0: (64, 64, 8, 512, 2), 1: (64, 64, 8, 512, 2), 2: (64, 64, 8, 512, 2)}
 PREFILL_TILES_SMALL = (16, 32, 4, None)
 
 
