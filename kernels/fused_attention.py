@@ -1,13 +1,22 @@
 """Fused paged attention for DeepSeek-V4: sliding window + compressed entries + sinks, one pass.
 
-One program per (query token, block of heads). K = V (shared-KV MQA), so every head of a
-token reads the same keys: heads form the M side of the matmuls (as FlashMLA does for
-decode). Keys stream in blocks from the paged window pool (positions (i - W, i], none below
-the sequence's replay_start), then from the compressed pool: every complete entry (HCA) or
-the indexer's selection (CSA; read only up to the visible count, since indexer_topk puts
-its valid picks before the -1 padding). Online softmax; the sink joins the denominator at the end.
-Same signature as kernels.reference.paged_attention. Prefill chunks (PREFILL_T tokens or more) run
-kernels/fused_attention_prefill.py instead.
+One program per (query token, block of heads, block of output columns, split). K = V (shared-KV MQA), so every head
+of a token reads the same keys: heads form the M side of the matmuls (as FlashMLA does). A token's keys are one
+sequence of slots walked by one loop, so the software pipeliner streams the key tiles into shared memory (cp.async)
+while the tensor cores work: slot i < n_win is window position lo + i (positions (pos - W, pos], none below the
+sequence's replay_start, from the paged window pool), past it entry i - n_win of the compressed pool: every complete
+entry (HCA) or the indexer's pick (CSA; its valid picks come first, then -1 padding). Both pools are read through one
+base pointer: the compressed pool's rows sit COMP_OFF elements from the window pool's, so one gather serves both.
+Online softmax in base 2; the sink joins the denominator at the end.
+
+Splits (flash-decoding: enough programs for a few decode tokens) each take a slice of the slots and write partials
+that _combine_kernel joins. BLOCK_D < head_dim splits the output columns over programs, each recomputing the scores
+(QK is half the FLOPs): its accumulator shrinks with it. Positions and tables in int32, block size, ratio and entries
+per block as constants: the index arithmetic is shifts, not 64-bit divisions.
+
+Folded in where the caller asks (q_rope, out_rope): q's per-head RMSNorm + RoPE as it is loaded (the raw wq_b
+output goes in), and the output's inverse RoPE (K = V carries the keys' rotation) before the store: MegaAttention's
+shape, two passes over [T, H, head_dim] fewer. Same result as kernels.reference.paged_attention.
 """
 
 from __future__ import annotations
@@ -18,92 +27,120 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fused_attention_prefill import comp_offset, prefill_attention
-
 # Triton's CPU interpreter computes bf16 tl.dot wrongly (seen with Triton 3.9: errors of 1e10),
 # so under TRITON_INTERPRET the dots run in fp32; on the GPU they stay in the model dtype.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _update(q, k, valid, m_i, l_i, acc, scale, DOT_F32: tl.constexpr):
-    if DOT_F32:
-        q = q.to(tl.float32)
-        k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k)) * scale
-    s = tl.where(valid[None, :], s, -float("inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k)
-    return m_new, l_i, acc
+def _rotate_pairs(x, t, col0, cos_ptr, sin_ptr, NOPE: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """x [BLOCK_H, BLOCK_D] float32, columns col0 (even) on: the interleaved pairs (2i, 2i+1) of the trailing R
+    columns rotated by token t's cos / sin [R / 2] (kernels.reference.apply_rope), the rest unchanged."""
+    e, o = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_D // 2, 2)))
+    i = col0 // 2 + tl.arange(0, BLOCK_D // 2) - NOPE // 2  # each pair's rope index
+    rot = i >= 0
+    c = tl.load(cos_ptr + t * (R // 2) + i, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * (R // 2) + i, mask=rot, other=0.0).to(tl.float32)
+    return tl.reshape(tl.join(e * c[None, :] - o * s[None, :], o * c[None, :] + e * s[None, :]), (BLOCK_H, BLOCK_D))
 
 
 @triton.jit(do_not_specialize=["wtab_stride", "ftab_stride"])  # table widths vary per eager step
 def _paged_attention_kernel(
     q_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, seq_ptr, win_ptr, wtab_ptr, wtab_stride,
-    replay_ptr, comp_ptr, ftab_ptr, ftab_stride, sel_ptr, sink_ptr, scale, H, W, BS, RATIO, PER_BLOCK,
-    HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, TOPK: tl.constexpr,
-    NSPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+    replay_ptr, ftab_ptr, ftab_stride, sel_ptr, sink_ptr, qcos_ptr, qsin_ptr, ocos_ptr, osin_ptr, scale, eps, H, W,
+    COMP_OFF,
+    BS: tl.constexpr, RATIO: tl.constexpr, PER_BLOCK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, TOPK: tl.constexpr, NSPLIT: tl.constexpr,
+    Q_ROPE: tl.constexpr, OUT_ROPE: tl.constexpr, R: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """Split j of NSPLIT takes the j-th slice of the window, of the entries and of the selection
-    (flash-decoding: enough programs for one token); NSPLIT > 1 writes partials to combine."""
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    j = tl.program_id(2)
     hmask = heads < H
+    col0 = tl.program_id(2) // NSPLIT * BLOCK_D  # axis 2: (column block, split); splits take whole rows
+    dv = col0 + tl.arange(0, BLOCK_D)
+    j = tl.program_id(2) % NSPLIT
     d = tl.arange(0, HD)
     q = tl.load(q_ptr + (t * H + heads)[:, None] * HD + d[None, :], mask=hmask[:, None], other=0.0)
-    pos = tl.load(pos_ptr + t)
-    s = tl.load(seq_ptr + t)
-    lo = tl.maximum(tl.maximum(pos - W + 1, tl.load(replay_ptr + s)), 0)
+    if Q_ROPE:  # the per-head RMSNorm (no weight) and RoPE of kernels/fused_rope.py, in float32, cast once; each
+        # column's pair partner (d ^ 1) loaded again (an L1 hit) rather than the tile split into pairs and joined
+        qf = q.to(tl.float32)
+        rs = tl.rsqrt(tl.sum(qf * qf, axis=1) / HD + eps)
+        qp = tl.load(q_ptr + (t * H + heads)[:, None] * HD + (d ^ 1)[None, :], mask=hmask[:, None], other=0.0)
+        ri = d // 2 - (HD - R) // 2  # each column's rope pair, negative on the nope columns
+        qc = tl.load(qcos_ptr + t * (R // 2) + ri, mask=ri >= 0, other=1.0).to(tl.float32)
+        qs = tl.load(qsin_ptr + t * (R // 2) + ri, mask=ri >= 0, other=0.0).to(tl.float32)
+        qs = tl.where(d % 2 == 0, -qs, qs)  # (x_e c - x_o s, x_o c + x_e s)
+        q = ((qf * qc[None, :] + qp.to(tl.float32) * qs[None, :]) * rs[:, None]).to(q.dtype)
+    pos = tl.load(pos_ptr + t).to(tl.int32)
+    s = tl.load(seq_ptr + t).to(tl.int32)
+    lo = tl.maximum(tl.maximum(pos - W + 1, tl.load(replay_ptr + s).to(tl.int32)), 0)
+    n_win = pos + 1 - lo
+    if MODE == 0:
+        n_all = n_win
+    elif MODE == 1:  # HCA: every complete entry, (e + 1) * ratio <= pos + 1
+        n_all = n_win + (pos + 1) // RATIO
+    else:  # CSA: no more picks than visible entries are valid
+        n_all = n_win + tl.minimum((pos + 1) // RATIO, TOPK)
+    per_split = tl.cdiv(n_all, NSPLIT)
+    s_lo = j * per_split
+    s_hi = tl.minimum(s_lo + per_split, n_all)
+    qk_scale = scale * LOG2E  # exp2 below
     m_i = tl.full((BLOCK_H,), -float("inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, HD), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     n_off = tl.arange(0, BLOCK_N)
-    cw = tl.cdiv(pos + 1 - lo, NSPLIT)
-    w_lo = lo + j * cw
-    w_hi = tl.minimum(w_lo + cw, pos + 1)
-    for start in range(w_lo, w_hi, BLOCK_N):  # the window, from the paged window pool
-        p = start + n_off
-        valid = p < w_hi
-        blk = tl.load(wtab_ptr + s * wtab_stride + p // BS, mask=valid, other=0)
-        k = tl.load(win_ptr + (blk * BS + p % BS)[:, None] * HD + d[None, :], mask=valid[:, None], other=0.0)
-        m_i, l_i, acc = _update(q, k, valid, m_i, l_i, acc, scale, DOT_F32)
-    if MODE == 1:  # HCA: every complete entry (e + 1) * ratio <= pos + 1
-        n_vis = (pos + 1) // RATIO
-        ce = tl.cdiv(n_vis, NSPLIT)
-        e_hi = tl.minimum((j + 1) * ce, n_vis)
-        for start in range(j * ce, e_hi, BLOCK_N):
-            e = start + n_off
-            valid = e < e_hi
-            blk = tl.load(ftab_ptr + s * ftab_stride + e // PER_BLOCK, mask=valid, other=0)
-            k = tl.load(comp_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * HD + d[None, :],
-                        mask=valid[:, None], other=0.0)
-            m_i, l_i, acc = _update(q, k, valid, m_i, l_i, acc, scale, DOT_F32)
-    if MODE == 2:  # CSA: the indexer's top-k, its valid picks first, then -1 padding
-        n_sel = tl.minimum((pos + 1) // RATIO, TOPK)  # no more than the visible entries are valid
-        cs = tl.cdiv(n_sel, NSPLIT)
-        s_hi = tl.minimum((j + 1) * cs, n_sel)
-        for start in range(j * cs, s_hi, BLOCK_N):
-            i = start + n_off
-            e = tl.load(sel_ptr + t * TOPK + i, mask=i < s_hi, other=-1)
-            valid = e >= 0
-            e = tl.where(valid, e, 0)
-            blk = tl.load(ftab_ptr + s * ftab_stride + e // PER_BLOCK, mask=valid, other=0)
-            k = tl.load(comp_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * HD + d[None, :],
-                        mask=valid[:, None], other=0.0)
-            m_i, l_i, acc = _update(q, k, valid, m_i, l_i, acc, scale, DOT_F32)
+    for start in range(s_lo, s_hi, BLOCK_N):
+        i = start + n_off
+        in_win = i < n_win
+        valid = i < s_hi
+        p = lo + i
+        wblk = tl.load(wtab_ptr + s * wtab_stride + p // BS, mask=in_win & valid, other=0)
+        off = (wblk * BS + p % BS).to(tl.int64) * HD
+        if MODE != 0:
+            c = i - n_win
+            cmask = valid & (c >= 0)
+            if MODE == 2:
+                e = tl.load(sel_ptr + t * TOPK + c, mask=cmask, other=-1)
+                valid = valid & (in_win | (e >= 0))
+                e = tl.maximum(e, 0)
+            else:
+                e = c
+            cblk = tl.load(ftab_ptr + s * ftab_stride + e // PER_BLOCK, mask=cmask, other=0)
+            off = tl.where(in_win, off, COMP_OFF + (cblk * PER_BLOCK + e % PER_BLOCK).to(tl.int64) * HD)
+        # rows of 16-byte multiples: the axis analysis loses that through the select, and without it no cp.async
+        kp = win_ptr + tl.multiple_of(off, 16)
+        k = tl.load(kp[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if DOT_F32:
+            sc = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            sc = tl.dot(q, tl.trans(k))
+        sc = tl.where(valid[None, :], sc * qk_scale, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        pr = tl.exp2(sc - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        if BLOCK_D == HD:
+            v = k
+        else:  # this program's columns of the same rows (an L1 / L2 hit)
+            v = tl.load(kp[:, None] + dv[None, :], mask=valid[:, None], other=0.0)
+        if DOT_F32:
+            acc = tl.dot(pr, v.to(tl.float32), acc * alpha[:, None])
+        else:
+            acc = tl.dot(pr.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
     if NSPLIT == 1:
-        sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
+        sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * LOG2E
         m_all = tl.maximum(m_i, sink)
-        l_all = l_i * tl.exp(m_i - m_all) + tl.exp(sink - m_all)
-        o = acc * (tl.exp(m_i - m_all) / l_all)[:, None]
-        tl.store(out_ptr + (t * H + heads)[:, None] * HD + d[None, :], o.to(out_ptr.dtype.element_ty),
+        l_all = l_i * tl.exp2(m_i - m_all) + tl.exp2(sink - m_all)
+        o = acc * (tl.exp2(m_i - m_all) / l_all)[:, None]
+        if OUT_ROPE:
+            o = _rotate_pairs(o, t, col0, ocos_ptr, osin_ptr, HD - R, R, BLOCK_H, BLOCK_D)
+        tl.store(out_ptr + (t * H + heads)[:, None] * HD + dv[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=hmask[:, None])
-    else:
+    else:  # partials in base 2; BLOCK_D == HD here
         row = (t * H + heads) * NSPLIT + j
         tl.store(part_m_ptr + row, m_i, mask=hmask)
         tl.store(part_l_ptr + row, l_i, mask=hmask)
@@ -111,8 +148,9 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
-                    HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr):
+def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, ocos_ptr, osin_ptr, H,
+                    HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr,
+                    OUT_ROPE: tl.constexpr, R: tl.constexpr):
     """Program (token, heads, columns): its own small slice, so the partials of one decode token are read by many
     programs at once (one program per 16 heads read 512 KB each for V4's 64 x 512 at 16 splits)."""
     t = tl.program_id(0)
@@ -123,10 +161,10 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
     rows = (t * H + heads)[:, None] * NSPLIT + sp[None, :]
     m = tl.load(part_m_ptr + rows, mask=hmask[:, None], other=-float("inf"))
     l = tl.load(part_l_ptr + rows, mask=hmask[:, None], other=0.0)
-    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
+    sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * LOG2E
     m_all = tl.maximum(tl.max(m, axis=1), sink)
-    w = tl.exp(m - m_all[:, None])
-    l_all = tl.sum(l * w, axis=1) + tl.exp(sink - m_all)
+    w = tl.exp2(m - m_all[:, None])
+    l_all = tl.sum(l * w, axis=1) + tl.exp2(sink - m_all)
     o = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
     for i in tl.static_range(NSPLIT):
         wi = tl.sum(tl.where(sp[None, :] == i, w, 0.0), axis=1)
@@ -134,53 +172,70 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
                     other=0.0)
         o += a * wi[:, None]
     o = o / l_all[:, None]
+    if OUT_ROPE:
+        o = _rotate_pairs(o, t, tl.program_id(2) * BLOCK_D, ocos_ptr, osin_ptr, HD - R, R, BLOCK_H, BLOCK_D)
     tl.store(out_ptr + (t * H + heads)[:, None] * HD + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=hmask[:, None])
 
 
-# Prefill chunks of PREFILL_T tokens or more run kernels/fused_attention_prefill.py (one pipelined loop over every
-# key of a token); its tiles per branch (MODE: 0 window only, 1 HCA, 2 CSA) for V4's 64 heads x 512, else
-# PREFILL_TILES_SMALL: (BLOCK_H, BLOCK_N, num_warps, BLOCK_D); BLOCK_D None: the whole head_dim
+# Prefill chunks (PREFILL_T tokens or more) of V4's heads (64 x 512), per branch (MODE: 0 window only, 1 HCA, 2 CSA):
+# the tiles that measured fastest (H200, session 11, tools/bench_attention_prefill.py, 2048 tokens at position 2048:
+# CSA 1.10 ms, HCA 0.31 ms; the three-loop kernel before it 1.88 / 0.55 ms): (BLOCK_H, BLOCK_N, num_warps, BLOCK_D,
+# num_stages); other head counts: PREFILL_TILES_SMALL with as many heads as fit 64 (BLOCK_D None: the whole head_dim)
 PREFILL_T = 256
-COMBINE_BLOCK_H, COMBINE_BLOCK_D = 8, 128  # the split-K combine's slice per program
 PREFILL_TILES = {0: (64, 64, 8, 512, 2), 1: (64, 64, 8, 512, 2), 2: (64, 64, 8, 512, 2)}
-PREFILL_TILES_SMALL = (16, 32, 4, None)
+PREFILL_TILES_SMALL = (16, 32, 4, None, 3)
+COMBINE_BLOCK_H, COMBINE_BLOCK_D = 8, 128  # the split combine's slice per program
 
 
 def _prefill_tiles(mode: int, H: int, hd: int) -> tuple:
     if H >= 64 and hd == 512:
         return PREFILL_TILES[mode]
-    bh, bn, warps, _ = PREFILL_TILES_SMALL
-    return max(bh, min(64, triton.next_power_of_2(H))), bn, warps, hd
+    bh, bn, warps, _, stages = PREFILL_TILES_SMALL
+    return max(bh, min(64, triton.next_power_of_2(H))), bn, warps, hd, stages
+
+
+def comp_offset(window_pool: torch.Tensor, comp_pool: torch.Tensor | None) -> int | None:
+    """The compressed pool's first element counted from the window pool's (COMP_OFF), or None where one base
+    pointer cannot reach both: other dtypes, or an offset that is not whole 16-byte vectors."""
+    if comp_pool is None:
+        return 0
+    gap = comp_pool.data_ptr() - window_pool.data_ptr()
+    if comp_pool.dtype != window_pool.dtype or gap % 16 or not comp_pool.is_contiguous():
+        return None
+    return gap // window_pool.element_size()
 
 
 def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, replay_starts, sliding_window,
-                          comp_pool, full_tables, ratio, selected, sinks, scale, nsplit: int | None = None,
-                          block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                          comp_pool, full_tables, ratio, selected, sinks, scale, q_rope: tuple | None = None,
+                          out_rope: tuple | None = None, nsplit: int | None = None, block_h: int | None = None,
+                          block_n: int | None = None, num_warps: int | None = None,
                           prefill_tiles: tuple | None = None):
-    """nsplit, block_h, block_n, num_warps: the decode kernel's tiles; prefill_tiles: the prefill kernel's (either
-    kind asked for by its tiles: tools/bench_attention_prefill.py sweeps them); None: the defaults below."""
+    """q_rope (cos, sin, eps): q arrives before its per-head RMSNorm + RoPE, done here; out_rope (cos, sin): the
+    output's rotation (the inverse RoPE), done here. nsplit, block_h, block_n, num_warps: decode tiles;
+    prefill_tiles: (BLOCK_H, BLOCK_N, num_warps, BLOCK_D, num_stages) of a chunk (tools/bench_attention_prefill.py
+    sweeps both); None: the defaults below."""
     T, H, hd = q.shape
     assert hd & (hd - 1) == 0, "head_dim must be a power of two for the fused attention kernel"
     q = q.contiguous()
     out = torch.empty_like(q)
     mode = 0 if comp_pool is None else (2 if selected is not None else 1)
     topk = selected.shape[1] if selected is not None else 1
-    # every head of a token reads the same keys: more heads per program read them fewer times
-    # (prefill, big decode batches); a few tokens need the smaller blocks for parallelism
-    BLOCK_H = block_h or (32 if T >= 32 and H >= 32 else 16)
-    BLOCK_N = block_n or (32 if hd <= 128 else 16)
-    warps = num_warps or (4 if hd <= 128 else 8)
+    comp_off = comp_offset(window_pool, comp_pool)
+    if comp_off is None:  # pools one pointer cannot reach: copy the compressed pool next to nothing else
+        raise ValueError("paged attention: the window and compressed pools must share a dtype, be contiguous and "
+                         "sit a whole number of 16-byte vectors apart")
     decode_asked = nsplit is not None or block_h or block_n or num_warps
     if prefill_tiles or (T >= PREFILL_T and not decode_asked):
-        comp_off = comp_offset(window_pool, comp_pool)
-        if comp_off is not None:
-            return prefill_attention(q, out, positions, token_seq, window_pool, window_tables, replay_starts,
-                                     sliding_window, comp_off, full_tables, ratio,
-                                     comp_pool.shape[1] if comp_pool is not None else 1, selected,
-                                     sinks.float().contiguous(), scale, mode,
-                                     prefill_tiles or _prefill_tiles(mode, H, hd), _INTERPRET)
-    head_blocks = triton.cdiv(H, BLOCK_H)
+        block_h, block_n, warps, block_d, stages = prefill_tiles or _prefill_tiles(mode, H, hd)
+        block_d, nsplit = block_d or hd, 1
+    else:
+        # every head of a token reads the same keys: more heads per program read them fewer times (big decode
+        # batches); a few tokens need the smaller blocks for parallelism
+        block_h = block_h or (32 if T >= 32 and H >= 32 else 16)
+        block_n = block_n or (32 if hd <= 128 else 16)
+        warps, block_d, stages = num_warps or (4 if hd <= 128 else 8), hd, 3
+    head_blocks = triton.cdiv(H, block_h)
     if nsplit is None:  # enough programs for ~2 waves on a 132-SM GPU when few tokens decode
         nsplit = 1
         while nsplit < 16 and T * head_blocks * nsplit < 256:
@@ -191,19 +246,24 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
         part_acc = torch.empty(T, H, nsplit, hd, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = sinks
-    _paged_attention_kernel[(T, head_blocks, nsplit)](
+    qcos, qsin, eps = q_rope if q_rope is not None else (positions, positions, 0.0)
+    ocos, osin = out_rope if out_rope is not None else (positions, positions)
+    rope_dim = 2 * (q_rope or out_rope)[0].shape[-1] if (q_rope or out_rope) else 2
+    sinks = sinks.float().contiguous()
+    _paged_attention_kernel[(T, head_blocks, hd // block_d * nsplit)](
         q, out, part_m, part_l, part_acc, positions, token_seq, window_pool, window_tables, window_tables.stride(0),
-        replay_starts, comp_pool if comp_pool is not None else window_pool,
-        full_tables if full_tables is not None else window_tables,
+        replay_starts, full_tables if full_tables is not None else window_tables,
         full_tables.stride(0) if full_tables is not None else 0,
-        selected.contiguous() if selected is not None else positions,
-        sinks.float().contiguous(), scale, H, sliding_window, window_pool.shape[1], max(ratio, 1),
-        comp_pool.shape[1] if comp_pool is not None else 1,
-        HD=hd, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, MODE=mode, TOPK=topk, NSPLIT=nsplit, DOT_F32=_INTERPRET,
-        num_warps=warps,
+        selected.contiguous() if selected is not None else positions, sinks, qcos.contiguous(), qsin.contiguous(),
+        ocos.contiguous(), osin.contiguous(), scale, eps, H, sliding_window, comp_off,
+        BS=window_pool.shape[1], RATIO=max(ratio, 1), PER_BLOCK=comp_pool.shape[1] if comp_pool is not None else 1,
+        HD=hd, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, MODE=mode, TOPK=topk, NSPLIT=nsplit,
+        Q_ROPE=q_rope is not None, OUT_ROPE=out_rope is not None and nsplit == 1, R=rope_dim, DOT_F32=_INTERPRET,
+        num_warps=warps, num_stages=stages,
     )
     if nsplit > 1:
-        cb_h, cb_d = min(COMBINE_BLOCK_H, BLOCK_H), min(COMBINE_BLOCK_D, hd)
-        _combine_kernel[(T, triton.cdiv(H, cb_h), hd // cb_d)](out, part_m, part_l, part_acc, sinks.float().contiguous(),
-                                                               H, HD=hd, BLOCK_H=cb_h, BLOCK_D=cb_d, NSPLIT=nsplit)
+        cb_h, cb_d = min(COMBINE_BLOCK_H, block_h), min(COMBINE_BLOCK_D, hd)
+        _combine_kernel[(T, triton.cdiv(H, cb_h), hd // cb_d)](
+            out, part_m, part_l, part_acc, sinks, ocos.contiguous(), osin.contiguous(), H, HD=hd, BLOCK_H=cb_h,
+            BLOCK_D=cb_d, NSPLIT=nsplit, OUT_ROPE=out_rope is not None, R=rope_dim)
     return out
