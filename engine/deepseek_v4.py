@@ -152,7 +152,7 @@ class Attention(nn.Module):
         cos, sin = ropes[rope]
         q_lora, kv = linear_group((self.wq_a, self.wkv), x)  # one launch where stacked at load
         q_res = self.q_norm(q_lora)
-        q = self.wq_b(q_res).view(T, H, hd)  # its per-head norm + RoPE happen inside the attention kernel
+        q = K.norm_rope(self.wq_b(q_res).view(T, H, hd), None, cos, sin, cfg.rms_norm_eps)
         K.kv_norm_rope_insert(kv, self.kv_norm.weight, cos, sin, cfg.rms_norm_eps, cache.window[self.layer],
                               fb.window_slots)
 
@@ -172,8 +172,8 @@ class Attention(nn.Module):
                                           iw_scale=ix.n_heads**-0.5)  # head weights' scale: in the kernel, fp32
         out = K.paged_attention(q, fb.positions, fb.token_seq, cache.window[self.layer], fb.window_tables,
                                 fb.replay_start_t, W, comp_pool, fb.full_tables, self.ratio, selected,
-                                self.attn_sink, hd**-0.5, q_rope=(cos, sin, cfg.rms_norm_eps),
-                                out_rope=ropes[f"{rope}_inverse"])  # the output's inverse RoPE: K = V carried it
+                                self.attn_sink, hd**-0.5)
+        out = K.apply_rope(out, *ropes[f"{rope}_inverse"])  # undo RoPE on the value's rope slice (K = V)
         o = K.grouped_linear(out.view(T, self.o_groups, -1), self.wo_a.weight, self.o_groups, self.wo_a.scale)
         return self.tp.all_reduce(self.wo_b(o))  # tensor parallel: each rank's heads' partial sum
 

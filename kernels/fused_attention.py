@@ -14,9 +14,8 @@ that _combine_kernel joins. BLOCK_D < head_dim splits the output columns over pr
 (QK is half the FLOPs): its accumulator shrinks with it. Positions and tables in int32, block size, ratio and entries
 per block as constants: the index arithmetic is shifts, not 64-bit divisions.
 
-Folded in where the caller asks (q_rope, out_rope): q's per-head RMSNorm + RoPE as it is loaded (the raw wq_b
-output goes in), and the output's inverse RoPE (K = V carries the keys' rotation) before the store: MegaAttention's
-shape, two passes over [T, H, head_dim] fewer. Same result as kernels.reference.paged_attention.
+Same result as kernels.reference.paged_attention. (q's norm + RoPE and the output's inverse RoPE folded into this
+kernel measured slower than their own kernels: docs/PERF.md, session 11.)
 """
 
 from __future__ import annotations
@@ -33,27 +32,13 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit
-def _rotate_pairs(x, t, col0, cos_ptr, sin_ptr, NOPE: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
-    """x [BLOCK_H, BLOCK_D] float32, columns col0 (even) on: the interleaved pairs (2i, 2i+1) of the trailing R
-    columns rotated by token t's cos / sin [R / 2] (kernels.reference.apply_rope), the rest unchanged."""
-    e, o = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_D // 2, 2)))
-    i = col0 // 2 + tl.arange(0, BLOCK_D // 2) - NOPE // 2  # each pair's rope index
-    rot = i >= 0
-    c = tl.load(cos_ptr + t * (R // 2) + i, mask=rot, other=1.0).to(tl.float32)
-    s = tl.load(sin_ptr + t * (R // 2) + i, mask=rot, other=0.0).to(tl.float32)
-    return tl.reshape(tl.join(e * c[None, :] - o * s[None, :], o * c[None, :] + e * s[None, :]), (BLOCK_H, BLOCK_D))
-
-
 @triton.jit(do_not_specialize=["wtab_stride", "ftab_stride"])  # table widths vary per eager step
 def _paged_attention_kernel(
     q_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, seq_ptr, win_ptr, wtab_ptr, wtab_stride,
-    replay_ptr, ftab_ptr, ftab_stride, sel_ptr, sink_ptr, qcos_ptr, qsin_ptr, ocos_ptr, osin_ptr, scale, eps, H, W,
-    COMP_OFF,
+    replay_ptr, ftab_ptr, ftab_stride, sel_ptr, sink_ptr, scale, H, W, COMP_OFF,
     BS: tl.constexpr, RATIO: tl.constexpr, PER_BLOCK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, TOPK: tl.constexpr, NSPLIT: tl.constexpr,
-    Q_ROPE: tl.constexpr, OUT_ROPE: tl.constexpr, R: tl.constexpr, DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -63,16 +48,6 @@ def _paged_attention_kernel(
     j = tl.program_id(2) % NSPLIT
     d = tl.arange(0, HD)
     q = tl.load(q_ptr + (t * H + heads)[:, None] * HD + d[None, :], mask=hmask[:, None], other=0.0)
-    if Q_ROPE:  # the per-head RMSNorm (no weight) and RoPE of kernels/fused_rope.py, in float32, cast once; each
-        # column's pair partner (d ^ 1) loaded again (an L1 hit) rather than the tile split into pairs and joined
-        qf = q.to(tl.float32)
-        rs = tl.rsqrt(tl.sum(qf * qf, axis=1) / HD + eps)
-        qp = tl.load(q_ptr + (t * H + heads)[:, None] * HD + (d ^ 1)[None, :], mask=hmask[:, None], other=0.0)
-        ri = d // 2 - (HD - R) // 2  # each column's rope pair, negative on the nope columns
-        qc = tl.load(qcos_ptr + t * (R // 2) + ri, mask=ri >= 0, other=1.0).to(tl.float32)
-        qs = tl.load(qsin_ptr + t * (R // 2) + ri, mask=ri >= 0, other=0.0).to(tl.float32)
-        qs = tl.where(d % 2 == 0, -qs, qs)  # (x_e c - x_o s, x_o c + x_e s)
-        q = ((qf * qc[None, :] + qp.to(tl.float32) * qs[None, :]) * rs[:, None]).to(q.dtype)
     pos = tl.load(pos_ptr + t).to(tl.int32)
     s = tl.load(seq_ptr + t).to(tl.int32)
     lo = tl.maximum(tl.maximum(pos - W + 1, tl.load(replay_ptr + s).to(tl.int32)), 0)
@@ -136,8 +111,6 @@ def _paged_attention_kernel(
         m_all = tl.maximum(m_i, sink)
         l_all = l_i * tl.exp2(m_i - m_all) + tl.exp2(sink - m_all)
         o = acc * (tl.exp2(m_i - m_all) / l_all)[:, None]
-        if OUT_ROPE:
-            o = _rotate_pairs(o, t, col0, ocos_ptr, osin_ptr, HD - R, R, BLOCK_H, BLOCK_D)
         tl.store(out_ptr + (t * H + heads)[:, None] * HD + dv[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=hmask[:, None])
     else:  # partials in base 2; BLOCK_D == HD here
@@ -148,9 +121,8 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, ocos_ptr, osin_ptr, H,
-                    HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr,
-                    OUT_ROPE: tl.constexpr, R: tl.constexpr):
+def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
+                    HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr):
     """Program (token, heads, columns): its own small slice, so the partials of one decode token are read by many
     programs at once (one program per 16 heads read 512 KB each for V4's 64 x 512 at 16 splits)."""
     t = tl.program_id(0)
@@ -172,8 +144,6 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, oco
                     other=0.0)
         o += a * wi[:, None]
     o = o / l_all[:, None]
-    if OUT_ROPE:
-        o = _rotate_pairs(o, t, tl.program_id(2) * BLOCK_D, ocos_ptr, osin_ptr, HD - R, R, BLOCK_H, BLOCK_D)
     tl.store(out_ptr + (t * H + heads)[:, None] * HD + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=hmask[:, None])
 
@@ -207,13 +177,10 @@ def comp_offset(window_pool: torch.Tensor, comp_pool: torch.Tensor | None) -> in
 
 
 def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, replay_starts, sliding_window,
-                          comp_pool, full_tables, ratio, selected, sinks, scale, q_rope: tuple | None = None,
-                          out_rope: tuple | None = None, nsplit: int | None = None, block_h: int | None = None,
-                          block_n: int | None = None, num_warps: int | None = None,
+                          comp_pool, full_tables, ratio, selected, sinks, scale, nsplit: int | None = None,
+                          block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                           prefill_tiles: tuple | None = None):
-    """q_rope (cos, sin, eps): q arrives before its per-head RMSNorm + RoPE, done here; out_rope (cos, sin): the
-    output's rotation (the inverse RoPE), done here. nsplit, block_h, block_n, num_warps: decode tiles;
-    prefill_tiles: (BLOCK_H, BLOCK_N, num_warps, BLOCK_D, num_stages) of a chunk (tools/bench_attention_prefill.py
+    """nsplit, block_h, block_n, num_warps: decode tiles; prefill_tiles: (BLOCK_H, BLOCK_N, num_warps, BLOCK_D, num_stages) of a chunk (tools/bench_attention_prefill.py
     sweeps both); None: the defaults below."""
     T, H, hd = q.shape
     assert hd & (hd - 1) == 0, "head_dim must be a power of two for the fused attention kernel"
@@ -246,24 +213,18 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
         part_acc = torch.empty(T, H, nsplit, hd, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = sinks
-    qcos, qsin, eps = q_rope if q_rope is not None else (positions, positions, 0.0)
-    ocos, osin = out_rope if out_rope is not None else (positions, positions)
-    rope_dim = 2 * (q_rope or out_rope)[0].shape[-1] if (q_rope or out_rope) else 2
     sinks = sinks.float().contiguous()
     _paged_attention_kernel[(T, head_blocks, hd // block_d * nsplit)](
         q, out, part_m, part_l, part_acc, positions, token_seq, window_pool, window_tables, window_tables.stride(0),
         replay_starts, full_tables if full_tables is not None else window_tables,
         full_tables.stride(0) if full_tables is not None else 0,
-        selected.contiguous() if selected is not None else positions, sinks, qcos.contiguous(), qsin.contiguous(),
-        ocos.contiguous(), osin.contiguous(), scale, eps, H, sliding_window, comp_off,
+        selected.contiguous() if selected is not None else positions, sinks, scale, H, sliding_window, comp_off,
         BS=window_pool.shape[1], RATIO=max(ratio, 1), PER_BLOCK=comp_pool.shape[1] if comp_pool is not None else 1,
         HD=hd, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, MODE=mode, TOPK=topk, NSPLIT=nsplit,
-        Q_ROPE=q_rope is not None, OUT_ROPE=out_rope is not None and nsplit == 1, R=rope_dim, DOT_F32=_INTERPRET,
-        num_warps=warps, num_stages=stages,
+        DOT_F32=_INTERPRET, num_warps=warps, num_stages=stages,
     )
     if nsplit > 1:
         cb_h, cb_d = min(COMBINE_BLOCK_H, block_h), min(COMBINE_BLOCK_D, hd)
         _combine_kernel[(T, triton.cdiv(H, cb_h), hd // cb_d)](
-            out, part_m, part_l, part_acc, sinks, ocos.contiguous(), osin.contiguous(), H, HD=hd, BLOCK_H=cb_h,
-            BLOCK_D=cb_d, NSPLIT=nsplit, OUT_ROPE=out_rope is not None, R=rope_dim)
+            out, part_m, part_l, part_acc, sinks, H, HD=hd, BLOCK_H=cb_h, BLOCK_D=cb_d, NSPLIT=nsplit)
     return out

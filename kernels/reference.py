@@ -421,19 +421,10 @@ def indexer_topk(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, f
 def paged_attention(q: torch.Tensor, positions: torch.Tensor, token_seq: torch.Tensor, window_pool: torch.Tensor,
                     window_tables: torch.Tensor, replay_starts: torch.Tensor, sliding_window: int,
                     comp_pool: torch.Tensor | None, full_tables: torch.Tensor | None, ratio: int,
-                    selected: torch.Tensor | None, sinks: torch.Tensor, scale: float, q_rope: tuple | None = None,
-                    out_rope: tuple | None = None) -> torch.Tensor:
+                    selected: torch.Tensor | None, sinks: torch.Tensor, scale: float) -> torch.Tensor:
     """Shared-KV attention for packed query tokens over the paged caches: the sliding window
     (positions (i - W, i], none below the sequence's replay_start) plus, on compressed layers,
-    every complete entry (HCA, selected=None) or the indexer's selection (CSA). -> [T, H, d].
-    q_rope (cos, sin, eps): q before its per-head RMSNorm + RoPE (norm_rope first); out_rope (cos, sin): the
-    output's rotation (apply_rope after)."""
-    if q_rope is not None:
-        q = norm_rope(q, None, q_rope[0], q_rope[1], q_rope[2])
-    if out_rope is not None:
-        return apply_rope(paged_attention(q, positions, token_seq, window_pool, window_tables, replay_starts,
-                                          sliding_window, comp_pool, full_tables, ratio, selected, sinks, scale),
-                          *out_rope)
+    every complete entry (HCA, selected=None) or the indexer's selection (CSA). -> [T, H, d]"""
     out = torch.empty_like(q)
     bs, d = window_pool.shape[1], q.shape[-1]
     wflat = window_pool.view(-1, d)

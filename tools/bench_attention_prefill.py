@@ -6,9 +6,8 @@ kernels/fused_attention_prefill.py: the same plus output columns per program and
 against the default tiles (which the tests hold to the reference; here the default is checked against the reference
 once) and timed in CUDA-graph replays, next to the FLOP floor. Prints a table (best last), writes JSON.
 
-Then the default dispatch with q's norm + RoPE and the output's inverse RoPE folded in against the same three as
-separate kernels (the 2048-token chunk and decode batches of --decode tokens), and, --against MODULE, another
-implementation of paged_attention_fused (an older kernel, say) at the same sizes without the folds.
+Then the default dispatch (the 2048-token chunk and decode batches of --decode tokens) and, --against MODULE, another
+implementation of paged_attention_fused (an older kernel, say) at the same sizes, checked against each other.
 
     python -m tools.bench_attention_prefill [--tokens 2048] [--start 2048] [--only prefill] [--decode 1,32,150]
         [--against tools._old_attention] [--json out.json]
@@ -65,34 +64,23 @@ def _case(mode: str, T: int, start: int, dev):
     return args, 4 * H * HD * keys  # QK and PV, 2 FLOPs per multiply-add
 
 
-def _folds(mode: str, T: int, start: int, dev, other) -> tuple[dict, list[str]]:
-    """The default dispatch with the folds vs norm_rope + attention + apply_rope as three kernels (and `other`'s
-    attention without folds, if given): microseconds each, checked against each other."""
+def _sizes(mode: str, T: int, start: int, dev, other) -> tuple[dict, list[str]]:
+    """The default dispatch at T tokens (and `other`'s attention, if given, checked against it): microseconds."""
     from kernels.fused_attention import paged_attention_fused
-    from kernels.fused_rope import apply_rope_fused, norm_rope_fused
 
     args, _ = _case(mode, T, start, dev)
-    q = args[0] * 4 + 0.5  # not unit scale: the norm matters
-    g = torch.Generator(device=dev).manual_seed(T)
-    ang = torch.rand(T, 32, device=dev, generator=g) * 6  # V4's rope_dim 64
-    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
-    folded = functools.partial(paged_attention_fused, q, *args[1:], q_rope=(cos, sin, 1e-6), out_rope=(cos, -sin))
-    apart = lambda: apply_rope_fused(paged_attention_fused(norm_rope_fused(q, None, cos, sin, 1e-6), *args[1:]),
-                                     cos, -sin)
-    diff = (folded().float() - apart().float()).abs().max().item()
-    row = {"mode": mode, "tokens": T, "start": start, "folded_us": _graph_time([folded]) * 1e6,
-           "apart_us": _graph_time([apart]) * 1e6, "max_abs_diff": diff}
-    line = f"{mode} T={T} | folded {row['folded_us']:.1f} us | norm_rope + attention + apply_rope {row['apart_us']:.1f} us"
+    ours = functools.partial(paged_attention_fused, *args)
+    row = {"mode": mode, "tokens": T, "start": start, "default_us": _graph_time([ours]) * 1e6}
+    line = f"{mode} T={T} | default dispatch {row['default_us']:.1f} us"
+    err = []
     if other is not None:
-        plain = functools.partial(paged_attention_fused, *args)
         theirs = functools.partial(other, *args)
-        row["other_diff"] = (plain().float() - theirs().float()).abs().max().item()
-        row["plain_us"], row["other_us"] = _graph_time([plain]) * 1e6, _graph_time([theirs]) * 1e6
-        line += f" | without folds {row['plain_us']:.1f} us, --against {row['other_us']:.1f} us"
-    print(line + f" | diff {diff:.1e}", flush=True)
-    err = [f"{mode} T={T} folded vs apart: {diff:.3g}"] if diff > 3e-2 else []
-    if row.get("other_diff", 0) > 2e-2:
-        err.append(f"{mode} T={T} vs --against: {row['other_diff']:.3g}")
+        row["other_diff"] = (ours().float() - theirs().float()).abs().max().item()
+        row["other_us"] = _graph_time([theirs]) * 1e6
+        line += f" | --against {row['other_us']:.1f} us | diff {row['other_diff']:.1e}"
+        if row["other_diff"] > 2e-2:
+            err.append(f"{mode} T={T} vs --against: {row['other_diff']:.3g}")
+    print(line, flush=True)
     return row, err
 
 
@@ -101,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--start", type=int, default=2048, help="the chunk's first position (tokens already cached)")
     ap.add_argument("--only", choices=("decode", "prefill"), default=None, help="one kernel's tiles")
-    ap.add_argument("--decode", default="1,32,150", help="decode batch sizes for the folds' comparison")
+    ap.add_argument("--decode", default="1,32,150", help="decode batch sizes timed with the default dispatch")
     ap.add_argument("--against", default=None, help="a module with another paged_attention_fused to time")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -142,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     other = importlib.import_module(a.against).paged_attention_fused if a.against else None
     for mode in ("csa", "hca"):
         for T in [a.tokens] + [int(x) for x in a.decode.split(",") if x]:
-            row, err = _folds(mode, T, a.start, dev, other)
+            row, err = _sizes(mode, T, a.start, dev, other)
             rows.append(row)
             bad += err
     for mode in ("csa", "hca"):

@@ -180,13 +180,12 @@ check-s10)  # session 10's last changes: the fused kernels' check on the GPU (wo
     --output-len 8 --requests-per-user 3 --floor --steady 1,32 \
     --engine-args '{"max_model_len":8192,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}' \
     --json "$OUT/engine_depth.json" 2>&1 | tee "$OUT/engine_depth.log" | grep -E "TTFT of|batch [0-9]+: step|rror" | tail -4 ;;
-attention-s11)  # session 11: the attention kernel's tiles swept on a 2048-token chunk, the folds (q norm + RoPE, output
-  # inverse RoPE) against separate kernels at 2048 / 1 / 32 / 150 tokens, against the three-loop kernel it replaced when
-  # tools/_old_attention.py is carried (git show 3f023ce~1:kernels/fused_attention.py), then the 4-layer engine as
+attention-s11)  # session 11: the attention kernel's tiles swept on a 2048-token chunk, the default dispatch at 2048 / 1 /
+  # 32 / 150 tokens, against the three-loop kernel it replaced when tools/_old_attention.py is carried (git show 3f023ce~1:kernels/fused_attention.py), then the 4-layer engine as
   # shipped against the references (~6 min)
   AG=; [ -f tools/_old_attention.py ] && AG="--against tools._old_attention"
   timeout 330 python3 -m tools.bench_attention_prefill $AG --json "$OUT/attention_prefill.json" 2>&1 \
-    | tee "$OUT/attention.log" | grep -E "best|MISMATCH|reference|folded" | tail -12
+    | tee "$OUT/attention.log" | grep -E "best|MISMATCH|reference|T=" | tail -12
   timeout 200 python3 -m tools.bench_engine --preset flash-shaped --cache-dir $CK --quant fp8-fp4 --concurrency '' \
     --check-kernels --engine-args "{$EA}" --json "$OUT/check_v4.json" 2>&1 | tee "$OUT/check_v4.log" \
     | grep -E "default vs|rror" | tail -3 ;;

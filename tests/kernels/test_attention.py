@@ -66,34 +66,6 @@ def test_paged_attention(dtype, tol, spec, mode, nsplit, block_h, prefill_tiles)
     assert (got.float() - want.float()).abs().max() <= tol * max(want.abs().max().item(), 1.0)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("mode", ["sliding", "csa"])
-@pytest.mark.parametrize("nsplit, prefill_tiles", [(1, None), (4, None), (None, (16, 32, 4, None, 3)),
-                                                    (None, (16, 16, 4, 16, 2))])
-def test_q_norm_rope_and_output_rope_folded_in(dtype, tol, mode, nsplit, prefill_tiles):
-    """q before its per-head RMSNorm + RoPE goes in, the output comes back inverse-rotated: the same as norm_rope,
-    attention, apply_rope in turn (kernels.reference), through the split combine, whole tiles and column splits."""
-    H, hd, W, bs, ratio = 5, 32, 16, 16, (0 if mode == "sliding" else 4)
-    spec = SPECS[1]
-    q, pos, seq, window, wt, rs, comp, ft, sinks = _setup(spec, H, hd, W, bs, ratio or 1, dtype, seed=11)
-    q = q * 3 + 1  # not unit scale: the norm must matter
-    g = torch.Generator().manual_seed(4)
-    ang = torch.rand(len(pos), 4, generator=g) * 6  # rope_dim 8 of 32
-    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
-    selected = None
-    if mode == "csa":
-        selected = torch.stack([torch.arange(6) if (p + 1) // ratio >= 6 else
-                                torch.cat([torch.arange((p + 1) // ratio), torch.full((6 - (p + 1) // ratio,), -1)])
-                                for p in pos.tolist()])
-    args = (q, pos, seq, window, wt, rs, W, None if mode == "sliding" else comp, ft, ratio, selected, sinks, 32**-0.5)
-    kw = dict(q_rope=(cos, sin, 1e-6), out_rope=(cos, -sin))
-    want = ref.paged_attention(*args, **kw)
-    got = paged_attention_fused(*args, **kw, nsplit=nsplit, prefill_tiles=prefill_tiles)
-    assert (got.float() - want.float()).abs().max() <= tol * max(want.abs().max().item(), 1.0)
-    plain = ref.paged_attention(*args)
-    assert (plain.float() - want.float()).abs().max() > 10 * tol  # the folds changed the result
-
-
 def test_prefill_chunks_take_the_prefill_kernel(monkeypatch):
     """From PREFILL_T tokens the default dispatch runs the prefill kernel (no tiles asked for), and it matches the
     reference; asking for decode tiles keeps the decode kernel."""
