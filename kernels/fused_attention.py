@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import quant_configs
+
 # Triton's CPU interpreter computes bf16 tl.dot wrongly (seen with Triton 3.9: errors of 1e10),
 # so under TRITON_INTERPRET the dots run in fp32; on the GPU they stay in the model dtype.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -148,20 +150,20 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
              mask=hmask[:, None])
 
 
-# Prefill chunks (PREFILL_T tokens or more) of V4's heads (64 x 512), per branch (MODE: 0 window only, 1 HCA, 2 CSA):
-# the tiles that measured fastest (H200, session 11, tools/bench_attention_prefill.py, 2048 tokens at position 2048:
+# Prefill chunks (PREFILL_T tokens or more), and V4's heads (64 x 512) at any token count (split for few tokens), per
+# branch (MODE: 0 window only, 1 HCA, 2 CSA): the tiles that measured fastest (H200, session 11, tools/bench_attention_prefill.py, 2048 tokens at position 2048:
 # CSA 1.10 ms, HCA 0.31 ms; the three-loop kernel before it 1.88 / 0.55 ms): (BLOCK_H, BLOCK_N, num_warps, BLOCK_D,
-# num_stages); other head counts: PREFILL_TILES_SMALL with as many heads as fit 64 (BLOCK_D None: the whole head_dim)
+# num_stages); other head counts: WGMMA_TILES_SMALL with as many heads as fit 64 (BLOCK_D None: the whole head_dim)
 PREFILL_T = 256
-PREFILL_TILES = {0: (64, 64, 8, 512, 2), 1: (64, 64, 8, 512, 2), 2: (64, 64, 8, 512, 2)}
-PREFILL_TILES_SMALL = (16, 32, 4, None, 3)
+WGMMA_TILES = {0: (64, 64, 8, 512, 2), 1: (64, 64, 8, 512, 2), 2: (64, 64, 8, 512, 2)}
+WGMMA_TILES_SMALL = (16, 32, 4, None, 3)
 COMBINE_BLOCK_H, COMBINE_BLOCK_D = 8, 128  # the split combine's slice per program
 
 
-def _prefill_tiles(mode: int, H: int, hd: int) -> tuple:
+def _wgmma_tiles(mode: int, H: int, hd: int) -> tuple:
     if H >= 64 and hd == 512:
-        return PREFILL_TILES[mode]
-    bh, bn, warps, _, stages = PREFILL_TILES_SMALL
+        return WGMMA_TILES[mode]
+    bh, bn, warps, _, stages = WGMMA_TILES_SMALL
     return max(bh, min(64, triton.next_power_of_2(H))), bn, warps, hd, stages
 
 
@@ -179,9 +181,10 @@ def comp_offset(window_pool: torch.Tensor, comp_pool: torch.Tensor | None) -> in
 def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, replay_starts, sliding_window,
                           comp_pool, full_tables, ratio, selected, sinks, scale, nsplit: int | None = None,
                           block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                          prefill_tiles: tuple | None = None):
-    """nsplit, block_h, block_n, num_warps: decode tiles; prefill_tiles: (BLOCK_H, BLOCK_N, num_warps, BLOCK_D, num_stages) of a chunk (tools/bench_attention_prefill.py
-    sweeps both); None: the defaults below."""
+                          wgmma_tiles: tuple | None = None):
+    """block_h, block_n, num_warps: the small tiles (mma.sync; few heads); wgmma_tiles: (BLOCK_H, BLOCK_N,
+    num_warps, BLOCK_D, num_stages), the wgmma ones; nsplit: splits of a token's keys (whole-row tiles only);
+    tools/bench_attention_prefill.py sweeps them. None: the defaults below."""
     T, H, hd = q.shape
     assert hd & (hd - 1) == 0, "head_dim must be a power of two for the fused attention kernel"
     q = q.contiguous()
@@ -192,10 +195,13 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
     if comp_off is None:  # pools one pointer cannot reach: copy the compressed pool next to nothing else
         raise ValueError("paged attention: the window and compressed pools must share a dtype, be contiguous and "
                          "sit a whole number of 16-byte vectors apart")
-    decode_asked = nsplit is not None or block_h or block_n or num_warps
-    if prefill_tiles or (T >= PREFILL_T and not decode_asked):
-        block_h, block_n, warps, block_d, stages = prefill_tiles or _prefill_tiles(mode, H, hd)
-        block_d, nsplit = block_d or hd, 1
+    decode_asked = block_h or block_n or num_warps
+    if wgmma_tiles or not decode_asked and (T >= PREFILL_T or H >= 64 and hd == 512):
+        # the wgmma tiles: chunks, and V4's 64 x 512 heads at any batch (one program's 64 rows are a token's heads)
+        block_h, block_n, warps, block_d, stages = wgmma_tiles or _wgmma_tiles(mode, H, hd)
+        block_d = block_d or hd
+        if block_d < hd:
+            nsplit = 1
     else:
         # every head of a token reads the same keys: more heads per program read them fewer times (big decode
         # batches); a few tokens need the smaller blocks for parallelism
@@ -205,7 +211,7 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
     head_blocks = triton.cdiv(H, block_h)
     if nsplit is None:  # enough programs for ~2 waves on a 132-SM GPU when few tokens decode
         nsplit = 1
-        while nsplit < 16 and T * head_blocks * nsplit < 256:
+        while nsplit < 16 and T * head_blocks * nsplit < 2 * quant_configs.SMS:
             nsplit *= 2
     if nsplit > 1:
         part_m = torch.empty(T, H, nsplit, dtype=torch.float32, device=q.device)

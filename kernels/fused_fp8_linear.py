@@ -451,21 +451,26 @@ def _cublas(x2, weight, scale, lead, M: int, N: int, K: int, groups: int, split_
     """The "cublas" variant: activations quantized per 1x128 block by _act_quant_kernel (the "mma" variant's
     rounding, reading each group's columns in place), then torch's blockwise scaled_mm. cuBLAS wants the
     activation scales M-major with M a multiple of 4 (zero rows pad the activations, their outputs dropped) and
-    whole groups of 4 K blocks (tiles() takes this variant only where K has them)."""
+    whole groups of 4 K blocks (tiles() takes this variant only where K has them). A stacked pair (split_n on a
+    block boundary) runs as two GEMMs on the weight's row ranges, sharing the quantized activations, so each output
+    comes out contiguous (slicing one result's columns cost two strided copies)."""
     F = torch.nn.functional
     sk, Mp, R = triton.cdiv(K, 128), M + (-M % 4), N // groups
     ws = scale.float().contiguous()
+    pair = split_n is not None and split_n % FP8_BLOCK == 0  # split_n comes with groups == 1
     ys = []
-    for g in range(groups):  # wo_a: one GEMM per group, as "mma"
+    for g in range(groups):  # wo_a: its group's columns of x, one GEMM per group, as "mma"
         q = torch.empty(Mp, K, dtype=torch.float8_e4m3fn, device=x2.device)
         qs = torch.empty(sk, Mp, dtype=torch.float32, device=x2.device)
         _act_quant_kernel[(triton.cdiv(Mp, 32), sk)](x2[:, g * K:], q, qs, M, Mp, K, x2.stride(0), BLOCK_M=32,
                                                      ROUND_F32=False)
-        blk = R // FP8_BLOCK
-        ys.append(F.scaled_mm(q, weight[g * R:(g + 1) * R].t(), qs.t(), F.ScalingType.BlockWise1x128,
-                              ws[g * blk:(g + 1) * blk].t(), F.ScalingType.BlockWise128x128,
-                              output_dtype=x2.dtype)[:M])
-    y = ys[0] if groups == 1 else torch.cat(ys, dim=-1)
+        for a, b in [(0, split_n), (split_n, N)] if pair else [(g * R, (g + 1) * R)]:
+            ys.append(F.scaled_mm(q, weight[a:b].t(), qs.t(), F.ScalingType.BlockWise1x128,
+                                  ws[a // FP8_BLOCK:triton.cdiv(b, FP8_BLOCK)].t(), F.ScalingType.BlockWise128x128,
+                                  output_dtype=x2.dtype)[:M])
+    if pair:
+        return ys[0].view(*lead, split_n), ys[1].view(*lead, N - split_n)
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
     if split_n is None:
         return y.reshape(*lead, N)
     return y[:, :split_n].contiguous().view(*lead, split_n), y[:, split_n:].contiguous().view(*lead, N - split_n)

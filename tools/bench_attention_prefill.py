@@ -26,13 +26,11 @@ from tools.bench_quant import _graph_time, finish
 
 H, HD, W, BS, TOPK = 64, 512, 128, 128, 512
 PEAK_BF16 = 790e12
-# the decode kernel (heads per program, keys per step, warps): session 10's prefill picks and their neighbours
-DECODE_TILES = ((64, 32, 8), (32, 32, 4), (64, 16, 8))
-# the prefill kernel (+ output columns per program, pipeline stages): those that compile without spilling much
-# for sm90 (ptxas: 177-255 registers, 0-168 bytes of stack) and their neighbours
-PREFILL_TILES = ((64, 32, 8, 512, 3), (64, 16, 8, 512, 3), (64, 16, 8, 512, 4), (64, 32, 8, 256, 3),
-                 (64, 32, 8, 256, 4), (64, 64, 8, 256, 2), (64, 32, 8, 128, 3), (64, 64, 8, 128, 3),
-                 (64, 32, 4, 128, 3), (32, 32, 4, 512, 3), (64, 64, 8, 512, 2))
+# the small tiles (heads per program, keys per step, warps): the three-loop kernel's best at prefill (session 10)
+DECODE_TILES = ((32, 32, 4),)
+# the wgmma tiles (+ output columns per program, pipeline stages): session 11's first sweep's best and runners-up
+# (of 11: docs/perf/h200-2026-12-03-s11/attention_sweep_first.log)
+PREFILL_TILES = ((64, 64, 8, 512, 2), (64, 32, 8, 512, 3), (64, 32, 8, 256, 3), (32, 32, 4, 512, 3))
 
 
 def _case(mode: str, T: int, start: int, dev):
@@ -64,24 +62,35 @@ def _case(mode: str, T: int, start: int, dev):
     return args, 4 * H * HD * keys  # QK and PV, 2 FLOPs per multiply-add
 
 
-def _sizes(mode: str, T: int, start: int, dev, other) -> tuple[dict, list[str]]:
-    """The default dispatch at T tokens (and `other`'s attention, if given, checked against it): microseconds."""
-    from kernels.fused_attention import paged_attention_fused
+def _sizes(mode: str, T: int, start: int, dev, other) -> tuple[list[dict], list[str]]:
+    """At T tokens: the default dispatch, the small tiles (block_h 16 / 32, as the three-loop kernel decoded), the
+    wgmma tiles at half and twice the default splits, and `other`'s attention, if given; each checked against the
+    default: microseconds."""
+    from kernels import fused_attention as fa
 
     args, _ = _case(mode, T, start, dev)
-    ours = functools.partial(paged_attention_fused, *args)
-    row = {"mode": mode, "tokens": T, "start": start, "default_us": _graph_time([ours]) * 1e6}
-    line = f"{mode} T={T} | default dispatch {row['default_us']:.1f} us"
-    err = []
+    ours = functools.partial(fa.paged_attention_fused, *args)
+    want = ours().float()
+    auto = 1
+    while auto < 16 and T * auto < 2 * 132:
+        auto *= 2
+    cands = [("default", ours), ("small tiles", functools.partial(fa.paged_attention_fused, *args,
+                                                                    block_h=32 if T >= 32 else 16))]
+    if T < fa.PREFILL_T:
+        tiles = fa.WGMMA_TILES[2 if mode == "csa" else 1]
+        cands += [(f"wgmma nsplit {n}", functools.partial(fa.paged_attention_fused, *args, wgmma_tiles=tiles,
+                                                          nsplit=n)) for n in sorted({max(auto // 2, 1), auto * 2})]
     if other is not None:
-        theirs = functools.partial(other, *args)
-        row["other_diff"] = (ours().float() - theirs().float()).abs().max().item()
-        row["other_us"] = _graph_time([theirs]) * 1e6
-        line += f" | --against {row['other_us']:.1f} us | diff {row['other_diff']:.1e}"
-        if row["other_diff"] > 2e-2:
-            err.append(f"{mode} T={T} vs --against: {row['other_diff']:.3g}")
-    print(line, flush=True)
-    return row, err
+        cands.append(("--against", functools.partial(other, *args)))
+    rows, err = [], []
+    for name, fn in cands:
+        diff = (fn().float() - want).abs().max().item()
+        us = _graph_time([fn]) * 1e6
+        rows.append({"mode": mode, "tokens": T, "start": start, "variant": name, "us": us, "diff_vs_default": diff})
+        print(f"{mode} T={T} | {name} | {us:.1f} us | diff {diff:.1e}", flush=True)
+        if diff > 2e-2:
+            err.append(f"{mode} T={T} {name} vs the default: {diff:.3g}")
+    return rows, err
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             bad.append(f"{mode} default tiles vs the reference: {err:.3g}")
         floor = flops / PEAK_BF16 * 1e6
         cands = [("decode", t, dict(nsplit=1, block_h=t[0], block_n=t[1], num_warps=t[2])) for t in DECODE_TILES]
-        cands += [("prefill", t, dict(prefill_tiles=t)) for t in PREFILL_TILES]
+        cands += [("prefill", t, dict(wgmma_tiles=t)) for t in PREFILL_TILES]
         for kernel, tile, kw in cands:
             if a.only and kernel != a.only:
                 continue
@@ -130,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     other = importlib.import_module(a.against).paged_attention_fused if a.against else None
     for mode in ("csa", "hca"):
         for T in [a.tokens] + [int(x) for x in a.decode.split(",") if x]:
-            row, err = _sizes(mode, T, a.start, dev, other)
-            rows.append(row)
+            more, err = _sizes(mode, T, a.start, dev, other)
+            rows += more
             bad += err
     for mode in ("csa", "hca"):
         sel = sorted((r for r in rows if r["mode"] == mode and "kernel" in r), key=lambda r: r["us"])

@@ -135,6 +135,14 @@ def check(device) -> list[str]:
         err = _rel_err(grouped_linear_fused(x, q, 8, s), ref.grouped_linear(x, q, 8, s))
         if not err <= 0.1:
             failures.append(f"fp8 grouped linear (cublas) T{T}: relative error {err:.3g}")
+    for T in (300, 513):  # a stacked pair (wq_a over wkv) from the cuBLAS rows: two GEMMs, each output contiguous
+        q, s = _fp8_weight(1536, 4096, device, seed=T)
+        x = torch.randn(T, 4096, device=device).to(torch.bfloat16)
+        got = fp8_linear_fused(x, q, s, split_n=1024)
+        err = _rel_err(torch.cat(got, -1), ref.linear(x, q, s))
+        if not (err <= 0.1 and all(g.is_contiguous() for g in got)):
+            failures.append(f"fp8 stacked pair (cublas) T{T}: relative error {err:.3g}, contiguous "
+                            f"{[g.is_contiguous() for g in got]}")
     for T in (1, 3, 32, 300):  # hc_pre: the finish kernel's token tiles at decode, the mix's prefill tiles
         h = torch.randn(T, 4, 4096, device=device).to(torch.bfloat16)
         fn, base, scale = (torch.randn(24, 4 * 4096, device=device) * 0.02, torch.randn(24, device=device) * 0.1,

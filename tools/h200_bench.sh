@@ -189,17 +189,21 @@ attention-s11)  # session 11: the attention kernel's tiles swept on a 2048-token
   timeout 200 python3 -m tools.bench_engine --preset flash-shaped --cache-dir $CK --quant fp8-fp4 --concurrency '' \
     --check-kernels --engine-args "{$EA}" --json "$OUT/check_v4.json" 2>&1 | tee "$OUT/check_v4.log" \
     | grep -E "default vs|rror" | tail -3 ;;
-depth-s11)  # session 11 at V4-Flash depth as shipped: TTFT of 1024 tokens and decode steps at 1 / 32 / 64 / 150 vs their
-  # floors, then where a 4 x 1024-token prefill and a batch-64 decode step go, kernels and the torch ops that launched
-  # them (~8 min with the checkpoint write)
+depth-s11)  # session 11's end: the fused kernels' check (the stacked pair through cuBLAS as two GEMMs among them), at
+  # V4-Flash depth as shipped TTFT of 1024 tokens and decode steps at 1 / 32 / 150 vs their floors, the attention
+  # kernel at chunk and decode sizes (against the three-loop kernel when tools/_old_attention.py is carried), then where
+  # a 4 x 1024-token prefill goes, kernels and the torch ops that launched them (~9 min with the checkpoint write)
+  timeout 120 python3 -m tools.bench_fused --only align --json "$OUT/fused_check.json" 2>&1 | tee "$OUT/fused_check.log" \
+    | grep -E "check:|MISMATCH" | head -6
   M=$CK/flash-depth-fp8-fp4; DA='{"max_model_len":8192,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}'
-  timeout 300 python3 -m tools.bench_engine --preset flash-depth --quant fp8-fp4 --cache-dir $CK --concurrency 1 --input-len 1024 \
-    --output-len 8 --requests-per-user 3 --floor --steady 1,32,64,150 --engine-args "$DA" \
+  timeout 260 python3 -m tools.bench_engine --preset flash-depth --quant fp8-fp4 --cache-dir $CK --concurrency 1 --input-len 1024 \
+    --output-len 8 --requests-per-user 3 --floor --steady 1,32,150 --engine-args "$DA" \
     --json "$OUT/engine_depth.json" 2>&1 | tee "$OUT/engine_depth.log" | grep -E "TTFT of|batch [0-9]+: step|rror" | tail -6
-  timeout 110 python3 -m tools.profile_decode --model $M --batch 4 --steps 1 --prompt-len 1024 --rows 40 --ops \
-    > "$OUT/profile_prefill_v4.txt" 2>&1; tail -1 "$OUT/profile_prefill_v4.txt"
-  timeout 100 python3 -m tools.profile_decode --model $M --batch 64 --steps 24 --rows 40 --ops \
-    > "$OUT/profile_depth_b64.txt" 2>&1; tail -1 "$OUT/profile_depth_b64.txt" ;;
+  AG=; [ -f tools/_old_attention.py ] && AG="--against tools._old_attention"
+  timeout 120 python3 -m tools.bench_attention_prefill $AG --json "$OUT/attention_prefill.json" 2>&1 \
+    | tee "$OUT/attention.log" | grep -E "best|MISMATCH|T=" | tail -24
+  timeout 100 python3 -m tools.profile_decode --model $M --batch 4 --steps 1 --prompt-len 1024 --rows 40 --ops \
+    > "$OUT/profile_prefill_v4.txt" 2>&1; tail -1 "$OUT/profile_prefill_v4.txt" ;;
 depth-s10)  # issue 20 after session 10's prefill paths, at V4-Flash depth as shipped: TTFT of 1024 tokens and decode steps
   # vs their floors, where a 4 x 1024-token prefill goes, then 64 users through the real Triton server, 1024 in / 128
   # out, 60 s (~9 min; needs .cache/h200 carried)

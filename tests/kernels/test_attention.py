@@ -44,10 +44,10 @@ SPECS = [
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
-@pytest.mark.parametrize("nsplit, block_h, prefill_tiles", [(1, 16, None), (4, 16, None), (1, 32, None),
+@pytest.mark.parametrize("nsplit, block_h, wgmma_tiles", [(1, 16, None), (4, 16, None), (1, 32, None),
                                                              (None, None, (16, 16, 4, None, 3)),
                                                              (None, None, (16, 32, 4, 16, 2))])
-def test_paged_attention(dtype, tol, spec, mode, nsplit, block_h, prefill_tiles):
+def test_paged_attention(dtype, tol, spec, mode, nsplit, block_h, wgmma_tiles):
     """The decode kernel at several splits and head blocks, and the prefill kernel (one loop over both pools), whole
     and with the output columns split over programs."""
     H, hd, W, bs, ratio = 5, 32, 16, 16, (0 if mode == "sliding" else 4)
@@ -62,25 +62,25 @@ def test_paged_attention(dtype, tol, spec, mode, nsplit, block_h, prefill_tiles)
             selected[i, : len(pick)] = pick
     args = (q, pos, seq, window, wt, rs, W, None if mode == "sliding" else comp, ft, ratio, selected, sinks, 32**-0.5)
     want = ref.paged_attention(*args)
-    got = paged_attention_fused(*args, nsplit=nsplit, block_h=block_h, prefill_tiles=prefill_tiles)
+    got = paged_attention_fused(*args, nsplit=nsplit, block_h=block_h, wgmma_tiles=wgmma_tiles)
     assert (got.float() - want.float()).abs().max() <= tol * max(want.abs().max().item(), 1.0)
 
 
-def test_prefill_chunks_take_the_prefill_kernel(monkeypatch):
-    """From PREFILL_T tokens the default dispatch runs the prefill kernel (no tiles asked for), and it matches the
-    reference; asking for decode tiles keeps the decode kernel."""
+def test_prefill_chunks_take_the_wgmma_tiles(monkeypatch):
+    """From PREFILL_T tokens the default dispatch takes the whole-head tiles (no tiles asked for), and it matches
+    the reference; asking for the small tiles keeps them."""
     import kernels.fused_attention as fa
 
     ran = []
-    real = fa._prefill_tiles
-    monkeypatch.setattr(fa, "_prefill_tiles", lambda *a: ran.append(real(*a)) or real(*a))
+    real = fa._wgmma_tiles
+    monkeypatch.setattr(fa, "_wgmma_tiles", lambda *a: ran.append(real(*a)) or real(*a))
     monkeypatch.setattr(fa, "PREFILL_T", 8)
     q, pos, seq, window, wt, rs, comp, ft, sinks = _setup(SPECS[1], 5, 32, 16, 16, 4, torch.float32, seed=7)
     args = (q, pos, seq, window, wt, rs, 16, comp, ft, 4, None, sinks, 32**-0.5)  # HCA
     got = paged_attention_fused(*args)
     assert ran == [(16, 32, 4, 32, 3)]  # the small-head tiles, whole head_dim
     assert (got - ref.paged_attention(*args)).abs().max() <= 1e-5 * max(got.abs().max().item(), 1.0)
-    paged_attention_fused(*args, nsplit=1)
+    paged_attention_fused(*args, nsplit=1, block_h=16)
     assert len(ran) == 1
 
 
