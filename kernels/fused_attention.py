@@ -150,13 +150,17 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
              mask=hmask[:, None])
 
 
-# Prefill chunks (PREFILL_T tokens or more), and V4's heads (64 x 512) at any token count (split for few tokens), per
+# Prefill chunks (PREFILL_T tokens or more), and V4's heads (64 x 512) from WGMMA_MIN_T tokens (split for few), per
 # branch (MODE: 0 window only, 1 HCA, 2 CSA): the tiles that measured fastest (H200, session 11, tools/bench_attention_prefill.py, 2048 tokens at position 2048:
 # CSA 1.10 ms, HCA 0.31 ms; the three-loop kernel before it 1.88 / 0.55 ms): (BLOCK_H, BLOCK_N, num_warps, BLOCK_D,
 # num_stages); other head counts: WGMMA_TILES_SMALL with as many heads as fit 64 (BLOCK_D None: the whole head_dim)
 PREFILL_T = 256
 WGMMA_TILES = {0: (64, 64, 8, 512, 2), 1: (64, 64, 8, 512, 2), 2: (64, 64, 8, 512, 2)}
 WGMMA_TILES_SMALL = (16, 32, 4, None, 3)
+# From this many tokens V4's heads take the wgmma tiles at decode too (H200, session 11, position 2048: at 32 tokens
+# CSA 56 us vs 89 with the small tiles, at 150 tokens 146-154 vs 352; at one token the small tiles' 64 programs
+# of 16 heads were faster, 23.5 vs 27.7 us)
+WGMMA_MIN_T = 16
 COMBINE_BLOCK_H, COMBINE_BLOCK_D = 8, 128  # the split combine's slice per program
 
 
@@ -196,22 +200,25 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
         raise ValueError("paged attention: the window and compressed pools must share a dtype, be contiguous and "
                          "sit a whole number of 16-byte vectors apart")
     decode_asked = block_h or block_n or num_warps
-    if wgmma_tiles or not decode_asked and (T >= PREFILL_T or H >= 64 and hd == 512):
-        # the wgmma tiles: chunks, and V4's 64 x 512 heads at any batch (one program's 64 rows are a token's heads)
+    wgmma = wgmma_tiles or not decode_asked and (T >= PREFILL_T or H >= 64 and hd == 512 and T >= WGMMA_MIN_T)
+    if wgmma:
+        # the wgmma tiles: chunks, and V4's 64 x 512 heads from WGMMA_MIN_T tokens (a program's 64 rows are a
+        # token's heads), split to about one wave of programs (two waves measured slower: more partials)
         block_h, block_n, warps, block_d, stages = wgmma_tiles or _wgmma_tiles(mode, H, hd)
         block_d = block_d or hd
         if block_d < hd:
             nsplit = 1
+        waves = 1
     else:
         # every head of a token reads the same keys: more heads per program read them fewer times (big decode
         # batches); a few tokens need the smaller blocks for parallelism
         block_h = block_h or (32 if T >= 32 and H >= 32 else 16)
         block_n = block_n or (32 if hd <= 128 else 16)
-        warps, block_d, stages = num_warps or (4 if hd <= 128 else 8), hd, 3
+        warps, block_d, stages, waves = num_warps or (4 if hd <= 128 else 8), hd, 3, 2
     head_blocks = triton.cdiv(H, block_h)
-    if nsplit is None:  # enough programs for ~2 waves on a 132-SM GPU when few tokens decode
+    if nsplit is None:  # enough programs for `waves` waves of the GPU's SMs when few tokens decode
         nsplit = 1
-        while nsplit < 16 and T * head_blocks * nsplit < 2 * quant_configs.SMS:
+        while nsplit < 16 and T * head_blocks * nsplit < waves * quant_configs.SMS:
             nsplit *= 2
     if nsplit > 1:
         part_m = torch.empty(T, H, nsplit, dtype=torch.float32, device=q.device)
