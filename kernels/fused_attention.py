@@ -157,9 +157,9 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
 PREFILL_T = 256
 WGMMA_TILES = {0: (64, 64, 8, 512, 2), 1: (64, 64, 8, 512, 2), 2: (64, 64, 8, 512, 2)}
 WGMMA_TILES_SMALL = (16, 32, 4, None, 3)
-# From this many tokens V4's heads take the wgmma tiles at decode too (H200, session 11, position 2048: at 32 tokens
-# CSA 56 us vs 89 with the small tiles, at 150 tokens 146-154 vs 352; at one token the small tiles' 64 programs
-# of 16 heads were faster, 23.5 vs 27.7 us)
+# From this many tokens V4's heads take the wgmma tiles at decode too (H200, session 11, context 1024, CSA: 16 tokens
+# 28.1 us at 8 splits vs 45.1 on the small tiles, 32 tokens 33.5 vs 79.7, 150 tokens 113.3 vs 230.0; one token
+# 18.3 us on the small tiles vs 26.3 at best on the wgmma ones)
 WGMMA_MIN_T = 16
 COMBINE_BLOCK_H, COMBINE_BLOCK_D = 8, 128  # the split combine's slice per program
 
@@ -203,23 +203,26 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
     wgmma = wgmma_tiles or not decode_asked and (T >= PREFILL_T or H >= 64 and hd == 512 and T >= WGMMA_MIN_T)
     if wgmma:
         # the wgmma tiles: chunks, and V4's 64 x 512 heads from WGMMA_MIN_T tokens (a program's 64 rows are a
-        # token's heads), split to about one wave of programs (two waves measured slower: more partials)
+        # token's heads)
         block_h, block_n, warps, block_d, stages = wgmma_tiles or _wgmma_tiles(mode, H, hd)
         block_d = block_d or hd
         if block_d < hd:
             nsplit = 1
-        waves = 1
     else:
         # every head of a token reads the same keys: more heads per program read them fewer times (big decode
         # batches); a few tokens need the smaller blocks for parallelism
         block_h = block_h or (32 if T >= 32 and H >= 32 else 16)
         block_n = block_n or (32 if hd <= 128 else 16)
-        warps, block_d, stages, waves = num_warps or (4 if hd <= 128 else 8), hd, 3, 2
+        warps, block_d, stages = num_warps or (4 if hd <= 128 else 8), hd, 3
     head_blocks = triton.cdiv(H, block_h)
-    if nsplit is None:  # enough programs for `waves` waves of the GPU's SMs when few tokens decode
-        nsplit = 1
-        while nsplit < 16 and T * head_blocks * nsplit < waves * quant_configs.SMS:
-            nsplit *= 2
+    if nsplit is None:  # few tokens: split their keys for programs enough to fill the GPU
+        nsplit, rows = 1, T * head_blocks
+        if wgmma:  # as many as stay within one wave (one more doubling measured slower at 16 / 32 / 150 tokens)
+            while nsplit < 16 and 2 * rows * nsplit <= quant_configs.SMS:
+                nsplit *= 2
+        else:  # about two waves of the small tiles
+            while nsplit < 16 and rows * nsplit < 2 * quant_configs.SMS:
+                nsplit *= 2
     if nsplit > 1:
         part_m = torch.empty(T, H, nsplit, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)

@@ -72,7 +72,7 @@ def _sizes(mode: str, T: int, start: int, dev, other) -> tuple[list[dict], list[
     ours = functools.partial(fa.paged_attention_fused, *args)
     want = ours().float()
     auto = 1
-    while auto < 16 and T * auto < 132:  # the default rule for the wgmma tiles (one wave)
+    while auto < 16 and 2 * T * auto <= 132:  # the default rule for the wgmma tiles (within one wave)
         auto *= 2
     cands = [("default", ours), ("small tiles", functools.partial(fa.paged_attention_fused, *args,
                                                                     block_h=32 if T >= 32 else 16))]
