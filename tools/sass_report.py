@@ -1,0 +1,86 @@
+"""A Triton kernel compiled for the H200 (sm90) on this machine, no GPU needed: registers, stack (spills), and the
+instructions that say whether it took the fast paths (HGMMA: wgmma; HMMA: mma.sync; LDGSTS: cp.async, the
+pipeliner's loads; LDL / STL: spill traffic; BAR: barriers). Triton's wheel carries ptxas and cuobjdump. The local
+Triton may be newer than the GPU image's (3.9 here, 3.6 there): a guide to read before spending device time, not a
+measurement.
+
+    python -m tools.sass_report kernels.fused_attention:_paged_attention_kernel \\
+        --types '*bf16,*bf16,*fp32,*fp32,*fp32,*i64,*i64,*bf16,*i32,i32,*i64,*i32,i32,*i32,*fp32,fp32,i32,i32,i64' \\
+        --const BS=128,RATIO=4,PER_BLOCK=32,HD=512,BLOCK_H=64,BLOCK_N=64,BLOCK_D=512,MODE=2,TOPK=512,NSPLIT=1,DOT_F32=False \\
+        --div16 H,W,COMP_OFF --warps 8 --stages 2
+
+--types: the non-constexpr arguments in order; pointers are taken as 16-byte aligned (as the launcher specializes
+them on the GPU), and so are the integer arguments named in --div16 (without that hint the loads compile scalar).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+COUNTED = ("HGMMA", "HMMA", "LDGSTS", "LDL", "STL", "BAR")
+
+
+def compile_sm90(kernel, types: list[str], consts: dict, div16: set[str], warps: int, stages: int):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    free = iter(types)
+    sig = {a: "constexpr" if a in consts else next(free) for a in kernel.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
+             if a not in consts and (sig[a].startswith("*") or a in div16)}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def report(cubin: bytes) -> dict:
+    """Registers, stack bytes and instruction counts of one compiled kernel."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([str(tool), "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, flags=re.M)
+    out = {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
+           "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1))}
+    out.update({op: sum(o == op for o in ops) for op in COUNTED})
+    return out
+
+
+def _value(v: str):
+    if v in ("True", "False"):
+        return v == "True"
+    return int(v) if re.fullmatch(r"-?\d+", v) else v
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.sass_report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("kernel", help="module:name of a @triton.jit function")
+    ap.add_argument("--types", required=True, help="the non-constexpr arguments' Triton types, in order")
+    ap.add_argument("--const", default="", help="NAME=value,... (the constexpr arguments; True / False for flags)")
+    ap.add_argument("--div16", default="", help="integer arguments to take as multiples of 16")
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=3)
+    a = ap.parse_args(argv)
+    module, name = a.kernel.split(":")
+    kernel = getattr(importlib.import_module(module), name)
+    consts = {k: _value(v) for k, v in (kv.split("=") for kv in a.const.split(",") if kv)}
+    compiled = compile_sm90(kernel, a.types.split(","), consts, set(filter(None, a.div16.split(","))), a.warps,
+                            a.stages)
+    r = report(compiled.asm["cubin"])
+    print(" ".join(f"{k} {v}" for k, v in r.items()) + f" shared_bytes {compiled.metadata.shared}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
