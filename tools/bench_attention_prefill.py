@@ -1,15 +1,15 @@
 """The fused paged attention at prefill (kernels/fused_attention.py): one sequence's chunk of T query tokens at
 positions [P, P + T) with V4-Flash's heads (64 x 512, shared KV), the 128-token window and either the CSA branch
 (ratio 4, the indexer's 512 picks per token) or the HCA branch (ratio 128, every complete entry); a sweep of
-the launch's tiles of both kernels (the decode kernel: heads per program, keys per step, warps; the prefill kernel,
-kernels/fused_attention_prefill.py: the same plus output columns per program and pipeline stages), each checked
+the launch's tiles of both kinds (the small tiles: heads per program, keys per step, warps; the wgmma tiles: the same
+plus output columns per program and pipeline stages), each checked
 against the default tiles (which the tests hold to the reference; here the default is checked against the reference
 once) and timed in CUDA-graph replays, next to the FLOP floor. Prints a table (best last), writes JSON.
 
 Then the default dispatch (the 2048-token chunk and decode batches of --decode tokens) and, --against MODULE, another
 implementation of paged_attention_fused (an older kernel, say) at the same sizes, checked against each other.
 
-    python -m tools.bench_attention_prefill [--tokens 2048] [--start 2048] [--only prefill] [--decode 1,32,150]
+    python -m tools.bench_attention_prefill [--tokens 2048] [--start 2048] [--only wgmma] [--decode 1,32,150]
         [--against tools._old_attention] [--json out.json]
 """
 
@@ -27,10 +27,10 @@ from tools.bench_quant import _graph_time, finish
 H, HD, W, BS, TOPK = 64, 512, 128, 128, 512
 PEAK_BF16 = 790e12
 # the small tiles (heads per program, keys per step, warps): the three-loop kernel's best at prefill (session 10)
-DECODE_TILES = ((32, 32, 4),)
+SMALL_TILES = ((32, 32, 4),)
 # the wgmma tiles (+ output columns per program, pipeline stages): session 11's first sweep's best and runners-up
 # (of 11: docs/perf/h200-2026-12-03-s11/attention_sweep_first.log)
-PREFILL_TILES = ((64, 64, 8, 512, 2), (64, 32, 8, 512, 3), (64, 32, 8, 256, 3), (32, 32, 4, 512, 3))
+WGMMA_TILES = ((64, 64, 8, 512, 2), (64, 32, 8, 512, 3), (64, 32, 8, 256, 3), (32, 32, 4, 512, 3))
 
 
 def _case(mode: str, T: int, start: int, dev):
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench_attention_prefill", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--start", type=int, default=2048, help="the chunk's first position (tokens already cached)")
-    ap.add_argument("--only", choices=("decode", "prefill"), default=None, help="one kernel's tiles")
+    ap.add_argument("--only", choices=("small", "wgmma"), default=None, help="one kind of tiles in the sweep")
     ap.add_argument("--decode", default="1,32,150", help="decode batch sizes timed with the default dispatch")
     ap.add_argument("--against", default=None, help="a module with another paged_attention_fused to time")
     ap.add_argument("--json", default=None)
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         if err > 2e-2:
             bad.append(f"{mode} default tiles vs the reference: {err:.3g}")
         floor = flops / PEAK_BF16 * 1e6
-        cands = [("decode", t, dict(nsplit=1, block_h=t[0], block_n=t[1], num_warps=t[2])) for t in DECODE_TILES]
-        cands += [("prefill", t, dict(wgmma_tiles=t)) for t in PREFILL_TILES]
+        cands = [("small", t, dict(nsplit=1, block_h=t[0], block_n=t[1], num_warps=t[2])) for t in SMALL_TILES]
+        cands += [("wgmma", t, dict(wgmma_tiles=t)) for t in WGMMA_TILES]
         for kernel, tile, kw in cands:
             if a.only and kernel != a.only:
                 continue
