@@ -95,3 +95,11 @@ def test_split_combine_in_column_slices(monkeypatch):
     args = (q, pos, seq, window, wt, rs, 16, comp, ft, 4, None, sinks, 32**-0.5)
     got = paged_attention_fused(*args, nsplit=4)
     assert (got - ref.paged_attention(*args)).abs().max() <= 1e-5 * max(got.abs().max().item(), 1.0)
+
+
+def test_pools_one_pointer_cannot_reach_are_refused():
+    """The kernel reads both pools through the window pool's pointer: a compressed pool of another dtype gets a clear
+    error, not a wrong read."""
+    q, pos, seq, window, wt, rs, comp, ft, sinks = _setup(SPECS[0], 5, 32, 16, 16, 4, torch.float32, seed=3)
+    with pytest.raises(ValueError, match="share a dtype"):
+        paged_attention_fused(q, pos, seq, window, wt, rs, 16, comp.double(), ft, 4, None, sinks, 32**-0.5)
