@@ -150,12 +150,13 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
              mask=hmask[:, None])
 
 
-# Prefill chunks (PREFILL_T tokens or more), and V4's heads (64 x 512) from WGMMA_MIN_T tokens (split for few), per
-# branch (MODE: 0 window only, 1 HCA, 2 CSA): the tiles that measured fastest (H200, session 11, tools/bench_attention_prefill.py, 2048 tokens at position 2048:
-# CSA 1.10 ms, HCA 0.31 ms; the three-loop kernel before it 1.88 / 0.55 ms): (BLOCK_H, BLOCK_N, num_warps, BLOCK_D,
-# num_stages); other head counts: WGMMA_TILES_SMALL with as many heads as fit 64 (BLOCK_D None: the whole head_dim)
+# Prefill chunks (PREFILL_T tokens or more), and V4's heads (64 x 512) from WGMMA_MIN_T tokens (split for few): the
+# tiles that measured fastest for every branch (H200, session 11, tools/bench_attention_prefill.py, 2048 tokens at
+# position 2048: CSA 1.20 ms, HCA 0.32 ms; the three-loop kernel before it 1.89 / 0.56 ms): (BLOCK_H, BLOCK_N,
+# num_warps, BLOCK_D, num_stages); other head counts: WGMMA_TILES_SMALL with as many heads as fit 64 (BLOCK_D None:
+# the whole head_dim)
 PREFILL_T = 256
-WGMMA_TILES = {0: (64, 64, 8, 512, 2), 1: (64, 64, 8, 512, 2), 2: (64, 64, 8, 512, 2)}
+WGMMA_TILES = (64, 64, 8, 512, 2)
 WGMMA_TILES_SMALL = (16, 32, 4, None, 3)
 # From this many tokens V4's heads take the wgmma tiles at decode too (H200, session 11, context 1024, CSA: 16 tokens
 # 28.1 us at 8 splits vs 45.1 on the small tiles, 32 tokens 33.5 vs 79.7, 150 tokens 113.3 vs 230.0; one token
@@ -164,9 +165,9 @@ WGMMA_MIN_T = 16
 COMBINE_BLOCK_H, COMBINE_BLOCK_D = 8, 128  # the split combine's slice per program
 
 
-def _wgmma_tiles(mode: int, H: int, hd: int) -> tuple:
+def _wgmma_tiles(H: int, hd: int) -> tuple:
     if H >= 64 and hd == 512:
-        return WGMMA_TILES[mode]
+        return WGMMA_TILES
     bh, bn, warps, _, stages = WGMMA_TILES_SMALL
     return max(bh, min(64, triton.next_power_of_2(H))), bn, warps, hd, stages
 
@@ -180,6 +181,15 @@ def comp_offset(window_pool: torch.Tensor, comp_pool: torch.Tensor | None) -> in
     if comp_pool.dtype != window_pool.dtype or gap % 16 or not comp_pool.is_contiguous():
         return None
     return gap // window_pool.element_size()
+
+
+def splits(rows: int, wgmma: bool) -> int:
+    """Splits of each token's keys for `rows` (tokens x head blocks) programs: the wgmma tiles as many as stay within
+    one wave (one more doubling measured slower at 16 / 32 / 150 tokens), the small tiles about two waves."""
+    n = 1
+    while n < 16 and (2 * rows * n <= quant_configs.SMS if wgmma else rows * n < 2 * quant_configs.SMS):
+        n *= 2
+    return n
 
 
 def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, replay_starts, sliding_window,
@@ -196,15 +206,15 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
     mode = 0 if comp_pool is None else (2 if selected is not None else 1)
     topk = selected.shape[1] if selected is not None else 1
     comp_off = comp_offset(window_pool, comp_pool)
-    if comp_off is None:  # pools one pointer cannot reach: copy the compressed pool next to nothing else
+    if comp_off is None:
         raise ValueError("paged attention: the window and compressed pools must share a dtype, be contiguous and "
                          "sit a whole number of 16-byte vectors apart")
-    decode_asked = block_h or block_n or num_warps
-    wgmma = wgmma_tiles or not decode_asked and (T >= PREFILL_T or H >= 64 and hd == 512 and T >= WGMMA_MIN_T)
+    small_asked = block_h or block_n or num_warps
+    wgmma = wgmma_tiles or not small_asked and (T >= PREFILL_T or H >= 64 and hd == 512 and T >= WGMMA_MIN_T)
     if wgmma:
         # the wgmma tiles: chunks, and V4's 64 x 512 heads from WGMMA_MIN_T tokens (a program's 64 rows are a
         # token's heads)
-        block_h, block_n, warps, block_d, stages = wgmma_tiles or _wgmma_tiles(mode, H, hd)
+        block_h, block_n, warps, block_d, stages = wgmma_tiles or _wgmma_tiles(H, hd)
         block_d = block_d or hd
         if block_d < hd:
             nsplit = 1
@@ -216,13 +226,7 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
         warps, block_d, stages = num_warps or (4 if hd <= 128 else 8), hd, 3
     head_blocks = triton.cdiv(H, block_h)
     if nsplit is None:  # few tokens: split their keys for programs enough to fill the GPU
-        nsplit, rows = 1, T * head_blocks
-        if wgmma:  # as many as stay within one wave (one more doubling measured slower at 16 / 32 / 150 tokens)
-            while nsplit < 16 and 2 * rows * nsplit <= quant_configs.SMS:
-                nsplit *= 2
-        else:  # about two waves of the small tiles
-            while nsplit < 16 and rows * nsplit < 2 * quant_configs.SMS:
-                nsplit *= 2
+        nsplit = splits(T * head_blocks, bool(wgmma))
     if nsplit > 1:
         part_m = torch.empty(T, H, nsplit, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)

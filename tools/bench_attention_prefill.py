@@ -71,13 +71,11 @@ def _sizes(mode: str, T: int, start: int, dev, other) -> tuple[list[dict], list[
     args, _ = _case(mode, T, start, dev)
     ours = functools.partial(fa.paged_attention_fused, *args)
     want = ours().float()
-    auto = 1
-    while auto < 16 and 2 * T * auto <= 132:  # the default rule for the wgmma tiles (within one wave)
-        auto *= 2
+    auto = fa.splits(T, wgmma=True)  # the default rule for the wgmma tiles (one head block of 64)
     cands = [("default", ours), ("small tiles", functools.partial(fa.paged_attention_fused, *args,
                                                                     block_h=32 if T >= 32 else 16))]
     if T < fa.PREFILL_T:
-        tiles = fa.WGMMA_TILES[2 if mode == "csa" else 1]
+        tiles = fa.WGMMA_TILES
         cands += [(f"wgmma nsplit {n}", functools.partial(fa.paged_attention_fused, *args, wgmma_tiles=tiles,
                                                           nsplit=n)) for n in sorted({max(auto // 2, 1), auto * 2})]
     if other is not None:

@@ -48,8 +48,8 @@ SPECS = [
                                                              (None, None, (16, 16, 4, None, 3)),
                                                              (None, None, (16, 32, 4, 16, 2))])
 def test_paged_attention(dtype, tol, spec, mode, nsplit, block_h, wgmma_tiles):
-    """The decode kernel at several splits and head blocks, and the prefill kernel (one loop over both pools), whole
-    and with the output columns split over programs."""
+    """The small tiles at several splits and head blocks, and the wgmma tiles (splits chosen by the rule), whole and
+    with the output columns split over programs."""
     H, hd, W, bs, ratio = 5, 32, 16, 16, (0 if mode == "sliding" else 4)
     q, pos, seq, window, wt, rs, comp, ft, sinks = _setup(spec, H, hd, W, bs, ratio or 1, dtype, seed=len(spec))
     selected = None
