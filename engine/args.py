@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.spec_config import SpeculativeConfig
+from engine.spec.config import SpeculativeConfig
 
 
 class InvalidEngineArgs(ValueError):
@@ -40,7 +40,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None  # fixed number of compressed-KV blocks (tests)
     enforce_eager: bool = False
     # vLLM's compilation_config.cudagraph_mode values: FULL (decode and mixed prefill + decode steps
-    # replay full graphs, engine/mixed_graphs.py), FULL_DECODE_ONLY (mixed steps eager), NONE (= enforce_eager)
+    # replay full graphs, engine/graphs/mixed.py), FULL_DECODE_ONLY (mixed steps eager), NONE (= enforce_eager)
     # FULL by default, as vLLM: on the H200 the mixed-step graphs' greedy streams equal the same padded
     # batches run eagerly (docs/PERF.md, session 7); padding alone moves bf16 ulps, as decode graphs' does
     cudagraph_mode: str = "FULL"
@@ -48,7 +48,7 @@ class EngineArgs:
     # scheduling and output work overlaps the GPU's step. None: on when running on CUDA.
     async_scheduling: bool | None = None
     seed: int = 0
-    # vLLM's {"method": "mtp", "num_speculative_tokens": k}, k in 1..3 (engine/spec_config.py); None: off
+    # vLLM's {"method": "mtp", "num_speculative_tokens": k}, k in 1..3 (engine/spec/config.py); None: off
     speculative_config: dict | str | None = None
     max_waiting_requests: int = 1024
     max_logprobs: int = 20
@@ -130,7 +130,7 @@ def tiny_checkpoint_dir() -> Path:
     the writer has changed since (a cache from an older version lacks e.g. the MTP layer)."""
     import shutil
 
-    from engine.random_checkpoint import WRITER_VERSION, write_checkpoint
+    from engine.models.deepseek_v4.random_checkpoint import WRITER_VERSION, write_checkpoint
 
     root = Path(os.environ.get("DSV4_CACHE_DIR", Path.home() / ".cache" / "deepseek-v4-triton"))
     out, stamp = root / "tiny", ".writer-version"

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import CSA, ModelConfig
+from engine.models.deepseek_v4.config import CSA, ModelConfig
 
 
 class NoFreeBlocks(RuntimeError):

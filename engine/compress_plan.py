@@ -41,7 +41,7 @@ class CompressPlan:
 
 def compress_plan(fb: ForwardBatch, ratio: int, block_size: int, num_slots: int) -> CompressPlan:
     """Built once per (step, ratio) and kept on the batch: every compressor of that ratio shares it.
-    (A CUDA-graph batch carries its plans already, padded to fixed sizes: engine/mixed_graphs.py.)"""
+    (A CUDA-graph batch carries its plans already, padded to fixed sizes: engine/graphs/mixed.py.)"""
     key = ("compress", ratio)
     if key not in fb.plans:
         parts = plan_arrays(np.asarray(fb.seq_lens), np.asarray(fb.starts), np.asarray(fb.compress_from),

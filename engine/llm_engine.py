@@ -15,11 +15,11 @@ import torch
 import kernels
 from engine.args import EngineArgs, InvalidEngineArgs, resolve_model_dir
 from engine.cache import KVCache
-from engine.config import CSA
-from engine.config_v41 import is_v41
+from engine.graphs.mixed import mixed_sizes
 from engine.in_flight import InFlight
-from engine.loader import load_model
-from engine.mixed_graphs import mixed_sizes
+from engine.models.deepseek_v4.config import CSA
+from engine.models.deepseek_v4.loader import load_model
+from engine.models.deepseek_v41.config import is_v41
 from engine.output_text import OutputText
 from engine.parallel import SINGLE
 from engine.prefix_cache import PrefixCache
@@ -30,8 +30,8 @@ from engine.sampler import Sample, SamplingRow, sample
 from engine.sampling_checks import bad_words_token_ids, sampling_checks
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence, Status
-from engine.spec_config import SpeculativeConfig
-from engine.spec_decode import SpecDecoder
+from engine.spec.config import SpeculativeConfig
+from engine.spec.decoder import SpecDecoder
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
 from engine.tp_workers import TensorParallelWorkers

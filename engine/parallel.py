@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
+from engine.models.deepseek_v4.config import ModelConfig
 from kernels.formats import FP8_BLOCK, MX_BLOCK
 
 FULL = ()  # shard_spec: the whole tensor
@@ -98,7 +98,7 @@ _EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|sc
 
 def shard_spec(name: str, cfg: ModelConfig, tp: TensorParallel):
     """What of checkpoint tensor `name` this rank reads: SKIP, or slices ((dim, start, stop), ...)
-    in the logical (unpacked) weight's coordinates, FULL (no slice) for all of it. Scales follow their weight (engine/weights.py)."""
+    in the logical (unpacked) weight's coordinates, FULL (no slice) for all of it. Scales follow their weight (engine/models/weights.py)."""
     if tp.world == 1:
         return FULL
     if name.startswith("mtp."):

@@ -3,7 +3,7 @@
 Decode steps (one token per sequence) on CUDA replay a CUDA graph captured per batch-size
 bucket: the batch is padded to the bucket with rows that read and write only the cache's
 scratch block and slot, its metadata copied into the graph's static buffers. Other steps
-(prefill chunks, mixed prefill + decode) replay a graph per token count: engine/mixed_graphs.py.
+(prefill chunks, mixed prefill + decode) replay a graph per token count: engine/graphs/mixed.py.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import numpy as np
 import torch
 
 from engine.cache import KVCache
-from engine.deepseek_v4 import DeepseekV4
-from engine.engram import DEAD, lookback_rows
 from engine.forward_batch import ForwardBatch
-from engine.mixed_graphs import MixedSteps, capture, new_token_ids
+from engine.graphs.mixed import MixedSteps, capture, new_token_ids
+from engine.models.deepseek_v4.model import DeepseekV4
+from engine.models.deepseek_v41.engram import DEAD, lookback_rows
 from engine.sequence import Sequence
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)

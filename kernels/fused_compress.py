@@ -128,7 +128,7 @@ def _compress_decode_kernel(
 
 
 def rows_unit_stride(t: torch.Tensor) -> torch.Tensor:
-    """t [rows, W] as the kernels read it: any row stride (a column slice of engine/stacked_linears.py's
+    """t [rows, W] as the kernels read it: any row stride (a column slice of engine/models/stacked_linears.py's
     one output), unit stride along a row."""
     return t if t.stride(-1) == 1 else t.contiguous()
 

@@ -80,7 +80,7 @@ FP8_LINEAR: dict = {
     (4096, 8192): [(16, _dq(16, 128, st=3)), (64, _dq(32, 64)), (512, _mm(64, 64)), (4096, _mm(128, 128, 8, 3)),
                    (None, _mm(128, 64))],
     (2048, 4096): _SHARED_W1,
-    # stacked pairs (engine/stacked_linears.py), not measured: their first part's tiles. wq_a over
+    # stacked pairs (engine/models/stacked_linears.py), not measured: their first part's tiles. wq_a over
     # wkv, and the shared expert's w1 over w3 at tensor_parallel_size 1
     (1536, 4096): _WQ_A,
     (4096, 4096): _SHARED_W1,

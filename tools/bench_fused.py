@@ -13,7 +13,7 @@ Rows (V4-Flash decode shapes at the depth-43 benchmark's 16 experts, batch 1 / 3
   V4-Flash's dense shapes vs floor, with each e4m3 -> bf16 conversion (W_CVT: "cast" the old one,
   "f32", "int" the default) where the shape's config is the dequant GEMV, and at 1 row the CUDA-core
   "gemv" variant (GEMV_CONFIGS, not dispatched until measured faster); wo_a's 8 groups in one
-  launch vs one call per group (the old path); the stacked pairs (engine/stacked_linears.py: wq_a
+  launch vs one call per group (the old path); the stacked pairs (engine/models/stacked_linears.py: wq_a
   over wkv, the shared expert's w1 over w3) in one launch vs two.
 - mega-gate: the router in one launch (GEMM + sqrt-softplus + bias + top-k + renormalise) vs the
   reference (cuBLAS GEMM + torch ops; the depth profile's previous path was cuBLAS split-K GEMM +

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
+from engine.graphs.mixed import MixedSteps
 from engine.llm_engine import LLMEngine
-from engine.mixed_graphs import MixedSteps
-from engine.random_checkpoint import PRESETS, QUANTS
+from engine.models.deepseek_v4.random_checkpoint import PRESETS, QUANTS
 from engine.request import GenerationRequest, SamplingParams
 from tools import mixed_diag
 from tools.bench_engine import _pct, random_prompts, resolve_model, step_paths

@@ -4,8 +4,8 @@ One engine (speculative_config k = 3, CUDA graphs for its plain steps) on a rand
 
 1. micro: at batch B, with B requests prefilled (input_len tokens), CUDA-synchronised medians of
    the plain decode step (graph replay), the verify forward of k + 1 tokens per sequence (its
-   CUDA graph, engine/verify_graphs.py, and eager), the MTP's graph for k drafts
-   (engine/draft_graphs.py) and eagerly the MTP over k + 1 rows (its catch-up) and one chained
+   CUDA graph, engine/spec/verify_graphs.py, and eager), the MTP's graph for k drafts
+   (engine/spec/draft_graphs.py) and eagerly the MTP over k + 1 rows (its catch-up) and one chained
    draft step (one row per sequence);
 2. model: from those, the speed-up at a per-token acceptance rate a:
    E[tokens per step] = (1 - a^(k+1)) / (1 - a), cost = verify + the MTP's work (graphed: the two
@@ -27,11 +27,11 @@ from types import SimpleNamespace
 
 import torch
 
-from engine.draft_graphs import DraftSteps
 from engine.llm import LLM
-from engine.random_checkpoint import PRESETS, QUANTS
+from engine.models.deepseek_v4.random_checkpoint import PRESETS, QUANTS
 from engine.request import GenerationRequest, SamplingParams
-from engine.verify_graphs import VerifySteps
+from engine.spec.draft_graphs import DraftSteps
+from engine.spec.verify_graphs import VerifySteps
 from tools.bench_engine import random_prompts, resolve_model
 
 ALPHAS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0)

@@ -26,7 +26,7 @@ import torch
 
 from engine.args import resolve_model_dir
 from engine.llm import LLM
-from engine.random_checkpoint import PRESETS
+from engine.models.deepseek_v4.random_checkpoint import PRESETS
 from engine.request import GenerationRequest, SamplingParams
 from tools.bench_engine import resolve_model
 

@@ -28,11 +28,11 @@ from pathlib import Path
 import torch
 
 import engine.llm_engine as llm_engine
-from engine.config import parse_config
-from engine.deepseek_v4 import DeepseekV4
 from engine.llm import LLM
+from engine.models.deepseek_v4.config import parse_config
+from engine.models.deepseek_v4.model import DeepseekV4
+from engine.models.deepseek_v4.random_checkpoint import PRESETS, build_config, write_tokenizer
 from engine.parallel import TensorParallel, check_parallel
-from engine.random_checkpoint import PRESETS, build_config, write_tokenizer
 from engine.request import GenerationRequest, SamplingParams
 from tools.bench_engine import random_prompts, steady_decode
 

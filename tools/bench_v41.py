@@ -9,11 +9,11 @@ mixed prefill + decode steps. Prints tables, writes JSON.
 The checkpoint (random weights, the released V4.1-Flash per-layer shapes and 40-layer schedule,
 8 experts) is drawn on the GPU and written once under --cache-dir. One engine serves every
 measurement: decode steps replay the CUDA graphs it captured per batch size, mixed steps (prefill
-chunks with or without decodes) the graphs it captured per token count (engine/mixed_graphs.py;
+chunks with or without decodes) the graphs it captured per token count (engine/graphs/mixed.py;
 where the engine captured none, the mixed-step check captures the sizes it needs here), and for
 the eager figures its graphs are set aside. The TTFT graphs are the engine's own, at its serving
 max_num_seqs (64 unless --engine-args says otherwise): with decoder replay on, a front graph per
-token count and a tail graph per kept-row bucket (engine/mixed_split_v41.py), so a chunk's later
+token count and a tail graph per kept-row bucket (engine/models/deepseek_v41/split_graphs.py), so a chunk's later
 layers run its last window only; the other setting's graphs (a graph bakes decoder replay's
 setting in) are captured here at the same max_num_seqs, only for the chunk sizes the prompts need.
 Prefix caching is off: every prompt is a cold prefill. Prompts longer than 8192 tokens are timed once per setting (--reps for the others).
@@ -30,9 +30,9 @@ from pathlib import Path
 
 import torch
 
+from engine.graphs.mixed import MixedSteps, mixed_sizes
 from engine.llm_engine import LLMEngine
-from engine.mixed_graphs import MixedSteps, mixed_sizes
-from engine.random_checkpoint_v41 import PRESETS, write_v41_checkpoint
+from engine.models.deepseek_v41.random_checkpoint import PRESETS, write_v41_checkpoint
 from engine.request import GenerationRequest, SamplingParams
 from tools.bench_engine import copy_bandwidth, random_prompts, steady_step_ms
 

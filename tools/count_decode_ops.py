@@ -106,7 +106,7 @@ def _count_launches(counter: _Count):
 
 def _moe_as_on_cuda(model) -> list:
     """The CPU MoE's per-expert loop (ops.routed_experts) replaced by CUDA's fused MoE call."""
-    from engine import v41_ops
+    from engine.models.deepseek_v41 import ops as v41_ops
 
     def routed(x, w1, w3, w2, weights, indices, limit):
         return kernels.moe_experts(x, w1, w3, w2, weights.to(x.dtype), indices, limit, None)
@@ -137,7 +137,7 @@ def _v4(model_dir: str, dtype: torch.dtype):
     import json as _json
 
     from engine.cache import KVCache
-    from engine.loader import load_model
+    from engine.models.deepseek_v4.loader import load_model
 
     quantized = bool(_json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config"))
     model = load_model(model_dir, dtype, quantized=quantized)
@@ -166,9 +166,9 @@ def _on_layer(model, counter) -> list:
 
 
 def count(model_dir: str, dtype: torch.dtype, prompt_len: int = 40) -> dict:
-    from engine.cache_v41 import V41KVCache
-    from engine.config_v41 import is_v41
-    from engine.loader_v41 import load_v41_model
+    from engine.models.deepseek_v41.cache import V41KVCache
+    from engine.models.deepseek_v41.config import is_v41
+    from engine.models.deepseek_v41.loader import load_v41_model
     from engine.request import SamplingParams
     from engine.runner import ModelRunner
     from engine.sequence import Sequence
@@ -196,7 +196,7 @@ def count(model_dir: str, dtype: torch.dtype, prompt_len: int = 40) -> dict:
     forward = model.forward
     from triton.runtime.interpreter import InterpretedFunction
 
-    from engine import v41_ops
+    from engine.models.deepseek_v41 import ops as v41_ops
 
     run = _count_launches(counter)
     (moe,) = _moe_as_on_cuda(model)
@@ -235,7 +235,7 @@ def count(model_dir: str, dtype: torch.dtype, prompt_len: int = 40) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a V4.1 or V4 checkpoint (default: a fresh random --preset one)")
-    ap.add_argument("--preset", default="v41-tiny", help="v41-* (engine/random_checkpoint_v41.py) or a V4 one")
+    ap.add_argument("--preset", default="v41-tiny", help="v41-* (engine/models/deepseek_v41/random_checkpoint.py) or a V4 one")
     ap.add_argument("--quant", default="bf16", help="V4 presets: the weights as stored (random_checkpoint.QUANTS)")
     ap.add_argument("--override", default="{}", help="V4 presets: JSON over the preset's config")
     ap.add_argument("--dtype", default="bfloat16")
@@ -246,10 +246,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model
         if model is None and a.preset.startswith("v41"):
-            from engine.random_checkpoint_v41 import write_v41_checkpoint
+            from engine.models.deepseek_v41.random_checkpoint import write_v41_checkpoint
             model = str(write_v41_checkpoint(Path(tmp) / a.preset, a.preset))
         elif model is None:
-            from engine.random_checkpoint import write_checkpoint
+            from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
             model = str(write_checkpoint(Path(tmp) / a.preset, a.preset, override=json.loads(a.override), quant=a.quant))
         res = count(model, getattr(torch, a.dtype))
     print(f"kernels per decode step (batch 1, {a.dtype}, the CUDA dispatch): {res['total']}")

@@ -1,8 +1,8 @@
-"""Write a seeded random DeepSeek-V4 checkpoint in the official layout (engine/random_checkpoint.py).
+"""Write a seeded random DeepSeek-V4 checkpoint in the official layout (engine/models/deepseek_v4/random_checkpoint.py).
 
     python -m tools.make_tiny_checkpoint OUT [--preset tiny|flash-shaped] [--seed N] [--override JSON]
         [--quant bf16|fp8|fp8-fp4]   (fp8: FP8 linears + FP8 experts, as Base; fp8-fp4: MXFP4 experts, as V4-Flash)
-    DeepSeek-V4.1 (engine/random_checkpoint_v41.py): --preset v41-tiny|v41-flash-shaped [--quant bf16|fp8-fp4]
+    DeepSeek-V4.1 (engine/models/deepseek_v41/random_checkpoint.py): --preset v41-tiny|v41-flash-shaped [--quant bf16|fp8-fp4]
         (fp8-fp4: FP8 32x32-tile linears, FP4 experts, FP8 Engram rows, as V4.1 ships)
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from engine.random_checkpoint import PRESETS, QUANTS, write_checkpoint
-from engine.random_checkpoint_v41 import PRESETS as V41_PRESETS
-from engine.random_checkpoint_v41 import write_v41_checkpoint
+from engine.models.deepseek_v4.random_checkpoint import PRESETS, QUANTS, write_checkpoint
+from engine.models.deepseek_v41.random_checkpoint import PRESETS as V41_PRESETS
+from engine.models.deepseek_v41.random_checkpoint import write_v41_checkpoint
 
 
 def main() -> None:

@@ -38,7 +38,7 @@ def write_checkpoint(out: str | Path, seed: int = 0) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.random_checkpoint import write_tokenizer
+    from engine.models.deepseek_v4.random_checkpoint import write_tokenizer
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

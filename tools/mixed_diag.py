@@ -18,7 +18,7 @@ from itertools import accumulate
 
 import torch
 
-from engine.mixed_graphs import MixedSteps
+from engine.graphs.mixed import MixedSteps
 from engine.sequence import Sequence
 
 _STATE_FIELDS = ("pend_kv", "pend_gate", "prev_kv", "prev_gate", "has_prev")

@@ -18,9 +18,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engine.llm import LLM
-from engine.random_checkpoint import write_checkpoint
-from engine.random_checkpoint_v41 import PRESETS as V41_PRESETS
-from engine.random_checkpoint_v41 import write_v41_checkpoint
+from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
+from engine.models.deepseek_v41.random_checkpoint import PRESETS as V41_PRESETS
+from engine.models.deepseek_v41.random_checkpoint import write_v41_checkpoint
 from engine.request import SamplingParams
 
 

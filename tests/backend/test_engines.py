@@ -6,7 +6,7 @@ import pytest
 
 from backend import engine_setup
 from backend.engine_setup import build_engine, load_engine_args
-from engine.random_checkpoint import WRITER_VERSION
+from engine.models.deepseek_v4.random_checkpoint import WRITER_VERSION
 
 
 def test_unknown_engine_is_a_clear_error():

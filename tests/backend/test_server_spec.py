@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.llm import LLM
-from engine.random_checkpoint import write_checkpoint
+from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
 from engine.request import SamplingParams
 from loadtest.scrape import metric, metrics_text
 from tests.backend.test_server import raw_generate

@@ -9,7 +9,7 @@ from client.grpc import GrpcClient
 from client.http import HttpClient
 from engine.llm import LLM
 from engine.request import SamplingParams
-from tests.engine.v41_oracle import ORACLE, needs_oracle
+from tests.engine.models.deepseek_v41.oracle import ORACLE, needs_oracle
 
 pytestmark = [pytest.mark.slow, needs_oracle]
 ARGS = {"max_model_len": 256, "max_num_seqs": 4, "dtype": "float32"}

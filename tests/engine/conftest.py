@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.cache import KVCache
-from engine.random_checkpoint import write_checkpoint
+from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
 from engine.request import SamplingParams
 from engine.runner import ModelRunner
 from engine.sequence import Sequence
@@ -80,7 +80,7 @@ def single_thread():
 
 @pytest.fixture(scope="session")
 def v41_golden():
-    """transformers' DeepSeek-V4.1 golden outputs (tests/engine/v41_oracle.py)."""
-    from tests.engine.v41_oracle import load_golden
+    """transformers' DeepSeek-V4.1 golden outputs (tests/engine/models/deepseek_v41/oracle.py)."""
+    from tests.engine.models.deepseek_v41.oracle import load_golden
 
     return load_golden()

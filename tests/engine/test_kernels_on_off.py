@@ -3,7 +3,7 @@
 import torch
 
 import kernels
-from engine.loader import load_model
+from engine.models.deepseek_v4.loader import load_model
 from tests.engine.conftest import incremental_logits
 
 

@@ -5,8 +5,8 @@ step that writes one cache entry wrongly is named by its layer and write."""
 
 import torch
 
+from engine.graphs.mixed import MixedSteps, mixed_sizes
 from engine.llm import LLM
-from engine.mixed_graphs import MixedSteps, mixed_sizes
 from engine.request import SamplingParams
 from tools.mixed_diag import diagnose, max_diff
 

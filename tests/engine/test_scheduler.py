@@ -2,7 +2,7 @@
 max_num_batched_tokens; long_prefill_token_threshold caps one sequence's chunk."""
 
 from engine.cache import KVCache
-from engine.config import load_config
+from engine.models.deepseek_v4.config import load_config
 from engine.request import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence

@@ -15,9 +15,9 @@ import torch
 
 from engine.args import InvalidEngineArgs
 from engine.llm_engine import LLMEngine
-from engine.loader import load_model
+from engine.models.deepseek_v4.loader import load_model
+from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
 from engine.parallel import ParallelConfigError, TensorParallel
-from engine.random_checkpoint import write_checkpoint
 from engine.request import GenerationRequest, SamplingParams
 
 LOGIT_TOL = 1e-4  # max |logit difference| vs world 1, float32 (logits are O(1..10))

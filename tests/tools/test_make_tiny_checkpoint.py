@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from engine.random_checkpoint import build_config, write_checkpoint
+from engine.models.deepseek_v4.random_checkpoint import build_config, write_checkpoint
 
 OFFICIAL = ["embed.weight", "head.weight", "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale",
             "layers.0.attn.wq_a.weight", "layers.0.attn.kv_norm.weight", "layers.0.attn.attn_sink",
@@ -87,7 +87,7 @@ def test_flash_shaped_loads_in_transformers(tmp_path):
 def test_shards_spill_to_another_dir_when_the_disk_would_fill(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from engine.random_checkpoint import _shard_path
+    from engine.models.deepseek_v4.random_checkpoint import _shard_path
 
     out, spill = tmp_path / "out", tmp_path / "spill"
     out.mkdir()

@@ -1,0 +1,84 @@
+"""The speculative step's rollback of the compressors' rolling state, as one CUDA graph per verify bucket.
+
+A verify step of k + 1 rows per sequence closes at most one block per sequence and compressor
+(k + 1 <= the smallest ratio); where a rejected position closed it, the block is reopened: its
+rows go back into the open-block state and the CSA overlap state is the one from before the step
+(engine/spec/decoder.py says why that is all the cache needs). Eagerly that is a handful of indexed
+copies per compressor and indexer state, so the host's launch work grows with the depth; after a
+pure verify step (a replayed verify graph, whose closed blocks and snapshot sit in VerifySteps'
+static buffers) the same copies replay as one graph, fed one small index array: per ratio and
+batch row, the closed block to reopen, its state slot and its batch index. Rows with nothing to
+reopen point at the cache's scratch slot, which every padding row writes anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.graphs.mixed import capture, capture_buckets
+
+
+def reopen(states, closed: dict, snapshot: dict, m: int, blk, slot, b) -> None:
+    """Reopen the ratio-m blocks at closed-block rows `blk` into state slots `slot` (snapshot rows
+    `b`), in every compressor and indexer state of that ratio. closed: id(state) -> (kv, gate) of
+    the step's closed blocks; snapshot: id(state) -> (prev_kv, prev_gate, has_prev) by batch index."""
+    for st in states:
+        if st.pend_kv.shape[1] != m or id(st) not in closed:
+            continue
+        kv, gate = closed[id(st)]
+        st.pend_kv[slot] = kv[blk].to(st.pend_kv.dtype)
+        st.pend_gate[slot] = gate[blk].to(st.pend_gate.dtype)
+        if st.prev_kv is not None:
+            prev_kv, prev_gate, has_prev = snapshot[id(st)]
+            st.prev_kv[slot], st.prev_gate[slot], st.has_prev[slot] = prev_kv[b], prev_gate[b], has_prev[b]
+
+
+@dataclass
+class _Bucket:
+    B: int
+    index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # ratio -> (blk, slot, b) views of flat
+    flat: torch.Tensor  # [ratios, 3, B]
+    staging: torch.Tensor  # pinned on CUDA; written and copied only after the step's read-back
+    pad: np.ndarray
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class RollbackSteps:
+    """The rollback after a verify graph, per verify bucket; captured into `pool` when given, else
+    run eagerly on the same static index arrays (the CPU)."""
+
+    def __init__(self, verify, pool=None, capture_fn=capture):
+        self.verify = verify
+        self.ratios = verify.ratios
+        self.replays = 0
+        self.static: dict[int, _Bucket] = capture_buckets(verify.buckets, self._bucket, self._forward, pool, capture_fn)
+
+    def _bucket(self, B: int) -> _Bucket:
+        pad = np.zeros((len(self.ratios), 3, B), dtype=np.int64)
+        pad[:, 1], pad[:, 2] = self.verify.cache.scratch_slot, B  # scratch slot; the padding sequence's snapshot row
+        flat = torch.from_numpy(pad.copy()).to(self.verify.device)
+        index = {m: tuple(flat[i]) for i, m in enumerate(self.ratios)}
+        staging = torch.empty(pad.shape, dtype=torch.long, pin_memory=self.verify.device.type == "cuda")
+        return _Bucket(B, index, flat, staging, pad)
+
+    def _forward(self, bk: _Bucket) -> None:
+        for m, (blk, slot, b) in bk.index.items():
+            reopen(self.verify.states, self.verify.closed, self.verify.snap, m, blk, slot, b)
+
+    def run(self, batch_size: int, fixes: dict[int, list[tuple[int, int, int]]]) -> None:
+        """fixes: ratio -> (closed block row, state slot, batch index) of each block to reopen."""
+        bk = self.static[self.verify.bucket(batch_size)]
+        host = bk.staging.numpy()
+        host[:] = bk.pad
+        for i, m in enumerate(self.ratios):
+            for j, row in enumerate(fixes.get(m, ())):
+                host[i, :, j] = row
+        self.replays += 1
+        bk.flat.copy_(bk.staging, non_blocking=True)
+        if bk.graph is None:
+            self._forward(bk)
+        else:
+            bk.graph.replay()
