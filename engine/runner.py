@@ -13,7 +13,7 @@ import torch
 
 from engine.cache import KVCache
 from engine.forward_batch import ForwardBatch
-from engine.graphs.mixed import MixedSteps, capture, new_token_ids
+from engine.graphs.mixed import MixedStepGraphs, capture, new_token_ids
 from engine.models.deepseek_v4.model import DeepseekV4
 from engine.models.deepseek_v41.engram import DEAD, lookback_rows
 from engine.sequence import Sequence
@@ -55,12 +55,12 @@ class ModelRunner:
         self.graphs: dict[int, tuple] = {}  # size -> (graph, batch, flat buffer, 2 pinned stagings, logits)
         self.replays = 0
         self.eager_steps = 0
-        self.mixed: MixedSteps | None = None
+        self.mixed: MixedStepGraphs | None = None
         self.workers = None  # tensor parallel (engine/tp_workers.py): ranks 1..N-1 get every step
         if cuda_graphs and self.device.type == "cuda":
             pool = torch.cuda.graph_pool_handle()  # one pool: mixed graphs (the largest) first
             if mixed_sizes:
-                self.mixed = MixedSteps(model, cache, max_model_len, max_num_seqs, mixed_sizes, pool)
+                self.mixed = MixedStepGraphs(model, cache, max_model_len, max_num_seqs, mixed_sizes, pool)
             self._capture([b for b in GRAPH_BUCKETS if b <= max_num_seqs], pool)
 
     def build_batch(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> ForwardBatch:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.graphs.mixed import MixedSteps
+from engine.graphs.mixed import MixedStepGraphs
 from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.random_checkpoint import PRESETS, QUANTS
 from engine.request import GenerationRequest, SamplingParams
@@ -77,7 +77,7 @@ def check_mixed(eng: LLMEngine, budget: int, n_prompts: int = 8, steps: int = 16
     try:
         eager = _generate(eng, prompts, sp, "check-eager")
         if mixed is not None:  # the same padded batches run eagerly: tells capture faults from padding's rounding
-            eng.runner.mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, mixed.max_num_seqs, mixed.sizes)
+            eng.runner.mixed = MixedStepGraphs(eng.model, eng.cache, eng.max_model_len, mixed.max_num_seqs, mixed.sizes)
             padded = _generate(eng, prompts, sp, "check-padded")
     finally:
         eng.runner.mixed = mixed
@@ -101,7 +101,7 @@ def check_mixed(eng: LLMEngine, budget: int, n_prompts: int = 8, steps: int = 16
             # the same sizes captured again into a pool of their own, after everything else: if these
             # replay right, the fault is in sharing the pool (with the decode graphs or other sizes)
             try:
-                eng.runner.mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, mixed.max_num_seqs, used,
+                eng.runner.mixed = MixedStepGraphs(eng.model, eng.cache, eng.max_model_len, mixed.max_num_seqs, used,
                                               torch.cuda.graph_pool_handle())
                 r["diagnosis_own_pool"] = mixed_diag.diagnose(
                     eng, lambda: _generate(eng, prompts, sp, "check-diag-own"), " (own pool)")

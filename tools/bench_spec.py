@@ -30,8 +30,8 @@ import torch
 from engine.llm import LLM
 from engine.models.deepseek_v4.random_checkpoint import PRESETS, QUANTS
 from engine.request import GenerationRequest, SamplingParams
-from engine.spec.draft_graphs import DraftSteps
-from engine.spec.verify_graphs import VerifySteps
+from engine.spec.draft_graphs import DraftGraphs
+from engine.spec.verify_graphs import VerifyGraphs
 from tools.bench_engine import random_prompts, resolve_model
 
 ALPHAS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0)
@@ -91,8 +91,8 @@ def micro(eng, spec, batch: int, input_len: int, reps: int) -> dict:
         # the verify graph of this batch bucket: the engine's own for its k, one captured here for the others
         own = spec.verify_steps is not None and k == spec.k and batch in spec.verify_steps.static
         pool = torch.cuda.graph_pool_handle() if spec.verify_steps is not None else None
-        vs = spec.verify_steps if own else VerifySteps(model, cache, eng.max_model_len, k, [batch], pool)
-        ds = spec.draft_steps if own else DraftSteps(spec.mtp, model, spec.mtp_cache, vs, pool)
+        vs = spec.verify_steps if own else VerifyGraphs(model, cache, eng.max_model_len, k, [batch], pool)
+        ds = spec.draft_steps if own else DraftGraphs(spec.mtp, model, spec.mtp_cache, vs, pool)
         row[f"verify_k{k}_ms"] = _median_ms(lambda vs=vs: vs.run(batch_k), reps)
         # the MTP's graph after it, every draft accepted: catch-up over k + 1 rows, k - 1 chained steps
         rows0 = [i * (k + 1) for i in range(batch)]

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from engine.graphs.mixed import MixedSteps, mixed_sizes
+from engine.graphs.mixed import MixedStepGraphs, mixed_sizes
 from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v41.random_checkpoint import PRESETS, write_v41_checkpoint
 from engine.request import GenerationRequest, SamplingParams
@@ -65,9 +65,9 @@ class eager_steps:
 
 
 class mixed_steps:
-    """Within: the engine's mixed steps run on `steps` (a MixedSteps; None: eagerly, unpadded)."""
+    """Within: the engine's mixed steps run on `steps` (a MixedStepGraphs; None: eagerly, unpadded)."""
 
-    def __init__(self, engine: LLMEngine, steps: MixedSteps | None):
+    def __init__(self, engine: LLMEngine, steps: MixedStepGraphs | None):
         self.runner, self.steps = engine.runner, steps
 
     def __enter__(self):
@@ -77,17 +77,17 @@ class mixed_steps:
         self.runner.mixed = self.saved
 
 
-def prefill_graphs(engine: LLMEngine, lengths: list[int], warm: int) -> MixedSteps:
+def prefill_graphs(engine: LLMEngine, lengths: list[int], warm: int) -> MixedStepGraphs:
     """Mixed-step graphs at the engine's max_num_seqs, at the sizes a cold prefill of each length (and
     the warm-up prompt) pads its chunks to, captured with the model's decoder_replay as it is now."""
     budget = engine.args.max_num_batched_tokens
     sizes, chunks = mixed_sizes(budget), {warm} | {min(L, budget) for L in lengths} | {L % budget for L in lengths}
     need = sorted({min(s for s in sizes if s >= c) for c in chunks if c})
-    return MixedSteps(engine.model, engine.cache, engine.max_model_len, engine.args.max_num_seqs, need,
+    return MixedStepGraphs(engine.model, engine.cache, engine.max_model_len, engine.args.max_num_seqs, need,
                       torch.cuda.graph_pool_handle())
 
 
-def tail_steps(steps: MixedSteps | None) -> dict:
+def tail_steps(steps: MixedStepGraphs | None) -> dict:
     """'front size/tail bucket' -> steps run so far (V4.1's split step; {} without one)."""
     split = steps.split if steps is not None else None
     return {f"{size}/{K}": n for (size, K), n in sorted(split.steps.items())} if split is not None else {}
@@ -274,7 +274,7 @@ def main() -> None:
     mixed_check = None
     if a.check_tokens and graphs_on:  # prompts longer than the window: decoder replay drops rows
         prompts = random_prompts(3, 300, engine.cfg.vocab_size, seed=8)
-        own = mixed if mixed is not None else MixedSteps(  # the engine's graphs, or the sizes these steps need
+        own = mixed if mixed is not None else MixedStepGraphs(  # the engine's graphs, or the sizes these steps need
             engine.model, engine.cache, engine.max_model_len, engine.args.max_num_seqs,
             [s for s in mixed_sizes(engine.args.max_num_batched_tokens) if s <= 1024], torch.cuda.graph_pool_handle())
         before = own.replays
@@ -282,7 +282,7 @@ def main() -> None:
             graphed = staggered_streams(engine, prompts, a.check_tokens)
         mixed_check = {"prompts": 3, "tokens": a.check_tokens, "decoder_replay": engine.model.decoder_replay,
                        "mixed_graph_replays": own.replays - before, "engine_captured": mixed is not None}
-        padded = MixedSteps(engine.model, engine.cache, engine.max_model_len, engine.args.max_num_seqs, own.sizes)
+        padded = MixedStepGraphs(engine.model, engine.cache, engine.max_model_len, engine.args.max_num_seqs, own.sizes)
         for name, steps in (("padded_eager", padded), ("eager", None)):
             with mixed_steps(engine, steps):
                 other = staggered_streams(engine, prompts, a.check_tokens)

@@ -1,7 +1,7 @@
 """Where a CUDA-graph step first parts from the same step run eagerly (tools.bench_mixed --diagnose).
 
 Each step of a run goes three ways from one cache state: eagerly unpadded (build_batch), eagerly on
-the padded batch the graph replays (a MixedSteps built without capture; for a decode step the plain
+the padded batch the graph replays (a MixedStepGraphs built without capture; for a decode step the plain
 eager step), then the graph itself; between them everything the step writes (the window and full
 blocks holding its positions, the compressor states) is put back, and the run carries on from the
 graph's result. Per step it prints the logits' differences and the first
@@ -18,7 +18,7 @@ from itertools import accumulate
 
 import torch
 
-from engine.graphs.mixed import MixedSteps
+from engine.graphs.mixed import MixedStepGraphs
 from engine.sequence import Sequence
 
 _STATE_FIELDS = ("pend_kv", "pend_gate", "prev_kv", "prev_gate", "has_prev")
@@ -99,7 +99,7 @@ class StepDiagnosis:
         self.run_graphs = runner.run
         m = runner.mixed
         # the padded batches eagerly (on the CPU, where nothing is captured, both sides run eagerly)
-        self.padded = MixedSteps(runner.model, runner.cache, runner.max_model_len, m.max_num_seqs, m.sizes) if m else None
+        self.padded = MixedStepGraphs(runner.model, runner.cache, runner.max_model_len, m.max_num_seqs, m.sizes) if m else None
         self.rows: list[dict] = []
 
     def __call__(self, scheduled, all_logits=False, pending=None, prompt_rows=None):

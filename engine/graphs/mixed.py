@@ -146,7 +146,7 @@ class StaticBatch:
     layout: StepLayout
     fb: ForwardBatch  # its tensors are views of `flat`; the graph reads them
     flat: torch.Tensor
-    stagings: list[torch.Tensor]  # two host buffers, used by alternate steps (see MixedSteps.run)
+    stagings: list[torch.Tensor]  # two host buffers, used by alternate steps (see MixedStepGraphs.run)
     pad: np.ndarray  # the all-padding contents of flat
     views: dict[str, torch.Tensor]  # every field of flat by name
     graph: torch.cuda.CUDAGraph | None = None
@@ -205,7 +205,7 @@ def host_fields(st: StaticBatch, host: np.ndarray):
     return lambda name: host[f[name][0]:f[name][0] + f[name][1]]
 
 
-class MixedSteps:
+class MixedStepGraphs:
     """The padded batches of every size, captured as CUDA graphs when `pool` is given."""
 
     def __init__(self, model, cache: KVCache, max_model_len: int, max_num_seqs: int, sizes: list[int], pool=None,

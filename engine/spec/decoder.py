@@ -39,10 +39,10 @@ from engine.models.deepseek_v4.mtp import MTP
 from engine.prompt_logprobs import prompt_logprob_rows
 from engine.sampler import sampling_probs
 from engine.sequence import Sequence, Status
-from engine.spec.draft_graphs import DraftSteps
+from engine.spec.draft_graphs import DraftGraphs
 from engine.spec.rejection_sampler import greedy_accept, rejection_sample
 from engine.spec.rollback_graphs import reopen
-from engine.spec.verify_graphs import VerifySteps
+from engine.spec.verify_graphs import VerifyGraphs
 
 
 def speculates(seq: Sequence) -> bool:
@@ -51,7 +51,7 @@ def speculates(seq: Sequence) -> bool:
     return not p.processes_logits and p.logprobs is None and p.seed is None
 
 
-def spec_graphs(engine, k: int, mtp: MTP, mtp_cache) -> tuple[VerifySteps | None, DraftSteps | None]:
+def spec_graphs(engine, k: int, mtp: MTP, mtp_cache) -> tuple[VerifyGraphs | None, DraftGraphs | None]:
     """The verify graphs for the batch buckets the decode graphs have (those that fit the token
     budget) and the MTP's graphs for the same buckets, captured when the runner captured decode
     graphs; else None (speculative steps run eagerly)."""
@@ -59,8 +59,8 @@ def spec_graphs(engine, k: int, mtp: MTP, mtp_cache) -> tuple[VerifySteps | None
         return None, None
     buckets = [b for b in engine.runner.graphs if b * (k + 1) <= engine.args.max_num_batched_tokens]
     pool = torch.cuda.graph_pool_handle()
-    verify = VerifySteps(engine.model, engine.cache, engine.max_model_len, k, buckets, pool)
-    return verify, DraftSteps(mtp, engine.model, mtp_cache, verify, pool)
+    verify = VerifyGraphs(engine.model, engine.cache, engine.max_model_len, k, buckets, pool)
+    return verify, DraftGraphs(mtp, engine.model, mtp_cache, verify, pool)
 
 
 class SpecDecoder:

@@ -27,7 +27,7 @@ import torch
 
 from engine.forward_batch import ForwardBatch
 from engine.graphs.mixed import capture, capture_buckets
-from engine.spec.verify_graphs import VerifySteps
+from engine.spec.verify_graphs import VerifyGraphs
 
 
 @dataclass
@@ -43,8 +43,8 @@ class _Bucket:
     graph: torch.cuda.CUDAGraph | None = None
 
 
-class DraftSteps:
-    def __init__(self, mtp, model, mtp_cache, verify: VerifySteps, pool=None, capture_fn=capture):
+class DraftGraphs:
+    def __init__(self, mtp, model, mtp_cache, verify: VerifyGraphs, pool=None, capture_fn=capture):
         self.mtp, self.model, self.cache, self.verify = mtp, model, mtp_cache, verify
         self.k = verify.k1 - 1
         self.replays = 0

@@ -5,7 +5,7 @@ A verify step of k + 1 rows per sequence closes at most one block per sequence a
 rows go back into the open-block state and the CSA overlap state is the one from before the step
 (engine/spec/decoder.py says why that is all the cache needs). Eagerly that is a handful of indexed
 copies per compressor and indexer state, so the host's launch work grows with the depth; after a
-pure verify step (a replayed verify graph, whose closed blocks and snapshot sit in VerifySteps'
+pure verify step (a replayed verify graph, whose closed blocks and snapshot sit in VerifyGraphs'
 static buffers) the same copies replay as one graph, fed one small index array: per ratio and
 batch row, the closed block to reopen, its state slot and its batch index. Rows with nothing to
 reopen point at the cache's scratch slot, which every padding row writes anyway.
@@ -46,7 +46,7 @@ class _Bucket:
     graph: torch.cuda.CUDAGraph | None = None
 
 
-class RollbackSteps:
+class RollbackGraphs:
     """The rollback after a verify graph, per verify bucket; captured into `pool` when given, else
     run eagerly on the same static index arrays (the CPU)."""
 

@@ -28,7 +28,7 @@ from engine.compress_plan import CompressPlan, plan_arrays
 from engine.forward_batch import ForwardBatch
 from engine.graphs.mixed import capture, capture_buckets, pack_rows
 from engine.sequence import Sequence
-from engine.spec.rollback_graphs import RollbackSteps
+from engine.spec.rollback_graphs import RollbackGraphs
 
 # the plan's arrays in CompressPlan's order (src, blk_seq, blk_entry, prev, bnd_blk, bnd_seq,
 # bnd_logical, upd_slot, upd_blk, pend_row, pend_dst); their lengths per (T rows, B sequences, ratio m)
@@ -57,7 +57,7 @@ class _Bucket:
     graph: torch.cuda.CUDAGraph | None = None
 
 
-class VerifySteps:
+class VerifyGraphs:
     """The padded verify batches of every bucket, captured as CUDA graphs when `pool` is given."""
 
     def __init__(self, model, cache: KVCache, max_model_len: int, num_speculative_tokens: int,
@@ -80,7 +80,7 @@ class VerifySteps:
                               st.prev_gate.new_zeros(B + 1, *st.prev_gate.shape[1:]),
                               st.has_prev.new_zeros(B + 1)) for st in self.states if st.prev_kv is not None}
         self.static: dict[int, _Bucket] = capture_buckets(self.buckets, self._bucket, self._forward, pool, capture_fn)
-        self.rollback = RollbackSteps(self, pool, capture_fn)  # after a replay: reopen what rejected drafts closed
+        self.rollback = RollbackGraphs(self, pool, capture_fn)  # after a replay: reopen what rejected drafts closed
 
     def bucket(self, batch_size: int) -> int:
         """The smallest bucket that holds `batch_size` sequences."""

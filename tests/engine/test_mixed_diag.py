@@ -5,13 +5,13 @@ step that writes one cache entry wrongly is named by its layer and write."""
 
 import torch
 
-from engine.graphs.mixed import MixedSteps, mixed_sizes
+from engine.graphs.mixed import MixedStepGraphs, mixed_sizes
 from engine.llm import LLM
 from engine.request import SamplingParams
 from tools.mixed_diag import diagnose, max_diff
 
 
-def _engine(path, mixed_cls=MixedSteps):
+def _engine(path, mixed_cls=MixedStepGraphs):
     llm = LLM(str(path), dtype="float32", max_model_len=256, max_num_batched_tokens=32)
     eng = llm.engine
     eng.runner.mixed = mixed_cls(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs,
@@ -41,7 +41,7 @@ def test_sound_mixed_steps_show_no_difference(tiny_dir):
 
 
 def test_a_wrong_cache_write_is_named_by_layer_and_kind(tiny_dir):
-    class WrongPending(MixedSteps):  # the graph side leaves layer 1's compressor open-block rows off by one
+    class WrongPending(MixedStepGraphs):  # the graph side leaves layer 1's compressor open-block rows off by one
         def run(self, scheduled, pending, fill_pending):
             out = super().run(scheduled, pending, fill_pending)
             self.cache.comp_state[1].pend_kv.add_(1.0)

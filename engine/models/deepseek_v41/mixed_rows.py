@@ -22,7 +22,7 @@ PLAN_KEY = "v41_mixed"  # in fb.plans: a padded mixed step (the forward does not
 
 
 class V41MixedRows:
-    """The fields, their padding and their packing, for MixedSteps (one per model and cache)."""
+    """The fields, their padding and their packing, for MixedStepGraphs (one per model and cache)."""
 
     def __init__(self, model, cache, lookback: bool = True):
         """lookback False: no look-back field (a split's tail without Engram layers)."""

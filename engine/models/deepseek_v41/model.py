@@ -48,7 +48,7 @@ from engine.models.deepseek_v41.config import V41Config
 from engine.models.deepseek_v41.decode_plan import DecodePlan, decode_plan
 from engine.models.deepseek_v41.engram import EngramHasher
 from engine.models.deepseek_v41.mixed_rows import PLAN_KEY, V41MixedRows
-from engine.models.deepseek_v41.split_graphs import V41SplitSteps
+from engine.models.deepseek_v41.split_graphs import DecoderSplitGraphs
 from engine.models.stacked_linears import linear_group
 
 SCORE_BUDGET = 1 << 27  # fp32 elements of one indexer score chunk [rows, heads, entries]
@@ -416,12 +416,12 @@ class DeepseekV41(nn.Module):
         return V41MixedRows(self, cache)
 
     def mixed_split(self, cache: V41KVCache, sizes: list[int], max_num_seqs: int, width: int,
-                    max_model_len: int) -> V41SplitSteps | None:
+                    max_model_len: int) -> DecoderSplitGraphs | None:
         """A padded mixed step as two graphs where decoder replay has layers to trim (as set now: a
         graph bakes the setting in; engine/models/deepseek_v41/split_graphs.py); None: one graph, every row throughout."""
         if not (self.decoder_replay and self.replay_cut < len(self.layers)):
             return None
-        return V41SplitSteps(self, cache, sizes, max_num_seqs, width, max_model_len)
+        return DecoderSplitGraphs(self, cache, sizes, max_num_seqs, width, max_model_len)
 
     @property
     def engram_lookback(self) -> int:

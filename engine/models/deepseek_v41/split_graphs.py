@@ -4,14 +4,14 @@ The layers after the last KV source own only window KV, so decoder replay runs t
 sequence's last `sliding_window` rows. One graph per token count T fixes how many rows those layers
 run: at a serving max_num_seqs no count below T holds every step's kept rows, and such a graph
 trims nothing. So a step runs as
-- the front, MixedSteps' graph of size T: embedding .. the last KV source over every row, leaving
+- the front, MixedStepGraphs' graph of size T: embedding .. the last KV source over every row, leaving
   what the later layers read of each row (the hc streams h, the next site's pre, the last top-k,
   the candidate blocks) in this object's buffers, shared by every front;
 - the tail, a graph per kept-row bucket K (the mixed sizes up to the largest): the kept rows as a
   padded batch of their own (positions, window slots, block tables, raised replay starts, Engram
   look-back: packed on the host, which knows the kept count and picks the smallest K that holds
   it), their state gathered from the buffers, the later layers, the final norm and the LM head
-  into MixedSteps' logits. Ropes are recomputed from the kept positions, Engram rows of layers
+  into MixedStepGraphs' logits. Ropes are recomputed from the kept positions, Engram rows of layers
   after the split from the kept ids.
 Padding rows of the tail take row 0's state and the padding sequence's scratch blocks; they select
 no compressed entries. Decoder replay switched off after capture keeps every row: exact.
@@ -48,7 +48,7 @@ class FrontState:
     candidates: torch.Tensor | None  # [T, entries] bool: the candidate source's blocks (None: none yet)
 
 
-class V41SplitSteps:
+class DecoderSplitGraphs:
     """The front's buffers, the tail's padded batches (and graphs) per bucket, their packing."""
 
     def __init__(self, model, cache, sizes: list[int], max_num_seqs: int, width: int, max_model_len: int):
@@ -77,7 +77,7 @@ class V41SplitSteps:
         self.steps: Counter = Counter()  # (front size, tail bucket) -> steps run
 
     def build(self, pool, capture_fn, logits: torch.Tensor | None) -> None:
-        """The tail batches, captured into `pool` when given (writing into MixedSteps' `logits`)."""
+        """The tail batches, captured into `pool` when given (writing into MixedStepGraphs' `logits`)."""
         self.logits = logits
         self.static = capture_buckets(self.sizes, self._batch,
                                       lambda st: logits[:st.layout.S - 1].copy_(self.tail(st)), pool, capture_fn)
@@ -159,8 +159,8 @@ class V41SplitSteps:
         return len(rows)
 
     def run(self, scheduled, size: int, pending, fill_pending, front) -> torch.Tensor:
-        """After MixedSteps packed and copied the front's batch (of `size`): pack the tail's, copy it,
-        run front() (its graph, or the padded front eagerly), then the tail (staging as MixedSteps)."""
+        """After MixedStepGraphs packed and copied the front's batch (of `size`): pack the tail's, copy it,
+        run front() (its graph, or the padded front eagerly), then the tail (staging as MixedStepGraphs)."""
         K = self.bucket(scheduled)
         st = self.static[K]
         self.replays += 1

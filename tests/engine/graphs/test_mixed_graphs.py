@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.graphs.mixed import MixedSteps, mixed_sizes, new_token_ids
+from engine.graphs.mixed import MixedStepGraphs, mixed_sizes, new_token_ids
 from engine.llm import LLM
 from engine.request import SamplingParams
 from engine.sequence import Sequence
@@ -27,7 +27,7 @@ def _run(path, prompts, params, padded: bool, warm=None, **args):
     llm = LLM(str(path), dtype="float64", max_model_len=256, **args)
     eng = llm.engine
     if padded:
-        eng.runner.mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs,
+        eng.runner.mixed = MixedStepGraphs(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs,
                                       mixed_sizes(eng.args.max_num_batched_tokens))
     if warm:
         llm.generate(warm, params)
@@ -67,7 +67,7 @@ def test_padded_mixed_steps_with_prefix_cache_hits_and_replay(tiny_dir):
 def test_packed_rows_equal_build_batch_and_the_rest_is_padding(tiny_dir):
     llm = LLM(str(tiny_dir), dtype="float32", max_model_len=256, max_num_batched_tokens=64)
     eng = llm.engine
-    mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [64])
+    mixed = MixedStepGraphs(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [64])
     from engine.request import GenerationRequest
     sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     for i, n in enumerate((5, 40, 90)):
@@ -107,7 +107,7 @@ def test_new_token_ids_slices_prompt_and_output():
 def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(tiny_dir):
     """The mixed-step graph captured and replayed through an emulation of CUDA graphs on the CPU
     (tests/engine/graphs/graph_emulation.py: every host value baked in at capture, on the all-padding
-    batch as MixedSteps captures it; allocations poisoned at each replay; host reads refused), with
+    batch as MixedStepGraphs captures it; allocations poisoned at each replay; host reads refused), with
     the fused kernels under the Triton interpreter: each replayed step's logits and every cache
     write equal the same padded batch run eagerly from the same cache state (tools/mixed_diag.py),
     and its logits the unpadded step's to float32 rounding. (About a minute of CPU: the
@@ -125,7 +125,7 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(tiny_dir):
     eng = llm.engine
     try:
         kernels.set_backend("fused")  # after the engine, which sets its `kernels` argument's backend
-        eng.runner.mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [8],
+        eng.runner.mixed = MixedStepGraphs(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [8],
                                       pool="emulated", capture_fn=capture)
         rows = diagnose(eng, lambda: llm.generate(prompts, params))
     finally:

@@ -10,8 +10,8 @@ import torch
 
 from engine.llm import LLM
 from engine.request import GenerationRequest, SamplingParams
-from engine.spec.draft_graphs import DraftSteps
-from engine.spec.verify_graphs import VerifySteps
+from engine.spec.draft_graphs import DraftGraphs
+from engine.spec.verify_graphs import VerifyGraphs
 from tests.engine.test_batching import _full
 
 SPEC = {"method": "mtp", "num_speculative_tokens": 3}
@@ -27,8 +27,8 @@ def _padded(eng, buckets):
     """What the GPU captures (verify and MTP graphs), as static batches run eagerly."""
     spec = eng.spec
     assert spec.verify_steps is None and spec.draft_steps is None  # CPU: no decode graphs, so none
-    spec.verify_steps = VerifySteps(eng.model, eng.cache, eng.max_model_len, spec.k, buckets)
-    spec.draft_steps = DraftSteps(spec.mtp, eng.model, spec.mtp_cache, spec.verify_steps)
+    spec.verify_steps = VerifyGraphs(eng.model, eng.cache, eng.max_model_len, spec.k, buckets)
+    spec.draft_steps = DraftGraphs(spec.mtp, eng.model, spec.mtp_cache, spec.verify_steps)
 
 
 def _run(path, prompts, params, padded, forced=None, **kw):
@@ -130,8 +130,8 @@ def test_fused_kernels_on_the_padded_and_the_emulated_verify_and_mtp_graphs_equa
             if how == "padded":
                 _padded(eng, [2])
             elif how == "emulated":
-                spec.verify_steps = VerifySteps(eng.model, eng.cache, 128, spec.k, [2], "emulated", capture)
-                spec.draft_steps = DraftSteps(spec.mtp, eng.model, spec.mtp_cache, spec.verify_steps, "emulated", capture)
+                spec.verify_steps = VerifyGraphs(eng.model, eng.cache, 128, spec.k, [2], "emulated", capture)
+                spec.draft_steps = DraftGraphs(spec.mtp, eng.model, spec.mtp_cache, spec.verify_steps, "emulated", capture)
             spec.force_drafts({f"r{i}": _corrupt(p, 4000) for i, p in enumerate(plain)})
             for i, p in enumerate(prompts):
                 eng.add_request(GenerationRequest(f"r{i}", prompt_token_ids=p, sampling=params))

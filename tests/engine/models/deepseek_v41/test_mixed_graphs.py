@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.graphs.mixed import MixedSteps, mixed_sizes
+from engine.graphs.mixed import MixedStepGraphs, mixed_sizes
 from engine.llm import LLM
 from engine.request import SamplingParams
 from tests.engine.models.deepseek_v41.oracle import ORACLE, needs_oracle
@@ -60,7 +60,7 @@ def _run(path, prompts, params, padded: bool, warm=None, on_engine=None, **args)
     if on_engine:
         on_engine(eng)
     if padded:
-        eng.runner.mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs,
+        eng.runner.mixed = MixedStepGraphs(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs,
                                       mixed_sizes(eng.args.max_num_batched_tokens))
     if warm:
         llm.generate(warm, params)
@@ -179,7 +179,7 @@ def test_front_and_tail_batches_are_packed_and_the_rest_is_padding(v41_golden):
     eng.step()
     scheduled = eng.scheduler.schedule()
     assert sorted(k for _, k in scheduled)[0] == 1 and max(k for _, k in scheduled) > 16
-    mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [32])
+    mixed = MixedStepGraphs(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [32])
     st = mixed.static[32]
     host = np.full(st.layout.size, 12345, dtype=np.int64)
     n_logits = mixed.pack(scheduled, 32, host)
@@ -220,12 +220,12 @@ def test_front_and_tail_batches_are_packed_and_the_rest_is_padding(v41_golden):
 def test_a_step_splits_where_decoder_replay_trims(monkeypatch):
     """With decoder replay on, a padded step is a front (every row to the last KV source) and a tail
     over the smallest bucket holding its kept rows; replay switched off after capture keeps every
-    row; a MixedSteps built with replay off, or for a model with nothing after its last KV source,
+    row; a MixedStepGraphs built with replay off, or for a model with nothing after its last KV source,
     is one graph per size."""
     llm = LLM(str(ORACLE), dtype="float64", max_model_len=256, max_num_batched_tokens=64)
     eng = llm.engine
     assert eng.cfg.sliding_window == 16 and eng.model.replay_cut == 7 < eng.cfg.num_layers
-    mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, 256, [32, 64])
+    mixed = MixedStepGraphs(eng.model, eng.cache, eng.max_model_len, 256, [32, 64])
     split = mixed.split
     assert split.sizes == [16, 32, 64] and mixed.num_graphs() == 0  # no pool: nothing captured
     assert split.bucket([(None, 64)]) == 16  # one chunk: its last window
@@ -233,10 +233,10 @@ def test_a_step_splits_where_decoder_replay_trims(monkeypatch):
     assert split.bucket([(None, 1)] * 8 + [(None, 5)]) == 16
     eng.model.decoder_replay = False
     assert split.bucket([(None, 64)]) == 64  # every row
-    assert MixedSteps(eng.model, eng.cache, eng.max_model_len, 256, [64]).split is None
+    assert MixedStepGraphs(eng.model, eng.cache, eng.max_model_len, 256, [64]).split is None
     eng.model.decoder_replay = True
     monkeypatch.setattr(type(eng.model), "replay_cut", property(lambda m: len(m.layers)))
-    assert MixedSteps(eng.model, eng.cache, eng.max_model_len, 256, [64]).split is None
+    assert MixedStepGraphs(eng.model, eng.cache, eng.max_model_len, 256, [64]).split is None
 
 
 @needs_oracle
@@ -262,7 +262,7 @@ def test_serving_max_num_seqs_steps_run_the_later_layers_on_the_kept_rows_only()
 @pytest.mark.slow
 def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch, tmp_path_factory):
     """The padded mixed step of the 5-layer SPLIT_SMALL model captured once (on the all-padding
-    batch, as MixedSteps captures it) and replayed through the CPU emulation of a CUDA graph (host values baked in at capture,
+    batch, as MixedStepGraphs captures it) and replayed through the CPU emulation of a CUDA graph (host values baked in at capture,
     allocations poisoned per replay, host reads refused), the fused kernels under the Triton
     interpreter, the routed experts through the grouped MoE kernel CUDA runs (the CPU's per-expert
     loop reads the routing on the host), decoder replay on, so the step is a front graph of 32 rows
@@ -294,7 +294,7 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch
         kernels.set_backend("fused")  # after the engine, which sets its `kernels` argument's backend
         monkeypatch.setattr(v41_ops, "routed_experts", lambda x, w1, w3, w2, weights, indices, limit: kernels.moe_experts(
             x, w1, w3, w2, weights.to(x.dtype), indices, limit, None))
-        eng.runner.mixed = MixedSteps(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [32],
+        eng.runner.mixed = MixedStepGraphs(eng.model, eng.cache, eng.max_model_len, eng.args.max_num_seqs, [32],
                                       pool="emulated", capture_fn=capture)
         got = []
         rows = diagnose(eng, lambda: got.extend(llm.generate(prompts, params)))
