@@ -17,6 +17,7 @@ class InvalidEngineArgs(ValueError):
 
 
 CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")
+_RENAMED = {"swa_decoder_replay": "swa_decoder_trim"}  # earlier names model.json files may still carry
 
 
 @dataclass
@@ -32,9 +33,9 @@ class EngineArgs:
     block_size: int | None = None  # default: lcm of compress ratios, >= 16
     enable_prefix_caching: bool = False
     swa_bounded_replay: bool = True
-    # DeepSeek-V4.1's decoder side of bounded replay (layers after the last KV source run a prefill
-    # on each sequence's last sliding_window rows); None: follows swa_bounded_replay, as vLLM's one switch
-    swa_decoder_replay: bool | None = None
+    # DeepSeek-V4.1's decoder trim (layers after the last KV source run a prefill on each sequence's
+    # last sliding_window rows); None: follows swa_bounded_replay, as vLLM's one switch
+    swa_decoder_trim: bool | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # CPU (or explicit) byte budget for the KV pools
     num_gpu_blocks_override: int | None = None  # fixed number of compressed-KV blocks (tests)
@@ -84,6 +85,7 @@ class EngineArgs:
     @classmethod
     def from_dict(cls, raw: dict) -> EngineArgs:
         fields = {f.name: f for f in dataclasses.fields(cls)}
+        raw = {_RENAMED.get(k, k): v for k, v in raw.items()}
         unknown = sorted(set(raw) - set(fields))
         if unknown:
             raise InvalidEngineArgs(f"unknown engine argument(s) {unknown}; known: {sorted(fields)}")

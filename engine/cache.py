@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.models.deepseek_v4.config import CSA, ModelConfig
+from engine.models.config import CSA, DeepseekConfig
 
 
 class NoFreeBlocks(RuntimeError):
@@ -97,7 +97,7 @@ class KVCache:
     # (method, args), for the other ranks' caches to replay before the next step; None: not kept
     mirror: list[tuple[str, tuple]] | None = None
 
-    def __init__(self, cfg: ModelConfig, block_size: int, num_window_blocks: int, num_full_blocks: int,
+    def __init__(self, cfg: DeepseekConfig, block_size: int, num_window_blocks: int, num_full_blocks: int,
                  max_num_seqs: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  boundary_state: bool = False, window_snapshots: bool = False):
         """boundary_state: keep CSA overlap state per full block (prefix caching);
@@ -172,7 +172,7 @@ class KVCache:
         return 0 if self.snapshots is None else self.snapshots[0].numel() * self.snapshots.element_size()
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, boundary_state: bool = False,
+    def bytes_per_block(cfg: DeepseekConfig, block_size: int, dtype: torch.dtype, boundary_state: bool = False,
                         window_snapshots: bool = False) -> tuple[int, int]:
         """(window block bytes, full block bytes incl. its prefix-cache extras) without allocating."""
         el = torch.empty((), dtype=dtype).element_size()

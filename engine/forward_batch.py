@@ -35,3 +35,15 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+
+DEAD = -1  # look-back slot before the sequence start: an n-gram never reaches across it
+
+
+def lookback_rows(token_ids: list[int], start: int, n: int, k: int) -> torch.Tensor:
+    """For positions start..start+n-1 of a sequence: the k token ids before each, nearest first
+    (DEAD below 0) -> [n, k]; one slice and a window view, no per-token Python."""
+    lo = start - k
+    before = [DEAD] * max(0, -lo) + token_ids[max(0, lo):start + n - 1]  # positions lo .. start+n-2
+    return torch.tensor(before, dtype=torch.long).unfold(0, k, 1).flip(-1)
+

@@ -17,9 +17,8 @@ from engine.args import EngineArgs, InvalidEngineArgs, resolve_model_dir
 from engine.cache import KVCache
 from engine.graphs.mixed import mixed_sizes
 from engine.in_flight import InFlight
-from engine.models.deepseek_v4.config import CSA
-from engine.models.deepseek_v4.loader import load_model
-from engine.models.deepseek_v41.config import is_v41
+from engine.models import registry
+from engine.models.config import CSA
 from engine.output_text import OutputText
 from engine.parallel import SINGLE
 from engine.prefix_cache import PrefixCache
@@ -63,8 +62,9 @@ class LLMEngine:
         model_dir = resolve_model_dir(args.model)
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-        if args.tensor_parallel_size > 1 and is_v41(model_dir):
-            raise InvalidEngineArgs("tensor_parallel_size > 1 is not supported for DeepSeek-V4.1 checkpoints yet")
+        family = registry.family(model_dir).Model
+        if args.tensor_parallel_size > 1 and not family.supports_tensor_parallel:
+            raise InvalidEngineArgs(f"tensor_parallel_size > 1 is not supported for {family.__name__} checkpoints yet")
         # tensor parallel: ranks 1..N-1 start loading their shares while this one loads its own
         self.parallel = TensorParallelWorkers(args, model_dir, self.device) if args.tensor_parallel_size > 1 else None
         try:
@@ -75,12 +75,12 @@ class LLMEngine:
             raise
 
     def _build(self, args: EngineArgs, model_dir) -> None:
-        self.model = load_model(model_dir, args.dtype, self.device, tokenizer=args.tokenizer,
-                                tp=self.parallel.tp if self.parallel else SINGLE)
+        self.model = registry.load_model(model_dir, args.dtype, self.device, tokenizer=args.tokenizer,
+                                         tp=self.parallel.tp if self.parallel else SINGLE)
         self.cfg = cfg = self.model.cfg
-        if hasattr(self.model, "decoder_replay"):  # V4.1: swa_bounded_replay covers the decoder side too
-            self.model.decoder_replay = (args.swa_bounded_replay if args.swa_decoder_replay is None
-                                         else args.swa_decoder_replay)
+        if self.model.supports_decoder_trim:  # swa_bounded_replay covers the decoder side too, unless told
+            self.model.set_decoder_trim(args.swa_bounded_replay if args.swa_decoder_trim is None
+                                        else args.swa_decoder_trim)
         self.tokenizer = Tokenizer(args.tokenizer or model_dir)
         self.max_model_len = args.max_model_len or min(cfg.max_position_embeddings, 8192)
         self.block_size = args.block_size or max(16, cfg.compress_block_lcm)
@@ -93,10 +93,10 @@ class LLMEngine:
                                    long_prefill_token_threshold=args.long_prefill_token_threshold)
         # CUDA graphs need the fused kernels (the references sync with the host)
         graphs = (self.device.type == "cuda" and not args.enforce_eager and args.cudagraph_mode != "NONE"
-                  and kernels.backend() != "ref" and getattr(self.model, "supports_cuda_graphs", True))
+                  and kernels.backend() != "ref" and self.model.supports_cuda_graphs)
         # tensor parallel: mixed steps run eagerly (the workers mirror decode graphs and eager steps)
         mixed = (mixed_sizes(args.max_num_batched_tokens) if args.cudagraph_mode == "FULL" and not self.parallel
-                 and getattr(self.model, "supports_mixed_graphs", True) else [])  # a model may opt out
+                 and self.model.supports_mixed_graphs else [])
         runner_kwargs = dict(max_model_len=self.max_model_len, cuda_graphs=graphs, max_num_seqs=args.max_num_seqs,
                              mixed_sizes=mixed)
         if self.parallel is not None:
@@ -180,7 +180,7 @@ class LLMEngine:
         dtype = self.model.embed.weight.dtype
         pc = a.enable_prefix_caching
         snapshots = pc and not a.swa_bounded_replay
-        cache_class = getattr(self.model, "cache_class", KVCache)  # V4.1: its own pool contents
+        cache_class = self.model.cache_class
         window_bytes, full_bytes = cache_class.bytes_per_block(cfg, bs, dtype, boundary_state=pc,
                                                                window_snapshots=snapshots)
         per_seq = math.ceil((cfg.sliding_window - 1) / bs) + 2
@@ -214,8 +214,8 @@ class LLMEngine:
             ids = ids[-(self.max_model_len - 1 if k == -1 else k):]
         if not ids:
             raise InvalidRequest("the prompt is empty")
-        refusal = self.model.refuses_token(ids) if hasattr(self.model, "refuses_token") else None
-        if refusal:  # V4.1: image tokens (no vision tower here)
+        refusal = self.model.refuses_token(ids)
+        if refusal:  # e.g. V4.1's image tokens (no vision tower here)
             raise InvalidRequest(refusal)
         if any(not 0 <= t < self.cfg.vocab_size for t in ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {self.cfg.vocab_size})")
@@ -232,7 +232,7 @@ class LLMEngine:
             (p.logprobs is None or 0 <= p.logprobs <= a.max_logprobs, f"logprobs must be in [0, {a.max_logprobs}]"),
             (p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= a.max_logprobs,
              f"prompt_logprobs must be in [0, {a.max_logprobs}] (max_logprobs), got {p.prompt_logprobs}"),
-            (p.prompt_logprobs is None or hasattr(self.model, "hidden_states"),
+            (p.prompt_logprobs is None or self.model.supports_prompt_logprobs,
              f"prompt_logprobs are not supported for {type(self.model).__name__} yet"),
             (len(p.stop) <= a.max_stop_strings, f"at most {a.max_stop_strings} stop strings"),
             (all(0 < len(s) <= a.max_stop_string_len for s in p.stop),

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.deepseek_v4.config import ModelConfig
+from engine.models.config import DeepseekConfig
 from kernels.formats import FP8_BLOCK, MX_BLOCK
 
 FULL = ()  # shard_spec: the whole tensor
@@ -67,23 +67,23 @@ class TensorParallel:
 
     # --- shapes of this rank's share ----------------------------------------------------------
 
-    def local_heads(self, cfg: ModelConfig) -> int:
+    def local_heads(self, cfg: DeepseekConfig) -> int:
         return cfg.num_heads // self.world
 
-    def local_groups(self, cfg: ModelConfig) -> int:
+    def local_groups(self, cfg: DeepseekConfig) -> int:
         """Output groups this rank projects: whole groups, or one group's slice when N > o_groups."""
         return max(1, cfg.o_groups // self.world)
 
-    def local_experts(self, cfg: ModelConfig) -> int:
+    def local_experts(self, cfg: DeepseekConfig) -> int:
         return cfg.n_routed_experts // self.world if self.expert_parallel else cfg.n_routed_experts
 
-    def local_expert_width(self, cfg: ModelConfig) -> int:
+    def local_expert_width(self, cfg: DeepseekConfig) -> int:
         return cfg.moe_intermediate_size if self.expert_parallel else cfg.moe_intermediate_size // self.world
 
-    def local_shared_width(self, cfg: ModelConfig) -> int:
+    def local_shared_width(self, cfg: DeepseekConfig) -> int:
         return cfg.moe_intermediate_size * cfg.n_shared_experts // self.world
 
-    def local_expert_indices(self, indices: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    def local_expert_indices(self, indices: torch.Tensor, cfg: DeepseekConfig) -> torch.Tensor:
         """Global routed expert ids -> this rank's (-1: another rank's expert, skipped)."""
         if not self.expert_parallel or self.world == 1:
             return indices
@@ -96,7 +96,7 @@ SINGLE = TensorParallel()
 _EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 
 
-def shard_spec(name: str, cfg: ModelConfig, tp: TensorParallel):
+def shard_spec(name: str, cfg: DeepseekConfig, tp: TensorParallel):
     """What of checkpoint tensor `name` this rank reads: SKIP, or slices ((dim, start, stop), ...)
     in the logical (unpacked) weight's coordinates, FULL (no slice) for all of it. Scales follow their weight (engine/models/weights.py)."""
     if tp.world == 1:
@@ -137,7 +137,7 @@ def shard_spec(name: str, cfg: ModelConfig, tp: TensorParallel):
     return FULL
 
 
-def local_expert_name(name: str, tp: TensorParallel, cfg: ModelConfig) -> str:
+def local_expert_name(name: str, tp: TensorParallel, cfg: DeepseekConfig) -> str:
     """layers.N.ffn.experts.E.* -> this rank's expert number (expert parallel)."""
     m = _EXPERT.match(name)
     if m is None or not tp.expert_parallel or tp.world == 1:
@@ -146,7 +146,7 @@ def local_expert_name(name: str, tp: TensorParallel, cfg: ModelConfig) -> str:
     return f"{m.group(1)}.{int(m.group(2)) - lo}.{m.group(3)}.{m.group(4)}"
 
 
-def check_parallel(cfg: ModelConfig, tensor_parallel_size: int, enable_expert_parallel: bool) -> None:
+def check_parallel(cfg: DeepseekConfig, tensor_parallel_size: int, enable_expert_parallel: bool) -> None:
     """Refuse a layout this engine cannot split, naming the argument."""
     n = tensor_parallel_size
     if n == 1:

@@ -12,10 +12,9 @@ import numpy as np
 import torch
 
 from engine.cache import KVCache
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import DEAD, ForwardBatch, lookback_rows
 from engine.graphs.mixed import MixedStepGraphs, capture, new_token_ids
-from engine.models.deepseek_v4.model import DeepseekV4
-from engine.models.deepseek_v41.engram import DEAD, lookback_rows
+from engine.models.family import ModelFamily
 from engine.sequence import Sequence
 
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -46,7 +45,7 @@ def batch_from_host(host: tuple, device: torch.device) -> ForwardBatch:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV4, cache: KVCache, max_model_len: int | None = None,
+    def __init__(self, model: ModelFamily, cache: KVCache, max_model_len: int | None = None,
                  cuda_graphs: bool = False, max_num_seqs: int = 0, mixed_sizes: list[int] = ()):
         """mixed_sizes: token counts of the mixed-step graphs (none: such steps run eagerly)."""
         self.model, self.cache = model, cache
@@ -68,7 +67,7 @@ class ModelRunner:
         token_ids then its spec_token_ids (drafts to verify). Logits come for each row from a
         sequence's last known token on (it samples next), or every row."""
         fb = batch_from_host(self.host_batch(scheduled, all_logits), self.device)
-        k = getattr(self.model, "engram_lookback", 0)
+        k = self.model.lookback_tokens
         if k:  # V4.1 Engram: the tokens before each row, from the host (never a pending one)
             fb.lookback_ids = torch.cat([lookback_rows(seq.token_ids, seq.num_computed_tokens, n, k)
                                          for seq, n in scheduled]).to(self.device)
@@ -162,7 +161,7 @@ class ModelRunner:
         slots, window tables, full tables, then V4.1's Engram look-back ids), so each replay
         refreshes them with a single copy."""
         c, dev, width = self.cache, self.device, self._table_width()
-        k = getattr(self.model, "engram_lookback", 0)
+        k = self.model.lookback_tokens
         flat = torch.empty(size * (5 + 2 * width + k), dtype=torch.long, device=dev)
         col = [flat[i * size:(i + 1) * size] for i in range(5)]
         tables = flat[5 * size:(5 + 2 * width) * size].view(2, size, width)
@@ -202,7 +201,7 @@ class ModelRunner:
         _padding_batch (what build_batch would give for the real rows)."""
         c, n = self.cache, len(scheduled)
         bs, width = c.block_size, self._table_width()
-        k = getattr(self.model, "engram_lookback", 0)
+        k = self.model.lookback_tokens
         cols = host[:5 * size].reshape(5, size)
         tables = host[5 * size:(5 + 2 * width) * size].reshape(2, size, width)
         tables[0, :n], tables[1, :n] = -1, 0  # then each row's blocks over the fill

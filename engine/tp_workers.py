@@ -33,7 +33,7 @@ import torch
 from engine.args import EngineArgs
 from engine.cache import KVCache
 from engine.core_client import _python_executable, _without_main_module
-from engine.models.deepseek_v4.config import load_config
+from engine.models.registry import load_config
 from engine.parallel import TensorParallel, check_parallel
 
 log = logging.getLogger("deepseek.engine")
@@ -193,7 +193,7 @@ def worker_main(raw_args: dict, model_dir: str, kind: str, rank: int, port: int,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops us
     try:
         import kernels
-        from engine.models.deepseek_v4.loader import load_model
+        from engine.models.registry import load_model
         from engine.runner import ModelRunner
 
         args = EngineArgs(**raw_args)

@@ -23,8 +23,8 @@ import torch
 from engine.args import EngineArgs, resolve_model_dir
 from engine.core_client import CoreClient
 from engine.llm import LLM, AsyncLLM
-from engine.models.deepseek_v4.config import load_config
 from engine.models.deepseek_v4.random_checkpoint import PRESETS, QUANTS
+from engine.models.registry import load_config
 from engine.request import GenerationRequest, SamplingParams
 
 BASELINE = {"kernels": "ref", "enforce_eager": True, "enable_prefix_caching": False, "async_scheduling": False}
@@ -175,7 +175,7 @@ def hf_peer(model_dir: str, batches: list[int], input_len: int, steps: int = 32)
 def decode_floors(engine_args: dict, batches: list[int]) -> list[dict]:
     """Per batch: the bytes a decode step must read (active weights + KV) over the measured copy
     bandwidth. One model load for all batches (an 85 GB checkpoint loads in minutes)."""
-    from engine.models.deepseek_v4.loader import load_model
+    from engine.models.registry import load_model
 
     model = load_model(resolve_model_dir(engine_args.get("model", "")), "bfloat16", "cuda")
     cfg = model.cfg
@@ -231,7 +231,7 @@ def prefill_flops(cfg, active_params: float, n: int, head_params: int = 0) -> fl
     """FLOPs of prefilling an n-token prompt: 2 per active parameter per token (the LM head once), plus attention
     (every query against its window and its compressed entries: the CSA top-k, all HCA entries)
     and the CSA indexer's scores, each multiply-add 2 FLOPs, K = V read twice (scores, values)."""
-    from engine.models.deepseek_v4.config import CSA, SLIDING
+    from engine.models.config import CSA, SLIDING
 
     flops = 2.0 * active_params * n + 2.0 * head_params
     H, hd = cfg.num_heads, cfg.head_dim

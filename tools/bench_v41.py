@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 on one GPU (a script, not a test): TTFT with decoder-side bounded replay off and
+"""DeepSeek-V4.1 on one GPU (a script, not a test): TTFT with decoder trim off and
 on, the prefill through CUDA graphs and eagerly; decode steps with CUDA graphs and eagerly against
 their memory floor; the graphed greedy tokens against the eager ones, for decode steps and for
 mixed prefill + decode steps. Prints tables, writes JSON.
@@ -12,9 +12,9 @@ measurement: decode steps replay the CUDA graphs it captured per batch size, mix
 chunks with or without decodes) the graphs it captured per token count (engine/graphs/mixed.py;
 where the engine captured none, the mixed-step check captures the sizes it needs here), and for
 the eager figures its graphs are set aside. The TTFT graphs are the engine's own, at its serving
-max_num_seqs (64 unless --engine-args says otherwise): with decoder replay on, a front graph per
+max_num_seqs (64 unless --engine-args says otherwise): with decoder trim on, a front graph per
 token count and a tail graph per kept-row bucket (engine/models/deepseek_v41/split_graphs.py), so a chunk's later
-layers run its last window only; the other setting's graphs (a graph bakes decoder replay's
+layers run its last window only; the other setting's graphs (a graph bakes decoder trim's
 setting in) are captured here at the same max_num_seqs, only for the chunk sizes the prompts need.
 Prefix caching is off: every prompt is a cold prefill. Prompts longer than 8192 tokens are timed once per setting (--reps for the others).
 """
@@ -79,7 +79,7 @@ class mixed_steps:
 
 def prefill_graphs(engine: LLMEngine, lengths: list[int], warm: int) -> MixedStepGraphs:
     """Mixed-step graphs at the engine's max_num_seqs, at the sizes a cold prefill of each length (and
-    the warm-up prompt) pads its chunks to, captured with the model's decoder_replay as it is now."""
+    the warm-up prompt) pads its chunks to, captured with the model's decoder_trim as it is now."""
     budget = engine.args.max_num_batched_tokens
     sizes, chunks = mixed_sizes(budget), {warm} | {min(L, budget) for L in lengths} | {L % budget for L in lengths}
     need = sorted({min(s for s in sizes if s >= c) for c in chunks if c})
@@ -192,16 +192,16 @@ def main() -> None:
     print(f"engine up in {time.perf_counter() - t:.0f} s (max_num_seqs {engine.args.max_num_seqs}); decode CUDA graphs "
           f"for batch sizes {sorted(engine.runner.graphs) or 'none'}; mixed-step graphs for token counts "
           f"{mixed.sizes if mixed is not None and counts['mixed'] else 'none'}; graphs captured {counts} (mixed: "
-          f"fronts + tails where decoder replay splits the step)", flush=True)
+          f"fronts + tails where decoder trim splits the step)", flush=True)
     g = torch.Generator().manual_seed(0)
-    rows, started_replay = [], engine.model.decoder_replay
+    rows, started_replay = [], engine.model.decoder_trim
     prompts = {L: torch.randint(5, engine.cfg.vocab_size, (L,), generator=g).tolist() for L in lengths}
-    ttft = {}  # (graphs, decoder replay, prompt tokens) -> [ms]
-    tails = {}  # (decoder replay, prompt tokens) -> the timed prefills' 'front size/tail bucket' steps
+    ttft = {}  # (graphs, decoder trim, prompt tokens) -> [ms]
+    tails = {}  # (decoder trim, prompt tokens) -> the timed prefills' 'front size/tail bucket' steps
     graphs_on = cuda and bool(engine.runner.graphs)  # CUDA graphs enabled (mixed-step ones built here if need be)
     for graphs in ((False, True) if graphs_on else (False,)):
         for on in (False, True):
-            engine.model.decoder_replay = on  # before a capture: a graph bakes it in
+            engine.model.decoder_trim = on  # before a capture: a graph bakes it in
             own = graphs and mixed is not None and on == started_replay  # the engine's own graphs
             steps = (mixed if own else prefill_graphs(engine, lengths, 512)) if graphs else None
             with mixed_steps(engine, steps):
@@ -214,14 +214,14 @@ def main() -> None:
                         tails[on, L] = {k: v - before.get(k, 0) for k, v in tail_steps(steps).items()
                                         if v > before.get(k, 0)}
                     how = "graphs (the engine's own)" if own else "graphs" if graphs else "eager"
-                    print(f"  TTFT {L} tokens, {how}, decoder replay {'on' if on else 'off'}: "
+                    print(f"  TTFT {L} tokens, {how}, decoder trim {'on' if on else 'off'}: "
                           f"{statistics.median(ttft[graphs, on, L]):.1f} ms"
                           f"{' front/tail steps ' + str(tails[on, L]) if tails.get((on, L)) else ''}", flush=True)
             if not own:
                 del steps
                 gc.collect()
                 torch.cuda.empty_cache()
-    engine.model.decoder_replay = started_replay  # what the engine's own graphs were captured with
+    engine.model.decoder_trim = started_replay  # what the engine's own graphs were captured with
     if lengths:
         print("prompt | eager: replay off ms | on ms | speedup | graphs: replay off ms | on ms | speedup | "
               "graphs+replay vs eager without", flush=True)
@@ -272,7 +272,7 @@ def main() -> None:
             print(f"greedy, graphs vs {name.replace('_', ' ')}: {check[name]['identical_streams']}/3 streams identical "
                   f"over {a.check_tokens} tokens (tokens before the first difference: {agree})", flush=True)
     mixed_check = None
-    if a.check_tokens and graphs_on:  # prompts longer than the window: decoder replay drops rows
+    if a.check_tokens and graphs_on:  # prompts longer than the window: decoder trim drops rows
         prompts = random_prompts(3, 300, engine.cfg.vocab_size, seed=8)
         own = mixed if mixed is not None else MixedStepGraphs(  # the engine's graphs, or the sizes these steps need
             engine.model, engine.cache, engine.max_model_len, engine.args.max_num_seqs,
@@ -280,7 +280,7 @@ def main() -> None:
         before = own.replays
         with mixed_steps(engine, own):
             graphed = staggered_streams(engine, prompts, a.check_tokens)
-        mixed_check = {"prompts": 3, "tokens": a.check_tokens, "decoder_replay": engine.model.decoder_replay,
+        mixed_check = {"prompts": 3, "tokens": a.check_tokens, "decoder_trim": engine.model.decoder_trim,
                        "mixed_graph_replays": own.replays - before, "engine_captured": mixed is not None}
         padded = MixedStepGraphs(engine.model, engine.cache, engine.max_model_len, engine.args.max_num_seqs, own.sizes)
         for name, steps in (("padded_eager", padded), ("eager", None)):

@@ -166,17 +166,15 @@ def _on_layer(model, counter) -> list:
 
 
 def count(model_dir: str, dtype: torch.dtype, prompt_len: int = 40) -> dict:
-    from engine.models.deepseek_v41.cache import V41KVCache
-    from engine.models.deepseek_v41.config import is_v41
-    from engine.models.deepseek_v41.loader import load_v41_model
+    from engine.models import registry
     from engine.request import SamplingParams
     from engine.runner import ModelRunner
     from engine.sequence import Sequence
 
     torch.set_num_threads(1)
-    if is_v41(model_dir):
-        model = load_v41_model(model_dir, dtype, decoder_replay=False)
-        cache, kind_of = V41KVCache(model.cfg, 16, 64, 64, 2, dtype), layer_kind
+    if registry.family(model_dir).Model.supports_decoder_trim:  # DeepSeek-V4.1: its own cache and layer kinds
+        model = registry.load_model(model_dir, dtype, decoder_trim=False)
+        cache, kind_of = model.cache_class(model.cfg, 16, 64, 64, 2, dtype), layer_kind
     else:
         model, cache, kind_of = _v4(model_dir, dtype)
     cfg = model.cfg

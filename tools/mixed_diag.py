@@ -127,7 +127,7 @@ class StepDiagnosis:
         got = cache_writes(r.cache, scheduled)
         T = sum(n for _, n in scheduled)
         size = min(s for s in r.mixed.sizes if s >= T) if mixed else min(b for b in r.graphs if b >= len(scheduled))
-        split = r.mixed.split if mixed else None  # V4.1 decoder replay: the tail graph over the kept rows
+        split = r.mixed.split if mixed else None  # V4.1 decoder trim: the tail graph over the kept rows
         row = {"step": len(self.rows), "path": "mixed" if mixed else "decode", "tokens": T, "graph_size": size,
                "tail_bucket": split.bucket(scheduled) if split is not None else None,
                "seqs": len(scheduled), "logits_graph_vs_padded_eager": max_diff(logits, padded),

@@ -12,7 +12,7 @@ row 0 and write only the scratch block / slot, padding logits rows repeat row 0.
 tensors are views of one flat buffer, so a step is one pinned host-to-device copy and one replay.
 On the CPU (no graphs) the same padded batches run eagerly: the tests compare them with the
 unpadded path there. A model may add fields of its own (`model.mixed_rows(cache)`: DeepSeek-V4.1's
-Engram look-back, engine/models/deepseek_v41/mixed_rows.py) and run a step as two graphs (V4.1's decoder replay: the
+Engram look-back, engine/models/deepseek_v41/mixed_rows.py) and run a step as two graphs (V4.1's decoder trim: the
 layers after the last KV source on each sequence's last window only, engine/models/deepseek_v41/split_graphs.py).
 """
 
@@ -214,18 +214,16 @@ class MixedStepGraphs:
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
         self.max_model_len = max_model_len
-        # V4.1: only its KV sources compress (a plan per their ratios)
-        self.ratios = sorted(getattr(model, "source_ratios", None) or {r for r in model.cfg.compress_ratios if r})
-        self.extra = model.mixed_rows(cache) if hasattr(model, "mixed_rows") else None
+        self.ratios = model.compressed_ratios  # a compressor plan per ratio
+        self.extra = model.mixed_rows(cache)
         self.width = -(-max_model_len // cache.block_size) + 1
         self.max_num_seqs = max_num_seqs
         self.sizes = sorted(set(sizes))
         self.static: dict[int, StaticBatch] = {}
         self.replays = 0  # mixed steps run through a padded batch
-        # a model may run a step as two graphs (V4.1 with decoder replay: every row up to the last KV
+        # a model may run a step as two graphs (V4.1 with decoder trim: every row up to the last KV
         # source, then only the kept rows, engine/models/deepseek_v41/split_graphs.py); None: one graph per size
-        self.split = (model.mixed_split(cache, self.sizes, max_num_seqs, self.width, max_model_len)
-                      if hasattr(model, "mixed_split") else None)
+        self.split = model.mixed_split(cache, self.sizes, max_num_seqs, self.width, max_model_len)
         # every graph writes its logits into one buffer, so no graph keeps an output of its own in the pool
         rows = min(max(self.sizes, default=0), max_num_seqs)
         self.logits = torch.empty(rows, model.cfg.vocab_size, device=self.device) if pool is not None else None

@@ -34,8 +34,6 @@ import torch
 
 from engine.args import InvalidEngineArgs
 from engine.forward_batch import ForwardBatch
-from engine.models.deepseek_v4.model import DeepseekV4
-from engine.models.deepseek_v4.mtp import MTP
 from engine.prompt_logprobs import prompt_logprob_rows
 from engine.sampler import sampling_probs
 from engine.sequence import Sequence, Status
@@ -51,7 +49,7 @@ def speculates(seq: Sequence) -> bool:
     return not p.processes_logits and p.logprobs is None and p.seed is None
 
 
-def spec_graphs(engine, k: int, mtp: MTP, mtp_cache) -> tuple[VerifyGraphs | None, DraftGraphs | None]:
+def spec_graphs(engine, k: int, mtp, mtp_cache) -> tuple[VerifyGraphs | None, DraftGraphs | None]:
     """The verify graphs for the batch buckets the decode graphs have (those that fit the token
     budget) and the MTP's graphs for the same buckets, captured when the runner captured decode
     graphs; else None (speculative steps run eagerly)."""
@@ -66,15 +64,15 @@ def spec_graphs(engine, k: int, mtp: MTP, mtp_cache) -> tuple[VerifyGraphs | Non
 class SpecDecoder:
     def __init__(self, engine, num_speculative_tokens: int):
         self.engine, self.k = engine, num_speculative_tokens
-        if not isinstance(engine.model, DeepseekV4):
-            raise InvalidEngineArgs(f"speculative_config: the MTP draft is implemented for DeepSeek-V4 checkpoints, "
-                                    f"not {type(engine.model).__name__}")
+        if "mtp" not in engine.model.speculative_methods:
+            raise InvalidEngineArgs(f"speculative_config: {type(engine.model).__name__} has no MTP draft "
+                                    f"(speculative methods: {list(engine.model.speculative_methods) or 'none'})")
         cfg = engine.cfg
         ratios = [r for r in cfg.compress_ratios if r]
         if ratios and self.k + 1 > min(ratios):  # one verify closes at most one block per compressor
             raise InvalidEngineArgs(f"speculative_config: num_speculative_tokens={self.k} needs k + 1 <= the smallest "
                              f"compress ratio ({min(ratios)})")
-        self.mtp = MTP.from_model(engine.model)
+        self.mtp = engine.model.mtp_draft()
         self.mtp_cache = self.mtp.make_cache(engine.cache)
         self.forced_drafts: dict[str, list[int]] | None = None  # benchmarks: see force_drafts
         self.mtp_drafts: dict[str, list[int]] = {}  # the last step's own MTP drafts (before force_drafts)

@@ -13,46 +13,22 @@ from pathlib import Path
 
 import torch
 
-from engine.models.deepseek_v4.config import load_config
+from engine.models.deepseek_v4.config import load_config  # noqa: F401 - the registry's entry (engine/models/registry.py)
 from engine.models.deepseek_v4.model import DeepseekV4
-from engine.models.deepseek_v41.config import is_v41
+from engine.models.loading import device_bytes, load_named, resolve_dtype
 from engine.models.stacked_linears import stack_linears
-from engine.models.weights import WeightsError, iter_checkpoint
+from engine.models.weights import iter_checkpoint
 from engine.parallel import SINGLE, TensorParallel, local_expert_name, shard_spec
 
 log = logging.getLogger(__name__)
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-          "float32": torch.float32, "float": torch.float32, "float64": torch.float64}
-
-
-def resolve_dtype(dtype: str | torch.dtype, default: str = "bfloat16") -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    name = default if dtype in (None, "auto") else dtype
-    if name not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)} or 'auto'")
-    return DTYPES[name]
-
-
-def device_bytes(model: DeepseekV4) -> int:
-    """Bytes the model holds: parameters, buffers and the kept MTP tensors."""
-    tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None), *model.mtp_weights.values()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+Model = DeepseekV4  # the registry's entry: this family's ModelFamily class
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                quantized: bool | None = None, tokenizer: str | Path | None = None,
                tp: TensorParallel = SINGLE) -> DeepseekV4:
     """quantized: keep the stored formats (default: on CUDA, when the checkpoint is quantized).
-    A DeepSeek-V4.1 checkpoint (its model_type) loads through engine/models/deepseek_v41/loader.py; `tokenizer`
-    is where its Engram hashing finds tokenizer.json (default: the model dir). tp: build and read
-    only this rank's share (engine/parallel.py; V4 only)."""
-    if is_v41(model_dir):
-        from engine.models.deepseek_v41.config import load_v41_config
-        from engine.models.deepseek_v41.loader import load_v41_model
-
-        return load_v41_model(model_dir, resolve_dtype(dtype, load_v41_config(model_dir).torch_dtype), device,
-                              tokenizer=tokenizer)
+    tokenizer: unused (V4 hashes no n-grams). tp: build and read only this rank's share (engine/parallel.py)."""
     cfg = load_config(model_dir)
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
     device = torch.device(device)
@@ -74,24 +50,3 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
              f"as stored, {stacked} linear groups stacked" if quantized else f"dequantized to {dtype}" if cfg.fp8_linears else str(dtype),
              len(model.mtp_weights))
     return model.eval()
-
-
-def load_named(model, named, device: torch.device, model_dir: str | Path) -> None:
-    """Copy (official name, tensor) pairs into `model` (V4 and V4.1 alike): `mtp.*` kept aside,
-    every expected name once; a WeightsError names what is missing or unexpected."""
-    expected, loaded, unexpected = model.expected_names(), set(), []
-    for name, tensor in named:
-        if name.startswith("mtp."):
-            model.load_weight(name, tensor.to(device))
-        elif name not in expected:
-            unexpected.append(name)
-        else:
-            model.load_weight(name, tensor.to(device))
-            loaded.add(name)
-    missing = sorted(expected - loaded)
-    if missing or unexpected:
-        raise WeightsError(
-            f"{model_dir}: checkpoint does not match the config: "
-            f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} "
-            f"unexpected {sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}"
-        )

@@ -21,7 +21,9 @@ import kernels as K
 from engine.cache import CompressorState, KVCache
 from engine.compress_plan import compress_plan
 from engine.forward_batch import ForwardBatch
-from engine.models.deepseek_v4.config import CSA, SLIDING, ModelConfig
+from engine.models.config import CSA, SLIDING
+from engine.models.deepseek_v4.config import ModelConfig
+from engine.models.family import ModelFamily
 from engine.models.stacked_linears import ATTENTION_X_READERS, linear_group, members
 from engine.models.weights import WeightsError
 from engine.parallel import SINGLE, TensorParallel
@@ -289,7 +291,11 @@ class Block(nn.Module):
         return h, (self.ffn(x, fb.input_ids), post, comb)
 
 
-class DeepseekV4(nn.Module):
+class DeepseekV4(ModelFamily):
+    supports_tensor_parallel = True
+    supports_prompt_logprobs = True
+    speculative_methods = ("mtp",)
+
     def __init__(self, cfg: ModelConfig, quantized: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
         self.cfg, self.quantized, self.tp = cfg, quantized, tp
@@ -351,6 +357,11 @@ class DeepseekV4(nn.Module):
 
     def cast(self, dtype: torch.dtype) -> DeepseekV4:
         return cast_params(self, dtype)
+
+    def mtp_draft(self):
+        from engine.models.deepseek_v4.mtp import MTP  # it builds on this module's blocks
+
+        return MTP.from_model(self)
 
 
 # Shared by DeepseekV4 and the MTP module (engine/models/deepseek_v4/mtp.py): the same official names below a prefix.

@@ -28,7 +28,8 @@ from torch import nn
 import kernels as K
 from engine.cache import KVCache
 from engine.forward_batch import ForwardBatch
-from engine.models.deepseek_v4.config import SLIDING, ModelConfig
+from engine.models.config import SLIDING
+from engine.models.deepseek_v4.config import ModelConfig
 from engine.models.deepseek_v4.model import (
     Block,
     DeepseekV4,

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 
 from kernels.formats import quantize_fp8_block, quantize_mxfp4
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[2] / "data"  # engine/data: the tiny tokenizer
 WRITER_VERSION = "2"  # bumped when what the writer emits changes (2: the MTP layer); the cached tiny default follows
 
 # Real models only use 0 (sliding), 4 (CSA) and 128 (HCA); transformers maps only those from

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from engine.models.deepseek_v4.config import ConfigError, RopeConfig, _quantization, _rope
+from engine.models.config import ConfigError, DeepseekConfig, quantization, rope
 
 MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 V41_SLIDING, V41_SOURCE = "sliding_attention", "shared_compressed_attention"
@@ -23,44 +23,18 @@ RELEASED_KV_SOURCES = [2, 8, 14, 20]
 RELEASED_INDEX_SOURCES = [2, 8, 14, 20, 24, 28, 32, 36]
 
 
-@dataclass(frozen=True)
-class V41Config:
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    head_dim: int
-    rope_dim: int
-    q_lora_rank: int
-    o_groups: int
-    o_lora_rank: int
-    moe_intermediate_size: int
-    n_routed_experts: int
-    num_experts_per_tok: int
-    routed_scaling_factor: float
-    scoring_func: str
+@dataclass(frozen=True, kw_only=True)
+class V41Config(DeepseekConfig):
+    """DeepSeek-V4.1 on top of the common fields: router temperature, the CSA2 sources and the
+    two-level top-k, Engram, the image token, FP8 tiles of its own size."""
+
     gate_temp: float
     norm_topk_prob: bool
-    swiglu_limit: float
-    sliding_window: int
-    compress_ratios: tuple[int, ...]
     kv_source_layer_ids: tuple[int, ...]
     index_source_layer_ids: tuple[int, ...]
     candidate_source_layer_id: int  # < 0: no two-level top-k
     candidate_topk_blocks: int
     candidate_block_size: int
-    index_n_heads: int
-    index_head_dim: int
-    index_topk: int
-    hc_mult: int
-    hc_sinkhorn_iters: int
-    hc_eps: float
-    rms_norm_eps: float
-    main_rope: RopeConfig
-    compress_rope: RopeConfig
-    max_position_embeddings: int
-    bos_token_id: int
-    eos_token_ids: tuple[int, ...]
     engram_layer_ids: tuple[int, ...]
     engram_vocab_size: int
     engram_num_embeddings: tuple[int, ...]
@@ -70,11 +44,7 @@ class V41Config:
     engram_pad_id: int
     engram_compressed_vocab_size: int
     image_token_id: int | None
-    torch_dtype: str = "bfloat16"
-    fp8_linears: bool = False
-    expert_dtype: str = "bf16"
     weight_block_size: tuple[int, int] = (32, 32)
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     model_type = "deepseek_v41"
 
@@ -195,7 +165,7 @@ def parse_v41_config(full: dict) -> V41Config:
     if int(raw.get("n_shared_experts", 1)) != 1:
         raise ConfigError("config.json: n_shared_experts must be 1 (V4.1 always has one shared expert)")
     ratios, kv, idx, cand = _schedule(raw, n)
-    main_rope, compress_rope = _rope(raw, rope_dim)
+    main_rope, compress_rope = rope(raw, rope_dim)
     qc = raw.get("quantization_config")
     block = (32, 32)
     if qc is not None:
@@ -203,7 +173,7 @@ def parse_v41_config(full: dict) -> V41Config:
         if block not in ((32, 32), (128, 128)):
             raise ConfigError(f"config.json: quantization_config.weight_block_size={list(block)}: 32x32 or 128x128")
         qc = {k: v for k, v in qc.items() if k not in ("weight_block_size", "expert_dtype")}
-    fp8, expert_dtype = _quantization({"quantization_config": qc, "expert_dtype": raw.get("expert_dtype")
+    fp8, expert_dtype = quantization({"quantization_config": qc, "expert_dtype": raw.get("expert_dtype")
                                        or (raw.get("quantization_config") or {}).get("expert_dtype")})
     engram_ids = tuple(int(i) for i in raw.get("engram_layer_ids") or ())
     engram_rows = tuple(int(i) for i in raw.get("engram_num_embeddings") or (0,) * len(engram_ids))
@@ -241,10 +211,5 @@ def parse_v41_config(full: dict) -> V41Config:
     )
 
 
-def is_v41(model_dir: str | Path) -> bool:
-    path = Path(model_dir) / "config.json"
-    return path.exists() and json.loads(path.read_text()).get("model_type") in MODEL_TYPES
-
-
-def load_v41_config(model_dir: str | Path) -> V41Config:
+def load_config(model_dir: str | Path) -> V41Config:
     return parse_v41_config(json.loads((Path(model_dir) / "config.json").read_text()))

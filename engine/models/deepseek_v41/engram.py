@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DEAD = -1  # look-back slot before the sequence start: an n-gram never reaches across it
+from engine.forward_batch import DEAD
 
 
 def _is_prime(n: int) -> bool:
@@ -151,12 +151,3 @@ class EngramHasher(torch.nn.Module):
             rolling = torch.bitwise_xor(rolling, products[..., i])
             out.append(rolling.unsqueeze(-1) % self.primes[:, i - 1])
         return torch.cat(out, dim=-1) + self.offsets
-
-
-def lookback_rows(token_ids: list[int], start: int, n: int, k: int) -> torch.Tensor:
-    """For positions start..start+n-1 of a sequence: the k token ids before each, nearest first
-    (DEAD below 0) -> [n, k]; one slice and a window view, no per-token Python."""
-    lo = start - k
-    before = [DEAD] * max(0, -lo) + token_ids[max(0, lo):start + n - 1]  # positions lo .. start+n-2
-    return torch.tensor(before, dtype=torch.long).unfold(0, k, 1).flip(-1)
-

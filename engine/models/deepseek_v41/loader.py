@@ -11,27 +11,36 @@ from pathlib import Path
 
 import torch
 
-from engine.models.deepseek_v4.loader import device_bytes, load_named
-from engine.models.deepseek_v41.config import load_v41_config
+from engine.models.deepseek_v41.config import load_config
 from engine.models.deepseek_v41.engram import find_tokenizer_json
 from engine.models.deepseek_v41.model import DeepseekV41, engram_hasher, hold_fp32_weights
 from engine.models.deepseek_v41.names import official_name, to_official
 from engine.models.deepseek_v41.weights import iter_v41_checkpoint, mxfp4_experts
+from engine.models.loading import device_bytes, load_named, resolve_dtype
 from engine.models.stacked_linears import stack_linears
 from engine.models.weights import WeightsError
+from engine.parallel import SINGLE, TensorParallel
 
 log = logging.getLogger(__name__)
 _NOT_TEXT = ("vision.", "aligner.", "image_", "model.vision", "model.aligner", "model.image_")
 
 
-def load_v41_model(model_dir: str | Path, dtype: torch.dtype, device: str | torch.device = "cpu",
-                   tokenizer: str | Path | None = None, decoder_replay: bool = True,
-                   experts_as_stored: bool | None = None, linears_as_stored: bool | None = None) -> DeepseekV41:
-    """experts_as_stored: routed MXFP4 experts kept packed for the fused MoE (default: on CUDA, when
+Model = DeepseekV41  # the registry's entry: this family's ModelFamily class
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+               tokenizer: str | Path | None = None, decoder_trim: bool = True,
+               experts_as_stored: bool | None = None, linears_as_stored: bool | None = None,
+               tp: TensorParallel = SINGLE) -> DeepseekV41:
+    """tokenizer: where the Engram hashing finds tokenizer.json (default: the model dir).
+    experts_as_stored: routed MXFP4 experts kept packed for the fused MoE (default: on CUDA, when
     the checkpoint's experts are MXFP4). linears_as_stored: the FP8 linears kept in e4m3 with their
     tile scales for the FP8 kernels (default: on CUDA, when the config says FP8 linears; on the CPU
     the torch reference dequantizes them per call). What stays dequantized: engine/models/deepseek_v41/weights.py."""
-    cfg = load_v41_config(model_dir)
+    if tp.world > 1:
+        raise WeightsError(f"{model_dir}: DeepSeek-V4.1 is not served with tensor_parallel_size > 1 yet")
+    cfg = load_config(model_dir)
+    dtype = resolve_dtype(dtype, cfg.torch_dtype)
     device = torch.device(device)
     if experts_as_stored is None:
         experts_as_stored = device.type == "cuda" and mxfp4_experts(model_dir)
@@ -42,7 +51,7 @@ def load_v41_model(model_dir: str | Path, dtype: torch.dtype, device: str | torc
     if linears_as_stored and not cfg.fp8_linears:
         raise WeightsError(f"{model_dir}: linears_as_stored needs FP8 linears; the config has no FP8 quantization_config")
     with torch.device("meta"):
-        model = DeepseekV41(cfg, quantized=experts_as_stored, decoder_replay=decoder_replay,
+        model = DeepseekV41(cfg, quantized=experts_as_stored, decoder_trim=decoder_trim,
                             fp8_linears=linears_as_stored)
     model.to_empty(device=device)
     model.cast(dtype)

@@ -3,7 +3,7 @@ forward would otherwise take from the host, as fixed-capacity fields of the stat
 
 - the Engram look-back: the k token ids before each row ([T, k], DEAD for padding rows), as the
   decode graphs' static batch carries it (engine/runner.py);
-- decoder-side bounded replay: the layers after the last KV source run on each sequence's last
+- decoder trim: the layers after the last KV source run on each sequence's last
   `sliding_window` rows. Their count varies per step and no fixed capacity below T holds every
   step's at a serving max_num_seqs, so the step runs as two graphs, the second captured per count
   of kept rows (engine/models/deepseek_v41/split_graphs.py; its batches carry these fields too).
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.models.deepseek_v41.engram import DEAD, lookback_rows
+from engine.forward_batch import DEAD, lookback_rows
 
 PLAN_KEY = "v41_mixed"  # in fb.plans: a padded mixed step (the forward does not trim it: its tail graph does)
 
@@ -27,7 +27,7 @@ class V41MixedRows:
     def __init__(self, model, cache, lookback: bool = True):
         """lookback False: no look-back field (a split's tail without Engram layers)."""
         self.model, self.cache = model, cache
-        self.k = model.engram_lookback if lookback else 0
+        self.k = model.lookback_tokens if lookback else 0
 
     def fields(self, T: int, S: int) -> list[tuple[str, int]]:
         return [("lookback_ids", T * self.k)] if self.k else []

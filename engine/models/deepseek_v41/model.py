@@ -13,7 +13,7 @@ What differs from V4 (engine/models/deepseek_v4/model.py), following transformer
 - the reference's QAT fake-quantisers: window KV FP8, compressed KV FP4 (e4m3 scales per 16),
   indexer keys and queries FP4 (ue8m0 per 32).
 
-Decoder-side bounded replay (`decoder_replay`): layers after the last KV source own only window
+Decoder trim (`decoder_trim`): layers after the last KV source own only window
 KV, so a prefill chunk runs them on each sequence's last `sliding_window` rows only; those rows'
 window attention there reads nothing below the kept rows (an approximation, measured).
 
@@ -49,6 +49,7 @@ from engine.models.deepseek_v41.decode_plan import DecodePlan, decode_plan
 from engine.models.deepseek_v41.engram import EngramHasher
 from engine.models.deepseek_v41.mixed_rows import PLAN_KEY, V41MixedRows
 from engine.models.deepseek_v41.split_graphs import DecoderSplitGraphs
+from engine.models.family import ModelFamily
 from engine.models.stacked_linears import linear_group
 
 SCORE_BUDGET = 1 << 27  # fp32 elements of one indexer score chunk [rows, heads, entries]
@@ -63,7 +64,7 @@ class Norm(V4Norm):
 
 @dataclass
 class Rows:
-    """The packed rows a layer runs on: all of the batch, or (decoder replay) each sequence's last
+    """The packed rows a layer runs on: all of the batch, or (decoder trim) each sequence's last
     window. Per-row tensors plus the per-forward CSA2 state (top-k, candidates)."""
 
     positions: torch.Tensor
@@ -359,7 +360,7 @@ def engram_hasher(cfg: V41Config) -> EngramHasher:
 
 
 def _decoder_keep(fb: ForwardBatch, window: int) -> tuple[torch.Tensor, list[int]] | None:
-    """Rows of each sequence's last `window` tokens (decoder replay), and each sequence's first
+    """Rows of each sequence's last `window` tokens (decoder trim), and each sequence's first
     kept position (0 for a sequence that drops nothing: its window reads the cache as without
     trimming); None when nothing would be dropped."""
     keep, first, row = [], [], 0
@@ -373,22 +374,21 @@ def _decoder_keep(fb: ForwardBatch, window: int) -> tuple[torch.Tensor, list[int
     return torch.tensor(keep, dtype=torch.long, device=fb.input_ids.device), first
 
 
-class DeepseekV41(nn.Module):
+class DeepseekV41(ModelFamily):
     # decode steps replay CUDA graphs: their compressor plan is built on the device (DecodePlan)
     # and the Engram look-back rides in the runner's static batch. Mixed steps run on padded static
     # batches (engine/graphs/mixed.py + engine/models/deepseek_v41/mixed_rows.py): padded plans, the look-back, the
-    # indexer over fixed-width score rows; with decoder replay as two graphs, the second over the kept
+    # indexer over fixed-width score rows; with decoder trim as two graphs, the second over the kept
     # rows (engine/models/deepseek_v41/split_graphs.py; tests/engine/models/deepseek_v41/test_mixed_graphs.py: eagerly and through the
     # CPU emulation of a graph).
-    supports_cuda_graphs = True
-    supports_mixed_graphs = True
     cache_class = V41KVCache
+    supports_decoder_trim = True
 
-    def __init__(self, cfg: V41Config, quantized: bool = False, decoder_replay: bool = True, fp8_linears: bool = False):
+    def __init__(self, cfg: V41Config, quantized: bool = False, decoder_trim: bool = True, fp8_linears: bool = False):
         """quantized: routed experts as stored (MXFP4); fp8_linears: the FP8 linears as stored (e4m3 +
         float32 scales per cfg.weight_block_size tile), else in the model dtype."""
         super().__init__()
-        self.cfg, self.quantized, self.decoder_replay = cfg, quantized, decoder_replay
+        self.cfg, self.quantized, self.decoder_trim = cfg, quantized, decoder_trim
         D = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, D)
         self.layers = nn.ModuleList(Block(cfg, i, quantized, fp8_linears) for i in range(cfg.num_layers))
@@ -407,9 +407,12 @@ class DeepseekV41(nn.Module):
         return None
 
     @property
-    def source_ratios(self) -> set[int]:
-        """The compress ratios of the KV sources (each has a compressor)."""
-        return {self.cfg.compress_ratios[s] for s in self.cfg.kv_source_layer_ids if self.cfg.compress_ratios[s]}
+    def compressed_ratios(self) -> list[int]:
+        """The compress ratios of the KV sources (only they have a compressor)."""
+        return sorted({self.cfg.compress_ratios[s] for s in self.cfg.kv_source_layer_ids if self.cfg.compress_ratios[s]})
+
+    def set_decoder_trim(self, on: bool) -> None:
+        self.decoder_trim = on
 
     def mixed_rows(self, cache: V41KVCache) -> V41MixedRows:
         """This model's fields of a padded mixed step (engine/graphs/mixed.py)."""
@@ -417,14 +420,14 @@ class DeepseekV41(nn.Module):
 
     def mixed_split(self, cache: V41KVCache, sizes: list[int], max_num_seqs: int, width: int,
                     max_model_len: int) -> DecoderSplitGraphs | None:
-        """A padded mixed step as two graphs where decoder replay has layers to trim (as set now: a
+        """A padded mixed step as two graphs where decoder trim has layers to trim (as set now: a
         graph bakes the setting in; engine/models/deepseek_v41/split_graphs.py); None: one graph, every row throughout."""
-        if not (self.decoder_replay and self.replay_cut < len(self.layers)):
+        if not (self.decoder_trim and self.trim_cut < len(self.layers)):
             return None
         return DecoderSplitGraphs(self, cache, sizes, max_num_seqs, width, max_model_len)
 
     @property
-    def engram_lookback(self) -> int:
+    def lookback_tokens(self) -> int:
         """How many tokens before each row the runner passes (`ForwardBatch.lookback_ids`)."""
         return self.cfg.engram_max_ngram_size - 1 if self.engram_hasher is not None else 0
 
@@ -439,8 +442,8 @@ class DeepseekV41(nn.Module):
                 if layers is None or layer in layers}
 
     @property
-    def replay_cut(self) -> int:
-        """The first layer decoder replay trims (after the last KV source: those own only window KV)."""
+    def trim_cut(self) -> int:
+        """The first layer decoder trim trims (after the last KV source: those own only window KV)."""
         return self.cfg.last_kv_source + 1
 
     def rows_of(self, fb: ForwardBatch, dtype: torch.dtype, engram_layers: tuple[int, ...] | None = None) -> Rows:
@@ -455,7 +458,7 @@ class DeepseekV41(nn.Module):
         x = self.embed(fb.input_ids)
         rows = self.rows_of(fb, x.dtype)
         if fb.is_decode:
-            rows.plans = {m: decode_plan(fb, m, cache) for m in self.source_ratios}
+            rows.plans = {m: decode_plan(fb, m, cache) for m in self.compressed_ratios}
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # mHC: hc copies of the residual
         pre = torch.zeros(h.shape[:2], dtype=torch.float32, device=h.device)
         pre[:, 0] = 1.0  # the first site collapses stream 0
@@ -476,11 +479,11 @@ class DeepseekV41(nn.Module):
     def forward(self, fb: ForwardBatch, cache: V41KVCache) -> torch.Tensor:
         """One step over packed tokens; returns logits [len(fb.logits_rows), vocab] in fp32."""
         h, pre, rows = self.embed_rows(fb, cache)
-        cut = self.replay_cut
+        cut = self.trim_cut
         h, pre = self.run_layers(h, pre, rows, fb, cache, 0, cut)
         logits_rows, full_rows = fb.logits_rows, True
-        # decoder replay; a padded mixed step (PLAN_KEY) trims in its tail graph (engine/models/deepseek_v41/split_graphs.py)
-        if cut < len(self.layers) and self.decoder_replay and not fb.is_decode and PLAN_KEY not in fb.plans:
+        # decoder trim; a padded mixed step (PLAN_KEY) trims in its tail graph (engine/models/deepseek_v41/split_graphs.py)
+        if cut < len(self.layers) and self.decoder_trim and not fb.is_decode and PLAN_KEY not in fb.plans:
             got = _decoder_keep(fb, self.cfg.sliding_window)
             if got is not None and bool(torch.isin(fb.logits_rows, got[0]).all()):
                 h, pre, rows, logits_rows = self._trim(h, pre, rows, fb, *got)

@@ -1,6 +1,6 @@
-"""DeepSeek-V4.1's padded mixed step as two CUDA graphs, split at the last KV source (decoder replay).
+"""DeepSeek-V4.1's padded mixed step as two CUDA graphs, split at the last KV source (decoder trim).
 
-The layers after the last KV source own only window KV, so decoder replay runs them on each
+The layers after the last KV source own only window KV, so decoder trim runs them on each
 sequence's last `sliding_window` rows. One graph per token count T fixes how many rows those layers
 run: at a serving max_num_seqs no count below T holds every step's kept rows, and such a graph
 trims nothing. So a step runs as
@@ -14,7 +14,7 @@ trims nothing. So a step runs as
   into MixedStepGraphs' logits. Ropes are recomputed from the kept positions, Engram rows of layers
   after the split from the kept ids.
 Padding rows of the tail take row 0's state and the padding sequence's scratch blocks; they select
-no compressed entries. Decoder replay switched off after capture keeps every row: exact.
+no compressed entries. Decoder trim switched off after capture keeps every row: exact.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class DecoderSplitGraphs:
         cfg = model.cfg
         self.model, self.cache = model, cache
         self.max_num_seqs, self.width, self.max_model_len = max_num_seqs, width, max_model_len
-        self.cut = model.replay_cut
+        self.cut = model.trim_cut
         self.window = cfg.sliding_window
         self.sizes = mixed_sizes(max(sizes)) if sizes else []  # kept-row buckets
         self.engram = tuple(i for i in cfg.engram_layer_ids if i >= self.cut)  # Engram layers in the tail
@@ -122,9 +122,9 @@ class DecoderSplitGraphs:
     # --- the host side ----------------------------------------------------------------------------
 
     def kept(self, scheduled) -> np.ndarray:
-        """Rows each sequence keeps on the tail's layers (every row with decoder replay off)."""
+        """Rows each sequence keeps on the tail's layers (every row with decoder trim off)."""
         n = np.fromiter((k for _, k in scheduled), dtype=np.int64, count=len(scheduled))
-        return np.minimum(n, self.window) if self.model.decoder_replay else n
+        return np.minimum(n, self.window) if self.model.decoder_trim else n
 
     def bucket(self, scheduled) -> int:
         """The smallest tail bucket that holds the step's kept rows."""

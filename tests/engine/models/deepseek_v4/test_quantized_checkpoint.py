@@ -150,7 +150,7 @@ def test_memory_after_load_is_the_stored_bytes_plus_the_documented_extras(quanti
             widened = fp8_block_scale or model_norm or name.endswith("tid2eid")
             want += n * (4 if fp8_block_scale else 2 * size if widened else size)
     want += (model.main_inv_freq.numel() + model.compress_inv_freq.numel()) * 4
-    from engine.models.deepseek_v4.loader import device_bytes
+    from engine.models.loading import device_bytes
 
     assert device_bytes(model) == want
 

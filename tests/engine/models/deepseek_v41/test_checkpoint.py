@@ -15,7 +15,7 @@ from engine.models.deepseek_v41.config import (
     RELEASED_RATIOS,
     parse_v41_config,
 )
-from engine.models.deepseek_v41.loader import load_v41_model
+from engine.models.deepseek_v41.loader import load_model
 from engine.models.deepseek_v41.random_checkpoint import build_text_config, write_v41_checkpoint
 from engine.models.deepseek_v41.weights import check_fp8_tiles, mxfp4_experts
 from engine.models.weights import WeightsError
@@ -36,8 +36,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_shipped_formats_load_close_to_bf16(checkpoints):
-    ref = load_v41_model(checkpoints["bf16"], torch.float32)
-    q = load_v41_model(checkpoints["fp8-fp4"], torch.float32)
+    ref = load_model(checkpoints["bf16"], torch.float32)
+    q = load_model(checkpoints["fp8-fp4"], torch.float32)
     assert q.cfg.fp8_linears and q.cfg.expert_dtype == "fp4" and q.cfg.weight_block_size == (32, 32)
     a, b = dict(ref.named_parameters()), dict(q.named_parameters())
     assert a.keys() == b.keys()
@@ -80,8 +80,8 @@ def test_mxfp4_experts_kept_as_stored_give_the_dequantized_logits(checkpoints):
     32x32 linears stay dequantized here (the CPU default; kept as stored: the next test)."""
     ck = checkpoints["fp8-fp4"]
     assert mxfp4_experts(ck) and not mxfp4_experts(checkpoints["bf16"])
-    dq = load_v41_model(ck, torch.float32)  # the CPU default
-    st = load_v41_model(ck, torch.float32, experts_as_stored=True)
+    dq = load_model(ck, torch.float32)  # the CPU default
+    st = load_model(ck, torch.float32, experts_as_stored=True)
     ffn = st.layers[2].ffn
     assert ffn.experts_w1.dtype == torch.int8 and ffn.experts_w1_scale.dtype == torch.uint8
     assert ffn.experts_w1.numel() * 2 == dq.layers[2].ffn.experts_w1.numel()  # two values per byte
@@ -91,7 +91,7 @@ def test_mxfp4_experts_kept_as_stored_give_the_dequantized_logits(checkpoints):
     # the packed path's MoE works in float32 (kernels.reference dequantizes there): float32 rounding, not more
     assert (a - b).abs().max() <= 1e-6 * a.abs().max()
     with pytest.raises(WeightsError, match="experts_as_stored needs MXFP4"):
-        load_v41_model(checkpoints["bf16"], torch.float32, experts_as_stored=True)
+        load_model(checkpoints["bf16"], torch.float32, experts_as_stored=True)
 
 
 def test_fp8_linears_kept_as_stored_give_the_dequantized_tokens(checkpoints):
@@ -104,8 +104,8 @@ def test_fp8_linears_kept_as_stored_give_the_dequantized_tokens(checkpoints):
     from engine.models.deepseek_v41.random_checkpoint import FP8_LINEAR
 
     ck = checkpoints["fp8-fp4"]
-    dq = load_v41_model(ck, torch.float32)
-    st = load_v41_model(ck, torch.float32, linears_as_stored=True)
+    dq = load_model(ck, torch.float32)
+    st = load_model(ck, torch.float32, linears_as_stored=True)
     kept = {n for n, p in st.named_parameters() if p.dtype == torch.float8_e4m3fn}
     assert kept == {n for n, _ in dq.named_parameters() if FP8_LINEAR.search(n)} and len(kept) == 10 * 8 + 2
     wq_b = st.layers[3].attn.wq_b
@@ -122,7 +122,7 @@ def test_fp8_linears_kept_as_stored_give_the_dequantized_tokens(checkpoints):
     assert next(to_official("model.layers.3.mlp.shared_experts.down_proj.scale", wq_b.scale))[0] == \
         "layers.3.ffn.shared_experts.w2.scale"
     with pytest.raises(WeightsError, match="linears_as_stored needs FP8"):
-        load_v41_model(checkpoints["bf16"], torch.float32, linears_as_stored=True)
+        load_model(checkpoints["bf16"], torch.float32, linears_as_stored=True)
 
 
 def test_fp8_linears_through_the_fused_kernels_equal_the_references(checkpoints, monkeypatch):
@@ -132,7 +132,7 @@ def test_fp8_linears_through_the_fused_kernels_equal_the_references(checkpoints,
     import kernels
     from kernels import fused
 
-    st = load_v41_model(checkpoints["fp8-fp4"], torch.float32, linears_as_stored=True)
+    st = load_model(checkpoints["fp8-fp4"], torch.float32, linears_as_stored=True)
     ids = torch.arange(5, 25).tolist()  # a 20-row prefill (the dequant GEMV), then a decode step (the gemv)
     want_tokens, want = greedy(st, ids, chunk=24, steps=2, dtype=torch.float32)
     for name in ("linear", "linear_split", "grouped_linear"):
@@ -164,7 +164,7 @@ def test_fp32_math_weights_are_held_in_fp32_after_loading(checkpoints):
     exactly, so no decode step converts them; the ratio-1 compressor keeps the model dtype."""
     from safetensors.torch import load_file
 
-    m = load_v41_model(checkpoints["bf16"], torch.bfloat16)
+    m = load_model(checkpoints["bf16"], torch.bfloat16)
     comp = m.layers[2].attn.compressor
     assert comp.ratio == 2 and comp.pool.dtype == torch.float32 and comp.pool.shape[0] == 2 * comp.wkv.weight.shape[0]
     assert comp.wkv.weight.data_ptr() == comp.pool.data_ptr() and comp.wgate.weight.data_ptr() == comp.pool[

@@ -24,9 +24,9 @@ pytestmark = [needs_oracle, pytest.mark.usefixtures("single_thread")]
 def test_decode_through_the_fused_kernels_equals_the_references(v41_golden):
     """Chunked prefill then greedy decode on the CUDA-graph path's static batch of 1 (index layers with
     and without candidate blocks): the same tokens, and every step's logits within 1e-5 of the logit scale."""
-    from engine.models.deepseek_v41.loader import load_v41_model
+    from engine.models.deepseek_v41.loader import load_model
 
-    model = load_v41_model(ORACLE, torch.float32, decoder_replay=False)
+    model = load_model(ORACLE, torch.float32, decoder_trim=False)
     ids = v41_golden["prompt_ids_0"].tolist()
     try:
         kernels.set_backend("ref")

@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 
-from engine.models.deepseek_v41.engram import DEAD
+from engine.forward_batch import DEAD
 from engine.request import SamplingParams
 from engine.runner import ModelRunner
 from engine.sequence import Sequence
@@ -26,9 +26,9 @@ pytestmark = [needs_oracle, pytest.mark.usefixtures("single_thread")]
 
 @pytest.fixture(scope="module")
 def model():
-    from engine.models.deepseek_v41.loader import load_v41_model
+    from engine.models.deepseek_v41.loader import load_model
 
-    return load_v41_model(ORACLE, torch.float64, decoder_replay=False)
+    return load_model(ORACLE, torch.float64, decoder_trim=False)
 
 
 @pytest.mark.parametrize("size", [1, 2])
@@ -94,7 +94,7 @@ def test_static_batches_refilled_for_other_batches_equal_eager(model, v41_golden
     for _, fb, *_ in static.graphs.values():  # what a capture runs: the all-padding batch
         model(fb, static_cache)
     assert all(torch.equal(a, b) for a, b in zip(_state(static_cache), _state(cache))), "padding wrote a real entry"
-    k = model.engram_lookback
+    k = model.lookback_tokens
     for order, size in (((0, 1, 2), 4), ((2, 0, 4, 1), 4), ((3,), 1), ((4, 3, 2, 1, 0), 8)):
         batch = [seqs[i] for i in order]
         for seq in batch:

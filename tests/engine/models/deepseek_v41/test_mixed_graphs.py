@@ -2,10 +2,10 @@
 graphs replay (engine/graphs/mixed.py with engine/models/deepseek_v41/mixed_rows.py), on the CPU.
 
 The padded path carries every value V4.1's forward took from the host: the compressors' plans
-padded to their cap, the Engram look-back, decoder replay's kept rows at a fixed capacity, and the
+padded to their cap, the Engram look-back, decoder trim's kept rows at a fixed capacity, and the
 indexer's scores over fixed-width rows. These tests run the padded batches eagerly against the
 unpadded eager path (same greedy tokens, logprobs within a stated bound) through chunked prefill
-mixed with decodes, decoder replay off and on, a prefix-cache hit and continuous batching, on the
+mixed with decodes, decoder trim off and on, a prefix-cache hit and continuous batching, on the
 oracle checkpoint and the v41-tiny preset; and the padded step captured and replayed through the
 CPU emulation of a CUDA graph (tests/engine/graphs/graph_emulation.py) against the same batch run eagerly.
 
@@ -89,7 +89,7 @@ def _mixed_steps_ran(eng, e_eng) -> None:
 @pytest.mark.parametrize("replay", [False, True])
 def test_oracle_mixed_steps_on_padded_batches_equal_the_unpadded_path(v41_golden, replay):
     """The four golden prompts and three others at once, 24-token chunks (longer than the 16-token
-    window: decoder replay drops rows) mixed with decodes; continuous batching (prompts finish at
+    window: decoder trim drops rows) mixed with decodes; continuous batching (prompts finish at
     different lengths). Replay off, the golden prompts' tokens are transformers' own."""
     prompts = [v41_golden[f"prompt_ids_{i}"].tolist() for i in range(4)] + _prompts(3, 4000, seed=2)
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2)
@@ -140,7 +140,7 @@ def _count_pending(eng, filled: list) -> None:
 @needs_oracle
 def test_oracle_padded_mixed_steps_with_a_prefix_cache_hit():
     """A warm request, then prompts sharing its 40-token prefix (a hit beyond the window:
-    encoder-side bounded replay, compress_from above the chunk's start), decoder replay on."""
+    bounded replay, compress_from above the chunk's start), decoder trim on."""
     warm, *prompts = _prompts(4, 4000, seed=5, shared=40)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
     args = dict(max_num_batched_tokens=32, enable_prefix_caching=True)
@@ -218,24 +218,24 @@ def test_front_and_tail_batches_are_packed_and_the_rest_is_padding(v41_golden):
 
 @needs_oracle
 def test_a_step_splits_where_decoder_replay_trims(monkeypatch):
-    """With decoder replay on, a padded step is a front (every row to the last KV source) and a tail
+    """With decoder trim on, a padded step is a front (every row to the last KV source) and a tail
     over the smallest bucket holding its kept rows; replay switched off after capture keeps every
     row; a MixedStepGraphs built with replay off, or for a model with nothing after its last KV source,
     is one graph per size."""
     llm = LLM(str(ORACLE), dtype="float64", max_model_len=256, max_num_batched_tokens=64)
     eng = llm.engine
-    assert eng.cfg.sliding_window == 16 and eng.model.replay_cut == 7 < eng.cfg.num_layers
+    assert eng.cfg.sliding_window == 16 and eng.model.trim_cut == 7 < eng.cfg.num_layers
     mixed = MixedStepGraphs(eng.model, eng.cache, eng.max_model_len, 256, [32, 64])
     split = mixed.split
     assert split.sizes == [16, 32, 64] and mixed.num_graphs() == 0  # no pool: nothing captured
     assert split.bucket([(None, 64)]) == 16  # one chunk: its last window
     assert split.bucket([(None, 1)] * 20 + [(None, 30)]) == 64  # 20 decodes and a window
     assert split.bucket([(None, 1)] * 8 + [(None, 5)]) == 16
-    eng.model.decoder_replay = False
+    eng.model.decoder_trim = False
     assert split.bucket([(None, 64)]) == 64  # every row
     assert MixedStepGraphs(eng.model, eng.cache, eng.max_model_len, 256, [64]).split is None
-    eng.model.decoder_replay = True
-    monkeypatch.setattr(type(eng.model), "replay_cut", property(lambda m: len(m.layers)))
+    eng.model.decoder_trim = True
+    monkeypatch.setattr(type(eng.model), "trim_cut", property(lambda m: len(m.layers)))
     assert MixedStepGraphs(eng.model, eng.cache, eng.max_model_len, 256, [64]).split is None
 
 
@@ -265,9 +265,9 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(monkeypatch
     batch, as MixedStepGraphs captures it) and replayed through the CPU emulation of a CUDA graph (host values baked in at capture,
     allocations poisoned per replay, host reads refused), the fused kernels under the Triton
     interpreter, the routed experts through the grouped MoE kernel CUDA runs (the CPU's per-expert
-    loop reads the routing on the host), decoder replay on, so the step is a front graph of 32 rows
+    loop reads the routing on the host), decoder trim on, so the step is a front graph of 32 rows
     and a tail graph per kept-row bucket (16, 32): the prefills of a 6- and a 26-token prompt
-    (decoder replay drops 10 rows of the second: 22 kept, tail 32), then a mixed step (a 14-token
+    (decoder trim drops 10 rows of the second: 22 kept, tail 32), then a mixed step (a 14-token
     prompt and both first prompts' decodes: tail 16), where every request ends (two steps, not a third
     pure decode: the interpreter makes each step minutes; decode graphs have their own tests). Every
     prompt's last row is a logits row of one of the two steps, so a tail that reads another row's

@@ -23,9 +23,9 @@ pytestmark = [needs_oracle, pytest.mark.usefixtures("single_thread")]
 
 @pytest.fixture(scope="module")
 def model():
-    from engine.models.deepseek_v41.loader import load_v41_model
+    from engine.models.deepseek_v41.loader import load_model
 
-    return load_v41_model(ORACLE, torch.float64, decoder_replay=False)
+    return load_model(ORACLE, torch.float64, decoder_trim=False)
 
 
 def test_config_reads_the_oracle_schedule(model):
@@ -68,7 +68,7 @@ def test_official_and_transformers_names_load_the_same(model, v41_golden, tmp_pa
     names (per-expert w1/w2/w3) load into an identical model."""
     from safetensors.torch import load_file, save_file
 
-    from engine.models.deepseek_v41.loader import load_v41_model
+    from engine.models.deepseek_v41.loader import load_model
     from engine.models.deepseek_v41.names import to_official
 
     official = {}
@@ -80,17 +80,17 @@ def test_official_and_transformers_names_load_the_same(model, v41_golden, tmp_pa
     save_file(official, str(tmp_path / "model.safetensors"))
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(ORACLE / f, tmp_path / f)
-    other = load_v41_model(tmp_path, torch.float64, decoder_replay=False)
+    other = load_model(tmp_path, torch.float64, decoder_trim=False)
     ids = v41_golden["prompt_ids_1"].tolist()
     assert torch.equal(one_shot(other, ids), one_shot(model, ids))
 
 
 def test_flat_text_config_reads_like_the_composite(tmp_path):
-    from engine.models.deepseek_v41.config import load_v41_config
+    from engine.models.deepseek_v41.config import load_config
 
     raw = json.loads((ORACLE / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**raw["text_config"], "image_token_id": raw["image_token_id"]}))
-    assert load_v41_config(tmp_path) == load_v41_config(ORACLE)
+    assert load_config(tmp_path) == load_config(ORACLE)
 
 
 def test_bad_schedules_are_refused(tmp_path):

@@ -1,5 +1,5 @@
 """DeepSeek-V4.1 served by the engine: continuous batching, chunked prefill, preemption, prefix
-caching (encoder-side bounded replay) and decoder-side bounded replay, on the oracle checkpoint."""
+caching (bounded replay) and decoder trim, on the oracle checkpoint."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_prefix_cache_hit_with_bounded_replay_recomputes_only_the_window():
     """Encoder side: a hit's compressed KV and indexer keys come from the cache, only the last
     window is replayed; close to the cold run, not identical (measured, as for V4)."""
     r = measure(str(ORACLE), n_prompts=2, seeds=1, steps=4, first_len=70, extra_len=20, max_model_len=512,
-                swa_decoder_replay=False)
+                swa_decoder_trim=False)
     print(f"encoder-side replay on V4.1 tiny: {r}")
     assert r["hits"] == 2 and r["replayed_tokens"] == 2 * 16
     # measured (docs/PERF.md, 16 pairs): max 0.69, mean 0.15 of the logit scale (these 2: 0.43, 0.20)
@@ -98,7 +98,7 @@ def test_decoder_replay_on_equals_off_in_tokens_and_last_logits(v41_golden):
         assert a.argmax() == b.argmax()
         errs.append(((a - b).abs().max() / b.abs().max()).item())
         assert on.generate([ids], GREEDY)[0].token_ids == off.generate([ids], GREEDY)[0].token_ids
-    print(f"decoder replay: last-position logit error / logit scale per prompt: {errs}")
+    print(f"decoder trim: last-position logit error / logit scale per prompt: {errs}")
     assert 0 < max(errs) < 0.05, errs
 
 
