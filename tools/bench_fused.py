@@ -1,8 +1,8 @@
-"""The fused kernels of issue 20 on CUDA: each checked against its torch reference (exit 1 on a
+"""The fused kernels on CUDA: each checked against its torch reference (exit 1 on a
 mismatch), then timed against its memory floor and against the path it replaces.
 
-    python -m tools.bench_fused [--json OUT/fused.json] [--only fp8 ...]   (tools/h200_bench.sh fused, ~3 minutes;
-    fused-fp8: the check and the FP8 linear rows only)
+    python -m tools.bench_fused [--json OUT/fused.json] [--only fp8 ...]   (suite kernels_fused, ~3 minutes;
+    suite kernels_fp8: the check and the FP8 linear rows only)
 
 Rows (V4-Flash decode shapes at the depth-43 benchmark's 16 experts, batch 1 / 32 / 150):
 - moe_align: the one-launch MoE row alignment vs the torch ops it replaced (kernels.reference.moe_align).
