@@ -289,6 +289,13 @@ SUITE_LIST = [
           "(tiny, float64)?",
           (Step("engine.replay_error", ("--prompts", "16", "--seeds", "3", "--steps", "8"), timeout_s=600),),
           machine="cpu"),
+    Suite("replay_error_v41", "The same on DeepSeek-V4.1's transformers oracle, a prefix-cache hit (encoder side) "
+          "and decoder-side replay (float64)?",
+          tuple(Step("engine.replay_error", ("--model", "/work/shared/oracles/deepseek_v41/tiny", "--prompts", "8",
+                                             "--seeds", "2", "--steps", "8", "--side", side), name=side,
+                     timeout_s=600)
+                for side in ("encoder", "decoder")),
+          machine="cpu", notes="needs the oracle checkpoint at that path"),
 ]
 
 SUITES: dict[str, Suite] = {s.name: s for s in SUITE_LIST}
