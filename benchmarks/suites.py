@@ -235,6 +235,9 @@ SUITE_LIST = [
            Step("tools.profile_decode", ("--preset", "v41-flash-shaped", "--quant", "fp8-fp4", "--cache-dir",
                                          "{ckpt}", "--batch", "4", "--steps", "1", "--prompt-len", "1024",
                                          "--rows", "45"), name="v41", json_flag=None, timeout_s=200))),
+    Suite("profile_decode_v41", "Where does a V4.1-Flash-shaped decode step at batch 1 go, kernel by kernel?",
+          (checkpoint(V41_CKPT, "v41-flash-shaped"),
+           profile("batch1", "--model", V41_CKPT, "--batch", "1", "--steps", "48", "--rows", "45"))),
     Suite("profile_decode_shaped", "Where does a batch-1 decode step on the 4-layer flash-shaped checkpoint go: "
           "GPU kernels, then the host's Python?",
           (profile("gpu", "--preset", "{preset}", "--cache-dir", "{ckpt}", "--batch", "1", "--steps", "200",
