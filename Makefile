@@ -22,7 +22,7 @@ PYTRITON := nvidia-pytriton==0.7.0
 OPENAI_PORT ?= 9000
 
 .DEFAULT_GOAL := help
-.PHONY: help setup setup-vllm serve test test-fast lint doctor tiny bench clean
+.PHONY: help setup setup-vllm serve test test-fast lint doctor tiny bench bench-list clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -59,8 +59,12 @@ doctor: setup ## check the environment is consistent
 tiny: setup ## write the tiny checkpoint to .cache/tiny
 	$(PY) -m tools.make_tiny_checkpoint .cache/tiny --preset tiny
 
-bench: setup ## engine benchmark (tools.bench_engine) on the tiny model (CPU); ARGS="--preset flash-shaped ..." on a GPU
-	$(PY) -m tools.bench_engine $(ARGS)
+SUITE ?= engine_cpu
+bench: setup ## run one benchmark suite into results/SUITE.json (SUITE=engine_cpu; ARGS="--preset ..."); GPU: tools/h200_bench.sh
+	$(PY) -m benchmarks run $(SUITE) $(ARGS)
+
+bench-list: setup ## the benchmark suites, each with the question it answers
+	$(PY) -m benchmarks list
 
 clean: ## remove the venv and caches
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

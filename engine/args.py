@@ -43,7 +43,7 @@ class EngineArgs:
     # vLLM's compilation_config.cudagraph_mode values: FULL (decode and mixed prefill + decode steps
     # replay full graphs, engine/graphs/mixed.py), FULL_DECODE_ONLY (mixed steps eager), NONE (= enforce_eager)
     # FULL by default, as vLLM: on the H200 the mixed-step graphs' greedy streams equal the same padded
-    # batches run eagerly (docs/PERF.md, session 7); padding alone moves bf16 ulps, as decode graphs' does
+    # batches run eagerly (suite graphs_check, docs/PERF.md); padding alone moves bf16 ulps, as decode graphs' does
     cudagraph_mode: str = "FULL"
     # launch decode step N+1 before reading step N's tokens back (greedy steps): the host's
     # scheduling and output work overlaps the GPU's step. None: on when running on CUDA.

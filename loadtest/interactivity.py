@@ -1,5 +1,5 @@
-"""Throughput against interactivity, as InferenceMAX plots it and the seed quotes it ("5.3x at a
-fixed 150 tok/s per user"): one point per concurrency level of a sweep (loadtest.sweep's JSON),
+"""Throughput against interactivity, as InferenceMAX plots it and targets quote it ("5.3x at
+a fixed 150 tok/s per user"): one point per concurrency level of a sweep (loadtest.sweep's JSON),
 
 - x: tok/s per user = 1000 / mean TPOT (ms), TPOT being each request's decode time over its
   output tokens after the first (1 / mean ITL when every delta carries one token);
@@ -8,7 +8,7 @@ fixed 150 tok/s per user"): one point per concurrency level of a sweep (loadtest
 `at(points, x)` interpolates a curve at a fixed interactivity: linearly between the two levels
 around it (more users: less interactivity, more throughput), None outside the measured range.
 `compare(optimized, baseline, x)` gives both and their ratio; where the baseline never reaches x,
-at the baseline's best interactivity instead (issue 20's rule), and says so; where every optimized
+at the baseline's best interactivity instead, and says so; where every optimized
 level is more interactive than that, the optimized one's best throughput among them (a lower bound).
 
     python -m loadtest.interactivity OPTIMIZED.json BASELINE.json [--at 150] [--json out.json]

@@ -194,7 +194,7 @@ def markdown(sweeps: list[dict], pngs: list[Path] = (), at: float = 150.0) -> st
                 cells.append(f"{b / a:.2f}x" if a and b is not None else "-")
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    if ratio:  # the seed's figure: throughput per GPU at a fixed interactivity
+    if ratio:  # throughput per GPU at a fixed interactivity (loadtest.interactivity)
         lines += [f"### At {at:g} tok/s per user", "", "- " + interactivity.describe(
             interactivity.compare(sweeps[1], sweeps[0], at)), ""]
     problems = [f"{s['label']} c={lv['concurrency']}: load process killed" for s in sweeps for lv in s["levels"]

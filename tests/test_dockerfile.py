@@ -3,8 +3,8 @@
 Static checks of Dockerfile, docker/ and docker-compose.yml: one CUDA (12.9) everywhere, torch only
 through --index-url, the doctor after every install, non-root, a health check. hadolint and
 shellcheck run when installed. The entrypoint runs for real against a stand-in python3, and the
-doctor command the Dockerfile runs is run against synthetic site-packages shaped like the seed's
-broken image and like a good cu129 one.
+doctor command the Dockerfile runs is run against synthetic site-packages shaped like a
+broken image (a CUDA 13 library beside a CUDA 12 torch) and like a good cu129 one.
 """
 
 import json
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.tools.fake_site import good_cu129_site, seed_failure_site
+from tests.tools.fake_site import cuda13_codec_site, good_cu129_site
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
@@ -305,8 +305,8 @@ def doctor_at_build(site):
     return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
-def test_doctor_step_fails_the_build_of_the_seeds_image(tmp_path):
-    out = doctor_at_build(seed_failure_site(tmp_path))
+def test_doctor_step_fails_the_build_of_a_cuda13_codec_image(tmp_path):
+    out = doctor_at_build(cuda13_codec_site(tmp_path))
     assert out.returncode != 0
     assert "torchcodec/libtorchcodec_image.so NEEDs libnvrtc.so.13" in out.stdout
 

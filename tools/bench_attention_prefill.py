@@ -26,9 +26,9 @@ from tools.bench_quant import _graph_time, finish
 
 H, HD, W, BS, TOPK = 64, 512, 128, 128, 512
 PEAK_BF16 = 790e12
-# the small tiles (heads per program, keys per step, warps): the three-loop kernel's best at prefill (session 10)
+# the small tiles (heads per program, keys per step, warps): the former three-loop kernel's best at prefill
 SMALL_TILES = ((32, 32, 4),)
-# the wgmma tiles (+ output columns per program, pipeline stages): session 11's first sweep's best and runners-up
+# the wgmma tiles (+ output columns per program, pipeline stages): a sweep's best and runners-up
 # (of 11: docs/perf/h200-2026-12-03-s11/attention_sweep_first.log)
 WGMMA_TILES = ((64, 64, 8, 512, 2), (64, 32, 8, 512, 3), (64, 32, 8, 256, 3), (32, 32, 4, 512, 3))
 

@@ -1,13 +1,13 @@
-"""The fused kernels of issue 20 on CUDA: each checked against its torch reference (exit 1 on a
+"""The fused kernels on CUDA: each checked against its torch reference (exit 1 on a
 mismatch), then timed against its memory floor and against the path it replaces.
 
-    python -m tools.bench_fused [--json OUT/fused.json] [--only fp8 ...]   (tools/h200_bench.sh fused, ~3 minutes;
-    fused-fp8: the check and the FP8 linear rows only)
+    python -m tools.bench_fused [--json OUT/fused.json] [--only fp8 ...]   (suite kernels_fused, ~3 minutes;
+    suite kernels_fp8: the check and the FP8 linear rows only)
 
 Rows (V4-Flash decode shapes at the depth-43 benchmark's 16 experts, batch 1 / 32 / 150):
 - moe_align: the one-launch MoE row alignment vs the torch ops it replaced (kernels.reference.moe_align).
 - moe mxfp4 / fp8: the engine's MoE tiles (quant_configs.moe_config: the row tile per step, split-K
-  at few rows, MXFP4 through the integer "bf16" decode) vs session 5's 16-row tiles without split-K
+  at few rows, MXFP4 through the integer "bf16" decode) vs the former 16-row tiles without split-K
   (MXFP4 through the e4m3 placement), and MXFP4's "bf16-parts" decode on the engine's tiles.
 - fp8 linear: the decode GEMV with its split-K reduced in the kernel (was a second reduce kernel),
   V4-Flash's dense shapes vs floor, with each e4m3 -> bf16 conversion (W_CVT: "cast" the old one,
@@ -198,7 +198,7 @@ def bench_moe(device, fmt: str) -> list[dict]:
         hit = int(torch.unique(routings[0][1]).numel())
         floor = moe_floor(T, hit, D, I, k, fmt)["floor_s"]
         old = {**_tile16(fmt), "MX": "e4m3", "SPLIT_K": 1} if fmt == "mxfp4" else {**_tile16(fmt), "SPLIT_K": 1}
-        variants = [("16-row tiles, no split (session 5)", _moe_cfg(T, fmt, E, k, **old)),
+        variants = [("16-row tiles, no split (old)", _moe_cfg(T, fmt, E, k, **old)),
                     ("the engine's tiles", _moe_cfg(T, fmt, E, k))]
         if fmt == "mxfp4":  # the engine's default is the "bf16" decode; its interleave-free twin beside it
             variants.append(("the engine's tiles, bf16-parts decode", _moe_cfg(T, fmt, E, k, MX="bf16-parts")))

@@ -1,8 +1,8 @@
 """The quantized kernels on CUDA: checked against their torch references, then a small sweep of
 launch configurations per shape, timed against floors; prints the winners.
 
-    python -m tools.bench_quant [--json OUT/quant.json] [--quick] [--budget S]   (tools/h200_bench.sh quant)
-    python -m tools.bench_quant --v41 ...   DeepSeek-V4.1-Flash's FP8 linears, 32x32 tiles (h200_bench.sh v41-fp8)
+    python -m tools.bench_quant [--json OUT/quant.json] [--quick] [--budget S]   (suite kernels_quant)
+    python -m tools.bench_quant --v41 ...   DeepSeek-V4.1-Flash's FP8 linears, 32x32 tiles (suite kernels_fp8)
 
 1. Check (fails the run, exit 1): the block-scaled FP8 linear, both variants (the "mma" one on the
    FP8 tensor cores), and the fused MoE on MXFP4 and FP8 experts (decode and sorted paths), vs

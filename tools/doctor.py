@@ -5,7 +5,7 @@
 Four checks, one function each, each returning a list of Problem:
 
   torch-family  torch / torchvision / torchaudio / torchcodec from one torch release and CUDA variant
-  cuda-libs     no installed shared library NEEDs a CUDA major other than torch's (the seed's failure:
+  cuda-libs     no installed shared library NEEDs a CUDA major other than torch's (a real failure:
                 torchcodec's libtorchcodec_image.so NEEDed libnvrtc.so.13 beside torch 2.9.1+cu129)
   numpy-stub    numpy works with the Triton python backend stub in use (Triton <= 2.51 needs numpy < 2)
   triton        tritonserver runs, and a python backend stub for this Python exists

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19's runs on nvidia-h200-x2 / -x4 / -x8, one device call per part (JSON + logs under $OUT):
+# The multi-GPU runs on nvidia-h200-x2 / -x4 / -x8, one device call per part (JSON + logs under $OUT):
 #   bash tools/multi_gpu_bench.sh engine|serve|serve-long
 # The model: V4-Flash-shaped at full size as shipped (43 layers on its schedule, 256 MXFP4 routed experts, FP8
 # linears, the MTP layer; ~160 GB of random weights drawn on the GPUs, shards spilling to /dev/shm past the disk),
@@ -8,8 +8,8 @@
 # - serve (~9 min): the real Triton server, closed loop at 1 / 8 / 32 / 64 / 150 / 256 users, 1K in / 256 out;
 # - serve-long (~9 min): 8K in / 1K out at 1 / 8 / 32 / 64 users.
 # serve and serve-long need .cache/h200 carried (bash tools/h200_env.sh pack). The checkpoint lives while the machine
-# stays warm; a fresh one draws it again. Per-GPU floors and the projection to compare with: docs/PERF.md ("The
-# projection", tools/bench_tp_share.py). PRESET=tiny TP=2 runs the engine part on the CPU (gloo): a smoke test.
+# stays warm; a fresh one draws it again. Per-GPU floors and the projection to compare with: docs/PERF.md
+# ("Several GPUs", tools/bench_tp_share.py). PRESET=tiny TP=2 runs the engine part on the CPU (gloo): a smoke test.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0  # NVLink multicast off (the device notes say why)
 OUT=${OUT:-out}; mkdir -p "$OUT"

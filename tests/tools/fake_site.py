@@ -84,9 +84,9 @@ def so(*needed: str, soname: str | None = None) -> bytes:
     return elf_bytes(needed, soname)
 
 
-def seed_failure_site(root: Path) -> Path:
-    """The seed's image: torch 2.9.1+cu129, a torchcodec whose libtorchcodec_image.so NEEDs libnvrtc.so.13."""
-    site = root / "seed" / "site-packages"
+def cuda13_codec_site(root: Path) -> Path:
+    """A failing image: torch 2.9.1+cu129, a torchcodec whose libtorchcodec_image.so NEEDs libnvrtc.so.13."""
+    site = root / "cuda13-codec" / "site-packages"
     add_dist(
         site, "torch", "2.9.1+cu129", {"torch/lib/libtorch_cuda.so": so("libcudart.so.12", "libnvrtc.so.12")}
     )

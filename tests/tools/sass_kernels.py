@@ -1,4 +1,4 @@
-"""Small kernels for tools/sass_report's test (imported by a subprocess without the interpreter)."""
+"""Small kernels for tools/sass_report's smoke test (imported by a subprocess without the interpreter)."""
 
 import triton
 import triton.language as tl

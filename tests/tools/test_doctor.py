@@ -13,10 +13,10 @@ import pytest
 from tests.tools.fake_site import (
     PY,
     add_dist,
+    cuda13_codec_site,
     elf_bytes,
     good_cu129_site,
     pytriton_layout,
-    seed_failure_site,
     so,
 )
 from tools import doctor
@@ -36,11 +36,11 @@ def errors(problems):
     return [p for p in problems if p.level == ERROR]
 
 
-# --------------------------------------------------------------------------- the seed's failure
+# --------------------------------------------------------------------------- a CUDA 13 library beside a CUDA 12 torch
 
 
-def test_seed_failure_torchcodec_needing_cuda13_nvrtc_is_flagged(tmp_path):
-    site = seed_failure_site(tmp_path)
+def test_torchcodec_needing_cuda13_nvrtc_is_flagged(tmp_path):
+    site = cuda13_codec_site(tmp_path)
     problems = doctor.check_cuda_libs(Env([site]))
     [p] = errors(problems)
     assert "torchcodec 0.9.1" in p.message
@@ -332,7 +332,7 @@ def test_elf_needed_on_objects_built_by_cc(tmp_path):
         for lib in (nvrtc, image):
             out = subprocess.run(["readelf", "-d", lib], capture_output=True, text=True, check=True).stdout
             assert doctor.elf_needed(lib) == re.findall(r"\(NEEDED\)\s+Shared library: \[(.*?)\]", out)
-    # Built into the seed's layout, the real object is flagged like the synthetic one.
+    # Built into that site's layout, the real object is flagged like the synthetic one.
     site = tmp_path / "site"
     add_dist(site, "torch", "2.9.1+cu129")
     add_dist(site, "torchcodec", "0.9.1", {"torchcodec/libtorchcodec_image.so": image.read_bytes()})

@@ -1,0 +1,305 @@
+"""Every benchmark suite, by the question it answers. `python -m benchmarks list` prints them."""
+
+from __future__ import annotations
+
+from benchmarks.suite import Step, Suite
+
+# Engine arguments shared by several suites
+DEPTH = '{"max_model_len":8192,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}'
+SHAPED = '{"max_model_len":8192,"max_num_seqs":256,"block_size":128,"gpu_memory_utilization":0.6}'
+V41 = '{"max_model_len":4096,"max_num_seqs":32,"block_size":128,"gpu_memory_utilization":0.9}'
+V41_SERVE = '{"max_model_len":4096,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}'
+SPEC = '{"max_model_len":4096,"block_size":128,"gpu_memory_utilization":0.9,"cudagraph_mode":"FULL_DECODE_ONLY"}'
+MIXED = '{"max_model_len":8192,"block_size":128,"gpu_memory_utilization":0.9}'
+MODEL = ("--preset", "{preset}", "--quant", "fp8-fp4", "--cache-dir", "{ckpt}")  # a random checkpoint as shipped
+V41_CKPT = "{ckpt}/v41-flash-shaped-fp8-fp4"
+DEPTH_CKPT = "{ckpt}/flash-depth-fp8-fp4"
+TRITON_SWEEP = ("--serve", "--driver", "threads", "--protocol", "grpc", "--stop-timeout", "20", "--out", "{out}")
+
+
+def checkpoint(path: str, preset: str, *extra: str) -> Step:
+    """Draw a random checkpoint on the GPU unless it is there already."""
+    return Step("tools.make_tiny_checkpoint", (path, "--preset", preset, "--quant", "fp8-fp4", "--device", "cuda",
+                                               *extra),
+                name="checkpoint", json_flag=None, unless_exists=f"{path}/config.json", timeout_s=300)
+
+
+def sweep(label: str, model: str, engine_args: str, *extra: str, timeout_s: int = 400) -> Step:
+    """A closed-loop load test through the real Triton server (the engine core in its own process)."""
+    return Step("loadtest.sweep", ("--model", model, "--engine-args", engine_args, *TRITON_SWEEP, "--label", label,
+                                   *extra),
+                name=label, json_flag=None, result=f"{{out}}/{label}.json", python="triton", timeout_s=timeout_s)
+
+
+def profile(name: str, *args: str, then_remove: str | None = None) -> Step:
+    """tools.profile_decode: kernels by CUDA time (a text table, kept as the step's output)."""
+    return Step("tools.profile_decode", args, name=name, json_flag=None, then_remove=then_remove, timeout_s=200)
+
+
+SUITE_LIST = [
+    # ---- decode and prefill at V4-Flash depth (43 layers, its schedule, 16 MXFP4 experts, FP8 linears)
+    Suite("decode_depth", "How far is a decode step at V4-Flash depth, as shipped, from its memory floor "
+          "(batch 1 / 32 / 64 / 150, context ~1K, CUDA graphs)?",
+          (Step("tools.bench_engine", (*MODEL, "--concurrency", "", "--input-len", "1024", "--floor",
+                                       "--steady", "1,32,64,150", "--engine-args", DEPTH), timeout_s=400),),
+          preset="flash-depth"),
+    Suite("prefill_ttft", "How far is the one-user TTFT of a 1024-token prompt at V4-Flash depth from its FLOP "
+          "floor, and where does a 4 x 1024-token prefill spend its time?",
+          (Step("tools.bench_engine", (*MODEL, "--concurrency", "1", "--input-len", "1024", "--output-len", "8",
+                                       "--requests-per-user", "3", "--floor", "--engine-args", DEPTH),
+                timeout_s=300),
+           profile("profile_prefill", *MODEL, "--batch", "4", "--steps", "1", "--prompt-len", "1024", "--rows", "40",
+                   "--ops")),
+          preset="flash-depth"),
+    Suite("quant_vs_bf16_depth", "Does V4-Flash as shipped (FP8 + MXFP4) decode faster than the same depth in bf16, "
+          "online and per step against each floor?",
+          tuple(Step("tools.bench_engine", ("--preset", "{preset}", "--quant", q, "--cache-dir", "{ckpt}",
+                                            "--concurrency", "1,32,150", "--input-len", "512", "--output-len", "32",
+                                            "--requests-per-user", "1", "--floor", "--steady", "1,32,150",
+                                            "--label", f"depth-{q}", "--engine-args", DEPTH),
+                     name=f"depth_{q}", then_remove="flash-depth*", timeout_s=300)  # 46 GB in bf16: one at a time
+                for q in ("fp8-fp4", "bf16")),
+          preset="flash-depth"),
+    Suite("mixed_budget", "Which chunked-prefill token budget keeps ITL within 2x of the decode step at 64 users, "
+          "and what do mixed-step CUDA graphs save per step?",
+          (Step("tools.bench_mixed", (*MODEL, "--budgets", "256,512,1024,2048", "--step-budgets", "512,2048",
+                                      "--users", "64", "--requests-per-user", "2", "--input-len", "1024",
+                                      "--output-len", "128", "--engine-args", MIXED), timeout_s=570),),
+          preset="flash-depth"),
+    Suite("graphs_check", "Do CUDA-graph steps (decode and mixed) equal the same padded batches run eagerly, "
+          "and if not, which layer and cache write part first?",
+          (Step("tools.bench_mixed", (*MODEL, "--check-only", "--step-budgets", "512", "--budgets", "512",
+                                      "--users", "8", "--engine-args", MIXED), timeout_s=300),),
+          preset="flash-depth"),
+    Suite("largest_model", "Does the largest V4-Flash-shaped model one H200 holds (43 layers, 128 MXFP4 experts, "
+          "~85 GB) load, decode near its floor and serve through Triton?",
+          (checkpoint("{ckpt}/flash-depth-e128-fp8-fp4", "flash-depth", "--override", '{"n_routed_experts":128}',
+                      "--spill-dir", "/dev/shm/ckpt"),
+           Step("tools.bench_engine", ("--model", "{ckpt}/flash-depth-e128-fp8-fp4", "--concurrency", "",
+                                       "--steady", "1,32,150", "--floor", "--label", "largest", "--engine-args",
+                                       DEPTH), timeout_s=300),
+           sweep("largest-triton", "{ckpt}/flash-depth-e128-fp8-fp4", DEPTH, "--concurrency", "1,32",
+                 "--input-len", "512", "--output-len", "64", "--duration", "15", timeout_s=300))),
+    # ---- serving through Triton
+    Suite("serving_triton", "How close is the engine through the real Triton server to the same engine called "
+          "directly (flash-shaped, 1 / 32 / 150 users, 512 in / 64 out)?",
+          (Step("tools.make_tiny_checkpoint", ("{ckpt}/flash-shaped", "--preset", "flash-shaped", "--device",
+                                               "cuda"), name="checkpoint", json_flag=None,
+                unless_exists="{ckpt}/flash-shaped/config.json"),
+           sweep("triton", "{ckpt}/flash-shaped", SHAPED, "--concurrency", "1,32,150", "--input-len", "512",
+                 "--output-len", "64", "--duration", "20", timeout_s=300),
+           Step("tools.bench_engine", ("--model", "{ckpt}/flash-shaped", "--core-process", "--concurrency",
+                                       "1,32,150", "--input-len", "512", "--output-len", "64",
+                                       "--requests-per-user", "4", "--engine-args", SHAPED),
+                name="engine_direct", timeout_s=250))),
+    Suite("serving_depth", "At V4-Flash depth as shipped, with 64 users through Triton (1024 in / 128 out, 90 s): "
+          "is ITL p50 within 2x of the batch-64 decode step and TTFT p90 within 4x of p50?",
+          (checkpoint(DEPTH_CKPT, "flash-depth"),
+           Step("tools.bench_engine", ("--model", DEPTH_CKPT, "--concurrency", "", "--steady", "64",
+                                       "--input-len", "1024", "--engine-args", DEPTH), name="steady64",
+                timeout_s=200),
+           sweep("depth-triton-64", DEPTH_CKPT, DEPTH, "--concurrency", "64", "--input-len", "1024",
+                 "--output-len", "128", "--duration", "90", "--stop-timeout", "30"))),
+    Suite("interactivity_depth", "At V4-Flash depth through Triton, how much output per GPU does the optimized "
+          "engine give over its own baseline at a fixed tok/s per user (150, or the baseline's best)?",
+          (checkpoint(DEPTH_CKPT, "flash-depth"),
+           sweep("depth-optimized", DEPTH_CKPT, DEPTH, "--concurrency", "1,32,64,150", "--input-len", "1024",
+                 "--output-len", "128", "--duration", "20", timeout_s=300),
+           # the baseline's step at this depth is ~0.76 s: one user, a window one request fits in, and the wait
+           sweep("depth-baseline", DEPTH_CKPT, DEPTH[:-1] + ',"kernels":"ref","enforce_eager":true,'
+                 '"enable_prefix_caching":false,"async_scheduling":false}', "--concurrency", "1", "--input-len",
+                 "1024", "--output-len", "128", "--duration", "40", "--stop-timeout", "150", timeout_s=320),
+           Step("loadtest.interactivity", ("{out}/depth-optimized.json", "{out}/depth-baseline.json", "--at", "150"),
+                name="ratio", timeout_s=60))),
+    Suite("serving_v41", "How does V4.1-Flash-shaped serve through the real Triton server at 1 / 32 / 150 users "
+          "(512 in / 64 out)?",
+          (checkpoint(V41_CKPT, "v41-flash-shaped"),
+           sweep("v41-triton", V41_CKPT, V41_SERVE, "--concurrency", "1,32,150", "--input-len", "512",
+                 "--output-len", "64", "--duration", "30"))),
+    # ---- the engine on the 4-layer flash-shaped checkpoint
+    Suite("optimized_vs_baseline", "How much faster is the default engine than its own baseline (reference "
+          "kernels, eager, no prefix cache, sync), online and decode-only, and do graphs match eager?",
+          (Step("tools.bench_engine", ("--preset", "{preset}", "--cache-dir", "{ckpt}", "--concurrency",
+                                       "1,8,32,64,150", "--input-len", "512", "--output-len", "64",
+                                       "--requests-per-user", "1", "--floor", "--check-graphs", "--steady",
+                                       "1,32,150", "--engine-args", SHAPED), name="optimized"),
+           Step("tools.bench_engine", ("--preset", "{preset}", "--cache-dir", "{ckpt}", "--concurrency", "1,32,150",
+                                       "--input-len", "512", "--output-len", "64", "--requests-per-user", "1",
+                                       "--baseline", "--engine-args", SHAPED), name="baseline")),
+          preset="flash-shaped"),
+    Suite("async_scheduling", "What does overlapping the host's work with the GPU's step (async scheduling) buy?",
+          tuple(Step("tools.bench_engine", ("--preset", "{preset}", "--cache-dir", "{ckpt}", "--concurrency",
+                                            "1,32,150", "--input-len", "512", "--output-len", "64",
+                                            "--requests-per-user", "1", "--steady", "1,32,150", "--label", name,
+                                            "--engine-args", SHAPED[:-1] + f',"async_scheduling":{flag}}}'),
+                     name=name)
+                for name, flag in (("async", "true"), ("sync", "false"))),
+          preset="flash-shaped"),
+    Suite("vs_transformers", "How does the engine compare with transformers' eager generate on the same "
+          "checkpoint (TTFT of 1024 tokens, decode at batch 1 / 8 / 32)?",
+          (Step("tools.bench_engine", ("--preset", "{preset}", "--cache-dir", "{ckpt}", "--concurrency", "1",
+                                       "--input-len", "1024", "--output-len", "32", "--requests-per-user", "2",
+                                       "--hf-peer", "1,8", "--engine-args", SHAPED), name="peer_1024"),
+           Step("tools.bench_engine", ("--preset", "{preset}", "--cache-dir", "{ckpt}", "--concurrency", "32",
+                                       "--input-len", "512", "--output-len", "32", "--requests-per-user", "1",
+                                       "--hf-peer", "32", "--engine-args", SHAPED), name="peer_512")),
+          preset="flash-shaped"),
+    Suite("prefix_cache_agentic", "How much TTFT does bounded replay save on a multi-turn agentic workload, "
+          "against no prefix cache and against window snapshots?",
+          tuple(Step("tools.bench_engine", ("--preset", "{preset}", "--cache-dir", "{ckpt}", "--workload",
+                                            "agentic", "--concurrency", "4", "--turns", "4", "--input-len", "2048",
+                                            "--turn-len", "256", "--output-len", "16", "--label", mode,
+                                            "--engine-args", SHAPED[:-1] + f',"enable_prefix_caching":{pc},'
+                                            f'"swa_bounded_replay":{rp}}}'), name=mode)
+                for mode, pc, rp in (("none", "false", "true"), ("snapshot", "true", "false"),
+                                     ("replay", "true", "true"))),
+          preset="flash-shaped"),
+    Suite("structured_output", "What do JSON-schema-constrained rows add to a decode step at batch 1 / 32 / 150?",
+          (Step("tools.bench_structured", ("--preset", "{preset}", "--cache-dir", "{ckpt}", "--steps", "30"),
+                timeout_s=300),),
+          preset="flash-shaped", notes="--preset tiny runs it on the CPU"),
+    # ---- speculative decoding
+    Suite("spec_decode", "What do MTP speculative decoding's draft and verify steps cost at V4-Flash depth, and "
+          "what speed-up do they give end to end at acceptance 0 (random MTP) and 1 (forced)?",
+          (Step("tools.bench_spec", (*MODEL, "--batches", "1,8,32", "--input-len", "512", "--output-len", "48",
+                                     "--engine-args", SPEC), timeout_s=300),),
+          preset="flash-depth"),
+    Suite("profile_spec", "Where does a speculative step's time go at V4-Flash depth (batch 1, k = 3): the host "
+          "under cProfile, then the GPU's kernels?",
+          tuple(profile(name, *MODEL, "--batch", "1", "--steps", "48", "--rows", "45", *host, "--engine-args",
+                        '{"speculative_config":{"method":"mtp","num_speculative_tokens":3},'
+                        '"cudagraph_mode":"FULL_DECODE_ONLY"}')
+                for name, host in (("host", ("--host",)), ("gpu", ()))),
+          preset="flash-depth"),
+    # ---- DeepSeek-V4.1
+    Suite("v41_replay", "V4.1-Flash-shaped: how much TTFT does decoder-side bounded replay save at 1K / 8K / 32K, "
+          "graphed and eager, how far is decode from its floor, and do graph steps match eager?",
+          (Step("tools.bench_v41", ("--cache-dir", "{ckpt}", "--reps", "1", "--eager-steps", "4"),
+                then_remove="v41-*", timeout_s=560),)),
+    Suite("check_v41", "Does the V4.1-Flash-shaped engine as shipped (FP8 32x32 linears kept as stored) agree "
+          "with the torch references through prefill, mixed and decode steps?",
+          (checkpoint(V41_CKPT, "v41-flash-shaped"),
+           Step("tools.bench_engine", ("--model", V41_CKPT, "--concurrency", "", "--check-kernels",
+                                       "--engine-args", V41), name="check_kernels", timeout_s=250))),
+    Suite("check_v4", "Do the fused kernels each match their torch references on the GPU, and does the 4-layer "
+          "V4 engine as shipped agree with the references run eagerly?",
+          (Step("tools.bench_fused", ("--only", "align"), name="fused_check", timeout_s=200),
+           Step("tools.bench_engine", (*MODEL, "--concurrency", "", "--check-kernels", "--engine-args", SHAPED),
+                name="check_kernels", timeout_s=250)),
+          preset="flash-shaped"),
+    # ---- kernels alone
+    Suite("kernels_fp8", "How fast are the FP8 linear kernels against their memory floors, and does keeping FP8 "
+          "as stored beat cuBLAS bf16 on the same weight (V4 128x128 and V4.1 32x32 blocks)?",
+          (Step("tools.bench_fused", ("--only", "fp8"), name="fused_fp8", timeout_s=300),
+           Step("tools.bench_fp8_vs_bf16", ("--rows", "1,32,256,1024,2048"), timeout_s=200),
+           Step("tools.bench_quant", ("--v41", "--quick", "--budget", "130"), name="sweep_v41", timeout_s=200))),
+    Suite("kernels_mxfp4", "How close do the MoE kernels (MXFP4 and FP8 experts) come to their floors at decode "
+          "and prefill sizes, per launch config?",
+          (Step("tools.bench_quant", ("--moe-only", "--budget", "330"), timeout_s=400),)),
+    Suite("kernels_quant", "The FP8 GEMM and MoE launch-config sweep: every candidate checked against the torch "
+          "reference, timed in CUDA-graph replays against max(bytes, FLOPs) floors.",
+          (Step("tools.bench_quant", ("--budget", "220"), timeout_s=300),)),
+    Suite("kernels_prefill", "At prefill sizes, do cuBLAS's blockwise FP8 GEMM and the unpacked-expert grouped "
+          "GEMM beat the fused kernels they replace?",
+          (Step("tools.bench_fp8_vs_bf16", ("--rows", "128,256,512,1024,2048", "--only", "v4"), timeout_s=150),
+           Step("tools.bench_moe_prefill", ("--experts", "16", "--fmt", "mxfp4"), timeout_s=150))),
+    Suite("attention", "How fast is the paged attention kernel on a 2048-token chunk (per tile swept) and at "
+          "decode sizes with the default dispatch, against its FLOP floor?",
+          (Step("tools.bench_attention_prefill", (), timeout_s=330),)),
+    Suite("kernels_fused", "Does every fused kernel match its torch reference on the GPU, and how fast is it "
+          "against its floor and the path it replaced?",
+          (Step("tools.bench_fused", (), timeout_s=330),)),
+    Suite("kernels_compress", "How much faster are the compressors' multi-row fused kernels than the torch ops "
+          "they replace (verify and prefill sizes)?",
+          (Step("tools.bench_fused", ("--only", "compress"), timeout_s=240),)),
+    Suite("kernels_small", "Are the small fused ops (norms, RoPE, mHC, router, attention, MoE) faster than torch "
+          "eager and torch.compile, and how far from their floors?",
+          (Step("tools.bench_kernels", ("--batches", "1,8,32,128,256", "--no-compile"), name="eager",
+                timeout_s=200),
+           Step("tools.bench_kernels", ("--batches", "32",), name="compile", timeout_s=240))),
+    # ---- several GPUs
+    Suite("tp_share", "How long is rank 0's share of V4-Flash as shipped at tensor_parallel_size 8 (collectives "
+          "skipped), the compute term of the multi-GPU projection?",
+          (Step("tools.bench_tp_share", ("--world", "8", "--batches", "1,32,150", "--input-len", "512",
+                                         "--chunk", "2048"), timeout_s=420),)),
+    # ---- profiles (text tables: the step's output)
+    Suite("profile_decode_depth", "Where does a decode step at V4-Flash depth as shipped go, kernel by kernel, "
+          "at batch 1 and 150?",
+          tuple(profile(f"batch{b}", *MODEL, "--batch", b, "--steps", "48", "--rows", "45") for b in ("1", "150")),
+          preset="flash-depth"),
+    Suite("profile_prefill", "Where does a 4 x 1024-token prefill go, kernel by kernel, at V4-Flash depth and "
+          "on V4.1-Flash-shaped?",
+          (profile("v4", "--preset", "flash-depth", "--quant", "fp8-fp4", "--cache-dir", "{ckpt}", "--batch", "4",
+                   "--steps", "1", "--prompt-len", "1024", "--rows", "45", "--ops",
+                   then_remove="flash-depth-*"),
+           Step("tools.profile_decode", ("--preset", "v41-flash-shaped", "--quant", "fp8-fp4", "--cache-dir",
+                                         "{ckpt}", "--batch", "4", "--steps", "1", "--prompt-len", "1024",
+                                         "--rows", "45"), name="v41", json_flag=None, timeout_s=200))),
+    Suite("profile_decode_v41", "Where does a V4.1-Flash-shaped decode step at batch 1 go, kernel by kernel?",
+          (checkpoint(V41_CKPT, "v41-flash-shaped"),
+           profile("batch1", "--model", V41_CKPT, "--batch", "1", "--steps", "48", "--rows", "45"))),
+    Suite("profile_decode_shaped", "Where does a batch-1 decode step on the 4-layer flash-shaped checkpoint go: "
+          "GPU kernels, then the host's Python?",
+          (profile("gpu", "--preset", "{preset}", "--cache-dir", "{ckpt}", "--batch", "1", "--steps", "200",
+                   "--rows", "40"),
+           profile("host", "--preset", "{preset}", "--cache-dir", "{ckpt}", "--batch", "1", "--steps", "200",
+                   "--rows", "30", "--host")),
+          preset="flash-shaped"),
+    # ---- CPU: the host's own Python and the tiny checkpoint
+    Suite("engine_cpu", "How fast is the engine on the tiny checkpoint on the CPU (offline, and online at "
+          "1 / 8 / 32 users)?",
+          (Step("tools.bench_engine", ("--preset", "{preset}", "--concurrency", "1,8,32", "--input-len", "128",
+                                       "--output-len", "32", "--offline", "32", "--engine-args",
+                                       '{"dtype":"float32"}')),),
+          machine="cpu", preset="tiny"),
+    Suite("smoke", "Does the runner work end to end? (the tiny engine, one user, a few seconds on the CPU)",
+          (Step("tools.bench_engine", ("--preset", "{preset}", "--concurrency", "1", "--input-len", "16",
+                                       "--output-len", "4", "--requests-per-user", "1", "--engine-args",
+                                       '{"dtype":"float32","max_model_len":256}'), timeout_s=120),),
+          machine="cpu", preset="tiny"),
+    Suite("host_python", "How much of a decode step is the engine's own Python at batch 150 (tiny checkpoint, "
+          "stop strings on), and how much the outputs?",
+          (Step("tools.make_tiny_checkpoint", (".cache/tiny", "--preset", "tiny"), name="checkpoint",
+                json_flag=None, unless_exists=".cache/tiny/config.json"),
+           Step("tools.profile_host", ("--batch", "150", "--stop-strings"), timeout_s=300)),
+          machine="cpu"),
+    Suite("server_python", "How much CPU does the server's Python spend per streamed response through a real "
+          "Triton server (tiny checkpoint, 32 users)?",
+          (Step("tools.profile_serving", ("--users", "32", "--requests", "2", "--max-tokens", "128"),
+                python="triton", timeout_s=400),),
+          machine="cpu"),
+    Suite("transport", "How long does handing a step's outputs from the engine core process to the front take?",
+          (Step("tools.bench_transport", (), timeout_s=200),), machine="cpu"),
+    Suite("core_process", "Through Triton on the CPU, what does the engine core in its own process change "
+          "against in-process AsyncLLM (tok/s, ITL, CPU seconds per process)?",
+          tuple(Step("tools.profile_processes", ("--", "{python}", "-m", "loadtest.sweep", "--serve",
+                                                 "--engine-args", f'{{"engine_core_process":{flag}}}',
+                                                 "--concurrency", "32,64", "--duration", "30", "--label",
+                                                 f"core_process_{flag}", "--out", "{out}"),
+                     name=f"core_process_{flag}", python="triton", timeout_s=400)
+                for flag in ("false", "true")),
+          machine="cpu"),
+    Suite("decode_ops", "How many kernels does one decode step launch, per layer kind (counted on the CPU on the "
+          "CUDA dispatch)?",
+          (Step("tools.count_decode_ops", ("--preset", "tiny", "--quant", "fp8-fp4", "--override",
+                                           '{"hidden_size":256,"head_dim":128,"qk_rope_head_dim":64,'
+                                           '"q_lora_rank":256,"o_groups":2,"o_lora_rank":256,'
+                                           '"moe_intermediate_size":256,"index_head_dim":128,"index_n_heads":4,'
+                                           '"num_attention_heads":4}'), name="v4", timeout_s=300),
+           Step("tools.count_decode_ops", ("--preset", "v41-tiny", "--by-kind"), name="v41", timeout_s=300)),
+          machine="cpu"),
+    Suite("replay_error", "How far are the logits after a prefix-cache hit with bounded replay from a cold run's "
+          "(tiny, float64)?",
+          (Step("engine.replay_error", ("--prompts", "16", "--seeds", "3", "--steps", "8"), timeout_s=600),),
+          machine="cpu"),
+    Suite("replay_error_v41", "The same on DeepSeek-V4.1's transformers oracle, a prefix-cache hit (encoder side) "
+          "and decoder-side replay (float64)?",
+          tuple(Step("engine.replay_error", ("--model", "/work/shared/oracles/deepseek_v41/tiny", "--prompts", "8",
+                                             "--seeds", "2", "--steps", "8", "--side", side), name=side,
+                     timeout_s=600)
+                for side in ("encoder", "decoder")),
+          machine="cpu", notes="needs the oracle checkpoint at that path"),
+]
+
+SUITES: dict[str, Suite] = {s.name: s for s in SUITE_LIST}
+assert len(SUITES) == len(SUITE_LIST), "two suites share a name"

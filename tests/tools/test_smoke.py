@@ -1,0 +1,52 @@
+"""One smoke test per dev tool in tools/: it imports and parses its command line, and the tools with
+a CPU path worth running run on a tiny input and write well-formed output. What the tools measure is
+the benchmarks' business (docs/PERF.md), not the tests'; the kernels they time have their own tests."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# every tool with a command line (bench_compress and mixed_diag are libraries of other tools)
+TOOLS = sorted(p.stem for p in (ROOT / "tools").glob("*.py") if "def main(" in p.read_text())
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_tool_imports_and_parses_its_command_line(tool, monkeypatch, capsys):
+    module = importlib.import_module(f"tools.{tool}")
+    monkeypatch.setattr(sys, "argv", [tool, "--help"])
+    with pytest.raises(SystemExit) as stop:
+        module.main()
+    assert stop.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_bench_spec_runs_on_the_tiny_model_and_writes_its_json(tmp_path, monkeypatch):
+    """The forced leg replays the speculative run's own outputs, so every draft is accepted: the one
+    figure here that says the tool measures what it claims."""
+    from tools import bench_spec
+
+    out = tmp_path / "spec.json"
+    monkeypatch.setattr(sys, "argv", ["bench_spec", "--batches", "2", "--input-len", "12", "--output-len", "8",
+                                      "--reps", "1", "--engine-args", '{"dtype":"float32","max_model_len":64}',
+                                      "--json", str(out)])
+    bench_spec.main()
+    result = json.loads(out.read_text())
+    assert [r["batch"] for r in result["micro"]] == [2] and set(result["micro"][0]["speedup"]) >= {"k3_a1"}
+    (e2e,) = result["end_to_end"]
+    assert e2e["forced_acceptance"] == 1.0 and e2e["forced_same_as_mtp"] == 2
+
+
+def test_sass_report_reads_the_sass_of_a_kernel_compiled_for_sm90():
+    """No GPU needed: Triton's own ptxas and cuobjdump. A bf16 tile product at 4 warps runs on wgmma."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real compiler
+    out = subprocess.run([sys.executable, "-m", "tools.sass_report", "tests.tools.sass_kernels:tile_product",
+                          "--types", "*bf16,*bf16,*fp32,i32", "--const", "BLOCK=64", "--warps", "4", "--stages", "3",
+                          "--div16", "K"], capture_output=True, text=True, env=env, cwd=ROOT, check=True).stdout.split()
+    counts = {k: int(v) for k, v in zip(out[::2], out[1::2])}
+    assert counts["HGMMA"] > 0 and counts["HMMA"] == 0 and counts["LDGSTS"] > 0
