@@ -42,7 +42,7 @@ def measure(model: str, n_prompts: int, seeds: int, steps: int, first_len: int, 
             dtype: str = "float64", side: str = "encoder", **engine_args) -> dict:
     encoder = side == "encoder"
     if encoder:  # V4.1: isolate the encoder side (no effect on V4, which has no decoder side)
-        engine_args = {"swa_decoder_replay": False, **engine_args}
+        engine_args = {"swa_decoder_trim": False, **engine_args}
     exact = {} if encoder else {"swa_bounded_replay": False}
     cold = LLMEngine({"model": model, "dtype": dtype, **engine_args, **exact})
     hot = LLMEngine({"model": model, "dtype": dtype, "enable_prefix_caching": encoder, **engine_args})
