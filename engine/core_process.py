@@ -1,9 +1,9 @@
 """The engine core process: owns the device, scheduler, runner, KV cache and prefix cache.
 
-Spawned by engine/core_client.py (`run_core` is its entry point). One thread steps: it takes
-the front's commands between steps, runs a step, and sends one `StepOutputs` message per step
-with every request's new token ids (no text: the front detokenizes and matches stop strings).
-A step that raises goes through engine/recovery.py; a fatal error sends `CoreDead` and exits,
+Spawned by engine/core_client.py (`run_core` is its entry point). One thread runs the step loop
+(engine/step_loop.py): it takes the front's commands between steps, runs a step, and sends one
+`StepOutputs` message per step with every request's new token ids (no text: the front
+detokenizes and matches stop strings). A fatal error sends `CoreDead` and exits,
 and the front restarts the process. It writes when its step began into `step_since`, shared
 memory the front's watchdog reads: a hung step gets the process killed.
 
@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 
-from engine import fault_injection, messages
+from engine import messages
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.messages import (
@@ -31,8 +31,8 @@ from engine.messages import (
     Shutdown,
     StepOutputs,
 )
-from engine.recovery import StepRecovery
-from engine.request import EngineOverloaded, GenerationRequest, InvalidRequest, RequestOutput
+from engine.request import GenerationRequest, RequestOutput
+from engine.step_loop import StepLoop
 
 log = logging.getLogger("deepseek.engine")
 
@@ -70,138 +70,66 @@ def run_core(engine_args: dict, conn, step_since, parent_pid: int) -> None:
 
 
 class CoreLoop:
+    """The step loop (engine/step_loop.py) over the pipe: messages in, one StepOutputs per step out."""
+
     def __init__(self, engine: LLMEngine, conn, step_since):
         self.engine, self.conn, self.step_since = engine, conn, step_since
-        self.faults = fault_injection.install(engine, engine.args.fault_injection_marker)
-        self.recovery = StepRecovery(engine, self._emit, self._fail, self._timed)
-        self.live: set[str] = set()  # admitted and not finished: the front holds their streams
+        self.steps = StepLoop(engine, self, stamp=self._stamp)
         self.outputs: list[RequestOutput] = []  # for the next StepOutputs message
         self.errors: list[RequestError] = []
         self.stop = False
         self.stats_at = 0.0
         self.stats_busy = False  # whether the engine had work when the last stats were sent
-        self.num_steps = 0
-        self.counters = {"num_requests_failed": 0, "num_requests_rejected": 0}
-        self.compiling: list[tuple[object, AddRequest]] = []  # (compile future, request) off the step loop
 
     def run(self) -> None:
-        eng = self.engine
         while not self.stop:
-            busy = eng.has_unfinished()
-            if self.conn.poll(0 if busy else COMPILE_POLL_S if self.compiling else IDLE_POLL_S):
+            busy = self.steps.has_work()
+            if self.conn.poll(0 if busy else COMPILE_POLL_S if self.steps.compiling else IDLE_POLL_S):
                 while not self.stop and self.conn.poll(0):
                     self._handle(messages.decode(self.conn.recv_bytes()))
-            self._admit_compiled()
-            if not self.stop and eng.has_unfinished():
-                try:
-                    self._emit(self._timed(eng.step))
-                    self.num_steps += 1
-                except Exception as e:  # noqa: BLE001 - find the request that fails, keep serving the others
-                    fatal = self.recovery.recover(e, list(self.live))
-                    if fatal is not None:
-                        self._send_step()
-                        reason = f"{type(fatal).__name__}: {fatal}"
-                        log.critical("the engine core is dead: %s", reason)
-                        self.conn.send_bytes(messages.encode(CoreDead(reason)))
-                        sys.exit(1)
+            if not self.stop:
+                fatal = self.steps.step()
+                if fatal is not None:
+                    self._send_step()
+                    reason = f"{type(fatal).__name__}: {fatal}"
+                    log.critical("the engine core is dead: %s", reason)
+                    self.conn.send_bytes(messages.encode(CoreDead(reason)))
+                    sys.exit(1)
             self._send_step()
 
     def _handle(self, msg) -> None:
-        eng = self.engine
-        if isinstance(msg, AddRequest) and msg.sampling.structured_outputs is not None:
-            # its grammar compiles on the compiler's threads; the request is admitted once it is done
-            try:
-                self.compiling.append((eng.grammar_compiler().compile(msg.sampling.structured_outputs), msg))
-            except InvalidRequest as e:
-                self.errors.append(RequestError(msg.request_id, messages.error_kind(e), str(e)))
-        elif isinstance(msg, AddRequest):
-            self._admit(msg)
+        if isinstance(msg, AddRequest):
+            self.steps.add(GenerationRequest(msg.request_id, msg.prompt, msg.prompt_token_ids, msg.sampling))
         elif isinstance(msg, AbortRequests):
-            aborted = set(msg.request_ids)
-            for _, waiting in self.compiling:
-                if waiting.request_id in aborted:
-                    self._emit([RequestOutput(waiting.request_id, finished=True, finish_reason="abort")])
-            self.compiling = [c for c in self.compiling if c[1].request_id not in aborted]
-            for rid in msg.request_ids:
-                out = eng.abort(rid)
-                if out is not None:
-                    self._emit([out])
+            self.steps.abort(msg.request_ids)
         elif isinstance(msg, Shutdown):
-            for _, waiting in self.compiling:
-                self._emit([RequestOutput(waiting.request_id, finished=True, finish_reason="abort")])
-            self.compiling = []
-            for rid in list(eng.requests):
-                self._emit([eng.abort(rid)])
+            self.steps.abort_all()
             self.stop = True
 
-    def _admit_compiled(self) -> None:
-        if not self.compiling:
-            return
-        done = [c for c in self.compiling if c[0].done()]
-        self.compiling = [c for c in self.compiling if not c[0].done()]
-        for _, msg in done:
-            self._admit(msg)  # a spec that failed to compile raises InvalidRequest there: refused
+    # --- the step loop's sink: what the front hears -------------------------------------------
 
-    def _admit(self, msg: AddRequest) -> None:
-        eng = self.engine
-        rid = msg.request_id
-        try:
-            if eng.num_waiting >= eng.args.max_waiting_requests:
-                self.counters["num_requests_rejected"] += 1
-                raise EngineOverloaded(f"{eng.num_waiting} requests waiting (max_waiting_requests="
-                                       f"{eng.args.max_waiting_requests}); retry later")
-            request = GenerationRequest(rid, msg.prompt, msg.prompt_token_ids, msg.sampling)
-            eng.add_request(request)
-        except (InvalidRequest, EngineOverloaded) as e:
-            self.errors.append(RequestError(rid, messages.error_kind(e), str(e)))
-            return
-        except Exception as e:  # noqa: BLE001 - a bug in admission fails this request only
-            log.exception("admitting request %s failed", rid)
-            self.errors.append(RequestError(rid, "failed", f"admission failed: {e!r}"))
-            return
-        self.live.add(rid)
-        if self.faults is not None:
-            self.faults.register(request)
+    def admitted(self, request_id: str) -> None:
+        pass  # the front learns from the request's first output
 
-    def _emit(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            if out.error is not None:  # its sampling failed (one line, no traceback); the engine freed it
-                self.counters["num_requests_failed"] += 1
-                log.error("request %s failed: %s", out.request_id, out.error)
-                self.errors.append(RequestError(out.request_id, "failed", f"sampling failed: {out.error}"))
-            else:
-                self.outputs.append(out)
-            if out.finished:
-                self._forget(out.request_id)
+    def refused(self, request_id: str, error: Exception) -> None:
+        self.errors.append(RequestError(request_id, messages.error_kind(error), str(error)))
 
-    def _fail(self, request_id: str, exc: BaseException) -> None:
-        self.counters["num_requests_failed"] += 1
-        log.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
-        self.engine.abort(request_id)  # frees its cache; its stream gets the error instead
-        self._forget(request_id)
-        self.errors.append(RequestError(request_id, "failed", f"engine step failed: {type(exc).__name__}: {exc}"))
+    def output(self, out: RequestOutput) -> None:
+        self.outputs.append(out)
 
-    def _forget(self, request_id: str) -> None:
-        self.live.discard(request_id)
-        self.recovery.forget(request_id)
-        if self.faults is not None:
-            self.faults.forget(request_id)
+    def failed(self, request_id: str, message: str) -> None:
+        self.errors.append(RequestError(request_id, "failed", message))
 
-    def _timed(self, fn, *args):
-        """Run a step (or probe) where the front's watchdog sees how long it has been running."""
-        self.step_since.value = time.monotonic()
-        try:
-            return fn(*args)
-        finally:
-            self.step_since.value = 0.0
+    def _stamp(self, since: float | None) -> None:
+        """When the step now running began, in shared memory: the front's watchdog reads it."""
+        self.step_since.value = since or 0.0
 
     def _send_step(self) -> None:
         now, busy = time.monotonic(), self.engine.has_unfinished()
         stats = None
         if now - self.stats_at >= STATS_INTERVAL_S or busy != self.stats_busy:  # going idle: say so now
             self.stats_at, self.stats_busy = now, busy
-            stats = {**self.engine.stats(), **self.counters, "num_step_failures": self.recovery.num_step_failures,
-                     "num_steps": self.num_steps, "core_cpu_s": time.process_time()}
+            stats = {**self.steps.stats(), "core_cpu_s": time.process_time()}
         if self.outputs or self.errors or stats is not None:
             msg = StepOutputs(self.outputs, self.errors, stats)
             self.outputs, self.errors = [], []

@@ -4,10 +4,10 @@
 `AsyncLLM`: the serving front (the `AsyncEngine` interface): the step loop runs in its own
 thread; `add()` streams deltas into the caller's event loop; abort frees the cache.
 
-Failures (docs/RELIABILITY.md): a step that raises is retried request by request, each alone
-and recomputed from its tokens (preemption by recompute), so only the request that fails alone
-gets `RequestFailed`; a fatal error (CUDA, or a one-token forward that fails) marks the engine
-dead, and every request in flight or arriving gets `EngineDead`.
+Failures (docs/RELIABILITY.md): the step loop (engine/step_loop.py) retries a failed step request
+by request, so only the request that fails alone gets `RequestFailed`; a fatal error (CUDA, or a
+one-token forward that fails) marks the engine dead, and every request in flight or arriving
+gets `EngineDead`.
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine import fault_injection
 from engine.args import EngineArgs
 from engine.delta_stream import merged_deltas, on_loop
 from engine.interface import EngineLifetime
 from engine.llm_engine import LLMEngine
-from engine.recovery import StepRecovery
 from engine.request import (
     EngineDead,
     EngineOverloaded,
@@ -36,6 +34,7 @@ from engine.request import (
     RequestOutput,
     SamplingParams,
 )
+from engine.step_loop import StepLoop
 
 log = logging.getLogger("deepseek.engine")
 
@@ -90,15 +89,19 @@ class LLM:
 
 
 class AsyncLLM(EngineLifetime):
-    """The native engine behind the async interface the Triton backend uses."""
+    """The native engine behind the async interface the Triton backend uses: the step loop
+    (engine/step_loop.py) in a thread of this process, deltas onto each caller's event loop."""
 
     def __init__(self, engine_args: dict | EngineArgs):
         self.args = EngineArgs.of(engine_args)
         self.engine: LLMEngine | None = None
         self.tokenizer = None
+        self._steps: StepLoop | None = None
         self._cmds: queue.Queue = queue.Queue()
         self._wake = threading.Event()
+        # request id -> (caller's loop, its delta queue); the step thread owns both dicts
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._admitting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, asyncio.Future]] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
         self._accepting = False
@@ -108,22 +111,19 @@ class AsyncLLM(EngineLifetime):
         self._lock = threading.Lock()
         self._closed = False
         self._pending_adds = 0  # add commands queued, not handled yet (admission fast path)
-        self._recovery: StepRecovery | None = None
-        self._faults: fault_injection.FaultInjectingRunner | None = None  # tests only
+        self._rejected_early = 0  # refused by the fast path, before the step thread saw them
         self._step_since: float | None = None  # when the step (or probe) now running began
         self._watchdog: threading.Thread | None = None
         self._watch_stop = threading.Event()
-        self.counters = {"num_requests_failed": 0, "num_requests_rejected": 0}
 
     @property
     def _hang_release(self) -> threading.Event:  # fault injection: lets a "hung" step go
-        return self._faults.hang_release
+        return self._steps.faults.hang_release
 
     async def start(self) -> None:
         self.engine = await asyncio.get_running_loop().run_in_executor(None, LLMEngine, self.args)
         self.tokenizer = self.engine.tokenizer
-        self._faults = fault_injection.install(self.engine, self.args.fault_injection_marker)
-        self._recovery = StepRecovery(self.engine, self._emit, self._fail, self._timed)
+        self._steps = StepLoop(self.engine, _StreamSink(self), stamp=self._stamp, on_compiled=self._wake.set)
         self._thread = threading.Thread(target=self._loop, name="dsv4-engine", daemon=True)
         self._thread.start()
         if self.args.step_timeout_s > 0:
@@ -138,16 +138,13 @@ class AsyncLLM(EngineLifetime):
             raise EngineDead(f"engine stopped: {self._dead}")
         if not self._accepting:
             raise EngineDead("engine is not accepting requests (starting or shutting down)")
-        # fast path: refuse at once, not after the step in progress; the step thread re-checks
+        # fast path: refuse at once, not after the step in progress; the step loop re-checks
         queued = self._pending_adds + self.engine.num_waiting
         if queued >= self.args.max_waiting_requests:
-            self.counters["num_requests_rejected"] += 1
+            self._rejected_early += 1
             raise EngineOverloaded(f"{queued} requests waiting or arriving (max_waiting_requests="
                                    f"{self.args.max_waiting_requests}); retry later")
         loop = asyncio.get_running_loop()
-        if request.sampling.structured_outputs is not None:  # compiled off the step loop; a bad spec fails here
-            compiler = await loop.run_in_executor(None, self.engine.grammar_compiler)
-            await asyncio.wrap_future(compiler.compile(request.sampling.structured_outputs))
         stream: asyncio.Queue = asyncio.Queue()
         admitted = loop.create_future()
         with self._lock:
@@ -156,7 +153,11 @@ class AsyncLLM(EngineLifetime):
             self._pending_adds += 1
             self._cmds.put(("add", request, loop, stream, admitted))
         self._wake.set()
-        await admitted  # InvalidRequest / EngineOverloaded / EngineDead surface here, before any delta
+        try:
+            await admitted  # InvalidRequest / EngineOverloaded / EngineDead surface here, before any delta
+        except asyncio.CancelledError:  # the caller left while its grammar compiled or it queued
+            self._command(("abort", request.request_id))
+            raise
         finished = False
         try:
             async for out in merged_deltas(stream):
@@ -173,9 +174,11 @@ class AsyncLLM(EngineLifetime):
         self._command(("abort", request_id))
 
     def stats(self) -> dict:
-        if self.engine is None:
+        if self._steps is None:
             return {}
-        return {**self.engine.stats(), **self.counters, "num_step_failures": self._recovery.num_step_failures}
+        out = self._steps.stats()
+        out["num_requests_rejected"] += self._rejected_early
+        return out
 
     def health(self) -> bool:
         return self.engine is not None and self._dead is None and self._thread is not None and self._thread.is_alive()
@@ -183,7 +186,7 @@ class AsyncLLM(EngineLifetime):
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         self._accepting = False
         deadline = time.monotonic() + drain_timeout_s
-        while self._streams and time.monotonic() < deadline and self.health():
+        while (self._streams or self._admitting) and time.monotonic() < deadline and self.health():
             await asyncio.sleep(0.05)
         self._command(("abort_all",))
         self._stop = True
@@ -203,6 +206,9 @@ class AsyncLLM(EngineLifetime):
 
     # --- the step thread ----------------------------------------------------------------------
 
+    def _stamp(self, since: float | None) -> None:
+        self._step_since = since
+
     def _send(self, request_id: str, item, done: bool = False) -> None:
         target = self._streams.get(request_id)
         if target is None:
@@ -210,19 +216,7 @@ class AsyncLLM(EngineLifetime):
         loop, stream = target
         if done:
             del self._streams[request_id]
-            self._recovery.forget(request_id)
-            if self._faults is not None:
-                self._faults.forget(request_id)
         on_loop(loop, stream.put_nowait, item)
-
-    def _emit(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            if out.error is not None:  # its sampling failed (one line, no traceback); the engine freed it
-                self.counters["num_requests_failed"] += 1
-                log.error("request %s failed: %s", out.request_id, out.error)
-                self._send(out.request_id, RequestFailed(f"sampling failed: {out.error}"), done=True)
-                continue
-            self._send(out.request_id, out, done=out.finished)
 
     @staticmethod
     def _resolve(loop, future, error: BaseException | None = None) -> None:
@@ -232,39 +226,22 @@ class AsyncLLM(EngineLifetime):
         on_loop(loop, settle)
 
     def _handle(self, cmd: tuple) -> None:
-        eng = self.engine
         if cmd[0] == "add":
             _, request, loop, stream, admitted = cmd
             with self._lock:
                 self._pending_adds -= 1
-            try:
-                if self._dead:
-                    raise EngineDead(f"engine stopped: {self._dead}")
-                if eng.num_waiting >= self.args.max_waiting_requests:
-                    self.counters["num_requests_rejected"] += 1
-                    raise EngineOverloaded(f"{eng.num_waiting} requests waiting (max_waiting_requests="
-                                           f"{self.args.max_waiting_requests}); retry later")
-                eng.add_request(request)
-            except (InvalidRequest, EngineOverloaded, EngineDead) as e:
-                self._resolve(loop, admitted, e)
-                return
-            except Exception as e:  # noqa: BLE001 - a bug in admission (tokenizer, ...) fails this request only
-                log.exception("admitting request %s failed", request.request_id)
-                self._resolve(loop, admitted, RequestFailed(f"admission failed: {e!r}"))
-                return
-            self._streams[request.request_id] = (loop, stream)
-            if self._faults is not None:
-                self._faults.register(request)
-            self._resolve(loop, admitted)
+            rid = request.request_id
+            if self._dead:
+                self._resolve(loop, admitted, EngineDead(f"engine stopped: {self._dead}"))
+            elif rid in self._admitting:
+                self._resolve(loop, admitted, InvalidRequest(f"request id {rid!r} is already in flight"))
+            else:
+                self._admitting[rid] = (loop, stream, admitted)
+                self._steps.add(request)
         elif cmd[0] == "abort":
-            out = eng.abort(cmd[1])
-            if out is not None:
-                self._send(cmd[1], out, done=True)
+            self._steps.abort([cmd[1]])
         elif cmd[0] == "abort_all":
-            for rid in list(eng.requests):
-                out = eng.abort(rid)
-                if out is not None:
-                    self._send(rid, out, done=True)
+            self._steps.abort_all()
 
     def _loop(self) -> None:
         try:
@@ -276,7 +253,6 @@ class AsyncLLM(EngineLifetime):
             self._close()
 
     def _run(self) -> None:
-        eng = self.engine
         while not self._stop:
             while True:
                 try:
@@ -284,26 +260,12 @@ class AsyncLLM(EngineLifetime):
                 except queue.Empty:
                     break
                 self._handle(cmd)
-            if not eng.has_unfinished():
+            fatal = self._steps.step()
+            if fatal is not None:
+                self._die(fatal)
+            elif not self._steps.has_work():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
-                continue
-            try:
-                outputs = self._timed(eng.step)
-            except Exception as e:  # noqa: BLE001 - find the request that fails, keep serving the others
-                fatal = self._recovery.recover(e, list(self._streams))
-                if fatal is not None:
-                    self._die(fatal)
-                continue
-            self._emit(outputs)
-
-    def _timed(self, fn, *args):
-        """Run one step (or probe) where the watchdog can see how long it has been running."""
-        self._step_since = time.monotonic()
-        try:
-            return fn(*args)
-        finally:
-            self._step_since = None
 
     def _watch(self) -> None:
         """The step watchdog: a step that runs longer than step_timeout_s (a hung GPU, a deadlock)
@@ -322,7 +284,10 @@ class AsyncLLM(EngineLifetime):
             self._stop = True
             reason = EngineDead(f"engine stopped: {self._dead}")
             self._close_commands(reason)
-            for loop, stream in list(self._streams.values()):  # told, not forgotten: the step thread owns _streams
+            # told, not forgotten: the step thread owns these
+            for loop, _, admitted in list(self._admitting.values()):
+                self._resolve(loop, admitted, reason)
+            for loop, stream in list(self._streams.values()):
                 on_loop(loop, stream.put_nowait, reason)
 
     def _close_commands(self, reason: EngineDead) -> None:
@@ -342,26 +307,45 @@ class AsyncLLM(EngineLifetime):
         self._watch_stop.set()
         reason = EngineDead(f"engine stopped: {self._dead or 'shut down'}")
         self._close_commands(reason)
-        for rid in list(self.engine.requests):
-            if self._dead:
+        if self._dead:  # free every request's cache; each stream gets the reason below
+            self._steps.compiling = []
+            for rid in list(self.engine.requests):
                 self.engine.abort(rid)
-                self._send(rid, reason, done=True)
-            else:
-                out = self.engine.abort(rid)
-                if out is not None:
-                    self._send(rid, out, done=True)
+        else:
+            self._steps.abort_all()
+        for loop, _, admitted in list(self._admitting.values()):
+            self._resolve(loop, admitted, reason)
+        self._admitting.clear()
         for rid in list(self._streams):
             self._send(rid, reason, done=True)
-
-    # --- failures -----------------------------------------------------------------------------
-
-    def _fail(self, request_id: str, exc: BaseException) -> None:
-        self.counters["num_requests_failed"] += 1
-        log.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
-        self.engine.abort(request_id)  # frees its cache; its stream gets the error instead
-        self._send(request_id, RequestFailed(f"engine step failed: {type(exc).__name__}: {exc}"), done=True)
 
     def _die(self, exc: BaseException) -> None:
         self._dead = f"{type(exc).__name__}: {exc}"
         log.critical("the engine is dead: %s", self._dead)
         self._stop = True  # _close fails every request in flight and every pending add
+
+
+class _StreamSink:
+    """The step loop's outputs onto the callers' event loops (AsyncLLM's transport)."""
+
+    def __init__(self, front: AsyncLLM):
+        self.front = front
+
+    def admitted(self, request_id: str) -> None:
+        loop, stream, admitted = self.front._admitting.pop(request_id)
+        self.front._streams[request_id] = (loop, stream)
+        self.front._resolve(loop, admitted)
+
+    def refused(self, request_id: str, error: Exception) -> None:
+        loop, _, admitted = self.front._admitting.pop(request_id)
+        self.front._resolve(loop, admitted, error)
+
+    def output(self, out: RequestOutput) -> None:
+        if out.request_id in self.front._admitting:  # aborted while its grammar compiled
+            self.admitted(out.request_id)
+        self.front._send(out.request_id, out, done=out.finished)
+
+    def failed(self, request_id: str, message: str) -> None:
+        if request_id in self.front._admitting:
+            self.admitted(request_id)
+        self.front._send(request_id, RequestFailed(message), done=True)

@@ -4,7 +4,7 @@ keep serving the others.
 Every running request is preempted (its cache may hold half a step) and run alone, recomputed
 from its tokens: the ones that fail alone are failed, the others carry on. A fatal error (CUDA,
 out of memory), or an engine that cannot run a one-token forward any more, is the engine's
-death. Used by both step loops: `AsyncLLM`'s thread and the engine core process.
+death. Used by the step loop (engine/step_loop.py).
 """
 
 from __future__ import annotations
