@@ -1,6 +1,6 @@
-"""The fused ops the dispatcher in kernels/__init__.py may bind. Each runs its Triton kernel
-on CUDA tensors and the torch reference otherwise (CPU serving stays on the references; the
-tests call the kernels directly under TRITON_INTERPRET=1).
+"""The fused ops the dispatcher in kernels/__init__.py may bind, by public op name (FUSED). The
+dispatcher runs each on CUDA tensors and its torch reference otherwise (CPU serving stays on the
+references; the tests call the kernels directly under TRITON_INTERPRET=1).
 
 Integer arguments that change from step to step (token and pair counts, table widths, score-row
 lengths) are marked `do_not_specialize` in their kernels: Triton would otherwise compile a new
@@ -9,11 +9,10 @@ half-second stall, seen at 8 users on the H200)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from kernels import fused_v41, reference
+from kernels import reference
+from kernels.deepseek_v41 import fused as v41
 from kernels.formats import fp8_block_of
 from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
@@ -30,14 +29,6 @@ from kernels.fused_norm_mhc import (
 )
 from kernels.fused_rope import apply_rope_fused, kv_norm_rope_insert_fused, norm_rope_fused
 from kernels.fused_sample import greedy_pick_fused
-
-
-def _on_cuda(fused, ref):
-    @functools.wraps(ref)
-    def op(*args, **kwargs):
-        first = next(a for a in args if isinstance(a, torch.Tensor))
-        return fused(*args, **kwargs) if first.is_cuda else ref(*args, **kwargs)
-    return op
 
 
 def linear_fused(x, weight, scale=None):
@@ -84,7 +75,7 @@ def swiglu_fused(gate, up, limit):
     to the input dtype, where the reference rounds after each op); the reference when nothing clamps."""
     if limit <= 0:
         return reference.swiglu(gate, up, limit)
-    return fused_v41.clamped_swiglu_fused(gate, up, limit, out_dtype=gate.dtype)
+    return v41.clamped_swiglu_fused(gate, up, limit, out_dtype=gate.dtype)
 
 
 FUSED = {
@@ -108,14 +99,15 @@ FUSED = {
     "indexer_scores_paged": indexer_scores_paged,
     "indexer_topk": indexer_topk_fused,
     "greedy_pick": greedy_pick_fused,
-    **{f"v41_{name[:-len('_fused')]}": getattr(fused_v41, name) for name in fused_v41.__all__},
+    "v41_hc_site_collapse": v41.hc_site_collapse_fused,
+    "v41_hc_expand": v41.hc_expand_fused,
+    "v41_rms_norm": v41.rms_norm_fused,
+    "v41_rope": v41.rope_fused,
+    "v41_fake_quant_fp4": v41.fake_quant_fp4_fused,
+    "v41_fake_quant_fp8": v41.fake_quant_fp8_fused,
+    "v41_router": v41.router_fused,
+    "v41_clamped_swiglu": v41.clamped_swiglu_fused,
+    "v41_moe_sum": v41.moe_sum_fused,
+    "v41_engram_gate": v41.engram_gate_fused,
 }
 
-
-def _reference(name: str):
-    import kernels  # the dispatcher's lookup (kernels/__init__.py imports this module lazily)
-
-    return kernels.reference_of(name)
-
-
-OPS = {name: _on_cuda(fn, _reference(name)) for name, fn in FUSED.items()}

@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.deepseek_v41.fused import clamped_swiglu_fused
 from kernels.fp8_unpack import fp8_unpacked
 from kernels.fused_moe_align import moe_align_fused
-from kernels.fused_v41 import clamped_swiglu_fused
 from kernels.mxfp4_unpack import mxfp4_unpacked
 
 
