@@ -42,12 +42,13 @@ def linear_split_fused(x, weight, split_n, scale=None):
     return fp8_linear_fused(x, weight, scale, split_n=split_n)
 
 
-GROUPED_ONE_LAUNCH_MAX_T = 32  # wo_a in one launch up to here, one launch per group past it (PERF.md, session 5)
+GROUPED_ONE_LAUNCH_MAX_T = 32  # wo_a in one launch up to here, one launch per group past it (tools/bench_fused.py)
 
 
 def grouped_linear_fused(x, weight, groups, scale=None):
     """FP8 wo_a: all groups in one launch at small batches, one launch per group at larger ones (where
-    it measured faster: docs/PERF.md, session 5), and from the cuBLAS rows (V4's blocks) one call that runs
+    it measured faster: tools/bench_fused.py's wo_a rows, docs/perf/h200-2026-12-01-s5/fused.log, 3.2-3.4x at
+    1 / 32 rows, 0.83x at 150), and from the cuBLAS rows (V4's blocks) one call that runs
     cuBLAS per group on x in place; needs whole scale blocks (128 V4, 32 V4.1) per group."""
     rows = weight.shape[0] // groups
     block = None if scale is None else fp8_block_of(weight.shape, scale.shape)
@@ -63,8 +64,8 @@ def grouped_linear_fused(x, weight, groups, scale=None):
 
 def hc_post_pre_norm_composed(h, out, post, comb, fn, base, scale, norm_w, hc_eps, norm_eps, out_eps,
                               sinkhorn_iters):
-    """Mega-mHC as the three fused ops, which the two-launch kernel did not beat on the H200 (docs/PERF.md,
-    session 5); kernels.fused_norm_mhc.hc_post_pre_norm_fused stays tested."""
+    """Mega-mHC as the three fused ops, which the two-launch kernel did not beat on the H200 (tools/bench_fused.py,
+    docs/perf/h200-2026-12-01-s5/fused.log: 0.83-0.90x); kernels.fused_norm_mhc.hc_post_pre_norm_fused stays tested."""
     new = hc_post_fused(h, out, post, comb)
     post2, comb2, x = hc_pre_fused(new, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters)
     return new, post2, comb2, rms_norm_fused(x, norm_w, out_eps)
