@@ -1,5 +1,5 @@
-"""kernels/quant_configs.py: the measured tables (kernels/configs/*.json) and the reasoned defaults give each
-shape the config the hand-pasted tables gave it (expectations copied from them before they became data)."""
+"""kernels/quant_configs.py: the measured tables (kernels/configs/*.json) and the reasoned defaults give known
+shapes the configs the engine runs them with."""
 
 import pytest
 
