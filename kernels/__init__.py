@@ -1,8 +1,8 @@
 """The one API the engine calls for every hot op of DeepSeek-V4.
 
-Dispatch lives here and only here: a fused Triton kernel where one exists and the
-tensors are on CUDA, else the torch reference (kernels/reference.py, the spec; V4.1's own ops,
-`v41_*`: kernels/reference_v41.py).
+Dispatch lives here and only here (`_bind`, one line per op): a fused Triton kernel (kernels/fused.py's
+FUSED) where one exists and the tensors are on CUDA, else the torch reference (kernels/reference.py, the
+spec; V4.1's own ops, `v41_*`: kernels/deepseek_v41/reference.py).
 `DSV4_KERNELS=ref` (or `set_backend("ref")`, the engine argument `kernels`) forces the
 references everywhere; `set_backend("fused")` forces the kernels on any device (tests, with
 TRITON_INTERPRET=1 on the CPU).
@@ -10,20 +10,19 @@ TRITON_INTERPRET=1 on the CPU).
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
-from kernels import reference, reference_v41
+import torch
 
-_OPS = (
-    "rms_norm", "rms_norm_unweighted", "rope_cos_sin", "apply_rope", "hc_pre", "hc_post", "hc_post_pre_norm", "hc_head",
-    "router_topk", "linear", "linear_split", "swiglu", "mlp", "moe_experts", "sink_attention", "grouped_linear",
-    "indexer_scores", "indexer_scores_paged", "indexer_topk", "paged_attention", "pool_blocks", "norm_rope",
-    "kv_norm_rope_insert", "compress_decode", "compress_blocks", "greedy_pick",
-)
-# DeepSeek-V4.1's ops whose arithmetic differs from V4's (kernels/reference_v41.py): bound as v41_<name>
-_V41_OPS = ("hc_site_collapse", "hc_expand", "rms_norm", "rope", "fake_quant_fp4", "fake_quant_fp8", "router",
-            "clamped_swiglu", "moe_sum", "engram_gate")
+from kernels import reference
+from kernels.deepseek_v41 import reference as v41_reference
+
+Op = TypeVar("Op", bound=Callable)
 _backend = os.environ.get("DSV4_KERNELS", "auto")
+_references: dict[str, Callable] = {}  # public op name -> its torch reference, filled by _bind
 
 
 def set_backend(name: str) -> None:
@@ -39,27 +38,91 @@ def backend() -> str:
     return _backend
 
 
-def _fused_ops() -> dict:
+def reference_of(name: str) -> Callable:
+    """The torch reference an op of this API falls back to."""
+    return _references[name]
+
+
+def op_names() -> tuple[str, ...]:
+    """Every public op, in dispatch order (V4's, then V4.1's `v41_*`)."""
+    return tuple(_references)
+
+
+def _fused_table() -> dict[str, Callable]:
     if _backend == "ref":
         return {}
     try:
         from kernels import fused
     except ImportError:  # no triton: references only
         return {}
-    return fused.FUSED if _backend == "fused" else fused.OPS
+    return fused.FUSED
 
 
-def reference_of(name: str):
-    """The torch reference an op of this API falls back to (v41_<name>: kernels/reference_v41.py)."""
-    if name.startswith("v41_"):
-        return getattr(reference_v41, name[4:])
-    return getattr(reference, name)
+@functools.cache
+def _on_cuda(fused: Callable, ref: Callable) -> Callable:
+    """The kernel on CUDA tensors, the reference otherwise (CPU serving); cached: one wrapper per pair."""
+
+    @functools.wraps(ref)
+    def op(*args, **kwargs):
+        first = next(a for a in args if isinstance(a, torch.Tensor))
+        return fused(*args, **kwargs) if first.is_cuda else ref(*args, **kwargs)
+    return op
 
 
 def _bind() -> None:
-    fused = _fused_ops()
-    for name in _OPS + tuple(f"v41_{n}" for n in _V41_OPS):
-        globals()[name] = fused.get(name, reference_of(name))
+    """(Re)binds every public op for the backend; an op is its reference, then its kernel if FUSED has one."""
+    global rms_norm, rms_norm_unweighted, rope_cos_sin, apply_rope, hc_pre, hc_post, hc_post_pre_norm, hc_head
+    global router_topk, linear, linear_split, swiglu, mlp, moe_experts, sink_attention, grouped_linear
+    global indexer_scores, indexer_scores_paged, indexer_topk, paged_attention, pool_blocks, norm_rope
+    global kv_norm_rope_insert, compress_decode, compress_blocks, greedy_pick
+    global v41_hc_site_collapse, v41_hc_expand, v41_rms_norm, v41_rope, v41_fake_quant_fp4, v41_fake_quant_fp8
+    global v41_router, v41_clamped_swiglu, v41_moe_sum, v41_engram_gate
+    fused = _fused_table()
+
+    def op(name: str, ref: Op) -> Op:
+        _references[name] = ref
+        kernel = fused.get(name)
+        if kernel is None:
+            return ref
+        return kernel if _backend == "fused" else _on_cuda(kernel, ref)
+
+    rms_norm = op("rms_norm", reference.rms_norm)
+    rms_norm_unweighted = op("rms_norm_unweighted", reference.rms_norm_unweighted)
+    rope_cos_sin = op("rope_cos_sin", reference.rope_cos_sin)
+    apply_rope = op("apply_rope", reference.apply_rope)
+    hc_pre = op("hc_pre", reference.hc_pre)
+    hc_post = op("hc_post", reference.hc_post)
+    hc_post_pre_norm = op("hc_post_pre_norm", reference.hc_post_pre_norm)
+    hc_head = op("hc_head", reference.hc_head)
+    router_topk = op("router_topk", reference.router_topk)
+    linear = op("linear", reference.linear)
+    linear_split = op("linear_split", reference.linear_split)
+    swiglu = op("swiglu", reference.swiglu)
+    mlp = op("mlp", reference.mlp)
+    moe_experts = op("moe_experts", reference.moe_experts)
+    sink_attention = op("sink_attention", reference.sink_attention)
+    grouped_linear = op("grouped_linear", reference.grouped_linear)
+    indexer_scores = op("indexer_scores", reference.indexer_scores)
+    indexer_scores_paged = op("indexer_scores_paged", reference.indexer_scores_paged)
+    indexer_topk = op("indexer_topk", reference.indexer_topk)
+    paged_attention = op("paged_attention", reference.paged_attention)
+    pool_blocks = op("pool_blocks", reference.pool_blocks)
+    norm_rope = op("norm_rope", reference.norm_rope)
+    kv_norm_rope_insert = op("kv_norm_rope_insert", reference.kv_norm_rope_insert)
+    compress_decode = op("compress_decode", reference.compress_decode)
+    compress_blocks = op("compress_blocks", reference.compress_blocks)
+    greedy_pick = op("greedy_pick", reference.greedy_pick)
+    # DeepSeek-V4.1's ops whose arithmetic differs from V4's
+    v41_hc_site_collapse = op("v41_hc_site_collapse", v41_reference.hc_site_collapse)
+    v41_hc_expand = op("v41_hc_expand", v41_reference.hc_expand)
+    v41_rms_norm = op("v41_rms_norm", v41_reference.rms_norm)
+    v41_rope = op("v41_rope", v41_reference.rope)
+    v41_fake_quant_fp4 = op("v41_fake_quant_fp4", v41_reference.fake_quant_fp4)
+    v41_fake_quant_fp8 = op("v41_fake_quant_fp8", v41_reference.fake_quant_fp8)
+    v41_router = op("v41_router", v41_reference.router)
+    v41_clamped_swiglu = op("v41_clamped_swiglu", v41_reference.clamped_swiglu)
+    v41_moe_sum = op("v41_moe_sum", v41_reference.moe_sum)
+    v41_engram_gate = op("v41_engram_gate", v41_reference.engram_gate)
 
 
 _bind()

@@ -1,6 +1,6 @@
-"""The fused ops the dispatcher in kernels/__init__.py may bind. Each runs its Triton kernel
-on CUDA tensors and the torch reference otherwise (CPU serving stays on the references; the
-tests call the kernels directly under TRITON_INTERPRET=1).
+"""The fused ops the dispatcher in kernels/__init__.py may bind, by public op name (FUSED). The
+dispatcher runs each on CUDA tensors and its torch reference otherwise (CPU serving stays on the
+references; the tests call the kernels directly under TRITON_INTERPRET=1).
 
 Integer arguments that change from step to step (token and pair counts, table widths, score-row
 lengths) are marked `do_not_specialize` in their kernels: Triton would otherwise compile a new
@@ -9,11 +9,10 @@ half-second stall, seen at 8 users on the H200)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from kernels import fused_v41, reference
+from kernels import reference
+from kernels.deepseek_v41 import fused as v41
 from kernels.formats import fp8_block_of
 from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
@@ -32,14 +31,6 @@ from kernels.fused_rope import apply_rope_fused, kv_norm_rope_insert_fused, norm
 from kernels.fused_sample import greedy_pick_fused
 
 
-def _on_cuda(fused, ref):
-    @functools.wraps(ref)
-    def op(*args, **kwargs):
-        first = next(a for a in args if isinstance(a, torch.Tensor))
-        return fused(*args, **kwargs) if first.is_cuda else ref(*args, **kwargs)
-    return op
-
-
 def linear_fused(x, weight, scale=None):
     return reference.linear(x, weight) if scale is None else fp8_linear_fused(x, weight, scale)
 
@@ -51,12 +42,13 @@ def linear_split_fused(x, weight, split_n, scale=None):
     return fp8_linear_fused(x, weight, scale, split_n=split_n)
 
 
-GROUPED_ONE_LAUNCH_MAX_T = 32  # wo_a in one launch up to here, one launch per group past it (PERF.md, session 5)
+GROUPED_ONE_LAUNCH_MAX_T = 32  # wo_a in one launch up to here, one launch per group past it (tools/bench_fused.py)
 
 
 def grouped_linear_fused(x, weight, groups, scale=None):
     """FP8 wo_a: all groups in one launch at small batches, one launch per group at larger ones (where
-    it measured faster: docs/PERF.md, session 5), and from the cuBLAS rows (V4's blocks) one call that runs
+    it measured faster: tools/bench_fused.py's wo_a rows, docs/perf/h200-2026-12-01-s5/fused.log, 3.2-3.4x at
+    1 / 32 rows, 0.83x at 150), and from the cuBLAS rows (V4's blocks) one call that runs
     cuBLAS per group on x in place; needs whole scale blocks (128 V4, 32 V4.1) per group."""
     rows = weight.shape[0] // groups
     block = None if scale is None else fp8_block_of(weight.shape, scale.shape)
@@ -72,8 +64,8 @@ def grouped_linear_fused(x, weight, groups, scale=None):
 
 def hc_post_pre_norm_composed(h, out, post, comb, fn, base, scale, norm_w, hc_eps, norm_eps, out_eps,
                               sinkhorn_iters):
-    """Mega-mHC as the three fused ops, which the two-launch kernel did not beat on the H200 (docs/PERF.md,
-    session 5); kernels.fused_norm_mhc.hc_post_pre_norm_fused stays tested."""
+    """Mega-mHC as the three fused ops, which the two-launch kernel did not beat on the H200 (tools/bench_fused.py,
+    docs/perf/h200-2026-12-01-s5/fused.log: 0.83-0.90x); kernels.fused_norm_mhc.hc_post_pre_norm_fused stays tested."""
     new = hc_post_fused(h, out, post, comb)
     post2, comb2, x = hc_pre_fused(new, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters)
     return new, post2, comb2, rms_norm_fused(x, norm_w, out_eps)
@@ -84,7 +76,7 @@ def swiglu_fused(gate, up, limit):
     to the input dtype, where the reference rounds after each op); the reference when nothing clamps."""
     if limit <= 0:
         return reference.swiglu(gate, up, limit)
-    return fused_v41.clamped_swiglu_fused(gate, up, limit, out_dtype=gate.dtype)
+    return v41.clamped_swiglu_fused(gate, up, limit, out_dtype=gate.dtype)
 
 
 FUSED = {
@@ -108,14 +100,15 @@ FUSED = {
     "indexer_scores_paged": indexer_scores_paged,
     "indexer_topk": indexer_topk_fused,
     "greedy_pick": greedy_pick_fused,
-    **{f"v41_{name[:-len('_fused')]}": getattr(fused_v41, name) for name in fused_v41.__all__},
+    "v41_hc_site_collapse": v41.hc_site_collapse_fused,
+    "v41_hc_expand": v41.hc_expand_fused,
+    "v41_rms_norm": v41.rms_norm_fused,
+    "v41_rope": v41.rope_fused,
+    "v41_fake_quant_fp4": v41.fake_quant_fp4_fused,
+    "v41_fake_quant_fp8": v41.fake_quant_fp8_fused,
+    "v41_router": v41.router_fused,
+    "v41_clamped_swiglu": v41.clamped_swiglu_fused,
+    "v41_moe_sum": v41.moe_sum_fused,
+    "v41_engram_gate": v41.engram_gate_fused,
 }
 
-
-def _reference(name: str):
-    import kernels  # the dispatcher's lookup (kernels/__init__.py imports this module lazily)
-
-    return kernels.reference_of(name)
-
-
-OPS = {name: _on_cuda(fn, _reference(name)) for name, fn in FUSED.items()}

@@ -15,7 +15,8 @@ that _combine_kernel joins. BLOCK_D < head_dim splits the output columns over pr
 per block as constants: the index arithmetic is shifts, not 64-bit divisions.
 
 Same result as kernels.reference.paged_attention. (q's norm + RoPE and the output's inverse RoPE folded into this
-kernel measured slower than their own kernels: docs/PERF.md, session 11.)
+kernel measured slower than their own kernels: tools/bench_attention_prefill.py,
+docs/perf/h200-2026-12-03-s11/attention_folds.log.)
 """
 
 from __future__ import annotations
@@ -151,14 +152,15 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
 
 
 # Prefill chunks (PREFILL_T tokens or more), and V4's heads (64 x 512) from WGMMA_MIN_T tokens (split for few): the
-# tiles that measured fastest for every branch (H200, session 11, tools/bench_attention_prefill.py, 2048 tokens at
-# position 2048: CSA 1.20 ms, HCA 0.32 ms; the three-loop kernel before it 1.89 / 0.56 ms): (BLOCK_H, BLOCK_N,
+# tiles that measured fastest for every branch (tools/bench_attention_prefill.py, H200, 2048 tokens at position
+# 2048: CSA 1.20 ms, HCA 0.32 ms, docs/perf/h200-2026-12-03-s11/final_attention.log): (BLOCK_H, BLOCK_N,
 # num_warps, BLOCK_D, num_stages); other head counts: WGMMA_TILES_SMALL with as many heads as fit 64 (BLOCK_D None:
 # the whole head_dim)
 PREFILL_T = 256
 WGMMA_TILES = (64, 64, 8, 512, 2)
 WGMMA_TILES_SMALL = (16, 32, 4, None, 3)
-# From this many tokens V4's heads take the wgmma tiles at decode too (H200, session 11, context 1024, CSA: 16 tokens
+# From this many tokens V4's heads take the wgmma tiles at decode too (tools/bench_attention_prefill.py, H200,
+# docs/perf/h200-2026-12-03-s11/sizes_ctx1024_attention.log, context 1024, CSA: 16 tokens
 # 28.1 us at 8 splits vs 45.1 on the small tiles, 32 tokens 33.5 vs 79.7, 150 tokens 113.3 vs 230.0; one token
 # 18.3 us on the small tiles vs 26.3 at best on the wgmma ones)
 WGMMA_MIN_T = 16

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's QAT fake-quantisers in one launch each (kernels/reference_v41.fake_quant_fp4 / _fp8):
+"""DeepSeek-V4.1's QAT fake-quantisers in one launch each (kernels.deepseek_v41.reference.fake_quant_fp4 / _fp8):
 per `block` channels of a row, the block's absmax picks a scale, the values round onto the FP8 e4m3
 or FP4 e2m1 grid and come back multiplied by it. One program per row, the row as [blocks, block].
 

@@ -43,12 +43,14 @@ from kernels.semaphores import semaphores, split_k_arrive, split_k_total
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
 # The tensor-core kernel runs a weight with smaller scale blocks (V4.1's 32) as 32-wide sub-dots, far
-# slower than unpacking the weight and torch's GEMM (docs/PERF.md, session 9): where the tables pick
+# slower than unpacking the weight and torch's GEMM (tools/bench_fp8_vs_bf16.py: 7.2-12.1x cuBLAS's time per
+# V4.1 linear at 2048 rows, docs/PERF.md's DeepSeek-V4.1 section): where the tables pick
 # "mma" for such a weight, "unpacked" runs instead
 MMA_MIN_BLOCK = 128
 # cuBLAS's own blockwise FP8 GEMM (torch's scaled_mm, DeepSeek's 1x128 x 128x128 recipe) for a 128x128-block
 # weight at FP8_CUBLAS_MIN_ROWS rows or more (quant_configs), in place of the tables' "mma" or "dequant": faster
-# for every V4 linear from 256 rows on the H200 (docs/PERF.md, session 10). On Hopper only (quant_configs.hopper),
+# for every V4 linear from 256 rows on the H200 (tools/bench_fp8_vs_bf16.py --only v4,
+# docs/perf/h200-2026-12-03-s10/fp8_cublas.json). On Hopper only (quant_configs.hopper),
 # not in the interpreter (CPU tests).
 CUBLAS_OK = not _INTERPRET and hasattr(torch.nn.functional, "scaled_mm") and torch.cuda.is_available()
 # cuBLAS takes whole groups of 4 K blocks in the scales: K a multiple of 512 (every V4 linear at tensor_parallel_size

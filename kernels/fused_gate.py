@@ -103,7 +103,7 @@ def _router_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, scaling, K: tl.const
 def router_topk_gemm_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids=None):
     """The engine's router: the gate GEMM on cuBLAS, then one program per token for scores, bias,
     top-k and renormalisation; hash layers gather in torch. Faster than Mega-Gate on the H200 at every
-    batch measured (docs/PERF.md, session 5)."""
+    batch measured (tools/bench_fused.py's Mega-Gate rows and the depth profile, docs/perf/h200-2026-12-01-s5/)."""
     if hash_ids is not None or bias is None:
         from kernels.reference import router_topk
         return router_topk(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids)

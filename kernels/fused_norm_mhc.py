@@ -218,7 +218,7 @@ def hc_pre_fused(x, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
 
 
 def hc_site_collapse_fused(h, pre_in, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters):
-    """V4.1's single-pass site (kernels/reference_v41.hc_site_collapse): hc_pre's two launches, the
+    """V4.1's single-pass site (kernels.deepseek_v41.reference.hc_site_collapse): hc_pre's two launches, the
     collapse using the previous site's pre."""
     h = h.contiguous()
     T, hc, D = h.shape

@@ -4,9 +4,9 @@ arithmetic as kernels.reference.moe_experts (bf16 GEMM outputs, the clamped SwiG
 on the down projection's output), so it is the reference's result up to summation order.
 
 Why: the fused MoE (kernels/fused_moe.py) decodes every weight tile inside its GEMM, which bounds it well
-under the tensor cores' rate at prefill (docs/PERF.md, session 10: 21-34% of peak at 2048 tokens);
-unpacking costs one pass over the experts' bytes (write 2 bytes per weight), which pays once an expert has
-enough rows (quant_configs.moe_grouped says when, and caps the unpacked bytes).
+under the tensor cores' rate at prefill (27% of peak at 2048 tokens: tools/bench_moe_prefill.py,
+docs/perf/h200-2026-12-03-s10/moe_prefill.json); unpacking costs one pass over the experts' bytes (write 2 bytes
+per weight), which pays once an expert has enough rows (quant_configs.moe_grouped says when, and caps the unpacked bytes).
 
 Steps, all on the device without a host sync (CUDA-graph capturable): the alignment kernel's pairs grouped
 by expert and each expert's end offset (kernels/fused_moe_align.py); the pairs' rows gathered; gate and up
@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.deepseek_v41.fused import clamped_swiglu_fused
 from kernels.fp8_unpack import fp8_unpacked
 from kernels.fused_moe_align import moe_align_fused
-from kernels.fused_v41 import clamped_swiglu_fused
 from kernels.mxfp4_unpack import mxfp4_unpacked
 
 

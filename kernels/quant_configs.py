@@ -1,7 +1,7 @@
 """The launch configuration of every quantized kernel, per shape: the one dispatch table.
 
-tools/bench_quant.py sweeps candidates on the H200 and prints its winners in this table's form
-(JSON key "best"); paste them here (the measured ones are marked below). Otherwise the reasoned defaults:
+The measured tiles are data: kernels/configs/{fp8_linear,moe},device_name=NVIDIA_H200.json, which
+tools/bench_quant.py --write-configs rewrites from its sweep (kernels/tuned_configs.py). Otherwise the reasoned defaults:
 - FP8 linear, decode (<= 64 rows): "dequant" streams the weight with many programs (narrow N
   tiles times split-K, so all 132 SMs read), swap-AB (weight rows on the MMA's M side).
 - FP8 linear, from a few hundred rows: "mma", activations quantized once, 128x128 FP8 tiles.
@@ -15,13 +15,15 @@ W_CVT (dequant, bf16 activations: how the e4m3 tile becomes bf16; "cast" e4m3 ->
 1.5 conversion-unit instructions per weight byte in the SASS (F2FP + F2F.BF16.F16, the unit Hopper
 has least of), "f32" 1 (F2FP unpack + pack, the f16 -> f32 step on the FMA pipe), "int" none
 (PRMT / LOP3 / IMAD.SHL / HMUL2: kernels/fused_fp8_linear._E4M3_BF16_ASM); "int" is the default:
-1.04-1.28x faster than "cast" at 1 / 32 / 150 rows on the H200, "f32" within a few percent of it,
-session 6's fused3.log).
+1.04-1.28x faster than "cast" at 1 / 32 / 150 rows on the H200, "f32" within a few percent of it
+(tools/bench_fused.py's fp8 linear rows, docs/perf/h200-2026-12-01-s6/fused3.log).
 """
 
 from __future__ import annotations
 
 import functools
+
+from kernels import tuned_configs
 
 SMS = 132  # H200 multiprocessors; split-K sizing only (the interpreter ignores it)
 
@@ -49,47 +51,37 @@ _DECODE = {"variant": "dequant", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "
 _MID = {"variant": "mma", "BLOCK_M": 64, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
 _PREFILL = {"variant": "mma", "BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
 
-# (N, K) or "default" -> [(max rows, config), ...] ascending; None: any row count.
-# Measured entries: H200 2026-12-01 (docs/perf/h200-2026-12-01-s4/quant_tuned.json "best"), at
-# rows 1 / 32 / 150 / 2048 / 8192; each serves the rows up to the bound beside it (16 / 64 / 512 / 4096 / any).
-def _dq(bm: int, bn: int, st: int = 4, w: int = 4) -> dict:
-    return {"variant": "dequant", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "SPLIT_K": 0, "num_warps": w,
-            "num_stages": st, "W_CVT": W_CVT}
-
-
-def _mm(bm: int, bn: int, w: int = 4, st: int = 4) -> dict:
-    return {"variant": "mma", "BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": w, "num_stages": st}
-
-
-# One activation row on the CUDA cores (no MMA): measured 1.13-1.45x faster than the dequant GEMV at 1 row
-# for N <= 4096, K 2048-4096 (wq_a 6.1 vs 7.5 us, wkv 5.7 vs 7.2, shared_w1 7.0 vs 8.8, shared_w2 7.1 vs 8.0,
-# wo_a's groups 14.8 vs 15.3; docs/perf/h200-2026-12-01-s6/fused3.log); wo_b (K 8192) keeps the dequant GEMV.
+# One activation row on the CUDA cores (no MMA): 1.13-1.45x faster than the dequant GEMV at 1 row for N <= 4096,
+# K 2048-4096 (tools/bench_fused.py's fp8 linear rows, docs/perf/h200-2026-12-01-s6/fused3.log); wo_b (K 8192) keeps
+# the dequant GEMV.
 _GEMV = {"variant": "gemv", "BLOCK_N": 16, "BLOCK_K": 512, "WAVES": 8, "num_warps": 4, "num_stages": 1}
 # a variant asked for by name (benchmarks, checks) where the table picks another for the shape: its own tiles
 FP8_VARIANT_TILES = {"gemv": _GEMV, "dequant": _DECODE, "mma": _PREFILL, "unpacked": {"variant": "unpacked"},
                      "cublas": {"variant": "cublas"}}
-_WQ_A = [(1, _GEMV), (16, _dq(16, 64)), (64, _dq(32, 32)), (512, _dq(64, 64)), (4096, _mm(128, 128, 8, 3)),
-         (None, _mm(128, 64))]
-_SHARED_W1 = [(1, _GEMV), (16, _dq(16, 64)), (64, _dq(32, 128, w=8)), (512, _dq(64, 128, st=3)),
-              (4096, _mm(128, 128, 8, 3)), (None, _mm(64, 128))]
+
+
+def _measured_linear() -> dict:
+    """(N, K) -> [(max rows or None, config), ...] from kernels/configs/fp8_linear,device_name=NVIDIA_H200.json."""
+    shapes = tuned_configs.load("fp8_linear")["shapes"]
+    return {tuple(int(d) for d in key.split("x")): [(bound, cfg) for bound, cfg in rows] for key, rows in shapes.items()}
+
+
+_MEASURED_LINEAR = _measured_linear()
+# (N, K) or "default" -> [(max rows, config), ...] ascending; None: any row count
 FP8_LINEAR: dict = {
     "default": [(1, _GEMV), (16, _DECODE), (64, {**_DECODE, "BLOCK_M": 64}), (512, _MID), (None, _PREFILL)],
-    (1024, 4096): _WQ_A,
-    (32768, 1024): [(16, _mm(64, 128)), (64, _mm(64, 128)), (512, _mm(64, 128)), (4096, _mm(128, 128, 8, 3)),
-                    (None, _mm(64, 128))],
-    (4096, 8192): [(16, _dq(16, 128, st=3)), (64, _dq(32, 64)), (512, _mm(64, 64)), (4096, _mm(128, 128, 8, 3)),
-                   (None, _mm(128, 64))],
-    (2048, 4096): _SHARED_W1,
     # stacked pairs (engine/models/stacked_linears.py), not measured: their first part's tiles. wq_a over
     # wkv, and the shared expert's w1 over w3 at tensor_parallel_size 1
-    (1536, 4096): _WQ_A,
-    (4096, 4096): _SHARED_W1,
+    (1536, 4096): _MEASURED_LINEAR[(1024, 4096)],
+    (4096, 4096): _MEASURED_LINEAR[(2048, 4096)],
+    **_MEASURED_LINEAR,
 }
 
 MOE_DECODE_MAX_PAIRS = 1024  # (token, expert) pairs up to which the decode tiles apply (150 rows x top-6)
-# The largest decode row tile measured faster than the smaller ones, per stored format (H200, session 6,
-# docs/perf/h200-2026-12-01-s6/quant_moe.json, 16 experts at 150 rows): MXFP4 64 rows (335 us; 128 rows
-# 421 us, 16 rows 552 us), FP8 128 rows (520 us vs 639 us at 16); bf16 experts kept at session 5's 32.
+# The largest decode row tile measured faster than the smaller ones, per stored format (tools/bench_quant.py
+# --moe-only, docs/perf/h200-2026-12-01-s6/quant_moe.json, 16 experts at 150 rows): MXFP4 64 rows (335 us; 128 rows
+# 421 us, 16 rows 552 us), FP8 128 rows (520 us vs 639 us at 16); bf16 experts, which that sweep has no case for,
+# keep 32 (tools/bench_fused.py's MoE rows, docs/perf/h200-2026-12-01-s5/fused.log).
 MOE_BLOCK_M_MAX = {"dense": 32, "fp8": 128, "mxfp4": 64}
 
 
@@ -99,7 +91,7 @@ def moe_fit_block_m(tokens: int, pairs: int, experts: int) -> int:
     of an even routing (16 experts at 150 rows: mean 56, the 128-row tile), so its weights would
     stream once, not once per 16 rows. bench_quant sweeps around it."""
     want = min(tokens, 2 * -(-pairs // experts))
-    return next((bm for bm in sorted(_MOE_DEC) if want <= bm), max(_MOE_DEC))
+    return next((bm for bm in _DECODE_BLOCK_M if want <= bm), _DECODE_BLOCK_M[-1])
 
 
 def moe_block_m(tokens: int, pairs: int, experts: int, fmt: str = "mxfp4") -> int:
@@ -131,40 +123,30 @@ def moe_split_k(cfg: dict, programs: int, k_blocks: int) -> int:
 MOE_WAVES = 4
 
 # (stored format: "dense" | "fp8" | "mxfp4") -> decode tiles by BLOCK_M, or prefill [(max pairs, {"gate_up":
-# config, "down": config}), ...] ascending (None: any count). MXFP4 "MX": "scaled" multiplies the packed
-# e2m1 tile by tl.dot_scaled (Triton's PRMT-table e2m1 -> bf16 unpack and ue8m0 scale, no
-# conversion-unit instructions); "e4m3": the e4m3 bit placement (kernels/fused_dequant.py).
-# Measured (H200 2026-12-01, quant_tuned.json, with "e4m3"): decode n64 k128 w4 st4 for MXFP4 and
-# FP8 at 1 / 32 / 150 rows (16-row tiles, 256 experts); MXFP4 prefill m64 n128 k64 w8 st3 at 2048
-# rows, m128 n64 k128 w4 st3 at 8192. The 32- to 128-row decode tiles: the widest that keep both
-# gate/up accumulators in registers (BLOCK_N x BLOCK_M x 2 float32 over the warps); which of them
-# the engine picks: moe_block_m.
-def _dec(bm: int, bn: int, w: int, st: int) -> dict:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": w, "num_stages": st}
-
-
-# Measured (session 6, quant_moe.json, MXFP4 bf16 decode): m16 / m32 best with 3 stages (78 / 183 us at 1 / 32
-# rows vs 81 / 211 with 4), m64 n64 w4 st4 at 150 rows, m128's best n64 w8 st3 (n32 w8: 1,391 us).
-_MOE_DEC = {16: _dec(16, 64, 4, 3), 32: _dec(32, 64, 4, 3), 64: _dec(64, 64, 4, 4), 128: _dec(128, 64, 8, 3)}
-_MOE_PRE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
-# The integer "bf16" decode (no conversion-unit instructions) measured 1.47-1.69x faster than "e4m3" at
-# 1 / 32 / 150 rows and 1.42x at 2048 (even at 8192; docs/PERF.md, session 6), so it is the default.
-_MX = {"MX": "bf16"}
+# config, "down": config}), ...] ascending (None: any count). MXFP4 "MX": "bf16" the integer e2m1 -> bf16 decode,
+# "scaled" tl.dot_scaled, "e4m3" the e4m3 bit placement (kernels/fused_dequant.py). The 32- to 128-row decode
+# tiles: the widest that keep both gate/up accumulators in registers (BLOCK_N x BLOCK_M x 2 float32 over the
+# warps); which of them the engine picks: moe_block_m. Measured: kernels/configs/moe,device_name=NVIDIA_H200.json.
+_MOE_PRE = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}  # prefill, unmeasured formats
 
 
 def _both(cfg: dict) -> dict:
     return {"gate_up": cfg, "down": cfg}
 
 
-MOE_DECODE: dict = {"dense": _MOE_DEC, "fp8": _MOE_DEC, "mxfp4": {bm: {**c, **_MX} for bm, c in _MOE_DEC.items()}}
-MOE_PREFILL: dict = {
-    "dense": [(None, _both(_MOE_PRE))],
-    "fp8": [(None, _both(_MOE_PRE))],
-    "mxfp4": [
-        (24576, _both({**_MOE_PRE, **_MX})),
-        (None, _both({"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, **_MX})),
-    ],
-}
+def _measured_moe() -> tuple[dict, dict]:
+    """(decode, prefill) per format from kernels/configs/moe,device_name=NVIDIA_H200.json."""
+    table = tuned_configs.load("moe")
+    decode = {fmt: {int(bm): cfg for bm, cfg in tiles.items()} for fmt, tiles in table["decode"].items()}
+    prefill = {fmt: [(bound, _both(cfg)) for bound, cfg in rows] for fmt, rows in table["prefill"].items()}
+    return decode, prefill
+
+
+_MEASURED_DECODE, _MEASURED_PREFILL = _measured_moe()
+# bf16 experts (no sweep case): FP8's tiles
+MOE_DECODE: dict = {"dense": _MEASURED_DECODE["fp8"], **_MEASURED_DECODE}
+MOE_PREFILL: dict = {"dense": [(None, _both(_MOE_PRE))], "fp8": [(None, _both(_MOE_PRE))], **_MEASURED_PREFILL}
+_DECODE_BLOCK_M = sorted(set.intersection(*(set(tiles) for tiles in MOE_DECODE.values())))  # every format has these
 
 # Prefill MoE through bf16-unpacked experts and torch's grouped GEMM (kernels/moe_grouped.py) once the
 # experts average this many rows per call, per stored format: unpacking costs a pass over the experts' bytes
@@ -172,8 +154,9 @@ MOE_PREFILL: dict = {
 # MOE_GROUPED_MAX_BYTES: the scratch lives in the engine's 2 GiB activation reserve (engine/llm_engine.py), one
 # weight at a time (16 MXFP4 experts: 256 MiB per weight; 32, one rank's share of V4-Flash at 8-way expert
 # parallelism: 512 MiB; all 256 on one GPU: 4 GiB, the fused kernels).
-# (H200, session 10, 16 MXFP4 experts: 0.80x the fused kernels at 96 rows per expert, 1.25x at 192, 2.1x at 768;
-# bf16 experts' bound is reasoned, not measured: the grouped GEMM reads them as stored, no unpack to repay)
+# (tools/bench_moe_prefill.py, docs/perf/h200-2026-12-03-s10/moe_prefill.json, 16 MXFP4 experts: 0.80x the fused
+# kernels at 96 rows per expert, 1.25x at 192, 2.1x at 768; bf16 experts' bound is reasoned, not measured: the
+# grouped GEMM reads them as stored, no unpack to repay)
 MOE_GROUPED_MIN_ROWS = {"dense": 32, "fp8": 160, "mxfp4": 160}
 MOE_GROUPED_MAX_BYTES = 512 << 20
 
@@ -186,8 +169,9 @@ def moe_grouped(pairs: int, experts: int, unpacked_bytes: int, fmt: str) -> bool
             and unpacked_bytes <= MOE_GROUPED_MAX_BYTES)
 
 
-# V4's FP8 linears run as cuBLAS's blockwise FP8 GEMM from this many rows (kernels/fused_fp8_linear.py; H200,
-# session 10: faster than the table's pick for all four V4 linears at 256-2048 rows, not for wq_a at 128)
+# V4's FP8 linears run as cuBLAS's blockwise FP8 GEMM from this many rows (kernels/fused_fp8_linear.py): faster
+# than the table's pick for all four V4 linears at 256-2048 rows, not for wq_a at 128 (tools/bench_fp8_vs_bf16.py
+# --only v4, docs/perf/h200-2026-12-03-s10/fp8_cublas.json)
 FP8_CUBLAS_MIN_ROWS = 256
 
 INTERPRET_LINEAR = {"dequant": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2},

@@ -3,6 +3,7 @@ launch configurations per shape, timed against floors; prints the winners.
 
     python -m tools.bench_quant [--json OUT/quant.json] [--quick] [--budget S]   (suite kernels_quant)
     python -m tools.bench_quant --v41 ...   DeepSeek-V4.1-Flash's FP8 linears, 32x32 tiles (suite kernels_fp8)
+    python -m tools.bench_quant --write-configs ...   also merges the winners into kernels/configs/*.json
 
 1. Check (fails the run, exit 1): the block-scaled FP8 linear, both variants (the "mma" one on the
    FP8 tensor cores), and the fused MoE on MXFP4 and FP8 experts (decode and sorted paths), vs
@@ -421,7 +422,11 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=220.0, help="seconds after which remaining candidates are skipped")
     ap.add_argument("--moe-only", action="store_true", help="only the MoE cases (MXFP4 and FP8 experts)")
     ap.add_argument("--v41", action="store_true", help="DeepSeek-V4.1-Flash's FP8 linears in 32x32 tiles instead")
+    ap.add_argument("--write-configs", action="store_true",
+                    help="merge the winners into the tuned tables, kernels/configs/*.json (kernels/tuned_configs.py)")
     args = ap.parse_args()
+    if args.write_configs and args.v41:
+        ap.error("--write-configs: the tuned tables hold 128x128-block tiles only, not --v41's")
     if not torch.cuda.is_available():
         print("bench_quant: needs a CUDA device", file=sys.stderr)
         return 2
@@ -454,6 +459,12 @@ def main() -> int:
     print(f"crossover (rows where dequant still wins, per NxK): {report['crossover']}")
     print(f"total {time.perf_counter() - start:.1f} s")
     print(table(results))
+    if args.write_configs and not failures:
+        from kernels import tuned_configs
+
+        measured_by = " ".join(["tools/bench_quant.py", *sys.argv[1:]])
+        for path in tuned_configs.merge_sweep(results, measured_by, MOE_SHAPE["k"]):
+            print(f"wrote {path}")
     return exit_status("bench_quant", failures)
 
 

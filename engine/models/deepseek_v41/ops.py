@@ -3,7 +3,7 @@
 Each mirrors transformers' DeepseekV41 code step by step, including where it computes in float32
 inside a float64 (or bf16) model (the routed experts, the two-level top-k), so a float64 run
 reproduces the float64 reference to ~1e-6. Norms, RoPE, the fake-quantisers, mHC, the router and SwiGLU live in
-kernels/reference_v41.py, the spec of their fused kernels.
+kernels/deepseek_v41/reference.py, the spec of their fused kernels.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# norms, RoPE, the fake-quantisers, mHC, the router and SwiGLU: kernels/reference_v41.py (the fused kernels' spec)
-from kernels.reference_v41 import (  # noqa: F401
+# norms, RoPE, the fake-quantisers, mHC, the router and SwiGLU: kernels/deepseek_v41/reference.py (the kernels' spec)
+from kernels.deepseek_v41.reference import (  # noqa: F401
     clamped_swiglu,
     fake_quant_fp4,
     fake_quant_fp8,

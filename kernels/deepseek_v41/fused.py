@@ -1,5 +1,5 @@
 """DeepSeek-V4.1's fused ops (the kernels API's `v41_*`), each with the signature of its torch reference in
-kernels/reference_v41.py. Where V4.1's arithmetic is V4's up to an order of rounding, they launch V4's
+kernels/deepseek_v41/reference.py. Where V4.1's arithmetic is V4's up to an order of rounding, they launch V4's
 kernels (kernels/fused_norm_mhc.py, kernels/fused_rope.py) with a flag, not new ones."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import reference_v41
+from kernels.deepseek_v41 import reference
 from kernels.fused_fake_quant import fake_quant_fp4_fused, fake_quant_fp8_fused
 from kernels.fused_gate import _SCORING, _router_kernel
 from kernels.fused_norm_mhc import _rms_norm_kernel, _rows, hc_post_fused, hc_site_collapse_fused
@@ -44,7 +44,7 @@ def router_fused(x, weight, bias, top_k, scaling, scoring_func, gate_temp, renor
     bias, top-k, renormalisation and scale. Without renormalisation (V4's kernel always renormalises):
     the reference."""
     if not (renorm and top_k > 1) or bias is None or x.shape[0] == 0:
-        return reference_v41.router(x, weight, bias, top_k, scaling, scoring_func, gate_temp, renorm)
+        return reference.router(x, weight, bias, top_k, scaling, scoring_func, gate_temp, renorm)
     logits = F.linear(x.float(), weight.float())
     if gate_temp != 1.0:
         logits = logits / gate_temp

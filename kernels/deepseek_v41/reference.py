@@ -1,5 +1,5 @@
 """Torch references for DeepSeek-V4.1's hot ops whose arithmetic differs from V4's: the spec the
-V4.1 fused kernels must match (kernels/fused_v41.py), bound by the dispatcher in kernels/__init__.py
+V4.1 fused kernels must match (kernels/deepseek_v41/fused.py), bound by the dispatcher in kernels/__init__.py
 as `v41_<name>`.
 
 Each mirrors transformers' DeepseekV41 code step by step, including where it computes in float32

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's fused ops (kernels.v41_*) against their torch references in kernels/reference_v41.py
+"""DeepSeek-V4.1's fused ops (kernels.v41_*) against their torch references in kernels/deepseek_v41/reference.py
 (TRITON_INTERPRET=1 on CPU). Awkward sizes, one-token batches; tolerances stated."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 import kernels
 from kernels import fused
 from kernels import reference as ref_v4
-from kernels import reference_v41 as ref
+from kernels.deepseek_v41 import reference as ref
 
 # bf16: Triton's interpreter truncates float32 -> bf16 casts (the GPU rounds to nearest), so a value cast
 # twice (V4.1's norm) can sit two bf16 steps off the reference here: 2e-2 of the scale, as tests/kernels/* use
