@@ -25,6 +25,7 @@ from backend.openai.errors import OpenAIError, bad_request
 from backend.openai.requests import ChatCompletionRequest, CompletionRequest, parse
 from backend.openai.responses import Builder
 from backend.openai.triton import Call, Output, TritonModel
+from backend.openai.utility_routes import add_utility_routes
 
 DISCONNECT_POLL_S = 0.25  # non-streaming requests: how often to look for a client that went away
 _TEMPLATE_RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token")
@@ -38,6 +39,7 @@ class Settings:
     tokenizer: str | None = None  # checkpoint dir whose tokenizer_config.json holds the chat template
     chat_template: str | None = None  # a template file or a shipped name, over the checkpoint's
     api_key: str | None = None
+    triton_metrics: str | None = None  # Triton's /metrics URL, passed through at /metrics
     max_body_bytes: int = body_limits.MAX_BODY_BYTES
     max_json_depth: int = body_limits.MAX_JSON_DEPTH
 
@@ -83,6 +85,9 @@ def build_app(settings: Settings) -> FastAPI:
         """Ready only while the Triton model is (the launcher waits for this)."""
         ready = await state["model"].ready()
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+    add_utility_routes(app, settings.tokenizer, template, lambda request: _read_json(request, settings),
+                       lambda model: _check_model(model, name), settings.triton_metrics)
 
     @app.get("/v1/models")
     async def models():

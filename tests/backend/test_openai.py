@@ -145,10 +145,10 @@ def test_prompt_logprobs_and_echo_with_logprobs(sdk, triton_server):
 
 @pytest.mark.parametrize("kwargs, param, message", [
     ({"temperature": 5}, "temperature", "less than or equal to 2"),
-    ({"n": 2}, "n", "n must be 1"),
+    ({"n": 17}, "n", "less than or equal to 16"),
     ({"top_p": 0}, "top_p", "greater than 0"),
     ({"max_tokens": 10**6}, None, "INVALID_ARG: max_tokens must be between 1 and 512"),  # the engine's check
-    ({"extra_body": {"bogus": 1}}, "bogus", "unknown parameter 'bogus'"),
+    ({"extra_body": {"best_of": 3}}, "best_of", "best_of is not supported"),
     ({"extra_body": {"top_k": -5}}, None, "INVALID_ARG: top_k must be"),  # vLLM's extra field, the engine's check
     ({"stream": True, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
 ])
