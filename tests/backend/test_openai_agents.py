@@ -7,6 +7,7 @@ prompts, lenient fields."""
 from __future__ import annotations
 
 import json
+import urllib.request
 from typing import Literal
 
 import jsonschema
@@ -150,3 +151,21 @@ def test_neutral_defaults_and_unknown_fields_are_accepted(sdk):
         sdk.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2, tools=TOOLS,
                                     tool_choice={"type": "function", "function": {"name": "nope"}})
     assert info.value.body["param"] == "tool_choice"
+
+
+def test_tokenize_detokenize_version_and_metrics_on_the_api_port(agent_server):
+    def call(path: str, body: dict | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{agent_server.port}{path}", data=data,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            text = response.read().decode()
+            return json.loads(text) if path != "/metrics" else text
+
+    tokens = call("/tokenize", {"model": MODEL, "prompt": "The fox", "return_token_strs": True})
+    assert tokens["count"] == len(tokens["tokens"]) and "".join(tokens["token_strs"][1:]) == "The fox"
+    assert call("/detokenize", {"model": MODEL, "tokens": tokens["tokens"][1:]}) == {"prompt": "The fox"}
+    chat = call("/tokenize", {"model": MODEL, "messages": ASK})
+    assert chat["tokens"][0] == tokens["tokens"][0] and chat["count"] > tokens["count"]  # one BOS, the template's
+    assert call("/version")["version"]
+    assert "num_requests_running" in call("/metrics")
