@@ -105,7 +105,7 @@ class _Common(_Lenient):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: bool = False
     best_of: int | None = None
@@ -114,6 +114,8 @@ class CompletionRequest(_Common):
     def prompts(self) -> list[str]:
         """The prompt, or a batch of them (each gets its n choices, in order)."""
         prompts = self.prompt if isinstance(self.prompt, list) else [self.prompt]
+        if not all(isinstance(p, str) for p in prompts):
+            raise bad_request("token-id prompts are not supported: send the prompt as text", "prompt")
         if not prompts or not all(prompts):
             raise bad_request("prompt must not be empty", "prompt")
         return prompts

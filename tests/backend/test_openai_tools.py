@@ -208,9 +208,12 @@ def test_neutral_and_unknown_fields_are_accepted_and_unsupported_values_named(ca
         assert parse(ChatCompletionRequest, {**neutral, "bogus": 1, "prediction": None}).sampling() == {}
     assert caplog.text.count("ignoring unknown request fields: bogus, prediction") == 1
     assert parse(ChatCompletionRequest, {**BASE, "logit_bias": {"42": -100}}).sampling() == {"logit_bias": {"42": -100}}
-    for body, param in [({"best_of": 3, "n": 2}, "best_of"), ({"suffix": "x"}, "suffix"), ({"n": 0}, "n")]:
+    for body, param in [({"best_of": 3, "n": 2}, "best_of"), ({"suffix": "x"}, "suffix"), ({"n": 0}, "n"),
+                        ({"prompt": [1, 2]}, "prompt"), ({"prompt": [[1], [2]]}, "prompt"), ({"prompt": []}, "prompt")]:
         with pytest.raises(OpenAIError) as info:
-            parse(CompletionRequest, {"model": "m", "prompt": "x", **body}).sampling()
+            request = parse(CompletionRequest, {"model": "m", "prompt": "x", **body})
+            request.sampling()
+            request.prompts()
         assert info.value.param == param
 
 
