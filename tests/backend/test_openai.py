@@ -168,7 +168,9 @@ def test_unknown_model_is_404(sdk):
 
 
 def test_closing_the_stream_cancels_the_triton_request(sdk, triton_server):
-    aborted_before = metric(metrics_text(triton_server.metrics_url), "deepseek:request_success_total", finished_reason="abort") or 0
+    before = metrics_text(triton_server.metrics_url)
+    aborted_before = metric(before, "deepseek:request_success_total", finished_reason="abort") or 0
+    cancelled_before = metric(before, "deepseek:request_failure_total", code="CANCELLED") or 0
     stream = sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=480, stream=True,
                                     extra_body={"ignore_eos": True})
     received = 0
@@ -186,6 +188,7 @@ def test_closing_the_stream_cancels_the_triton_request(sdk, triton_server):
         time.sleep(0.2)
     else:
         pytest.fail(f"the closed stream's request was not aborted in the engine:\n{triton_server.log_tail()}")
+    assert (metric(text, "deepseek:request_failure_total", code="CANCELLED") or 0) == cancelled_before  # counted once
 
 
 def _raw_post(front: OpenAIProcess, body: bytes, headers: dict | None = None) -> tuple[int, dict]:

@@ -16,6 +16,7 @@ import pydantic
 import pytest
 
 from backend.openai.process import OpenAIProcess, tokenizer_dir
+from loadtest.scrape import metric
 from tests.conftest import SERVER_ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
@@ -168,4 +169,7 @@ def test_tokenize_detokenize_version_and_metrics_on_the_api_port(agent_server):
     chat = call("/tokenize", {"model": MODEL, "messages": ASK})
     assert chat["tokens"][0] == tokens["tokens"][0] and chat["count"] > tokens["count"]  # one BOS, the template's
     assert call("/version")["version"]
-    assert "num_requests_running" in call("/metrics")
+    scraped = call("/metrics")  # Triton's, through the API port, under vLLM's names after the requests above
+    assert metric(scraped, "vllm:num_requests_running", model_name=MODEL) is not None  # polled: may lag
+    assert metric(scraped, "vllm:inter_token_latency_seconds_count", model_name=MODEL) > 0
+    assert metric(scraped, "vllm:request_success_total", model_name=MODEL) > 0
