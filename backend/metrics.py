@@ -1,4 +1,6 @@
-"""Custom Prometheus families on Triton's metrics endpoint (:8002/metrics), via pb_utils.MetricFamily.
+"""Custom Prometheus families on Triton's metrics endpoint (:8002/metrics), via pb_utils.MetricFamily:
+vLLM's (`vllm:`, backend/vllm_metrics.py) and ours (`deepseek:`, kept one release for the tools and
+dashboards that read them; `vllm:` is the set to use).
 
 Per-request figures (latencies, lengths, finish reasons) come from backend/model.py when a request
 finishes; engine-wide figures (running/waiting requests, KV-cache usage, prefix-cache and replay
@@ -13,9 +15,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import triton_python_backend_utils as pb_utils
+
+from backend.vllm_metrics import VllmFamilies
 
 PREFIX = "deepseek:"
 POLL_INTERVAL_S = 0.5
@@ -74,6 +78,8 @@ class RequestRecord:
     ttft_s: float | None
     e2e_s: float
     decode_s: float | None  # first token -> last token
+    itl_s: list[float] = field(default_factory=list)  # the gaps between the deltas that brought tokens
+    max_tokens: int | None = None  # what the request asked for at most
 
 
 def gauges_from_stats(stats: dict) -> tuple[dict[str, float], dict[str, float]]:
@@ -107,7 +113,8 @@ PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"  # labelled by draft p
 class Metrics:
     """Owns the families and the thread that updates them."""
 
-    def __init__(self, labels: dict, stats_fn, max_model_len: int, poll_interval_s: float = POLL_INTERVAL_S):
+    def __init__(self, labels: dict, stats_fn, max_model_len: int, poll_interval_s: float = POLL_INTERVAL_S,
+                 model_name: str | None = None):
         self.labels = dict(labels)
         self.stats_fn = stats_fn
         self.poll_interval_s = poll_interval_s
@@ -118,10 +125,12 @@ class Metrics:
         F = pb_utils.MetricFamily
         self.families = []
 
+        def named_family(full_name, description, kind):
+            self.families.append(F(name=full_name, description=description, kind=kind))
+            return self.families[-1]
+
         def family(name, description, kind):
-            fam = F(name=PREFIX + name, description=description, kind=kind)
-            self.families.append(fam)
-            return fam
+            return named_family(PREFIX + name, description, kind)
 
         def histogram(name, description, buckets):
             return family(name, description, F.HISTOGRAM).Metric(labels=self.labels, buckets=buckets)
@@ -166,6 +175,7 @@ class Metrics:
                 "Tokens per verify step (1 + accepted drafts per proposal) since start.", F.GAUGE),
         }
         self.gauges: dict[str, object] = {}
+        self.vllm = None if model_name is None else VllmFamilies(named_family, F, model_name, token_buckets)
 
     def start(self) -> None:
         self.thread.start()
@@ -216,13 +226,18 @@ class Metrics:
             labels = {**self.labels, "finished_reason": r.finish_reason}
             self.success[r.finish_reason] = self.success_family.Metric(labels=labels)
         self.success[r.finish_reason].increment(1)
+        if self.vllm is not None:
+            self.vllm.observe(r)
 
     def _poll(self) -> None:
         try:
-            gauges, counters = gauges_from_stats(self.stats_fn())
+            stats = self.stats_fn()
+            gauges, counters = gauges_from_stats(stats)
         except Exception:
             self.stats_errors += 1  # the engine may be gone (shutdown); keep the last values
             return
+        if self.vllm is not None:
+            self.vllm.poll(stats)
         for key, value in gauges.items():
             name, _, pool = key.partition("/")
             if key not in self.gauges:

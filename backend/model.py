@@ -138,7 +138,8 @@ class TritonPythonModel:
         self.metrics = None
         if _config_flag(self.model_config, "REPORT_CUSTOM_METRICS"):
             labels = {"model": self.model_name, "version": args["model_version"]}
-            self.metrics = Metrics(labels, self._engine_stats, self.max_model_len or 1 << 17)
+            self.metrics = Metrics(labels, self._engine_stats, self.max_model_len or 1 << 17,
+                                   model_name=self.model_name)
             self.metrics.start()
         self.logger.log_info(f"[deepseek] {engine_args.get('engine')} engine ready: {engine_args.get('model')}")
 
@@ -190,14 +191,20 @@ class TritonPythonModel:
                                      id=parsed.id, decode_token=self.decode_token)
         stream.state = state
         last = None
-        first_token_at = None
+        first_token_at = last_token_at = None
+        itl = []  # the gaps between deltas that brought tokens (vllm:inter_token_latency_seconds)
         aborted = False
         try:
             async for delta in self.engine.add(request):
                 last = delta
                 stream.started = True
-                if first_token_at is None and delta.token_ids:
-                    first_token_at = time.monotonic()
+                if delta.token_ids:
+                    now = time.monotonic()
+                    if first_token_at is None:
+                        first_token_at = now
+                    elif self.metrics is not None:
+                        itl.append(now - last_token_at)
+                    last_token_at = now
                 if stream.cancelled:
                     if not aborted:  # the response thread aborts too; this covers a cancel before add
                         aborted = True
@@ -209,8 +216,8 @@ class TritonPythonModel:
                     state.accumulate(delta)
             if stream.cut_off:
                 self._queue_error(stream, stream.cut_off, "UNAVAILABLE")
-            elif stream.cancelled:
-                self._queue_error(stream, "request cancelled", "CANCELLED")
+            elif stream.cancelled:  # counted once: as request_success_total{finished_reason="abort"}
+                self._queue_error(stream, "request cancelled", "CANCELLED", count=last is None or not last.finished)
             elif last is None or not last.finished:
                 self._queue_error(stream, "the engine ended the request without a final output", "INTERNAL")
             elif not parsed.stream:
@@ -239,7 +246,8 @@ class TritonPythonModel:
                     finish_reason=last.finish_reason or "unknown",
                     ttft_s=None if first_token_at is None else first_token_at - arrival,
                     e2e_s=now - arrival,
-                    decode_s=None if first_token_at is None else now - first_token_at))
+                    decode_s=None if first_token_at is None else last_token_at - first_token_at,
+                    itl_s=itl, max_tokens=request.sampling.max_tokens))
 
     def _queue_delta(self, stream: _ResponseStream, delta) -> None:
         """Streamed deltas are rendered and sent by the response thread. A render and a send cost
@@ -256,8 +264,8 @@ class TritonPythonModel:
     def _queue(self, stream: _ResponseStream, tensors: dict, final: bool) -> None:
         self.responses.put((stream, _response(tensors), FINAL if final else 0))
 
-    def _queue_error(self, stream: _ResponseStream, message: str, code: str) -> None:
-        self.responses.put((stream, self._error_response(message, code), FINAL))
+    def _queue_error(self, stream: _ResponseStream, message: str, code: str, count: bool = True) -> None:
+        self.responses.put((stream, self._error_response(message, code, count), FINAL))
 
     def _send_now(self, sender, message: str, code: str) -> None:
         """Refuse a request on the execute thread (before it reaches the engine)."""
@@ -266,9 +274,10 @@ class TritonPythonModel:
         except Exception:
             self.logger.log_error(f"[deepseek] sending an error failed: {traceback.format_exc()}")
 
-    def _error_response(self, message: str, code: str):
-        """`code`: a pb_utils.TritonError code name; it also leads the message (see the docstring)."""
-        if self.metrics is not None:
+    def _error_response(self, message: str, code: str, count: bool = True):
+        """`code`: a pb_utils.TritonError code name; it also leads the message (see the docstring).
+        `count`: false when the request is counted already (an abort the engine finished)."""
+        if self.metrics is not None and count:
             self.metrics.record_error(code)
         error = pb_utils.TritonError(f"{code}: {message}", getattr(pb_utils.TritonError, code))
         return pb_utils.InferenceResponse(error=error)

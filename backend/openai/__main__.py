@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer", help="checkpoint directory whose tokenizer_config.json has the chat template")
     parser.add_argument("--chat-template", help="a Jinja template file, or 'deepseek_v4' (shipped), over the "
                         "checkpoint's")
+    parser.add_argument("--triton-metrics", help="Triton's metrics URL (http://HOST:PORT/metrics), served again "
+                        "at /metrics on this port")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                         help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})")
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
@@ -33,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     app = build_app(Settings(triton_grpc=args.triton_grpc, model=args.model,
                              served_model_name=args.served_model_name, tokenizer=args.tokenizer,
                              chat_template=args.chat_template, api_key=args.api_key,
+                             triton_metrics=args.triton_metrics,
                              max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth))
     # uvicorn's own limit on header + request-line size stays; the body limits are the app's
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)

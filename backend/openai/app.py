@@ -19,11 +19,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from backend.openai import body_limits
-from backend.openai.chat_template import ChatTemplate, ReasoningSplitter, opens_thinking
+from backend.openai.chat_output import ChatOutput, Piece, message
+from backend.openai.chat_template import ChatTemplate, opens_thinking
 from backend.openai.errors import OpenAIError, bad_request
 from backend.openai.requests import ChatCompletionRequest, CompletionRequest, parse
 from backend.openai.responses import Builder
 from backend.openai.triton import Call, Output, TritonModel
+from backend.openai.utility_routes import add_utility_routes
 
 DISCONNECT_POLL_S = 0.25  # non-streaming requests: how often to look for a client that went away
 _TEMPLATE_RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token")
@@ -37,6 +39,7 @@ class Settings:
     tokenizer: str | None = None  # checkpoint dir whose tokenizer_config.json holds the chat template
     chat_template: str | None = None  # a template file or a shipped name, over the checkpoint's
     api_key: str | None = None
+    triton_metrics: str | None = None  # Triton's /metrics URL, passed through at /metrics
     max_body_bytes: int = body_limits.MAX_BODY_BYTES
     max_json_depth: int = body_limits.MAX_JSON_DEPTH
 
@@ -83,6 +86,9 @@ def build_app(settings: Settings) -> FastAPI:
         ready = await state["model"].ready()
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
+    add_utility_routes(app, settings.tokenizer, template, lambda request: _read_json(request, settings),
+                       lambda model: _check_model(model, name), settings.triton_metrics)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [_model_card(name)]}
@@ -96,60 +102,78 @@ def build_app(settings: Settings) -> FastAPI:
     async def completions(request: Request):
         req = parse(CompletionRequest, await _read_json(request, settings))
         _check_model(req.model, name)
-        prompt = req.prompt_text()
-        if not prompt:
-            raise bad_request("prompt must not be empty", "prompt")
+        prompts = req.prompts()
         sampling = req.sampling()
-        builder = Builder("completion", name, req.logprobs, echo=prompt if req.echo else None)
-        call = state["model"].generate(prompt, sampling, req.stream, req.logprobs is not None)
-        echo = prompt if req.echo else ""
+        jobs = [(p, prompt) for p, prompt in enumerate(prompts) for _ in range(req.n)]  # choice -> its prompt
+        builder = Builder("completion", name, req.logprobs, echoes=[prompt for _, prompt in jobs] if req.echo else None)
+        calls = [state["model"].generate(prompt, _seeded(sampling, i % req.n), req.stream, req.logprobs is not None)
+                 for i, (_, prompt) in enumerate(jobs)]
         if not req.stream:
-            output = await _collect(call, request)
-            builder.count(output)
-            return builder.completion(echo + output.text, output)
+            choices = []
+            for i, output in enumerate(await _collect_all(calls, request)):
+                builder.count(output, jobs[i][0])
+                choices.append(builder.completion_choice(i, (jobs[i][1] if req.echo else "") + output.text, output))
+            return builder.completion(choices)
 
         async def chunks(outputs):
-            first = True
-            async for output in outputs:
-                builder.count(output)
-                text, first = (echo if first else "") + output.text, False
-                yield _with_usage(builder.completion_chunk(text, output), builder, req)
+            started = set()
+            async for i, output in outputs:
+                builder.count(output, jobs[i][0])
+                echo = jobs[i][1] if req.echo and i not in started else ""
+                started.add(i)
+                yield _with_usage(builder.completion_chunk(i, echo + output.text, output), builder, req)
 
-        return await _stream(call, chunks, builder, req)
+        return await _stream(calls, chunks, builder, req)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = parse(ChatCompletionRequest, await _read_json(request, settings))
         _check_model(req.model, name)
         sampling = req.sampling()
-        kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _TEMPLATE_RESERVED}
+        kwargs = {k: v for k, v in req.template_kwargs().items() if k not in _TEMPLATE_RESERVED}
         prompt = template.render(req.template_messages(), add_generation_prompt=True, **kwargs)
         thinking = opens_thinking(prompt)
+        tools, forced = bool(req.active_tools()), req.tool_choice if req.forced_tools() else None
+
+        def reader() -> ChatOutput:
+            return ChatOutput(thinking, tools, forced, req.parallel_tool_calls)
+
         builder = Builder("chat", name, (req.top_logprobs or 0) if req.logprobs else None)
-        call = state["model"].generate(prompt, sampling, req.stream, req.logprobs)
+        calls = [state["model"].generate(prompt, _seeded(sampling, i), req.stream, req.logprobs)
+                 for i in range(req.n)]
         if not req.stream:
-            output = await _collect(call, request)
-            builder.count(output)
-            splitter = ReasoningSplitter(thinking)
-            reasoning, content = splitter.feed(output.text)
-            held_reasoning, held_content = splitter.flush()
-            return builder.chat(content + held_content, (reasoning + held_reasoning) if thinking else None, output)
+            outputs = await _collect_all(calls, request)
+            choices = []
+            for i, output in enumerate(outputs):
+                builder.count(output)
+                choice = reader()
+                pieces = [choice.feed(output.text), choice.finish()]
+                choices.append(builder.chat_choice(i, message(pieces, thinking), output,
+                                                   choice.finish_reason(output.finish_reason)))
+            return builder.chat(choices, outputs[0])
 
         async def chunks(outputs):
-            splitter = ReasoningSplitter(thinking)
-            yield builder.chat_chunk({"role": "assistant", "content": ""}, None)
-            async for output in outputs:
+            readers, sent_calls = [reader() for _ in calls], [0] * len(calls)
+            for i in range(len(calls)):
+                yield builder.chat_chunk(i, {"role": "assistant", "content": ""}, None)
+            async for i, output in outputs:
                 builder.count(output)
-                reasoning, content = splitter.feed(output.text)
+                piece = readers[i].feed(output.text)
+                finish_reason = None
                 if output.finish_reason is not None:
-                    held_reasoning, held_content = splitter.flush()
-                    reasoning, content = reasoning + held_reasoning, content + held_content
-                delta = {"reasoning_content": reasoning} if reasoning else {}
-                if content or not reasoning:
-                    delta["content"] = content
-                yield _with_usage(builder.chat_chunk(delta, output), builder, req)
+                    rest = readers[i].finish()
+                    piece = Piece(piece.reasoning + rest.reasoning, piece.content + rest.content,
+                                  piece.calls + rest.calls)
+                    finish_reason = readers[i].finish_reason(output.finish_reason)
+                delta = {"reasoning_content": piece.reasoning} if piece.reasoning else {}
+                if piece.content or not (piece.reasoning or piece.calls):
+                    delta["content"] = piece.content
+                if piece.calls:
+                    delta["tool_calls"] = [call.openai(sent_calls[i] + k) for k, call in enumerate(piece.calls)]
+                    sent_calls[i] += len(piece.calls)
+                yield _with_usage(builder.chat_chunk(i, delta, output, finish_reason), builder, req)
 
-        return await _stream(call, chunks, builder, req)
+        return await _stream(calls, chunks, builder, req)
 
     return app
 
@@ -203,31 +227,72 @@ async def _collect(call: Call, request: Request) -> Output:
         call.cancel()
 
 
-async def _stream(call: Call, chunks, builder: Builder, req) -> StreamingResponse:
-    """SSE of `chunks(outputs)`. The first Triton response is awaited here, so an error that comes
-    before any text (a bad parameter, an overloaded engine) is answered with its HTTP status."""
-    outputs = aiter(call)
+async def _collect_all(calls: list[Call], request: Request) -> list[Output]:
+    """Each call's one Output (the n choices run at once); all are cancelled if one fails."""
     try:
-        first = await anext(outputs)
+        return list(await asyncio.gather(*(_collect(call, request) for call in calls)))
+    finally:
+        for call in calls:
+            call.cancel()
+
+
+def _seeded(sampling: dict, choice: int) -> dict:
+    """Choice i of n samples with seed + i: the choices differ, and the same request repeats them."""
+    if choice and sampling.get("seed") is not None:
+        return {**sampling, "seed": sampling["seed"] + choice}
+    return sampling
+
+
+async def _stream(calls: list[Call], chunks, builder: Builder, req) -> StreamingResponse:
+    """SSE of `chunks(outputs)`, `outputs` yielding (choice index, Output) as the calls answer. The
+    first Triton response of each is awaited here, so an error that comes before any text (a bad
+    parameter, an overloaded engine) is answered with its HTTP status."""
+    streams = [aiter(call) for call in calls]
+    try:
+        firsts = await asyncio.gather(*(anext(stream) for stream in streams))
     except BaseException:
-        call.cancel()
+        for call in calls:
+            call.cancel()
         raise
 
-    async def replay():
-        yield first
-        async for output in outputs:
-            yield output
+    async def merged():
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int):
+            try:
+                await queue.put((i, firsts[i]))
+                async for output in streams[i]:
+                    await queue.put((i, output))
+                await queue.put((i, None))
+            except Exception as error:  # noqa: BLE001 - handed to the consumer, which raises it
+                await queue.put((i, error))
+
+        tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+        try:
+            left = len(tasks)
+            while left:
+                i, item = await queue.get()
+                if item is None:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
 
     async def events():
         try:
-            async for chunk in chunks(replay()):
+            async for chunk in chunks(merged()):
                 yield _sse(chunk)
             if req.include_usage:
                 yield _sse(builder.usage_chunk())
         except OpenAIError as error:
             yield _sse(error.body())
         finally:
-            call.cancel()  # synchronous: also runs when the client disconnects and this task is cancelled
+            for call in calls:  # synchronous: also runs when the client disconnects and this task is cancelled
+                call.cancel()
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream",

@@ -70,10 +70,13 @@ def opens_thinking(prompt: str) -> bool:
 
 class ReasoningSplitter:
     """Streamed text -> (reasoning, content) deltas, split at the first </think>; a tail that may be
-    the start of </think> is held back until the next delta decides."""
+    the start of a marker is held back until the next delta decides. `calls_start` (a tool-call
+    block's opening tag) also ends the reasoning, and stays in the content: a model that forgets
+    </think> before calling a tool still calls it."""
 
-    def __init__(self, thinking: bool):
+    def __init__(self, thinking: bool, calls_start: str | None = None):
         self.thinking = thinking
+        self.ends = [(THINK_END, False)] + ([(calls_start, True)] if calls_start else [])
         self.held = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -81,18 +84,23 @@ class ReasoningSplitter:
             return "", text
         text = self.held + text
         self.held = ""
-        end = text.find(THINK_END)
-        if end >= 0:
+        found = [(text.find(marker), marker, kept) for marker, kept in self.ends if marker in text]
+        if found:
+            end, marker, kept = min(found)
             self.thinking = False
-            return text[:end], text[end + len(THINK_END):]
-        keep = next((n for n in range(min(len(THINK_END) - 1, len(text)), 0, -1)
-                     if THINK_END.startswith(text[-n:])), 0)
+            return text[:end], text[end if kept else end + len(marker):]
+        keep = max(partial_suffix(text, marker) for marker, _ in self.ends)
         self.held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep], ""
 
     def flush(self) -> tuple[str, str]:
         held, self.held = self.held, ""
         return (held, "") if self.thinking else ("", held)
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """How many of the text's last characters could begin `marker`."""
+    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if marker.startswith(text[-n:])), 0)
 
 
 def _token(value) -> str | None:

@@ -14,29 +14,30 @@ from backend.openai.triton import Output
 
 
 class Builder:
-    def __init__(self, kind: str, model: str, top_logprobs: int | None, echo: str | None = None):
+    def __init__(self, kind: str, model: str, top_logprobs: int | None, echoes: list[str] | None = None):
         self.kind = kind  # "completion" | "chat"
         self.id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.top_logprobs = top_logprobs  # None: logprobs off
-        self.prompt_tokens = 0
+        self.prompt_tokens: dict[int, int] = {}  # per prompt: n choices of one prompt count it once
         self.completion_tokens = 0
-        self.text_offset = 0  # completions' logprobs.text_offset runs over the whole output
-        self.echo = echo  # completions' echoed prompt: its tokens lead the logprobs (vLLM's echo + logprobs)
+        self.text_offsets: dict[int, int] = {}  # per choice: completions' logprobs.text_offset runs over its output
+        self.echoes = echoes  # per choice, completions' echoed prompt: its tokens lead the logprobs (vLLM's)
 
-    def count(self, output: Output) -> None:
+    def count(self, output: Output, prompt_index: int = 0) -> None:
         if output.num_input_tokens is not None:
-            self.prompt_tokens = output.num_input_tokens
+            self.prompt_tokens[prompt_index] = output.num_input_tokens
         self.completion_tokens += output.num_output_tokens
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        prompt = sum(self.prompt_tokens.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens}
 
     # ------------------------------------------------------------------ logprobs
 
-    def completion_logprobs(self, output: Output) -> dict | None:
+    def completion_logprobs(self, output: Output, index: int = 0) -> dict | None:
         if self.top_logprobs is None:
             return None
         tokens, token_logprobs, tops, offsets = [], [], [], []
@@ -45,16 +46,17 @@ class Builder:
             tokens.append(token)
             token_logprobs.append(logprob)
             tops.append(top)
-            offsets.append(self.text_offset)
-            self.text_offset += len(token)
+            offsets.append(self.text_offsets.get(index, 0))
+            self.text_offsets[index] = offsets[-1] + len(token)
 
         steps = output.logprobs or []
-        if self.echo is not None and output.prompt_logprobs is not None:
+        echo = self.echoes[index] if self.echoes else None
+        if echo is not None and output.prompt_logprobs is not None:
             prompt = [s for s in output.prompt_logprobs if s is not None]
             # the first prompt token has no logprob (None, as vLLM) and no id here: its text is the
             # echo before the others' (empty for a BOS the tokenizer added)
             rest = "".join(next(iter(s.values()))["decoded_token"] or "" for s in prompt)
-            add(self.echo[:len(self.echo) - len(rest)] if self.echo.endswith(rest) else "", None, None)
+            add(echo[:len(echo) - len(rest)] if echo.endswith(rest) else "", None, None)
             steps = prompt + steps
         for step in steps:
             sampled = next(iter(step.values()))
@@ -77,34 +79,37 @@ class Builder:
 
     # ------------------------------------------------------------------ bodies and chunks
 
-    def completion(self, text: str, output: Output) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": self.completion_logprobs(output),
+    def completion_choice(self, index: int, text: str, output: Output) -> dict:
+        choice = {"index": index, "text": text, "logprobs": self.completion_logprobs(output, index),
                   "finish_reason": output.finish_reason}
         if output.prompt_logprobs is not None:  # vLLM's extra field (prompt_logprobs, or echo with logprobs)
             choice["prompt_logprobs"] = prompt_logprobs(output)
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage()}
+        return choice
 
-    def chat(self, content: str, reasoning: str | None, output: Output) -> dict:
-        message = {"role": "assistant", "content": content}
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning
+    def completion(self, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+    def chat_choice(self, index: int, message: dict, output: Output, finish_reason: str | None) -> dict:
+        return {"index": index, "message": message, "logprobs": self.chat_logprobs(output),
+                "finish_reason": finish_reason}
+
+    def chat(self, choices: list[dict], first: Output) -> dict:
         body = {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": message, "logprobs": self.chat_logprobs(output),
-                             "finish_reason": output.finish_reason}],
-                "usage": self.usage()}
-        if output.prompt_logprobs is not None:  # vLLM's extra field, beside the choices
-            body["prompt_logprobs"] = prompt_logprobs(output)
+                "choices": choices, "usage": self.usage()}
+        if first.prompt_logprobs is not None:  # vLLM's extra field, beside the choices
+            body["prompt_logprobs"] = prompt_logprobs(first)
         return body
 
-    def completion_chunk(self, text: str, output: Output | None) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": None if output is None else self.completion_logprobs(output),
+    def completion_chunk(self, index: int, text: str, output: Output | None) -> dict:
+        choice = {"index": index, "text": text,
+                  "logprobs": None if output is None else self.completion_logprobs(output, index),
                   "finish_reason": None if output is None else output.finish_reason}
         return self._chunk("text_completion", [choice])
 
-    def chat_chunk(self, delta: dict, output: Output | None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": None if output is None else self.chat_logprobs(output),
-                  "finish_reason": None if output is None else output.finish_reason}
+    def chat_chunk(self, index: int, delta: dict, output: Output | None, finish_reason: str | None = None) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": None if output is None else self.chat_logprobs(output),
+                  "finish_reason": finish_reason}
         return self._chunk("chat.completion.chunk", [choice])
 
     def usage_chunk(self) -> dict:

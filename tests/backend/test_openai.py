@@ -145,10 +145,10 @@ def test_prompt_logprobs_and_echo_with_logprobs(sdk, triton_server):
 
 @pytest.mark.parametrize("kwargs, param, message", [
     ({"temperature": 5}, "temperature", "less than or equal to 2"),
-    ({"n": 2}, "n", "n must be 1"),
+    ({"n": 17}, "n", "less than or equal to 16"),
     ({"top_p": 0}, "top_p", "greater than 0"),
     ({"max_tokens": 10**6}, None, "INVALID_ARG: max_tokens must be between 1 and 512"),  # the engine's check
-    ({"extra_body": {"bogus": 1}}, "bogus", "unknown parameter 'bogus'"),
+    ({"extra_body": {"best_of": 3}}, "best_of", "best_of is not supported"),
     ({"extra_body": {"top_k": -5}}, None, "INVALID_ARG: top_k must be"),  # vLLM's extra field, the engine's check
     ({"stream": True, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
 ])
@@ -168,7 +168,9 @@ def test_unknown_model_is_404(sdk):
 
 
 def test_closing_the_stream_cancels_the_triton_request(sdk, triton_server):
-    aborted_before = metric(metrics_text(triton_server.metrics_url), "deepseek:request_success_total", finished_reason="abort") or 0
+    before = metrics_text(triton_server.metrics_url)
+    aborted_before = metric(before, "deepseek:request_success_total", finished_reason="abort") or 0
+    cancelled_before = metric(before, "deepseek:request_failure_total", code="CANCELLED") or 0
     stream = sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=480, stream=True,
                                     extra_body={"ignore_eos": True})
     received = 0
@@ -186,6 +188,7 @@ def test_closing_the_stream_cancels_the_triton_request(sdk, triton_server):
         time.sleep(0.2)
     else:
         pytest.fail(f"the closed stream's request was not aborted in the engine:\n{triton_server.log_tail()}")
+    assert (metric(text, "deepseek:request_failure_total", code="CANCELLED") or 0) == cancelled_before  # counted once
 
 
 def _raw_post(front: OpenAIProcess, body: bytes, headers: dict | None = None) -> tuple[int, dict]:

@@ -37,11 +37,12 @@ def test_deep_bodies_are_400_before_parsing():
 
 
 def test_request_validation_names_the_parameter():
-    with pytest.raises(OpenAIError, match="unknown parameter 'tools'") as info:
-        parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": []})
-    assert info.value.param == "tools"
-    with pytest.raises(OpenAIError, match="n must be 1"):
-        parse(CompletionRequest, {"model": "m", "prompt": "x", "n": 3}).sampling()
+    with pytest.raises(OpenAIError, match="tools.0.function: Field required") as info:
+        parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                      "tools": [{"type": "function"}]})
+    assert info.value.param == "tools.0.function"
+    with pytest.raises(OpenAIError, match="n: Input should be less than or equal to 16"):
+        parse(CompletionRequest, {"model": "m", "prompt": "x", "n": 17})
     with pytest.raises(OpenAIError, match="top_logprobs needs logprobs=true"):
         parse(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
                                       "top_logprobs": 2}).sampling()
@@ -81,8 +82,8 @@ def test_shipped_deepseek_template_marks_thinking():
     assert thinking == ("<｜begin▁of▁sentence｜><｜User｜>1+1?<｜Assistant｜></think>2<｜end▁of▁sentence｜>"
                         "<｜User｜>and 2+2?<｜Assistant｜><think>")
     assert opens_thinking(thinking) and not opens_thinking(template.render(messages))
-    with pytest.raises(OpenAIError, match="unsupported message role 'tool'"):
-        template.render([{"role": "tool", "content": "x"}])
+    with pytest.raises(OpenAIError, match="unsupported message role 'function'"):
+        template.render([{"role": "function", "content": "x"}])
 
 
 @pytest.mark.parametrize("pieces", [
@@ -123,13 +124,15 @@ def test_prompt_logprobs_map_as_vllms_and_echo_prepends_the_prompts_tokens():
     prompt = [None, {"7": entry("b", -3.0, 9), "4": entry("x", -0.1, 1)}, {"8": entry(" c", float("-inf"), 30),
                                                                           "4": entry("x", -0.2, 1)}]
     out = Output("!", "length", 3, 1, logprobs=[{"5": entry("!", -0.5, 1)}], prompt_logprobs=prompt)
-    body = Builder("completion", "m", 1, echo="ab c").completion("ab c!", out)
+    builder = Builder("completion", "m", 1, echoes=["ab c"])
+    body = builder.completion([builder.completion_choice(0, "ab c!", out)])
     lp, choice = body["choices"][0]["logprobs"], body["choices"][0]
     assert lp["tokens"] == ["a", "b", " c", "!"] and lp["text_offset"] == [0, 1, 2, 4]
     assert lp["token_logprobs"] == [None, -3.0, -9999.0, -0.5]
     assert lp["top_logprobs"] == [None, {"x": -0.1}, {"x": -0.2}, {"!": -0.5}]
     assert choice["prompt_logprobs"][2]["8"] == entry(" c", -9999.0, 30) and choice["prompt_logprobs"][0] is None
-    plain = Builder("completion", "m", 1).completion("!", out)["choices"][0]
+    plain = Builder("completion", "m", 1).completion_choice(0, "!", out)
     assert plain["logprobs"]["tokens"] == ["!"] and plain["prompt_logprobs"][1] == prompt[1]
-    chat = Builder("chat", "m", None).chat("!", None, out)
+    builder = Builder("chat", "m", None)
+    chat = builder.chat([builder.chat_choice(0, {"role": "assistant", "content": "!"}, out, "length")], out)
     assert chat["prompt_logprobs"][1] == prompt[1] and chat["choices"][0]["logprobs"] is None
