@@ -105,7 +105,6 @@ class TritonPythonModel:
         self.max_model_len = engine_args.get("max_model_len")
         self.max_prompt_bytes = int(options["max_prompt_bytes"] or
                                     PROMPT_BYTES_PER_TOKEN * (self.max_model_len or 1 << 17))
-        self.limits = protocol.SamplingLimits.from_engine_args(engine_args)
 
         self.loop = asyncio.new_event_loop()
         self.loop_thread = threading.Thread(target=self.loop.run_forever, name="deepseek-engine", daemon=True)
@@ -164,8 +163,7 @@ class TritonPythonModel:
                 if tensor is not None:
                     inputs[name] = tensor.as_numpy()
             try:
-                parsed = protocol.parse_request(inputs, request.parameters(), request_id, self.max_model_len,
-                                                self.max_prompt_bytes, self.limits)
+                parsed = protocol.parse_request(inputs, request.parameters(), request_id, self.max_prompt_bytes)
             except InvalidRequest as e:
                 self._send_now(sender, str(e), "INVALID_ARG")
                 continue

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.args import EngineArgs
 from engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
 from engine.structured_output import json_value, parse_spec
 
@@ -77,19 +76,6 @@ MAX_REQUEST_ID_CHARS = 1024  # a longer client request id is refused
 LOGGED_REQUEST_ID_CHARS = 64  # what of a client's id goes into the engine's id (and so into every log line)
 
 
-@dataclass(frozen=True)
-class SamplingLimits:
-    """The per-request limits the engine enforces as well, read from the same engine arguments
-    (model.json, vLLM's names; defaults engine/args.py's): one source for both."""
-
-    max_logprobs: int = EngineArgs.max_logprobs
-    max_stop_strings: int = EngineArgs.max_stop_strings
-
-    @classmethod
-    def from_engine_args(cls, args: Mapping[str, object]) -> SamplingLimits:
-        return cls(int(args.get("max_logprobs", cls.max_logprobs)), int(args.get("max_stop_strings", cls.max_stop_strings)))
-
-
 def engine_request_id(client_id: str, unique: str) -> str:
     """The engine's id for a request: the head of the client's id (to find it in the logs) and a
     unique suffix (client ids need not be unique). InvalidRequest for an absurd client id."""
@@ -114,9 +100,7 @@ def parse_request(
     inputs: Mapping[str, object],
     parameters: str | Mapping | None,
     request_id: str,
-    max_model_len: int | None = None,
     max_prompt_bytes: int | None = None,
-    limits: SamplingLimits = SamplingLimits(),
 ) -> ParsedRequest:
     """`inputs`: input name -> numpy array (absent inputs missing or None). `parameters`: the
     request parameters (JSON text from pb_utils' `request.parameters()`, or a dict).
@@ -158,7 +142,7 @@ def parse_request(
         exclude = stream  # vLLM backend's defaults: the prompt is echoed only when not streaming
     returns = frozenset(name for name in RETURN_FLAGS if flags.get(name))
 
-    sp = parse_sampling(sampling, max_model_len, limits)
+    sp = parse_sampling(sampling)
     if sp.logprobs is None and returns & {"return_logprobs", "return_cumulative_logprob"}:
         sp.logprobs = 0  # the sampled token's logprob only, as vLLM
     if not sp.detokenize:
@@ -170,9 +154,9 @@ def parse_request(
                          id=None if echo_id is None else str(echo_id))
 
 
-def parse_sampling(params: Mapping[str, object], max_model_len: int | None = None,
-                   limits: SamplingLimits = SamplingLimits()) -> SamplingParams:
-    """vLLM-named sampling parameters (values possibly strings, genai-perf style) -> SamplingParams."""
+def parse_sampling(params: Mapping[str, object]) -> SamplingParams:
+    """vLLM-named sampling parameters (values possibly strings, genai-perf style) -> SamplingParams.
+    Names and types only: the values are checked once, by the engine (engine/sampling_checks.py)."""
     sp = SamplingParams()
     guided = {}
     for key, value in params.items():
@@ -203,32 +187,8 @@ def parse_sampling(params: Mapping[str, object], max_model_len: int | None = Non
     if sp.structured_outputs is not None:
         parse_spec(sp.structured_outputs)  # its shape now; the grammar compiles in the engine
 
-    limit = max_model_len or 1 << 20
-    if not 1 <= sp.max_tokens <= limit:
-        raise InvalidRequest(f"max_tokens must be between 1 and {limit} (max_model_len), got {sp.max_tokens}")
-    if not 0 <= sp.min_tokens <= sp.max_tokens:
-        raise InvalidRequest(f"min_tokens must be between 0 and max_tokens ({sp.max_tokens}), got {sp.min_tokens}")
-    if sp.temperature < 0:
-        raise InvalidRequest(f"temperature must be >= 0, got {sp.temperature}")
-    if not 0 < sp.top_p <= 1:
-        raise InvalidRequest(f"top_p must be in (0, 1], got {sp.top_p}")
-    if sp.top_k < -1:
-        raise InvalidRequest(f"top_k must be -1 or 0 (disabled) or a positive integer, got {sp.top_k}")
     if sp.top_k == -1:
-        sp.top_k = 0
-    if not 0 <= sp.min_p <= 1:
-        raise InvalidRequest(f"min_p must be in [0, 1], got {sp.min_p}")
-    if sp.logprobs is not None and not 0 <= sp.logprobs <= limits.max_logprobs:
-        raise InvalidRequest(f"logprobs must be between 0 and {limits.max_logprobs} (max_logprobs), got {sp.logprobs}")
-    if sp.prompt_logprobs is not None and not 0 <= sp.prompt_logprobs <= limits.max_logprobs:
-        raise InvalidRequest(f"prompt_logprobs must be between 0 and {limits.max_logprobs} (max_logprobs), "
-                             f"got {sp.prompt_logprobs}")
-    if len(sp.stop) > limits.max_stop_strings:
-        raise InvalidRequest(f"stop has {len(sp.stop)} strings; at most {limits.max_stop_strings} (max_stop_strings)")
-    if sp.seed is not None and not 0 <= sp.seed < 1 << 63:
-        raise InvalidRequest(f"seed must be a non-negative 64-bit integer, got {sp.seed}")
-    if any(t < 0 for t in sp.stop_token_ids):
-        raise InvalidRequest(f"stop_token_ids must be non-negative, got {sp.stop_token_ids}")
+        sp.top_k = 0  # vLLM's spelling of off
     return sp
 
 

@@ -26,7 +26,7 @@ from engine.prompt_logprobs import prompt_logprob_rows, score
 from engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
 from engine.runner import ModelRunner
 from engine.sampler import Sample, SamplingRow, sample
-from engine.sampling_checks import bad_words_token_ids, sampling_checks
+from engine.sampling_checks import RequestLimits, bad_words_token_ids, sampling_checks
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence, Status
 from engine.spec.config import SpeculativeConfig
@@ -87,6 +87,8 @@ class LLMEngine:
         if self.block_size % cfg.compress_block_lcm:
             raise ValueError(f"block_size {self.block_size} must be a multiple of {cfg.compress_block_lcm} "
                              "(every compress ratio)")
+        self.limits = RequestLimits(self.max_model_len, cfg.vocab_size, args.max_logprobs, args.max_stop_strings,
+                                    args.max_stop_string_len)
         self.cache = self._make_cache()
         self.scheduler = Scheduler(self.cache, cfg.sliding_window, args.max_num_seqs,
                                    args.max_num_batched_tokens, prefix_cache=self._make_prefix_cache(),
@@ -200,10 +202,19 @@ class LLMEngine:
     # --- requests -----------------------------------------------------------------------------
 
     def validate(self, req: GenerationRequest) -> list[int]:
-        """All request checks in one place; returns the prompt token ids."""
-        p, a = req.sampling, self.args
+        """All request checks in one place (the fronts only parse); returns the prompt token ids.
+        The sampling values first: they cost nothing, the prompt's tokenization may."""
+        p = req.sampling
         if req.request_id in self.requests:
             raise InvalidRequest(f"request id {req.request_id!r} is already in flight")
+        checks = [
+            *sampling_checks(p, self.limits),
+            (p.prompt_logprobs is None or self.model.supports_prompt_logprobs,
+             f"prompt_logprobs are not supported for {type(self.model).__name__} yet"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise InvalidRequest(msg)
         ids = req.prompt_token_ids
         if ids is None:
             if not req.prompt:
@@ -222,27 +233,6 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                                  "(prompt plus at least one generated token)")
-        checks = [
-            (1 <= p.max_tokens <= self.max_model_len, f"max_tokens must be in [1, {self.max_model_len}]"),
-            (0 <= p.min_tokens <= p.max_tokens, "min_tokens must be in [0, max_tokens]"),
-            (p.temperature >= 0, "temperature must be >= 0"),
-            (0 < p.top_p <= 1, "top_p must be in (0, 1]"),
-            (p.top_k >= -1, "top_k must be -1 (off), 0 (off) or positive"),
-            (0 <= p.min_p <= 1, "min_p must be in [0, 1]"),
-            (p.logprobs is None or 0 <= p.logprobs <= a.max_logprobs, f"logprobs must be in [0, {a.max_logprobs}]"),
-            (p.prompt_logprobs is None or 0 <= p.prompt_logprobs <= a.max_logprobs,
-             f"prompt_logprobs must be in [0, {a.max_logprobs}] (max_logprobs), got {p.prompt_logprobs}"),
-            (p.prompt_logprobs is None or self.model.supports_prompt_logprobs,
-             f"prompt_logprobs are not supported for {type(self.model).__name__} yet"),
-            (len(p.stop) <= a.max_stop_strings, f"at most {a.max_stop_strings} stop strings"),
-            (all(0 < len(s) <= a.max_stop_string_len for s in p.stop),
-             f"stop strings must be 1..{a.max_stop_string_len} characters"),
-            (all(0 <= t < self.cfg.vocab_size for t in p.stop_token_ids), "stop_token_ids out of vocabulary"),
-            *sampling_checks(p, self.cfg.vocab_size),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise InvalidRequest(msg)
         return ids
 
     def grammar_compiler(self) -> GrammarCompiler:
