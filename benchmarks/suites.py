@@ -174,7 +174,7 @@ SUITE_LIST = [
     # ---- DeepSeek-V4.1
     Suite("v41_replay", "V4.1-Flash-shaped: how much TTFT does decoder-side bounded replay save at 1K / 8K / 32K, "
           "graphed and eager, how far is decode from its floor, and do graph steps match eager?",
-          (Step("tools.bench_v41", ("--cache-dir", "{ckpt}", "--reps", "1", "--eager-steps", "4"),
+          (Step("tools.bench_deepseek_v41", ("--cache-dir", "{ckpt}", "--reps", "1", "--eager-steps", "4"),
                 then_remove="v41-*", timeout_s=560),)),
     Suite("check_v41", "Does the V4.1-Flash-shaped engine as shipped (FP8 32x32 linears kept as stored) agree "
           "with the torch references through prefill, mixed and decode steps?",

@@ -1,6 +1,6 @@
 """The native DeepSeek-V4 engine. Offline use: `from engine import LLM`; serving: `AsyncLLM`.
 
-Both are imported on first use, so light modules (`engine.request`, `engine.models.deepseek_v4.config`) load without torch's
+Both are imported on first use, so light modules (`engine.request`, `engine.args`) load without torch's
 start-up cost for callers that need only those."""
 
 __all__ = ["LLM", "AsyncLLM"]

@@ -132,16 +132,18 @@ def tiny_checkpoint_dir() -> Path:
     the writer has changed since (a cache from an older version lacks e.g. the MTP layer)."""
     import shutil
 
-    from engine.models.deepseek_v4.random_checkpoint import WRITER_VERSION, write_checkpoint
+    from engine.models.registry import tiny_checkpoint_writer
+
+    writer = tiny_checkpoint_writer()
 
     root = Path(os.environ.get("DSV4_CACHE_DIR", Path.home() / ".cache" / "deepseek-v4-triton"))
     out, stamp = root / "tiny", ".writer-version"
-    if (out / "config.json").exists() and (out / stamp).is_file() and (out / stamp).read_text() == WRITER_VERSION:
+    if (out / "config.json").exists() and (out / stamp).is_file() and (out / stamp).read_text() == writer.WRITER_VERSION:
         return out
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tiny-"))
-    write_checkpoint(tmp, preset="tiny", seed=0)
-    (tmp / stamp).write_text(WRITER_VERSION)
+    writer.write_checkpoint(tmp, preset="tiny", seed=0)
+    (tmp / stamp).write_text(writer.WRITER_VERSION)
     if out.exists():  # stale: moved aside first, so a reader never sees half of each
         old = Path(tempfile.mkdtemp(dir=root, prefix=".stale-"))
         try:

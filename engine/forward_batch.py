@@ -3,7 +3,7 @@ per-sequence metadata. Built by runner.py, read by model.py; nothing else."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -35,6 +35,38 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+
+_HOST_FIELDS = ("input_ids", "positions", "seq_lens", "starts", "replay_starts", "compress_from", "window_slots",
+                "window_tables", "full_tables", "state_slots", "logits_rows", "token_seq", "replay_start_t",
+                "state_slot_t", "is_decode", "max_pos")
+_TENSORS = {f.name for f in fields(ForwardBatch) if f.type == "torch.Tensor"}
+
+
+@dataclass
+class HostBatch:
+    """A ForwardBatch's fields as host lists: what the runner packs and tensor-parallel ranks receive."""
+
+    input_ids: list[int]
+    positions: list[int]
+    seq_lens: list[int]
+    starts: list[int]
+    replay_starts: list[int]
+    compress_from: list[int]
+    window_slots: list[int]
+    window_tables: list[list[int]]
+    full_tables: list[list[int]]
+    state_slots: list[int]
+    logits_rows: list[int]
+    token_seq: list[int]
+    replay_start_t: list[int]
+    state_slot_t: list[int]
+    is_decode: bool
+    max_pos: int
+
+    def to_device(self, device: torch.device) -> ForwardBatch:
+        return ForwardBatch(**{name: torch.tensor(getattr(self, name), dtype=torch.long, device=device)
+                               if name in _TENSORS else getattr(self, name) for name in _HOST_FIELDS})
 
 
 DEAD = -1  # look-back slot before the sequence start: an n-gram never reaches across it

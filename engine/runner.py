@@ -8,12 +8,16 @@ scratch block and slot, its metadata copied into the graph's static buffers. Oth
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from engine.cache import KVCache
-from engine.forward_batch import DEAD, ForwardBatch, lookback_rows
-from engine.graphs.mixed import MixedStepGraphs, capture, new_token_ids
+from engine.forward_batch import DEAD, ForwardBatch, HostBatch, lookback_rows
+from engine.graphs.capture import capture
+from engine.graphs.mixed import MixedStepGraphs
+from engine.graphs.static_batch import new_token_ids
 from engine.models.family import ModelFamily
 from engine.sequence import Sequence
 
@@ -34,14 +38,15 @@ def _pad(rows: list[list[int]], value: int, width: int | None = None) -> list[li
     return [r + [value] * (width - len(r)) for r in rows]
 
 
-_TENSOR_FIELDS = {f for f, field in enumerate(ForwardBatch.__dataclass_fields__.values())
-                  if field.type == "torch.Tensor"}
+@dataclass
+class DecodeGraph:
+    """One batch-size bucket's decode graph and the static buffers it reads and writes."""
 
-
-def batch_from_host(host: tuple, device: torch.device) -> ForwardBatch:
-    """A ForwardBatch from ModelRunner.host_batch's lists (tensor-parallel ranks build theirs so)."""
-    return ForwardBatch(*(torch.tensor(v, dtype=torch.long, device=device) if i in _TENSOR_FIELDS else v
-                          for i, v in enumerate(host)))
+    graph: torch.cuda.CUDAGraph | None  # None: the static batch only (static_decode_batches, the CPU)
+    batch: ForwardBatch  # views of flat: the graph reads its tensors
+    flat: torch.Tensor  # the whole batch's metadata, refreshed by one copy per replay
+    stagings: list[torch.Tensor]  # two pinned host buffers, used by alternate steps
+    logits: torch.Tensor | None  # what the graph writes
 
 
 class ModelRunner:
@@ -51,7 +56,7 @@ class ModelRunner:
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
         self.max_model_len = max_model_len
-        self.graphs: dict[int, tuple] = {}  # size -> (graph, batch, flat buffer, 2 pinned stagings, logits)
+        self.graphs: dict[int, DecodeGraph] = {}  # batch-size bucket -> its decode graph
         self.replays = 0
         self.eager_steps = 0
         self.mixed: MixedStepGraphs | None = None
@@ -66,14 +71,14 @@ class ModelRunner:
         """scheduled: (sequence, number of new tokens) in batch order; a sequence's tokens are its
         token_ids then its spec_token_ids (drafts to verify). Logits come for each row from a
         sequence's last known token on (it samples next), or every row."""
-        fb = batch_from_host(self.host_batch(scheduled, all_logits), self.device)
+        fb = self.host_batch(scheduled, all_logits).to_device(self.device)
         k = self.model.lookback_tokens
         if k:  # V4.1 Engram: the tokens before each row, from the host (never a pending one)
             fb.lookback_ids = torch.cat([lookback_rows(seq.token_ids, seq.num_computed_tokens, n, k)
                                          for seq, n in scheduled]).to(self.device)
         return fb
 
-    def host_batch(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> tuple:
+    def host_batch(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> HostBatch:
         """build_batch's ForwardBatch fields as host lists."""
         bs = self.cache.block_size
         ids, pos, slots, rows = [], [], [], []
@@ -97,8 +102,10 @@ class ModelRunner:
             st.append(seq.blocks.state_slot)
         token_seq = [s for s, n in enumerate(seq_lens) for _ in range(n)]
         is_decode = all(n == 1 for n in seq_lens) and cfrom == starts
-        return (ids, pos, seq_lens, starts, replay, cfrom, slots, _pad(wt, -1), _pad(ft, 0), st, rows, token_seq,
-                replay, st, is_decode, max(pos))
+        return HostBatch(input_ids=ids, positions=pos, seq_lens=seq_lens, starts=starts, replay_starts=replay,
+                         compress_from=cfrom, window_slots=slots, window_tables=_pad(wt, -1), full_tables=_pad(ft, 0),
+                         state_slots=st, logits_rows=rows, token_seq=token_seq, replay_start_t=replay, state_slot_t=st,
+                         is_decode=is_decode, max_pos=max(pos))
 
     def run(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False,
             pending: tuple[torch.Tensor, dict[int, int]] | None = None,
@@ -115,7 +122,7 @@ class ModelRunner:
         if self.workers is not None:  # tensor parallel (V4: no Engram look-back rows)
             host = self.host_batch(scheduled, all_logits)
             self.workers.step_eager(host)
-            fb = batch_from_host(host, self.device)
+            fb = host.to_device(self.device)
         else:
             fb = self.build_batch(scheduled, all_logits)
         self._fill_pending(fb.input_ids, scheduled, pending, [r - 1 for r in _ends(scheduled)])
@@ -192,7 +199,7 @@ class ModelRunner:
             # two pinned staging buffers, used by alternate steps: with async scheduling step N+1
             # is packed while step N's copy may still wait behind step N-1 on the GPU
             staging = [torch.empty(flat.shape, dtype=torch.long, pin_memory=pool is not None) for _ in range(2)]
-            self.graphs[size] = (graph, fb, flat, staging, logits)  # fb: the graph reads its tensors
+            self.graphs[size] = DecodeGraph(graph, fb, flat, staging, logits)
         if pool is not None:
             torch.cuda.synchronize()
 
@@ -230,15 +237,15 @@ class ModelRunner:
         copied from it."""
         n = len(scheduled)
         size = min(b for b in self.graphs if b >= n)
-        graph, _, flat, stagings, logits = self.graphs[size]
+        g = self.graphs[size]
         self.replays += 1
-        staging = stagings[self.replays % 2]  # the other one may still be on its way to the GPU
+        staging = g.stagings[self.replays % 2]  # the other one may still be on its way to the GPU
         self.pack_decode(scheduled, size, staging.numpy())
         if self.workers is not None:
             self.workers.step_graph(size, staging.numpy())
-        flat.copy_(staging, non_blocking=True)
-        self._fill_pending(self.graphs[size][1].input_ids, scheduled, pending, list(range(n)))
-        if graph is None:  # static batches without a graph (static_decode_batches)
-            return self.model(self.graphs[size][1], self.cache)[:n]
-        graph.replay()
-        return logits[:n]
+        g.flat.copy_(staging, non_blocking=True)
+        self._fill_pending(g.batch.input_ids, scheduled, pending, list(range(n)))
+        if g.graph is None:  # static batches without a graph (static_decode_batches)
+            return self.model(g.batch, self.cache)[:n]
+        g.graph.replay()
+        return g.logits[:n]

@@ -5,7 +5,7 @@ Each step mixes decodes and prefill chunks under `max_num_batched_tokens` and
 waits behind a prefill), then running sequences' prefill chunks, then waiting ones in arrival
 order (no overtaking). `long_prefill_token_threshold` (vLLM's) caps one sequence's chunk, so a
 long prompt shares a step's budget with the next prompts. The budget bounds a step's tokens, hence
-its time and every stream's inter-token latency (docs/PERF.md, the budget sweep). When blocks run
+its time and every stream's inter-token latency (suite mixed_budget, docs/PERF.md). When blocks run
 out, the newest running sequence is preempted by recompute: its blocks go back and it re-queues at
 the front, later re-prefilling its prompt plus what it already generated, so its output is unchanged.
 """

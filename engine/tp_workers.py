@@ -33,6 +33,7 @@ import torch
 from engine.args import EngineArgs
 from engine.cache import KVCache
 from engine.core_client import _python_executable, _without_main_module
+from engine.forward_batch import HostBatch
 from engine.models.registry import load_config
 from engine.parallel import TensorParallel, check_parallel
 
@@ -156,7 +157,7 @@ class TensorParallelWorkers:
         ops, self.cache.mirror = self.cache.mirror, []
         return ops
 
-    def step_eager(self, host_batch: tuple) -> None:
+    def step_eager(self, host_batch: HostBatch) -> None:
         self._send(("eager", (self._ops(), host_batch)))
 
     def step_graph(self, size: int, packed) -> None:
@@ -233,8 +234,6 @@ def worker_main(raw_args: dict, model_dir: str, kind: str, rank: int, port: int,
 
 
 def _serve(conn, model, cache: KVCache, runner, device: torch.device) -> None:
-    from engine.runner import batch_from_host
-
     while True:
         kind, payload = pickle.loads(conn.recv_bytes())
         if kind == "stop":
@@ -242,9 +241,9 @@ def _serve(conn, model, cache: KVCache, runner, device: torch.device) -> None:
         for op, op_args in payload[0]:
             getattr(cache, op)(*op_args)
         if kind == "eager":
-            model(batch_from_host(payload[1], device), cache)
+            model(payload[1].to_device(device), cache)
         else:  # a decode step replayed as rank 0 replays it
             size, packed = payload[1], payload[2]
-            graph, _, flat, _, _ = runner.graphs[size]
-            flat.copy_(torch.from_numpy(packed))
-            graph.replay()
+            g = runner.graphs[size]
+            g.flat.copy_(torch.from_numpy(packed))
+            g.graph.replay()

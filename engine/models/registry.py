@@ -55,3 +55,9 @@ def load_config(model_dir: str | Path):
 def load_model(model_dir: str | Path, dtype="auto", device="cpu", **kwargs):
     """The family's model for `model_dir`, weights loaded (kwargs: tokenizer, tp, as the family takes them)."""
     return family(model_dir).load_model(model_dir, dtype, device, **kwargs)
+
+
+def tiny_checkpoint_writer() -> ModuleType:
+    """The module that writes the tiny default checkpoint (`model: "tiny"`): DeepSeek-V4's
+    random_checkpoint (WRITER_VERSION, write_checkpoint)."""
+    return importlib.import_module("engine.models.deepseek_v4.random_checkpoint")

@@ -53,7 +53,7 @@ def spec_graphs(engine, k: int, mtp, mtp_cache) -> tuple[VerifyGraphs | None, Dr
     """The verify graphs for the batch buckets the decode graphs have (those that fit the token
     budget) and the MTP's graphs for the same buckets, captured when the runner captured decode
     graphs; else None (speculative steps run eagerly)."""
-    if engine.device.type != "cuda" or not any(g[0] is not None for g in engine.runner.graphs.values()):
+    if engine.device.type != "cuda" or not any(g.graph is not None for g in engine.runner.graphs.values()):
         return None, None
     buckets = [b for b in engine.runner.graphs if b * (k + 1) <= engine.args.max_num_batched_tokens]
     pool = torch.cuda.graph_pool_handle()

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from engine.forward_batch import ForwardBatch
-from engine.graphs.mixed import capture, capture_buckets
+from engine.graphs.capture import capture, capture_buckets
 from engine.spec.verify_graphs import VerifyGraphs
 
 

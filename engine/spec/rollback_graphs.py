@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.graphs.mixed import capture, capture_buckets
+from engine.graphs.capture import capture, capture_buckets
 
 
 def reopen(states, closed: dict, snapshot: dict, m: int, blk, slot, b) -> None:

@@ -26,7 +26,8 @@ import torch
 from engine.cache import KVCache
 from engine.compress_plan import CompressPlan, plan_arrays
 from engine.forward_batch import ForwardBatch
-from engine.graphs.mixed import capture, capture_buckets, pack_rows
+from engine.graphs.capture import capture, capture_buckets
+from engine.graphs.static_batch import pack_rows
 from engine.sequence import Sequence
 from engine.spec.rollback_graphs import RollbackGraphs
 

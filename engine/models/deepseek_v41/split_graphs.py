@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.graphs.mixed import (
+from engine.graphs.capture import capture_buckets
+from engine.graphs.mixed import mixed_sizes
+from engine.graphs.static_batch import (
     StaticBatch,
-    capture_buckets,
     host_fields,
-    mixed_sizes,
     new_token_ids,
     pack_rows,
     padded_batch,

@@ -1,6 +1,6 @@
 """A CUDA graph's capture and replay, emulated on the CPU, for the mixed-step graphs' tests.
 
-`capture(run, pool)` has engine.graphs.mixed.capture's signature. It runs `run` once and records
+`capture(run, pool)` has engine.graphs.capture.capture's signature. It runs `run` once and records
 every torch op (at the aten level, through a TorchDispatchMode) and every Triton launch (the
 interpreter's) with the arguments it was given; `replay()` runs the records again with exactly
 those arguments. That is what a CUDA graph does: the same tensors (a graph's fixed addresses) and
@@ -143,6 +143,6 @@ class EmulatedGraph:
 
 
 def capture(run, pool=None) -> tuple[EmulatedGraph, object]:
-    """engine.graphs.mixed.capture's stand-in on the CPU: record `run` once; replay() reruns it."""
+    """engine.graphs.capture.capture's stand-in on the CPU: record `run` once; replay() reruns it."""
     graph = EmulatedGraph()
     return graph, graph.capture(run)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.graphs.mixed import MixedStepGraphs, mixed_sizes, new_token_ids
+from engine.graphs.mixed import MixedStepGraphs, mixed_sizes
+from engine.graphs.static_batch import new_token_ids
 from engine.llm import LLM
 from engine.request import SamplingParams
 from engine.sequence import Sequence

@@ -91,7 +91,7 @@ def test_static_batches_refilled_for_other_batches_equal_eager(model, v41_golden
     static_cache = copy.deepcopy(cache)
     static = ModelRunner(model, static_cache, max_model_len=512)
     static.static_decode_batches([1, 2, 4, 8])
-    for _, fb, *_ in static.graphs.values():  # what a capture runs: the all-padding batch
+    for fb in (g.batch for g in static.graphs.values()):  # what a capture runs: the all-padding batch
         model(fb, static_cache)
     assert all(torch.equal(a, b) for a, b in zip(_state(static_cache), _state(cache))), "padding wrote a real entry"
     k = model.lookback_tokens
@@ -114,7 +114,7 @@ def test_static_batches_refilled_for_other_batches_equal_eager(model, v41_golden
         # ~5e-3). Seen on a CI machine's BLAS: one row of the 5-sequence batch at 6.9e-5 of the scale, the rest 3e-7
         rows = (got - want).abs().max(-1).values / want.abs().max()
         assert (rows > 1e-5).sum() <= 1 and rows.max() <= 1e-3, f"batch {order}: logits differ from eager by {rows}"
-        fb, n = static.graphs[size][1], len(batch)
+        fb, n = static.graphs[size].batch, len(batch)
         assert fb.positions[:n].tolist() == [s.num_computed_tokens for s in batch]
         assert (fb.positions[n:] == 0).all() and (fb.state_slot_t[n:] == static_cache.scratch_slot).all()
         assert (fb.full_tables[n:] == static_cache.scratch_full).all()

@@ -3,7 +3,7 @@ on, the prefill through CUDA graphs and eagerly; decode steps with CUDA graphs a
 their memory floor; the graphed greedy tokens against the eager ones, for decode steps and for
 mixed prefill + decode steps. Prints tables, writes JSON.
 
-    python -m tools.bench_v41 [--model DIR | --preset v41-flash-shaped] [--quant fp8-fp4|bf16]
+    python -m tools.bench_deepseek_v41 [--model DIR | --preset v41-flash-shaped] [--quant fp8-fp4|bf16]
         [--lengths 1024,8192,32768] [--reps 2] [--batches 1,32] [--json out.json]
 
 The checkpoint (random weights, the released V4.1-Flash per-layer shapes and 40-layer schedule,
@@ -160,7 +160,7 @@ def main() -> None:
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and a.preset != "v41-tiny":
-        raise SystemExit("bench_v41 measures on a GPU; none here (CUDA unavailable). On a CPU only "
+        raise SystemExit("bench_deepseek_v41 measures on a GPU; none here (CUDA unavailable). On a CPU only "
                          "--preset v41-tiny runs (a smoke test of this script)")
     lengths = [int(x) for x in a.lengths.split(",") if x]
     batches = [int(x) for x in a.batches.split(",") if x]
