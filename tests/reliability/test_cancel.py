@@ -77,9 +77,16 @@ def test_fifty_cancellations_in_flight_leave_no_request_and_a_full_block_pool(se
     assert is_idle(g), g  # zero running, zero waiting, every block of every pool free
     after = server_counts(server.metrics_url)
     assert after.get("success:abort", 0) - before.get("success:abort", 0) == STORM
-    assert after.get("failure:CANCELLED", 0) - before.get("failure:CANCELLED", 0) == STORM
+    # counted once, as an abort: a client's cancel is no server failure
+    assert after.get("failure:CANCELLED", 0) - before.get("failure:CANCELLED", 0) == 0
     outcome, message, _, _ = run_grpc(server.grpc_url, "after the storm", max_tokens=8)
     assert outcome == "completed", message
+    # counters reach Triton's metrics through the model's metrics thread: let this one land
+    # before the next test takes its baseline
+    deadline = time.monotonic() + 10
+    while server_counts(server.metrics_url).get("success:length", 0) <= after.get("success:length", 0):
+        assert time.monotonic() < deadline, "the completed request was never counted"
+        time.sleep(0.1)
 
 
 def test_http_disconnects_abort_their_requests(server):
