@@ -52,10 +52,8 @@ from geventhttpclient import HTTPClient  # noqa: E402
 from client.grpc import GrpcClient  # noqa: E402
 from client.http import request_body  # noqa: E402
 from client.types import DEFAULT_RETURNS, Delta, ServerError, delta_from_outputs, sampling_json  # noqa: E402
-from loadtest.measure import Measure, RecordWriter  # noqa: E402
+from loadtest.measure import ERROR_BACKOFF_S, Measure, RecordWriter  # noqa: E402
 from loadtest.workloads import LoadConfig, Request, WorkloadConfig, make_workload  # noqa: E402
-
-ERROR_BACKOFF_S = 0.2  # after a failed request, so a dead server does not spin the CPU
 
 
 class _State:
