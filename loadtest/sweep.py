@@ -445,8 +445,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = argv
-    if args.protocol == "openai" and args.driver != "locust":
-        parser.error("--protocol openai runs with --driver locust only")
     args.label = args.label or f"{args.protocol}-{args.workload}" + ("-threads" if args.driver == "threads" else "")
     if not re.fullmatch(r"[\w.-]+", args.label):
         parser.error("--label: letters, digits, '.', '_' and '-' only (it names files)")

@@ -1,7 +1,7 @@
 """The same load from plain OS threads (no Locust, no gevent): `sweep --driver threads`.
 
 A reference for the Locust driver: the same workload, the same clients (client/grpc.py,
-client/http.py), the same records. If Locust's users ran into a limit of their own (gevent's one
+client/http.py, loadtest/openai_stream.py), the same records. If Locust's users ran into a limit of their own (gevent's one
 core, gRPC's gevent integration), the two drivers' numbers would part at high concurrency.
 
     python -m loadtest.threads CONFIG.json --protocol grpc --users 16 --duration 30 --stop-timeout 30 \
@@ -26,6 +26,7 @@ from collections.abc import Callable
 from client.grpc import GrpcClient
 from client.http import HttpClient
 from loadtest.measure import ERROR_BACKOFF_S, Measure, RecordWriter
+from loadtest.openai_stream import OpenAIStreamClient
 from loadtest.workloads import LoadConfig, WorkloadConfig, make_workload
 
 
@@ -48,8 +49,10 @@ def run(config: LoadConfig, protocol: str, users: int, duration_s: float, stop_t
         session = workload.session(index, config.level_seed)
         if protocol == "grpc":
             client = GrpcClient(config.url, model=config.model)
-        else:
+        elif protocol == "http":
             client = HttpClient(config.url, model=config.model, timeout_s=config.request_timeout_s)
+        else:
+            client = OpenAIStreamClient(config.url, model=config.model, timeout_s=config.request_timeout_s)
         try:
             while not stopping.is_set():
                 request = session.next_request()
@@ -146,7 +149,7 @@ def wait_for_go() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.threads", description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="LoadConfig JSON (what loadtest.sweep writes per level)")
-    p.add_argument("--protocol", choices=["grpc", "http"], default="grpc")
+    p.add_argument("--protocol", choices=["grpc", "http", "openai"], default="grpc")
     p.add_argument("--users", type=int, required=True)
     p.add_argument("--duration", type=float, required=True, help="seconds")
     p.add_argument("--stop-timeout", type=float, default=30.0, help="seconds")
