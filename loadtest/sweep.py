@@ -4,9 +4,12 @@
         --duration 60s --workload agentic [--protocol grpc|http] [--label A] [--out DIR]
     python -m loadtest.sweep --serve --engine-args '{"enable_prefix_caching": false}' ...
 
-Each level runs `locust -f loadtest/locustfile.py` in its own process group, closed-loop users
-(each sends its next request when the last one ends), for --duration; then in-flight requests get
---stop-timeout to finish (the rest are cancelled). A level that outlives duration + stop-timeout
+Each level runs `locust -f loadtest/locustfile.py` (or `python -m loadtest.threads`) in its own
+process group, closed-loop users (each sends its next request when the last one ends) spread over
+--client-processes (auto: sized from the level), for --duration; then in-flight requests get
+--stop-timeout to finish (the rest are cancelled). Every level is checked for the clients being the
+limit (loadtest.saturation): such a level is marked client-bound and the sweep exits 3 unless
+--allow-client-bound. A level that outlives duration + stop-timeout
 + a grace period is killed (process group, SIGTERM then SIGKILL) and marked so. Triton's metrics
 are read before and after each level (prefix-cache hits, the server's own token totals).
 
