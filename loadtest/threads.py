@@ -1,8 +1,9 @@
 """The same load from plain OS threads (no Locust, no gevent): `sweep --driver threads`.
 
 A reference for the Locust driver: the same workload, the same clients (client/grpc.py,
-client/http.py, loadtest/openai_stream.py), the same records. If Locust's users ran into a limit of their own (gevent's one
-core, gRPC's gevent integration), the two drivers' numbers would part at high concurrency.
+client/http.py, loadtest/openai_stream.py), the same records. If Locust's users ran into a limit
+of their own (gevent's one core, gRPC's gevent integration), the two drivers' numbers would part
+at high concurrency.
 
     python -m loadtest.threads CONFIG.json --protocol grpc --users 16 --duration 30 --stop-timeout 30 \
         [--processes 4]
