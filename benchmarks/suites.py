@@ -31,6 +31,37 @@ def sweep(label: str, model: str, engine_args: str, *extra: str, timeout_s: int 
                 name=label, json_flag=None, result=f"{{out}}/{label}.json", python="triton", timeout_s=timeout_s)
 
 
+def serving_vs_engine(name: str, levels: str, duration: str, input_len: str, output_len: str, engine_args: str,
+                      model: str | None, device: str, machine: str) -> Suite:
+    """Through Triton (and through the OpenAI front) against the same engine called directly, one
+    workload, level by level; each sweep checks that its clients were not the limit (loadtest.saturation).
+    Engine-direct and Triton run first, so a call cut short still answers the main question."""
+    shape = ("--concurrency", levels, "--input-len", input_len, "--output-len", output_len)
+    served = (("--model", model) if model else ()) + ("--engine-args", engine_args)
+    sweep_ = ("--serve", *served, *shape, "--duration", duration, "--driver", "threads", "--stop-timeout", "20",
+              "--out", "{out}")
+    steps = [] if model is None else [Step("tools.make_tiny_checkpoint", (model, "--preset", "flash-shaped",
+                                                                         "--device", device),
+                                           name="checkpoint", json_flag=None, unless_exists=f"{model}/config.json")]
+    steps += [
+        Step("tools.bench_engine", (*(("--model", model) if model else ("--preset", "tiny")), "--core-process",
+                                    *shape, "--requests-per-user", "4", "--engine-args", engine_args,
+                                    "--json", "{out}/engine_direct.json"),
+             name="engine_direct", json_flag=None, result="{out}/engine_direct.json", timeout_s=240),
+        Step("loadtest.sweep", (*sweep_, "--protocol", "grpc", "--label", "triton"), name="triton", json_flag=None,
+             result="{out}/triton.json", python="triton", timeout_s=300),
+        Step("loadtest.vs_engine", ("{out}/triton.json", "{out}/engine_direct.json"), name="ratio", timeout_s=60),
+        Step("loadtest.sweep", (*sweep_, "--protocol", "openai", "--label", "openai"), name="openai", json_flag=None,
+             result="{out}/openai.json", python="triton", timeout_s=300),
+        Step("loadtest.vs_engine", ("{out}/triton.json", "{out}/engine_direct.json", "--openai", "{out}/openai.json"),
+             name="ratio_openai", timeout_s=60),
+    ]
+    where = "flash-shaped" if model else "the tiny checkpoint on the CPU"
+    return Suite(name, f"Through Triton, and through the OpenAI front, how close is serving to the same engine called "
+                 f"directly ({where}, {levels.replace(',', ' / ')} users, {input_len} in / {output_len} out), with "
+                 f"load generators that are not the limit?", tuple(steps), machine=machine)
+
+
 def profile(name: str, *args: str, then_remove: str | None = None) -> Step:
     """tools.profile_decode: kernels by CUDA time (a text table, kept as the step's output)."""
     return Step("tools.profile_decode", args, name=name, json_flag=None, then_remove=then_remove, timeout_s=200)
@@ -92,6 +123,8 @@ SUITE_LIST = [
                                        "1,32,150", "--input-len", "512", "--output-len", "64",
                                        "--requests-per-user", "4", "--engine-args", SHAPED),
                 name="engine_direct", timeout_s=250))),
+    serving_vs_engine("serving_vs_engine", "1,32,150,256", "10", "512", "64", SHAPED, "{ckpt}/flash-shaped", "cuda",
+                      "h200"),
     Suite("serving_depth", "At V4-Flash depth as shipped, with 64 users through Triton (1024 in / 128 out, 90 s): "
           "is ITL p50 within 2x of the batch-64 decode step and TTFT p90 within 4x of p50?",
           (checkpoint(DEPTH_CKPT, "flash-depth"),
@@ -268,6 +301,7 @@ SUITE_LIST = [
           (Step("tools.profile_serving", ("--users", "32", "--requests", "2", "--max-tokens", "128"),
                 python="triton", timeout_s=400),),
           machine="cpu"),
+    serving_vs_engine("serving_vs_engine_cpu", "1,4", "4", "64", "16", "{}", None, "cpu", "cpu"),
     Suite("transport", "How long does handing a step's outputs from the engine core process to the front take?",
           (Step("tools.bench_transport", (), timeout_s=200),), machine="cpu"),
     Suite("core_process", "Through Triton on the CPU, what does the engine core in its own process change "

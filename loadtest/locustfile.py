@@ -51,11 +51,10 @@ from geventhttpclient import HTTPClient  # noqa: E402
 
 from client.grpc import GrpcClient  # noqa: E402
 from client.http import request_body  # noqa: E402
-from client.types import DEFAULT_RETURNS, Delta, ServerError, delta_from_outputs, sampling_json  # noqa: E402
-from loadtest.measure import Measure, RecordWriter  # noqa: E402
+from client.types import DEFAULT_RETURNS, ServerError, delta_from_outputs, sampling_json  # noqa: E402
+from loadtest.measure import ERROR_BACKOFF_S, Measure, RecordWriter  # noqa: E402
+from loadtest.openai_stream import DONE, ChunkReader, completion_body  # noqa: E402
 from loadtest.workloads import LoadConfig, Request, WorkloadConfig, make_workload  # noqa: E402
-
-ERROR_BACKOFF_S = 0.2  # after a failed request, so a dead server does not spin the CPU
 
 
 class _State:
@@ -255,9 +254,8 @@ class HttpSseUser(_StreamUser):
 
 
 class OpenAIUser(HttpSseUser):
-    """The OpenAI service (backend/openai): streamed `/v1/completions`, the workload's prompt as is,
-    so token counts match the Triton users'. `continuous_usage_stats` puts the running usage on
-    every chunk: each delta's token count is its difference."""
+    """The OpenAI service (backend/openai): streamed `/v1/completions`, read as
+    loadtest/openai_stream.py reads it (the workload's prompt as is, a delta per chunk)."""
 
     protocol = "openai"
 
@@ -265,41 +263,28 @@ class OpenAIUser(HttpSseUser):
         if self.http is None:
             self.http = HTTPClient(*self.address, connection_timeout=30,
                                    network_timeout=STATE.config.request_timeout_s, concurrency=1)
-        body = {"model": STATE.config.model, "prompt": request.prompt, "stream": True,
-                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-                **STATE.config.sampling(request)}
+        body = completion_body(STATE.config.model, request.prompt, STATE.config.sampling(request))
         done = False
-        tokens = 0
         try:
             response = self.http.post("/v1/completions", body=json.dumps(body),
                                       headers={"Content-Type": "application/json"})
             if response.status_code != 200:
                 raise ServerError(f"HTTP {response.status_code}", response.read().decode("utf-8", "replace"))
+            reader = ChunkReader()
             while True:
                 raw = response.readline(b"\n")
                 if not raw:
                     done = True
                     raise ServerError("UNKNOWN", "the stream ended without data: [DONE]")
                 line = raw.strip()
-                if not line:
-                    continue  # the blank line between events
-                if line == b"data: [DONE]":
+                if line == DONE:
                     response.read()  # the end of the chunked body: the connection is reusable
                     done = True
                     return
-                payload = json.loads(line.removeprefix(b"data:"))
-                if "error" in payload:
-                    raise ServerError("UNKNOWN", str(payload["error"]))
-                if not payload["choices"]:
-                    continue  # the usage chunk
-                choice = payload["choices"][0]
-                usage = payload.get("usage") or {}
-                new = usage.get("completion_tokens", tokens) - tokens
-                tokens += new
-                yield Delta(text=choice["text"], num_output_tokens=new, num_input_tokens=usage.get("prompt_tokens"),
-                            finish_reason=choice.get("finish_reason"))
+                delta = reader.delta(line)
+                if delta is not None:
+                    yield delta
         finally:
             if not done:  # left early (cancelled, an error mid-stream): drop the connection
                 self.http.close()
                 self.http = None
-

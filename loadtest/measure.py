@@ -14,11 +14,14 @@ threads.py), so their numbers mean the same thing:
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
 from client.types import Delta
 from loadtest.workloads import Request
+
+ERROR_BACKOFF_S = 0.2  # a user's pause after a failed request, so a dead server does not spin the CPU
 
 
 class Measure:
@@ -90,12 +93,15 @@ class Measure:
 
 
 class RecordWriter:
-    """JSON lines: {"kind": "request", ...} per request, and {"kind": "start"|"stopping"|"stop", "t"}
-    marks for the run window. Flushed per line, so a killed run still leaves its records."""
+    """JSON lines: {"kind": "request", ...} per request, {"kind": "start"|"stopping"|"stop", "t"}
+    marks for the run window, and at "stopping" {"kind": "cpu", "pid", "cpu_s", "wall_s"}: this
+    process's CPU over the window (loadtest.saturation). Flushed per line, so a killed run still
+    leaves its records."""
 
     def __init__(self, path: str | None):
         self.file = open(path, "a", encoding="utf-8") if path else None  # noqa: SIM115 (close())
         self.lock = threading.Lock()  # the thread driver writes from many threads
+        self.clocks: tuple[float, float] | None = None  # (wall, CPU) at "start"
 
     def write(self, kind: str, **fields) -> None:
         if self.file is None:
@@ -106,7 +112,13 @@ class RecordWriter:
             self.file.flush()
 
     def mark(self, kind: str) -> None:
-        self.write(kind, t=time.time())
+        now = time.time()
+        self.write(kind, t=now)
+        if kind == "start":
+            self.clocks = (now, time.process_time())
+        elif kind == "stopping" and self.clocks is not None:
+            wall0, cpu0 = self.clocks
+            self.write("cpu", pid=os.getpid(), cpu_s=time.process_time() - cpu0, wall_s=now - wall0)
 
     def close(self) -> None:
         if self.file is not None:

@@ -6,7 +6,9 @@ Writes throughput.png (output tok/s and request/s vs concurrency), ttft.png, itl
 p90 dashed, p99 dotted), e2e.png, interactivity.png (output tok/s per GPU against tok/s per user,
 one point per level: loadtest.interactivity), and report.md: each sweep's command and settings, then
 one table per figure with the configurations side by side (and their ratio when there are two, plus
-the two curves compared at a fixed tok/s per user, --at, default 150).
+the two curves compared at a fixed tok/s per user, --at, default 150). A level whose clients were
+the limit (loadtest.saturation) is marked `client-bound` in every table and with a red cross in
+every plot.
 """
 
 from __future__ import annotations
@@ -45,6 +47,11 @@ def _series(sweep: dict, metric: str, key: str | None = None) -> tuple[list[int]
     return xs, ys
 
 
+def bound(level: dict) -> bool:
+    """The level's clients were the limit (loadtest.saturation): its figures are the load generator's."""
+    return bool(level.get("client_bound"))
+
+
 def plot(sweeps: list[dict], out: Path) -> list[Path]:
     import matplotlib
 
@@ -66,6 +73,14 @@ def plot(sweeps: list[dict], out: Path) -> list[Path]:
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=8)
 
+    def mark_bound(ax, xs: list, ys: list, levels_: list[dict]) -> None:
+        """A red cross over each client-bound point, one legend entry for all."""
+        pts = [(x, y) for x, y, lv in zip(xs, ys, levels_) if bound(lv) and y is not None]
+        if pts:
+            labelled = "client-bound" in ax.get_legend_handles_labels()[1]
+            ax.plot(*zip(*pts), "x", color="red", markersize=11, markeredgewidth=2, linestyle="none",
+                    label=None if labelled else "client-bound")
+
     def save(fig, name: str) -> None:
         path = out / name
         fig.tight_layout()
@@ -75,8 +90,9 @@ def plot(sweeps: list[dict], out: Path) -> list[Path]:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for i, s in enumerate(sweeps):
-        a.plot(*_series(s, "output_tok_per_s"), "o-", color=colors[i % len(colors)], label=s["label"])
-        b.plot(*_series(s, "request_per_s"), "o-", color=colors[i % len(colors)], label=s["label"])
+        for ax, metric in ((a, "output_tok_per_s"), (b, "request_per_s")):
+            ax.plot(*_series(s, metric), "o-", color=colors[i % len(colors)], label=s["label"])
+            mark_bound(ax, *_series(s, metric), s["levels"])
     axis(a, "output tokens / s", "Throughput (output tokens)")
     axis(b, "requests / s", "Throughput (completed requests)")
     a.set_ylim(bottom=0)
@@ -91,6 +107,7 @@ def plot(sweeps: list[dict], out: Path) -> list[Path]:
             for p, style in STYLES.items():
                 ax.plot(*_series(s, metric, p), marker="o", markersize=3, linestyle=style,
                         color=colors[i % len(colors)], label=f"{s['label']} {p}")
+            mark_bound(ax, *_series(s, metric, "p50"), s["levels"])
         axis(ax, "ms", title)
         ax.set_yscale("log")
         plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
@@ -107,6 +124,9 @@ def plot(sweeps: list[dict], out: Path) -> list[Path]:
         for p in pts:
             ax.annotate(str(p["concurrency"]), (p["tok_per_s_per_user"], p["output_tok_per_s_per_gpu"]),
                         fontsize=7, xytext=(3, 3), textcoords="offset points")
+        by_c = {lv["concurrency"]: lv for lv in s["levels"]}
+        mark_bound(ax, [p["tok_per_s_per_user"] for p in pts], [p["output_tok_per_s_per_gpu"] for p in pts],
+                   [by_c[p["concurrency"]] for p in pts])
     ax.set_xlabel("tok/s per user (1000 / mean TPOT ms)")
     ax.set_ylabel("output tok/s per GPU")
     ax.set_title("Throughput vs interactivity (labels: concurrency)")
@@ -148,6 +168,11 @@ TABLES = [
      else 100 * lv["server"]["spec_acceptance_rate"], 1, True),
     ("Mean acceptance length (tokens per verify step, server)",
      lambda lv: (lv.get("server") or {}).get("spec_mean_acceptance_length"), 2, True),
+    ("Client CPU, busiest client process (cores; >= 0.85: client-bound)",
+     lambda lv: (lv.get("saturation") or {}).get("client_cpu", {}).get("busiest_cores"), 2, False),
+    ("Users busy (%, Little's law; < 85: client-bound)",
+     lambda lv: None if (lv.get("saturation") or {}).get("littles_law", {}).get("busy_ratio") is None
+     else 100 * lv["saturation"]["littles_law"]["busy_ratio"], 1, True),
     ("Response thread busy (%, server)",
      lambda lv: None if (lv.get("server") or {}).get("response_thread_busy") is None
      else 100 * lv["server"]["response_thread_busy"], 1, False),
@@ -188,7 +213,8 @@ def markdown(sweeps: list[dict], pngs: list[Path] = (), at: float = 150.0) -> st
         head = ["concurrency", *labels] + ([f"{labels[1]} / {labels[0]}"] if ratio else [])
         lines += [f"### {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for c, row in zip(levels, values):
-            cells = [str(c), *(_fmt(v, digits) for v in row)]
+            cells = [str(c), *(_fmt(v, digits) + (" (client-bound)" if c in b and bound(b[c]) else "")
+                               for v, b in zip(row, by))]
             if ratio:
                 a, b = row
                 cells.append(f"{b / a:.2f}x" if a and b is not None else "-")
@@ -199,6 +225,9 @@ def markdown(sweeps: list[dict], pngs: list[Path] = (), at: float = 150.0) -> st
             interactivity.compare(sweeps[1], sweeps[0], at)), ""]
     problems = [f"{s['label']} c={lv['concurrency']}: load process killed" for s in sweeps for lv in s["levels"]
                 if lv.get("driver", lv.get("locust", {})).get("killed")]
+    problems += [f"{s['label']} c={lv['concurrency']}: client-bound ({'; '.join(lv['saturation']['reasons'])}): "
+                 "the load generator, not the server, set this level's figures" for s in sweeps for lv in s["levels"]
+                 if bound(lv)]
     if problems:
         lines += ["### Problems", "", *[f"- {p}" for p in problems], ""]
     return "\n".join(lines)

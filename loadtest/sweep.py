@@ -4,9 +4,12 @@
         --duration 60s --workload agentic [--protocol grpc|http] [--label A] [--out DIR]
     python -m loadtest.sweep --serve --engine-args '{"enable_prefix_caching": false}' ...
 
-Each level runs `locust -f loadtest/locustfile.py` in its own process group, closed-loop users
-(each sends its next request when the last one ends), for --duration; then in-flight requests get
---stop-timeout to finish (the rest are cancelled). A level that outlives duration + stop-timeout
+Each level runs `locust -f loadtest/locustfile.py` (or `python -m loadtest.threads`) in its own
+process group, closed-loop users (each sends its next request when the last one ends) spread over
+--client-processes (auto: sized from the level), for --duration; then in-flight requests get
+--stop-timeout to finish (the rest are cancelled). Every level is checked for the clients being the
+limit (loadtest.saturation): such a level is marked client-bound and the sweep exits 3 unless
+--allow-client-bound. A level that outlives duration + stop-timeout
 + a grace period is killed (process group, SIGTERM then SIGKILL) and marked so. Triton's metrics
 are read before and after each level (prefix-cache hits, the server's own token totals).
 
@@ -35,7 +38,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from loadtest import interactivity, scrape
+from loadtest import interactivity, saturation, scrape
+from loadtest.measure import ERROR_BACKOFF_S
 from loadtest.workloads import Length, LoadConfig, WorkloadConfig, resolve_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -86,8 +90,9 @@ def percentiles(values: list[float]) -> dict:
 
 
 def read_records(path: Path) -> tuple[list[dict], dict]:
-    """The load process's JSON lines (PATH, and PATH.<pid> of Locust's worker processes) ->
-    (request records, {"start"|"stopping"|"stop": earliest time})."""
+    """The load processes' JSON lines (PATH, and PATH.<suffix> of each worker process: Locust's
+    `--processes`, the thread driver's) merged -> (request records, {"start"|"stopping"|"stop":
+    earliest time, "cpu": each process's CPU over the window, when any wrote it})."""
     requests, marks = [], {}
     for part in [path, *sorted(path.parent.glob(path.name + ".*"))]:
         if not part.exists():
@@ -102,6 +107,8 @@ def read_records(path: Path) -> tuple[list[dict], dict]:
                 requests.append(rec)
             elif kind in ("start", "stopping", "stop"):
                 marks[kind] = min(rec["t"], marks.get(kind, rec["t"]))
+            elif kind == "cpu":
+                marks.setdefault("cpu", []).append(rec)
     return requests, marks
 
 
@@ -141,6 +148,22 @@ def summarize(requests: list[dict], marks: dict, concurrency: int) -> dict:
         "e2e_ms": percentiles([r["e2e_ms"] for r in ok]),
         "error_samples": sorted({r["error"] for r in errors})[:5],
     }
+
+
+def client_saturation(requests: list[dict], marks: dict, concurrency: int, request_per_s: float) -> dict:
+    """loadtest.saturation's check for one level: each user's time in a request (a failed one
+    with the pause after it) against the window, and the client processes' own CPU."""
+    start = marks.get("start") or min((r["start"] for r in requests), default=0.0)
+    stop = marks.get("stopping") or max((r["start"] + r["e2e_ms"] / 1e3 for r in requests), default=start)
+    intervals: dict = {}
+    for r in requests:
+        pause = ERROR_BACKOFF_S if not r["ok"] and not r["cancelled"] else 0.0
+        intervals.setdefault(r.get("user"), []).append((r["start"], r["start"] + r["e2e_ms"] / 1e3 + pause))
+    busy = saturation.users_busy(intervals, stop, start)
+    ok = [r["e2e_ms"] / 1e3 for r in requests if r["ok"]]
+    cpu = [saturation.ProcessCpu(c["pid"], c["cpu_s"], c["wall_s"]) for c in marks.get("cpu", [])]
+    return saturation.check(concurrency, statistics.fmean(ok) if ok else None, 0.0, request_per_s,
+                            busy["busy_ratio"], cpu)
 
 
 # ------------------------------------------------------------------------------------------ locust
@@ -223,16 +246,17 @@ def run_level(args, concurrency: int, url: str, metrics_url: str | None, level_d
                         level_seed=concurrency, records=str(records))
     config_path = level_dir / "config.json"
     config_path.write_text(json.dumps(asdict(config), indent=2))
-    if args.driver == "locust":
+    processes = min(args.client_processes or saturation.auto_processes(concurrency), concurrency)
+    if args.driver == "locust":  # Locust's own distributed mode: a master and `processes` workers
         cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
                "-u", str(concurrency), "-r", str(concurrency), "-t", f"{args.duration:g}s",
                "--stop-timeout", f"{args.stop_timeout:g}", "--only-summary", "--csv", str(level_dir / "locust"),
                "--host", url, "--exit-code-on-error", "0", "--loadtest-config", str(config_path),
-               *(["--processes", str(args.processes)] if args.processes > 1 else []), USER_CLASSES[args.protocol]]
+               *(["--processes", str(processes)] if processes > 1 else []), USER_CLASSES[args.protocol]]
     else:
         cmd = [sys.executable, "-m", "loadtest.threads", str(config_path), "--protocol", args.protocol,
                "--users", str(concurrency), "--duration", f"{args.duration:g}",
-               "--stop-timeout", f"{args.stop_timeout:g}"]
+               "--stop-timeout", f"{args.stop_timeout:g}", "--processes", str(processes)]
     before = scrape.scrape(metrics_url)
     load_before = os.getloadavg()
     t0 = time.monotonic()
@@ -246,7 +270,9 @@ def run_level(args, concurrency: int, url: str, metrics_url: str | None, level_d
         server["response_thread_busy"] = server["response_thread_cpu_s"] / elapsed
     requests, marks = read_records(records)
     summary = summarize(requests, marks, concurrency)
-    return {**summary, "server": server, "driver": run, "failure": level_failure(summary, run),
+    sat = client_saturation(requests, marks, concurrency, summary["request_per_s"])
+    return {**summary, "client_processes": processes, "saturation": sat, "client_bound": sat["client_bound"],
+            "server": server, "driver": run, "failure": level_failure(summary, run),
             "load_avg": {"before": load_before, "after": os.getloadavg()},
             "records": [{k: v for k, v in r.items() if k not in ("delta_ms", "delta_tokens")} for r in requests]}
 
@@ -276,6 +302,7 @@ def describe_level(level: dict) -> str:
              f"{level.get('output_tok_per_s_per_gpu', float('nan')):8.1f} tok/s/GPU", f"err {level['error_rate']:.1%}"]
     if hit is not None:
         parts.append(f"prefix hit {hit:.0%}")
+    parts.append(saturation.describe(level.get("saturation")))
     if level["driver"]["killed"]:
         parts.append("LOAD PROCESS KILLED")
     if level["driver"]["cpu_warning"]:
@@ -287,7 +314,8 @@ CSV_FIELDS = ["label", "protocol", "workload", "concurrency", "requests", "error
               "request_per_s", "output_tok_per_s", "input_tok_per_s", "tok_per_s_per_user",
               "output_tok_per_s_per_gpu"] + [
     f"{m}_{p}" for m in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms") for p in ("p50", "p90", "p99", "mean")] + [
-    "prefix_hit_ratio", "driver_killed", "driver_elapsed_s", "failure"]
+    "prefix_hit_ratio", "client_bound", "client_processes", "client_cpu_busiest_cores", "client_cpu_total_cores",
+    "users_busy_ratio", "driver_killed", "driver_elapsed_s", "failure"]
 
 
 def write_outputs(result: dict, out: Path, label: str) -> tuple[Path, Path]:
@@ -304,6 +332,11 @@ def write_outputs(result: dict, out: Path, label: str) -> tuple[Path, Path]:
             row.update(label=label, protocol=result["protocol"], workload=result["workload"]["kind"],
                        prefix_hit_ratio=(lv["server"] or {}).get("prefix_hit_ratio"),
                        driver_killed=lv["driver"]["killed"], driver_elapsed_s=round(lv["driver"]["elapsed_s"], 2))
+            sat = lv.get("saturation")
+            if sat:
+                row.update(client_cpu_busiest_cores=sat["client_cpu"]["busiest_cores"],
+                           client_cpu_total_cores=sat["client_cpu"]["total_cores"],
+                           users_busy_ratio=sat["littles_law"]["busy_ratio"])
             for m in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
                 for p in ("p50", "p90", "p99", "mean"):
                     row[f"{m}_{p}"] = lv[m].get(p)
@@ -330,7 +363,8 @@ def sweep(args, url: str, metrics_url: str | None, server_info: dict, say=print)
         "command": "python -m loadtest.sweep " + shlex.join(args.argv),
         "protocol": args.protocol,
         "driver": args.driver,
-        "processes": args.processes,
+        "client_processes": "auto" if args.client_processes is None else args.client_processes,
+        "allow_client_bound": args.allow_client_bound,
         "workload": asdict(workload_config(args)),
         "sampling": {"temperature": args.temperature, "ignore_eos": not args.no_ignore_eos},
         "duration_s": args.duration, "stop_timeout_s": args.stop_timeout,
@@ -358,6 +392,11 @@ def sweep(args, url: str, metrics_url: str | None, server_info: dict, say=print)
     failed = [lv["concurrency"] for lv in result["levels"] if lv["failure"]]
     if failed:
         say(f"error: level(s) {', '.join(map(str, failed))} measured nothing (see FAILED above)")
+    bound = [lv for lv in result["levels"] if lv.get("client_bound") and not lv["failure"]]
+    for lv in bound:
+        say(f"{'warning' if args.allow_client_bound else 'error'}: c={lv['concurrency']} was client-bound: "
+            f"{'; '.join(lv['saturation']['reasons'])}; its figures are the load generator's, not the server's "
+            f"(more --client-processes, or a bigger client host)")
     return result
 
 
@@ -369,8 +408,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", choices=sorted(USER_CLASSES), default="grpc")
     p.add_argument("--driver", choices=["locust", "threads"], default="locust",
                    help="locust: Locust's users (gevent); threads: the same load from OS threads, a reference")
-    p.add_argument("--processes", type=int, default=1, help="Locust processes (one core each): more for "
-                   "high token rates, where one gevent process would be the bottleneck (docs/LOADTEST.md)")
+    p.add_argument("--client-processes", "--processes", type=client_processes_arg, default=None,
+                   metavar="N|auto", help="client processes per level (threads: worker processes; locust: its "
+                   "--processes workers); auto (default): one per 16 users, at most the cores less 2")
+    p.add_argument("--allow-client-bound", action="store_true", help="exit 0 even when a level's clients were "
+                   "the limit (the level is still marked client-bound)")
     p.add_argument("--metrics-url", help="Triton metrics (default $TRITON_METRICS_URL or http://HOST:8002/metrics); "
                    "'none' to skip")
     p.add_argument("--serve", action="store_true", help="start a server (backend.serve, free loopback ports) "
@@ -406,8 +448,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = argv
-    if args.protocol == "openai" and args.driver != "locust":
-        parser.error("--protocol openai runs with --driver locust only")
     args.label = args.label or f"{args.protocol}-{args.workload}" + ("-threads" if args.driver == "threads" else "")
     if not re.fullmatch(r"[\w.-]+", args.label):
         parser.error("--label: letters, digits, '.', '_' and '-' only (it names files)")
@@ -466,8 +506,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_code(result: dict) -> int:
-    """1 when any level measured nothing: a load test that measured nothing did not succeed."""
-    return 1 if any(level["failure"] for level in result["levels"]) else 0
+    """1 when any level measured nothing: a load test that measured nothing did not succeed; 3 when a
+    level's clients were the limit (unless allowed): its figures describe the load generator."""
+    if any(level["failure"] for level in result["levels"]):
+        return 1
+    if not result.get("allow_client_bound") and any(level.get("client_bound") for level in result["levels"]):
+        return 3
+    return 0
+
+
+def client_processes_arg(text: str) -> int | None:
+    try:
+        return saturation.parse_processes(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not 'auto' or an integer >= 1: {text!r}") from None
 
 
 if __name__ == "__main__":

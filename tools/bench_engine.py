@@ -4,6 +4,10 @@ the async API, on random or multi-turn agentic prompts. Prints a table, writes J
     python -m tools.bench_engine [--model DIR | --preset tiny|flash-shaped|flash-depth] \
         [--concurrency 1,8,32] [--workload random|agentic] [--input-len 256] [--output-len 64] \
         [--engine-args JSON] [--baseline] [--json out.json]
+
+Online levels carry the load generator's saturation check (loadtest.saturation): workers idle
+between requests (Little's law) and, with --core-process, this process's CPU; a client-bound
+level exits 3 unless --allow-client-bound.
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +32,7 @@ from engine.llm import LLM, AsyncLLM
 from engine.models.deepseek_v4.random_checkpoint import PRESETS, QUANTS
 from engine.models.registry import load_config
 from engine.request import GenerationRequest, SamplingParams
+from loadtest import saturation
 
 BASELINE = {"kernels": "ref", "enforce_eager": True, "enable_prefix_caching": False, "async_scheduling": False}
 
@@ -44,6 +51,7 @@ class Result:
     itl_ms: dict = field(default_factory=dict)
     e2e_ms: dict = field(default_factory=dict)
     deltas: int = 0  # streamed deltas with tokens: below output_tokens when a slow consumer got them merged
+    saturation: dict = field(default_factory=dict)  # online: was this process the limit (loadtest.saturation)
 
     @property
     def output_tok_s(self) -> float:
@@ -110,31 +118,43 @@ async def _one(engine: AsyncLLM, rid: str, prompt: list[int], output_len: int, r
 
 
 async def online(engine: AsyncLLM, workload: str, concurrency: int, jobs: list[list[list[int]]],
-                 output_len: int) -> Result:
-    """jobs: one list of prompts per worker stream (agentic: the turns of a conversation, in order)."""
+                 output_len: int, client_cpu: bool = False) -> Result:
+    """jobs: one list of prompts per worker stream (agentic: the turns of a conversation, in order).
+    client_cpu: this process is only the clients and the front (the engine core runs in its own
+    process), so its CPU counts in the saturation check."""
     rec = {"ttft": [], "itl": [], "e2e": [], "out": 0, "prompt": 0, "cached": 0, "deltas": 0}
     queue: asyncio.Queue = asyncio.Queue()
     for j in jobs:
         queue.put_nowait(j)
+    spans: dict[int, list[tuple[float, float]]] = {}
+    drained: list[float] = []  # when each worker found the queue empty: from the first, fewer users run
 
     async def worker(w: int) -> None:
         while not queue.empty():
             for t, prompt in enumerate(queue.get_nowait()):
+                begin = time.perf_counter()
                 await _one(engine, f"{workload}-{concurrency}-{w}-{id(prompt)}-{t}", prompt, output_len, rec)
+                spans.setdefault(w, []).append((begin, time.perf_counter()))
+        drained.append(time.perf_counter())
 
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker(w) for w in range(concurrency)))
-    dt = time.perf_counter() - t
+    dt, cpu_s = time.perf_counter() - t, time.process_time() - cpu
+    busy = saturation.users_busy(spans, min(drained, default=t), t)
+    e2e_s = statistics.fmean(rec["e2e"]) / 1e3 if rec["e2e"] else None
+    procs = [saturation.ProcessCpu(os.getpid(), cpu_s, dt)] if client_cpu else []
+    sat = saturation.check(concurrency, e2e_s, 0.0, len(rec["e2e"]) / dt, busy["busy_ratio"], procs)
     return Result("online", workload, concurrency, len(rec["e2e"]), dt, rec["out"], rec["prompt"], rec["cached"],
-                  _pct(rec["ttft"]), _pct(rec["itl"]), _pct(rec["e2e"]), rec["deltas"])
+                  _pct(rec["ttft"]), _pct(rec["itl"]), _pct(rec["e2e"]), rec["deltas"], sat)
 
 
 def print_table(results: list[Result]) -> None:
     cols = ["mode", "workload", "conc", "reqs", "out tok/s", "TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms",
-            "E2E p50 ms", "cached %"]
+            "E2E p50 ms", "cached %", "client"]
     rows = [[r.mode, r.workload, r.concurrency, r.requests, f"{r.output_tok_s:.1f}",
              f"{r.ttft_ms.get('p50', 0):.1f}", f"{r.ttft_ms.get('p90', 0):.1f}", f"{r.itl_ms.get('p50', 0):.2f}",
-             f"{r.e2e_ms.get('p50', 0):.1f}", f"{100 * r.cached_tokens / max(r.prompt_tokens, 1):.0f}"]
+             f"{r.e2e_ms.get('p50', 0):.1f}", f"{100 * r.cached_tokens / max(r.prompt_tokens, 1):.0f}",
+             saturation.describe(r.saturation) if r.saturation else "-"]
             for r in results]
     if not rows:
         return
@@ -391,18 +411,19 @@ async def run_online(engine_args: dict, args, vocab_hint: list[int]) -> list[Res
         for c in args.concurrency:
             if args.workload == "agentic":
                 convs = agentic_conversations(c, args.turns, args.input_len, args.turn_len, vocab, seed=c)
-                results.append(await online(engine, "agentic", c, convs, args.output_len))
+                results.append(await online(engine, "agentic", c, convs, args.output_len, args.core_process))
             else:
                 n = max(c * args.requests_per_user, 1)
                 prompts = random_prompts(n, args.input_len, vocab, seed=c)
-                results.append(await online(engine, "random", c, [[p] for p in prompts], args.output_len))
+                results.append(await online(engine, "random", c, [[p] for p in prompts], args.output_len,
+                                            args.core_process))
             print(f"  done: {args.workload} concurrency {c}", flush=True)
     finally:
         await engine.shutdown()
     return results
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -428,6 +449,8 @@ def main() -> None:
     ap.add_argument("--check-graphs", action="store_true", help="compare CUDA graphs with eager first (GPU)")
     ap.add_argument("--check-kernels", action="store_true", help="compare the default engine with the torch "
                     "references run eagerly first (GPU; --check-graphs does it too)")
+    ap.add_argument("--allow-client-bound", action="store_true", help="exit 0 even when an online level's "
+                    "clients were the limit (loadtest.saturation; the level is still marked)")
     ap.add_argument("--label", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -472,7 +495,12 @@ def main() -> None:
         payload = {"meta": meta, "results": [asdict(r) | {"output_tok_s": r.output_tok_s} for r in results], **extra}
         Path(args.json).write_text(json.dumps(payload, indent=2, default=str))
         print(f"wrote {args.json}")
+    bound = [r for r in results if r.saturation.get("client_bound")]
+    for r in bound:
+        print(f"{'warning' if args.allow_client_bound else 'error'}: online c={r.concurrency} was client-bound: "
+              f"{'; '.join(r.saturation['reasons'])}", flush=True)
+    return 3 if bound and not args.allow_client_bound else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

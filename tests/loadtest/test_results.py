@@ -139,3 +139,21 @@ def test_report_tables_and_plots(tmp_path):
         png = tmp_path / "rep" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({name}.png)" in md
     assert report.main([str(a), str(a), "--out", str(tmp_path / "x")]) == 1  # two sweeps, one label
+
+
+def test_report_marks_client_bound_levels(tmp_path):
+    sweep = sweep_result("one", 1.0)
+    sweep["levels"][2].update(client_bound=True, saturation={
+        "reasons": ["a client process used 0.97 of a core"],
+        "client_cpu": {"busiest_cores": 0.97}, "littles_law": {"busy_ratio": 0.4}})
+    md = report.markdown([sweep])
+    assert "| 4 | 50.0 (client-bound) |" in md and "| 2 | 50.0 |" in md  # TTFT p50: only c=4 is marked
+    assert "| 4 | 40.0 (client-bound) |" in md  # users busy, %
+    assert "- one c=4: client-bound (a client process used 0.97 of a core)" in md
+    pytest.importorskip("matplotlib")
+    assert report.main([str(_write(tmp_path / "one.json", sweep)), "--out", str(tmp_path / "rep")]) == 0
+
+
+def _write(path, data):
+    path.write_text(json.dumps(data))
+    return path

@@ -20,3 +20,15 @@ def test_openai_random_sweep(triton_server, openai_server, tmp_path):
         "--input-len", "24:40", "--output-len", "4:12")
     check_levels(result, [2])
     assert elapsed < SWEEP_BOUND_S
+
+
+def test_openai_random_sweep_from_threads(triton_server, openai_server, tmp_path):
+    """The thread driver's OpenAI client (loadtest/openai_stream.py) over two worker processes."""
+    wait_idle(triton_server.metrics_url)
+    url = openai_server.base_url.removeprefix("http://").removesuffix("/v1")
+    result, _ = run_sweep(
+        tmp_path, "openai-threads", "--protocol", "openai", "--driver", "threads", "--client-processes", "2",
+        "--url", url, "--metrics-url", triton_server.metrics_url, "--concurrency", "4", "--duration", "4s",
+        "--stop-timeout", "30s", "--workload", "random", "--input-len", "24:40", "--output-len", "4:12")
+    check_levels(result, [4])
+    assert len(result["levels"][0]["saturation"]["client_cpu"]["per_process"]) == 2
