@@ -12,7 +12,7 @@ import contextlib
 import hmac
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -25,7 +25,7 @@ from backend.openai.errors import OpenAIError, bad_request
 from backend.openai.requests import ChatCompletionRequest, CompletionRequest, parse
 from backend.openai.responses import Builder
 from backend.openai.triton import Call, Output, TritonModel
-from backend.openai.utility_routes import add_utility_routes
+from backend.openai.utility_routes import add_utility_routes, load_tokenizer, need_tokenizer
 
 DISCONNECT_POLL_S = 0.25  # non-streaming requests: how often to look for a client that went away
 _TEMPLATE_RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token")
@@ -47,6 +47,7 @@ class Settings:
 def build_app(settings: Settings) -> FastAPI:
     name = settings.served_model_name or settings.model
     template = ChatTemplate.load(settings.tokenizer, settings.chat_template)
+    tokenizer = load_tokenizer(settings.tokenizer)
     state: dict[str, TritonModel] = {}
 
     @contextlib.asynccontextmanager
@@ -86,7 +87,7 @@ def build_app(settings: Settings) -> FastAPI:
         ready = await state["model"].ready()
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
-    add_utility_routes(app, settings.tokenizer, template, lambda request: _read_json(request, settings),
+    add_utility_routes(app, tokenizer, template, lambda request: _read_json(request, settings),
                        lambda model: _check_model(model, name), settings.triton_metrics)
 
     @app.get("/v1/models")
@@ -104,22 +105,33 @@ def build_app(settings: Settings) -> FastAPI:
         _check_model(req.model, name)
         prompts = req.prompts()
         sampling = req.sampling()
-        jobs = [(p, prompt) for p, prompt in enumerate(prompts) for _ in range(req.n)]  # choice -> its prompt
-        builder = Builder("completion", name, req.logprobs, echoes=[prompt for _, prompt in jobs] if req.echo else None)
-        calls = [state["model"].generate(prompt, _seeded(sampling, i % req.n), req.stream, req.logprobs is not None)
-                 for i, (_, prompt) in enumerate(jobs)]
+        if not req.add_special_tokens:  # no BOS: the ids as the tokenizer gives them, without special tokens
+            why = "add_special_tokens=false needs it"
+            prompts = [need_tokenizer(tokenizer, why).encode(p, add_special_tokens=False) if isinstance(p, str)
+                       else p for p in prompts]
+        texts = [_prompt_text(p, tokenizer) for p in prompts] if req.echo else None
+        jobs = [p for p in range(len(prompts)) for _ in range(req.n)]  # choice -> its prompt
+        builder = Builder("completion", name, req.logprobs, echoes=[texts[p] for p in jobs] if req.echo else None)
+        calls = [state["model"].generate(prompts[p], _seeded(sampling, i % req.n), req.stream, req.logprobs is not None)
+                 for i, p in enumerate(jobs)]
+
+        def read(output: Output) -> Output:
+            return _prompt_only(output) if req.prompt_only else output
+
         if not req.stream:
             choices = []
             for i, output in enumerate(await _collect_all(calls, request)):
-                builder.count(output, jobs[i][0])
-                choices.append(builder.completion_choice(i, (jobs[i][1] if req.echo else "") + output.text, output))
+                output = read(output)
+                builder.count(output, jobs[i])
+                choices.append(builder.completion_choice(i, (texts[jobs[i]] if req.echo else "") + output.text, output))
             return builder.completion(choices)
 
         async def chunks(outputs):
             started = set()
             async for i, output in outputs:
-                builder.count(output, jobs[i][0])
-                echo = jobs[i][1] if req.echo and i not in started else ""
+                output = read(output)
+                builder.count(output, jobs[i])
+                echo = texts[jobs[i]] if req.echo and i not in started else ""
                 started.add(i)
                 yield _with_usage(builder.completion_chunk(i, echo + output.text, output), builder, req)
 
@@ -176,6 +188,19 @@ def build_app(settings: Settings) -> FastAPI:
         return await _stream(calls, chunks, builder, req)
 
     return app
+
+
+def _prompt_text(prompt: str | list[int], tokenizer) -> str:
+    """What echo returns: the text, or a token-id prompt's detokenized text."""
+    if isinstance(prompt, str):
+        return prompt
+    return need_tokenizer(tokenizer, "echo of a token-id prompt needs it").decode(prompt, skip_special_tokens=False)
+
+
+def _prompt_only(output: Output) -> Output:
+    """max_tokens=0 with echo: the one token generated (vLLM's way) is dropped, text, logprob and count."""
+    return replace(output, text="", num_output_tokens=0, logprobs=None if output.logprobs is None else [],
+                   finish_reason=None if output.finish_reason is None else "length")
 
 
 def _model_card(name: str) -> dict:

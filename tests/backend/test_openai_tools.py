@@ -209,7 +209,7 @@ def test_neutral_and_unknown_fields_are_accepted_and_unsupported_values_named(ca
     assert caplog.text.count("ignoring unknown request fields: bogus, prediction") == 1
     assert parse(ChatCompletionRequest, {**BASE, "logit_bias": {"42": -100}}).sampling() == {"logit_bias": {"42": -100}}
     for body, param in [({"best_of": 3, "n": 2}, "best_of"), ({"suffix": "x"}, "suffix"), ({"n": 0}, "n"),
-                        ({"prompt": [1, 2]}, "prompt"), ({"prompt": [[1], [2]]}, "prompt"), ({"prompt": []}, "prompt")]:
+                        ({"max_tokens": 0}, "max_tokens"), ({"prompt": [[1], []]}, "prompt"), ({"prompt": []}, "prompt")]:
         with pytest.raises(OpenAIError) as info:
             request = parse(CompletionRequest, {"model": "m", "prompt": "x", **body})
             request.sampling()
@@ -226,3 +226,14 @@ def test_reasoning_effort_switches_thinking_and_the_effort_prompt(effort, thinki
     assert prompt.endswith("<think>" if thinking else "</think>")
     body = prompt.removeprefix("<｜begin▁of▁sentence｜>")
     assert body.startswith(prefix) if prefix else body.startswith("<｜User｜>")
+
+
+def test_completion_prompts_are_texts_or_token_ids_and_max_tokens_0_needs_echo():
+    def prompts(prompt):
+        return parse(CompletionRequest, {"model": "m", "prompt": prompt}).prompts()
+
+    assert prompts("a") == ["a"] and prompts(["a", "b"]) == ["a", "b"]
+    assert prompts([1, 2]) == [[1, 2]] and prompts([[1], [2, 3]]) == [[1], [2, 3]]
+    echo = parse(CompletionRequest, {"model": "m", "prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 2})
+    assert echo.prompt_only and echo.sampling() == {"max_tokens": 1, "logprobs": 2, "prompt_logprobs": 2}
+    assert not parse(CompletionRequest, {"model": "m", "prompt": "x", "echo": True, "max_tokens": 1}).prompt_only
