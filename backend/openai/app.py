@@ -24,6 +24,7 @@ from backend.openai.chat_template import ChatTemplate, opens_thinking
 from backend.openai.errors import OpenAIError, bad_request
 from backend.openai.requests import ChatCompletionRequest, CompletionRequest, parse
 from backend.openai.responses import Builder
+from backend.openai.responses_api import ResponseBuilder, ResponsesRequest
 from backend.openai.triton import Call, Output, TritonModel
 from backend.openai.utility_routes import add_utility_routes, load_tokenizer, need_tokenizer
 
@@ -137,10 +138,8 @@ def build_app(settings: Settings) -> FastAPI:
 
         return await _stream(calls, chunks, builder, req)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = parse(ChatCompletionRequest, await _read_json(request, settings))
-        _check_model(req.model, name)
+    def chat_prompt(req: ChatCompletionRequest):
+        """A chat request's prompt, sampling parameters, and a maker of the per-choice output reader."""
         sampling = req.sampling()
         kwargs = {k: v for k, v in req.template_kwargs().items() if k not in _TEMPLATE_RESERVED}
         prompt = template.render(req.template_messages(), add_generation_prompt=True, **kwargs)
@@ -150,6 +149,13 @@ def build_app(settings: Settings) -> FastAPI:
         def reader() -> ChatOutput:
             return ChatOutput(thinking, tools, forced, req.parallel_tool_calls)
 
+        return prompt, sampling, thinking, reader
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse(ChatCompletionRequest, await _read_json(request, settings))
+        _check_model(req.model, name)
+        prompt, sampling, thinking, reader = chat_prompt(req)
         builder = Builder("chat", name, (req.top_logprobs or 0) if req.logprobs else None)
         calls = [state["model"].generate(prompt, _seeded(sampling, i), req.stream, req.logprobs)
                  for i in range(req.n)]
@@ -186,6 +192,37 @@ def build_app(settings: Settings) -> FastAPI:
                 yield _with_usage(builder.chat_chunk(i, delta, output, finish_reason), builder, req)
 
         return await _stream(calls, chunks, builder, req)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        responses_req = parse(ResponsesRequest, await _read_json(request, settings))
+        _check_model(responses_req.model, name)
+        req = parse(ChatCompletionRequest, responses_req.chat_body())
+        prompt, sampling, _thinking, reader = chat_prompt(req)
+        builder = ResponseBuilder(name, responses_req)
+        call = state["model"].generate(prompt, sampling, req.stream, False)
+        choice = reader()
+        if not req.stream:
+            output = (await _collect_all([call], request))[0]
+            builder.count(output)
+            builder.add_message([choice.feed(output.text), choice.finish()])
+            return builder.final(output.finish_reason)
+
+        async def events(outputs):
+            for event in builder.start():
+                yield event
+            try:
+                async for _, output in outputs:
+                    builder.count(output)
+                    for event in builder.feed(choice.feed(output.text)):
+                        yield event
+                    if output.finish_reason is not None:
+                        for event in builder.feed(choice.finish()) + builder.finish(output.finish_reason):
+                            yield event
+            except OpenAIError as error:  # after the first event: an error event ends the stream
+                yield builder.event("error", code=error.code, message=error.message, param=error.param)
+
+        return await _stream([call], events, sse=_sse_event, done=None)
 
     return app
 
@@ -268,10 +305,13 @@ def _seeded(sampling: dict, choice: int) -> dict:
     return sampling
 
 
-async def _stream(calls: list[Call], chunks, builder: Builder, req) -> StreamingResponse:
+async def _stream(calls: list[Call], chunks, builder: Builder | None = None, req=None, sse=None,
+                  done: str | None = "data: [DONE]\n\n") -> StreamingResponse:
     """SSE of `chunks(outputs)`, `outputs` yielding (choice index, Output) as the calls answer. The
     first Triton response of each is awaited here, so an error that comes before any text (a bad
-    parameter, an overloaded engine) is answered with its HTTP status."""
+    parameter, an overloaded engine) is answered with its HTTP status. `sse` frames a chunk
+    (default: `data:` only), `done` ends the stream (the Responses API sends no [DONE])."""
+    sse = sse or _sse
     streams = [aiter(call) for call in calls]
     try:
         firsts = await asyncio.gather(*(anext(stream) for stream in streams))
@@ -310,15 +350,16 @@ async def _stream(calls: list[Call], chunks, builder: Builder, req) -> Streaming
     async def events():
         try:
             async for chunk in chunks(merged()):
-                yield _sse(chunk)
-            if req.include_usage:
-                yield _sse(builder.usage_chunk())
+                yield sse(chunk)
+            if req is not None and req.include_usage:
+                yield sse(builder.usage_chunk())
         except OpenAIError as error:
-            yield _sse(error.body())
+            yield sse(error.body())
         finally:
             for call in calls:  # synchronous: also runs when the client disconnects and this task is cancelled
                 call.cancel()
-        yield "data: [DONE]\n\n"
+        if done:
+            yield done
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -332,3 +373,8 @@ def _with_usage(chunk: dict, builder: Builder, req) -> dict:
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _sse_event(payload: dict) -> str:
+    """The Responses API's framing: the event's type on its own line, then its data."""
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
