@@ -2,7 +2,7 @@
 random-weight model and DeepSeek-V4's shipped template: forced tool calls whose arguments validate
 against the tool's schema at temperature 1 (the grammar, not the weights, makes them), a two-turn
 agent loop with a tool result, chat.completions.parse(PydanticModel), n choices, batches of
-prompts, lenient fields."""
+prompts, lenient fields; the Responses API; LangChain and LiteLLM unchanged."""
 
 from __future__ import annotations
 
@@ -244,3 +244,51 @@ def test_responses_json_schema_and_reasoning(sdk):
     assert chat.choices[0].message.reasoning_content and len(reasoning) == 1
     assert "".join(c.text for i in reasoning for c in i.content) == chat.choices[0].message.reasoning_content
     assert thinking.output_text == (chat.choices[0].message.content or "")
+
+
+def test_langchain_bind_tools_and_with_structured_output(agent_server):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    def chat(seed: int, **kwargs) -> ChatOpenAI:
+        return ChatOpenAI(model=MODEL, base_url=agent_server.base_url, api_key="unused", temperature=1, seed=seed,
+                          max_tokens=64, max_retries=0, timeout=300, **kwargs)
+
+    for seed in SEEDS:
+        bound = chat(seed).bind_tools(TOOLS, tool_choice="get_weather")
+        message = bound.invoke("Weather in Paris?")
+        assert [c["name"] for c in message.tool_calls] == ["get_weather"], message
+        jsonschema.validate(message.tool_calls[0]["args"], WEATHER)
+        for method in ("json_schema", "function_calling"):
+            answer = chat(seed).with_structured_output(Answer, method=method).invoke("Status?")
+            assert isinstance(answer, Answer), (method, answer)
+    streamed = None
+    for chunk in chat(3).bind_tools(TOOLS, tool_choice="get_weather").stream("Weather in Paris?"):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [c["name"] for c in streamed.tool_calls] == ["get_weather"]
+    jsonschema.validate(streamed.tool_calls[0]["args"], WEATHER)
+    history = [HumanMessage("Weather in Paris?"), message,
+               ToolMessage("sunny, 21 C", tool_call_id=message.tool_calls[0]["id"])]
+    second = chat(0).bind_tools(TOOLS).invoke(history)
+    assert second.content and not second.tool_calls
+
+
+def test_litellm_tools(agent_server, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of the price list at import
+    import litellm
+
+    kwargs = {"model": f"openai/{MODEL}", "api_base": agent_server.base_url, "api_key": "unused", "max_tokens": 64,
+              "temperature": 1, "num_retries": 0, "timeout": 300}
+    for seed in SEEDS:
+        out = litellm.completion(messages=ASK, tools=TOOLS, tool_choice=NAMED, seed=seed, **kwargs)
+        assert out.choices[0].finish_reason == "tool_calls"
+        _validate(out.choices[0].message.tool_calls[0])
+    chunks = list(litellm.completion(messages=ASK, tools=TOOLS, tool_choice=NAMED, seed=1, stream=True, **kwargs))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].function.name == "get_weather"
+    jsonschema.validate(json.loads("".join(d.function.arguments or "" for d in deltas)), WEATHER)
+    call = out.choices[0].message.tool_calls[0]
+    history = ASK + [out.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    second = litellm.completion(messages=history, tools=TOOLS, **{**kwargs, "temperature": 0, "max_tokens": 8})
+    assert second.choices[0].message.content and second.choices[0].finish_reason == "length"
