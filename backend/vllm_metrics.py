@@ -3,9 +3,10 @@ from the same per-request records and polled engine stats as backend/metrics.py'
 Grafana dashboard, autoscalers and routers that read `vllm:num_requests_waiting` or
 `vllm:kv_cache_usage_perc` work unchanged.
 
-Not here yet: vLLM's queue / prefill / inference time histograms and `iteration_tokens_total`
-need the time a request was first scheduled and per-step token counts, which the engine does not
-report; `request_decode_time_seconds` (first token to last) is exact from the front."""
+The queue / prefill / inference times run from when the engine first scheduled the request
+(RequestOutput.scheduled_time, on the host's monotonic clock); the token times are when the front
+received them. Not here yet: `iteration_tokens_total` needs per-step token counts, which the
+engine's polled stats do not carry."""
 
 from __future__ import annotations
 
@@ -54,6 +55,12 @@ class VllmFamilies:
                              REQUEST_TIME_BUCKETS)
         self.decode = histogram("request_decode_time_seconds",
                                 "Histogram of time spent in DECODE phase for request.", REQUEST_TIME_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", REQUEST_TIME_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.", REQUEST_TIME_BUCKETS)
+        self.inference = histogram("request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request.", REQUEST_TIME_BUCKETS)
         self.prompt_len = histogram("request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
         self.generation_len = histogram("request_generation_tokens", "Number of generation tokens processed.",
                                         token_buckets)
@@ -83,6 +90,10 @@ class VllmFamilies:
             self.decode.observe(r.decode_s)
             if r.num_output_tokens > 1:
                 self.request_tpot.observe(r.decode_s / (r.num_output_tokens - 1))
+        for histogram, seconds in ((self.queue, r.queue_s), (self.prefill, r.prefill_s),
+                                   (self.inference, r.inference_s)):
+            if seconds is not None:
+                histogram.observe(seconds)
         self.e2e.observe(r.e2e_s)
         self.prompt_len.observe(r.num_prompt_tokens)
         self.generation_len.observe(r.num_output_tokens)

@@ -452,6 +452,7 @@ class LLMEngine:
             logprobs=st.new_logprobs if seq.sampling.logprobs is not None else None,
             logprob_ranks=st.new_ranks if seq.sampling.logprobs is not None else None,
             finished=finished, finish_reason=seq.finish_reason if finished else None,
+            scheduled_time=seq.scheduled_time,
         )
         if st.prompt_logprobs is not None and seq.prompt_logprobs_next >= seq.num_prompt_tokens:
             out.prompt_logprobs, out.prompt_logprob_ranks = st.prompt_logprobs, st.prompt_ranks

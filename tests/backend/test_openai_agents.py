@@ -173,6 +173,12 @@ def test_tokenize_detokenize_version_and_metrics_on_the_api_port(agent_server):
     assert metric(scraped, "vllm:num_requests_running", model_name=MODEL) is not None  # polled: may lag
     assert metric(scraped, "vllm:inter_token_latency_seconds_count", model_name=MODEL) > 0
     assert metric(scraped, "vllm:request_success_total", model_name=MODEL) > 0
+    # the engine says when it first scheduled each request: vLLM's phase histograms
+    count = {phase: metric(scraped, f"vllm:request_{phase}_time_seconds_count", model_name=MODEL)
+             for phase in ("queue", "prefill", "inference", "decode")}
+    assert count["queue"] == count["prefill"] == count["inference"] > 0, count
+    assert metric(scraped, "vllm:request_inference_time_seconds_sum", model_name=MODEL) >= \
+        metric(scraped, "vllm:request_prefill_time_seconds_sum", model_name=MODEL)
 
 
 RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat form
