@@ -5,8 +5,9 @@ Grafana dashboard, autoscalers and routers that read `vllm:num_requests_waiting`
 
 The queue / prefill / inference times run from when the engine first scheduled the request
 (RequestOutput.scheduled_time, on the host's monotonic clock); the token times are when the front
-received them. Not here yet: `iteration_tokens_total` needs per-step token counts, which the
-engine's polled stats do not carry."""
+received them. `iteration_tokens_total` (tokens scheduled per step) is rebuilt from the engine's
+polled per-power-of-two step counts and token sums: vLLM's buckets are powers of two, so each
+bucket's count and the histogram's sum come out exact."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0]
 REQUEST_TIME_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                         120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 # engine.stats() key (cumulative) -> vLLM's counter
 STAT_COUNTERS = {
     "prefix_cache_queries": "prefix_cache_queries_total",
@@ -78,6 +80,9 @@ class VllmFamilies:
                                "KV-cache usage. 1 means 100 percent usage (the fullest pool's).", kinds.GAUGE)
         self.counters = {key: metric(name, f"{name} (vLLM's).", kinds.COUNTER) for key, name in STAT_COUNTERS.items()}
         self.last = dict.fromkeys(self.counters, 0.0)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                          ITERATION_TOKEN_BUCKETS)
+        self.last_steps: list[list[int]] = []  # the engine's iteration_tokens at the last poll
 
     def observe(self, r) -> None:
         """One finished request (backend/metrics.py's RequestRecord)."""
@@ -117,3 +122,19 @@ class VllmFamilies:
             if delta > 0:
                 counter.increment(delta)
             self.last[key] = value
+        self._observe_steps(stats.get("iteration_tokens"))
+
+    def _observe_steps(self, steps) -> None:
+        """The engine's [steps, tokens] per power-of-two bucket (2^(k-1) < tokens <= 2^k at index k),
+        cumulative: each new step observed at its bucket's mean, which lies in the same vLLM bucket."""
+        if not isinstance(steps, list):
+            return
+        last = self.last_steps
+        if len(last) != len(steps) or any(s[0] < old[0] for s, old in zip(steps, last)):
+            last = [[0, 0]] * len(steps)  # a restarted engine counts anew
+        for (count, tokens), (old_count, old_tokens) in zip(steps, last):
+            if count > old_count:
+                mean = (tokens - old_tokens) / (count - old_count)
+                for _ in range(count - old_count):
+                    self.iteration_tokens.observe(mean)
+        self.last_steps = [list(s) for s in steps]

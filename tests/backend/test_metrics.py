@@ -112,8 +112,9 @@ VLLM_DASHBOARD = {"vllm:e2e_request_latency_seconds", "vllm:prompt_tokens_total"
 
 
 def test_vllms_families_per_token_itl_and_the_dashboards_names(metrics_module):
+    steps = [[2, 2], [0, 0], [1, 3], [0, 0], [0, 0], [3, 90]] + [[0, 0]] * 15  # 2 x 1, 1 x 3, 3 x 17..32 tokens
     stats = iter([{"running": 3, "waiting": 2, "kv_usage": {"swa": 0.5, "compressed": 0.75},
-                   "prefix_cache_hit_tokens": 8, "prefix_cache_queries": 20}] * 100)
+                   "prefix_cache_hit_tokens": 8, "prefix_cache_queries": 20, "iteration_tokens": steps}] * 100)
     m = metrics_module.Metrics({"model": "m", "version": "1"}, lambda: next(stats), 1024, poll_interval_s=0.05,
                                model_name="served")
     m.start()
@@ -129,6 +130,8 @@ def test_vllms_families_per_token_itl_and_the_dashboards_names(metrics_module):
     assert fam["vllm:request_prefill_time_seconds"].metrics[0].observed == [0.25]
     assert fam["vllm:request_inference_time_seconds"].metrics[0].observed == [0.5]
     assert fam["vllm:request_queue_time_seconds"].metrics[0].buckets[-1] == 7680.0
+    iteration = fam["vllm:iteration_tokens_total"].metrics[0]  # polled many times, each step observed once
+    assert sorted(iteration.observed) == [1, 1, 3, 30, 30, 30] and iteration.buckets[:3] == [1, 8, 16]
     assert VLLM_DASHBOARD <= set(fam)
     assert all(metric.labels["model_name"] == "served" for name, f in fam.items() if name.startswith("vllm:")
                for metric in f.metrics)

@@ -179,6 +179,11 @@ def test_tokenize_detokenize_version_and_metrics_on_the_api_port(agent_server):
     assert count["queue"] == count["prefill"] == count["inference"] > 0, count
     assert metric(scraped, "vllm:request_inference_time_seconds_sum", model_name=MODEL) >= \
         metric(scraped, "vllm:request_prefill_time_seconds_sum", model_name=MODEL)
+    # tokens per engine step, polled from the engine's stats (each step counted once, none beyond the tokens)
+    steps = metric(scraped, "vllm:iteration_tokens_total_count", model_name=MODEL)
+    assert steps > 0 and metric(scraped, "vllm:iteration_tokens_total_sum", model_name=MODEL) <= \
+        metric(scraped, "vllm:prompt_tokens_total", model_name=MODEL) + \
+        metric(scraped, "vllm:generation_tokens_total", model_name=MODEL)
 
 
 RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat form
