@@ -80,6 +80,23 @@ class RequestRecord:
     decode_s: float | None  # first token -> last token
     itl_s: list[float] = field(default_factory=list)  # the gaps between the deltas that brought tokens
     max_tokens: int | None = None  # what the request asked for at most
+    # vLLM's request phases, from when the engine first scheduled the request (None: not known)
+    queue_s: float | None = None  # arrival -> first scheduled
+    prefill_s: float | None = None  # first scheduled -> first token
+    inference_s: float | None = None  # first scheduled -> last token
+
+
+def scheduling_times(arrival: float, scheduled: float | None, first_token: float | None,
+                     last_token: float | None) -> dict[str, float]:
+    """RequestRecord's queue / prefill / inference times (time.monotonic() readings, one host's
+    clock); empty when the engine did not say when it scheduled the request."""
+    if scheduled is None:
+        return {}
+    times = {"queue_s": max(scheduled - arrival, 0.0)}
+    if first_token is not None:
+        times["prefill_s"] = max(first_token - scheduled, 0.0)
+        times["inference_s"] = max(last_token - scheduled, 0.0)
+    return times
 
 
 def gauges_from_stats(stats: dict) -> tuple[dict[str, float], dict[str, float]]:

@@ -36,7 +36,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend import protocol, stub_numpy
 from backend.engine_setup import build_engine, load_engine_args, pop_backend_options
-from backend.metrics import Metrics, RequestRecord
+from backend.metrics import Metrics, RequestRecord, scheduling_times
 from engine.request import EngineDead, EngineOverloaded, InvalidRequest, RequestFailed, merge_outputs
 
 # The stub's embedded interpreter starts in the C locale (ASCII text files); take the environment's
@@ -189,13 +189,14 @@ class TritonPythonModel:
                                      id=parsed.id, decode_token=self.decode_token)
         stream.state = state
         last = None
-        first_token_at = last_token_at = None
+        first_token_at = last_token_at = scheduled_at = None
         itl = []  # the gaps between deltas that brought tokens (vllm:inter_token_latency_seconds)
         aborted = False
         try:
             async for delta in self.engine.add(request):
                 last = delta
                 stream.started = True
+                scheduled_at = scheduled_at or delta.scheduled_time  # the engine's, on the same host clock
                 if delta.token_ids:
                     now = time.monotonic()
                     if first_token_at is None:
@@ -245,7 +246,8 @@ class TritonPythonModel:
                     ttft_s=None if first_token_at is None else first_token_at - arrival,
                     e2e_s=now - arrival,
                     decode_s=None if first_token_at is None else last_token_at - first_token_at,
-                    itl_s=itl, max_tokens=request.sampling.max_tokens))
+                    itl_s=itl, max_tokens=request.sampling.max_tokens,
+                    **scheduling_times(arrival, scheduled_at, first_token_at, last_token_at)))
 
     def _queue_delta(self, stream: _ResponseStream, delta) -> None:
         """Streamed deltas are rendered and sent by the response thread. A render and a send cost

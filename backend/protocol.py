@@ -27,7 +27,7 @@ RETURN_FLAGS = (
 BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
 OUTPUT_TOKEN_IDS = "output_token_ids"  # in ParsedRequest.returns when detokenize is false (no flag turns it on)
 PROMPT_LOGPROBS = "prompt_logprobs"  # in ParsedRequest.returns when the prompt_logprobs sampling key is set
-INPUTS = ("text_input", "sampling_parameters", *BOOL_INPUTS)
+INPUTS = ("text_input", "input_ids", "sampling_parameters", *BOOL_INPUTS)
 
 # Request parameters that Triton's frontends or clients set for themselves, not for the model.
 _RESERVED_PARAMETERS = {"binary_data_output", "priority", "timeout", "headers", "sequence_id",
@@ -109,7 +109,7 @@ def parse_request(
     Flags and sampling keys may come either way; an input tensor wins over a request parameter,
     and `sampling_parameters` keys win over request-parameter keys."""
     params = _parse_parameters(parameters)
-    prompt = _text_input(inputs.get("text_input"), max_prompt_bytes)
+    prompt, prompt_ids = _prompt(inputs, max_prompt_bytes)
     # the generate extension's optional top-level "id" reaches the model as a request parameter
     echo_id = params.pop("id", None)
     if echo_id is not None and not isinstance(echo_id, str | int):
@@ -138,8 +138,11 @@ def parse_request(
             raise InvalidRequest(
                 "exclude_input_in_output=false is not allowed with stream=true: "
                 "a stream sends only new text")
+        if prompt is None and not exclude:
+            raise InvalidRequest("exclude_input_in_output=false needs text_input: an input_ids prompt has no "
+                                 "text to echo")
     else:
-        exclude = stream  # vLLM backend's defaults: the prompt is echoed only when not streaming
+        exclude = stream or prompt is None  # vLLM backend's defaults: the prompt is echoed only when not streaming
     returns = frozenset(name for name in RETURN_FLAGS if flags.get(name))
 
     sp = parse_sampling(sampling)
@@ -149,7 +152,8 @@ def parse_request(
         returns |= {OUTPUT_TOKEN_IDS}  # no text: the ids are the output
     if sp.prompt_logprobs is not None:
         returns |= {PROMPT_LOGPROBS}
-    return ParsedRequest(GenerationRequest(request_id=request_id, prompt=prompt, sampling=sp),
+    return ParsedRequest(GenerationRequest(request_id=request_id, prompt=prompt, prompt_token_ids=prompt_ids,
+                                           sampling=sp),
                          stream=stream, exclude_input_in_output=exclude, returns=returns,
                          id=None if echo_id is None else str(echo_id))
 
@@ -226,9 +230,25 @@ def _text(name: str, value) -> str:
     raise InvalidRequest(f"{name} must be a string (TYPE_STRING / BYTES), got {type(value).__name__}")
 
 
+def _prompt(inputs: Mapping[str, object], max_bytes: int | None) -> tuple[str | None, list[int] | None]:
+    """The prompt: text (`text_input`, as Triton's vLLM backend) or token ids (`input_ids`, as
+    TensorRT-LLM's backend names them), which reach the engine as they are (no BOS is added)."""
+    text, ids = inputs.get("text_input"), inputs.get("input_ids")
+    if ids is None:
+        return _text_input(text, max_bytes), None
+    if text is not None:
+        raise InvalidRequest("give the prompt once: text_input or input_ids, not both")
+    array = np.asarray(ids)
+    if array.ndim != 1 or array.size == 0:
+        raise InvalidRequest(f"input_ids must be a non-empty 1-D list of token ids, got shape {list(array.shape)}")
+    if array.dtype.kind not in "iu":
+        raise InvalidRequest(f"input_ids must be integers (TYPE_INT32), got {array.dtype}")
+    return None, [int(t) for t in array]
+
+
 def _text_input(tensor, max_bytes: int | None = None) -> str:
     if tensor is None:
-        raise InvalidRequest("missing required input 'text_input'")
+        raise InvalidRequest("missing required input 'text_input' (or 'input_ids': the prompt as token ids)")
     value = _single("text_input", tensor)
     size = len(value.encode("utf-8")) if isinstance(value, str) else len(value) if isinstance(value, bytes) else 0
     if max_bytes is not None and size > max_bytes:
@@ -377,7 +397,7 @@ def _json_list(name: str, value):
 class OutputState:
     """Per-request rendering state: non-streaming requests accumulate every delta here."""
 
-    prompt: str
+    prompt: str | None  # None: the prompt came as input_ids (never echoed)
     exclude_input_in_output: bool
     returns: frozenset[str]
     text: list[str] = field(default_factory=list)

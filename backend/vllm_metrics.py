@@ -3,9 +3,11 @@ from the same per-request records and polled engine stats as backend/metrics.py'
 Grafana dashboard, autoscalers and routers that read `vllm:num_requests_waiting` or
 `vllm:kv_cache_usage_perc` work unchanged.
 
-Not here yet: vLLM's queue / prefill / inference time histograms and `iteration_tokens_total`
-need the time a request was first scheduled and per-step token counts, which the engine does not
-report; `request_decode_time_seconds` (first token to last) is exact from the front."""
+The queue / prefill / inference times run from when the engine first scheduled the request
+(RequestOutput.scheduled_time, on the host's monotonic clock); the token times are when the front
+received them. `iteration_tokens_total` (tokens scheduled per step) is rebuilt from the engine's
+polled per-power-of-two step counts and token sums: vLLM's buckets are powers of two, so each
+bucket's count and the histogram's sum come out exact."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0]
 REQUEST_TIME_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                         120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 # engine.stats() key (cumulative) -> vLLM's counter
 STAT_COUNTERS = {
     "prefix_cache_queries": "prefix_cache_queries_total",
@@ -54,6 +57,12 @@ class VllmFamilies:
                              REQUEST_TIME_BUCKETS)
         self.decode = histogram("request_decode_time_seconds",
                                 "Histogram of time spent in DECODE phase for request.", REQUEST_TIME_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", REQUEST_TIME_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.", REQUEST_TIME_BUCKETS)
+        self.inference = histogram("request_inference_time_seconds",
+                                   "Histogram of time spent in RUNNING phase for request.", REQUEST_TIME_BUCKETS)
         self.prompt_len = histogram("request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
         self.generation_len = histogram("request_generation_tokens", "Number of generation tokens processed.",
                                         token_buckets)
@@ -71,6 +80,9 @@ class VllmFamilies:
                                "KV-cache usage. 1 means 100 percent usage (the fullest pool's).", kinds.GAUGE)
         self.counters = {key: metric(name, f"{name} (vLLM's).", kinds.COUNTER) for key, name in STAT_COUNTERS.items()}
         self.last = dict.fromkeys(self.counters, 0.0)
+        self.iteration_tokens = histogram("iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                          ITERATION_TOKEN_BUCKETS)
+        self.last_steps: list[list[int]] = []  # the engine's iteration_tokens at the last poll
 
     def observe(self, r) -> None:
         """One finished request (backend/metrics.py's RequestRecord)."""
@@ -83,6 +95,10 @@ class VllmFamilies:
             self.decode.observe(r.decode_s)
             if r.num_output_tokens > 1:
                 self.request_tpot.observe(r.decode_s / (r.num_output_tokens - 1))
+        for histogram, seconds in ((self.queue, r.queue_s), (self.prefill, r.prefill_s),
+                                   (self.inference, r.inference_s)):
+            if seconds is not None:
+                histogram.observe(seconds)
         self.e2e.observe(r.e2e_s)
         self.prompt_len.observe(r.num_prompt_tokens)
         self.generation_len.observe(r.num_output_tokens)
@@ -106,3 +122,19 @@ class VllmFamilies:
             if delta > 0:
                 counter.increment(delta)
             self.last[key] = value
+        self._observe_steps(stats.get("iteration_tokens"))
+
+    def _observe_steps(self, steps) -> None:
+        """The engine's [steps, tokens] per power-of-two bucket (2^(k-1) < tokens <= 2^k at index k),
+        cumulative: each new step observed at its bucket's mean, which lies in the same vLLM bucket."""
+        if not isinstance(steps, list):
+            return
+        last = self.last_steps
+        if len(last) != len(steps) or any(s[0] < old[0] for s, old in zip(steps, last)):
+            last = [[0, 0]] * len(steps)  # a restarted engine counts anew
+        for (count, tokens), (old_count, old_tokens) in zip(steps, last):
+            if count > old_count:
+                mean = (tokens - old_tokens) / (count - old_count)
+                for _ in range(count - old_count):
+                    self.iteration_tokens.observe(mean)
+        self.last_steps = [list(s) for s in steps]

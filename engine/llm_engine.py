@@ -36,6 +36,7 @@ from engine.tokenizer import Tokenizer
 from engine.tp_workers import TensorParallelWorkers
 
 CPU_KV_BYTES = 256 << 20  # default KV budget on CPU
+ITERATION_TOKEN_BUCKETS = 21  # powers of two up to 2^20 tokens a step; larger steps count in the last
 
 
 @dataclass
@@ -117,6 +118,9 @@ class LLMEngine:
         self.flush_before_eager = bool(self.runner.graphs)
         self.generator = torch.Generator(device=self.device).manual_seed(args.seed)  # the sampler draws on the device
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+        # tokens per step: [steps, tokens] of the steps with 2^(k-1) < tokens <= 2^k, at index k (vLLM's
+        # iteration_tokens_total buckets are powers of two, so the front rebuilds that histogram exactly)
+        self.iteration_tokens = [[0, 0] for _ in range(ITERATION_TOKEN_BUCKETS)]
         self.grammars: GrammarCompiler | None = None  # structured outputs: made on first use
         self._grammars_lock = threading.Lock()
         if self.device.type == "cuda":
@@ -135,6 +139,7 @@ class LLMEngine:
             self.step()
         self._warm_indexer_widths()
         self.counters = dict.fromkeys(self.counters, 0)
+        self.iteration_tokens = [[0, 0] for _ in range(ITERATION_TOKEN_BUCKETS)]
         if self.spec is not None:
             self.spec.reset_counters()
         if self.scheduler.prefix_cache is not None:
@@ -294,6 +299,10 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return self.flush()
+        tokens = sum(n for _, n in scheduled)
+        bucket = self.iteration_tokens[min((tokens - 1).bit_length(), ITERATION_TOKEN_BUCKETS - 1)]
+        bucket[0] += 1
+        bucket[1] += tokens
         if self.spec is not None and self.spec.wants(scheduled):
             return self.spec.step(scheduled)  # speculative steps run eagerly and synchronously
         outputs = []
@@ -452,6 +461,7 @@ class LLMEngine:
             logprobs=st.new_logprobs if seq.sampling.logprobs is not None else None,
             logprob_ranks=st.new_ranks if seq.sampling.logprobs is not None else None,
             finished=finished, finish_reason=seq.finish_reason if finished else None,
+            scheduled_time=seq.scheduled_time,
         )
         if st.prompt_logprobs is not None and seq.prompt_logprobs_next >= seq.num_prompt_tokens:
             out.prompt_logprobs, out.prompt_logprob_ranks = st.prompt_logprobs, st.prompt_ranks
@@ -475,6 +485,7 @@ class LLMEngine:
                 "compressed": {"total": c.full_pool.num_blocks, "free": c.full_pool.num_free},
             },
             "num_preemptions": self.scheduler.num_preemptions,
+            "iteration_tokens": [list(b) for b in self.iteration_tokens],
             **self.counters,
             **(self.scheduler.prefix_cache.stats() if self.scheduler.prefix_cache else {}),
             **(self.spec.stats() if self.spec else {}),

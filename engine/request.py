@@ -104,6 +104,9 @@ class RequestOutput:
     # the first (vLLM's), else {token id: logprob} with the prompt token first, then its rank
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprob_ranks: list[int | None] | None = None
+    # time.monotonic() when the request was first scheduled; one host-wide clock, so the front
+    # (another process) measures vLLM's queue / prefill / inference times against it
+    scheduled_time: float | None = None
 
 
 def merge_outputs(deltas: list[RequestOutput]) -> RequestOutput:

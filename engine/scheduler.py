@@ -12,6 +12,7 @@ the front, later re-prefilling its prompt plus what it already generated, so its
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from engine.cache import KVCache
@@ -93,6 +94,8 @@ class Scheduler:
                 self.prefix_cache.restore(seq)
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            if seq.scheduled_time is None:
+                seq.scheduled_time = time.monotonic()
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n

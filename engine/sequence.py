@@ -26,6 +26,7 @@ class Sequence:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # time.monotonic() when first scheduled (vLLM's queue / prefill times)
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache

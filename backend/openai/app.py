@@ -12,7 +12,7 @@ import contextlib
 import hmac
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -24,8 +24,9 @@ from backend.openai.chat_template import ChatTemplate, opens_thinking
 from backend.openai.errors import OpenAIError, bad_request
 from backend.openai.requests import ChatCompletionRequest, CompletionRequest, parse
 from backend.openai.responses import Builder
+from backend.openai.responses_api import ResponseBuilder, ResponsesRequest
 from backend.openai.triton import Call, Output, TritonModel
-from backend.openai.utility_routes import add_utility_routes
+from backend.openai.utility_routes import add_utility_routes, load_tokenizer, need_tokenizer
 
 DISCONNECT_POLL_S = 0.25  # non-streaming requests: how often to look for a client that went away
 _TEMPLATE_RESERVED = ("messages", "add_generation_prompt", "bos_token", "eos_token")
@@ -47,6 +48,7 @@ class Settings:
 def build_app(settings: Settings) -> FastAPI:
     name = settings.served_model_name or settings.model
     template = ChatTemplate.load(settings.tokenizer, settings.chat_template)
+    tokenizer = load_tokenizer(settings.tokenizer)
     state: dict[str, TritonModel] = {}
 
     @contextlib.asynccontextmanager
@@ -86,7 +88,7 @@ def build_app(settings: Settings) -> FastAPI:
         ready = await state["model"].ready()
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
-    add_utility_routes(app, settings.tokenizer, template, lambda request: _read_json(request, settings),
+    add_utility_routes(app, tokenizer, template, lambda request: _read_json(request, settings),
                        lambda model: _check_model(model, name), settings.triton_metrics)
 
     @app.get("/v1/models")
@@ -104,31 +106,40 @@ def build_app(settings: Settings) -> FastAPI:
         _check_model(req.model, name)
         prompts = req.prompts()
         sampling = req.sampling()
-        jobs = [(p, prompt) for p, prompt in enumerate(prompts) for _ in range(req.n)]  # choice -> its prompt
-        builder = Builder("completion", name, req.logprobs, echoes=[prompt for _, prompt in jobs] if req.echo else None)
-        calls = [state["model"].generate(prompt, _seeded(sampling, i % req.n), req.stream, req.logprobs is not None)
-                 for i, (_, prompt) in enumerate(jobs)]
+        if not req.add_special_tokens:  # no BOS: the ids as the tokenizer gives them, without special tokens
+            why = "add_special_tokens=false needs it"
+            prompts = [need_tokenizer(tokenizer, why).encode(p, add_special_tokens=False) if isinstance(p, str)
+                       else p for p in prompts]
+        texts = [_prompt_text(p, tokenizer) for p in prompts] if req.echo else None
+        jobs = [p for p in range(len(prompts)) for _ in range(req.n)]  # choice -> its prompt
+        builder = Builder("completion", name, req.logprobs, echoes=[texts[p] for p in jobs] if req.echo else None)
+        calls = [state["model"].generate(prompts[p], _seeded(sampling, i % req.n), req.stream, req.logprobs is not None)
+                 for i, p in enumerate(jobs)]
+
+        def read(output: Output) -> Output:
+            return _prompt_only(output) if req.prompt_only else output
+
         if not req.stream:
             choices = []
             for i, output in enumerate(await _collect_all(calls, request)):
-                builder.count(output, jobs[i][0])
-                choices.append(builder.completion_choice(i, (jobs[i][1] if req.echo else "") + output.text, output))
+                output = read(output)
+                builder.count(output, jobs[i])
+                choices.append(builder.completion_choice(i, (texts[jobs[i]] if req.echo else "") + output.text, output))
             return builder.completion(choices)
 
         async def chunks(outputs):
             started = set()
             async for i, output in outputs:
-                builder.count(output, jobs[i][0])
-                echo = jobs[i][1] if req.echo and i not in started else ""
+                output = read(output)
+                builder.count(output, jobs[i])
+                echo = texts[jobs[i]] if req.echo and i not in started else ""
                 started.add(i)
                 yield _with_usage(builder.completion_chunk(i, echo + output.text, output), builder, req)
 
         return await _stream(calls, chunks, builder, req)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = parse(ChatCompletionRequest, await _read_json(request, settings))
-        _check_model(req.model, name)
+    def chat_prompt(req: ChatCompletionRequest):
+        """A chat request's prompt, sampling parameters, and a maker of the per-choice output reader."""
         sampling = req.sampling()
         kwargs = {k: v for k, v in req.template_kwargs().items() if k not in _TEMPLATE_RESERVED}
         prompt = template.render(req.template_messages(), add_generation_prompt=True, **kwargs)
@@ -138,6 +149,13 @@ def build_app(settings: Settings) -> FastAPI:
         def reader() -> ChatOutput:
             return ChatOutput(thinking, tools, forced, req.parallel_tool_calls)
 
+        return prompt, sampling, thinking, reader
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse(ChatCompletionRequest, await _read_json(request, settings))
+        _check_model(req.model, name)
+        prompt, sampling, thinking, reader = chat_prompt(req)
         builder = Builder("chat", name, (req.top_logprobs or 0) if req.logprobs else None)
         calls = [state["model"].generate(prompt, _seeded(sampling, i), req.stream, req.logprobs)
                  for i in range(req.n)]
@@ -175,7 +193,51 @@ def build_app(settings: Settings) -> FastAPI:
 
         return await _stream(calls, chunks, builder, req)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        responses_req = parse(ResponsesRequest, await _read_json(request, settings))
+        _check_model(responses_req.model, name)
+        req = parse(ChatCompletionRequest, responses_req.chat_body())
+        prompt, sampling, _thinking, reader = chat_prompt(req)
+        builder = ResponseBuilder(name, responses_req)
+        call = state["model"].generate(prompt, sampling, req.stream, False)
+        choice = reader()
+        if not req.stream:
+            output = (await _collect_all([call], request))[0]
+            builder.count(output)
+            builder.add_message([choice.feed(output.text), choice.finish()])
+            return builder.final(output.finish_reason)
+
+        async def events(outputs):
+            for event in builder.start():
+                yield event
+            try:
+                async for _, output in outputs:
+                    builder.count(output)
+                    for event in builder.feed(choice.feed(output.text)):
+                        yield event
+                    if output.finish_reason is not None:
+                        for event in builder.feed(choice.finish()) + builder.finish(output.finish_reason):
+                            yield event
+            except OpenAIError as error:  # after the first event: an error event ends the stream
+                yield builder.event("error", code=error.code, message=error.message, param=error.param)
+
+        return await _stream([call], events, sse=_sse_event, done=None)
+
     return app
+
+
+def _prompt_text(prompt: str | list[int], tokenizer) -> str:
+    """What echo returns: the text, or a token-id prompt's detokenized text."""
+    if isinstance(prompt, str):
+        return prompt
+    return need_tokenizer(tokenizer, "echo of a token-id prompt needs it").decode(prompt, skip_special_tokens=False)
+
+
+def _prompt_only(output: Output) -> Output:
+    """max_tokens=0 with echo: the one token generated (vLLM's way) is dropped, text, logprob and count."""
+    return replace(output, text="", num_output_tokens=0, logprobs=None if output.logprobs is None else [],
+                   finish_reason=None if output.finish_reason is None else "length")
 
 
 def _model_card(name: str) -> dict:
@@ -243,10 +305,13 @@ def _seeded(sampling: dict, choice: int) -> dict:
     return sampling
 
 
-async def _stream(calls: list[Call], chunks, builder: Builder, req) -> StreamingResponse:
+async def _stream(calls: list[Call], chunks, builder: Builder | None = None, req=None, sse=None,
+                  done: str | None = "data: [DONE]\n\n") -> StreamingResponse:
     """SSE of `chunks(outputs)`, `outputs` yielding (choice index, Output) as the calls answer. The
     first Triton response of each is awaited here, so an error that comes before any text (a bad
-    parameter, an overloaded engine) is answered with its HTTP status."""
+    parameter, an overloaded engine) is answered with its HTTP status. `sse` frames a chunk
+    (default: `data:` only), `done` ends the stream (the Responses API sends no [DONE])."""
+    sse = sse or _sse
     streams = [aiter(call) for call in calls]
     try:
         firsts = await asyncio.gather(*(anext(stream) for stream in streams))
@@ -285,15 +350,16 @@ async def _stream(calls: list[Call], chunks, builder: Builder, req) -> Streaming
     async def events():
         try:
             async for chunk in chunks(merged()):
-                yield _sse(chunk)
-            if req.include_usage:
-                yield _sse(builder.usage_chunk())
+                yield sse(chunk)
+            if req is not None and req.include_usage:
+                yield sse(builder.usage_chunk())
         except OpenAIError as error:
-            yield _sse(error.body())
+            yield sse(error.body())
         finally:
             for call in calls:  # synchronous: also runs when the client disconnects and this task is cancelled
                 call.cancel()
-        yield "data: [DONE]\n\n"
+        if done:
+            yield done
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -307,3 +373,8 @@ def _with_usage(chunk: dict, builder: Builder, req) -> dict:
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _sse_event(payload: dict) -> str:
+    """The Responses API's framing: the event's type on its own line, then its data."""
+    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -19,7 +19,6 @@ from backend.openai.errors import bad_request
 
 log = logging.getLogger("backend.openai")
 
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16  # choices per request: each is one engine request
 # OpenAI's reasoning_effort -> DeepSeek-V4's (thinking, effort prompt); "none" turns thinking off
@@ -106,19 +105,30 @@ class _Common(_Lenient):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: the prompt only (echo), as vLLM
+    logprobs: Annotated[int, Field(ge=0)] | None = None  # at most the engine's max_logprobs (vLLM's; OpenAI: 5)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: false sends a text prompt without the BOS
 
-    def prompts(self) -> list[str]:
-        """The prompt, or a batch of them (each gets its n choices, in order)."""
-        prompts = self.prompt if isinstance(self.prompt, list) else [self.prompt]
-        if not all(isinstance(p, str) for p in prompts):
-            raise bad_request("token-id prompts are not supported: send the prompt as text", "prompt")
-        if not prompts or not all(prompts):
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt, or a batch of them (each gets its n choices, in order): texts or token-id lists."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt or not all(prompt):
             raise bad_request("prompt must not be empty", "prompt")
-        return prompts
+        return prompt
+
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens=0: the (scored) prompt comes back and nothing is generated."""
+        return self.max_tokens == 0
+
+    def output_limit(self) -> int | None:
+        # vLLM's way: one token is generated and dropped, so the engine's max_tokens >= 1 holds
+        return 1 if self.prompt_only else self.max_tokens
 
     def sampling(self) -> dict:
         if self.best_of not in (None, 1, self.n):
@@ -126,6 +136,9 @@ class CompletionRequest(_Common):
                               "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported (DeepSeek-V4 has no fill-in-the-middle format)", "suffix")
+        if self.prompt_only and not self.echo:
+            raise bad_request("max_tokens=0 is only allowed with echo=true (the prompt comes back, with its "
+                              "logprobs when logprobs is set)", "max_tokens")
         params = super().sampling()
         if self.logprobs is not None:
             params["logprobs"] = self.logprobs

@@ -48,11 +48,14 @@ class TritonModel:
     async def close(self) -> None:
         await self.client.close()
 
-    def generate(self, prompt: str, sampling: dict, stream: bool, logprobs: bool) -> Call:
-        """Deltas when `stream`, else one Output with the whole text; iterating raises OpenAIError."""
+    def generate(self, prompt: str | list[int], sampling: dict, stream: bool, logprobs: bool) -> Call:
+        """Deltas when `stream`, else one Output with the whole text; iterating raises OpenAIError.
+        A token-id prompt goes as the input_ids tensor: the engine takes the ids as they are."""
         flags = {"stream": stream, "exclude_input_in_output": True, "return_finish_reason": True,
                  "return_num_input_tokens": True, "return_num_output_tokens": True, "return_logprobs": logprobs}
-        inputs = [_tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
+        prompt_tensor = (_tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES")
+                         if isinstance(prompt, str) else _tensor("input_ids", np.array(prompt, dtype=np.int32), "INT32"))
+        inputs = [prompt_tensor,
                   _tensor("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_),
                           "BYTES")]
         inputs += [_tensor(name, np.array([value]), "BOOL") for name, value in flags.items()]

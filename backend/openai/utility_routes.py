@@ -36,19 +36,22 @@ class DetokenizeRequest(_Lenient):
     tokens: Annotated[list[int], Field(max_length=1 << 20)]
 
 
-def add_utility_routes(app: FastAPI, tokenizer_dir: str | None, template: ChatTemplate, read_json,
+def load_tokenizer(tokenizer_dir: str | None):
+    if not tokenizer_dir:
+        return None
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer(tokenizer_dir)
+
+
+def need_tokenizer(tokenizer, why: str = "no tokenizer to use"):
+    if tokenizer is None:
+        raise OpenAIError(501, f"this server was started without --tokenizer: {why}", type="not_implemented")
+    return tokenizer
+
+
+def add_utility_routes(app: FastAPI, tokenizer, template: ChatTemplate, read_json,
                        check_model, triton_metrics: str | None) -> None:
-    tokenizer = None
-    if tokenizer_dir:
-        from engine.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer(tokenizer_dir)
-
-    def need_tokenizer():
-        if tokenizer is None:
-            raise OpenAIError(501, "this server was started without --tokenizer: no tokenizer to use",
-                              type="not_implemented")
-        return tokenizer
 
     @app.get("/version")
     async def server_version():
@@ -68,9 +71,9 @@ def add_utility_routes(app: FastAPI, tokenizer_dir: str | None, template: ChatTe
             messages = [m.model_dump(exclude_none=True) for m in req.messages]
             text = template.render(messages, add_generation_prompt=req.add_generation_prompt,
                                    **(req.chat_template_kwargs or {}))
-            ids = need_tokenizer().encode(text, add_special_tokens=False)  # the template wrote the BOS
+            ids = need_tokenizer(tokenizer).encode(text, add_special_tokens=False)  # the template wrote the BOS
         else:
-            ids = need_tokenizer().encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = need_tokenizer(tokenizer).encode(req.prompt, add_special_tokens=req.add_special_tokens)
         body = {"count": len(ids), "max_model_len": None, "tokens": ids, "token_strs": None}
         if req.return_token_strs:
             body["token_strs"] = [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
@@ -81,7 +84,7 @@ def add_utility_routes(app: FastAPI, tokenizer_dir: str | None, template: ChatTe
         req = parse(DetokenizeRequest, await read_json(request))
         if req.model is not None:
             check_model(req.model)
-        return {"prompt": need_tokenizer().decode(req.tokens, skip_special_tokens=False)}
+        return {"prompt": need_tokenizer(tokenizer).decode(req.tokens, skip_special_tokens=False)}
 
     @app.get("/metrics")
     async def metrics():

@@ -102,29 +102,37 @@ def test_speculative_decoding_stats_reach_vllms_families(metrics_module):
 
 
 # The metric names vLLM's Grafana dashboard queries (vllm-project/vllm,
-# examples/online_serving/prometheus_grafana/grafana.json), and the ones it reads that the engine
-# cannot feed yet (they need the time a request was first scheduled).
+# examples/online_serving/prometheus_grafana/grafana.json).
 VLLM_DASHBOARD = {"vllm:e2e_request_latency_seconds", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                   "vllm:time_per_output_token_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting",
                   "vllm:time_to_first_token_seconds", "vllm:kv_cache_usage_perc", "vllm:request_prompt_tokens",
                   "vllm:request_generation_tokens", "vllm:request_success_total", "vllm:request_queue_time_seconds",
                   "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
                   "vllm:request_max_num_generation_tokens"}
-NOT_YET = {"vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds"}
 
 
 def test_vllms_families_per_token_itl_and_the_dashboards_names(metrics_module):
+    steps = [[2, 2], [0, 0], [1, 3], [0, 0], [0, 0], [3, 90]] + [[0, 0]] * 15  # 2 x 1, 1 x 3, 3 x 17..32 tokens
     stats = iter([{"running": 3, "waiting": 2, "kv_usage": {"swa": 0.5, "compressed": 0.75},
-                   "prefix_cache_hit_tokens": 8, "prefix_cache_queries": 20}] * 100)
+                   "prefix_cache_hit_tokens": 8, "prefix_cache_queries": 20, "iteration_tokens": steps}] * 100)
     m = metrics_module.Metrics({"model": "m", "version": "1"}, lambda: next(stats), 1024, poll_interval_s=0.05,
                                model_name="served")
     m.start()
     m.record(metrics_module.RequestRecord(num_prompt_tokens=7, num_output_tokens=4, finish_reason="stop",
-                                          ttft_s=0.2, e2e_s=0.6, decode_s=0.3, itl_s=[0.1, 0.05, 0.15], max_tokens=16))
+                                          ttft_s=0.2, e2e_s=0.6, decode_s=0.3, itl_s=[0.1, 0.05, 0.15], max_tokens=16,
+                                          **metrics_module.scheduling_times(10.0, 10.25, 10.5, 10.75)))
+    m.record(metrics_module.RequestRecord(num_prompt_tokens=7, num_output_tokens=0, finish_reason="abort",
+                                          ttft_s=None, e2e_s=0.1, decode_s=None))  # never scheduled
     time.sleep(0.3)
     m.stop()
     fam = FakeFamily.created
-    assert VLLM_DASHBOARD - NOT_YET <= set(fam)
+    assert fam["vllm:request_queue_time_seconds"].metrics[0].observed == [0.25]
+    assert fam["vllm:request_prefill_time_seconds"].metrics[0].observed == [0.25]
+    assert fam["vllm:request_inference_time_seconds"].metrics[0].observed == [0.5]
+    assert fam["vllm:request_queue_time_seconds"].metrics[0].buckets[-1] == 7680.0
+    iteration = fam["vllm:iteration_tokens_total"].metrics[0]  # polled many times, each step observed once
+    assert sorted(iteration.observed) == [1, 1, 3, 30, 30, 30] and iteration.buckets[:3] == [1, 8, 16]
+    assert VLLM_DASHBOARD <= set(fam)
     assert all(metric.labels["model_name"] == "served" for name, f in fam.items() if name.startswith("vllm:")
                for metric in f.metrics)
     assert fam["vllm:inter_token_latency_seconds"].metrics[0].observed == [0.1, 0.05, 0.15]  # one per gap
@@ -137,4 +145,4 @@ def test_vllms_families_per_token_itl_and_the_dashboards_names(metrics_module):
     assert fam["vllm:num_requests_waiting"].metrics[0].value == 2
     assert fam["vllm:prefix_cache_hits_total"].metrics[0].value == 8  # cumulative stats counted once
     assert fam["vllm:request_success_total"].metrics[0].labels["finished_reason"] == "stop"
-    assert fam["vllm:prompt_tokens_total"].metrics[0].value == 7
+    assert fam["vllm:prompt_tokens_total"].metrics[0].value == 14  # both requests

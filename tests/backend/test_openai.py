@@ -150,7 +150,7 @@ def test_prompt_logprobs_and_echo_with_logprobs(sdk, triton_server):
     ({"max_tokens": 10**6}, None, "INVALID_ARG: max_tokens must be between 1 and 512"),  # the engine's check
     ({"extra_body": {"best_of": 3}}, "best_of", "best_of is not supported"),
     ({"extra_body": {"top_k": -5}}, None, "INVALID_ARG: top_k must be"),  # vLLM's extra field, the engine's check
-    ({"stream": True, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"stream": True, "max_tokens": 0}, "max_tokens", "max_tokens=0 is only allowed with echo=true"),
 ])
 def test_bad_parameters_are_400_in_openai_format(sdk, kwargs, param, message):
     with pytest.raises(openai.BadRequestError) as info:

@@ -2,7 +2,7 @@
 random-weight model and DeepSeek-V4's shipped template: forced tool calls whose arguments validate
 against the tool's schema at temperature 1 (the grammar, not the weights, makes them), a two-turn
 agent loop with a tool result, chat.completions.parse(PydanticModel), n choices, batches of
-prompts, lenient fields."""
+prompts, lenient fields; the Responses API; LangChain and LiteLLM unchanged."""
 
 from __future__ import annotations
 
@@ -173,3 +173,133 @@ def test_tokenize_detokenize_version_and_metrics_on_the_api_port(agent_server):
     assert metric(scraped, "vllm:num_requests_running", model_name=MODEL) is not None  # polled: may lag
     assert metric(scraped, "vllm:inter_token_latency_seconds_count", model_name=MODEL) > 0
     assert metric(scraped, "vllm:request_success_total", model_name=MODEL) > 0
+    # the engine says when it first scheduled each request: vLLM's phase histograms
+    count = {phase: metric(scraped, f"vllm:request_{phase}_time_seconds_count", model_name=MODEL)
+             for phase in ("queue", "prefill", "inference", "decode")}
+    assert count["queue"] == count["prefill"] == count["inference"] > 0, count
+    assert metric(scraped, "vllm:request_inference_time_seconds_sum", model_name=MODEL) >= \
+        metric(scraped, "vllm:request_prefill_time_seconds_sum", model_name=MODEL)
+    # tokens per engine step, polled from the engine's stats (each step counted once, none beyond the tokens)
+    steps = metric(scraped, "vllm:iteration_tokens_total_count", model_name=MODEL)
+    assert steps > 0 and metric(scraped, "vllm:iteration_tokens_total_sum", model_name=MODEL) <= \
+        metric(scraped, "vllm:prompt_tokens_total", model_name=MODEL) + \
+        metric(scraped, "vllm:generation_tokens_total", model_name=MODEL)
+
+
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat form
+
+
+def test_responses_text_is_the_chat_answer_streamed_or_not(sdk):
+    chat = sdk.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."}, *ASK],
+                                       max_tokens=8, temperature=0)
+    out = sdk.responses.create(model=MODEL, input="Weather in Paris?", instructions="Be brief.", max_output_tokens=8,
+                               temperature=0)
+    assert out.object == "response" and out.id.startswith("resp_") and out.output_text == chat.choices[0].message.content
+    assert out.status == "incomplete" and out.incomplete_details.reason == "max_output_tokens"
+    assert (out.usage.input_tokens, out.usage.output_tokens) == (chat.usage.prompt_tokens, 8)
+    events = list(sdk.responses.create(model=MODEL, input=[{"role": "developer", "content": "Be brief."},
+                                                           {"role": "user", "content": [
+                                                               {"type": "input_text", "text": "Weather in Paris?"}]}],
+                                       max_output_tokens=8, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.incomplete"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert {"response.output_item.added", "response.content_part.added", "response.output_text.done",
+            "response.output_item.done"} <= set(kinds)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == out.output_text
+    assert events[-1].response.output_text == out.output_text and events[-1].response.usage.output_tokens == 8
+
+
+def test_responses_function_calls_and_the_next_turn(sdk):
+    for seed in range(3):
+        out = sdk.responses.create(model=MODEL, input="Weather in Paris?", tools=RESPONSES_TOOLS, temperature=1,
+                                   tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=64,
+                                   extra_body={"seed": seed})
+        calls = [item for item in out.output if item.type == "function_call"]
+        assert out.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id
+        jsonschema.validate(json.loads(calls[0].arguments), WEATHER)
+    events = list(sdk.responses.create(model=MODEL, input="Weather in Paris?", tools=RESPONSES_TOOLS, temperature=1,
+                                       tool_choice="required", max_output_tokens=96, parallel_tool_calls=False,
+                                       stream=True, extra_body={"seed": 1}))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and events[-1].type == "response.completed"
+    assert [i.type for i in events[-1].response.output] == ["function_call"]
+    call = events[-1].response.output[0]
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}]
+    second = sdk.responses.create(model=MODEL, input=history, tools=RESPONSES_TOOLS, max_output_tokens=8,
+                                  temperature=0)
+    assert second.output_text and second.usage.input_tokens > out.usage.input_tokens
+    for kwargs, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
+                          ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+                          ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                           "input.0.content.0")):
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk.responses.create(**{"model": MODEL, "input": "Hi", "max_output_tokens": 2, **kwargs})
+        assert info.value.body["param"] == param
+
+
+def test_responses_json_schema_and_reasoning(sdk):
+    schema = Answer.model_json_schema()
+    for seed in range(3):
+        out = sdk.responses.create(model=MODEL, input="Status?", temperature=1, max_output_tokens=32,
+                                   text={"format": {"type": "json_schema", "name": "answer", "schema": schema,
+                                                    "strict": True}}, extra_body={"seed": seed})
+        Answer.model_validate_json(out.output_text)
+    thinking = sdk.responses.create(model=MODEL, input="Hi", reasoning={"effort": "low"}, max_output_tokens=6,
+                                    temperature=0)
+    chat = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                       reasoning_effort="low", max_tokens=6, temperature=0)
+    reasoning = [i for i in thinking.output if i.type == "reasoning"]
+    assert chat.choices[0].message.reasoning_content and len(reasoning) == 1
+    assert "".join(c.text for i in reasoning for c in i.content) == chat.choices[0].message.reasoning_content
+    assert thinking.output_text == (chat.choices[0].message.content or "")
+
+
+def test_langchain_bind_tools_and_with_structured_output(agent_server):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    def chat(seed: int, **kwargs) -> ChatOpenAI:
+        return ChatOpenAI(model=MODEL, base_url=agent_server.base_url, api_key="unused", temperature=1, seed=seed,
+                          max_tokens=64, max_retries=0, timeout=300, **kwargs)
+
+    for seed in SEEDS:
+        bound = chat(seed).bind_tools(TOOLS, tool_choice="get_weather")
+        message = bound.invoke("Weather in Paris?")
+        assert [c["name"] for c in message.tool_calls] == ["get_weather"], message
+        jsonschema.validate(message.tool_calls[0]["args"], WEATHER)
+        for method in ("json_schema", "function_calling"):
+            answer = chat(seed).with_structured_output(Answer, method=method).invoke("Status?")
+            assert isinstance(answer, Answer), (method, answer)
+    streamed = None
+    for chunk in chat(3).bind_tools(TOOLS, tool_choice="get_weather").stream("Weather in Paris?"):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [c["name"] for c in streamed.tool_calls] == ["get_weather"]
+    jsonschema.validate(streamed.tool_calls[0]["args"], WEATHER)
+    history = [HumanMessage("Weather in Paris?"), message,
+               ToolMessage("sunny, 21 C", tool_call_id=message.tool_calls[0]["id"])]
+    second = chat(0).bind_tools(TOOLS).invoke(history)
+    assert second.content and not second.tool_calls
+
+
+def test_litellm_tools(agent_server, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of the price list at import
+    import litellm
+
+    kwargs = {"model": f"openai/{MODEL}", "api_base": agent_server.base_url, "api_key": "unused", "max_tokens": 64,
+              "temperature": 1, "num_retries": 0, "timeout": 300}
+    for seed in SEEDS:
+        out = litellm.completion(messages=ASK, tools=TOOLS, tool_choice=NAMED, seed=seed, **kwargs)
+        assert out.choices[0].finish_reason == "tool_calls"
+        _validate(out.choices[0].message.tool_calls[0])
+    chunks = list(litellm.completion(messages=ASK, tools=TOOLS, tool_choice=NAMED, seed=1, stream=True, **kwargs))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].function.name == "get_weather"
+    jsonschema.validate(json.loads("".join(d.function.arguments or "" for d in deltas)), WEATHER)
+    call = out.choices[0].message.tool_calls[0]
+    history = ASK + [out.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    second = litellm.completion(messages=history, tools=TOOLS, **{**kwargs, "temperature": 0, "max_tokens": 8})
+    assert second.choices[0].message.content and second.choices[0].finish_reason == "length"

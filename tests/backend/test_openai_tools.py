@@ -209,7 +209,7 @@ def test_neutral_and_unknown_fields_are_accepted_and_unsupported_values_named(ca
     assert caplog.text.count("ignoring unknown request fields: bogus, prediction") == 1
     assert parse(ChatCompletionRequest, {**BASE, "logit_bias": {"42": -100}}).sampling() == {"logit_bias": {"42": -100}}
     for body, param in [({"best_of": 3, "n": 2}, "best_of"), ({"suffix": "x"}, "suffix"), ({"n": 0}, "n"),
-                        ({"prompt": [1, 2]}, "prompt"), ({"prompt": [[1], [2]]}, "prompt"), ({"prompt": []}, "prompt")]:
+                        ({"max_tokens": 0}, "max_tokens"), ({"prompt": [[1], []]}, "prompt"), ({"prompt": []}, "prompt")]:
         with pytest.raises(OpenAIError) as info:
             request = parse(CompletionRequest, {"model": "m", "prompt": "x", **body})
             request.sampling()
@@ -226,3 +226,45 @@ def test_reasoning_effort_switches_thinking_and_the_effort_prompt(effort, thinki
     assert prompt.endswith("<think>" if thinking else "</think>")
     body = prompt.removeprefix("<｜begin▁of▁sentence｜>")
     assert body.startswith(prefix) if prefix else body.startswith("<｜User｜>")
+
+
+def test_completion_prompts_are_texts_or_token_ids_and_max_tokens_0_needs_echo():
+    def prompts(prompt):
+        return parse(CompletionRequest, {"model": "m", "prompt": prompt}).prompts()
+
+    assert prompts("a") == ["a"] and prompts(["a", "b"]) == ["a", "b"]
+    assert prompts([1, 2]) == [[1, 2]] and prompts([[1], [2, 3]]) == [[1], [2, 3]]
+    echo = parse(CompletionRequest, {"model": "m", "prompt": "x", "echo": True, "max_tokens": 0, "logprobs": 2})
+    assert echo.prompt_only and echo.sampling() == {"max_tokens": 1, "logprobs": 2, "prompt_logprobs": 2}
+    assert not parse(CompletionRequest, {"model": "m", "prompt": "x", "echo": True, "max_tokens": 1}).prompt_only
+
+
+def test_a_responses_request_is_the_chat_request_it_stands_for():
+    from backend.openai.responses_api import ResponsesRequest
+
+    req = parse(ResponsesRequest, {
+        "model": "m", "instructions": "Be brief.", "max_output_tokens": 9, "reasoning": {"effort": "high"},
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]},
+                  {"type": "reasoning", "id": "rs_1", "summary": []},
+                  {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                  {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{\"x\": 1}"},
+                  {"type": "function_call_output", "call_id": "c1", "output": "one"}],
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+        "tool_choice": {"type": "function", "name": "f"}, "seed": 3,
+        "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}}})
+    body = req.chat_body()
+    assert body["messages"] == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"}]
+    assert body["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert (body["max_tokens"], body["reasoning_effort"], body["seed"]) == (9, "high", 3)
+    assert body["response_format"] == {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
+    chat = parse(ChatCompletionRequest, body)
+    assert chat.output_limit() == 9 and chat.forced_tools()
+    with pytest.raises(OpenAIError) as info:
+        parse(ResponsesRequest, {"model": "m", "input": [{"type": "item_reference", "id": "x"}]}).chat_body()
+    assert info.value.param == "input.0.type"

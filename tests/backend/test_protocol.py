@@ -264,3 +264,28 @@ def test_prompt_logprobs_parse_and_render_once_in_vllms_shape():
         final.accumulate(delta)
     assert json.loads(render_final(final, delta)["prompt_logprobs"][0])[1]["7"]["rank"] == 30
     assert "prompt_logprobs" not in render_final(OutputState("p", True, parse().returns), delta)
+
+
+def test_input_ids_reach_the_engine_as_ids():
+    ids = np.array([0, 17, 42], dtype=np.int32)
+    p = parse_request({"input_ids": ids, "sampling_parameters": text('{"max_tokens": 2}')}, None, "r")
+    assert p.request.prompt is None and p.request.prompt_token_ids == [0, 17, 42]
+    assert p.exclude_input_in_output  # no text to echo, so none is, streaming or not
+    state, last = OutputState(None, p.exclude_input_in_output, p.returns), RequestOutput(
+        "r", text="x", token_ids=[7], finished=True, finish_reason="length")
+    state.accumulate(last)
+    rendered = render_final(state, last)
+    assert rendered["text_output"][0] == b"x"
+
+
+@pytest.mark.parametrize("inputs, message", [
+    ({"input_ids": np.array([], dtype=np.int32)}, "input_ids must be a non-empty 1-D list"),
+    ({"input_ids": np.array([[1, 2]], dtype=np.int32)}, "input_ids must be a non-empty 1-D list"),
+    ({"input_ids": np.array([1.5], dtype=np.float32)}, "input_ids must be integers"),
+    ({"input_ids": np.array([1], dtype=np.int32), "text_input": text("Hi")}, "give the prompt once"),
+    ({"input_ids": np.array([1], dtype=np.int32), "exclude_input_in_output": flag(False)},
+     "exclude_input_in_output=false needs text_input"),
+])
+def test_bad_input_ids_name_the_problem(inputs, message):
+    with pytest.raises(InvalidRequest, match=message):
+        parse_request(inputs, None, "r")

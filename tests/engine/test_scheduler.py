@@ -58,3 +58,15 @@ def test_without_threshold_one_prompt_takes_the_whole_budget(tiny_dir):
     sched.add(a)
     sched.add(b)
     assert [(s.request_id, n) for s, n in _run(sched)] == [("a", 64)]
+
+
+def test_the_first_scheduling_time_is_kept(tiny_dir):
+    sched = _scheduler(tiny_dir, budget=64)
+    a, b = _seq("a", 100), _seq("b", 10)
+    sched.add(a)
+    sched.add(b)
+    _run(sched)
+    assert a.scheduled_time is not None and b.scheduled_time is None  # b still waits: the budget went to a
+    first = a.scheduled_time
+    _run(sched, steps=2)  # a's second chunk and decode, b admitted
+    assert a.scheduled_time == first and b.scheduled_time is not None and b.scheduled_time >= first
