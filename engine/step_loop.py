@@ -63,7 +63,9 @@ class StepLoop:
             return
         try:
             future = self.engine.grammar_compiler().compile(request.sampling.structured_outputs)
-        except InvalidRequest as e:
+        except (InvalidRequest, EngineOverloaded) as e:  # a bad spec; too many compiles at once
+            if isinstance(e, EngineOverloaded):
+                self.counters["num_requests_rejected"] += 1
             self.sink.refused(request.request_id, e)
             return
         if self.on_compiled is not None:
