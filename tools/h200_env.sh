@@ -13,8 +13,11 @@ PACK=.cache/h200
 PY312_WHEEL_FLAGS=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
                    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
                    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
-# numpy < 2 for the stub; the gRPC client (grpcio and protobuf come from the image) and its JSON
-WHEELS=(numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.25)
+# numpy < 2 for the stub; the gRPC client (grpcio and protobuf come from the image) and its JSON;
+# the OpenAI front's web stack (the image has anyio, h11, click and jinja2, not these)
+WHEELS=(numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.25
+        fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0
+        typing-inspection==0.4.5 uvicorn==0.54.0)
 IMAGE_SITE=${IMAGE_SITE:-/opt/torch/.venv/lib/python3.12/site-packages}
 
 pack() {
