@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend import stub_numpy
+from backend.engine_setup import drained_marker
 from backend.process_tree import die_with_parent, free_port, kill_server_tree, protect_regions
 from backend.supervisor import RestartPolicy, supervise
 
@@ -64,6 +65,8 @@ SHM_GROWTH_BYTES = 16 << 20
 HTTP_MAX_INPUT_BYTES = 32 << 20
 RESTARTS_IN_A_ROW = 10
 EXIT_TIMEOUT_S = 30  # default drain timeout: how long in-flight requests may run on after SIGTERM
+FINALIZE_GRACE_S = 3.0  # after the model drained: how long Triton may take to call finalize and exit
+EXIT_POLL_S = 0.1
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 _BACKEND_SHIM = '''\
@@ -242,6 +245,7 @@ class TritonServer:
         self._log_thread: threading.Thread | None = None
         self._local = local
         self.leftovers: dict = {}  # what reap() had to kill and remove
+        self.ended_after_drain = False  # stop() ended a drained tritonserver that never called finalize
 
     # URLs as clients use them (tritonclient takes host:port without a scheme).
     @property
@@ -327,6 +331,7 @@ class TritonServer:
             shutil.rmtree(self.workdir / sub, ignore_errors=True)
         layout_backends(install, self.workdir / "backends")
         self.shutdown_file.unlink(missing_ok=True)
+        drained_marker(self.shutdown_file).unlink(missing_ok=True)
         prepare_repository(self.model_repository, self.workdir / "model_repository", self.model,
                            {**(self.engine_args or {}), "shutdown_file": str(self.shutdown_file)})
         log = open(self.log_path, "a" if restart else "w")  # noqa: SIM115 (closed by the log thread)
@@ -422,14 +427,36 @@ class TritonServer:
             margin = min(5.0, self.drain_timeout_s / 3)
             self.shutdown_file.write_text(f"{time.time() + self.drain_timeout_s - margin:.3f}\n")
             process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(self.drain_timeout_s + 15 if timeout_s is None else timeout_s)
-            except subprocess.TimeoutExpired:
-                pass  # reap() kills it
+            self._wait_exit(process, self.drain_timeout_s + 15 if timeout_s is None else timeout_s)
         code = self.reap()
         if self.workdir is not None and not self.keep_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
         return code
+
+    def _wait_exit(self, process: subprocess.Popen, timeout_s: float) -> None:
+        """Wait for tritonserver to exit after SIGTERM; reap() kills what is left. Once the model has
+        drained (nothing in flight, its engine stopped: backend/model.py `_mark_drained`), Triton
+        should call finalize and exit within a second or two. Triton 2.51 sometimes keeps a
+        reference to the model after gRPC streams end (seen after ~1,500 requests over
+        tritonclient.grpc.aio, one stream each: every run) and then waits out its whole exit
+        timeout without calling finalize; past FINALIZE_GRACE_S there is nothing left to wait for."""
+        deadline = time.monotonic() + timeout_s
+        drained = drained_marker(self.shutdown_file)
+        drained_at = None
+        while time.monotonic() < deadline:
+            try:
+                process.wait(EXIT_POLL_S)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+            if drained_at is None and drained.exists():
+                drained_at = time.monotonic()
+            if drained_at is not None and time.monotonic() - drained_at > FINALIZE_GRACE_S:
+                self.ended_after_drain = True
+                print(f"tritonserver has not called the model's finalize {FINALIZE_GRACE_S:.0f} s after the drain "
+                      "ended (Triton 2.51 holds the model after some gRPC streams: docs/RELIABILITY.md); "
+                      "nothing is in flight, so it is stopped now", file=sys.stderr, flush=True)
+                return
 
     def reap(self) -> int | None:
         """After tritonserver exited (or to make it): nothing of it remains, neither its python
