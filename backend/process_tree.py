@@ -4,8 +4,9 @@ leaves behind removed.
 tritonserver runs as the leader of its own process group, and its python stubs inherit that group.
 When tritonserver crashes (SIGSEGV) the stubs stay, re-parented to init, holding hundreds of MB (and
 GPU memory on a GPU host), and their shared-memory regions stay in /dev/shm. Stubs are found by
-their group and, should one have left it, by the region prefix that every stub of this server
-carries on its command line.
+their group and, should one have left it, among the processes the launcher recorded below
+tritonserver while it ran (pid and start time). Nothing is chosen by its command line: another
+user's `tail` of a region, or a monitor naming it, is none of ours.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def die_with_parent() -> None:
 
 
 def processes_with_arg(fragment: str) -> list[int]:
-    """PIDs whose command line contains `fragment` (this process excluded)."""
+    """PIDs whose command line contains `fragment` (this process excluded): for looking, never
+    for killing (see the module docstring)."""
     needle = fragment.encode()
     found = []
     for entry in os.listdir("/proc"):
@@ -61,24 +63,83 @@ def alive(pid: int) -> bool:
         return False
 
 
-def kill_server_tree(pgid: int | None, shm_prefix: str, timeout_s: float = 5.0) -> dict:
-    """SIGKILL the server's process group and any process still naming its regions, wait until
-    they are gone, then remove the regions. Returns what was killed and removed (for the log)."""
+def start_time(pid: int) -> str | None:
+    """Start time in clock ticks (/proc/<pid>/stat field 22): with the pid, names one process even
+    after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _stat_fields(pid: str) -> list[bytes] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (field 5 of /proc/<pid>/stat)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        fields = _stat_fields(entry) if entry.isdigit() else None
+        if fields and fields[2] == str(pgid).encode() and fields[0] != b"Z":
+            found.append(int(entry))
+    return found
+
+
+def descendants(root: int) -> dict[int, str]:
+    """Every live process below `root`, with its start time (for record_processes)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        fields = _stat_fields(entry) if entry.isdigit() else None
+        if fields:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = {}, [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            started = start_time(child)
+            if started is not None and child not in found:
+                found[child] = started
+                todo.append(child)
+    return found
+
+
+def _same_process(pid: int, started: str) -> bool:
+    return start_time(pid) == started and alive(pid)
+
+
+def kill_server_tree(pgid: int | None, shm_prefix: str, recorded: dict[int, str] | None = None,
+                     timeout_s: float = 5.0) -> dict:
+    """SIGKILL the server's process group and the processes recorded below it (a stub that left
+    the group), only those: a pid counts if it still has the start time it was recorded with.
+    Wait until they are gone, then remove the regions named by this server's prefix. Returns what
+    was killed and removed (for the log)."""
+    recorded = {pid: started for pid, started in (recorded or {}).items() if _same_process(pid, started)}
+    members = set(group_members(pgid)) if pgid is not None else set()
     killed: set[int] = set()
     if pgid is not None:
         try:
             os.killpg(pgid, signal.SIGKILL)
-            killed.add(pgid)
+            killed |= members | {pgid}
         except (ProcessLookupError, PermissionError):
             pass
-    for pid in processes_with_arg(shm_prefix):
+    for pid in recorded:
         try:
             os.kill(pid, signal.SIGKILL)
             killed.add(pid)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def left() -> list[int]:
+        group = group_members(pgid) if pgid is not None else []
+        return sorted(set(group) | {pid for pid, started in recorded.items() if _same_process(pid, started)})
+
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(alive(pid) for pid in processes_with_arg(shm_prefix)):
+    while time.monotonic() < deadline and left():
         time.sleep(0.05)
     removed = []
     for region in SHM_DIR.glob(f"{shm_prefix}*"):
@@ -87,8 +148,7 @@ def kill_server_tree(pgid: int | None, shm_prefix: str, timeout_s: float = 5.0) 
             removed.append(region.name)
         except OSError:
             pass
-    return {"killed": sorted(killed), "removed_regions": removed,
-            "still_running": [pid for pid in processes_with_arg(shm_prefix) if alive(pid)]}
+    return {"killed": sorted(killed), "removed_regions": removed, "still_running": left()}
 
 
 def protect_regions(shm_prefix: str) -> list[str]:

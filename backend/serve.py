@@ -42,7 +42,7 @@ from pathlib import Path
 from backend import stub_numpy, workdir
 from backend.engine_setup import drained_marker
 from backend.ports import PortInUse, check_ports
-from backend.process_tree import die_with_parent, free_port, kill_server_tree, protect_regions
+from backend.process_tree import descendants, die_with_parent, free_port, kill_server_tree, protect_regions
 from backend.startup_report import HARMLESS_NOTE, harmless, headline, last_lines
 from backend.supervisor import RestartPolicy, supervise
 
@@ -247,6 +247,7 @@ class TritonServer:
         self._log_thread: threading.Thread | None = None
         self._local = local
         self.leftovers: dict = {}  # what reap() had to kill and remove
+        self.recorded: dict[int, str] = {}  # pid -> start time of every process seen below tritonserver
         self.ended_after_drain = False  # stop() ended a drained tritonserver that never called finalize
 
     # URLs as clients use them (tritonclient takes host:port without a scheme).
@@ -436,6 +437,7 @@ class TritonServer:
                     f"tritonserver exited with code {self.process.returncode} before it was ready"))
             if self.is_ready():
                 protect_regions(self.shm_prefix)
+                self.record_processes()
                 return
             time.sleep(0.25)
         raise ServerError(self.failure_report(f"tritonserver was not ready after {self.startup_timeout_s:.0f} s"))
@@ -488,12 +490,22 @@ class TritonServer:
         """After tritonserver exited (or to make it): nothing of it remains, neither its python
         stubs (they outlive a crashed server) nor their shared-memory regions."""
         process, self.process = self.process, None
-        self.leftovers = kill_server_tree(process.pid if process is not None else None, self.shm_prefix)
+        self.record_processes()
+        self.leftovers = kill_server_tree(process.pid if process is not None else None, self.shm_prefix,
+                                          self.recorded)
+        self.recorded = {}
         if process is not None:
             process.wait()
         if self._log_thread is not None:
             self._log_thread.join(timeout=5)
         return None if process is None else process.returncode
+
+    def record_processes(self) -> None:
+        """Remember the processes below tritonserver (stubs, engine cores): reap() kills those that
+        left its process group, and no other (the supervisor calls this every poll)."""
+        process = self.process
+        if process is not None and process.poll() is None:
+            self.recorded.update(descendants(process.pid))
 
     def __enter__(self) -> TritonServer:
         return self.start()

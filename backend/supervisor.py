@@ -67,6 +67,7 @@ def supervise(server: TritonServer, stop: threading.Event, policy: RestartPolicy
             print("stopping tritonserver ...", flush=True)
             server.stop()
             return 0
+        server.record_processes()
         not_ready = 0 if server.models_ready() else not_ready + 1
         reason = why_down(server, not_ready)
         if reason is None:
