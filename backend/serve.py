@@ -626,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("\n" + server.usage(shown) + "\n", flush=True)
     try:
-        return supervise(server, stop, RestartPolicy(enabled=not args.no_restart, max_restarts=args.max_restarts))
+        return supervise(server, stop, RestartPolicy(enabled=not args.no_restart, max_restarts=args.max_restarts),
+                         front)
     finally:
         if front is not None:
             front.stop()
