@@ -37,6 +37,38 @@ def die_with_parent() -> None:
         pass
 
 
+CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
+
+
+def private_shm() -> str | None:
+    """In a child, before exec: a /dev/shm of its own (a tmpfs, 0700, as large as the host's), in
+    a mount namespace of its own (and a user namespace where this user is not root), so the python
+    backend's regions, which it creates 0644 whatever the umask, are never visible to anyone else,
+    not even while the model loads; they go when the last process of the server ends. None when
+    done, else why not (the regions are then protected once the server is ready: protect_regions)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        stat = os.statvfs(SHM_DIR)
+        uid, gid = os.getuid(), os.getgid()
+        if libc.unshare(CLONE_NEWNS | (0 if uid == 0 else CLONE_NEWUSER)) != 0:
+            return f"unshare: {os.strerror(ctypes.get_errno())}"
+        if uid != 0:  # the same ids inside: the server runs as this user, not as a namespace's root
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+            return f"mount --make-rprivate /: {os.strerror(ctypes.get_errno())}"
+        options = f"mode=0700,size={stat.f_blocks * stat.f_frsize}".encode()
+        if libc.mount(b"tmpfs", str(SHM_DIR).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) != 0:
+            return f"mount tmpfs {SHM_DIR}: {os.strerror(ctypes.get_errno())}"
+    except Exception as e:  # noqa: BLE001 - any failure leaves the server on the host's /dev/shm
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def processes_with_arg(fragment: str) -> list[int]:
     """PIDs whose command line contains `fragment` (this process excluded): for looking, never
     for killing (see the module docstring)."""

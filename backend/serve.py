@@ -42,7 +42,14 @@ from pathlib import Path
 from backend import stub_numpy, workdir
 from backend.engine_setup import drained_marker
 from backend.ports import PortInUse, check_ports
-from backend.process_tree import descendants, die_with_parent, free_port, kill_server_tree, protect_regions
+from backend.process_tree import (
+    descendants,
+    die_with_parent,
+    free_port,
+    kill_server_tree,
+    private_shm,
+    protect_regions,
+)
 from backend.startup_report import HARMLESS_NOTE, harmless, headline, last_lines
 from backend.supervisor import RestartPolicy, supervise
 
@@ -70,6 +77,7 @@ FINALIZE_GRACE_S = 3.0  # after the model drained: how long Triton may take to c
 EXIT_POLL_S = 0.1
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 OPENAI_LOG = "openai.log"
+NO_PRIVATE_SHM = "warning: no private /dev/shm for tritonserver"
 
 _BACKEND_SHIM = '''\
 # Written by backend.serve: Triton's python backend loads this file as the "deepseek" backend.
@@ -192,10 +200,15 @@ def prepare_repository(src: Path, dst: Path, model: str | None = None, engine_ar
 
 
 def _server_child_setup() -> None:
-    """In the child, before exec: private files (umask 077; the shared-memory regions need
-    protect_regions too), and SIGTERM if the launcher dies, so no server outlives it (Triton then
-    drains and stops its stubs)."""
+    """In the child, before exec: private files (umask 077), a private /dev/shm for the python
+    backend's regions (process_tree.private_shm; where the system refuses one, the line below
+    lands in the log and protect_regions closes them once the server is ready), and SIGTERM if the
+    launcher dies, so no server outlives it (Triton then drains and stops its stubs)."""
     os.umask(0o077)
+    why_not = private_shm()
+    if why_not:
+        os.write(1, f"{NO_PRIVATE_SHM}: {why_not}; its regions are readable by other users until it is "
+                    "ready (docs/RELIABILITY.md)\n".encode())
     die_with_parent()
 
 
