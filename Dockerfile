@@ -5,7 +5,7 @@
 #   docker build -t deepseek-v4-triton .                                    # native engine
 #   docker build --build-arg ENGINE=vllm -t deepseek-v4-triton:vllm .       # + vLLM (cu129 wheel)
 #   docker run --gpus all --init --shm-size 16g --ulimit memlock=-1 \
-#       -v /data/DeepSeek-V4-Flash:/models/DeepSeek-V4-Flash:ro -p 8000-8002:8000-8002 deepseek-v4-triton
+#       -v /data/DeepSeek-V4-Flash:/models/DeepSeek-V4-Flash:ro -p 8000-8002:8000-8002 -p 9000:9000 deepseek-v4-triton
 #
 # What goes wrong in vendor images, and what stops it here: a CUDA 13 library slipping into a
 # CUDA 12.9 image (the seed's torchcodec NEEDed libnvrtc.so.13 beside torch 2.9.1+cu129). Every
@@ -67,7 +67,8 @@ RUN python3 -m tools.doctor
 ENV HOME=/home/deepseek \
     MODEL_DIR=/models/DeepSeek-V4-Flash \
     ENGINE=native
-EXPOSE 8000 8001 8002
+# HTTP, gRPC, metrics; the OpenAI API (OPENAI_PORT; OPENAI_HOST=127.0.0.1 keeps it inside)
+EXPOSE 8000 8001 8002 9000
 # Start period: loading a full checkpoint onto the GPUs takes minutes.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=30m --retries=3 \
     CMD ["python3", "-c", "import os, sys, urllib.request; port = os.environ.get('HTTP_PORT', '8000'); sys.exit(urllib.request.urlopen(f'http://localhost:{port}/v2/models/deepseek_v4/ready', timeout=4).status != 200)"]

@@ -32,14 +32,21 @@ setup: $(if $(filter vllm,$(ENGINE)),$(VLLM_STAMP),$(STAMP)) ## create .venv (EN
 # Re-run only when what we install changes. torch first, alone, so the pinned
 # wheel (CPU here, CUDA on GPU hosts) is what the rest resolves against.
 $(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "error: $(PYTHON) is Python < 3.11; run with PYTHON=python3.11 (or newer)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "setup: a venv of about 3 GB in $(VENV); on a cold pip cache the downloads take a few minutes"
 	$(PIP) install -q --upgrade pip
+	@echo "setup: torch 2.13.0 (the largest download) ..."
 	$(PIP) install -q -c constraints.txt torch==2.13.0
+	@echo "setup: the project and its dependencies (transformers, tritonclient, xgrammar, ...) ..."
 	$(PIP) install -q -c constraints.txt -e '.[dev]'
 	# pytriton only carries a real tritonserver binary + python backend stubs;
 	# its own dependencies (numpy 2, ...) must not come along.
+	@echo "setup: Triton's server binary and python backend ($(PYTRITON), no dependencies) ..."
 	$(PIP) install -q --no-deps $(PYTRITON)
 	touch $(STAMP)
+	@echo "setup: done"
 
 serve: setup ## serve the tiny default model on a real Triton server (127.0.0.1:8000/8001/8002, OpenAI API on :9000)
 	$(PY) -m backend.serve $(VLLM_SERVE_ARGS) --openai-port $(OPENAI_PORT) $(ARGS)

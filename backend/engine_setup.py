@@ -22,6 +22,12 @@ BACKEND_OPTIONS = {
 TINY_MODEL_NAMES = ("", "tiny")
 
 
+def drained_marker(shutdown_file: str | os.PathLike) -> Path:
+    """Where the model says its shutdown drain is over (nothing in flight, engine stopped): beside
+    the shutdown file; backend.serve reads it."""
+    return Path(f"{shutdown_file}.drained")
+
+
 def build_engine(engine_args: dict) -> AsyncEngine:
     """Construct (not start) the engine named by `engine_args["engine"]` (default "native").
     The native engine's core runs in its own process unless `"engine_core_process": false`

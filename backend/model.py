@@ -35,7 +35,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import protocol, stub_numpy
-from backend.engine_setup import build_engine, load_engine_args, pop_backend_options
+from backend.engine_setup import build_engine, drained_marker, load_engine_args, pop_backend_options
 from backend.metrics import Metrics, RequestRecord, scheduling_times
 from engine.request import EngineDead, EngineOverloaded, InvalidRequest, RequestFailed, merge_outputs
 
@@ -64,6 +64,7 @@ def _serialize_byte_tensor(tensor, _general=pb_utils.serialize_byte_tensor):
 pb_utils.serialize_byte_tensor = _serialize_byte_tensor
 CANCEL_POLL_S = 0.1  # how often in-flight requests are checked for client cancellation
 DRAIN_TIMEOUT_S = 30.0  # finalize: how long in-flight requests may run on
+DRAINED_SEND_S = 5.0  # after the drain: how long the final responses may take to go out
 PARENT_POLL_S = 1.0
 PROMPT_BYTES_PER_TOKEN = 128  # far above any tokenizer's average: a bound, not an estimate
 
@@ -122,6 +123,7 @@ class TritonPythonModel:
             lambda token: tokenizer.decode([token], skip_special_tokens=False))
 
         self.num_active = 0  # requests admitted and not yet finished; read by finalize
+        self._engine_stopping: asyncio.Future | None = None  # the engine's shutdown, once started
         self.stopping = False
         self.unloading = False
         self.streams: set[_ResponseStream] = set()
@@ -374,6 +376,30 @@ class TritonPythonModel:
         while self.num_active and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await self._cut_off(lambda stream: True, "the server is shutting down and the drain timeout cut this request off")
+        final_sent_by = time.monotonic() + DRAINED_SEND_S
+        while self.streams and time.monotonic() < final_sent_by:
+            await asyncio.sleep(0.05)
+        await self._stop_engine()
+        self._mark_drained()
+
+    async def _stop_engine(self) -> None:
+        """The engine's shutdown, once, whoever asks first: the drain (nothing is left for it) or
+        finalize. The drain does it because finalize may never come: Triton 2.51 can keep a
+        reference to the model after gRPC streams end (docs/RELIABILITY.md), and then waits out
+        its exit timeout without calling finalize."""
+        if self._engine_stopping is None:
+            self._engine_stopping = asyncio.ensure_future(self.engine.shutdown(drain_timeout_s=DRAIN_TIMEOUT_S))
+        await asyncio.shield(self._engine_stopping)
+
+    def _mark_drained(self) -> None:
+        """Tell backend.serve that nothing is in flight and the engine is stopped: if Triton has not
+        called finalize and exited shortly after, the launcher ends it (backend/serve.py `stop`)."""
+        self.logger.log_info(f"[deepseek] drained: {len(self.streams)} streams open, engine stopped")
+        try:
+            with open(drained_marker(self.shutdown_file), "w") as f:
+                f.write(f"{time.time():.3f}\n")
+        except OSError as e:
+            self.logger.log_error(f"[deepseek] could not write the drained marker: {e}")
 
     async def _cut_off(self, which, reason: str) -> None:
         with self.streams_lock:
@@ -412,7 +438,7 @@ class TritonPythonModel:
         self.logger.log_info(f"[deepseek] finalize: draining {self.num_active} in-flight requests")
         self.stopping = True
         try:
-            self._on_loop(self.engine.shutdown(drain_timeout_s=DRAIN_TIMEOUT_S), timeout=DRAIN_TIMEOUT_S + 30)
+            self._on_loop(self._stop_engine(), timeout=DRAIN_TIMEOUT_S + 30)
         except Exception:
             self.logger.log_error(f"[deepseek] engine shutdown failed: {traceback.format_exc()}")
         deadline = time.monotonic() + 10

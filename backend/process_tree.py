@@ -4,8 +4,9 @@ leaves behind removed.
 tritonserver runs as the leader of its own process group, and its python stubs inherit that group.
 When tritonserver crashes (SIGSEGV) the stubs stay, re-parented to init, holding hundreds of MB (and
 GPU memory on a GPU host), and their shared-memory regions stay in /dev/shm. Stubs are found by
-their group and, should one have left it, by the region prefix that every stub of this server
-carries on its command line.
+their group and, should one have left it, among the processes the launcher recorded below
+tritonserver while it ran (pid and start time). Nothing is chosen by its command line: another
+user's `tail` of a region, or a monitor naming it, is none of ours.
 """
 
 from __future__ import annotations
@@ -36,8 +37,41 @@ def die_with_parent() -> None:
         pass
 
 
+CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
+MS_NOSUID, MS_NODEV, MS_REC, MS_PRIVATE = 2, 4, 1 << 14, 1 << 18
+
+
+def private_shm() -> str | None:
+    """In a child, before exec: a /dev/shm of its own (a tmpfs, 0700, as large as the host's), in
+    a mount namespace of its own (and a user namespace where this user is not root), so the python
+    backend's regions, which it creates 0644 whatever the umask, are never visible to anyone else,
+    not even while the model loads; they go when the last process of the server ends. None when
+    done, else why not (the regions are then protected once the server is ready: protect_regions)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        stat = os.statvfs(SHM_DIR)
+        uid, gid = os.getuid(), os.getgid()
+        if libc.unshare(CLONE_NEWNS | (0 if uid == 0 else CLONE_NEWUSER)) != 0:
+            return f"unshare: {os.strerror(ctypes.get_errno())}"
+        if uid != 0:  # the same ids inside: the server runs as this user, not as a namespace's root
+            for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+            return f"mount --make-rprivate /: {os.strerror(ctypes.get_errno())}"
+        options = f"mode=0700,size={stat.f_blocks * stat.f_frsize}".encode()
+        if libc.mount(b"tmpfs", str(SHM_DIR).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options) != 0:
+            return f"mount tmpfs {SHM_DIR}: {os.strerror(ctypes.get_errno())}"
+    except Exception as e:  # noqa: BLE001 - any failure leaves the server on the host's /dev/shm
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def processes_with_arg(fragment: str) -> list[int]:
-    """PIDs whose command line contains `fragment` (this process excluded)."""
+    """PIDs whose command line contains `fragment` (this process excluded): for looking, never
+    for killing (see the module docstring)."""
     needle = fragment.encode()
     found = []
     for entry in os.listdir("/proc"):
@@ -61,24 +95,83 @@ def alive(pid: int) -> bool:
         return False
 
 
-def kill_server_tree(pgid: int | None, shm_prefix: str, timeout_s: float = 5.0) -> dict:
-    """SIGKILL the server's process group and any process still naming its regions, wait until
-    they are gone, then remove the regions. Returns what was killed and removed (for the log)."""
+def start_time(pid: int) -> str | None:
+    """Start time in clock ticks (/proc/<pid>/stat field 22): with the pid, names one process even
+    after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _stat_fields(pid: str) -> list[bytes] | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (field 5 of /proc/<pid>/stat)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        fields = _stat_fields(entry) if entry.isdigit() else None
+        if fields and fields[2] == str(pgid).encode() and fields[0] != b"Z":
+            found.append(int(entry))
+    return found
+
+
+def descendants(root: int) -> dict[int, str]:
+    """Every live process below `root`, with its start time (for record_processes)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        fields = _stat_fields(entry) if entry.isdigit() else None
+        if fields:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = {}, [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            started = start_time(child)
+            if started is not None and child not in found:
+                found[child] = started
+                todo.append(child)
+    return found
+
+
+def _same_process(pid: int, started: str) -> bool:
+    return start_time(pid) == started and alive(pid)
+
+
+def kill_server_tree(pgid: int | None, shm_prefix: str, recorded: dict[int, str] | None = None,
+                     timeout_s: float = 5.0) -> dict:
+    """SIGKILL the server's process group and the processes recorded below it (a stub that left
+    the group), only those: a pid counts if it still has the start time it was recorded with.
+    Wait until they are gone, then remove the regions named by this server's prefix. Returns what
+    was killed and removed (for the log)."""
+    recorded = {pid: started for pid, started in (recorded or {}).items() if _same_process(pid, started)}
+    members = set(group_members(pgid)) if pgid is not None else set()
     killed: set[int] = set()
     if pgid is not None:
         try:
             os.killpg(pgid, signal.SIGKILL)
-            killed.add(pgid)
+            killed |= members | {pgid}
         except (ProcessLookupError, PermissionError):
             pass
-    for pid in processes_with_arg(shm_prefix):
+    for pid in recorded:
         try:
             os.kill(pid, signal.SIGKILL)
             killed.add(pid)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def left() -> list[int]:
+        group = group_members(pgid) if pgid is not None else []
+        return sorted(set(group) | {pid for pid, started in recorded.items() if _same_process(pid, started)})
+
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(alive(pid) for pid in processes_with_arg(shm_prefix)):
+    while time.monotonic() < deadline and left():
         time.sleep(0.05)
     removed = []
     for region in SHM_DIR.glob(f"{shm_prefix}*"):
@@ -87,8 +180,7 @@ def kill_server_tree(pgid: int | None, shm_prefix: str, timeout_s: float = 5.0) 
             removed.append(region.name)
         except OSError:
             pass
-    return {"killed": sorted(killed), "removed_regions": removed,
-            "still_running": [pid for pid in processes_with_arg(shm_prefix) if alive(pid)]}
+    return {"killed": sorted(killed), "removed_regions": removed, "still_running": left()}
 
 
 def protect_regions(shm_prefix: str) -> list[str]:

@@ -32,7 +32,6 @@ import signal
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 import time
 import urllib.error
@@ -40,8 +39,18 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend import stub_numpy
-from backend.process_tree import die_with_parent, free_port, kill_server_tree, protect_regions
+from backend import stub_numpy, workdir
+from backend.engine_setup import drained_marker
+from backend.ports import PortInUse, check_ports
+from backend.process_tree import (
+    descendants,
+    die_with_parent,
+    free_port,
+    kill_server_tree,
+    private_shm,
+    protect_regions,
+)
+from backend.startup_report import HARMLESS_NOTE, harmless, headline, last_lines
 from backend.supervisor import RestartPolicy, supervise
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +73,11 @@ SHM_GROWTH_BYTES = 16 << 20
 HTTP_MAX_INPUT_BYTES = 32 << 20
 RESTARTS_IN_A_ROW = 10
 EXIT_TIMEOUT_S = 30  # default drain timeout: how long in-flight requests may run on after SIGTERM
+FINALIZE_GRACE_S = 3.0  # after the model drained: how long Triton may take to call finalize and exit
+EXIT_POLL_S = 0.1
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+OPENAI_LOG = "openai.log"
+NO_PRIVATE_SHM = "warning: no private /dev/shm for tritonserver"
 
 _BACKEND_SHIM = '''\
 # Written by backend.serve: Triton's python backend loads this file as the "deepseek" backend.
@@ -187,10 +200,15 @@ def prepare_repository(src: Path, dst: Path, model: str | None = None, engine_ar
 
 
 def _server_child_setup() -> None:
-    """In the child, before exec: private files (umask 077; the shared-memory regions need
-    protect_regions too), and SIGTERM if the launcher dies, so no server outlives it (Triton then
-    drains and stops its stubs)."""
+    """In the child, before exec: private files (umask 077), a private /dev/shm for the python
+    backend's regions (process_tree.private_shm; where the system refuses one, the line below
+    lands in the log and protect_regions closes them once the server is ready), and SIGTERM if the
+    launcher dies, so no server outlives it (Triton then drains and stops its stubs)."""
     os.umask(0o077)
+    why_not = private_shm()
+    if why_not:
+        os.write(1, f"{NO_PRIVATE_SHM}: {why_not}; its regions are readable by other users until it is "
+                    "ready (docs/RELIABILITY.md)\n".encode())
     die_with_parent()
 
 
@@ -242,6 +260,8 @@ class TritonServer:
         self._log_thread: threading.Thread | None = None
         self._local = local
         self.leftovers: dict = {}  # what reap() had to kill and remove
+        self.recorded: dict[int, str] = {}  # pid -> start time of every process seen below tritonserver
+        self.ended_after_drain = False  # stop() ended a drained tritonserver that never called finalize
 
     # URLs as clients use them (tritonclient takes host:port without a scheme).
     @property
@@ -314,19 +334,31 @@ class TritonServer:
             env["LC_ALL"] = "C.UTF-8"
         return env
 
+    def check_ports(self) -> None:
+        """Every port free before anything loads (ServerError naming the port and its holder)."""
+        try:
+            check_ports(self.host, {"HTTP": (self.http_port, "--http-port"), "gRPC": (self.grpc_port, "--grpc-port"),
+                                    "metrics": (self.metrics_port, "--metrics-port")})
+        except PortInUse as e:
+            raise ServerError(str(e)) from None
+
     def start(self, restart: int = 0) -> TritonServer:
-        """Lay out the work dir and start tritonserver; `restart` > 0: the log is appended to."""
+        """Lay out the work dir and start tritonserver; `restart` > 0: the log is appended to. A
+        start that fails keeps the work dir (its logs are the evidence) and names it."""
+        self.check_ports()
         install = find_tritonserver()
         problem = stub_numpy_problem(install, importlib.metadata.version("numpy"))
         if problem:
             raise ServerError(problem)
         if self.workdir is None:
-            self.workdir = Path(tempfile.mkdtemp(prefix="dsv4-triton-"))
-        self.workdir.mkdir(parents=True, exist_ok=True)
+            self.workdir = workdir.create()
+        elif not restart:
+            workdir.claim(self.workdir)
         for sub in ("backends", "model_repository"):
             shutil.rmtree(self.workdir / sub, ignore_errors=True)
         layout_backends(install, self.workdir / "backends")
         self.shutdown_file.unlink(missing_ok=True)
+        drained_marker(self.shutdown_file).unlink(missing_ok=True)
         prepare_repository(self.model_repository, self.workdir / "model_repository", self.model,
                            {**(self.engine_args or {}), "shutdown_file": str(self.shutdown_file)})
         log = open(self.log_path, "a" if restart else "w")  # noqa: SIM115 (closed by the log thread)
@@ -341,6 +373,9 @@ class TritonServer:
         self._log_thread.start()
         try:
             self.wait_ready()
+        except ServerError:
+            self.stop(keep_workdir=True)
+            raise
         except BaseException:
             self.stop()
             raise
@@ -360,15 +395,22 @@ class TritonServer:
     def log_tail(self, lines: int = 40) -> str:
         return "".join(list(self._tail)[-lines:])
 
-    def failure_report(self) -> str:
-        """Why a start failed: the models' load errors (the table rows), then the log's last lines."""
+    def log_lines(self) -> list[str]:
         try:
-            log = self.log_path.read_text(errors="replace").splitlines()
+            return self.log_path.read_text(errors="replace").splitlines()
         except OSError:
-            log = []
-        errors = [line for line in log if "UNAVAILABLE" in line or "Traceback" in line or "Error" in line[:60]]
-        tail = [line for line in self.log_tail(60).splitlines() if not line.startswith(("+-", "| "))]
-        return "\n".join(["model load errors:", *errors[-20:], "last lines:", *tail[-25:]])
+            return []
+
+    def failure_report(self, what: str) -> str:
+        """Why a start failed: the cause as the headline, where the evidence is kept, the log's last lines."""
+        lines = self.log_lines()
+        return "\n".join([headline(lines) or what,
+                          f"({what}; work dir kept: {self.workdir}, log {self.log_path})",
+                          "last lines of the log:", *last_lines(lines), HARMLESS_NOTE])
+
+    def printed_harmless_lines(self) -> bool:
+        """Triton printed its GPU-probe lines (a host without a GPU): worth one line of explanation."""
+        return any(harmless(line) for line in self.log_lines())
 
     def is_ready(self) -> bool:
         """Inference ready and the metrics endpoint answering: Triton starts its metrics service
@@ -404,43 +446,79 @@ class TritonServer:
             if self.process.poll() is not None:
                 if self._log_thread is not None:
                     self._log_thread.join(timeout=5)
-                raise ServerError(f"tritonserver exited with code {self.process.returncode} before it was "
-                                  f"ready; log {self.log_path}\n{self.failure_report()}")
+                raise ServerError(self.failure_report(
+                    f"tritonserver exited with code {self.process.returncode} before it was ready"))
             if self.is_ready():
                 protect_regions(self.shm_prefix)
+                self.record_processes()
                 return
             time.sleep(0.25)
-        raise ServerError(f"tritonserver was not ready after {self.startup_timeout_s:.0f} s; log "
-                          f"{self.log_path}\n{self.failure_report()}")
+        raise ServerError(self.failure_report(f"tritonserver was not ready after {self.startup_timeout_s:.0f} s"))
 
-    def stop(self, timeout_s: float | None = None) -> int | None:
+    def stop(self, timeout_s: float | None = None, keep_workdir: bool = False) -> int | None:
         """SIGTERM (Triton refuses new requests and drains in-flight ones up to
-        --exit-timeout-secs = drain_timeout_s), wait, kill what is left, remove the work dir."""
+        --exit-timeout-secs = drain_timeout_s), wait, kill what is left, remove the work dir (only
+        the admin key where it is kept: --workdir, or `keep_workdir` after a failed start)."""
         process = self.process
         if process is not None and process.poll() is None:
             # the model ends what is still running a little before Triton's own exit timeout would
             margin = min(5.0, self.drain_timeout_s / 3)
             self.shutdown_file.write_text(f"{time.time() + self.drain_timeout_s - margin:.3f}\n")
             process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(self.drain_timeout_s + 15 if timeout_s is None else timeout_s)
-            except subprocess.TimeoutExpired:
-                pass  # reap() kills it
+            self._wait_exit(process, self.drain_timeout_s + 15 if timeout_s is None else timeout_s)
         code = self.reap()
-        if self.workdir is not None and not self.keep_workdir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.workdir is not None:
+            if self.keep_workdir or keep_workdir:
+                workdir.release(self.workdir)
+            else:
+                shutil.rmtree(self.workdir, ignore_errors=True)
         return code
+
+    def _wait_exit(self, process: subprocess.Popen, timeout_s: float) -> None:
+        """Wait for tritonserver to exit after SIGTERM; reap() kills what is left. Once the model has
+        drained (nothing in flight, its engine stopped: backend/model.py `_mark_drained`), Triton
+        should call finalize and exit within a second or two. Triton 2.51 sometimes keeps a
+        reference to the model after gRPC streams end (seen after ~1,500 requests over
+        tritonclient.grpc.aio, one stream each: every run) and then waits out its whole exit
+        timeout without calling finalize; past FINALIZE_GRACE_S there is nothing left to wait for."""
+        deadline = time.monotonic() + timeout_s
+        drained = drained_marker(self.shutdown_file)
+        drained_at = None
+        while time.monotonic() < deadline:
+            try:
+                process.wait(EXIT_POLL_S)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+            if drained_at is None and drained.exists():
+                drained_at = time.monotonic()
+            if drained_at is not None and time.monotonic() - drained_at > FINALIZE_GRACE_S:
+                self.ended_after_drain = True
+                print(f"tritonserver has not called the model's finalize {FINALIZE_GRACE_S:.0f} s after the drain "
+                      "ended (Triton 2.51 holds the model after some gRPC streams: docs/RELIABILITY.md); "
+                      "nothing is in flight, so it is stopped now", file=sys.stderr, flush=True)
+                return
 
     def reap(self) -> int | None:
         """After tritonserver exited (or to make it): nothing of it remains, neither its python
         stubs (they outlive a crashed server) nor their shared-memory regions."""
         process, self.process = self.process, None
-        self.leftovers = kill_server_tree(process.pid if process is not None else None, self.shm_prefix)
+        self.record_processes()
+        self.leftovers = kill_server_tree(process.pid if process is not None else None, self.shm_prefix,
+                                          self.recorded)
+        self.recorded = {}
         if process is not None:
             process.wait()
         if self._log_thread is not None:
             self._log_thread.join(timeout=5)
         return None if process is None else process.returncode
+
+    def record_processes(self) -> None:
+        """Remember the processes below tritonserver (stubs, engine cores): reap() kills those that
+        left its process group, and no other (the supervisor calls this every poll)."""
+        process = self.process
+        if process is not None and process.poll() is None:
+            self.recorded.update(descendants(process.pid))
 
     def __enter__(self) -> TritonServer:
         return self.start()
@@ -449,12 +527,9 @@ class TritonServer:
         self.stop()
 
     def write_admin_key(self) -> Path:
-        """The admin key in <workdir>/admin_key, readable by this user only."""
-        path = self.workdir / "admin_key"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.admin_key + "\n")
-        return path
+        """The admin key in <workdir>/admin_key, readable by this user only (backend/workdir.py
+        says when it goes)."""
+        return workdir.write_admin_key(self.workdir, self.admin_key)
 
     def usage(self, admin_key_shown_as: str) -> str:
         model = "deepseek_v4"
@@ -472,7 +547,7 @@ class TritonServer:
             f"  curl -s http://{self.http_url}/v2/models/{model}/generate -d '{generate}'",
             f"  curl -sN http://{self.http_url}/v2/models/{model}/generate_stream -d '{stream}'",
             f"  curl -s {self.metrics_url} | grep deepseek:",
-            f"  python -m client 'Hello' --stream --url {self.grpc_url}",
+            f"  {python_command()} -m client 'Hello' --stream --url {self.grpc_url}",
             "",
             "Ctrl-C stops the server.",
         ])
@@ -536,12 +611,16 @@ def main(argv: list[str] | None = None) -> int:
                           workdir=args.workdir, model_repository=args.model_repository, echo=True,
                           drain_timeout_s=args.drain_timeout_s, allow_model_control=args.allow_model_control)
     try:
+        if args.openai_port:  # before anything loads, with Triton's own ports (start())
+            check_ports(args.openai_host, {"OpenAI API": (args.openai_port, "--openai-port")})
         server.start()
-    except ServerError as e:
+    except (ServerError, PortInUse) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # start() has stopped the server already
         return 130
+    if server.printed_harmless_lines():
+        print(f"note: {HARMLESS_NOTE}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -554,12 +633,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         front = start_openai(server, args.openai_port, args.openai_host, args.openai_api_key)
     except RuntimeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        server.stop()
+        cause = headline_of_front_log(server.workdir / OPENAI_LOG)
+        print(f"error: {cause or e}\n({e}; work dir kept: {server.workdir})", file=sys.stderr)
+        server.stop(keep_workdir=True)
         return 1
     print("\n" + server.usage(shown) + "\n", flush=True)
     try:
-        return supervise(server, stop, RestartPolicy(enabled=not args.no_restart, max_restarts=args.max_restarts))
+        return supervise(server, stop, RestartPolicy(enabled=not args.no_restart, max_restarts=args.max_restarts),
+                         front)
     finally:
         if front is not None:
             front.stop()
@@ -576,10 +657,27 @@ def start_openai(server: TritonServer, port: int | None, host: str, api_key: str
 
     model_json = server.workdir / "model_repository" / "deepseek_v4" / "1" / "model.json"
     front = OpenAIProcess(server.grpc_url, port=port, host=host, tokenizer=tokenizer_dir(model_json),
-                          api_key=api_key or os.environ.get(API_KEY_ENV), log_path=server.workdir / "openai.log")
+                          api_key=api_key or os.environ.get(API_KEY_ENV), log_path=server.workdir / OPENAI_LOG)
     front.start()
     print(f"OpenAI API ready: {front.base_url} (log {front.log_path})", flush=True)
     return front
+
+
+def headline_of_front_log(path: Path) -> str | None:
+    """The OpenAI front's last error line (uvicorn logs "ERROR: ..." before it exits)."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    errors = [line.removeprefix("ERROR:").strip() for line in lines if line.startswith(("ERROR", "Error"))]
+    return errors[-1] if errors else None
+
+
+def python_command() -> str:
+    """This interpreter as a user can type it from here (`.venv/bin/python`): `python` outside the
+    venv lacks tritonclient."""
+    relative = os.path.relpath(sys.executable)
+    return sys.executable if relative.startswith("..") else relative
 
 
 def read_admin_key(given: str | None, key_file: str | None) -> str | None:

@@ -1,4 +1,5 @@
-"""The launcher's watch over a running tritonserver: when it dies (one crafted HTTP body makes
+"""The launcher's watch over a running tritonserver (and the OpenAI front beside it, restarted the
+same way when it exits): when it dies (one crafted HTTP body makes
 Triton's JSON parser overflow its stack: docs/RELIABILITY.md) or its model stops being ready (the
 engine died and the backend unloaded it), everything of it is removed (backend.process_tree), the
 reason is logged, and it is started again with exponential backoff. A server that stays ready for
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from backend.openai.process import OpenAIProcess
     from backend.serve import TritonServer
 
 POLL_S = 1.0
@@ -54,9 +56,54 @@ def why_down(server: TritonServer, not_ready: int) -> str | None:
     return None
 
 
-def supervise(server: TritonServer, stop: threading.Event, policy: RestartPolicy) -> int:
-    """Watch `server` (started) until `stop` is set (returns 0 after a graceful stop) or it fails
-    beyond the policy (returns 1)."""
+class FrontWatch:
+    """The OpenAI front beside tritonserver, watched on the same poll: when it exits it is logged
+    and started again after the policy's backoff (Triton serves on meanwhile). Past the policy
+    (`max_restarts` failures in a row, or any with --no-restart) it gives up and the launcher
+    exits 1 as it does for tritonserver."""
+
+    def __init__(self, front: OpenAIProcess, policy: RestartPolicy):
+        self.front, self.policy = front, policy
+        self.failures = 0
+        self.next_try = 0.0
+        self.given_up = False
+
+    def check(self) -> None:
+        process = self.front.process
+        if self.given_up or (process is not None and process.poll() is None):
+            return
+        if process is not None:
+            _log(f"error: the OpenAI API died ({describe_exit(process.returncode)}); log {self.front.log_path}")
+            self.front.process = None
+            self._failed()
+        if not self.policy.enabled or self.given_up or time.monotonic() < self.next_try:
+            return
+        try:
+            self.front.start()
+        except RuntimeError as e:
+            _log(f"error: restarting the OpenAI API failed: {e}")
+            self._failed()
+            return
+        self.failures = 0
+        _log(f"the OpenAI API restarted: {self.front.base_url}")
+
+    def _failed(self) -> None:
+        self.failures += 1
+        if not self.policy.enabled or self.failures > self.policy.max_restarts:
+            self.given_up = True
+            _log("not restarting the OpenAI API: " + ("--no-restart" if not self.policy.enabled else
+                                                      f"{self.policy.max_restarts} restarts in a row failed"))
+            return
+        wait_s = min(self.policy.max_backoff_s, self.policy.backoff_s * 2 ** (self.failures - 1))
+        self.next_try = time.monotonic() + wait_s
+        _log(f"restarting the OpenAI API in {wait_s:.0f} s (failure {self.failures} in a row)")
+
+
+def supervise(server: TritonServer, stop: threading.Event, policy: RestartPolicy,
+              front: OpenAIProcess | None = None) -> int:
+    """Watch `server` (started) and the OpenAI `front` beside it until `stop` is set (returns 0
+    after a graceful stop) or the server fails beyond the policy (returns 1)."""
+    front_watch = FrontWatch(front, policy) if front is not None else None
     failures = 0
     restarts = 0
     ready_since = time.monotonic()
@@ -67,6 +114,12 @@ def supervise(server: TritonServer, stop: threading.Event, policy: RestartPolicy
             print("stopping tritonserver ...", flush=True)
             server.stop()
             return 0
+        server.record_processes()
+        if front_watch is not None:
+            front_watch.check()
+            if front_watch.given_up:
+                server.stop()
+                return 1
         not_ready = 0 if server.models_ready() else not_ready + 1
         reason = why_down(server, not_ready)
         if reason is None:

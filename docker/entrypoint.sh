@@ -7,8 +7,11 @@
 #
 # Environment: MODEL_DIR (a checkpoint directory, or "tiny" for the built-in test model), ENGINE
 # (native | vllm; the image's default), ENGINE_ARGS (JSON merged into model.json), HTTP_PORT,
-# GRPC_PORT, METRICS_PORT, ADMIN_KEY or the file /run/secrets/admin_key (else backend.serve picks a
-# random key and prints it), SERVE_WORKDIR (generated backends/, model_repository/ and log).
+# GRPC_PORT, METRICS_PORT, OPENAI_PORT (the OpenAI API, 9000; empty: none), OPENAI_HOST (0.0.0.0:
+# reachable through -p; 127.0.0.1: inside the container only), DSV4_OPENAI_API_KEY (the OpenAI API's
+# Bearer key; unset: open), ADMIN_KEY or the file /run/secrets/admin_key (else backend.serve picks a
+# random key and writes it to $SERVE_WORKDIR/admin_key, 0600), SERVE_WORKDIR (generated backends/,
+# model_repository/, logs; default /tmp/deepseek-triton).
 set -euo pipefail
 
 if [[ $# -gt 0 && "$1" != serve && "$1" != -* ]]; then
@@ -43,6 +46,12 @@ elif [[ -r /run/secrets/admin_key ]]; then
     admin=(--admin-key-file /run/secrets/admin_key)
 fi
 
+# The OpenAI API beside Triton, on every interface unless OPENAI_HOST says otherwise.
+openai=()
+if [[ -n "${OPENAI_PORT-9000}" ]]; then
+    openai=(--openai-port "${OPENAI_PORT-9000}" --openai-host "${OPENAI_HOST:-0.0.0.0}")
+fi
+
 # exec: backend.serve replaces this shell, so `docker stop`'s SIGTERM reaches it (it lets Triton
 # drain in-flight requests, then stops it). Run with --init so an init process reaps zombies.
 exec python3 -m backend.serve \
@@ -55,4 +64,5 @@ exec python3 -m backend.serve \
     --model-repository "/opt/deepseek/${MODEL_REPOSITORY:-$([[ "${ENGINE:-native}" == vllm ]] && echo model_repository_vllm || echo model_repository)}" \
     --workdir "${SERVE_WORKDIR:-/tmp/deepseek-triton}" \
     "${admin[@]}" \
+    "${openai[@]}" \
     "$@"

@@ -1,8 +1,11 @@
 """Structured outputs (vLLM's `structured_outputs`: a JSON schema, a regex, a choice, an EBNF
 grammar, or any JSON object) through xgrammar.
 
-A spec is compiled on a thread pool, off the step loop, and cached by its canonical text (the
-same schema compiles once); a request gets its own matcher, which the sampler asks for the next
+A spec is compiled off the step loop, each on a thread of its own (a schema that compiles for
+a minute holds no queue), and cached by its canonical text (the same schema compiles once). A
+request waits at most `budget_s` for its compile, then fails INVALID_ARG; xgrammar cannot stop a
+compile, so at most `max_running` compiles run at once and the next is refused UNAVAILABLE until
+one ends (a slow schema is retried later from the cache). A request gets its own matcher, which the sampler asks for the next
 token bitmask each step and advances by the sampled token. The spec is plain data (strings,
 lists, dicts), so it crosses a process boundary as is; the compiled grammar is built where the
 sampler runs.
@@ -19,18 +22,24 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
-from engine.request import InvalidRequest
+from engine.request import EngineOverloaded, InvalidRequest
 from engine.tokenizer import Tokenizer
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 OPTIONS = ("disable_any_whitespace",)
 _BOUNDED_STRING_CHAR, _JSON_STRING_CHAR = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]'
 MAX_CACHED = 512  # compiled grammars kept (least recently used go first)
+# xgrammar's compile grows superlinearly with optional properties (1,000 of them: seconds; 2,000:
+# a minute and more): a request waits this long for its grammar, then fails
+COMPILE_BUDGET_S = 10.0
+MAX_RUNNING = 4  # compiles running at once, finished or given up by their requests
+REFUSAL_KEPT_S = 1.0  # a spec refused for MAX_RUNNING stays refused this long (its request's admission asks again)
 
 
 def json_value(name: str, value: object) -> object:
@@ -90,9 +99,10 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 class GrammarCompiler:
-    """Compiles specs on a thread pool and caches them; makes per-request matchers."""
+    """Compiles specs, each on its own thread, and caches them; makes per-request matchers."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int], max_workers: int = 2):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int], max_workers: int = 2,
+                 budget_s: float = COMPILE_BUDGET_S, max_running: int = MAX_RUNNING):
         import xgrammar as xgr  # imported on first use: engines without structured outputs never load it
 
         self.xgr = xgr
@@ -100,25 +110,77 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo(_encoded_vocab(tokenizer, vocab_size), xgr.VocabType.RAW, vocab_size=vocab_size,
                                  stop_token_ids=sorted(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(info, max_threads=max_workers)
-        self.pool = ThreadPoolExecutor(max_workers, thread_name_prefix="dsv4-grammar")
+        self.budget_s = budget_s
+        self.max_running = max_running
+        self.running = threading.BoundedSemaphore(max_running)
         self.cache: OrderedDict[str, Future] = OrderedDict()
+        self.over_budget: set[str] = set()  # specs still compiling past the budget: refused at once
+        self.refused: dict[str, float] = {}  # spec -> when it was refused for MAX_RUNNING
         self.lock = threading.Lock()
 
     def compile(self, spec: dict) -> Future:
-        """The compiled grammar of a spec, as a Future (done at once when cached). Its error is an
-        InvalidRequest naming what is wrong."""
+        """The compiled grammar of a spec, as a Future (done at once when cached) that fails with
+        InvalidRequest when the spec is wrong or its compile outlasts the budget, EngineOverloaded
+        when `max_running` compiles are running."""
         kind, value, any_ws = parse_spec(spec)
         key = json.dumps([kind, value, any_ws], sort_keys=True)
         with self.lock:
             future = self.cache.get(key)
             if future is not None:
                 self.cache.move_to_end(key)
-                return future
-            future = self.pool.submit(self._compile, kind, value, any_ws)
-            self.cache[key] = future
-            while len(self.cache) > MAX_CACHED:
-                self.cache.popitem(last=False)
-        return future
+                if not future.done() and key in self.over_budget:
+                    return _failed(self._over_budget_error(kind))
+            elif (time.monotonic() - self.refused.get(key, -REFUSAL_KEPT_S) < REFUSAL_KEPT_S
+                  or not self.running.acquire(blocking=False)):
+                self.refused = {k: t for k, t in self.refused.items() if time.monotonic() - t < REFUSAL_KEPT_S}
+                self.refused.setdefault(key, time.monotonic())
+                return _failed(EngineOverloaded(f"{self.max_running} structured-output grammars are compiling; "
+                                                "retry later"))
+            else:
+                future = Future()
+                threading.Thread(target=self._run, args=(future, kind, value, any_ws), name="dsv4-grammar",
+                                 daemon=True).start()
+                self.cache[key] = future
+                while len(self.cache) > MAX_CACHED:
+                    self.cache.popitem(last=False)
+        return future if future.done() else self._within_budget(future, key, kind)
+
+    def _run(self, future: Future, kind: str, value, any_ws: bool) -> None:
+        try:
+            future.set_result(self._compile(kind, value, any_ws))
+        except BaseException as e:  # noqa: BLE001 - the request sees it through the future
+            future.set_exception(e)
+        finally:
+            self.running.release()
+
+    def _over_budget_error(self, kind: str) -> InvalidRequest:
+        return InvalidRequest(f"structured_outputs.{kind} did not compile within {self.budget_s:g} s (its compile "
+                              "time grows fast with optional properties and alternatives): simplify it")
+
+    def _within_budget(self, compiling: Future, key: str, kind: str) -> Future:
+        """This request's view of a compile: its result, or InvalidRequest once budget_s has passed
+        (from then on the spec is refused at once until its compile ends)."""
+        view = Future()
+
+        def settle(source: Future | None) -> None:
+            with self.lock:
+                if source is not None:
+                    self.over_budget.discard(key)
+                if view.done():
+                    return
+                if source is None:
+                    self.over_budget.add(key)
+                    view.set_exception(self._over_budget_error(kind))
+                elif source.exception() is not None:
+                    view.set_exception(source.exception())
+                else:
+                    view.set_result(source.result())
+
+        timer = threading.Timer(self.budget_s, settle, args=(None,))
+        timer.daemon = True
+        timer.start()
+        compiling.add_done_callback(lambda source: (timer.cancel(), settle(source)))
+        return view
 
     def _compile(self, kind: str, value, any_ws: bool):
         c = self.compiler
@@ -153,7 +215,13 @@ class GrammarCompiler:
         logits[rows] = target
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        """Compiles still running end on their own (xgrammar cannot stop one); nothing waits for them."""
+
+
+def _failed(error: BaseException) -> Future:
+    future = Future()
+    future.set_exception(error)
+    return future
 
 
 def _encoded_vocab(tokenizer: Tokenizer, vocab_size: int) -> list[bytes]:

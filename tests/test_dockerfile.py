@@ -248,6 +248,25 @@ def test_entrypoint_serves_the_mounted_checkpoint_on_every_interface(entrypoint,
     # the vLLM image serves the ready V4-Flash configuration (docs/VLLM.md)
     assert flags["--model-repository"] == "/opt/deepseek/model_repository_vllm"
     assert (flags["--http-port"], flags["--grpc-port"], flags["--metrics-port"]) == ("8000", "8001", "8002")
+    # the OpenAI API on its port, reachable through -p, and EXPOSEd with Triton's
+    assert (flags["--openai-port"], flags["--openai-host"]) == ("9000", "0.0.0.0")
+    exposed = {p for _, word, rest in instructions() if word == "EXPOSE" for p in rest.split()}
+    assert {"8000", "8001", "8002", flags["--openai-port"]} <= exposed
+
+
+def test_entrypoint_keeps_the_openai_api_inside_or_off_on_request(entrypoint):
+    _, argv = entrypoint(MODEL_DIR="tiny", OPENAI_HOST="127.0.0.1", OPENAI_PORT="9100")
+    flags = dict(zip(argv[2::2], argv[3::2]))
+    assert (flags["--openai-port"], flags["--openai-host"]) == ("9100", "127.0.0.1")
+    _, argv = entrypoint(MODEL_DIR="tiny", OPENAI_PORT="")
+    assert "--openai-port" not in argv and "--openai-host" not in argv
+
+
+def test_docs_say_where_the_random_admin_key_is():
+    """The launcher writes a random key to <workdir>/admin_key and does not print it: the docs say so."""
+    docs = (REPO / "docs" / "DOCKER.md").read_text()
+    workdir = re.search(r'SERVE_WORKDIR:-([^}]+)\}', ENTRYPOINT.read_text()).group(1)
+    assert f"{workdir}/admin_key" in docs and "printed at start" not in docs
 
 
 def test_entrypoint_keeps_engine_args_and_passes_extra_flags(entrypoint):

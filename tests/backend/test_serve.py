@@ -1,6 +1,9 @@
 """backend/serve.py: repository preparation, the command line it builds, and the CLI end to end."""
 
 import json
+import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -96,7 +99,10 @@ def test_cli_fails_clearly_when_the_model_cannot_load():
     process = serve_cli("--engine-args", '{"engine": "bogus"}')
     out, _ = process.communicate(timeout=120)
     assert process.returncode == 1
-    assert "unknown engine 'bogus'" in out and "error: tritonserver exited" in out
+    headline = re.search(r"^error: (?!creating server).*", out, re.M).group(0)  # not Triton's own, echoed
+    assert "unknown engine 'bogus'" in headline, out
+    assert "tritonserver exited with code 1 before it was ready; work dir kept:" in out
+    shutil.rmtree(re.search(r"work dir kept: (\S+),", out).group(1), ignore_errors=True)
 
 
 def test_flags_follow_the_servers_own_help(tmp_path):
@@ -107,3 +113,14 @@ def test_flags_follow_the_servers_own_help(tmp_path):
     assert {"--exit-timeout-secs", "--http-restricted-api", "--backend-config"} <= flags
     has_limit = "--http-max-input-size" in flags
     assert any(arg.startswith("--http-max-input-size=") for arg in server.command(install)) == has_limit
+
+
+def test_the_banners_client_command_runs_as_printed(tmp_path):
+    """`python -m client` outside the venv is ModuleNotFoundError: tritonclient; the banner names
+    this interpreter as the user can type it from here."""
+    usage = TritonServer(workdir=tmp_path, http_port=0, grpc_port=0, metrics_port=0).usage("x")
+    line = next(line for line in usage.splitlines() if "-m client" in line)
+    command = line.split()[0]
+    assert command != "python" and os.access(command, os.X_OK), line
+    done = subprocess.run([command, "-m", "client", "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

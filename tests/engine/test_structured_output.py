@@ -6,12 +6,14 @@ batched with free ones (each as alone), prefix caching, and clear errors for bad
 import json
 import random
 import re
+import time
+from pathlib import Path
 
 import jsonschema
 import pytest
 
 from engine.llm import LLM
-from engine.request import InvalidRequest, SamplingParams
+from engine.request import EngineOverloaded, InvalidRequest, SamplingParams
 from engine.structured_output import choice_grammar
 
 PROMPTS = ["The quick brown fox", "Hello there", "1 2 3", "Once upon a time"]
@@ -133,3 +135,32 @@ def test_bad_specs_are_refused_naming_the_problem(llm, spec, message):
 def test_ignore_eos_with_a_grammar_is_refused(llm):
     with pytest.raises(InvalidRequest, match="ignore_eos cannot be combined with structured_outputs"):
         llm.generate([PROMPTS[0]], [SamplingParams(max_tokens=4, ignore_eos=True, structured_outputs={"regex": "a+"})])
+
+
+def _many_optional_properties(n: int, tag: str) -> dict:
+    return {"type": "object", "properties": {f"{tag}{i}": {"type": "string"} for i in range(n)}}
+
+
+def test_a_slow_schema_fails_within_its_budget_and_holds_no_other_request():
+    """xgrammar's compile grows superlinearly with optional properties: two such schemas used to
+    hold both compile workers while a trivial choice waited behind them."""
+    from engine.structured_output import GrammarCompiler
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(str(Path(__file__).resolve().parents[2] / "engine" / "data"))
+    compiler = GrammarCompiler(tokenizer, len(tokenizer.token_bytes), [0], budget_s=0.5, max_running=3)
+    started = time.monotonic()
+    slow = [compiler.compile({"json": _many_optional_properties(2500, tag)}) for tag in ("a", "b")]
+    choice = compiler.compile({"choice": ["yes", "no"]})
+    choice.result(timeout=30)
+    assert time.monotonic() - started < 0.4, "the choice waited behind the slow schemas"
+    for future in slow:
+        with pytest.raises(InvalidRequest, match="did not compile within 0.5 s"):
+            future.result(timeout=30)
+    assert time.monotonic() - started < 1.5
+    # still compiling: the same schema is refused at once; with a third running, a fourth finds no room
+    with pytest.raises(InvalidRequest, match="did not compile within"):
+        compiler.compile({"json": _many_optional_properties(2500, "a")}).result(timeout=0.1)
+    compiler.compile({"json": _many_optional_properties(2500, "c")})
+    with pytest.raises(EngineOverloaded):
+        compiler.compile({"json": _many_optional_properties(2500, "d")}).result(timeout=0.1)

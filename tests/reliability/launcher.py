@@ -67,7 +67,16 @@ class Launcher:
         return [pid for pid in processes_with_arg(self.shm_prefix) if alive(pid)]
 
     def regions(self) -> list[Path]:
+        """This server's regions in the host's /dev/shm (none while the server has its own)."""
         return sorted(SHM_DIR.glob(f"{self.shm_prefix}*"))
+
+    def server_regions(self) -> list[Path]:
+        """This server's regions where its processes see them: their own /dev/shm, else the host's."""
+        for pid in self.server_pids():
+            found = sorted(Path(f"/proc/{pid}/root{SHM_DIR}").glob(f"{self.shm_prefix}*"))
+            if found:
+                return found
+        return []
 
     def close(self) -> None:
         if self.process.poll() is None:

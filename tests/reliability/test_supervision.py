@@ -11,10 +11,13 @@ import os
 import signal
 import stat
 import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
-from backend.process_tree import alive
+from backend import workdir
+from backend.process_tree import alive, descendants, free_port
 from tests.reliability.conftest import http_generate
 from tests.reliability.launcher import Launcher
 
@@ -57,10 +60,11 @@ def test_a_crashed_server_is_cleaned_up_and_restarted(tmp_path):
     try:
         launcher.wait_ready()
         first = launcher.server_pids()
-        regions = launcher.regions()
+        regions = launcher.server_regions()
         assert len(first) >= 2 and regions, (first, regions)  # tritonserver + its stub
-        # the regions carry prompt text: private to the server's user (umask 077)
-        assert all(stat.S_IMODE(r.stat().st_mode) & 0o077 == 0 for r in regions), [oct(r.stat().st_mode) for r in regions]
+        # the regions carry prompt text: in a /dev/shm of the server's own (0700), else 0600
+        assert all(stat.S_IMODE(r.parent.stat().st_mode) == 0o700 or stat.S_IMODE(r.stat().st_mode) & 0o077 == 0
+                   for r in regions), [oct(r.stat().st_mode) for r in regions]
 
         _crash(launcher)
         assert _gone(first, 30), f"left behind after the crash: {[p for p in first if alive(p)]}\n{launcher.tail()}"
@@ -102,5 +106,27 @@ def test_sigkill_of_the_launcher_leaves_no_server(tmp_path):
         # tritonserver gets SIGTERM when the launcher dies and stops its stub; a stub whose server
         # is gone ends itself (backend/model.py)
         assert _gone(pids, 30), [p for p in pids if alive(p)]
+        # the admin key it left is this user's alone, and the next start on the dir sweeps it
+        key = tmp_path / workdir.ADMIN_KEY_FILE
+        assert stat.S_IMODE(key.stat().st_mode) == 0o600
+        workdir.claim(tmp_path)
+        assert not key.exists() and (tmp_path / "tritonserver.log").exists()
+    finally:
+        launcher.close()
+
+
+def test_a_killed_openai_front_is_logged_and_restarted(tmp_path):
+    port = free_port()
+    launcher = Launcher(tmp_path, "--openai-port", str(port))
+    try:
+        launcher.wait_ready()
+        front = [pid for pid in descendants(launcher.process.pid)
+                 if b"backend.openai" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(front) == 1, launcher.tail()
+        os.kill(front[0], signal.SIGKILL)
+        assert _eventually(lambda: "the OpenAI API restarted" in launcher.log(), 90), launcher.tail()
+        assert "the OpenAI API died (killed by SIGKILL)" in launcher.log(), launcher.tail()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as response:
+            assert response.status == 200
     finally:
         launcher.close()
