@@ -118,8 +118,14 @@ class StepLoop:
             return
         done = [c for c in self.compiling if c[0].done()]
         self.compiling = [c for c in self.compiling if not c[0].done()]
-        for _, request in done:
-            self._admit(request)  # a spec that failed to compile raises InvalidRequest there: refused
+        for future, request in done:
+            error = future.exception()
+            if error is None:
+                self._admit(request)
+                continue
+            if isinstance(error, EngineOverloaded):
+                self.counters["num_requests_rejected"] += 1
+            self.sink.refused(request.request_id, error)  # a bad spec, over its budget, or too many compiling
 
     def _admit(self, request: GenerationRequest) -> None:
         eng, rid = self.engine, request.request_id
