@@ -146,3 +146,20 @@ def test_vllms_families_per_token_itl_and_the_dashboards_names(metrics_module):
     assert fam["vllm:prefix_cache_hits_total"].metrics[0].value == 8  # cumulative stats counted once
     assert fam["vllm:request_success_total"].metrics[0].labels["finished_reason"] == "stop"
     assert fam["vllm:prompt_tokens_total"].metrics[0].value == 14  # both requests
+
+
+def test_usages_metrics_table_names_exactly_the_vllm_families(metrics_module):
+    """docs/USAGE.md's table is what a dashboard author reads: every `vllm:` name it lists exists,
+    and every `vllm:` family the model creates is listed."""
+    import re
+    from pathlib import Path
+
+    FakeFamily.created = {}
+    m = metrics_module.Metrics({"model": "m", "version": "1"}, lambda: {}, 1024, poll_interval_s=0.05,
+                               model_name="served")
+    m.start()
+    m.stop()
+    created = {name for name in FakeFamily.created if name.startswith("vllm:")}
+    usage = (Path(__file__).parents[2] / "docs" / "USAGE.md").read_text()
+    listed = set(re.findall(r"`(vllm:[a-z0-9_]+)", usage))
+    assert created and listed == created, (sorted(listed - created), sorted(created - listed))
