@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine.cache import KVCache
+from engine.models.config import DeepseekConfig
 
 
 class ModelFamily(nn.Module):
@@ -27,7 +28,7 @@ class ModelFamily(nn.Module):
     # (an approximation, measured); engine argument swa_decoder_trim sets it
     supports_decoder_trim: ClassVar[bool] = False
 
-    cfg: object  # the family's config (a engine.models.config.DeepseekConfig)
+    cfg: DeepseekConfig  # the family's config
 
     @property
     def lookback_tokens(self) -> int:
