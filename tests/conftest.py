@@ -12,6 +12,12 @@ import pytest
 if os.environ.get("CUDA_VISIBLE_DEVICES", None) != "" and not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One CPU thread per process (this one, the servers and engine processes it starts), unless the caller
+# chose: the tiny models' ops are microseconds of work, and on a shared 2-core machine OpenMP's thread
+# hand-offs cost far more (tests/engine/test_batching.py: 13 s single-threaded, 144 s with the default
+# threads while other processes held the cores).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # Small enough that "prompt longer than max_model_len" is a short string.
 SERVER_ENGINE_ARGS = {"max_model_len": 512, "max_num_seqs": 16}
 

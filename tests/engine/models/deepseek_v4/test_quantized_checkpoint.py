@@ -202,12 +202,14 @@ def test_stored_model_on_fused_kernels_is_within_bf16_of_the_float32_model(quant
     import kernels
 
     model = load_model(quantized[quant], torch.bfloat16, quantized=True)
-    ids = torch.randint(5, model.cfg.vocab_size, (29,), generator=torch.Generator().manual_seed(1)).tolist()
-    want = incremental_logits(load_model(quantized[quant], torch.float32), ids, chunks=[20])
+    # a 16-token chunk (groups of both ratios close at 15, the window of 8 slides), then 5 decodes (a
+    # ratio-4 group closes at 19); under the interpreter the chunk's rows are most of the time
+    ids = torch.randint(5, model.cfg.vocab_size, (21,), generator=torch.Generator().manual_seed(1)).tolist()
+    want = incremental_logits(load_model(quantized[quant], torch.float32), ids, chunks=[16])
     try:
         kernels.set_backend("fused")
         assert kernels.linear.__module__ == "kernels.fused"
-        got = incremental_logits(model, ids, chunks=[20])
+        got = incremental_logits(model, ids, chunks=[16])
     finally:
         kernels.set_backend("auto")
     err = (got - want).abs().max(dim=-1).values / want.abs().max()
