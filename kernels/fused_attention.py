@@ -191,7 +191,8 @@ def splits(rows: int, wgmma: bool) -> int:
     n = 1
     while n < 16 and (2 * rows * n <= quant_configs.SMS if wgmma else rows * n < 2 * quant_configs.SMS):
         n *= 2
-    return n
+    # the interpreter runs programs one by one: two splits still take the combine path, without the GPU's fan-out
+    return min(n, 2) if _INTERPRET else n
 
 
 def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, replay_starts, sliding_window,
