@@ -32,7 +32,7 @@ def sweep(label: str, model: str, engine_args: str, *extra: str, timeout_s: int 
 
 
 def serving_vs_engine(name: str, levels: str, duration: str, input_len: str, output_len: str, engine_args: str,
-                      model: str | None, device: str, machine: str) -> Suite:
+                      model: str | None, device: str, machine: str, requests_per_user: str = "4") -> Suite:
     """Through Triton (and through the OpenAI front) against the same engine called directly, one
     workload, level by level; each sweep checks that its clients were not the limit (loadtest.saturation).
     Engine-direct and Triton run first, so a call cut short still answers the main question."""
@@ -45,8 +45,8 @@ def serving_vs_engine(name: str, levels: str, duration: str, input_len: str, out
                                            name="checkpoint", json_flag=None, unless_exists=f"{model}/config.json")]
     steps += [
         Step("tools.bench_engine", (*(("--model", model) if model else ("--preset", "tiny")), "--core-process",
-                                    *shape, "--requests-per-user", "4", "--engine-args", engine_args,
-                                    "--json", "{out}/engine_direct.json"),
+                                    *shape, "--requests-per-user", requests_per_user, "--engine-args",
+                                    engine_args, "--json", "{out}/engine_direct.json"),
              name="engine_direct", json_flag=None, result="{out}/engine_direct.json", timeout_s=240),
         Step("loadtest.sweep", (*sweep_, "--protocol", "grpc", "--label", "triton"), name="triton", json_flag=None,
              result="{out}/triton.json", python="triton", timeout_s=300),
@@ -123,8 +123,9 @@ SUITE_LIST = [
                                        "1,32,150", "--input-len", "512", "--output-len", "64",
                                        "--requests-per-user", "4", "--engine-args", SHAPED),
                 name="engine_direct", timeout_s=250))),
-    serving_vs_engine("serving_vs_engine", "1,32,150,256", "10", "512", "64", SHAPED, "{ckpt}/flash-shaped", "cuda",
-                      "h200"),
+    # 30 s levels: at 10 s the ramp moves the ratio by up to 0.27x between runs (docs/PERF.md)
+    serving_vs_engine("serving_vs_engine", "1,32,150,256", "30", "512", "64", SHAPED, "{ckpt}/flash-shaped", "cuda",
+                      "h200", requests_per_user="12"),
     Suite("serving_depth", "At V4-Flash depth as shipped, with 64 users through Triton (1024 in / 128 out, 90 s): "
           "is ITL p50 within 2x of the batch-64 decode step and TTFT p90 within 4x of p50?",
           (checkpoint(DEPTH_CKPT, "flash-depth"),
