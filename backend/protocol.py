@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -71,6 +72,9 @@ _NEUTRAL_KEYS = {
     "include_stop_str_in_output": False,
 }
 MAX_STOP_TOKEN_IDS = 256
+# a token the grammar or a ban masked has logprob -inf, which JSON cannot carry (JS, Go and serde
+# parsers reject -Infinity): vLLM's stand-in
+MIN_LOGPROB = -9999.0
 MAX_JSON_BYTES = 64 << 10  # sampling_parameters / request parameters: far more than any real use
 MAX_REQUEST_ID_CHARS = 1024  # a longer client request id is refused
 LOGGED_REQUEST_ID_CHARS = 64  # what of a client's id goes into the engine's id (and so into every log line)
@@ -373,7 +377,8 @@ def _logit_bias(value) -> dict[str, float]:
         raise InvalidRequest(f"logit_bias must be an object of token id -> bias, got {value!r}")
     bias = {}
     for token, b in value.items():
-        if not str(token).strip().lstrip("-").isdigit():
+        # ASCII digits only: str.isdigit() takes "²" (int() then fails) and int() takes "١٢" as 12
+        if not re.fullmatch(r"\s*-?[0-9]+\s*", str(token)):
             raise InvalidRequest(f"logit_bias keys must be token ids (integers), got {token!r}")
         bias[str(int(token))] = _to_float(f"logit_bias[{token!r}]", b)
     return bias
@@ -492,7 +497,7 @@ def logprobs_json(logprobs: list[dict[int, float]] | None, decode_token: Callabl
 def _logprob_entry(step: dict[int, float], sampled: int | None, engine_rank: int | None,
                    decode_token: Callable[[int], str] | None) -> dict:
     order = sorted(step, key=lambda t: (t != sampled, -step[t]))
-    return {str(t): {"logprob": float(step[t]),
+    return {str(t): {"logprob": max(float(step[t]), MIN_LOGPROB),
                      "rank": engine_rank if t == sampled and engine_rank is not None
                      else 1 + sum(v > step[t] for v in step.values()),
                      "decoded_token": decode_token(t) if decode_token else None}

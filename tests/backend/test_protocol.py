@@ -289,3 +289,23 @@ def test_input_ids_reach_the_engine_as_ids():
 def test_bad_input_ids_name_the_problem(inputs, message):
     with pytest.raises(InvalidRequest, match=message):
         parse_request(inputs, None, "r")
+
+
+def test_logit_bias_keys_are_ascii_token_ids():
+    assert parse_sampling({"logit_bias": {" 12 ": 1, "-3": 2}}).logit_bias == {"12": 1.0, "-3": 2.0}
+    for key in ("²", "١٢", "1.5", "", "0x10"):  # isdigit() / int() would take or crash on some of these
+        with pytest.raises(InvalidRequest, match="logit_bias keys must be token ids"):
+            parse_sampling({"logit_bias": {key: 1}})
+
+
+def test_masked_tokens_logprobs_render_as_strict_json():
+    """A token a grammar or a ban masked has logprob -inf: rendered as vLLM's -9999.0, never -Infinity."""
+    state = OutputState("p", True, frozenset({"return_logprobs"}))
+    state.accumulate(RequestOutput("r", text="x", token_ids=[9], logprobs=[{9: 0.0, 5: float("-inf")}]))
+    text = render_final(state, RequestOutput("r", finished=True))["logprobs"][0]
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    entry = json.loads(text, parse_constant=refuse)[0]
+    assert entry["5"]["logprob"] == -9999.0 and entry["9"]["logprob"] == 0.0
