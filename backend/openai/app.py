@@ -263,9 +263,11 @@ async def _read_json(request: Request, settings: Settings) -> object:
     body = b"".join(chunks)
     body_limits.check_depth(body, settings.max_json_depth)
     try:
-        return json.loads(body)
+        parsed = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
+    body_limits.check_text(parsed)
+    return parsed
 
 
 async def _collect(call: Call, request: Request) -> Output:

@@ -1,4 +1,5 @@
-"""Request-body limits checked before JSON parsing: a size cap and a nesting-depth cap.
+"""Request-body limits: a size cap and a nesting-depth cap checked before JSON parsing, and text
+that is valid Unicode after it.
 
 Deeply nested JSON is a known way to crash parsers (Triton's own segfaults on ~200k nested
 arrays; Python's raises RecursionError after using the stack): the depth is found by a cheap scan
@@ -44,3 +45,25 @@ def check_depth(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> None:
     depth = json_depth(body, stop_above=max_depth)
     if depth > max_depth:
         raise OpenAIError(400, f"request body nests deeper than {max_depth} levels", code="json_too_deep")
+
+
+def has_lone_surrogate(value) -> bool:
+    """JSON's "\\ud800" escapes decode to a lone UTF-16 surrogate, which no UTF-8 encoder (Triton's
+    BYTES tensors, the tokenizer) takes."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(has_lone_surrogate(k) or has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(has_lone_surrogate(v) for v in value)
+    return False
+
+
+def check_text(value) -> None:
+    if has_lone_surrogate(value):
+        raise OpenAIError(400, "the request body holds a lone UTF-16 surrogate (an escape such as \\ud800 "
+                          "without its pair): not valid Unicode text", code="invalid_unicode")

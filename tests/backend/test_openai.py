@@ -8,6 +8,7 @@ import http.client
 import json
 import socket
 import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -159,6 +160,21 @@ def test_bad_parameters_are_400_in_openai_format(sdk, kwargs, param, message):
     assert info.value.status_code == 400
     error = info.value.body
     assert error["type"] == "invalid_request_error" and message in error["message"] and error["param"] == param
+
+
+def test_a_lone_surrogate_is_400_not_500(sdk):
+    """JSON may escape a lone surrogate ("\\ud800"); the SDK cannot even send one, raw clients can."""
+    base = str(sdk.base_url).rstrip("/")
+    for path, body in (("/completions", {"model": MODEL, "prompt": "a\ud800b", "max_tokens": 2}),
+                       ("/chat/completions", {"model": MODEL, "max_tokens": 2,
+                                              "messages": [{"role": "user", "content": "x\udfff"}]})):
+        raw = json.dumps(body).encode()  # ensure_ascii: the surrogate travels as its escape
+        request = urllib.request.Request(base + path, raw, {"Content-Type": "application/json",
+                                                             "Authorization": f"Bearer {sdk.api_key}"})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=30)
+        assert info.value.code == 400 and "surrogate" in json.loads(info.value.read())["error"]["message"]
+    assert sdk.completions.create(model=MODEL, prompt="a\U0001F600b", max_tokens=2).choices  # a real pair is fine
 
 
 def test_unknown_model_is_404(sdk):
