@@ -41,6 +41,7 @@ from pathlib import Path
 
 from backend import stub_numpy, workdir
 from backend.engine_setup import drained_marker
+from backend.openai.process import API_KEY_ENV as OPENAI_API_KEY_ENV
 from backend.ports import PortInUse, check_ports
 from backend.process_tree import (
     descendants,
@@ -591,8 +592,9 @@ def main(argv: list[str] | None = None) -> int:
     # -- the OpenAI-compatible API (backend/openai), its own process beside tritonserver
     parser.add_argument("--openai-port", type=int, help="also serve the OpenAI API on this port (make serve: 9000)")
     parser.add_argument("--openai-host", default="127.0.0.1", help="address the OpenAI API binds (default loopback)")
-    parser.add_argument("--openai-api-key", help="require 'Authorization: Bearer KEY' on the OpenAI API "
-                        "(default: $DSV4_OPENAI_API_KEY, else open)")
+    parser.add_argument("--openai-api-key", help="require 'Authorization: Bearer KEY' on the OpenAI API; visible in "
+                        "the process list: prefer --openai-api-key-file or $DSV4_OPENAI_API_KEY (default: open)")
+    parser.add_argument("--openai-api-key-file", help="read the OpenAI API key from this file (e.g. /run/secrets/...)")
     args = parser.parse_args(argv)
     try:
         engine_args = parse_engine_args(args.engine_args)
@@ -603,9 +605,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: binding {args.host}: inference is open to every host that reaches it (only the "
               "admin APIs need the key)", file=sys.stderr)
     try:
-        admin_key = read_admin_key(args.admin_key, args.admin_key_file)
+        admin_key = read_key(args.admin_key, args.admin_key_file, ADMIN_KEY_ENV)
+        openai_key = read_key(args.openai_api_key, args.openai_api_key_file, OPENAI_API_KEY_ENV)
     except OSError as e:
-        parser.error(f"--admin-key-file: {e}")
+        parser.error(f"key file: {e}")
     server = TritonServer(model=args.model, engine_args=engine_args, host=args.host, http_port=args.http_port,
                           grpc_port=args.grpc_port, metrics_port=args.metrics_port, admin_key=admin_key,
                           workdir=args.workdir, model_repository=args.model_repository, echo=True,
@@ -631,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shown = "as given"
     try:
-        front = start_openai(server, args.openai_port, args.openai_host, args.openai_api_key)
+        front = start_openai(server, args.openai_port, args.openai_host, openai_key)
     except RuntimeError as e:
         cause = headline_of_front_log(server.workdir / OPENAI_LOG)
         print(f"error: {cause or e}\n({e}; work dir kept: {server.workdir})", file=sys.stderr)
@@ -653,11 +656,11 @@ def start_openai(server: TritonServer, port: int | None, host: str, api_key: str
     when its /health says the model is. It talks to Triton's gRPC port, so it rides out a restart."""
     if port is None:
         return None
-    from backend.openai.process import API_KEY_ENV, OpenAIProcess, tokenizer_dir
+    from backend.openai.process import OpenAIProcess, tokenizer_dir
 
     model_json = server.workdir / "model_repository" / "deepseek_v4" / "1" / "model.json"
     front = OpenAIProcess(server.grpc_url, port=port, host=host, tokenizer=tokenizer_dir(model_json),
-                          api_key=api_key or os.environ.get(API_KEY_ENV), log_path=server.workdir / OPENAI_LOG)
+                          api_key=api_key, log_path=server.workdir / OPENAI_LOG)
     front.start()
     print(f"OpenAI API ready: {front.base_url} (log {front.log_path})", flush=True)
     return front
@@ -680,13 +683,14 @@ def python_command() -> str:
     return sys.executable if relative.startswith("..") else relative
 
 
-def read_admin_key(given: str | None, key_file: str | None) -> str | None:
-    """--admin-key, else --admin-key-file, else $DSV4_ADMIN_KEY, else None (a random one)."""
+def read_key(given: str | None, key_file: str | None, env: str) -> str | None:
+    """A key from its option, else its file, else its environment variable, else None (the admin
+    key: a random one; the OpenAI key: none)."""
     if given:
         return given
     if key_file:
         return Path(key_file).read_text().strip() or None
-    return os.environ.get(ADMIN_KEY_ENV) or None
+    return os.environ.get(env) or None
 
 
 if __name__ == "__main__":

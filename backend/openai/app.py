@@ -74,9 +74,9 @@ def build_app(settings: Settings) -> FastAPI:
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if settings.api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-            if not hmac.compare_digest(given.encode(), settings.api_key.encode()):
+        if settings.api_key and request.url.path not in OPEN_PATHS:
+            scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), settings.api_key.encode()):
                 error = OpenAIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
                                     code="invalid_api_key")
                 return JSONResponse(error.body(), status_code=401)
@@ -248,6 +248,11 @@ def _check_model(model: str, served: str) -> None:
     if model != served:
         raise OpenAIError(404, f"The model '{model}' does not exist (this server serves '{served}')",
                           param="model", code="model_not_found")
+
+
+# what a probe or a scraper reads without the API key (vLLM leaves these open too); everything else,
+# the routes and their schema (/openapi.json) included, needs "Authorization: Bearer KEY"
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
 async def _read_json(request: Request, settings: Settings) -> object:

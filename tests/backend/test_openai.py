@@ -246,6 +246,12 @@ def test_thinking_template_splits_reasoning_content_and_the_key_is_checked(think
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
     urllib.request.urlopen(f"http://127.0.0.1:{thinking_front.port}/health", timeout=5)  # health stays open
+    for header in ({}, {"Authorization": "sesame"}, {"Authorization": "Basic sesame"}):  # no key, no Bearer scheme
+        for path in ("/v1/models", "/openapi.json", "/tokenize"):
+            with pytest.raises(urllib.error.HTTPError) as info:
+                urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{thinking_front.port}{path}",
+                                                              headers=header), timeout=5)
+            assert info.value.code == 401, (path, header)
     prompt = ChatTemplate.load(template, "deepseek_v4").render(MESSAGES, thinking=True)
     assert prompt.endswith("<｜Assistant｜><think>")
     expected = triton_greedy(prompt, 12).text

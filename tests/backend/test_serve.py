@@ -124,3 +124,16 @@ def test_the_banners_client_command_runs_as_printed(tmp_path):
     assert command != "python" and os.access(command, os.X_OK), line
     done = subprocess.run([command, "-m", "client", "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
+
+
+def test_keys_come_from_option_file_or_environment_never_only_the_command_line(tmp_path, monkeypatch):
+    from backend.serve import OPENAI_API_KEY_ENV, read_key
+
+    secret = tmp_path / "key"
+    secret.write_text("from-file\n")
+    monkeypatch.setenv(OPENAI_API_KEY_ENV, "from-env")
+    assert read_key("given", str(secret), OPENAI_API_KEY_ENV) == "given"
+    assert read_key(None, str(secret), OPENAI_API_KEY_ENV) == "from-file"  # --openai-api-key-file: not in ps
+    assert read_key(None, None, OPENAI_API_KEY_ENV) == "from-env"
+    monkeypatch.delenv(OPENAI_API_KEY_ENV)
+    assert read_key(None, None, OPENAI_API_KEY_ENV) is None
