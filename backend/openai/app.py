@@ -14,7 +14,7 @@ import json
 import time
 from dataclasses import dataclass, replace
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -57,7 +57,21 @@ def build_app(settings: Settings) -> FastAPI:
         yield
         await state["model"].close()
 
-    app = FastAPI(title="DeepSeek-V4 OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    async def require_key(request: Request) -> None:
+        """A dependency, not an HTTP middleware: Starlette's middleware wraps the request's receive
+        channel, and `request.is_disconnected()` then never sees the client leave."""
+        if settings.api_key and request.url.path not in OPEN_PATHS:
+            scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), settings.api_key.encode()):
+                raise OpenAIError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
+
+    # the schema as a route of our own: FastAPI's built-in one would skip the key
+    app = FastAPI(title="DeepSeek-V4 OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None, dependencies=[Depends(require_key)])
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_schema():
+        return app.openapi()
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_request, error: OpenAIError):
@@ -71,16 +85,6 @@ def build_app(settings: Settings) -> FastAPI:
     async def _internal(_request, error: Exception):
         body = OpenAIError(500, f"internal error: {type(error).__name__}: {error}", type="internal_error").body()
         return JSONResponse(body, status_code=500)
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if settings.api_key and request.url.path not in OPEN_PATHS:
-            scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), settings.api_key.encode()):
-                error = OpenAIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                                    code="invalid_api_key")
-                return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
 
     @app.get("/health")
     async def health():

@@ -207,6 +207,31 @@ def test_closing_the_stream_cancels_the_triton_request(sdk, triton_server):
     assert (metric(text, "deepseek:request_failure_total", code="CANCELLED") or 0) == cancelled_before  # counted once
 
 
+def test_a_non_streaming_client_that_leaves_cancels_its_triton_request(openai_server, triton_server):
+    """The client closes its connection while its (non-streaming) request runs: the engine aborts it,
+    it does not run its 480 tokens to the end."""
+    before = metrics_text(triton_server.metrics_url)
+    aborted_before = metric(before, "deepseek:request_success_total", finished_reason="abort") or 0
+    length_before = metric(before, "deepseek:request_success_total", finished_reason="length") or 0
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", openai_server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 30
+        while (metric(metrics_text(triton_server.metrics_url), "deepseek:num_requests_running") or 0) < 1:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        text = metrics_text(triton_server.metrics_url)
+        if (metric(text, "deepseek:request_success_total", finished_reason="abort") or 0) == aborted_before + 1:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the request of a client that left was not aborted")
+    assert (metric(text, "deepseek:request_success_total", finished_reason="length") or 0) == length_before
+
+
 def _raw_post(front: OpenAIProcess, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
     conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=60)
     conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json", **(headers or {})})
@@ -247,10 +272,10 @@ def test_thinking_template_splits_reasoning_content_and_the_key_is_checked(think
             bad.models.list()
     urllib.request.urlopen(f"http://127.0.0.1:{thinking_front.port}/health", timeout=5)  # health stays open
     for header in ({}, {"Authorization": "sesame"}, {"Authorization": "Basic sesame"}):  # no key, no Bearer scheme
-        for path in ("/v1/models", "/openapi.json", "/tokenize"):
+        for path, data in (("/v1/models", None), ("/openapi.json", None), ("/tokenize", b"{}")):
             with pytest.raises(urllib.error.HTTPError) as info:
                 urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{thinking_front.port}{path}",
-                                                              headers=header), timeout=5)
+                                                              data, headers=header), timeout=5)
             assert info.value.code == 401, (path, header)
     prompt = ChatTemplate.load(template, "deepseek_v4").render(MESSAGES, thinking=True)
     assert prompt.endswith("<｜Assistant｜><think>")
