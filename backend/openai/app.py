@@ -140,7 +140,7 @@ def build_app(settings: Settings) -> FastAPI:
                 started.add(i)
                 yield _with_usage(builder.completion_chunk(i, echo + output.text, output), builder, req)
 
-        return await _stream(calls, chunks, builder, req)
+        return await _stream(request, calls, chunks, builder, req)
 
     def chat_prompt(req: ChatCompletionRequest):
         """A chat request's prompt, sampling parameters, and a maker of the per-choice output reader."""
@@ -195,7 +195,7 @@ def build_app(settings: Settings) -> FastAPI:
                     sent_calls[i] += len(piece.calls)
                 yield _with_usage(builder.chat_chunk(i, delta, output, finish_reason), builder, req)
 
-        return await _stream(calls, chunks, builder, req)
+        return await _stream(request, calls, chunks, builder, req)
 
     @app.post("/v1/responses")
     async def responses(request: Request):
@@ -226,7 +226,7 @@ def build_app(settings: Settings) -> FastAPI:
             except OpenAIError as error:  # after the first event: an error event ends the stream
                 yield builder.event("error", code=error.code, message=error.message, param=error.param)
 
-        return await _stream([call], events, sse=_sse_event, done=None)
+        return await _stream(request, [call], events, sse=_sse_event, done=None)
 
     return app
 
@@ -286,7 +286,15 @@ async def _collect(call: Call, request: Request) -> Output:
         async for output in call:
             return output
 
-    task = asyncio.ensure_future(first())
+    try:
+        return await _unless_disconnected(first(), request)
+    finally:
+        call.cancel()
+
+
+async def _unless_disconnected(awaitable, request: Request):
+    """`awaitable`'s result, or OpenAIError 499 (and `awaitable` cancelled) once the client has left."""
+    task = asyncio.ensure_future(awaitable)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -297,7 +305,6 @@ async def _collect(call: Call, request: Request) -> Output:
     finally:
         if not task.done():
             task.cancel()
-        call.cancel()
 
 
 async def _collect_all(calls: list[Call], request: Request) -> list[Output]:
@@ -316,7 +323,7 @@ def _seeded(sampling: dict, choice: int) -> dict:
     return sampling
 
 
-async def _stream(calls: list[Call], chunks, builder: Builder | None = None, req=None, sse=None,
+async def _stream(request: Request, calls: list[Call], chunks, builder: Builder | None = None, req=None, sse=None,
                   done: str | None = "data: [DONE]\n\n") -> StreamingResponse:
     """SSE of `chunks(outputs)`, `outputs` yielding (choice index, Output) as the calls answer. The
     first Triton response of each is awaited here, so an error that comes before any text (a bad
@@ -324,8 +331,8 @@ async def _stream(calls: list[Call], chunks, builder: Builder | None = None, req
     (default: `data:` only), `done` ends the stream (the Responses API sends no [DONE])."""
     sse = sse or _sse
     streams = [aiter(call) for call in calls]
-    try:
-        firsts = await asyncio.gather(*(anext(stream) for stream in streams))
+    try:  # a queued request sends nothing yet: a client that leaves is seen by polling, as in _collect
+        firsts = await _unless_disconnected(asyncio.gather(*(anext(stream) for stream in streams)), request)
     except BaseException:
         for call in calls:
             call.cancel()

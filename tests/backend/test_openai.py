@@ -18,6 +18,7 @@ from backend.openai.chat_template import ChatTemplate
 from backend.openai.process import OpenAIProcess, tokenizer_dir
 from client.grpc import GrpcClient
 from loadtest.scrape import metric, metrics_text
+from tests.conftest import SERVER_ENGINE_ARGS
 
 pytestmark = pytest.mark.slow
 
@@ -230,6 +231,46 @@ def test_a_non_streaming_client_that_leaves_cancels_its_triton_request(openai_se
     else:
         pytest.fail("the request of a client that left was not aborted")
     assert (metric(text, "deepseek:request_success_total", finished_reason="length") or 0) == length_before
+
+
+def _open_request(front: OpenAIProcess, body: dict) -> socket.socket:
+    """A request sent on a raw connection, left open (the caller closes it: a client that leaves)."""
+    raw = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", front.port), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+    return s
+
+
+def _wait_metric(triton_server, name: str, ok, timeout_s: float = 30, **labels) -> float:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = metric(metrics_text(triton_server.metrics_url), name, **labels) or 0
+        if ok(value):
+            return value
+        assert time.monotonic() < deadline, f"{name} {labels} stayed at {value}"
+        time.sleep(0.05)
+
+
+def test_a_queued_streaming_client_that_leaves_is_dropped_before_it_runs(openai_server, triton_server):
+    """Every sequence slot busy, one streaming request queued behind them: its client leaves before
+    its first token; it leaves the queue at once and never runs."""
+    aborted = metric(metrics_text(triton_server.metrics_url), "deepseek:request_success_total",
+                     finished_reason="abort") or 0
+    long = {"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
+    fillers = [_open_request(openai_server, long) for _ in range(SERVER_ENGINE_ARGS["max_num_seqs"])]
+    try:
+        _wait_metric(triton_server, "deepseek:num_requests_running", lambda v: v == len(fillers))
+        queued = _open_request(openai_server, {**long, "stream": True})
+        _wait_metric(triton_server, "deepseek:num_requests_waiting", lambda v: v == 1)
+        queued.close()
+        _wait_metric(triton_server, "deepseek:num_requests_waiting", lambda v: v == 0, timeout_s=5)
+        assert (metric(metrics_text(triton_server.metrics_url), "deepseek:num_requests_running") or 0) == len(fillers)
+    finally:
+        for s in fillers:
+            s.close()
+    _wait_metric(triton_server, "deepseek:request_success_total", lambda v: v == aborted + len(fillers) + 1,
+                 finished_reason="abort")
 
 
 def _raw_post(front: OpenAIProcess, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
