@@ -37,9 +37,6 @@ class ForwardBatch:
         return len(self.seq_lens)
 
 
-_HOST_FIELDS = ("input_ids", "positions", "seq_lens", "starts", "replay_starts", "compress_from", "window_slots",
-                "window_tables", "full_tables", "state_slots", "logits_rows", "token_seq", "replay_start_t",
-                "state_slot_t", "is_decode", "max_pos")
 _TENSORS = {f.name for f in fields(ForwardBatch) if f.type == "torch.Tensor"}
 
 
@@ -65,8 +62,8 @@ class HostBatch:
     max_pos: int
 
     def to_device(self, device: torch.device) -> ForwardBatch:
-        return ForwardBatch(**{name: torch.tensor(getattr(self, name), dtype=torch.long, device=device)
-                               if name in _TENSORS else getattr(self, name) for name in _HOST_FIELDS})
+        return ForwardBatch(**{f.name: torch.tensor(getattr(self, f.name), dtype=torch.long, device=device)
+                               if f.name in _TENSORS else getattr(self, f.name) for f in fields(self)})
 
 
 DEAD = -1  # look-back slot before the sequence start: an n-gram never reaches across it

@@ -40,3 +40,12 @@ def openai_server(triton_server):
     with OpenAIProcess(triton_server.grpc_url, port=0, tokenizer=tokenizer_dir(model_json),
                        log_path=triton_server.workdir / "openai.log") as front:
         yield front
+
+
+@pytest.fixture(scope="module")
+def sdk(openai_server):
+    """The official openai SDK on the shared OpenAI front."""
+    import openai
+
+    with openai.OpenAI(base_url=openai_server.base_url, api_key="unused", max_retries=0, timeout=120) as client:
+        yield client

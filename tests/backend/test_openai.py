@@ -28,12 +28,6 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 
 @pytest.fixture(scope="module")
-def sdk(openai_server):
-    with openai.OpenAI(base_url=openai_server.base_url, api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def triton_greedy(triton_server):
     """Greedy text straight from Triton (gRPC), the oracle for what the front must return."""
     with GrpcClient(triton_server.grpc_url) as client:

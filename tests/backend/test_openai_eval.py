@@ -21,12 +21,6 @@ PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
-def sdk(openai_server):
-    with openai.OpenAI(base_url=openai_server.base_url, api_key="unused", max_retries=0, timeout=120) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def tokenize(openai_server):
     root = openai_server.base_url.removesuffix("/v1")
 
