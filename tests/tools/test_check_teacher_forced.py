@@ -1,0 +1,34 @@
+"""The teacher-forced check (tools/check_teacher_forced.py) on the tiny checkpoints, on the CPU: the engine
+under test decodes on the decode graphs' static batches, so a broken decode path or one wrong layer
+must show, and the per-layer probe must name the layer."""
+
+import pytest
+
+from tools.bench_engine import random_prompts
+from tools.check_teacher_forced import build_engines, check, perturb_layer
+
+
+@pytest.fixture(scope="module")
+def v41_tiny(tmp_path_factory):
+    from engine.models.deepseek_v41.random_checkpoint import write_v41_checkpoint
+
+    return str(write_v41_checkpoint(tmp_path_factory.mktemp("v41") / "tiny", "v41-tiny"))
+
+
+@pytest.mark.parametrize("family", ["v4", "v41"])
+def test_float32_engine_matches_the_reference_and_a_perturbed_layer_is_named(family, request):
+    model = request.getfixturevalue("v41_tiny") if family == "v41" else ""
+    steps, lens = 6, (17, 26)
+    ref, test = build_engines(model, len(lens), max(lens) + steps + 1, {"dtype": "float32"})
+    prompts = [p[:n] for p, n in zip(random_prompts(len(lens), max(lens), ref.cfg.vocab_size, seed=3), lens)]
+
+    clean = check(ref, test, prompts, steps, probes=1)
+    assert test.runner.replays > 0 and ref.runner.replays == 0  # the engine decoded on its static batches
+    assert clean["positions"] == len(lens) * steps and clean["top1_agreement"] == 1.0
+    assert clean["max_kl"] < 1e-6 and clean["probes"][0]["jump_added"] < 1e-5  # float32 against float32
+
+    perturb_layer(test, 1, 1.5)
+    bad = check(ref, test, prompts, steps, probes=1)
+    assert bad["mean_kl"] > 1e-3
+    (probe,) = bad["probes"]
+    assert probe["jump"] == 1 and probe["layers"][0] < 1e-5 < 1e-1 < probe["layers"][1]

@@ -1,0 +1,238 @@
+"""Teacher-forced check: the engine as served against the float32 torch references, on one token sequence.
+
+The reference (the same checkpoint, every op its torch reference in float32, weights dequantised to
+float32 as they are used, eager) reads each prompt and continues it greedily for --steps tokens. The
+engine under test (the engine arguments as given: fused kernels, CUDA graphs, paged KV cache; on the
+CPU the decode graphs' static batches) reads the same prompts and is then fed the reference's tokens one
+decode step at a time (its own picks are overwritten before the next step), so both predict every
+position from the same history and a rounding flip cannot send them down different paths. Per position:
+top-1 agreement, KL(reference || engine) of the next-token distributions, the largest logit difference;
+a disagreement where the reference's top two are within --tie nats is counted apart (a near tie).
+Then at the first positions where they part (or, if none, the largest KL), the prompt runs alone through
+both, eagerly, with taps on every layer: the residual streams' relative error layer by layer, so a bug
+shows as one layer whose error jumps, rounding as a gradual drift (`jump`: the layer adding the most).
+
+Memory: both models stay as stored (FP8 / MXFP4); the reference dequantises each weight to float32 when
+it is used, so it needs no float32 copy of the model (its activations and KV cache are float32).
+
+    python -m tools.check_teacher_forced --model DIR [--prompts 8] [--steps 256] [--probes 2]
+        [--engine-args JSON] [--perturb-layer N] [--json F]
+
+Exit status 1 when a target is missed (top-1 agreement >= --min-agreement, mean KL <= --max-mean-kl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+import kernels
+from engine.llm_engine import LLMEngine
+from engine.request import GenerationRequest, SamplingParams
+from engine.runner import GRAPH_BUCKETS
+from tools.bench_engine import random_prompts
+from tools.layer_taps import EMBED, LayerTaps, eager_steps
+
+# The reference: every op its torch reference, float32, eager
+REFERENCE = {"dtype": "float32", "kernels": "ref", "enforce_eager": True}
+# Both engines: tokens read back every step (so the next one can be forced), no prefix cache (a probe
+# feeds a prompt again: it must run the same path, not a cache hit)
+FORCEABLE = {"async_scheduling": False, "enable_prefix_caching": False}
+KV_BYTES_CUDA = 4 << 30  # per engine: 8 sequences of a few hundred tokens; two engines share the GPU
+
+
+@contextmanager
+def kernels_of(engine: LLMEngine):
+    """The kernels backend is process-wide: each engine runs under its own."""
+    before = kernels.backend()
+    kernels.set_backend(engine.args.kernels)
+    try:
+        yield
+    finally:
+        kernels.set_backend(before)
+
+
+def build_engines(model: str, n_prompts: int, max_len: int, engine_args: dict) -> tuple[LLMEngine, LLMEngine]:
+    """(reference, engine under test), both sized for n_prompts sequences of max_len tokens."""
+    common = {"model": model, "max_model_len": max_len, "max_num_seqs": n_prompts, **FORCEABLE}
+    if torch.cuda.is_available():
+        common["kv_cache_memory_bytes"] = KV_BYTES_CUDA
+    ref = LLMEngine({**common, **REFERENCE}, detokenize=False)
+    test = LLMEngine({**common, **engine_args, **FORCEABLE}, detokenize=False)
+    if test.device.type == "cpu":  # decode steps on exactly what a graph replay reads
+        test.runner.static_decode_batches([b for b in GRAPH_BUCKETS if b <= n_prompts])
+    return ref, test
+
+
+_runs = iter(range(1 << 30))
+
+
+def run_forced(engine: LLMEngine, prompts: list[list[int]], steps: int, forced: list[list[int]] | None,
+               on_logits: Callable[[int, int, torch.Tensor], None]) -> list[list[int]]:
+    """Feed the prompts together, then `steps` positions each, one decode step per position; the token
+    fed after position k is forced[i][k] (None: the engine's own greedy pick). on_logits(prompt, k,
+    logits) sees each next-token distribution. -> the tokens fed after each prompt."""
+    run = next(_runs)
+    seqs = [engine.add_request(GenerationRequest(f"forced-{run}-{i}", prompt_token_ids=p, sampling=SamplingParams(
+        max_tokens=steps, temperature=0, ignore_eos=True))) for i, p in enumerate(prompts)]
+    with kernels_of(engine):
+        while engine.has_unfinished():
+            before = [len(s.output_token_ids) for s in seqs]
+            engine.step()
+            for i, (s, k) in enumerate(zip(seqs, before)):
+                if len(s.output_token_ids) > k:  # this step predicted position k of prompt i
+                    on_logits(i, k, engine.last_logits[s.request_id])
+                    if forced is not None:
+                        s.output_token_ids[k] = forced[i][k]
+    return [list(s.output_token_ids) for s in seqs]
+
+
+def compare_row(ref: torch.Tensor, got: torch.Tensor) -> dict:
+    """One position: the two next-token distributions from their logits."""
+    ref, got = ref.double().cpu(), got.double().cpu()
+    lp_ref, lp_got = torch.log_softmax(ref, -1), torch.log_softmax(got, -1)
+    top2 = lp_ref.topk(2).values
+    return {"agree": bool(ref.argmax() == got.argmax()),
+            "kl": float((lp_ref.exp() * (lp_ref - lp_got)).sum().clamp(min=0)),
+            "max_logit_diff": float((got - ref).abs().max()), "margin": float(top2[0] - top2[1])}
+
+
+def summarize(rows: list[dict], tie: float) -> dict:
+    kl = torch.tensor([r["kl"] for r in rows], dtype=torch.float64)
+    parted = [r for r in rows if not r["agree"]]
+    return {"positions": len(rows), "top1_agreement": 1 - len(parted) / len(rows),
+            "near_tie_disagreements": sum(r["margin"] < tie for r in parted),
+            "mean_kl": float(kl.mean()), "p99_kl": float(kl.quantile(0.99)), "max_kl": float(kl.max()),
+            "max_logit_diff": max(r["max_logit_diff"] for r in rows)}
+
+
+def probe_positions(rows: list[dict], n: int) -> list[dict]:
+    """The first n positions (by step) where the top-1 parts; none: the largest KL."""
+    parted = sorted((r for r in rows if not r["agree"]), key=lambda r: (r["step"], r["prompt"]))
+    return parted[:n] if parted else [max(rows, key=lambda r: r["kl"])] if n else []
+
+
+def layer_states(engine: LLMEngine, prompt: list[int], tokens: list[int], at: set[int]) -> dict[int, dict]:
+    """The prompt alone, forced along `tokens`, eagerly: step -> {"layers": taps' rows, "logits"} at `at`."""
+    out: dict[int, dict] = {}
+    with eager_steps(engine.runner), LayerTaps(engine.model) as taps:
+        def keep(_, k, logits):
+            if k in at:
+                out[k] = {"layers": dict(taps.rows), "logits": logits.float().cpu()}
+        run_forced(engine, [prompt], max(at) + 1, [tokens], keep)
+    return out
+
+
+def layer_errors(ref: dict[int, torch.Tensor], got: dict[int, torch.Tensor]) -> dict:
+    """Relative error of the streams after each layer; `jump`: the layer that adds the most error."""
+    errs = {k: float((got[k] - ref[k]).norm() / ref[k].norm().clamp(min=1e-30)) for k in sorted(ref)}
+    blocks = [k for k in errs if k != EMBED]
+    added = {k: errs[k] - errs.get(k - 1, errs[EMBED]) for k in blocks}
+    jump = max(added, key=added.get)
+    return {"embed": errs[EMBED], "layers": [errs[k] for k in blocks], "jump": jump, "jump_added": added[jump]}
+
+
+def check(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int, probes: int = 2,
+          tie: float = 1e-2) -> dict:
+    """The whole check on two built engines; returns the report (see the module's docstring)."""
+    t0 = time.monotonic()
+    ref_logits: dict[tuple[int, int], torch.Tensor] = {}
+    tokens = run_forced(ref, prompts, steps, None,
+                        lambda i, k, lg: ref_logits.__setitem__((i, k), lg.float().cpu()))
+    t_ref = time.monotonic() - t0
+    rows: list[dict] = []
+    fed = run_forced(test, prompts, steps, tokens,
+                     lambda i, k, lg: rows.append({"prompt": i, "step": k, **compare_row(ref_logits[(i, k)], lg)}))
+    assert fed == tokens, "the engine under test was not fed the reference's tokens"
+    report = summarize(rows, tie) | {"prompts": len(prompts), "steps": steps,
+                                     "prompt_lens": [len(p) for p in prompts]}
+    # drift along the sequence: mean KL and agreement per span of steps
+    spans = [(0, 1), (1, 16), (16, 64), (64, steps)]
+    report["by_step"] = [{"steps": f"{a}-{b - 1}", **summarize(sel, tie)}
+                         for a, b in spans if (sel := [r for r in rows if a <= r["step"] < b])]
+    t_test = time.monotonic() - t0 - t_ref
+    report["probes"] = []
+    wanted = probe_positions(rows, probes)
+    for i in sorted({p["prompt"] for p in wanted}):
+        at = {p["step"] for p in wanted if p["prompt"] == i}
+        want, got = layer_states(ref, prompts[i], tokens[i], at), layer_states(test, prompts[i], tokens[i], at)
+        for k in sorted(at):
+            row = next(r for r in rows if r["prompt"] == i and r["step"] == k)
+            alone = compare_row(want[k]["logits"], got[k]["logits"])  # the same position, batch 1, eager
+            report["probes"].append({"prompt": i, "step": k, "agree": row["agree"], "kl": row["kl"],
+                                     "margin": row["margin"], "alone_kl": alone["kl"], "alone_agree": alone["agree"],
+                                     **layer_errors(want[k]["layers"], got[k]["layers"])})
+    report["seconds"] = {"reference": round(t_ref, 1), "engine": round(t_test, 1),
+                         "probes": round(time.monotonic() - t0 - t_ref - t_test, 1)}
+    return report
+
+
+def perturb_layer(engine: LLMEngine, layer: int, scale: float) -> None:
+    """Scale one layer's FFN norm weight on the engine's side (a planted bug the check must find; the
+    attention's would mostly vanish in the q and kv norms after its first linears)."""
+    w = engine.model.layers[layer].ffn_norm.weight
+    with torch.no_grad():
+        w.mul_(scale)
+
+
+def print_report(r: dict, targets: dict) -> None:
+    print(f"teacher-forced: {r['prompts']} prompts x {r['steps']} positions, engine vs float32 references")
+    print(f"{'steps':>8} | {'top-1':>7} | {'mean KL':>9} | {'p99 KL':>9} | {'max KL':>9} | {'max dlogit':>10} | near ties")
+    for s in r["by_step"] + [{**r, "steps": "all"}]:
+        print(f"{s['steps']:>8} | {s['top1_agreement']:7.2%} | {s['mean_kl']:9.2e} | {s['p99_kl']:9.2e} | "
+              f"{s['max_kl']:9.2e} | {s['max_logit_diff']:10.3e} | {s['near_tie_disagreements']}")
+    for p in r["probes"]:
+        errs = " ".join(f"{e:.1e}" for e in p["layers"])
+        print(f"probe prompt {p['prompt']} step {p['step']} ({'agree' if p['agree'] else 'parted'}, KL {p['kl']:.2e}, "
+              f"margin {p['margin']:.2e}; alone KL {p['alone_kl']:.2e}): jump at layer {p['jump']} "
+              f"(+{p['jump_added']:.2e}); embed {p['embed']:.1e}; layers {errs}")
+    verdict = ", ".join(f"{k} {'ok' if ok else 'MISSED'}" for k, ok in targets.items())
+    print(f"targets: {verdict}; seconds {r['seconds']}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="", help="checkpoint directory ('' : the tiny checkpoint)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=64, help="the first prompt's tokens; each next one 29 more")
+    ap.add_argument("--steps", type=int, default=256, help="forced positions per prompt")
+    ap.add_argument("--probes", type=int, default=2, help="parting positions to trace layer by layer")
+    ap.add_argument("--tie", type=float, default=1e-2, help="a disagreement within this reference margin (nats) "
+                    "is a near tie")
+    ap.add_argument("--engine-args", default="{}", help="the engine under test's arguments (JSON)")
+    ap.add_argument("--perturb-layer", type=int, default=None, help="scale this layer's FFN norm on the "
+                    "engine's side by --perturb-scale: the per-layer report must point at it")
+    ap.add_argument("--perturb-scale", type=float, default=1.5)
+    ap.add_argument("--min-agreement", type=float, default=0.99)
+    ap.add_argument("--max-mean-kl", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    lens = [a.prompt_len + 29 * i for i in range(a.prompts)]
+    ref, test = build_engines(a.model, a.prompts, max(lens) + a.steps + 1, json.loads(a.engine_args))
+    prompts = [p[:n] for p, n in zip(random_prompts(a.prompts, max(lens), ref.cfg.vocab_size, a.seed), lens)]
+    if a.perturb_layer is not None:
+        perturb_layer(test, a.perturb_layer, a.perturb_scale)
+    r = check(ref, test, prompts, a.steps, a.probes, a.tie)
+    targets = {f"top-1 >= {a.min_agreement:.0%}": r["top1_agreement"] >= a.min_agreement,
+               f"mean KL <= {a.max_mean_kl:.0e}": r["mean_kl"] <= a.max_mean_kl}
+    print_report(r, targets)
+    if a.json:
+        meta = {"model": a.model, "engine_args": test.args.__dict__, "argv": vars(a), "machine": platform.platform(),
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                "torch": torch.__version__, "graphs": bool(test.runner.graphs), "kernels": test.args.kernels}
+        Path(a.json).write_text(json.dumps({"meta": meta, "targets": targets, **r}, indent=2, default=str))
+        print(f"wrote {a.json}")
+    return 0 if all(targets.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
