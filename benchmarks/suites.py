@@ -68,6 +68,17 @@ def profile(name: str, *args: str, then_remove: str | None = None) -> Step:
 
 
 SUITE_LIST = [
+    # ---- correctness first: run these before any timing suite
+    Suite("teacher_forced", "Fed the same tokens (8 prompts x 256 positions, one decode step each), does "
+          "the engine at V4-Flash depth as shipped (16 MXFP4 experts, FP8 linears, fused kernels, CUDA graphs) "
+          "predict what the float32 torch references predict (top-1 >= 99%, mean KL <= 1e-3), and where they "
+          "part, which layer moves first?",
+          (checkpoint(DEPTH_CKPT, "flash-depth"),
+           Step("tools.check_teacher_forced", ("--model", DEPTH_CKPT), name="v4_depth", timeout_s=560))),
+    Suite("teacher_forced_v41", "The same teacher-forced check on the V4.1-Flash-shaped engine as shipped "
+          "(FP8 32x32 linears kept as stored, MXFP4 experts).",
+          (checkpoint(V41_CKPT, "v41-flash-shaped"),
+           Step("tools.check_teacher_forced", ("--model", V41_CKPT), name="v41_shaped", timeout_s=500))),
     # ---- decode and prefill at V4-Flash depth (43 layers, its schedule, 16 MXFP4 experts, FP8 linears)
     Suite("decode_depth", "How far is a decode step at V4-Flash depth, as shipped, from its memory floor "
           "(batch 1 / 32 / 64 / 150, context ~1K, CUDA graphs)?",

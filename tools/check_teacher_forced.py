@@ -126,18 +126,22 @@ def layer_states(engine: LLMEngine, prompt: list[int], tokens: list[int], at: se
     with eager_steps(engine.runner), LayerTaps(engine.model) as taps:
         def keep(_, k, logits):
             if k in at:
-                out[k] = {"layers": dict(taps.rows), "logits": logits.float().cpu()}
+                out[k] = {"layers": dict(taps.rows), "routes": dict(taps.routes), "logits": logits.float().cpu()}
         run_forced(engine, [prompt], max(at) + 1, [tokens], keep)
     return out
 
 
-def layer_errors(ref: dict[int, torch.Tensor], got: dict[int, torch.Tensor]) -> dict:
-    """Relative error of the streams after each layer; `jump`: the layer that adds the most error."""
-    errs = {k: float((got[k] - ref[k]).norm() / ref[k].norm().clamp(min=1e-30)) for k in sorted(ref)}
+def layer_errors(ref: dict, got: dict) -> dict:
+    """Relative error of the streams after each layer; `jump`: the layer that adds the most error;
+    `route_flips`: the layers whose routed experts differ (a jump there may be rounding's, not a bug)."""
+    a, b = ref["layers"], got["layers"]
+    errs = {k: float((b[k] - a[k]).norm() / a[k].norm().clamp(min=1e-30)) for k in sorted(a)}
     blocks = [k for k in errs if k != EMBED]
     added = {k: errs[k] - errs.get(k - 1, errs[EMBED]) for k in blocks}
     jump = max(added, key=added.get)
-    return {"embed": errs[EMBED], "layers": [errs[k] for k in blocks], "jump": jump, "jump_added": added[jump]}
+    flips = [k for k in blocks if ref["routes"][k] != got["routes"][k]]
+    return {"embed": errs[EMBED], "layers": [errs[k] for k in blocks], "jump": jump, "jump_added": added[jump],
+            "route_flips": flips}
 
 
 def check(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int, probes: int = 2,
@@ -169,7 +173,7 @@ def check(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int,
             alone = compare_row(want[k]["logits"], got[k]["logits"])  # the same position, batch 1, eager
             report["probes"].append({"prompt": i, "step": k, "agree": row["agree"], "kl": row["kl"],
                                      "margin": row["margin"], "alone_kl": alone["kl"], "alone_agree": alone["agree"],
-                                     **layer_errors(want[k]["layers"], got[k]["layers"])})
+                                     **layer_errors(want[k], got[k])})
     report["seconds"] = {"reference": round(t_ref, 1), "engine": round(t_test, 1),
                          "probes": round(time.monotonic() - t0 - t_ref - t_test, 1)}
     return report
@@ -193,7 +197,8 @@ def print_report(r: dict, targets: dict) -> None:
         errs = " ".join(f"{e:.1e}" for e in p["layers"])
         print(f"probe prompt {p['prompt']} step {p['step']} ({'agree' if p['agree'] else 'parted'}, KL {p['kl']:.2e}, "
               f"margin {p['margin']:.2e}; alone KL {p['alone_kl']:.2e}): jump at layer {p['jump']} "
-              f"(+{p['jump_added']:.2e}); embed {p['embed']:.1e}; layers {errs}")
+              f"(+{p['jump_added']:.2e}); routing flips at layers {p['route_flips']}; embed {p['embed']:.1e}; "
+              f"layers {errs}")
     verdict = ", ".join(f"{k} {'ok' if ok else 'MISSED'}" for k, ok in targets.items())
     print(f"targets: {verdict}; seconds {r['seconds']}")
 

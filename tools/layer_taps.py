@@ -14,17 +14,36 @@ import torch
 
 from engine.models.deepseek_v4.model import DeepseekV4
 from kernels import reference
+from kernels.deepseek_v41 import reference as v41_reference
 
 EMBED = -1  # the key of the embedding's output in LayerTaps.rows
 
 
+def _routed_v4(moe, x: torch.Tensor, input_ids: torch.Tensor) -> list[int]:
+    c, gate = moe.cfg, moe.gate
+    hashed = gate.tid2eid[input_ids[-1:]] if gate.tid2eid is not None else None
+    _, idx = reference.router_topk(x[-1:].float(), gate.weight.float(), gate.bias, c.num_experts_per_tok,
+                                   c.routed_scaling_factor, c.scoring_func, hashed)
+    return sorted(idx[0].tolist())
+
+
+def _routed_v41(moe, x: torch.Tensor) -> list[int]:
+    c, gate = moe.cfg, moe.gate
+    _, idx = v41_reference.router(x[-1:], gate.weight, gate.bias, c.num_experts_per_tok, c.routed_scaling_factor,
+                                  c.scoring_func, c.gate_temp, c.norm_topk_prob)
+    return sorted(idx[0].tolist())
+
+
 class LayerTaps:
     """rows: layer index (EMBED for the embedding) -> that layer's streams [hc_mult, hidden] (the
-    embedding: [hidden]) of the last row of the latest forward."""
+    embedding: [hidden]) of the last row of the latest forward. routes: layer -> the routed experts
+    the torch reference router picks on that row's MoE input (a flip there moves a layer's output by
+    a whole expert: a jump that rounding alone can cause)."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.rows: dict[int, torch.Tensor] = {}
+        self.routes: dict[int, list[int]] = {}
         self._undo: list = []
 
     def _keep(self, layer: int, streams: torch.Tensor) -> None:
@@ -33,7 +52,11 @@ class LayerTaps:
     def __enter__(self) -> LayerTaps:
         m = self.model
         self._undo.append(m.embed.register_forward_hook(lambda mod, args, out: self._keep(EMBED, out)).remove)
+        routed = _routed_v4 if isinstance(m, DeepseekV4) else _routed_v41
         for i, block in enumerate(m.layers):
+            hook = block.ffn.register_forward_pre_hook(
+                lambda mod, args, _i=i: self.routes.__setitem__(_i, routed(mod, *args)))
+            self._undo.append(hook.remove)
             if isinstance(m, DeepseekV4):
                 # V4's blocks hand their last hc_post to the next block (fused there): apply it here
                 # with the reference, on the last row only, so the tap adds nothing to the streams

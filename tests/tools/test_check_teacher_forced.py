@@ -26,6 +26,7 @@ def test_float32_engine_matches_the_reference_and_a_perturbed_layer_is_named(fam
     assert test.runner.replays > 0 and ref.runner.replays == 0  # the engine decoded on its static batches
     assert clean["positions"] == len(lens) * steps and clean["top1_agreement"] == 1.0
     assert clean["max_kl"] < 1e-6 and clean["probes"][0]["jump_added"] < 1e-5  # float32 against float32
+    assert clean["probes"][0]["route_flips"] == []
 
     perturb_layer(test, 1, 1.5)
     bad = check(ref, test, prompts, steps, probes=1)
