@@ -144,14 +144,40 @@ def layer_errors(ref: dict, got: dict) -> dict:
             "route_flips": flips}
 
 
+def oracle_rows(model_dir: str, prompts: list[list[int]], tokens: list[list[int]],
+                ref_logits: dict[tuple[int, int], torch.Tensor]) -> list[dict]:
+    """The float32 reference against transformers' DeepseekV4ForCausalLM (the external oracle; FP8 /
+    MXFP4 dequantised to float32 by FineGrainedFP8Config) on the same sequences, one forward each."""
+    from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
+
+    from engine.args import resolve_model_dir
+    from engine.models.registry import load_config
+
+    path = resolve_model_dir(model_dir)
+    cfg = load_config(path)
+    stored = cfg.fp8_linears or cfg.expert_dtype != "bf16"
+    quantized = {"quantization_config": FineGrainedFP8Config(dequantize=True)} if stored else {}
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = DeepseekV4ForCausalLM.from_pretrained(str(path), experts_implementation="eager", dtype=torch.float32,
+                                               **quantized).to(device).eval()
+    rows = []
+    with torch.no_grad():
+        for i, (p, t) in enumerate(zip(prompts, tokens)):
+            logits = hf(torch.tensor([p + t[:-1]], device=device)).logits[0, len(p) - 1:]
+            rows += [{"prompt": i, "step": k, **compare_row(logits[k], ref_logits[(i, k)])} for k in range(len(t))]
+    return rows
+
+
 def check(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int, probes: int = 2,
-          tie: float = 1e-2) -> dict:
-    """The whole check on two built engines; returns the report (see the module's docstring)."""
+          tie: float = 1e-2, oracle: bool = False) -> dict:
+    """The whole check on two built engines; returns the report (see the module's docstring). oracle:
+    also the reference against transformers (`oracle_rows`; "oracle" in the report)."""
     t0 = time.monotonic()
     ref_logits: dict[tuple[int, int], torch.Tensor] = {}
     tokens = run_forced(ref, prompts, steps, None,
                         lambda i, k, lg: ref_logits.__setitem__((i, k), lg.float().cpu()))
     t_ref = time.monotonic() - t0
+    print(f"  reference: {len(ref_logits)} positions in {t_ref:.1f} s", flush=True)
     rows: list[dict] = []
     fed = run_forced(test, prompts, steps, tokens,
                      lambda i, k, lg: rows.append({"prompt": i, "step": k, **compare_row(ref_logits[(i, k)], lg)}))
@@ -163,10 +189,13 @@ def check(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int,
     report["by_step"] = [{"steps": f"{a}-{b - 1}", **summarize(sel, tie)}
                          for a, b in spans if (sel := [r for r in rows if a <= r["step"] < b])]
     t_test = time.monotonic() - t0 - t_ref
+    print(f"  engine: top-1 {report['top1_agreement']:.2%}, mean KL {report['mean_kl']:.2e} in {t_test:.1f} s",
+          flush=True)
     report["probes"] = []
     wanted = probe_positions(rows, probes)
     for i in sorted({p["prompt"] for p in wanted}):
         at = {p["step"] for p in wanted if p["prompt"] == i}
+        print(f"  probing prompt {i} at steps {sorted(at)} layer by layer", flush=True)
         want, got = layer_states(ref, prompts[i], tokens[i], at), layer_states(test, prompts[i], tokens[i], at)
         for k in sorted(at):
             row = next(r for r in rows if r["prompt"] == i and r["step"] == k)
@@ -176,6 +205,10 @@ def check(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int,
                                      **layer_errors(want[k], got[k])})
     report["seconds"] = {"reference": round(t_ref, 1), "engine": round(t_test, 1),
                          "probes": round(time.monotonic() - t0 - t_ref - t_test, 1)}
+    if oracle:
+        t1 = time.monotonic()
+        report["oracle"] = summarize(oracle_rows(ref.args.model, prompts, tokens, ref_logits), tie)
+        report["seconds"]["oracle"] = round(time.monotonic() - t1, 1)
     return report
 
 
@@ -199,6 +232,10 @@ def print_report(r: dict, targets: dict) -> None:
               f"margin {p['margin']:.2e}; alone KL {p['alone_kl']:.2e}): jump at layer {p['jump']} "
               f"(+{p['jump_added']:.2e}); routing flips at layers {p['route_flips']}; embed {p['embed']:.1e}; "
               f"layers {errs}")
+    if "oracle" in r:
+        o = r["oracle"]
+        print(f"reference vs transformers (oracle): top-1 {o['top1_agreement']:.2%}, mean KL {o['mean_kl']:.2e}, "
+              f"max KL {o['max_kl']:.2e}, max dlogit {o['max_logit_diff']:.3e}")
     verdict = ", ".join(f"{k} {'ok' if ok else 'MISSED'}" for k, ok in targets.items())
     print(f"targets: {verdict}; seconds {r['seconds']}")
 
@@ -218,6 +255,8 @@ def main() -> int:
     ap.add_argument("--perturb-scale", type=float, default=1.5)
     ap.add_argument("--min-agreement", type=float, default=0.99)
     ap.add_argument("--max-mean-kl", type=float, default=1e-3)
+    ap.add_argument("--oracle", action="store_true", help="also compare the reference with transformers' "
+                    "DeepseekV4ForCausalLM (V4 only; float32 weights: where they fit)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -226,7 +265,7 @@ def main() -> int:
     prompts = [p[:n] for p, n in zip(random_prompts(a.prompts, max(lens), ref.cfg.vocab_size, a.seed), lens)]
     if a.perturb_layer is not None:
         perturb_layer(test, a.perturb_layer, a.perturb_scale)
-    r = check(ref, test, prompts, a.steps, a.probes, a.tie)
+    r = check(ref, test, prompts, a.steps, a.probes, a.tie, a.oracle)
     targets = {f"top-1 >= {a.min_agreement:.0%}": r["top1_agreement"] >= a.min_agreement,
                f"mean KL <= {a.max_mean_kl:.0e}": r["mean_kl"] <= a.max_mean_kl}
     print_report(r, targets)
