@@ -74,11 +74,20 @@ SUITE_LIST = [
           "predict what the float32 torch references predict (top-1 >= 99%, mean KL <= 1e-3), and where they "
           "part, which layer moves first?",
           (checkpoint(DEPTH_CKPT, "flash-depth"),
-           Step("tools.check_teacher_forced", ("--model", DEPTH_CKPT), name="v4_depth", timeout_s=560))),
-    Suite("teacher_forced_v41", "The same teacher-forced check on the V4.1-Flash-shaped engine as shipped "
-          "(FP8 32x32 linears kept as stored, MXFP4 experts).",
+           Step("tools.check_teacher_forced", ("--model", DEPTH_CKPT), name="v4_depth", timeout_s=500))),
+    Suite("teacher_forced_v41", "The same teacher-forced check on the V4.1-Flash-shaped engine as shipped (FP8 "
+          "32x32 linears kept as stored, MXFP4 experts, decoder trim on), then with decoder trim off (what the "
+          "kernels and graphs alone move).",
           (checkpoint(V41_CKPT, "v41-flash-shaped"),
-           Step("tools.check_teacher_forced", ("--model", V41_CKPT), name="v41_shaped", timeout_s=500))),
+           Step("tools.check_teacher_forced", ("--model", V41_CKPT), name="v41_shaped", timeout_s=400),
+           Step("tools.check_teacher_forced", ("--model", V41_CKPT, "--engine-args", '{"swa_decoder_trim":false}'),
+                name="v41_shaped_no_trim", timeout_s=400))),
+    Suite("teacher_forced_planted", "Does the teacher-forced check at V4-Flash depth see a planted bug (layer "
+          "21's FFN norm 10% off on the engine's side) and name its layer (exit 0 only if every probe does)?",
+          (checkpoint(DEPTH_CKPT, "flash-depth"),
+           Step("tools.check_teacher_forced", ("--model", DEPTH_CKPT, "--perturb-layer", "21", "--perturb-scale",
+                                               "1.1", "--prompts", "4", "--steps", "64"), name="v4_depth_planted",
+                timeout_s=400))),
     # ---- decode and prefill at V4-Flash depth (43 layers, its schedule, 16 MXFP4 experts, FP8 linears)
     Suite("decode_depth", "How far is a decode step at V4-Flash depth, as shipped, from its memory floor "
           "(batch 1 / 32 / 64 / 150, context ~1K, CUDA graphs)?",

@@ -1,24 +1,32 @@
 """Teacher-forced check: the engine as served against the float32 torch references, on one token sequence.
 
-The reference (the same checkpoint, every op its torch reference in float32, weights dequantised to
-float32 as they are used, eager) reads each prompt and continues it greedily for --steps tokens. The
-engine under test (the engine arguments as given: fused kernels, CUDA graphs, paged KV cache; on the
-CPU the decode graphs' static batches) reads the same prompts and is then fed the reference's tokens one
-decode step at a time (its own picks are overwritten before the next step), so both predict every
-position from the same history and a rounding flip cannot send them down different paths. Per position:
-top-1 agreement, KL(reference || engine) of the next-token distributions, the largest logit difference;
-a disagreement where the reference's top two are within --tie nats is counted apart (a near tie).
-Then at the first positions where they part (or, if none, the largest KL), the prompt runs alone through
-both, eagerly, with taps on every layer: the residual streams' relative error layer by layer, so a bug
-shows as one layer whose error jumps, rounding as a gradual drift (`jump`: the layer adding the most).
+The engine under test (the engine arguments as given: fused kernels, CUDA graphs, paged KV cache; on the
+CPU the decode graphs' static batches) reads 8 prompts together and continues them for --steps tokens,
+one decode step per token. The reference (the same checkpoint, every op its torch reference in float32,
+weights dequantised to float32 as they are used, eager) then reads each prompt plus those tokens in one
+prefill and gives the next-token logits of every position: both predict every position from the same
+history, so a rounding flip cannot send them down different paths. `--teacher reference` instead lets
+the reference decode greedily and feeds its tokens to the engine (the engine's own picks overwritten
+before each next step): the same comparison, but the reference then pays one dequantising forward per
+token (minutes at V4-Flash depth against seconds).
+
+Per position: top-1 agreement, KL(reference || engine) of the next-token distributions, the largest
+logit difference; a disagreement where the reference's top two are within --tie nats is counted apart
+(a near tie). Then at the first positions where they part (or, if none, the largest KL) the prompt runs
+alone through both, eagerly (the engine decoding one token per step, the reference in one prefill up to
+the position), with taps on every layer:
+the residual streams' relative error layer by layer, so a bug shows as one layer whose error jumps,
+rounding as a gradual drift (`jump`: the layer adding the most; `route_flips`: the layers whose routed
+experts differ, where rounding alone can make a jump).
 
 Memory: both models stay as stored (FP8 / MXFP4); the reference dequantises each weight to float32 when
 it is used, so it needs no float32 copy of the model (its activations and KV cache are float32).
 
     python -m tools.check_teacher_forced --model DIR [--prompts 8] [--steps 256] [--probes 2]
-        [--engine-args JSON] [--perturb-layer N] [--json F]
+        [--teacher engine|reference] [--engine-args JSON] [--perturb-layer N] [--oracle] [--json F]
 
-Exit status 1 when a target is missed (top-1 agreement >= --min-agreement, mean KL <= --max-mean-kl).
+Exit status 1 when a target is missed (top-1 agreement >= --min-agreement, mean KL <= --max-mean-kl); with
+--perturb-layer N (a planted bug), 1 unless every probe names layer N as the jump.
 """
 
 from __future__ import annotations
@@ -42,7 +50,8 @@ from tools.bench_engine import random_prompts
 from tools.layer_taps import EMBED, LayerTaps, eager_steps
 
 # The reference: every op its torch reference, float32, eager
-REFERENCE = {"dtype": "float32", "kernels": "ref", "enforce_eager": True}
+REFERENCE = {"dtype": "float32", "kernels": "ref", "enforce_eager": True,
+             "swa_decoder_trim": False}  # V4.1: every row through every layer (the trim approximates: engine.replay_error)
 # Both engines: tokens read back every step (so the next one can be forced), no prefix cache (a probe
 # feeds a prompt again: it must run the same path, not a cache hit)
 FORCEABLE = {"async_scheduling": False, "enable_prefix_caching": False}
@@ -95,6 +104,26 @@ def run_forced(engine: LLMEngine, prompts: list[list[int]], steps: int, forced: 
     return [list(s.output_token_ids) for s in seqs]
 
 
+def score_sequence(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
+    """The next-token logits [len(ids), vocab] of every position of one sequence, read in its prefill
+    (the runner asked for every row's logits; the engine still gets the last row it samples from)."""
+    rows: list[torch.Tensor] = []
+    run = engine.runner.run
+
+    def every_row(scheduled, all_logits=False, **kwargs):
+        out = run(scheduled, all_logits=True, **kwargs)
+        rows.append(out.float().cpu())
+        (seq, n), = scheduled
+        return out[-1:] if seq.num_computed_tokens + n == seq.num_tokens else out[:0]
+
+    engine.runner.run = every_row  # an instance attribute over the method, for this one request
+    try:
+        run_forced(engine, [ids], 1, None, lambda *_: None)
+    finally:
+        del engine.runner.run
+    return torch.cat(rows)
+
+
 def compare_row(ref: torch.Tensor, got: torch.Tensor) -> dict:
     """One position: the two next-token distributions from their logits."""
     ref, got = ref.double().cpu(), got.double().cpu()
@@ -120,14 +149,24 @@ def probe_positions(rows: list[dict], n: int) -> list[dict]:
     return parted[:n] if parted else [max(rows, key=lambda r: r["kl"])] if n else []
 
 
-def layer_states(engine: LLMEngine, prompt: list[int], tokens: list[int], at: set[int]) -> dict[int, dict]:
-    """The prompt alone, forced along `tokens`, eagerly: step -> {"layers": taps' rows, "logits"} at `at`."""
+def decode_states(engine: LLMEngine, prompt: list[int], tokens: list[int], at: set[int]) -> dict[int, dict]:
+    """The prompt alone, then forced along `tokens` one decode step each, eagerly: step -> the taps'
+    rows and routes and the logits, at the steps in `at`."""
     out: dict[int, dict] = {}
     with eager_steps(engine.runner), LayerTaps(engine.model) as taps:
         def keep(_, k, logits):
             if k in at:
                 out[k] = {"layers": dict(taps.rows), "routes": dict(taps.routes), "logits": logits.float().cpu()}
         run_forced(engine, [prompt], max(at) + 1, [tokens], keep)
+    return out
+
+
+def prefill_states(engine: LLMEngine, ids: list[int]) -> dict:
+    """One prefill of `ids`: the taps' rows and routes of its last row, and its next-token logits."""
+    out: dict = {}
+    with eager_steps(engine.runner), LayerTaps(engine.model) as taps:
+        run_forced(engine, [ids], 1, None, lambda _, k, logits: out.update(
+            layers=dict(taps.rows), routes=dict(taps.routes), logits=logits.float().cpu()))
     return out
 
 
@@ -169,45 +208,56 @@ def oracle_rows(model_dir: str, prompts: list[list[int]], tokens: list[list[int]
 
 
 def check(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int, probes: int = 2,
-          tie: float = 1e-2, oracle: bool = False) -> dict:
-    """The whole check on two built engines; returns the report (see the module's docstring). oracle:
-    also the reference against transformers (`oracle_rows`; "oracle" in the report)."""
+          tie: float = 1e-2, oracle: bool = False, teacher: str = "engine") -> dict:
+    """The whole check on two built engines; returns the report (see the module's docstring). teacher:
+    whose greedy tokens both are fed; oracle: also the reference against transformers (`oracle_rows`)."""
     t0 = time.monotonic()
-    ref_logits: dict[tuple[int, int], torch.Tensor] = {}
-    tokens = run_forced(ref, prompts, steps, None,
-                        lambda i, k, lg: ref_logits.__setitem__((i, k), lg.float().cpu()))
-    t_ref = time.monotonic() - t0
-    print(f"  reference: {len(ref_logits)} positions in {t_ref:.1f} s", flush=True)
-    rows: list[dict] = []
-    fed = run_forced(test, prompts, steps, tokens,
-                     lambda i, k, lg: rows.append({"prompt": i, "step": k, **compare_row(ref_logits[(i, k)], lg)}))
-    assert fed == tokens, "the engine under test was not fed the reference's tokens"
-    report = summarize(rows, tie) | {"prompts": len(prompts), "steps": steps,
+    want: dict[tuple[int, int], torch.Tensor] = {}  # (prompt, step) -> the reference's logits
+    got: dict[tuple[int, int], torch.Tensor] = {}  # the engine's
+
+    def into(store):
+        return lambda i, k, logits: store.__setitem__((i, k), logits.float().cpu())
+
+    if teacher == "reference":
+        tokens = run_forced(ref, prompts, steps, None, into(want))
+        t_ref = time.monotonic() - t0
+        fed = run_forced(test, prompts, steps, tokens, into(got))
+        assert fed == tokens, "the engine under test was not fed the reference's tokens"
+        t_test = time.monotonic() - t0 - t_ref
+    else:
+        tokens = run_forced(test, prompts, steps, None, into(got))
+        t_test = time.monotonic() - t0
+        for i, (p, t) in enumerate(zip(prompts, tokens)):
+            scored = score_sequence(ref, p + t[:-1])[len(p) - 1:]
+            want.update(((i, k), scored[k]) for k in range(steps))
+        t_ref = time.monotonic() - t0 - t_test
+    rows = [{"prompt": i, "step": k, **compare_row(want[i, k], got[i, k])} for i, k in sorted(got)]
+    print(f"  {len(rows)} positions: engine {t_test:.1f} s, reference {t_ref:.1f} s", flush=True)
+    report = summarize(rows, tie) | {"prompts": len(prompts), "steps": steps, "teacher": teacher,
                                      "prompt_lens": [len(p) for p in prompts]}
     # drift along the sequence: mean KL and agreement per span of steps
     spans = [(0, 1), (1, 16), (16, 64), (64, steps)]
     report["by_step"] = [{"steps": f"{a}-{b - 1}", **summarize(sel, tie)}
                          for a, b in spans if (sel := [r for r in rows if a <= r["step"] < b])]
-    t_test = time.monotonic() - t0 - t_ref
-    print(f"  engine: top-1 {report['top1_agreement']:.2%}, mean KL {report['mean_kl']:.2e} in {t_test:.1f} s",
-          flush=True)
+    print(f"  top-1 {report['top1_agreement']:.2%}, mean KL {report['mean_kl']:.2e}", flush=True)
     report["probes"] = []
     wanted = probe_positions(rows, probes)
     for i in sorted({p["prompt"] for p in wanted}):
         at = {p["step"] for p in wanted if p["prompt"] == i}
         print(f"  probing prompt {i} at steps {sorted(at)} layer by layer", flush=True)
-        want, got = layer_states(ref, prompts[i], tokens[i], at), layer_states(test, prompts[i], tokens[i], at)
+        engine_at = decode_states(test, prompts[i], tokens[i], at)
         for k in sorted(at):
+            ref_at = prefill_states(ref, prompts[i] + tokens[i][:k])
             row = next(r for r in rows if r["prompt"] == i and r["step"] == k)
-            alone = compare_row(want[k]["logits"], got[k]["logits"])  # the same position, batch 1, eager
+            alone = compare_row(ref_at["logits"], engine_at[k]["logits"])  # the same position, batch 1, eager
             report["probes"].append({"prompt": i, "step": k, "agree": row["agree"], "kl": row["kl"],
                                      "margin": row["margin"], "alone_kl": alone["kl"], "alone_agree": alone["agree"],
-                                     **layer_errors(want[k], got[k])})
+                                     **layer_errors(ref_at, engine_at[k])})
     report["seconds"] = {"reference": round(t_ref, 1), "engine": round(t_test, 1),
                          "probes": round(time.monotonic() - t0 - t_ref - t_test, 1)}
     if oracle:
         t1 = time.monotonic()
-        report["oracle"] = summarize(oracle_rows(ref.args.model, prompts, tokens, ref_logits), tie)
+        report["oracle"] = summarize(oracle_rows(ref.args.model, prompts, tokens, want), tie)
         report["seconds"]["oracle"] = round(time.monotonic() - t1, 1)
     return report
 
@@ -249,6 +299,9 @@ def main() -> int:
     ap.add_argument("--probes", type=int, default=2, help="parting positions to trace layer by layer")
     ap.add_argument("--tie", type=float, default=1e-2, help="a disagreement within this reference margin (nats) "
                     "is a near tie")
+    ap.add_argument("--teacher", choices=("engine", "reference"), default="engine", help="whose greedy tokens "
+                    "both are fed: the engine's (the reference scores them in one prefill) or the reference's "
+                    "(it decodes them: one forward per token)")
     ap.add_argument("--engine-args", default="{}", help="the engine under test's arguments (JSON)")
     ap.add_argument("--perturb-layer", type=int, default=None, help="scale this layer's FFN norm on the "
                     "engine's side by --perturb-scale: the per-layer report must point at it")
@@ -265,9 +318,12 @@ def main() -> int:
     prompts = [p[:n] for p, n in zip(random_prompts(a.prompts, max(lens), ref.cfg.vocab_size, a.seed), lens)]
     if a.perturb_layer is not None:
         perturb_layer(test, a.perturb_layer, a.perturb_scale)
-    r = check(ref, test, prompts, a.steps, a.probes, a.tie, a.oracle)
+    r = check(ref, test, prompts, a.steps, a.probes, a.tie, a.oracle, a.teacher)
     targets = {f"top-1 >= {a.min_agreement:.0%}": r["top1_agreement"] >= a.min_agreement,
                f"mean KL <= {a.max_mean_kl:.0e}": r["mean_kl"] <= a.max_mean_kl}
+    if a.perturb_layer is not None:  # a planted bug: the question is whether the probes find it
+        targets = {f"every probe names layer {a.perturb_layer}": all(p["jump"] == a.perturb_layer
+                                                                     for p in r["probes"])}
     print_report(r, targets)
     if a.json:
         meta = {"model": a.model, "engine_args": test.args.__dict__, "argv": vars(a), "machine": platform.platform(),

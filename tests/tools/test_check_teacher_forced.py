@@ -19,19 +19,23 @@ def v41_tiny(tmp_path_factory):
 def test_float32_engine_matches_the_reference_and_a_perturbed_layer_is_named(family, request):
     model = request.getfixturevalue("v41_tiny") if family == "v41" else ""
     steps, lens = 6, (17, 26)
-    ref, test = build_engines(model, len(lens), max(lens) + steps + 1, {"dtype": "float32"})
+    # V4.1's decoder trim approximates (engine.replay_error measures it): off, float32 matches float32
+    ref, test = build_engines(model, len(lens), max(lens) + steps + 1, {"dtype": "float32", "swa_decoder_trim": False})
     prompts = [p[:n] for p, n in zip(random_prompts(len(lens), max(lens), ref.cfg.vocab_size, seed=3), lens)]
 
     clean = check(ref, test, prompts, steps, probes=1, oracle=family == "v4")
     assert test.runner.replays > 0 and ref.runner.replays == 0  # the engine decoded on its static batches
     assert clean["positions"] == len(lens) * steps and clean["top1_agreement"] == 1.0
-    assert clean["max_kl"] < 1e-6 and clean["probes"][0]["jump_added"] < 1e-5  # float32 against float32
+    # float32 against float32, the engine's decode steps against the reference's prefill (V4.1's
+    # fake-quantised activations can round a hair apart: 1e-6)
+    assert clean["max_kl"] < 1e-5 and clean["probes"][0]["jump_added"] < 1e-4
     assert clean["probes"][0]["route_flips"] == []
     if family == "v4":  # the reference itself against transformers on the same tokens
         assert clean["oracle"]["top1_agreement"] == 1.0 and clean["oracle"]["max_kl"] < 1e-6
 
     perturb_layer(test, 1, 1.5)
-    bad = check(ref, test, prompts, steps, probes=1)
-    assert bad["mean_kl"] > 1e-3
-    (probe,) = bad["probes"]
-    assert probe["jump"] == 1 and probe["layers"][0] < 1e-5 < 1e-1 < probe["layers"][1]
+    for teacher in ("engine", "reference"):  # the reference's own decode steps, its tokens forced on the engine
+        bad = check(ref, test, prompts, steps, probes=1, teacher=teacher)
+        assert bad["mean_kl"] > 1e-3
+        (probe,) = bad["probes"]
+        assert probe["jump"] == 1 and probe["layers"][0] < 1e-5 < 1e-1 < probe["layers"][1]
