@@ -26,8 +26,8 @@ def test_float32_engine_matches_the_reference_and_a_perturbed_layer_is_named(fam
     clean = check(ref, test, prompts, steps, probes=1, oracle=family == "v4")
     assert test.runner.replays > 0 and ref.runner.replays == 0  # the engine decoded on its static batches
     assert clean["positions"] == len(lens) * steps and clean["top1_agreement"] == 1.0
-    # float32 against float32, the engine's decode steps against the reference's prefill (V4.1's
-    # fake-quantised activations can round a hair apart: 1e-6)
+    # float32 against float32, the engine's decode steps against the reference's prefill: rounding
+    # only (V4.1 here reaches a KL of 1.4e-6; a planted error below is above 1e-3)
     assert clean["max_kl"] < 1e-5 and clean["probes"][0]["jump_added"] < 1e-4
     assert clean["probes"][0]["route_flips"] == []
     if family == "v4":  # the reference itself against transformers on the same tokens
