@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import quant_configs
+from kernels import pdl, quant_configs
+from kernels.pdl import wait_and_release
 
 # Triton's CPU interpreter computes bf16 tl.dot wrongly (seen with Triton 3.9: errors of 1e10),
 # so under TRITON_INTERPRET the dots run in fp32; on the GPU they stay in the model dtype.
@@ -42,7 +43,9 @@ def _paged_attention_kernel(
     BS: tl.constexpr, RATIO: tl.constexpr, PER_BLOCK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, TOPK: tl.constexpr, NSPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_and_release(PDL)
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -125,9 +128,11 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
-                    HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr):
+                    HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """Program (token, heads, columns): its own small slice, so the partials of one decode token are read by many
     programs at once (one program per 16 heads read 512 KB each for V4's 64 x 512 at 16 splits)."""
+    wait_and_release(PDL)
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -244,10 +249,11 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
         selected.contiguous() if selected is not None else positions, sinks, scale, H, sliding_window, comp_off,
         BS=window_pool.shape[1], RATIO=max(ratio, 1), PER_BLOCK=comp_pool.shape[1] if comp_pool is not None else 1,
         HD=hd, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, MODE=mode, TOPK=topk, NSPLIT=nsplit,
-        DOT_F32=_INTERPRET, num_warps=warps, num_stages=stages,
+        DOT_F32=_INTERPRET, num_warps=warps, num_stages=stages, **pdl.options(q),
     )
     if nsplit > 1:
         cb_h, cb_d = min(COMBINE_BLOCK_H, block_h), min(COMBINE_BLOCK_D, hd)
         _combine_kernel[(T, triton.cdiv(H, cb_h), hd // cb_d)](
-            out, part_m, part_l, part_acc, sinks, H, HD=hd, BLOCK_H=cb_h, BLOCK_D=cb_d, NSPLIT=nsplit)
+            out, part_m, part_l, part_acc, sinks, H, HD=hd, BLOCK_H=cb_h, BLOCK_D=cb_d, NSPLIT=nsplit,
+            **pdl.options(out))
     return out

@@ -36,9 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import quant_configs
+from kernels import pdl, quant_configs
 from kernels.formats import FP8_BLOCK, fp8_block_of
 from kernels.fp8_unpack import fp8_unpacked
+from kernels.pdl import wait_and_release
 from kernels.semaphores import semaphores, split_k_arrive, split_k_total
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
@@ -128,13 +129,14 @@ def _scaled_dot(w, xt, sw, DOT_F32: tl.constexpr, W_CVT: tl.constexpr):
 def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STRIDE, ROWS, K_SPLIT,
                     SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     DOT_F32: tl.constexpr, W_CVT: tl.constexpr = "cast", B: tl.constexpr = 128,
-                    SCALE_TILE: tl.constexpr = False):
+                    SCALE_TILE: tl.constexpr = False, PDL: tl.constexpr = False):
     """acc[BLOCK_N, BLOCK_M] = W[n, k-range] @ x[m, g * K + k-range]^T, g = the group of rows n (ROWS
     weight rows per group: wo_a's 8 groups read their own slice of x; a plain linear is one group).
     B: the scale block (128 V4, 32 V4.1). Split-K: each split stores its float32 partial, and the last
     split of a tile to finish (a counter per tile, reset by it for the next call) adds them and writes
     y: one launch, no reduce. y holds two row-major outputs back to back (_out_offsets): columns
     [0, N1) and [N1, N)."""
+    wait_and_release(PDL)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -198,42 +200,64 @@ def _split_k_store(acc, y_ptr, ws_ptr, tile, pid_k, out, omask, M, N, SPLITS: tl
         tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=omask)
 
 
+@triton.jit
+def _gemv_weights(w_ptr, s_row, n, nmask, k0, k_hi, K, G: tl.constexpr, B: tl.constexpr):
+    """One K step's weight tile [BLOCK_N, G, B] (e4m3), its k offsets [G, B] and their scales [BLOCK_N, G]."""
+    k = k0 + tl.arange(0, G)[:, None] * B + tl.arange(0, B)[None, :]
+    kmask = k < k_hi
+    w = tl.load(w_ptr + n[:, None, None] * K + k[None, :, :], mask=nmask[:, None, None] & kmask[None, :, :],
+                other=0.0)
+    sw = tl.load(s_row[:, None] + k0 // B + tl.arange(0, G)[None, :],
+                 mask=nmask[:, None] & (k0 + tl.arange(0, G) * B < k_hi)[None, :], other=0.0)
+    return w, k, sw
+
+
+@triton.jit
+def _gemv_step(xg, n, w, k, sw, k_hi):
+    # x in the weight tile's layout (each thread its own entries, from L1): no shared-memory broadcast
+    xk = tl.load(xg + k[None, :, :] + 0 * n[:, None, None], mask=(k < k_hi)[None, :, :], other=0.0).to(tl.float32)
+    return tl.sum(tl.sum(w.to(tl.float32) * xk, axis=2) * sw, axis=1)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STRIDE, ROWS, K_SPLIT,
-                 SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B: tl.constexpr = 128):
+                 SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B: tl.constexpr = 128,
+                 PDL: tl.constexpr = False):
     """y[m, n-tile] for one activation row m per program, on the CUDA cores: no MMA and no shared
     memory, the weight in 16-byte loads straight to registers ([BLOCK_N, BLOCK_K / B, B]: the last
     axis one scale block, B = 128 in V4, 32 in V4.1), e4m3 -> float32 (F2FP unpack + HADD2.F32), one
-    FMA per weight byte, each scale block's sum rescaled once. Groups and split-K as _dequant_kernel."""
+    FMA per weight byte, each scale block's sum rescaled once. Groups and split-K as _dequant_kernel.
+    PDL: the program's first weight step is loaded before the grid-dependency wait (no kernel writes
+    weights), so its bytes stream while the predecessor finishes."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     G: tl.constexpr = BLOCK_K // B
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
-    j = tl.arange(0, G)
-    i = tl.arange(0, B)
     xg = x_ptr + m * X_STRIDE + (pid_n * BLOCK_N // ROWS) * K  # BLOCK_N divides ROWS: one group per tile
     s_row = s_ptr + (n // B) * tl.cdiv(K, B)
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     acc = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + j[:, None] * B + i[None, :]  # [G, B]
-        kmask = k < k_hi
-        w = tl.load(w_ptr + n[:, None, None] * K + k[None, :, :], mask=nmask[:, None, None] & kmask[None, :, :],
-                    other=0.0)
-        # x in the weight tile's layout (each thread its own entries, from L1): no shared-memory broadcast
-        xk = tl.load(xg + k[None, :, :] + 0 * n[:, None, None], mask=kmask[None, :, :], other=0.0).to(tl.float32)
-        sw = tl.load(s_row[:, None] + k0 // B + j[None, :], mask=nmask[:, None] & (k0 + j * B < k_hi)[None, :],
-                     other=0.0)
-        acc += tl.sum(tl.sum(w.to(tl.float32) * xk, axis=2) * sw, axis=1)
+    if PDL:  # the first step peeled: its weights in flight across the wait (every split has one step)
+        w, k, sw = _gemv_weights(w_ptr, s_row, n, nmask, k_lo, k_hi, K, G, B)
+        wait_and_release(PDL)
+        acc += _gemv_step(xg, n, w, k, sw, k_hi)
+        k_next = k_lo + BLOCK_K
+    else:
+        k_next = k_lo
+    for k0 in range(k_next, k_hi, BLOCK_K):
+        w, k, sw = _gemv_weights(w_ptr, s_row, n, nmask, k0, k_hi, K, G, B)
+        acc += _gemv_step(xg, n, w, k, sw, k_hi)
     _split_k_store(acc, y_ptr, ws_ptr, sem_ptr + m * tl.num_programs(0) + pid_n, pid_k,
                    _out_offsets(m, n, M, N, N1), nmask, M, N, SPLITS)
 
 
 @triton.jit(do_not_specialize=["M", "M_OUT"])
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_x, BLOCK_M: tl.constexpr, ROUND_F32: tl.constexpr):
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_x, BLOCK_M: tl.constexpr, ROUND_F32: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """x [M, K] (row stride stride_x) -> q [M_OUT, K] e4m3 (float32 holding e4m3 values in the interpreter), scales
     [cdiv(K,128), M_OUT]; rows M..M_OUT quantize zeros (padding)."""
+    wait_and_release(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     k = kb * 128 + tl.arange(0, 128)
@@ -253,9 +277,10 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_x, BLOCK_M: tl.co
 
 @triton.jit(do_not_specialize=["M"])
 def _mma_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, y_ptr, M, N, N1, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, B: tl.constexpr = 128):
+                GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, B: tl.constexpr = 128, PDL: tl.constexpr = False):
     """y = dequant(q) @ dequant(W)^T over 128-wide K blocks (the activation scale's); B: the weight's
     scale block (128 V4; 32 V4.1: each K block as 128 / B sub-dots, each rescaled by its own scales)."""
+    wait_and_release(PDL)
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = GROUP_M * num_n  # GROUP_M row tiles walk the N tiles together: weight tiles are reused from L2
@@ -338,12 +363,13 @@ def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None, 
     sem = semaphores(y.device, grid[0] * grid[1]) if split > 1 else y
     args = (x2, weight, scale, y, ws, sem, M, N, N if n1 is None else n1, K, x2.stride(0), N // groups, k_split, split)
     if gemv:
-        _gemv_kernel[grid](*args, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], B=block, **_launch_opts(cfg))
+        _gemv_kernel[grid](*args, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], B=block,
+                           **_launch_opts(cfg), **pdl.options(x2))
         return
     _dequant_kernel[grid](*args, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                           DOT_F32=_INTERPRET or x2.dtype == torch.float32,
                           W_CVT=cfg.get("W_CVT", quant_configs.W_CVT) if x2.dtype == torch.bfloat16 else "cast",
-                          B=block, SCALE_TILE=cfg.get("SCALE_TILE", False), **_launch_opts(cfg))
+                          B=block, SCALE_TILE=cfg.get("SCALE_TILE", False), **_launch_opts(cfg), **pdl.options(x2))
 
 
 def _mma(x2, weight, scale, y, cfg, n1: int | None = None, block: int = FP8_BLOCK):
@@ -352,10 +378,12 @@ def _mma(x2, weight, scale, y, cfg, n1: int | None = None, block: int = FP8_BLOC
     sk = triton.cdiv(K, 128)
     q = torch.empty(M, K, dtype=torch.float32 if _INTERPRET else torch.float8_e4m3fn, device=x2.device)
     qs = torch.empty(sk, M, dtype=torch.float32, device=x2.device)
-    _act_quant_kernel[(triton.cdiv(M, 32), sk)](x2, q, qs, M, M, K, K, BLOCK_M=32, ROUND_F32=_INTERPRET)
+    _act_quant_kernel[(triton.cdiv(M, 32), sk)](x2, q, qs, M, M, K, K, BLOCK_M=32, ROUND_F32=_INTERPRET,
+                                                **pdl.options(x2))
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     _mma_kernel[grid](q, qs, weight, scale, y, M, N, N if n1 is None else n1, K, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      GROUP_M=cfg.get("GROUP_M", 8), DOT_F32=_INTERPRET, B=block, **_launch_opts(cfg))
+                      GROUP_M=cfg.get("GROUP_M", 8), DOT_F32=_INTERPRET, B=block, **_launch_opts(cfg),
+                      **pdl.options(q))
 
 
 def tiles(m: int, n: int, k: int, variant: str | None = None, config: dict | None = None,
@@ -465,7 +493,7 @@ def _cublas(x2, weight, scale, lead, M: int, N: int, K: int, groups: int, split_
         q = torch.empty(Mp, K, dtype=torch.float8_e4m3fn, device=x2.device)
         qs = torch.empty(sk, Mp, dtype=torch.float32, device=x2.device)
         _act_quant_kernel[(triton.cdiv(Mp, 32), sk)](x2[:, g * K:], q, qs, M, Mp, K, x2.stride(0), BLOCK_M=32,
-                                                     ROUND_F32=False)
+                                                     ROUND_F32=False, **pdl.options(x2))
         for a, b in [(0, split_n), (split_n, N)] if pair else [(g * R, (g + 1) * R)]:
             ys.append(F.scaled_mm(q, weight[a:b].t(), qs.t(), F.ScalingType.BlockWise1x128,
                                   ws[a // FP8_BLOCK:triton.cdiv(b, FP8_BLOCK)].t(), F.ScalingType.BlockWise128x128,

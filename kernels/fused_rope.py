@@ -10,11 +10,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_and_release
+
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slot_ptr, D, R, HEADS, eps, sin_sign,
                       NORM: tl.constexpr, HAS_W: tl.constexpr, INSERT: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_R: tl.constexpr):
+                      BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+    wait_and_release(PDL)
     row = tl.program_id(0)
     t = row // HEADS
     cols = tl.arange(0, BLOCK_D)
@@ -52,7 +56,8 @@ def _launch(x, weight, cos, sin, eps, norm, out, slots=None, sin_sign=1.0):
     _norm_rope_kernel[(rows,)](x, weight if weight is not None else x, cos.contiguous(), sin.contiguous(), out,
                                slots if slots is not None else x, D, R, heads, eps, sin_sign, NORM=norm,
                                HAS_W=weight is not None, INSERT=slots is not None,
-                               BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(max(R // 2, 1)))
+                               BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(max(R // 2, 1)),
+                               **pdl.options(x))
     return out
 
 
