@@ -189,16 +189,24 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The shared expert's down projection of its SwiGLU: linear(swiglu(gate, up), weight, scale)."""
+    return linear(swiglu(gate, up, limit), weight, scale)
+
+
 def mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
     return F.linear(swiglu(F.linear(x, w1), F.linear(x, w3), limit), w2)
 
 
 def moe_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                weights: torch.Tensor, indices: torch.Tensor, limit: float, scales=None) -> torch.Tensor:
+                weights: torch.Tensor, indices: torch.Tensor, limit: float, scales=None,
+                shared: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts: w1/w3 [E, I, D], w2 [E, D, I]; tokens grouped per expert. `scales`
     (w1, w3, w2 scales): the weights are stored FP8 block ([E, I, D] e4m3) or MXFP4 ([E, I, D/2]
     int8), each expert dequantized to x's dtype when it has tokens. An index of -1 is a pair
-    another rank computes (expert parallel): it adds nothing here."""
+    another rank computes (expert parallel): it adds nothing here. `shared` [T, D] (the shared
+    expert's output) is added to the routed sum, rounded to x's dtype first."""
     s1, s3, s2 = scales if scales is not None else (None, None, None)
     out = torch.zeros_like(x)
     flat_idx = indices.reshape(-1)
@@ -215,7 +223,7 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
         h = mlp(x[tok], *we, limit) * w_sorted[start:start + n, None]
         out.index_add_(0, tok, h.to(out.dtype))
         start += n
-    return out
+    return out if shared is None else out + shared
 
 
 # --- attention --------------------------------------------------------------------------------

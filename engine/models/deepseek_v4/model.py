@@ -201,7 +201,7 @@ class SharedExpert(nn.Module):
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(K.swiglu(*linear_group((self.w1, self.w3), x), self.limit))
+        return K.swiglu_linear(*linear_group((self.w1, self.w3), x), self.limit, self.w2.weight, self.w2.scale)
 
 
 def _expert_weights(module: nn.Module, name: str, E: int, out_f: int, in_f: int, fmt: str) -> None:
@@ -244,9 +244,9 @@ class MoE(nn.Module):
         indices = self.tp.local_expert_indices(indices, cfg)
         scales = None if self.experts_w1_scale is None else (self.experts_w1_scale, self.experts_w3_scale,
                                                              self.experts_w2_scale)
-        routed = K.moe_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights, indices,
-                               cfg.swiglu_limit, scales)
-        return self.tp.all_reduce(routed + self.shared_experts(x))  # tensor parallel: one join per layer
+        out = K.moe_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights, indices,
+                            cfg.swiglu_limit, scales, self.shared_experts(x))  # + shared: in its last launch
+        return self.tp.all_reduce(out)  # tensor parallel: one join per layer
 
 
 class Block(nn.Module):
