@@ -151,7 +151,7 @@ def main() -> int:
     ap.add_argument("--batches", default="1,32,150")
     ap.add_argument("--configs", default="base,pdl,fuse,all," + ",".join(fusions.ALL))
     ap.add_argument("--input-len", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--engine-args", default=DEPTH)
     ap.add_argument("--label", default=None)
     ap.add_argument("--json", default=None)
