@@ -2,7 +2,7 @@
 against the path it replaces at depth (suite decode_switches). Read at every call: CUDA graphs
 captured after a change follow it.
 
-    DSV4_FUSE=mega_mhc,mega_gate,moe_shared_sum,swiglu_gemv   (or "all"; unset: DEFAULT)
+    DSV4_FUSE=mega_mhc,mega_gate,moe_shared_sum,swiglu_gemv,inv_rope_out   (or "all"; unset: DEFAULT)
 
 - mega_mhc: hc_post + the next hc_pre + its RMSNorm in two launches (kernels.fused_norm_mhc.
   hc_post_pre_norm_fused) instead of four; twice a layer.
@@ -12,13 +12,15 @@ captured after a change follow it.
   roundings: routed rounded first), not by a separate add; once a layer.
 - swiglu_gemv: the shared expert's SwiGLU computed in its w2 FP8 GEMV's prologue (the same rounding),
   not by a separate kernel; once a layer (GEMV variants only: at prefill sizes the two launches stay).
+- inv_rope_out: the attention output's inverse RoPE in the attention's store (or its split combine's),
+  not by a separate rotation kernel; once a layer.
 """
 
 from __future__ import annotations
 
 import os
 
-ALL = ("mega_mhc", "mega_gate", "moe_shared_sum", "swiglu_gemv")
+ALL = ("mega_mhc", "mega_gate", "moe_shared_sum", "swiglu_gemv", "inv_rope_out")
 DEFAULT: tuple[str, ...] = ()  # each measured slower alone on the H200 or not measured yet at depth
 
 

@@ -429,10 +429,12 @@ def indexer_topk(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, f
 def paged_attention(q: torch.Tensor, positions: torch.Tensor, token_seq: torch.Tensor, window_pool: torch.Tensor,
                     window_tables: torch.Tensor, replay_starts: torch.Tensor, sliding_window: int,
                     comp_pool: torch.Tensor | None, full_tables: torch.Tensor | None, ratio: int,
-                    selected: torch.Tensor | None, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+                    selected: torch.Tensor | None, sinks: torch.Tensor, scale: float,
+                    inv_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Shared-KV attention for packed query tokens over the paged caches: the sliding window
     (positions (i - W, i], none below the sequence's replay_start) plus, on compressed layers,
-    every complete entry (HCA, selected=None) or the indexer's selection (CSA). -> [T, H, d]"""
+    every complete entry (HCA, selected=None) or the indexer's selection (CSA). -> [T, H, d];
+    inv_rope (cos, sin): then apply_rope(out, cos, sin) (V4 undoes RoPE on the value's rope slice)."""
     out = torch.empty_like(q)
     bs, d = window_pool.shape[1], q.shape[-1]
     wflat = window_pool.view(-1, d)
@@ -457,7 +459,7 @@ def paged_attention(q: torch.Tensor, positions: torch.Tensor, token_seq: torch.T
             keys = torch.cat([keys, comp])
             allowed = torch.cat([allowed, visible], dim=1)
         out[rows] = sink_attention(q[rows], keys, allowed, sinks, scale)
-    return out
+    return out if inv_rope is None else apply_rope(out, *inv_rope)
 
 
 # --- sampling ---------------------------------------------------------------------------------

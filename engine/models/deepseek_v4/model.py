@@ -174,8 +174,7 @@ class Attention(nn.Module):
                                           iw_scale=ix.n_heads**-0.5)  # head weights' scale: in the kernel, fp32
         out = K.paged_attention(q, fb.positions, fb.token_seq, cache.window[self.layer], fb.window_tables,
                                 fb.replay_start_t, W, comp_pool, fb.full_tables, self.ratio, selected,
-                                self.attn_sink, hd**-0.5)
-        out = K.apply_rope(out, *ropes[f"{rope}_inverse"])  # undo RoPE on the value's rope slice (K = V)
+                                self.attn_sink, hd**-0.5, inv_rope=ropes[f"{rope}_inverse"])  # undo RoPE on V (K = V)
         o = K.grouped_linear(out.view(T, self.o_groups, -1), self.wo_a.weight, self.o_groups, self.wo_a.scale)
         return self.tp.all_reduce(self.wo_b(o))  # tensor parallel: each rank's heads' partial sum
 
