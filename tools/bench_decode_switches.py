@@ -7,7 +7,7 @@ memory floor, with the kernels a decode step launches per layer on the GPU (torc
 
 A config is NAME or NAME=pdl:0|1+fuse:LIST (LIST: fusion names joined by '/', "all" or "none");
 the named ones: base (PDL off, no fusion), pdl, fuse (every fusion), all (both), and one per fusion
-(`mega_mhc`, ... : that fusion alone, PDL off). Per batch the requests are prefilled once; per config
+(`mega_mhc`, ... : that fusion alone, PDL off; at --single-batches only). Per batch the requests are prefilled once; per config
 the batch's decode graph is captured again under the config's switches, then `steps` engine steps
 are timed (kernels/pdl.py and kernels/fusions.py are read at capture). The floor is
 tools.bench_engine.decode_floors' (weights a step reads / copy bandwidth).
@@ -108,7 +108,8 @@ def time_steps(eng, steps: int) -> float:
 
 
 def run(engine_args: dict, batches: list[int], configs: list[tuple[str, bool, tuple[str, ...]]], input_len: int,
-        steps: int) -> list[dict]:
+        steps: int, single_batches: set[int] | None = None) -> list[dict]:
+    """single_batches: where the one-fusion configs (named after their fusion) run; None: every batch."""
     llm = LLM(**engine_args)
     eng = llm.engine
     runner, layers = eng.runner, eng.cfg.num_layers
@@ -122,6 +123,8 @@ def run(engine_args: dict, batches: list[int], configs: list[tuple[str, bool, tu
             eng.step()
         eng.flush()
         for name, on, fuse in configs:
+            if single_batches is not None and name in fusions.ALL and b not in single_batches:
+                continue
             apply(on, fuse)
             try:
                 recapture(runner, size)
@@ -150,6 +153,7 @@ def main() -> int:
     ap.add_argument("--model", required=True, help='a checkpoint ("": the tiny default, a CPU smoke run)')
     ap.add_argument("--batches", default="1,32,150")
     ap.add_argument("--configs", default="base,pdl,fuse,all," + ",".join(fusions.ALL))
+    ap.add_argument("--single-batches", default="1,150", help="batches the one-fusion configs run at (all: every one)")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--engine-args", default=DEPTH)
@@ -161,7 +165,8 @@ def main() -> int:
     batches = [int(b) for b in a.batches.split(",")]
     engine_args = {"model": a.model, **json.loads(a.engine_args)}
     floors = {f["batch"]: f for f in decode_floors(engine_args, batches)} if torch.cuda.is_available() else {}
-    rows = run(engine_args, batches, configs, a.input_len, a.steps)
+    singles = None if a.single_batches == "all" else {int(b) for b in a.single_batches.split(",") if b}
+    rows = run(engine_args, batches, configs, a.input_len, a.steps, singles)
     base = {r["batch"]: r["step_ms"] for r in rows if r["config"] == configs[0][0] and "step_ms" in r}
     print(f"{'batch':>5} {'config':<16} {'ms/step':>8} {'x floor':>8} {'vs ' + configs[0][0]:>9} {'per layer':>10}")
     for r in rows:
