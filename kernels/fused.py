@@ -28,7 +28,12 @@ from kernels.fused_norm_mhc import (
     rms_norm_fused,
     rms_norm_unweighted_fused,
 )
-from kernels.fused_rope import apply_rope_fused, kv_norm_rope_insert_fused, norm_rope_fused
+from kernels.fused_rope import (
+    apply_rope_fused,
+    kv_norm_rope_insert_fused,
+    norm_rope_fused,
+    q_kv_norm_rope_fused,
+)
 from kernels.fused_sample import greedy_pick_fused
 
 
@@ -117,6 +122,7 @@ FUSED = {
     "norm_rope": norm_rope_fused,
     "apply_rope": apply_rope_fused,
     "kv_norm_rope_insert": kv_norm_rope_insert_fused,
+    "q_kv_norm_rope": q_kv_norm_rope_fused,
     "compress_decode": compress_decode_fused,
     "compress_blocks": compress_blocks_fused,
     "indexer_scores_paged": indexer_scores_paged,

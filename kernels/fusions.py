@@ -2,7 +2,7 @@
 against the path it replaces at depth (suite decode_switches). Read at every call: CUDA graphs
 captured after a change follow it.
 
-    DSV4_FUSE=mega_mhc,mega_gate,moe_shared_sum,swiglu_gemv,inv_rope_out   (or "all"; unset: DEFAULT)
+    DSV4_FUSE=mega_mhc,mega_gate,moe_shared_sum,swiglu_gemv,inv_rope_out,q_kv_rope   (or "all"; unset: DEFAULT)
 
 - mega_mhc: hc_post + the next hc_pre + its RMSNorm in two launches (kernels.fused_norm_mhc.
   hc_post_pre_norm_fused) instead of four; twice a layer.
@@ -14,13 +14,15 @@ captured after a change follow it.
   not by a separate kernel; once a layer (GEMV variants only: at prefill sizes the two launches stay).
 - inv_rope_out: the attention output's inverse RoPE in the attention's store (or its split combine's),
   not by a separate rotation kernel; once a layer.
+- q_kv_rope: attention's query norm + RoPE and its K=V latent's norm + RoPE + cache insert in one launch
+  (kernels.fused_rope.q_kv_norm_rope_fused), not two; once a layer.
 """
 
 from __future__ import annotations
 
 import os
 
-ALL = ("mega_mhc", "mega_gate", "moe_shared_sum", "swiglu_gemv", "inv_rope_out")
+ALL = ("mega_mhc", "mega_gate", "moe_shared_sum", "swiglu_gemv", "inv_rope_out", "q_kv_rope")
 DEFAULT: tuple[str, ...] = ()  # each measured slower alone on the H200 or not measured yet at depth
 
 

@@ -60,6 +60,14 @@ def kv_norm_rope_insert(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tenso
     pool.view(-1, pool.shape[-1]).index_copy_(0, slots, y.to(pool.dtype))
 
 
+def q_kv_norm_rope(q: torch.Tensor, kv: torch.Tensor, kv_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   eps: float, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Attention's query heads (norm_rope, unweighted) and its K=V latent (kv_norm_rope_insert) -> the query."""
+    out = norm_rope(q, None, cos, sin, eps)
+    kv_norm_rope_insert(kv, kv_weight, cos, sin, eps, pool, slots)
+    return out
+
+
 # --- mHC (manifold-constrained hyper-connections, paper section 2.2) ---------------------------
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,

@@ -154,9 +154,8 @@ class Attention(nn.Module):
         cos, sin = ropes[rope]
         q_lora, kv = linear_group((self.wq_a, self.wkv), x)  # one launch where stacked at load
         q_res = self.q_norm(q_lora)
-        q = K.norm_rope(self.wq_b(q_res).view(T, H, hd), None, cos, sin, cfg.rms_norm_eps)
-        K.kv_norm_rope_insert(kv, self.kv_norm.weight, cos, sin, cfg.rms_norm_eps, cache.window[self.layer],
-                              fb.window_slots)
+        q = K.q_kv_norm_rope(self.wq_b(q_res).view(T, H, hd), kv, self.kv_norm.weight, cos, sin, cfg.rms_norm_eps,
+                             cache.window[self.layer], fb.window_slots)  # kv: norm, RoPE, into the window cache
 
         comp_pool, selected = None, None
         if self.layer_type != SLIDING:
