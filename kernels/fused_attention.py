@@ -38,22 +38,28 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _rounded_out(o, out_ptr, t, col0, cos_ptr, sin_ptr, HD: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    """o [BLOCK_H, BLOCK_D] (columns col0...) rounded to out's dtype; R > 0: then the (inverse) RoPE of the
-    value's last R columns (interleaved pairs) with token t's cos / sin rows (R / 2 each), as kernels.fused_rope's
-    kernel computes it from the stored row (the same roundings): the separate rotation launch folded in."""
-    o = o.to(out_ptr.dtype.element_ty)
+def _store_out(out_ptr, o, t, heads, hmask, col0, cos_ptr, sin_ptr, H, HD: tl.constexpr, R: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """out[t, heads, col0 + (0..BLOCK_D)] = o; R > 0: then the (inverse) RoPE of the value's last R columns
+    (interleaved pairs) that this tile holds, read back from the stored row after a block barrier (its
+    writes visible to the whole program) with token t's cos / sin rows (R / 2 each): kernels.fused_rope's
+    arithmetic on the same stored values, the separate rotation launch folded in."""
+    rows = (t * H + heads)[:, None] * HD
+    tl.store(out_ptr + rows + col0 + tl.arange(0, BLOCK_D)[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=hmask[:, None])
     if R > 0:
-        e, od = tl.split(tl.reshape(o.to(tl.float32), (BLOCK_H, BLOCK_D // 2, 2)))
-        pair = (col0 + 2 * tl.arange(0, BLOCK_D // 2)) // 2 - (HD - R) // 2
-        rot = pair >= 0
-        c = tl.load(cos_ptr + t * (R // 2) + pair, mask=rot, other=1.0).to(tl.float32)[None, :]
-        sn = tl.load(sin_ptr + t * (R // 2) + pair, mask=rot, other=0.0).to(tl.float32)[None, :]
-        ye = tl.where(rot[None, :], e * c - od * sn, e).to(out_ptr.dtype.element_ty)
-        yo = tl.where(rot[None, :], od * c + e * sn, od).to(out_ptr.dtype.element_ty)
-        o = tl.reshape(tl.join(ye, yo), (BLOCK_H, BLOCK_D))
-    return o
+        if col0 + BLOCK_D > HD - R:
+            tl.debug_barrier()
+            i = tl.arange(0, R // 2)
+            ev = HD - R + 2 * i
+            pm = (ev >= col0) & (ev < col0 + BLOCK_D)
+            m2 = hmask[:, None] & pm[None, :]
+            xe = tl.load(out_ptr + rows + ev[None, :], mask=m2, other=0.0, volatile=True).to(tl.float32)
+            xo = tl.load(out_ptr + rows + ev[None, :] + 1, mask=m2, other=0.0, volatile=True).to(tl.float32)
+            c = tl.load(cos_ptr + t * (R // 2) + i, mask=pm, other=1.0).to(tl.float32)[None, :]
+            sn = tl.load(sin_ptr + t * (R // 2) + i, mask=pm, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rows + ev[None, :], (xe * c - xo * sn).to(out_ptr.dtype.element_ty), mask=m2)
+            tl.store(out_ptr + rows + ev[None, :] + 1, (xo * c + xe * sn).to(out_ptr.dtype.element_ty), mask=m2)
 
 
 @triton.jit(do_not_specialize=["wtab_stride", "ftab_stride"])  # table widths vary per eager step
@@ -137,8 +143,7 @@ def _paged_attention_kernel(
         m_all = tl.maximum(m_i, sink)
         l_all = l_i * tl.exp2(m_i - m_all) + tl.exp2(sink - m_all)
         o = acc * (tl.exp2(m_i - m_all) / l_all)[:, None]
-        o = _rounded_out(o, out_ptr, t, col0, cos_ptr, sin_ptr, HD, R, BLOCK_H, BLOCK_D)
-        tl.store(out_ptr + (t * H + heads)[:, None] * HD + dv[None, :], o, mask=hmask[:, None])
+        _store_out(out_ptr, o, t, heads, hmask, col0, cos_ptr, sin_ptr, H, HD, R, BLOCK_D)
     else:  # partials in base 2; BLOCK_D == HD here
         row = (t * H + heads) * NSPLIT + j
         tl.store(part_m_ptr + row, m_i, mask=hmask)
@@ -171,9 +176,8 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H, 
         a = tl.load(part_acc_ptr + ((t * H + heads) * NSPLIT + i)[:, None] * HD + d[None, :], mask=hmask[:, None],
                     other=0.0)
         o += a * wi[:, None]
-    o = _rounded_out(o / l_all[:, None], out_ptr, t, tl.program_id(2) * BLOCK_D, cos_ptr, sin_ptr, HD, R, BLOCK_H,
-                     BLOCK_D)
-    tl.store(out_ptr + (t * H + heads)[:, None] * HD + d[None, :], o, mask=hmask[:, None])
+    _store_out(out_ptr, o / l_all[:, None], t, heads, hmask, tl.program_id(2) * BLOCK_D, cos_ptr, sin_ptr, H, HD, R,
+               BLOCK_D)
 
 
 # Prefill chunks (PREFILL_T tokens or more), and V4's heads (64 x 512) from WGMMA_MIN_T tokens (split for few): the
@@ -229,7 +233,8 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
     tools/bench_attention_prefill.py sweeps them. None: the defaults below. inv_rope (cos, sin): the output's
     last 2 * cos.shape[-1] columns rotated back (kernels.reference.apply_rope), in the store with the fusion
     switch inv_rope_out (kernels/fusions.py), else by kernels.fused_rope's launch after."""
-    if inv_rope is not None and not fusions.on("inv_rope_out"):
+    half = inv_rope[0].shape[-1] if inv_rope is not None else 0
+    if inv_rope is not None and (not fusions.on("inv_rope_out") or half & (half - 1)):  # the store's pairs: 2^n
         out = paged_attention_fused(q, positions, token_seq, window_pool, window_tables, replay_starts, sliding_window,
                                     comp_pool, full_tables, ratio, selected, sinks, scale, nsplit, block_h, block_n,
                                     num_warps, wgmma_tiles)
