@@ -14,6 +14,8 @@ MIXED = '{"max_model_len":8192,"block_size":128,"gpu_memory_utilization":0.9}'
 MODEL = ("--preset", "{preset}", "--quant", "fp8-fp4", "--cache-dir", "{ckpt}")  # a random checkpoint as shipped
 V41_CKPT = "{ckpt}/v41-flash-shaped-fp8-fp4"
 DEPTH_CKPT = "{ckpt}/flash-depth-fp8-fp4"
+SWITCH_CKPT = "{{ckpt}}/flash-depth-e{e}-fp8-fp4"  # one per expert count, removed after its step
+SWITCHES = DEPTH[:-1] + ',"cudagraph_mode":"FULL_DECODE_ONLY"}'  # decode graphs only: no mixed-step captures to wait for
 TRITON_SWEEP = ("--serve", "--driver", "threads", "--protocol", "grpc", "--stop-timeout", "20", "--out", "{out}")
 
 
@@ -94,6 +96,21 @@ SUITE_LIST = [
           (Step("tools.bench_engine", (*MODEL, "--concurrency", "", "--input-len", "1024", "--floor",
                                        "--steady", "1,32,64,150", "--engine-args", DEPTH), timeout_s=400),),
           preset="flash-depth"),
+    Suite("decode_switches", "At V4-Flash depth as shipped (16 experts), what does each decode switch save per step "
+          "at batch 1 / 32 / 150: PDL (kernels/pdl.py), each launch-saving fusion (kernels/fusions.py), all "
+          "together; how many kernels per layer does each launch?",
+          (checkpoint(SWITCH_CKPT.format(e=16), "flash-depth", "--override", '{"n_routed_experts":16}'),
+           Step("tools.bench_decode_switches", ("--model", SWITCH_CKPT.format(e=16), "--engine-args", SWITCHES,
+                                                "--label", "e16"), name="e16", then_remove="flash-depth-e16-*",
+                timeout_s=450))),
+    Suite("decode_switches_e64", "The same at 64 routed experts: PDL and the fusions off / on together.",
+          (checkpoint(SWITCH_CKPT.format(e=64), "flash-depth", "--override", '{"n_routed_experts":64}'),
+           Step("tools.bench_decode_switches", ("--model", SWITCH_CKPT.format(e=64), "--configs", "base,pdl,fuse,all",
+                                                "--engine-args", SWITCHES, "--label", "e64"), name="e64",
+                then_remove="flash-depth-e64-*", timeout_s=400))),
+    Suite("pdl_chain", "What does programmatic dependent launch save per kernel boundary on this GPU, eagerly and "
+          "in a CUDA graph, with and without a weight prefetch before the wait?",
+          (Step("tools.bench_pdl", (), timeout_s=150),)),
     Suite("prefill_ttft", "How far is the one-user TTFT of a 1024-token prompt at V4-Flash depth from its FLOP "
           "floor, and where does a 4 x 1024-token prefill spend its time?",
           (Step("tools.bench_engine", (*MODEL, "--concurrency", "1", "--input-len", "1024", "--output-len", "8",

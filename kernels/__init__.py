@@ -72,9 +72,9 @@ def _on_cuda(fused: Callable, ref: Callable) -> Callable:
 def _bind() -> None:
     """(Re)binds every public op for the backend; an op is its reference, then its kernel if FUSED has one."""
     global rms_norm, rms_norm_unweighted, rope_cos_sin, apply_rope, hc_pre, hc_post, hc_post_pre_norm, hc_head
-    global router_topk, linear, linear_split, swiglu, mlp, moe_experts, sink_attention, grouped_linear
+    global router_topk, linear, linear_split, swiglu, swiglu_linear, mlp, moe_experts, sink_attention, grouped_linear
     global indexer_scores, indexer_scores_paged, indexer_topk, paged_attention, pool_blocks, norm_rope
-    global kv_norm_rope_insert, compress_decode, compress_blocks, greedy_pick
+    global kv_norm_rope_insert, q_kv_norm_rope, compress_decode, compress_blocks, greedy_pick
     global v41_hc_site_collapse, v41_hc_expand, v41_rms_norm, v41_rope, v41_fake_quant_fp4, v41_fake_quant_fp8
     global v41_router, v41_clamped_swiglu, v41_moe_sum, v41_engram_gate
     fused = _fused_table()
@@ -98,6 +98,7 @@ def _bind() -> None:
     linear = op("linear", reference.linear)
     linear_split = op("linear_split", reference.linear_split)
     swiglu = op("swiglu", reference.swiglu)
+    swiglu_linear = op("swiglu_linear", reference.swiglu_linear)
     mlp = op("mlp", reference.mlp)
     moe_experts = op("moe_experts", reference.moe_experts)
     sink_attention = op("sink_attention", reference.sink_attention)
@@ -109,6 +110,7 @@ def _bind() -> None:
     pool_blocks = op("pool_blocks", reference.pool_blocks)
     norm_rope = op("norm_rope", reference.norm_rope)
     kv_norm_rope_insert = op("kv_norm_rope_insert", reference.kv_norm_rope_insert)
+    q_kv_norm_rope = op("q_kv_norm_rope", reference.q_kv_norm_rope)
     compress_decode = op("compress_decode", reference.compress_decode)
     compress_blocks = op("compress_blocks", reference.compress_blocks)
     greedy_pick = op("greedy_pick", reference.greedy_pick)

@@ -11,23 +11,29 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from kernels import fusions, reference
 from kernels.deepseek_v41 import fused as v41
 from kernels.formats import fp8_block_of
 from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
 from kernels.fused_compress_blocks import compress_blocks_fused
-from kernels.fused_fp8_linear import fp8_linear_fused, tiles
-from kernels.fused_gate import router_topk_gemm_fused
+from kernels.fused_fp8_linear import fp8_linear_fused, takes_swiglu, tiles
+from kernels.fused_gate import router_topk_fused, router_topk_gemm_fused
 from kernels.fused_indexer import indexer_scores_paged, indexer_topk_fused
 from kernels.fused_moe import moe_experts_fused
 from kernels.fused_norm_mhc import (
     hc_post_fused,
+    hc_post_pre_norm_fused,
     hc_pre_fused,
     rms_norm_fused,
     rms_norm_unweighted_fused,
 )
-from kernels.fused_rope import apply_rope_fused, kv_norm_rope_insert_fused, norm_rope_fused
+from kernels.fused_rope import (
+    apply_rope_fused,
+    kv_norm_rope_insert_fused,
+    norm_rope_fused,
+    q_kv_norm_rope_fused,
+)
 from kernels.fused_sample import greedy_pick_fused
 
 
@@ -64,11 +70,22 @@ def grouped_linear_fused(x, weight, groups, scale=None):
 
 def hc_post_pre_norm_composed(h, out, post, comb, fn, base, scale, norm_w, hc_eps, norm_eps, out_eps,
                               sinkhorn_iters):
-    """Mega-mHC as the three fused ops, which the two-launch kernel did not beat on the H200 (tools/bench_fused.py,
-    docs/perf/h200-2026-12-01-s5/fused.log: 0.83-0.90x); kernels.fused_norm_mhc.hc_post_pre_norm_fused stays tested."""
+    """Mega-mHC as the three fused ops, which the two-launch kernel did not beat alone on the H200 (tools/bench_fused.py,
+    docs/perf/h200-2026-12-01-s5/fused.log: 0.83-0.90x); the two-launch kernel (hc_post_pre_norm_fused) with the
+    fusion switch mega_mhc (kernels/fusions.py)."""
+    if fusions.on("mega_mhc"):
+        return hc_post_pre_norm_fused(h, out, post, comb, fn, base, scale, norm_w, hc_eps, norm_eps, out_eps,
+                                      sinkhorn_iters)
     new = hc_post_fused(h, out, post, comb)
     post2, comb2, x = hc_pre_fused(new, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters)
     return new, post2, comb2, rms_norm_fused(x, norm_w, out_eps)
+
+
+def router_topk_switched(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids=None):
+    """cuBLAS GEMM + one router kernel (measured faster alone), or Mega-Gate's one launch with the fusion
+    switch mega_gate (kernels/fusions.py; hash layers in that launch too)."""
+    fn = router_topk_fused if fusions.on("mega_gate") else router_topk_gemm_fused
+    return fn(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids)
 
 
 def swiglu_fused(gate, up, limit):
@@ -79,22 +96,33 @@ def swiglu_fused(gate, up, limit):
     return v41.clamped_swiglu_fused(gate, up, limit, out_dtype=gate.dtype)
 
 
+def swiglu_linear_fused(gate, up, limit, weight, scale=None):
+    """The shared expert's w2 over its SwiGLU: two launches (swiglu_fused, then the linear), or with the fusion
+    switch swiglu_gemv (kernels/fusions.py) one, the SwiGLU in the FP8 GEMV's prologue (same roundings)."""
+    if fusions.on("swiglu_gemv") and scale is not None and limit > 0 and takes_swiglu(gate.numel() // gate.shape[-1],
+                                                                                       weight, scale):
+        return fp8_linear_fused(gate, weight, scale, act=(up, limit))
+    return linear_fused(swiglu_fused(gate, up, limit), weight, scale)
+
+
 FUSED = {
     "linear": linear_fused,
     "linear_split": linear_split_fused,
     "grouped_linear": grouped_linear_fused,
     "swiglu": swiglu_fused,
+    "swiglu_linear": swiglu_linear_fused,
     "rms_norm": rms_norm_fused,
     "rms_norm_unweighted": rms_norm_unweighted_fused,
     "hc_pre": hc_pre_fused,
     "hc_post": hc_post_fused,
     "hc_post_pre_norm": hc_post_pre_norm_composed,
-    "router_topk": router_topk_gemm_fused,
+    "router_topk": router_topk_switched,
     "paged_attention": paged_attention_fused,
     "moe_experts": moe_experts_fused,
     "norm_rope": norm_rope_fused,
     "apply_rope": apply_rope_fused,
     "kv_norm_rope_insert": kv_norm_rope_insert_fused,
+    "q_kv_norm_rope": q_kv_norm_rope_fused,
     "compress_decode": compress_decode_fused,
     "compress_blocks": compress_blocks_fused,
     "indexer_scores_paged": indexer_scores_paged,

@@ -27,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import quant_configs
+from kernels import fusions, pdl, quant_configs
+from kernels.fused_rope import apply_rope_fused
+from kernels.pdl import wait_and_release
 
 # Triton's CPU interpreter computes bf16 tl.dot wrongly (seen with Triton 3.9: errors of 1e10),
 # so under TRITON_INTERPRET the dots run in fp32; on the GPU they stay in the model dtype.
@@ -35,14 +37,41 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
+@triton.jit
+def _store_out(out_ptr, o, t, heads, hmask, col0, cos_ptr, sin_ptr, H, HD: tl.constexpr, R: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """out[t, heads, col0 + (0..BLOCK_D)] = o; R > 0: then the (inverse) RoPE of the value's last R columns
+    (interleaved pairs) that this tile holds, read back from the stored row after a block barrier (its
+    writes visible to the whole program) with token t's cos / sin rows (R / 2 each): kernels.fused_rope's
+    arithmetic on the same stored values, the separate rotation launch folded in."""
+    rows = (t * H + heads)[:, None] * HD
+    tl.store(out_ptr + rows + col0 + tl.arange(0, BLOCK_D)[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=hmask[:, None])
+    if R > 0:
+        if col0 + BLOCK_D > HD - R:
+            tl.debug_barrier()
+            i = tl.arange(0, R // 2)
+            ev = HD - R + 2 * i
+            pm = (ev >= col0) & (ev < col0 + BLOCK_D)
+            m2 = hmask[:, None] & pm[None, :]
+            xe = tl.load(out_ptr + rows + ev[None, :], mask=m2, other=0.0, volatile=True).to(tl.float32)
+            xo = tl.load(out_ptr + rows + ev[None, :] + 1, mask=m2, other=0.0, volatile=True).to(tl.float32)
+            c = tl.load(cos_ptr + t * (R // 2) + i, mask=pm, other=1.0).to(tl.float32)[None, :]
+            sn = tl.load(sin_ptr + t * (R // 2) + i, mask=pm, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + rows + ev[None, :], (xe * c - xo * sn).to(out_ptr.dtype.element_ty), mask=m2)
+            tl.store(out_ptr + rows + ev[None, :] + 1, (xo * c + xe * sn).to(out_ptr.dtype.element_ty), mask=m2)
+
+
 @triton.jit(do_not_specialize=["wtab_stride", "ftab_stride"])  # table widths vary per eager step
 def _paged_attention_kernel(
     q_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, seq_ptr, win_ptr, wtab_ptr, wtab_stride,
-    replay_ptr, ftab_ptr, ftab_stride, sel_ptr, sink_ptr, scale, H, W, COMP_OFF,
+    replay_ptr, ftab_ptr, ftab_stride, sel_ptr, sink_ptr, scale, H, W, COMP_OFF, cos_ptr, sin_ptr,
     BS: tl.constexpr, RATIO: tl.constexpr, PER_BLOCK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, TOPK: tl.constexpr, NSPLIT: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, R: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
+    wait_and_release(PDL)
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -114,8 +143,7 @@ def _paged_attention_kernel(
         m_all = tl.maximum(m_i, sink)
         l_all = l_i * tl.exp2(m_i - m_all) + tl.exp2(sink - m_all)
         o = acc * (tl.exp2(m_i - m_all) / l_all)[:, None]
-        tl.store(out_ptr + (t * H + heads)[:, None] * HD + dv[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=hmask[:, None])
+        _store_out(out_ptr, o, t, heads, hmask, col0, cos_ptr, sin_ptr, H, HD, R, BLOCK_D)
     else:  # partials in base 2; BLOCK_D == HD here
         row = (t * H + heads) * NSPLIT + j
         tl.store(part_m_ptr + row, m_i, mask=hmask)
@@ -124,10 +152,12 @@ def _paged_attention_kernel(
 
 
 @triton.jit
-def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
-                    HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr):
+def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H, cos_ptr, sin_ptr,
+                    HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr,
+                    R: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program (token, heads, columns): its own small slice, so the partials of one decode token are read by many
     programs at once (one program per 16 heads read 512 KB each for V4's 64 x 512 at 16 splits)."""
+    wait_and_release(PDL)
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
@@ -146,9 +176,8 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H,
         a = tl.load(part_acc_ptr + ((t * H + heads) * NSPLIT + i)[:, None] * HD + d[None, :], mask=hmask[:, None],
                     other=0.0)
         o += a * wi[:, None]
-    o = o / l_all[:, None]
-    tl.store(out_ptr + (t * H + heads)[:, None] * HD + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=hmask[:, None])
+    _store_out(out_ptr, o / l_all[:, None], t, heads, hmask, tl.program_id(2) * BLOCK_D, cos_ptr, sin_ptr, H, HD, R,
+               BLOCK_D)
 
 
 # Prefill chunks (PREFILL_T tokens or more), and V4's heads (64 x 512) from WGMMA_MIN_T tokens (split for few): the
@@ -198,10 +227,18 @@ def splits(rows: int, wgmma: bool) -> int:
 def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, replay_starts, sliding_window,
                           comp_pool, full_tables, ratio, selected, sinks, scale, nsplit: int | None = None,
                           block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                          wgmma_tiles: tuple | None = None):
+                          wgmma_tiles: tuple | None = None, inv_rope: tuple | None = None):
     """block_h, block_n, num_warps: the small tiles (mma.sync; few heads); wgmma_tiles: (BLOCK_H, BLOCK_N,
     num_warps, BLOCK_D, num_stages), the wgmma ones; nsplit: splits of a token's keys (whole-row tiles only);
-    tools/bench_attention_prefill.py sweeps them. None: the defaults below."""
+    tools/bench_attention_prefill.py sweeps them. None: the defaults below. inv_rope (cos, sin): the output's
+    last 2 * cos.shape[-1] columns rotated back (kernels.reference.apply_rope), in the store with the fusion
+    switch inv_rope_out (kernels/fusions.py), else by kernels.fused_rope's launch after."""
+    half = inv_rope[0].shape[-1] if inv_rope is not None else 0
+    if inv_rope is not None and (not fusions.on("inv_rope_out") or half & (half - 1)):  # the store's pairs: 2^n
+        out = paged_attention_fused(q, positions, token_seq, window_pool, window_tables, replay_starts, sliding_window,
+                                    comp_pool, full_tables, ratio, selected, sinks, scale, nsplit, block_h, block_n,
+                                    num_warps, wgmma_tiles)
+        return apply_rope_fused(out, *inv_rope)
     T, H, hd = q.shape
     assert hd & (hd - 1) == 0, "head_dim must be a power of two for the fused attention kernel"
     q = q.contiguous()
@@ -237,17 +274,20 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
     else:
         part_m = part_l = part_acc = sinks
     sinks = sinks.float().contiguous()
+    cos, sin = (t.contiguous() for t in inv_rope) if inv_rope is not None else (sinks, sinks)
+    rope_r = 2 * inv_rope[0].shape[-1] if inv_rope is not None else 0
     _paged_attention_kernel[(T, head_blocks, hd // block_d * nsplit)](
         q, out, part_m, part_l, part_acc, positions, token_seq, window_pool, window_tables, window_tables.stride(0),
         replay_starts, full_tables if full_tables is not None else window_tables,
         full_tables.stride(0) if full_tables is not None else 0,
-        selected.contiguous() if selected is not None else positions, sinks, scale, H, sliding_window, comp_off,
-        BS=window_pool.shape[1], RATIO=max(ratio, 1), PER_BLOCK=comp_pool.shape[1] if comp_pool is not None else 1,
+        selected.contiguous() if selected is not None else positions, sinks, scale, H, sliding_window, comp_off, cos,
+        sin, BS=window_pool.shape[1], RATIO=max(ratio, 1), PER_BLOCK=comp_pool.shape[1] if comp_pool is not None else 1,
         HD=hd, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, MODE=mode, TOPK=topk, NSPLIT=nsplit,
-        DOT_F32=_INTERPRET, num_warps=warps, num_stages=stages,
+        DOT_F32=_INTERPRET, R=rope_r, num_warps=warps, num_stages=stages, **pdl.options(q),
     )
     if nsplit > 1:
         cb_h, cb_d = min(COMBINE_BLOCK_H, block_h), min(COMBINE_BLOCK_D, hd)
         _combine_kernel[(T, triton.cdiv(H, cb_h), hd // cb_d)](
-            out, part_m, part_l, part_acc, sinks, H, HD=hd, BLOCK_H=cb_h, BLOCK_D=cb_d, NSPLIT=nsplit)
+            out, part_m, part_l, part_acc, sinks, H, cos, sin, HD=hd, BLOCK_H=cb_h, BLOCK_D=cb_d, NSPLIT=nsplit,
+            R=rope_r, **pdl.options(out))
     return out

@@ -11,6 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_and_release
+
 
 @triton.jit
 def _norm_rope_entry(dst, sumsq, w_ptr, inv_freq_ptr, pos0, eps, HD: tl.constexpr, R: tl.constexpr,
@@ -65,7 +68,9 @@ def _compress_decode_kernel(
     M: tl.constexpr, HD: tl.constexpr, C: tl.constexpr, R: tl.constexpr, OVERLAP: tl.constexpr,
     HAS_BND: tl.constexpr, HAS_APE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_and_release(PDL)
     i = tl.program_id(0)
     pos = tl.load(pos_ptr + i)
     slot = tl.load(slot_ptr + i).to(tl.int64)
@@ -151,4 +156,4 @@ def compress_decode_fused(kv, gate, positions, slots, pend_kv, pend_gate, prev_k
         pool, full_tables, full_tables.stride(0), eps, block_size, pool.shape[1],
         M=ratio, HD=head_dim, C=C, R=R, OVERLAP=overlap, HAS_BND=bnd_kv is not None, HAS_APE=ape is not None,
         BLOCK_M=triton.next_power_of_2(ratio), BLOCK_D=min(triton.next_power_of_2(head_dim), max(16, 4096 // ratio)),
-        BLOCK_R=triton.next_power_of_2(max(R // 2, 1)))
+        BLOCK_R=triton.next_power_of_2(max(R // 2, 1)), **pdl.options(kv))

@@ -36,9 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import quant_configs
+from kernels import pdl, quant_configs
 from kernels.formats import FP8_BLOCK, fp8_block_of
 from kernels.fp8_unpack import fp8_unpacked
+from kernels.pdl import wait_and_release
 from kernels.semaphores import semaphores, split_k_arrive, split_k_total
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
@@ -124,22 +125,37 @@ def _scaled_dot(w, xt, sw, DOT_F32: tl.constexpr, W_CVT: tl.constexpr):
         return tl.dot(wb, xt) * sw[:, None]
 
 
+@triton.jit
+def _x_tile(x_ptr, u_ptr, offs, mask, limit, ACT: tl.constexpr):
+    """The activations at offs; ACT: the clamped SwiGLU of (gate x, up u) computed here in float32 and rounded
+    once to x's dtype, as the separate SwiGLU kernel (kernels.deepseek_v41.fused._pair_kernel) stores it."""
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if ACT:
+        a = tl.minimum(x.to(tl.float32), limit)
+        b = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.minimum(tl.maximum(b, -limit), limit)
+        x = (a * tl.sigmoid(a) * b).to(x.dtype)
+    return x
+
+
 @triton.jit(do_not_specialize=["M"])
-def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STRIDE, ROWS, K_SPLIT,
-                    SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STRIDE, ROWS, K_SPLIT, u_ptr,
+                    act_limit, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     DOT_F32: tl.constexpr, W_CVT: tl.constexpr = "cast", B: tl.constexpr = 128,
-                    SCALE_TILE: tl.constexpr = False):
+                    SCALE_TILE: tl.constexpr = False, ACT: tl.constexpr = False, PDL: tl.constexpr = False):
     """acc[BLOCK_N, BLOCK_M] = W[n, k-range] @ x[m, g * K + k-range]^T, g = the group of rows n (ROWS
     weight rows per group: wo_a's 8 groups read their own slice of x; a plain linear is one group).
     B: the scale block (128 V4, 32 V4.1). Split-K: each split stores its float32 partial, and the last
     split of a tile to finish (a counter per tile, reset by it for the next call) adds them and writes
     y: one launch, no reduce. y holds two row-major outputs back to back (_out_offsets): columns
     [0, N1) and [N1, N)."""
+    wait_and_release(PDL)
     pid_n, pid_m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     nmask, mmask = n < N, m < M
     xg = x_ptr + (pid_n * BLOCK_N // ROWS) * K  # BLOCK_N divides ROWS: one group per tile
+    ug = u_ptr + (pid_n * BLOCK_N // ROWS) * K  # ACT: the SwiGLU's up half (one group)
     s_row = s_ptr + (n // B) * tl.cdiv(K, B)  # hoisted: one scale per weight row per B-wide K block
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
@@ -152,7 +168,7 @@ def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < k_hi
             w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            xt = tl.load(xg + m[None, :] * X_STRIDE + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+            xt = _x_tile(xg, ug, m[None, :] * X_STRIDE + k[:, None], kmask[:, None] & mmask[None, :], act_limit, ACT)
             sw_next = tl.load(s_row + tl.minimum(k0 + BLOCK_K, k_hi - 1) // B, mask=nmask, other=0.0)  # last: unused
             acc += _scaled_dot(w, xt, sw, DOT_F32, W_CVT)
             sw = sw_next
@@ -163,7 +179,7 @@ def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_
             kmask = k < k_hi
             wmask = nmask[:, None] & kmask[None, :]
             w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=wmask, other=0.0)
-            xt = tl.load(xg + m[None, :] * X_STRIDE + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
+            xt = _x_tile(xg, ug, m[None, :] * X_STRIDE + k[:, None], kmask[:, None] & mmask[None, :], act_limit, ACT)
             st = tl.load(s_row[:, None] + k[None, :] // B, mask=wmask, other=0.0)
             if DOT_F32:
                 acc += tl.dot(w.to(tl.float32) * st, xt.to(tl.float32), input_precision="ieee")
@@ -175,8 +191,8 @@ def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_
                 k = k0 + j * B + tl.arange(0, B)
                 kmask = k < k_hi
                 w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-                xt = tl.load(xg + m[None, :] * X_STRIDE + k[:, None], mask=kmask[:, None] & mmask[None, :],
-                             other=0.0)
+                xt = _x_tile(xg, ug, m[None, :] * X_STRIDE + k[:, None], kmask[:, None] & mmask[None, :],
+                             act_limit, ACT)
                 # past k_hi (a split's or K's end) the tile is masked to zero: any in-bounds scale does
                 sw = tl.load(s_row + tl.minimum(k0 + j * B, k_hi - 1) // B, mask=nmask, other=0.0)
                 acc += _scaled_dot(w, xt, sw, DOT_F32, W_CVT)
@@ -198,42 +214,66 @@ def _split_k_store(acc, y_ptr, ws_ptr, tile, pid_k, out, omask, M, N, SPLITS: tl
         tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=omask)
 
 
+@triton.jit
+def _gemv_weights(w_ptr, s_row, n, nmask, k0, k_hi, K, G: tl.constexpr, B: tl.constexpr):
+    """One K step's weight tile [BLOCK_N, G, B] (e4m3), its k offsets [G, B] and their scales [BLOCK_N, G]."""
+    k = k0 + tl.arange(0, G)[:, None] * B + tl.arange(0, B)[None, :]
+    kmask = k < k_hi
+    w = tl.load(w_ptr + n[:, None, None] * K + k[None, :, :], mask=nmask[:, None, None] & kmask[None, :, :],
+                other=0.0)
+    sw = tl.load(s_row[:, None] + k0 // B + tl.arange(0, G)[None, :],
+                 mask=nmask[:, None] & (k0 + tl.arange(0, G) * B < k_hi)[None, :], other=0.0)
+    return w, k, sw
+
+
+@triton.jit
+def _gemv_step(xg, ug, n, w, k, sw, k_hi, act_limit, ACT: tl.constexpr):
+    # x in the weight tile's layout (each thread its own entries, from L1): no shared-memory broadcast
+    xk = _x_tile(xg, ug, k[None, :, :] + 0 * n[:, None, None], (k < k_hi)[None, :, :], act_limit, ACT).to(tl.float32)
+    return tl.sum(tl.sum(w.to(tl.float32) * xk, axis=2) * sw, axis=1)
+
+
 @triton.jit(do_not_specialize=["M"])
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STRIDE, ROWS, K_SPLIT,
-                 SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B: tl.constexpr = 128):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STRIDE, ROWS, K_SPLIT, u_ptr,
+                 act_limit, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 B: tl.constexpr = 128, ACT: tl.constexpr = False, PDL: tl.constexpr = False):
     """y[m, n-tile] for one activation row m per program, on the CUDA cores: no MMA and no shared
     memory, the weight in 16-byte loads straight to registers ([BLOCK_N, BLOCK_K / B, B]: the last
     axis one scale block, B = 128 in V4, 32 in V4.1), e4m3 -> float32 (F2FP unpack + HADD2.F32), one
-    FMA per weight byte, each scale block's sum rescaled once. Groups and split-K as _dequant_kernel."""
+    FMA per weight byte, each scale block's sum rescaled once. Groups and split-K as _dequant_kernel.
+    PDL: the program's first weight step is loaded before the grid-dependency wait (no kernel writes
+    weights), so its bytes stream while the predecessor finishes. ACT: x is a SwiGLU's gate, u_ptr its up
+    (_x_tile: the activation computed in the prologue, no separate SwiGLU launch)."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     G: tl.constexpr = BLOCK_K // B
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = n < N
-    j = tl.arange(0, G)
-    i = tl.arange(0, B)
     xg = x_ptr + m * X_STRIDE + (pid_n * BLOCK_N // ROWS) * K  # BLOCK_N divides ROWS: one group per tile
+    ug = u_ptr + m * X_STRIDE + (pid_n * BLOCK_N // ROWS) * K
     s_row = s_ptr + (n // B) * tl.cdiv(K, B)
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     acc = tl.zeros((BLOCK_N,), tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + j[:, None] * B + i[None, :]  # [G, B]
-        kmask = k < k_hi
-        w = tl.load(w_ptr + n[:, None, None] * K + k[None, :, :], mask=nmask[:, None, None] & kmask[None, :, :],
-                    other=0.0)
-        # x in the weight tile's layout (each thread its own entries, from L1): no shared-memory broadcast
-        xk = tl.load(xg + k[None, :, :] + 0 * n[:, None, None], mask=kmask[None, :, :], other=0.0).to(tl.float32)
-        sw = tl.load(s_row[:, None] + k0 // B + j[None, :], mask=nmask[:, None] & (k0 + j * B < k_hi)[None, :],
-                     other=0.0)
-        acc += tl.sum(tl.sum(w.to(tl.float32) * xk, axis=2) * sw, axis=1)
+    if PDL:  # the first step peeled: its weights in flight across the wait (every split has one step)
+        w, k, sw = _gemv_weights(w_ptr, s_row, n, nmask, k_lo, k_hi, K, G, B)
+        wait_and_release(PDL)
+        acc += _gemv_step(xg, ug, n, w, k, sw, k_hi, act_limit, ACT)
+        k_next = k_lo + BLOCK_K
+    else:
+        k_next = k_lo
+    for k0 in range(k_next, k_hi, BLOCK_K):
+        w, k, sw = _gemv_weights(w_ptr, s_row, n, nmask, k0, k_hi, K, G, B)
+        acc += _gemv_step(xg, ug, n, w, k, sw, k_hi, act_limit, ACT)
     _split_k_store(acc, y_ptr, ws_ptr, sem_ptr + m * tl.num_programs(0) + pid_n, pid_k,
                    _out_offsets(m, n, M, N, N1), nmask, M, N, SPLITS)
 
 
 @triton.jit(do_not_specialize=["M", "M_OUT"])
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_x, BLOCK_M: tl.constexpr, ROUND_F32: tl.constexpr):
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_x, BLOCK_M: tl.constexpr, ROUND_F32: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """x [M, K] (row stride stride_x) -> q [M_OUT, K] e4m3 (float32 holding e4m3 values in the interpreter), scales
     [cdiv(K,128), M_OUT]; rows M..M_OUT quantize zeros (padding)."""
+    wait_and_release(PDL)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kb = tl.program_id(1)
     k = kb * 128 + tl.arange(0, 128)
@@ -253,9 +293,10 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_x, BLOCK_M: tl.co
 
 @triton.jit(do_not_specialize=["M"])
 def _mma_kernel(q_ptr, qs_ptr, w_ptr, s_ptr, y_ptr, M, N, N1, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, B: tl.constexpr = 128):
+                GROUP_M: tl.constexpr, DOT_F32: tl.constexpr, B: tl.constexpr = 128, PDL: tl.constexpr = False):
     """y = dequant(q) @ dequant(W)^T over 128-wide K blocks (the activation scale's); B: the weight's
     scale block (128 V4; 32 V4.1: each K block as 128 / B sub-dots, each rescaled by its own scales)."""
+    wait_and_release(PDL)
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = GROUP_M * num_n  # GROUP_M row tiles walk the N tiles together: weight tiles are reused from L2
@@ -322,10 +363,10 @@ def _launch_opts(cfg: dict) -> dict:
 
 
 def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None, gemv: bool = False,
-             block: int = FP8_BLOCK):
+             block: int = FP8_BLOCK, act: tuple | None = None):
     """x2 [M, groups * K] (row stride x2.stride(0)), weight [N, K] in `groups` blocks of N / groups rows;
     the MMA GEMV (_dequant_kernel) or, gemv, the CUDA-core one (_gemv_kernel, one row per program).
-    block: the weight's scale block (kernels.formats.fp8_block_of)."""
+    block: the weight's scale block (kernels.formats.fp8_block_of). act: (up, limit): x2 is a SwiGLU's gate."""
     M = x2.shape[0]
     N, K = weight.shape
     if gemv:
@@ -336,14 +377,18 @@ def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None, 
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]), split)
     ws = torch.empty(split, M, N, dtype=torch.float32, device=y.device) if split > 1 else y
     sem = semaphores(y.device, grid[0] * grid[1]) if split > 1 else y
-    args = (x2, weight, scale, y, ws, sem, M, N, N if n1 is None else n1, K, x2.stride(0), N // groups, k_split, split)
+    up, limit = act if act is not None else (x2, 0.0)
+    args = (x2, weight, scale, y, ws, sem, M, N, N if n1 is None else n1, K, x2.stride(0), N // groups, k_split, up,
+            float(limit), split)
     if gemv:
-        _gemv_kernel[grid](*args, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], B=block, **_launch_opts(cfg))
+        _gemv_kernel[grid](*args, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], B=block, ACT=act is not None,
+                           **_launch_opts(cfg), **pdl.options(x2))
         return
     _dequant_kernel[grid](*args, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                           DOT_F32=_INTERPRET or x2.dtype == torch.float32,
                           W_CVT=cfg.get("W_CVT", quant_configs.W_CVT) if x2.dtype == torch.bfloat16 else "cast",
-                          B=block, SCALE_TILE=cfg.get("SCALE_TILE", False), **_launch_opts(cfg))
+                          B=block, SCALE_TILE=cfg.get("SCALE_TILE", False), ACT=act is not None, **_launch_opts(cfg),
+                          **pdl.options(x2))
 
 
 def _mma(x2, weight, scale, y, cfg, n1: int | None = None, block: int = FP8_BLOCK):
@@ -352,10 +397,12 @@ def _mma(x2, weight, scale, y, cfg, n1: int | None = None, block: int = FP8_BLOC
     sk = triton.cdiv(K, 128)
     q = torch.empty(M, K, dtype=torch.float32 if _INTERPRET else torch.float8_e4m3fn, device=x2.device)
     qs = torch.empty(sk, M, dtype=torch.float32, device=x2.device)
-    _act_quant_kernel[(triton.cdiv(M, 32), sk)](x2, q, qs, M, M, K, K, BLOCK_M=32, ROUND_F32=_INTERPRET)
+    _act_quant_kernel[(triton.cdiv(M, 32), sk)](x2, q, qs, M, M, K, K, BLOCK_M=32, ROUND_F32=_INTERPRET,
+                                                **pdl.options(x2))
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     _mma_kernel[grid](q, qs, weight, scale, y, M, N, N if n1 is None else n1, K, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                      GROUP_M=cfg.get("GROUP_M", 8), DOT_F32=_INTERPRET, B=block, **_launch_opts(cfg))
+                      GROUP_M=cfg.get("GROUP_M", 8), DOT_F32=_INTERPRET, B=block, **_launch_opts(cfg),
+                      **pdl.options(q))
 
 
 def tiles(m: int, n: int, k: int, variant: str | None = None, config: dict | None = None,
@@ -379,15 +426,26 @@ def tiles(m: int, n: int, k: int, variant: str | None = None, config: dict | Non
     return variant, cfg
 
 
+def takes_swiglu(m: int, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether fp8_linear_fused computes a SwiGLU in its prologue (`act`) at m rows: the GEMV variants do."""
+    n, k = weight.shape
+    return tiles(m, n, k, block=fp8_block_of(weight.shape, scale.shape))[0] in ("gemv", "dequant")
+
+
 def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, variant: str | None = None,
-                     config: dict | None = None, groups: int = 1, split_n: int | None = None):
+                     config: dict | None = None, groups: int = 1, split_n: int | None = None,
+                     act: tuple[torch.Tensor, float] | None = None):
     """x [..., K] (bf16 / fp16 / fp32), weight e4m3 [N, K], scale float32 [cdiv(N,b), cdiv(K,b)], b the
     block (kernels.formats.fp8_block_of: 128 V4, 32 V4.1).
     groups > 1 (wo_a): x [..., groups, K] and weight [groups * R, K], group g's rows times x's
     group g -> [..., groups * R] (R a multiple of b); "dequant" does all groups in one launch.
     split_n (two linears of x stacked along N, e.g. wq_a over wkv): the pair (x @ W[:split_n]^T,
     x @ W[split_n:]^T), each contiguous, from one launch.
-    `config` (tools/bench_quant.py's sweep) overrides kernels/quant_configs.py's entry."""
+    `config` (tools/bench_quant.py's sweep) overrides kernels/quant_configs.py's entry.
+    act (up, limit): x is a SwiGLU's gate; the clamped SwiGLU of (x, up) is what multiplies W, computed in
+    the GEMV's prologue (variants gemv and dequant only: takes_swiglu; ungrouped, unsplit)."""
+    if act is not None and (groups > 1 or split_n is not None or act[0].shape != x.shape):
+        raise ValueError("a SwiGLU prologue takes one ungrouped, unsplit linear and an up of the gate's shape")
     if groups > 1:
         lead, K = x.shape[:-2], x.shape[-1]
     else:
@@ -405,6 +463,11 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if groups > 1 and (N // groups) % block:
         raise ValueError(f"grouped FP8 linear: {N // groups} rows per group are not whole {block}-row scale blocks")
     variant, cfg = tiles(M, N // groups, K, variant, config, block)  # per group: the tiles see one group
+    if act is not None:
+        if variant not in ("dequant", "gemv"):
+            raise ValueError(f"a SwiGLU prologue needs the gemv or dequant variant, not {variant!r} (takes_swiglu)")
+        up = act[0].reshape(-1, K)
+        act = (up if up.is_contiguous() else up.contiguous(), act[1])
     if variant == "unpacked":
         return _unpacked(x2, weight, scale, lead, M, N, K, groups, split_n)
     if variant == "cublas":
@@ -423,7 +486,7 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if variant in ("dequant", "gemv"):
         if groups > 1 and (N // groups) % cfg["BLOCK_N"]:
             raise ValueError(f"grouped {variant} tiles must not straddle groups: {N // groups} rows, {cfg}")
-        _dequant(x2, weight, scale, y, cfg, groups, split_n, gemv=variant == "gemv", block=block)
+        _dequant(x2, weight, scale, y, cfg, groups, split_n, gemv=variant == "gemv", block=block, act=act)
     elif groups == 1:
         _mma(x2, weight, scale, y, cfg, split_n, block)
     else:  # the FP8 tensor-core kernel takes one group at a time
@@ -465,7 +528,7 @@ def _cublas(x2, weight, scale, lead, M: int, N: int, K: int, groups: int, split_
         q = torch.empty(Mp, K, dtype=torch.float8_e4m3fn, device=x2.device)
         qs = torch.empty(sk, Mp, dtype=torch.float32, device=x2.device)
         _act_quant_kernel[(triton.cdiv(Mp, 32), sk)](x2[:, g * K:], q, qs, M, Mp, K, x2.stride(0), BLOCK_M=32,
-                                                     ROUND_F32=False)
+                                                     ROUND_F32=False, **pdl.options(x2))
         for a, b in [(0, split_n), (split_n, N)] if pair else [(g * R, (g + 1) * R)]:
             ys.append(F.scaled_mm(q, weight[a:b].t(), qs.t(), F.ScalingType.BlockWise1x128,
                                   ws[a // FP8_BLOCK:triton.cdiv(b, FP8_BLOCK)].t(), F.ScalingType.BlockWise128x128,

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_and_release
 from kernels.semaphores import semaphores
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
@@ -65,7 +67,9 @@ def _route_token(logits_ptr, bias_ptr, hash_ptr, w_ptr, idx_ptr, t, E, scaling, 
 @triton.jit(do_not_specialize=["T"])
 def _gate_kernel(x_ptr, g_ptr, bias_ptr, hash_ptr, logits_ptr, sem_ptr, w_ptr, idx_ptr, T, D, E, scaling,
                  K: tl.constexpr, KP: tl.constexpr, SCORING: tl.constexpr, HASH: tl.constexpr, EP: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    wait_and_release(PDL)
     pid_e, pid_t = tl.program_id(0), tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -94,8 +98,9 @@ def _gate_kernel(x_ptr, g_ptr, bias_ptr, hash_ptr, logits_ptr, sem_ptr, w_ptr, i
 
 @triton.jit
 def _router_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, scaling, K: tl.constexpr, KP: tl.constexpr,
-                   SCORING: tl.constexpr, BLOCK_E: tl.constexpr):
+                   SCORING: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
     """One token's route from the logits cuBLAS wrote before this launch (so plain loads)."""
+    wait_and_release(PDL)
     _route_token(logits_ptr, bias_ptr, bias_ptr, w_ptr, idx_ptr, tl.program_id(0), E, scaling, K, KP, SCORING, BLOCK_E,
                  False, False)
 
@@ -113,7 +118,7 @@ def router_topk_gemm_fused(x, weight, bias, top_k, routed_scaling, scoring_func,
     idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     _router_kernel[(T,)](logits, bias.float().contiguous(), w, idx, E, routed_scaling, K=top_k,
                          KP=triton.next_power_of_2(top_k),
-                         SCORING=_SCORING[scoring_func], BLOCK_E=triton.next_power_of_2(E))
+                         SCORING=_SCORING[scoring_func], BLOCK_E=triton.next_power_of_2(E), **pdl.options(logits))
     return w.to(x.dtype), idx
 
 
@@ -136,5 +141,5 @@ def router_topk_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash
                        T, D, E, routed_scaling, K=top_k, KP=triton.next_power_of_2(top_k),
                        SCORING=_SCORING[scoring_func], HASH=hashed, EP=triton.next_power_of_2(E), BLOCK_T=BLOCK_T,
                        BLOCK_E=BLOCK_E, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(D)),
-                       DOT_F32=x.dtype == torch.float32 or _INTERPRET)
+                       DOT_F32=x.dtype == torch.float32 or _INTERPRET, **pdl.options(x))
     return w.to(x.dtype), idx

@@ -14,14 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.fused_attention import _INTERPRET
 from kernels.fused_compress import rows_unit_stride
+from kernels.pdl import wait_and_release
 
 
 @triton.jit(do_not_specialize=["ftab_stride", "n_max"])  # sizes vary per eager step
 def _indexer_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, keys_ptr, ftab_ptr, ftab_stride, pos_ptr, seq_ptr, out_ptr, n_max, H,
                            RATIO, PER_BLOCK, scale, HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-                           DOT_F32: tl.constexpr):
+                           DOT_F32: tl.constexpr, PDL: tl.constexpr = False):
+    wait_and_release(PDL)
     t = tl.program_id(0)
     e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     n_vis = (tl.load(pos_ptr + t) + 1) // RATIO
@@ -46,10 +49,12 @@ def _indexer_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, keys_ptr, ftab_ptr, 
 
 
 @triton.jit(do_not_specialize=["n"])
-def _topk_kernel(scores_ptr, pos_ptr, out_ptr, n, RATIO, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_kernel(scores_ptr, pos_ptr, out_ptr, n, RATIO, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """One token's top-k by a bitonic sort of (score, index) packed into int64 keys: the score's
     bits made order-preserving in the high half, the index (reversed, so ties keep the lower
     index first) in the low half. A whole row fits one program up to a few thousand entries."""
+    wait_and_release(PDL)
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK)
     x = tl.load(scores_ptr + t * n + e, mask=e < n, other=-float("inf"))
@@ -78,7 +83,8 @@ def indexer_scores_paged(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.T
     _indexer_scores_kernel[(T, triton.cdiv(n_max, BLOCK_E))](
         iq.contiguous(), iw, iw.stride(0), iw_scale, index_pool, full_tables, full_tables.stride(0), positions,
         token_seq, out, n_max, H, ratio, index_pool.shape[1], hd**-0.5,
-        HD=hd, BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_E=BLOCK_E, DOT_F32=_INTERPRET, num_warps=4)
+        HD=hd, BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_E=BLOCK_E, DOT_F32=_INTERPRET, num_warps=4,
+        **pdl.options(iq))
     return out
 
 
@@ -94,7 +100,7 @@ def indexer_topk_fused(iq, iw, index_pool, full_tables, positions, token_seq, ra
     scores = indexer_scores_paged(iq, iw, index_pool, full_tables, positions, token_seq, ratio, n, iw_scale)
     if n <= SORT_MAX:
         _topk_kernel[(T,)](scores, positions, out, n, ratio, TOPK=topk, BLOCK=max(16, triton.next_power_of_2(n)),
-                           num_warps=4 if n <= 1024 else 8)
+                           num_warps=4 if n <= 1024 else 8, **pdl.options(scores))
         return out
     k = min(topk, n)
     idx = scores.topk(k, dim=-1).indices

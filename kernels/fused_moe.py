@@ -27,10 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import quant_configs
+from kernels import fusions, pdl, quant_configs
 from kernels.fused_dequant import fp8_rows_tile, mxfp4_rows_parts_bf16, mxfp4_rows_tile, mxfp4_rows_tile_bf16
 from kernels.fused_moe_align import moe_align_fused
 from kernels.moe_grouped import moe_experts_grouped
+from kernels.pdl import wait_and_release
 from kernels.semaphores import semaphores, split_k_arrive, split_k_total
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
@@ -214,8 +215,9 @@ def _tile_rows(sorted_ptr, block_expert_ptr, block_start_ptr, expert_end_ptr, pi
 def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, ws_ptr, sem_ptr, sorted_ptr, block_expert_ptr,
                     block_start_ptr, expert_end_ptr, D, I, TOPK, limit, K_SPLIT, n_pairs, W_FMT: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                    MX: tl.constexpr, SPLITS: tl.constexpr):
+                    MX: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False):
     """One (expert tile of BLOCK_M pairs, N tile, K split); acc^T kept [BLOCK_N, BLOCK_M]."""
+    wait_and_release(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e, rows, valid = _tile_rows(sorted_ptr, block_expert_ptr, block_start_ptr, expert_end_ptr, pid_m, BLOCK_M)
     if e < 0:
@@ -230,7 +232,8 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, ws_ptr, sem_pt
 def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, ws_ptr, sem_ptr, sorted_ptr, block_expert_ptr, block_start_ptr,
                  expert_end_ptr, D, I, K_SPLIT, n_pairs, W_FMT: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, MX: tl.constexpr,
-                 SPLITS: tl.constexpr):
+                 SPLITS: tl.constexpr, PDL: tl.constexpr = False):
+    wait_and_release(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e, rows, valid = _tile_rows(sorted_ptr, block_expert_ptr, block_start_ptr, expert_end_ptr, pid_m, BLOCK_M)
     if e < 0:
@@ -241,7 +244,11 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, ws_ptr, sem_ptr, sorted_p
 
 
 @triton.jit(do_not_specialize=["T"])
-def _sum_topk_kernel(y_ptr, idx_ptr, out_ptr, T, D, TOPK: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_topk_kernel(y_ptr, idx_ptr, out_ptr, add_ptr, T, D, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                     ADD: tl.constexpr = False, PDL: tl.constexpr = False):
+    """out[t] = the sum of token t's k expert rows; ADD: plus add[t] (the shared expert), after the sum's
+    rounding to out's dtype, as `routed + shared` rounds."""
+    wait_and_release(PDL)
     t = tl.program_id(0)
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = d < D
@@ -249,7 +256,11 @@ def _sum_topk_kernel(y_ptr, idx_ptr, out_ptr, T, D, TOPK: tl.constexpr, BLOCK: t
     for j in range(TOPK):  # fixed order: the result does not depend on which program ran first
         e = tl.load(idx_ptr + t * TOPK + j)  # -1: another rank's expert, its row never written
         acc += tl.load(y_ptr + (t * TOPK + j) * D + d, mask=mask & (d * 0 + e >= 0), other=0.0)
-    tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if ADD:
+        out = (out.to(tl.float32) + tl.load(add_ptr + t * D + d, mask=mask, other=0.0).to(tl.float32))
+        out = out.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + t * D + d, out, mask=mask)
 
 
 def _opts(cfg: dict) -> dict:
@@ -271,9 +282,12 @@ def _tiles(cfg: dict, fmt: int, act_dtype: torch.dtype) -> dict:
     return {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "MX": MX_MODES[mx] if fmt == 2 else 0, **_opts(cfg)}
 
 
-def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, config: dict | None = None):
+def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, shared=None, config: dict | None = None):
     """`config` ({"gate_up": cfg, "down": cfg}, tools/bench_quant.py's sweep) overrides
-    kernels/quant_configs.py's entry."""
+    kernels/quant_configs.py's entry. `shared`: added in the top-k sum's launch with the fusion switch
+    moe_shared_sum (kernels/fusions.py), else by one add after it."""
+    if shared is not None and not (fusions.on("moe_shared_sum") and shared.is_contiguous()):
+        return moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales, config=config) + shared
     T, D = x.shape
     E, I = w1.shape[:2]
     k = indices.shape[1]
@@ -291,10 +305,11 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, confi
     if config is None and GROUPED_OK and x.dtype == torch.bfloat16 and quant_configs.moe_grouped(
             n_pairs, E, E * I * D * 2 if fmt else 0, FORMAT_NAMES[fmt]) and (
             not x.is_cuda or quant_configs.hopper(x.device)):
-        return moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales)
+        out = moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales)
+        return out if shared is None else out + shared
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if n_pairs == 0:
-        return out
+        return out if shared is None else shared.clone()
     cfg = config or quant_configs.moe_config(T, n_pairs, E, FORMAT_NAMES[fmt])
     bm = cfg["gate_up"]["BLOCK_M"]
     if cfg["down"]["BLOCK_M"] != bm:
@@ -321,11 +336,12 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, confi
         grid = (tiles, n_tiles, splits)
         if part == "gate_up":
             _gate_up_kernel[grid](x, w1, w3, s1, s3, h, ws, sem, *layout, D, I, k, limit, k_split, n_pairs,
-                                  W_FMT=fmt, BLOCK_M=bm, DOT_F32=_INTERPRET, SPLITS=splits, **gu)
+                                  W_FMT=fmt, BLOCK_M=bm, DOT_F32=_INTERPRET, SPLITS=splits, **gu, **pdl.options(x))
         else:
             _down_kernel[grid](h, w2, s2, y, rw, ws, sem, *layout, D, I, k_split, n_pairs,
-                               W_FMT=fmt, BLOCK_M=bm, DOT_F32=_INTERPRET, SPLITS=splits, **dn)
+                               W_FMT=fmt, BLOCK_M=bm, DOT_F32=_INTERPRET, SPLITS=splits, **dn, **pdl.options(h))
     idx = indices.reshape(-1)
     idx = idx if idx.is_contiguous() else idx.contiguous()
-    _sum_topk_kernel[(T, triton.cdiv(D, 1024))](y, idx, out, T, D, TOPK=k, BLOCK=1024)
+    _sum_topk_kernel[(T, triton.cdiv(D, 1024))](y, idx, out, out if shared is None else shared, T, D, TOPK=k,
+                                                BLOCK=1024, ADD=shared is not None, **pdl.options(y))
     return out

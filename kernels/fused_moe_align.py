@@ -15,12 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.pdl import wait_and_release
+
 CHUNK = 1024  # pairs per step of the program's loops
 
 
 @triton.jit(do_not_specialize=["n_pairs", "max_blocks"])
 def _moe_align_kernel(ids_ptr, work_ptr, sorted_ptr, expert_end_ptr, block_expert_ptr, block_start_ptr, n_pairs, E,
-                      max_blocks, BLOCK_M: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr):
+                      max_blocks, BLOCK_M: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    wait_and_release(PDL)
     e = tl.arange(0, EP)
     emask = e < E
     slots = e <= E  # the experts and the skipped pairs' slot E
@@ -77,5 +82,5 @@ def moe_align_fused(indices: torch.Tensor, num_experts: int, block_m: int):
     block_start = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     _moe_align_kernel[(1,)](flat, work, sorted_ids, expert_end, block_expert, block_start, n_pairs, num_experts,
                             max_blocks, BLOCK_M=block_m, EP=triton.next_power_of_2(num_experts + 1), CH=CHUNK,
-                            num_warps=8)
+                            num_warps=8, **pdl.options(flat))
     return sorted_ids, expert_end, block_expert, block_start

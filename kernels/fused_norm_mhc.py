@@ -12,14 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import quant_configs
+from kernels import pdl, quant_configs
+from kernels.pdl import wait_and_release
 
 # --- RMSNorm ----------------------------------------------------------------------------------
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, stride_o, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
-                     CAST_FIRST: tl.constexpr = False):
+                     CAST_FIRST: tl.constexpr = False, PDL: tl.constexpr = False):
     """CAST_FIRST (V4.1's order): the normalised row rounded to x's dtype before the weight."""
+    wait_and_release(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -41,7 +43,7 @@ def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     x2 = _rows(x)
     out = torch.empty_like(x2)
     _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.shape[1], x2.stride(0), out.stride(0), eps,
-                                     HAS_W=True, BLOCK=triton.next_power_of_2(x2.shape[1]))
+                                     HAS_W=True, BLOCK=triton.next_power_of_2(x2.shape[1]), **pdl.options(x2))
     return out.view_as(x)
 
 
@@ -49,7 +51,7 @@ def rms_norm_unweighted_fused(x: torch.Tensor, eps: float) -> torch.Tensor:
     x2 = _rows(x)
     out = torch.empty_like(x2)
     _rms_norm_kernel[(x2.shape[0],)](x2, x2, out, x2.shape[1], x2.stride(0), out.stride(0), eps,
-                                     HAS_W=False, BLOCK=triton.next_power_of_2(x2.shape[1]))
+                                     HAS_W=False, BLOCK=triton.next_power_of_2(x2.shape[1]), **pdl.options(x2))
     return out.view_as(x)
 
 
@@ -63,8 +65,9 @@ _PRECISION = "ieee" if _INTERPRET else "tf32x3"
 
 @triton.jit(do_not_specialize=["T"])
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, K_SPLIT, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """part[split, t, 0:24] = x[t, ks] @ fn[:, ks]^T, part[split, t, 24] = sum x[t, ks]^2"""
+    wait_and_release(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     tmask = t < T
@@ -96,11 +99,12 @@ def _col(a, i: tl.constexpr):
 def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, w_ptr, pre_in_ptr, pre_out_ptr,
                       T, D, N_SPLIT, hc_eps, norm_eps, out_eps, ITERS: tl.constexpr, BLOCK_T: tl.constexpr,
                       BLOCK_D: tl.constexpr, PW: tl.constexpr, NORM: tl.constexpr, SINGLE_PASS: tl.constexpr,
-                      SPLITS_AT_ONCE: tl.constexpr):
+                      SPLITS_AT_ONCE: tl.constexpr, PDL: tl.constexpr = False):
     """Sums the split partials (PW floats per token: 24 mixes, the sum of squares, and with NORM the
     streams' 4x4 Gram matrix), Sinkhorn in registers, collapses the streams; NORM: then the weighted
     RMSNorm of the collapsed row, whose sum of squares is pre^T Gram pre (no second pass over D).
     SINGLE_PASS (V4.1): stores this site's pre and collapses with the previous site's (pre_in)."""
+    wait_and_release(PDL)
     HC: tl.constexpr = 4
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     pid_d = tl.program_id(1)
@@ -184,7 +188,7 @@ def _hc_finish(x, part, base, scale, out, norm_w, hc_eps, norm_eps, out_eps, sin
         out if norm_w is None else norm_w, post if pre_in is None else pre_in, post if pre_out is None else pre_out,
         T, D, part.shape[0], hc_eps, norm_eps, out_eps, ITERS=sinkhorn_iters, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
         PW=part.shape[-1], NORM=norm_w is not None, SINGLE_PASS=pre_in is not None, SPLITS_AT_ONCE=splits_at_once,
-        num_warps=FINISH_WARPS)
+        num_warps=FINISH_WARPS, **pdl.options(x))
     return post, comb, out
 
 
@@ -207,7 +211,8 @@ def _hc_mix_partials(x, fn):
     n_split = triton.cdiv(K, k_split)
     part = torch.empty(n_split, T, 32, dtype=torch.float32, device=x.device)
     _hc_mix_partial_kernel[(triton.cdiv(T, BLOCK_T), n_split)](
-        x, fn.float().contiguous(), part, T, K, k_split, PRECISION=_PRECISION, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K)
+        x, fn.float().contiguous(), part, T, K, k_split, PRECISION=_PRECISION, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K,
+        **pdl.options(x))
     return part
 
 
@@ -236,10 +241,12 @@ def hc_site_collapse_fused(h, pre_in, fn, base, scale, hc_eps, norm_eps, sinkhor
 
 @triton.jit(do_not_specialize=["T"])
 def _hc_post_mix_kernel(h_ptr, blk_ptr, post_ptr, comb_ptr, fn_ptr, new_ptr, part_ptr, T, D, D_SPLIT,
-                        PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PW: tl.constexpr):
+                        PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PW: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """new[t, k] = post[t, k] * blk[t] + sum_j comb[t, j, k] * h[t, j] over this split's columns, stored
     (rounded to h's dtype); part[split, t] = (the 24 mixes of the rounded streams with fn, their sum of
     squares, the 10 upper entries of their Gram matrix)."""
+    wait_and_release(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     tmask = t < T
@@ -327,7 +334,7 @@ def hc_post_pre_norm_fused(h, out, post, comb, fn, base, scale, norm_w, hc_eps, 
     part = torch.empty(n_split, T, 48, dtype=torch.float32, device=h.device)
     _hc_post_mix_kernel[(triton.cdiv(T, BLOCK_T), n_split)](
         h, out, post.float().contiguous(), comb.float().contiguous(), fn.float().contiguous(), new, part, T, D,
-        BLOCK_D, PRECISION=_PRECISION, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, PW=48)
+        BLOCK_D, PRECISION=_PRECISION, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, PW=48, **pdl.options(h))
     x = torch.empty(T, D, dtype=h.dtype, device=h.device)
     post2, comb2, x = _hc_finish(new, part, base, scale, x, norm_w.float().contiguous(), hc_eps, norm_eps, out_eps,
                                  sinkhorn_iters)
@@ -335,8 +342,9 @@ def hc_post_pre_norm_fused(h, out, post, comb, fn, base, scale, norm_w, hc_eps, 
 
 
 @triton.jit
-def _hc_post_kernel(x_ptr, blk_ptr, post_ptr, comb_ptr, out_ptr, D, BLOCK_D: tl.constexpr):
+def _hc_post_kernel(x_ptr, blk_ptr, post_ptr, comb_ptr, out_ptr, D, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, k, :] = post[t, k] * blk[t, :] + sum_j comb[t, j, k] * x[t, j, :]"""
+    wait_and_release(PDL)
     t = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     m = d < D
@@ -360,5 +368,6 @@ def hc_post_fused(x, out, post, comb):
     res = torch.empty_like(x)
     BLOCK_D = min(1024, triton.next_power_of_2(D))
     _hc_post_kernel[(T, triton.cdiv(D, BLOCK_D))](x.contiguous(), out.contiguous(), post.float().contiguous(),
-                                                  comb.float().contiguous(), res, D, BLOCK_D=BLOCK_D)
+                                                  comb.float().contiguous(), res, D, BLOCK_D=BLOCK_D,
+                                                  **pdl.options(x))
     return res

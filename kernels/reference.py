@@ -60,6 +60,14 @@ def kv_norm_rope_insert(kv: torch.Tensor, weight: torch.Tensor, cos: torch.Tenso
     pool.view(-1, pool.shape[-1]).index_copy_(0, slots, y.to(pool.dtype))
 
 
+def q_kv_norm_rope(q: torch.Tensor, kv: torch.Tensor, kv_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   eps: float, pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Attention's query heads (norm_rope, unweighted) and its K=V latent (kv_norm_rope_insert) -> the query."""
+    out = norm_rope(q, None, cos, sin, eps)
+    kv_norm_rope_insert(kv, kv_weight, cos, sin, eps, pool, slots)
+    return out
+
+
 # --- mHC (manifold-constrained hyper-connections, paper section 2.2) ---------------------------
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -189,16 +197,24 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor,
+                  scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The shared expert's down projection of its SwiGLU: linear(swiglu(gate, up), weight, scale)."""
+    return linear(swiglu(gate, up, limit), weight, scale)
+
+
 def mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
     return F.linear(swiglu(F.linear(x, w1), F.linear(x, w3), limit), w2)
 
 
 def moe_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                weights: torch.Tensor, indices: torch.Tensor, limit: float, scales=None) -> torch.Tensor:
+                weights: torch.Tensor, indices: torch.Tensor, limit: float, scales=None,
+                shared: torch.Tensor | None = None) -> torch.Tensor:
     """Routed experts: w1/w3 [E, I, D], w2 [E, D, I]; tokens grouped per expert. `scales`
     (w1, w3, w2 scales): the weights are stored FP8 block ([E, I, D] e4m3) or MXFP4 ([E, I, D/2]
     int8), each expert dequantized to x's dtype when it has tokens. An index of -1 is a pair
-    another rank computes (expert parallel): it adds nothing here."""
+    another rank computes (expert parallel): it adds nothing here. `shared` [T, D] (the shared
+    expert's output) is added to the routed sum, rounded to x's dtype first."""
     s1, s3, s2 = scales if scales is not None else (None, None, None)
     out = torch.zeros_like(x)
     flat_idx = indices.reshape(-1)
@@ -215,7 +231,7 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
         h = mlp(x[tok], *we, limit) * w_sorted[start:start + n, None]
         out.index_add_(0, tok, h.to(out.dtype))
         start += n
-    return out
+    return out if shared is None else out + shared
 
 
 # --- attention --------------------------------------------------------------------------------
@@ -421,10 +437,12 @@ def indexer_topk(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, f
 def paged_attention(q: torch.Tensor, positions: torch.Tensor, token_seq: torch.Tensor, window_pool: torch.Tensor,
                     window_tables: torch.Tensor, replay_starts: torch.Tensor, sliding_window: int,
                     comp_pool: torch.Tensor | None, full_tables: torch.Tensor | None, ratio: int,
-                    selected: torch.Tensor | None, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+                    selected: torch.Tensor | None, sinks: torch.Tensor, scale: float,
+                    inv_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Shared-KV attention for packed query tokens over the paged caches: the sliding window
     (positions (i - W, i], none below the sequence's replay_start) plus, on compressed layers,
-    every complete entry (HCA, selected=None) or the indexer's selection (CSA). -> [T, H, d]"""
+    every complete entry (HCA, selected=None) or the indexer's selection (CSA). -> [T, H, d];
+    inv_rope (cos, sin): then apply_rope(out, cos, sin) (V4 undoes RoPE on the value's rope slice)."""
     out = torch.empty_like(q)
     bs, d = window_pool.shape[1], q.shape[-1]
     wflat = window_pool.view(-1, d)
@@ -449,7 +467,7 @@ def paged_attention(q: torch.Tensor, positions: torch.Tensor, token_seq: torch.T
             keys = torch.cat([keys, comp])
             allowed = torch.cat([allowed, visible], dim=1)
         out[rows] = sink_attention(q[rows], keys, allowed, sinks, scale)
-    return out
+    return out if inv_rope is None else apply_rope(out, *inv_rope)
 
 
 # --- sampling ---------------------------------------------------------------------------------

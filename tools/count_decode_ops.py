@@ -3,6 +3,7 @@ launches them (CPU, no GPU needed): the budget a decode CUDA graph replays.
 
     python -m tools.count_decode_ops [--model DIR | --preset v41-tiny] [--dtype bfloat16] [--by-kind] [--json OUT]
     python -m tools.count_decode_ops --preset tiny --quant fp8-fp4 --override '{"hidden_size": 256, ...}'
+    python -m tools.count_decode_ops --preset tiny --quant fp8-fp4 --fuse all   (the launch-saving fusions on)
 
 One model forward on the decode path's static batch of 1 (what a graph captures) runs with every op
 the CUDA dispatch (kernels/fused.py) binds to a Triton kernel running that kernel (under Triton's
@@ -240,7 +241,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("--json", default=None)
     ap.add_argument("--by-kind", action="store_true", help="each layer kind's ops by source (its first layer)")
+    ap.add_argument("--fuse", default=None, help="kernels/fusions.py's switches for the count (a comma list, all, "
+                                                  "none; default: DSV4_FUSE's)")
     a = ap.parse_args()
+    if a.fuse is not None:
+        from kernels import fusions
+        fusions.set_fusions("" if a.fuse == "none" else a.fuse)
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model
         if model is None and a.preset.startswith("v41"):
@@ -250,7 +256,9 @@ def main() -> None:
             from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
             model = str(write_checkpoint(Path(tmp) / a.preset, a.preset, override=json.loads(a.override), quant=a.quant))
         res = count(model, getattr(torch, a.dtype))
-    print(f"kernels per decode step (batch 1, {a.dtype}, the CUDA dispatch): {res['total']}")
+    from kernels import fusions
+    print(f"kernels per decode step (batch 1, {a.dtype}, the CUDA dispatch, fusions: "
+          f"{','.join(fusions.enabled()) or 'none'}): {res['total']}")
     print(f"{'source':<52} {'kernels':>7}")
     for src, n in list(res["by_source"].items())[:a.rows]:
         print(f"{src:<52} {n:>6}")

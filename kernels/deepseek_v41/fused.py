@@ -9,11 +9,13 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.deepseek_v41 import reference
 from kernels.fused_fake_quant import fake_quant_fp4_fused, fake_quant_fp8_fused
 from kernels.fused_gate import _SCORING, _router_kernel
 from kernels.fused_norm_mhc import _rms_norm_kernel, _rows, hc_post_fused, hc_site_collapse_fused
 from kernels.fused_rope import _launch as _rope_launch
+from kernels.pdl import wait_and_release
 
 __all__ = ["hc_site_collapse_fused", "hc_expand_fused", "rms_norm_fused", "rope_fused", "fake_quant_fp4_fused",
            "fake_quant_fp8_fused", "router_fused", "clamped_swiglu_fused", "moe_sum_fused", "engram_gate_fused"]
@@ -58,9 +60,11 @@ def router_fused(x, weight, bias, top_k, scaling, scoring_func, gate_temp, renor
 
 
 @triton.jit(do_not_specialize=["N"])  # N follows the step's token count (kernels/fused.py says why)
-def _pair_kernel(a_ptr, b_ptr, out_ptr, N, limit, OP: tl.constexpr, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+def _pair_kernel(a_ptr, b_ptr, out_ptr, N, limit, OP: tl.constexpr, CLAMP: tl.constexpr, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """Elementwise over two inputs in fp32, one rounding to out's dtype. OP 0: the clamped SwiGLU of
     (gate a, up b); 1: a + b."""
+    wait_and_release(PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < N
     a = tl.load(a_ptr + i, mask=m, other=0.0).to(tl.float32)
@@ -80,7 +84,8 @@ def _pair(a, b, dtype, op, limit=0.0):
     out = torch.empty(a.shape, dtype=dtype, device=a.device)
     n, block = a.numel(), 1024
     if n:
-        _pair_kernel[(triton.cdiv(n, block),)](a, b, out, n, float(limit), OP=op, CLAMP=limit > 0, BLOCK=block)
+        _pair_kernel[(triton.cdiv(n, block),)](a, b, out, n, float(limit), OP=op, CLAMP=limit > 0, BLOCK=block,
+                                               **pdl.options(a))
     return out
 
 

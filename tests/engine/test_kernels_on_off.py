@@ -23,3 +23,23 @@ def test_engine_logits_kernels_on_vs_off(tiny_dir, single_thread):
     err = (got - want).abs().max(dim=-1).values / want.abs().max()
     # bf16 tolerance as in the model tests: median 2e-2, 90th percentile 3e-2 of the logit scale
     assert err.median() <= 2e-2 and err.quantile(0.9) <= 3e-2, err
+
+
+def test_engine_logits_with_every_fusion_on(tiny_dir, single_thread):
+    """kernels/fusions.py's launch-saving fusions (Mega-mHC, Mega-Gate, the shared expert in the top-k
+    sum) in a prefill chunk and two decodes: within the same tolerance of the references."""
+    from kernels import fusions
+
+    model = load_model(tiny_dir, torch.bfloat16)
+    ids = torch.randint(5, model.cfg.vocab_size, (32,), generator=torch.Generator().manual_seed(1)).tolist()
+    try:
+        kernels.set_backend("ref")
+        want = incremental_logits(model, ids, chunks=[30])
+        kernels.set_backend("fused")
+        fusions.set_fusions("all")
+        got = incremental_logits(model, ids, chunks=[30])
+    finally:
+        kernels.set_backend("auto")
+        fusions.set_fusions(fusions.DEFAULT)
+    err = (got - want).abs().max(dim=-1).values / want.abs().max()
+    assert err.median() <= 2e-2 and err.quantile(0.9) <= 3e-2, err

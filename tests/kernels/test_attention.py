@@ -103,3 +103,29 @@ def test_pools_one_pointer_cannot_reach_are_refused():
     q, pos, seq, window, wt, rs, comp, ft, sinks = _setup(SPECS[0], 5, 32, 16, 16, 4, torch.float32, seed=3)
     with pytest.raises(ValueError, match="share a dtype"):
         paged_attention_fused(q, pos, seq, window, wt, rs, 16, comp.double(), ft, 4, None, sinks, 32**-0.5)
+
+
+@pytest.mark.parametrize("nsplit, wgmma_tiles", [(1, None), (2, None), (None, (16, 16, 4, 16, 2))])
+def test_inverse_rope_in_the_store_equals_the_rotation_launch(nsplit, wgmma_tiles):
+    """inv_rope_out (kernels/fusions.py): the output's inverse RoPE in the attention's store (one split), its
+    combine's (two) or a column tile's (wgmma, 16-column tiles: the rotation in the last two) equals the
+    attention then kernels.fused_rope's launch, bit for bit, and the reference with inv_rope."""
+    from kernels import fusions
+    from kernels.fused_rope import apply_rope_fused
+
+    H, hd, W, bs, r = 5, 32, 16, 16, 8
+    q, pos, seq, window, wt, rs, comp, ft, sinks = _setup(SPECS[1], H, hd, W, bs, 4, torch.bfloat16, seed=11)
+    ang = pos[:, None].float() * torch.rand(r // 2, generator=torch.Generator().manual_seed(2))[None, :]
+    inv = (ang.cos().bfloat16(), -ang.sin().bfloat16())
+    args = (q, pos, seq, window, wt, rs, W, comp, ft, 4, None, sinks, 32**-0.5)
+    tiles = {"nsplit": nsplit, "wgmma_tiles": wgmma_tiles}
+    try:
+        fusions.set_fusions("inv_rope_out")
+        got = paged_attention_fused(*args, **tiles, inv_rope=inv)
+    finally:
+        fusions.set_fusions(fusions.DEFAULT)
+    plain = paged_attention_fused(*args, **tiles)
+    assert torch.equal(got, apply_rope_fused(plain, *inv))
+    assert not torch.equal(got[..., -r:], plain[..., -r:]) and torch.equal(got[..., :-r], plain[..., :-r])
+    want = ref.paged_attention(*args, inv_rope=inv)
+    assert (got.float() - want.float()).abs().max() <= 2e-2 * want.abs().max()

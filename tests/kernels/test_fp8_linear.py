@@ -356,3 +356,20 @@ def test_cublas_variant_where_rows_shape_and_device_allow(monkeypatch):
     assert tiles(2048, 4096, 4096, block=32)[0] == "unpacked"
     monkeypatch.setattr(quant_configs, "hopper", lambda device=None: False)
     assert tiles(2048, 4096, 4096)[0] == "mma"
+
+
+@pytest.mark.parametrize("variant, m", [("gemv", 1), ("gemv", GEMV_ROWS), ("dequant", 5)])
+def test_swiglu_prologue_equals_the_two_launches(variant, m):
+    """act=(up, limit): the SwiGLU computed in the GEMV's prologue gives what the SwiGLU kernel then the
+    linear give (one rounding to bf16 in both), and it clamps (large gate / up values)."""
+    from kernels.deepseek_v41.fused import clamped_swiglu_fused
+
+    n, k = 200, 384  # N off the 128 block, K three blocks
+    x, q, s = _case(m, n, k, ue8m0=True, seed=5)
+    g = torch.Generator().manual_seed(m)
+    gate, up = (torch.randn(m, k, generator=g) * 6).bfloat16(), (torch.randn(m, k, generator=g) * 6).bfloat16()
+    got = fp8_linear_fused(gate, q, s, variant=variant, act=(up, 10.0))
+    act = clamped_swiglu_fused(gate, up, 10.0, out_dtype=torch.bfloat16)
+    assert torch.equal(got, fp8_linear_fused(act, q, s, variant=variant))
+    want = ref.swiglu_linear(gate, up, 10.0, q, s)
+    assert (got.float() - want.float()).abs().max() <= 3e-2 * want.abs().max()

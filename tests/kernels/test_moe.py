@@ -163,3 +163,30 @@ def test_moe_experts_split_k(fmt, mx):
     assert (got.float() - want.float()).abs().max() <= 3e-2 * max(want.abs().max().item(), 1.0)
     assert semaphores.all_zero()
     assert quant_configs.moe_split_k({}, 192, 32) == 4 and quant_configs.moe_split_k({}, 4096, 32) == 1
+
+
+@pytest.mark.parametrize("fused_sum", [True, False])
+def test_shared_expert_added_in_the_topk_sum(fused_sum):
+    """moe_shared_sum (kernels/fusions.py): the shared expert's output added in the top-k sum's launch
+    rounds as `routed + shared` does (equal bits on the GPU; the interpreter's float32 -> bf16 cast is not
+    torch's round-to-nearest, so within one bf16 step here), and both equal the reference with `shared`."""
+    from kernels import fusions
+
+    T, D, I, E, k = 3, 40, 24, 8, 3
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(T, D, generator=g).bfloat16()
+    w1, w3 = (torch.randn(E, I, D, generator=g) / D**0.5).bfloat16(), (torch.randn(E, I, D, generator=g) / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, I, generator=g) / I**0.5).bfloat16()
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g).bfloat16()
+    shared = (torch.randn(T, D, generator=g) * 3).bfloat16()
+    try:
+        fusions.set_fusions("moe_shared_sum" if fused_sum else "")
+        got = moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, None, shared)
+    finally:
+        fusions.set_fusions(fusions.DEFAULT)
+    unfused = moe_experts_fused(x, w1, w3, w2, w, idx, 10.0) + shared
+    assert ((got.float() - unfused.float()).abs() <= 2**-7 * unfused.float().abs() + 1e-6).all()
+    want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, None, shared)
+    assert (got.float() - want.float()).abs().max() <= 3e-2 * want.abs().max().item()
+    assert (got.float() - moe_experts_fused(x, w1, w3, w2, w, idx, 10.0).float()).abs().max() > 0.1  # it adds

@@ -37,3 +37,27 @@ def test_kv_norm_rope_insert_writes_only_its_slots(dtype, tol):
     untouched = torch.ones(nb * bs, dtype=torch.bool)
     untouched[slots] = False
     assert (pools[0].view(-1, d)[untouched] == 7.0).all()
+
+
+@pytest.mark.parametrize("T, H", [(1, 4), (5, 3)])
+def test_q_and_kv_in_one_launch_equal_the_two(T, H):
+    """q_kv_rope (kernels/fusions.py): the query heads and the K=V latent in one launch write what the two
+    launches write (bits: the same row code), and the cache only at the slots."""
+    from kernels import fusions
+    from kernels.fused_rope import q_kv_norm_rope_fused
+
+    d, r, nb, bs = 32, 8, 4, 16
+    q, kv, w = torch.randn(T, H, d).bfloat16(), torch.randn(T, d).bfloat16(), torch.rand(d) + 0.5
+    cos, sin = _cos_sin(T, r, torch.bfloat16)
+    slots = torch.randperm(nb * bs)[:T]
+    pools = [torch.full((nb, bs, d), 7.0, dtype=torch.bfloat16) for _ in range(2)]
+    try:
+        fusions.set_fusions("q_kv_rope")
+        got = q_kv_norm_rope_fused(q, kv, w, cos, sin, 1e-6, pools[0], slots)
+    finally:
+        fusions.set_fusions(fusions.DEFAULT)
+    want = q_kv_norm_rope_fused(q, kv, w, cos, sin, 1e-6, pools[1], slots)  # switch off: the two launches
+    assert torch.equal(got, want) and torch.equal(pools[0], pools[1])
+    assert not torch.equal(pools[0], torch.full_like(pools[0], 7.0))
+    ref_q = ref.q_kv_norm_rope(q, kv, w, cos, sin, 1e-6, torch.full_like(pools[1], 7.0), slots)
+    assert (got.float() - ref_q.float()).abs().max() <= 2e-2 * ref_q.abs().max()

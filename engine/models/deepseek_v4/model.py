@@ -154,9 +154,8 @@ class Attention(nn.Module):
         cos, sin = ropes[rope]
         q_lora, kv = linear_group((self.wq_a, self.wkv), x)  # one launch where stacked at load
         q_res = self.q_norm(q_lora)
-        q = K.norm_rope(self.wq_b(q_res).view(T, H, hd), None, cos, sin, cfg.rms_norm_eps)
-        K.kv_norm_rope_insert(kv, self.kv_norm.weight, cos, sin, cfg.rms_norm_eps, cache.window[self.layer],
-                              fb.window_slots)
+        q = K.q_kv_norm_rope(self.wq_b(q_res).view(T, H, hd), kv, self.kv_norm.weight, cos, sin, cfg.rms_norm_eps,
+                             cache.window[self.layer], fb.window_slots)  # kv: norm, RoPE, into the window cache
 
         comp_pool, selected = None, None
         if self.layer_type != SLIDING:
@@ -174,8 +173,7 @@ class Attention(nn.Module):
                                           iw_scale=ix.n_heads**-0.5)  # head weights' scale: in the kernel, fp32
         out = K.paged_attention(q, fb.positions, fb.token_seq, cache.window[self.layer], fb.window_tables,
                                 fb.replay_start_t, W, comp_pool, fb.full_tables, self.ratio, selected,
-                                self.attn_sink, hd**-0.5)
-        out = K.apply_rope(out, *ropes[f"{rope}_inverse"])  # undo RoPE on the value's rope slice (K = V)
+                                self.attn_sink, hd**-0.5, inv_rope=ropes[f"{rope}_inverse"])  # undo RoPE on V (K = V)
         o = K.grouped_linear(out.view(T, self.o_groups, -1), self.wo_a.weight, self.o_groups, self.wo_a.scale)
         return self.tp.all_reduce(self.wo_b(o))  # tensor parallel: each rank's heads' partial sum
 
@@ -201,7 +199,7 @@ class SharedExpert(nn.Module):
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(K.swiglu(*linear_group((self.w1, self.w3), x), self.limit))
+        return K.swiglu_linear(*linear_group((self.w1, self.w3), x), self.limit, self.w2.weight, self.w2.scale)
 
 
 def _expert_weights(module: nn.Module, name: str, E: int, out_f: int, in_f: int, fmt: str) -> None:
@@ -244,9 +242,9 @@ class MoE(nn.Module):
         indices = self.tp.local_expert_indices(indices, cfg)
         scales = None if self.experts_w1_scale is None else (self.experts_w1_scale, self.experts_w3_scale,
                                                              self.experts_w2_scale)
-        routed = K.moe_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights, indices,
-                               cfg.swiglu_limit, scales)
-        return self.tp.all_reduce(routed + self.shared_experts(x))  # tensor parallel: one join per layer
+        out = K.moe_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights, indices,
+                            cfg.swiglu_limit, scales, self.shared_experts(x))  # + shared: in its last launch
+        return self.tp.all_reduce(out)  # tensor parallel: one join per layer
 
 
 class Block(nn.Module):

@@ -1,0 +1,191 @@
+"""Which decode switches pay at depth: PDL (kernels/pdl.py) and each launch-saving fusion
+(kernels/fusions.py), one engine load, steady decode timed under each switch set against the
+memory floor, with the kernels a decode step launches per layer on the GPU (torch profiler).
+
+    python -m tools.bench_decode_switches --model CKPT [--batches 1,32,150] [--configs base,pdl,fuse,all,...]
+                                          [--input-len 1024] [--steps 32] [--json OUT]   (suite decode_switches)
+
+A config is NAME or NAME=pdl:0|1+fuse:LIST (LIST: fusion names joined by '/', "all" or "none");
+the named ones: base (PDL off, no fusion), pdl, fuse (every fusion), all (both), and one per fusion
+(`mega_mhc`, ... : that fusion alone, PDL off; at --single-batches only). Per batch the requests are prefilled once; per config
+the batch's decode graph is captured again under the config's switches, then `steps` engine steps
+are timed (kernels/pdl.py and kernels/fusions.py are read at capture). The floor is
+tools.bench_engine.decode_floors' (weights a step reads / copy bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.suites import DEPTH
+from engine.llm import LLM
+from engine.request import GenerationRequest, SamplingParams
+from kernels import fusions, pdl
+from tools.bench_engine import decode_floors, random_prompts
+
+
+def parse_config(spec: str) -> tuple[str, bool, tuple[str, ...]]:
+    """'NAME' or 'NAME=pdl:1+fuse:a/b' -> (name, pdl, fusions)."""
+    name, _, body = spec.partition("=")
+    if not body:
+        named = {"base": (False, ()), "pdl": (True, ()), "fuse": (False, fusions.ALL), "all": (True, fusions.ALL)}
+        named |= {f: (False, (f,)) for f in fusions.ALL}
+        if name not in named:
+            raise ValueError(f"unknown config {name!r}: one of {', '.join(named)} or NAME=pdl:0|1+fuse:a/b")
+        return (name, *named[name])
+    on, fuse = False, ()
+    for part in body.split("+"):
+        key, _, val = part.partition(":")
+        if key == "pdl":
+            on = val == "1"
+        elif key == "fuse":
+            fuse = fusions.ALL if val == "all" else () if val in ("", "none") else tuple(val.split("/"))
+        else:
+            raise ValueError(f"config {spec!r}: parts are pdl:0|1 and fuse:LIST")
+    fusions.set_fusions(fuse)  # validates the names
+    return name, on, fuse
+
+
+def apply(on: bool, fuse: tuple[str, ...]) -> None:
+    pdl.set_enabled(on)
+    fusions.set_fusions(fuse)
+
+
+def recapture(runner, size: int) -> None:
+    """The decode graph of one bucket captured again (the runner's own capture, a fresh memory pool; on the
+    CPU its static batch, run eagerly)."""
+    runner.graphs.pop(size, None)
+    if not torch.cuda.is_available():
+        runner.static_decode_batches([size])
+        return
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    runner._capture([size], torch.cuda.graph_pool_handle())
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def kernels_per_step(runner, size: int) -> int | None:
+    """CUDA kernels one eager decode forward of the bucket's static batch launches (what its graph holds)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return None
+    batch = runner.graphs[size].batch
+    runner.model(batch, runner.cache)  # warm: no first-call allocations in the count
+    torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.model(batch, runner.cache)
+            torch.cuda.synchronize()
+    except Exception as e:  # no CUPTI: the CPU count (tools.count_decode_ops) stands
+        print(f"  kernel count unavailable: {type(e).__name__}: {e}", flush=True)
+        return None
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name
+               and "Memset" not in e.name)
+
+
+def time_steps(eng, steps: int) -> float:
+    for _ in range(4):
+        eng.step()
+    eng.flush()
+    _sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    eng.flush()
+    _sync()
+    return (time.perf_counter() - t) / steps * 1e3
+
+
+def run(engine_args: dict, batches: list[int], configs: list[tuple[str, bool, tuple[str, ...]]], input_len: int,
+        steps: int, single_batches: set[int] | None = None) -> list[dict]:
+    """single_batches: where the one-fusion configs (named after their fusion) run; None: every batch."""
+    llm = LLM(**engine_args)
+    eng = llm.engine
+    runner, layers = eng.runner, eng.cfg.num_layers
+    rows = []
+    for b in batches:
+        size = min((s for s in runner.graphs if s >= b), default=b)  # the CPU: no graphs, a static batch of b
+        sp = SamplingParams(max_tokens=len(configs) * (steps + 8) + 16, temperature=0, ignore_eos=True)
+        for i, prompt in enumerate(random_prompts(b, input_len, eng.cfg.vocab_size, seed=b)):
+            eng.add_request(GenerationRequest(f"switch-{b}-{i}", prompt_token_ids=prompt, sampling=sp))
+        while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
+            eng.step()
+        eng.flush()
+        for name, on, fuse in configs:
+            if single_batches is not None and name in fusions.ALL and b not in single_batches:
+                continue
+            apply(on, fuse)
+            try:
+                recapture(runner, size)
+                count = kernels_per_step(runner, size) if b == batches[0] else None
+                ms = time_steps(eng, steps)
+            except Exception as e:  # a config that fails is reported; the others still run
+                print(f"  batch {b} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                rows.append({"batch": b, "config": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                eng.flush()
+                continue
+            row = {"batch": b, "config": name, "pdl": on, "fusions": list(fuse), "step_ms": ms}
+            if count is not None:
+                row |= {"kernels_per_step": count, "kernels_per_layer": count / layers}
+            rows.append(row)
+            extra = f", {count} kernels ({count / layers:.1f} per layer)" if count is not None else ""
+            print(f"  batch {b:>3} {name:<16} {ms:7.2f} ms/step{extra}", flush=True)
+        for rid in list(eng.requests):
+            eng.abort(rid)
+        eng.flush()
+    apply(False, ())
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help='a checkpoint ("": the tiny default, a CPU smoke run)')
+    ap.add_argument("--batches", default="1,32,150")
+    ap.add_argument("--configs", default="base,pdl,fuse,all," + ",".join(fusions.ALL))
+    ap.add_argument("--single-batches", default="1,150", help="batches the one-fusion configs run at (all: every one)")
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--engine-args", default=DEPTH)
+    ap.add_argument("--label", default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    configs = [parse_config(c) for c in a.configs.split(",") if c]
+    apply(False, ())
+    batches = [int(b) for b in a.batches.split(",")]
+    engine_args = {"model": a.model, **json.loads(a.engine_args)}
+    floors = {f["batch"]: f for f in decode_floors(engine_args, batches)} if torch.cuda.is_available() else {}
+    singles = None if a.single_batches == "all" else {int(b) for b in a.single_batches.split(",") if b}
+    rows = run(engine_args, batches, configs, a.input_len, a.steps, singles)
+    base = {r["batch"]: r["step_ms"] for r in rows if r["config"] == configs[0][0] and "step_ms" in r}
+    print(f"{'batch':>5} {'config':<16} {'ms/step':>8} {'x floor':>8} {'vs ' + configs[0][0]:>9} {'per layer':>10}")
+    for r in rows:
+        if "step_ms" not in r:
+            continue
+        f = floors.get(r["batch"], {"floor_ms": float("nan"), "head_ms": 0.0, "num_layers": 1})
+        r["floor_ms"], r["x_floor"] = f["floor_ms"], r["step_ms"] / f["floor_ms"]
+        r["layer_ms"] = (r["step_ms"] - f["head_ms"]) / f["num_layers"]
+        r["speedup"] = base.get(r["batch"], r["step_ms"]) / r["step_ms"]
+        print(f"{r['batch']:>5} {r['config']:<16} {r['step_ms']:8.2f} {r['x_floor']:7.2f}x {r['speedup']:8.3f}x "
+              f"{r['layer_ms']:9.3f} ms" + (f"  {r['kernels_per_layer']:.1f} kernels/layer"
+                                           if "kernels_per_layer" in r else ""))
+    if a.json:
+        meta = {"label": a.label, "engine_args": engine_args, "machine": platform.platform(),
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "argv": vars(a)}
+        Path(a.json).write_text(json.dumps({"meta": meta, "floors": list(floors.values()), "rows": rows}, indent=1,
+                                           default=str))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
