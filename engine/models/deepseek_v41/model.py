@@ -48,9 +48,11 @@ from engine.models.deepseek_v41.config import V41Config
 from engine.models.deepseek_v41.decode_plan import DecodePlan, decode_plan
 from engine.models.deepseek_v41.engram import EngramHasher
 from engine.models.deepseek_v41.mixed_rows import PLAN_KEY, V41MixedRows
+from engine.models.deepseek_v41.shards import table_span
 from engine.models.deepseek_v41.split_graphs import DecoderSplitGraphs
 from engine.models.family import ModelFamily
 from engine.models.stacked_linears import linear_group
+from engine.parallel import SINGLE, TensorParallel
 
 SCORE_BUDGET = 1 << 27  # fp32 elements of one indexer score chunk [rows, heads, entries]
 
@@ -195,13 +197,17 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: V41Config, layer: int, fp8: bool = False):
+    """Under tensor parallelism its rank's heads and their share of wo_a / wo_b; the compressor and
+    the indexer whole (engine/models/deepseek_v41/shards.py says why)."""
+
+    def __init__(self, cfg: V41Config, layer: int, fp8: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.cfg, self.layer = cfg, layer
+        self.cfg, self.layer, self.tp = cfg, layer, tp
         self.ratio = cfg.compress_ratios[layer]
         self.source = cfg.kv_source_of(layer)
-        H = cfg.num_heads
-        add_attention_projections(self, cfg, H, cfg.o_groups, fp8, norm=Norm, block=cfg.weight_block_size[0])
+        self.num_heads, self.o_groups = tp.local_heads(cfg), tp.local_groups(cfg)
+        add_attention_projections(self, cfg, self.num_heads, self.o_groups, fp8, norm=Norm,
+                                  block=cfg.weight_block_size[0])
         if layer in cfg.kv_source_layer_ids:
             self.compressor = Compressor(cfg, self.ratio)
         if layer in cfg.index_source_layer_ids:
@@ -228,7 +234,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rows: Rows, fb: ForwardBatch, cache: V41KVCache,
                 inv_freq: torch.Tensor, full_rows: bool) -> torch.Tensor:
         cfg, T = self.cfg, x.shape[0]
-        H, hd = cfg.num_heads, cfg.head_dim
+        H, hd = self.num_heads, cfg.head_dim
         cos, sin = rows.ropes["compress" if self.ratio else "main"]
         q_a, kv = linear_group((self.wq_a, self.wkv), x)  # one launch where the FP8 pair is stacked
         q_res = self.q_norm(q_a)
@@ -248,8 +254,8 @@ class Attention(nn.Module):
                                 rows.replay_start_t, cfg.sliding_window, comp_pool, fb.full_tables, ratio or 1,
                                 rows.topk if self.ratio else None, self.attn_sink, hd**-0.5)
         out = K.v41_rope(out, cos, sin, inverse=True)  # K = V carried RoPE: take the query's off
-        o = K.grouped_linear(out.view(T, cfg.o_groups, -1), self.wo_a.weight, cfg.o_groups, self.wo_a.scale)
-        return self.wo_b(o)
+        o = K.grouped_linear(out.view(T, self.o_groups, -1), self.wo_a.weight, self.o_groups, self.wo_a.scale)
+        return self.tp.all_reduce(self.wo_b(o))  # tensor parallel: each rank's heads' partial sum
 
 
 class Gate(nn.Module):
@@ -261,9 +267,9 @@ class Gate(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, cfg: V41Config, fp8: bool = False):
+    def __init__(self, cfg: V41Config, fp8: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        inter, b = cfg.moe_intermediate_size, cfg.weight_block_size[0]
+        inter, b = tp.local_shared_width(cfg), cfg.weight_block_size[0]
         self.w1, self.w3 = Linear(inter, cfg.hidden_size, fp8, b), Linear(inter, cfg.hidden_size, fp8, b)
         self.w2 = Linear(cfg.hidden_size, inter, fp8, b)
         self.limit = cfg.swiglu_limit
@@ -274,22 +280,26 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: V41Config, quantized: bool = False, fp8: bool = False):
+    """Under tensor parallelism its rank's experts (expert parallel) or every expert's intermediate
+    slice, and a slice of the shared expert: one all-reduce joins them."""
+
+    def __init__(self, cfg: V41Config, quantized: bool = False, fp8: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.cfg = cfg
-        E, inter, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.cfg, self.tp = cfg, tp
+        E, inter, D = tp.local_experts(cfg), tp.local_expert_width(cfg), cfg.hidden_size
         self.gate = Gate(cfg)
         fmt = cfg.expert_dtype if quantized and cfg.expert_dtype == "fp4" else "bf16"  # MXFP4 as stored
         _expert_weights(self, "w1", E, inter, D, fmt)
         _expert_weights(self, "w3", E, inter, D, fmt)
         _expert_weights(self, "w2", E, D, inter, fmt)
-        self.shared_experts = SharedExpert(cfg, fp8)
+        self.shared_experts = SharedExpert(cfg, fp8, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         weights, indices = K.v41_router(x, self.gate.weight, self.gate.bias, cfg.num_experts_per_tok,
                                         cfg.routed_scaling_factor, cfg.scoring_func, cfg.gate_temp,
                                         cfg.norm_topk_prob)
+        indices = self.tp.local_expert_indices(indices, cfg)  # -1: another rank's expert
         # the grouped kernels (weight after w2: equal up to rounding); the CPU's torch loop reads the experts
         # hit on the host, so a forced fused backend (kernels.set_backend("fused")) takes the kernels too
         if x.is_cuda or self.experts_w1_scale is not None or K.backend() == "fused":
@@ -300,7 +310,8 @@ class MoE(nn.Module):
         else:
             routed = ops.routed_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights, indices,
                                         cfg.swiglu_limit)
-        return K.v41_moe_sum(routed, self.shared_experts(x), x.dtype)
+        # tensor parallel: one join per layer (each rank's sum rounded to x's dtype first, as V4's)
+        return self.tp.all_reduce(K.v41_moe_sum(routed, self.shared_experts(x), x.dtype))
 
 
 class Engram(nn.Module):
@@ -321,7 +332,8 @@ class Engram(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: V41Config, layer: int, quantized: bool = False, fp8: bool = False):
+    def __init__(self, cfg: V41Config, layer: int, quantized: bool = False, fp8: bool = False,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         mix, hc, D = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult, cfg.hidden_size
@@ -331,10 +343,11 @@ class Block(nn.Module):
             setattr(self, f"hc_{kind}_fn", nn.Parameter(torch.zeros(mix, hc * D, dtype=torch.float32)))
             setattr(self, f"hc_{kind}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
             setattr(self, f"hc_{kind}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
-        self.attn = Attention(cfg, layer, fp8)
-        self.ffn = MoE(cfg, quantized, fp8)
+        self.attn = Attention(cfg, layer, fp8, tp)
+        self.ffn = MoE(cfg, quantized, fp8, tp)
         if layer in cfg.engram_layer_ids:
-            self.engram = Engram(cfg, cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)], fp8)
+            lo, hi = table_span(cfg, layer, tp)  # tensor parallel: this rank's rows of the table
+            self.engram = Engram(cfg, hi - lo, fp8)
 
     def _site(self, kind: str, h: torch.Tensor, pre: torch.Tensor):
         """This site's (pre, post, comb) and h collapsed with the previous site's pre (one fused op)."""
@@ -383,17 +396,19 @@ class DeepseekV41(ModelFamily):
     # CPU emulation of a graph).
     cache_class = V41KVCache
     supports_decoder_trim = True
+    supports_tensor_parallel = True  # engine/models/deepseek_v41/shards.py
 
-    def __init__(self, cfg: V41Config, quantized: bool = False, decoder_trim: bool = True, fp8_linears: bool = False):
+    def __init__(self, cfg: V41Config, quantized: bool = False, decoder_trim: bool = True, fp8_linears: bool = False,
+                 tp: TensorParallel = SINGLE):
         """quantized: routed experts as stored (MXFP4); fp8_linears: the FP8 linears as stored (e4m3 +
-        float32 scales per cfg.weight_block_size tile), else in the model dtype."""
+        float32 scales per cfg.weight_block_size tile), else in the model dtype. tp: this rank's share."""
         super().__init__()
-        self.cfg, self.quantized, self.decoder_trim = cfg, quantized, decoder_trim
+        self.cfg, self.quantized, self.decoder_trim, self.tp = cfg, quantized, decoder_trim, tp
         D = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, D)
-        self.layers = nn.ModuleList(Block(cfg, i, quantized, fp8_linears) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, quantized, fp8_linears, tp) for i in range(cfg.num_layers))
         self.norm = Norm(D, cfg.rms_norm_eps)
-        self.head = _linear(cfg.vocab_size, D)
+        self.head = _linear(cfg.vocab_size, D) if tp.rank == 0 else None  # rank 0 samples
         self.mtp_weights: dict[str, torch.Tensor] = {}  # DSpark draft layers: kept, not run
         self.engram_hasher = engram_hasher(cfg) if cfg.engram_layer_ids else None
         self.register_buffer("main_inv_freq", cfg.main_rope.inv_freq(), persistent=False)
@@ -438,8 +453,20 @@ class DeepseekV41(ModelFamily):
         if fb.lookback_ids is None:
             raise RuntimeError("the Engram layers need ForwardBatch.lookback_ids (the runner builds them)")
         ids = self.engram_hasher(fb.input_ids, fb.lookback_ids)  # [T, L, cols]
-        return {layer: self.layers[layer].engram.embed(ids[:, k]) for k, layer in enumerate(self.cfg.engram_layer_ids)
-                if layers is None or layer in layers}
+        wanted = [(k, layer) for k, layer in enumerate(self.cfg.engram_layer_ids) if layers is None or layer in layers]
+        if not self.tp.active:
+            return {layer: self.layers[layer].engram.embed(ids[:, k]) for k, layer in wanted}
+        # tensor parallel: each rank gathers the rows it holds, zeros for the others'; one sum over
+        # the ranks gives every row exactly (it comes from one rank, plus zeros)
+        parts = []
+        for k, layer in wanted:
+            lo, hi = table_span(self.cfg, layer, self.tp)
+            local = ids[:, k] - lo
+            mine = (local >= 0) & (local < hi - lo)
+            rows = self.layers[layer].engram.embed(torch.where(mine, local, 0))
+            parts.append(rows * mine.unsqueeze(-1).to(rows.dtype))
+        summed = self.tp.all_reduce(torch.stack(parts))
+        return {layer: summed[i] for i, (_, layer) in enumerate(wanted)}
 
     @property
     def trim_cut(self) -> int:
@@ -455,7 +482,7 @@ class DeepseekV41(ModelFamily):
 
     def embed_rows(self, fb: ForwardBatch, cache: V41KVCache):
         """-> (h, pre, rows) before the first block: the hc copies of the embedding, the first site's pre."""
-        x = self.embed(fb.input_ids)
+        x = self.embed(self.tp.broadcast(fb.input_ids))  # async scheduling's tokens live on rank 0
         rows = self.rows_of(fb, x.dtype)
         if fb.is_decode:
             rows.plans = {m: decode_plan(fb, m, cache) for m in self.compressed_ratios}
@@ -476,8 +503,9 @@ class DeepseekV41(ModelFamily):
         return F.linear(self.norm(ops.hc_collapse(h, pre)), self.head.weight).float()
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, cache: V41KVCache) -> torch.Tensor:
-        """One step over packed tokens; returns logits [len(fb.logits_rows), vocab] in fp32."""
+    def forward(self, fb: ForwardBatch, cache: V41KVCache) -> torch.Tensor | None:
+        """One step over packed tokens; returns logits [len(fb.logits_rows), vocab] in fp32 (None
+        on tensor-parallel ranks > 0: rank 0 samples)."""
         h, pre, rows = self.embed_rows(fb, cache)
         cut = self.trim_cut
         h, pre = self.run_layers(h, pre, rows, fb, cache, 0, cut)
@@ -489,7 +517,7 @@ class DeepseekV41(ModelFamily):
                 h, pre, rows, logits_rows = self._trim(h, pre, rows, fb, *got)
                 full_rows = False
         h, pre = self.run_layers(h, pre, rows, fb, cache, cut, None, full_rows)
-        return self.logits_of(h[logits_rows], pre[logits_rows])
+        return None if self.head is None else self.logits_of(h[logits_rows], pre[logits_rows])
 
     @staticmethod
     def _trim(h, pre, rows: Rows, fb: ForwardBatch, keep: torch.Tensor, first: list[int]):
@@ -512,7 +540,7 @@ class DeepseekV41(ModelFamily):
     _FP32 = ("hc_", "attn_sink", "gate.bias")
 
     def expected_names(self) -> set[str]:
-        return expected_names(self, self.cfg.n_routed_experts)
+        return expected_names(self, self.tp.local_experts(self.cfg))
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         if name.startswith("mtp."):  # DSpark draft layers: kept, not run
