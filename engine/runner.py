@@ -236,6 +236,13 @@ class ModelRunner:
         tables[0, n:] = c.scratch_window
         tables[1, n:] = c.scratch_full
 
+    def prefetch_host_inputs(self, size: int, host: np.ndarray) -> None:
+        """A model that reads host memory per step (V4.1's Engram tables there) gets the packed decode
+        batch's ids and look-back before the replay (tensor-parallel workers call it on rank 0's buffer)."""
+        if self.model.needs_host_tokens:
+            k = self.model.lookback_tokens
+            self.model.prefetch_host_inputs(size, host[:size], host[(5 + 2 * self._table_width()) * size:].reshape(size, k))
+
     def _replay(self, scheduled: list[tuple[Sequence, int]],
                 pending: tuple[torch.Tensor, dict[int, int]] | None = None) -> torch.Tensor:
         """Pack into a pinned staging buffer, one host-to-device copy, replay. A buffer is packed
@@ -247,6 +254,7 @@ class ModelRunner:
         self.replays += 1
         staging = g.stagings[self.replays % 2]  # the other one may still be on its way to the GPU
         self.pack_decode(scheduled, size, staging.numpy())
+        self.prefetch_host_inputs(size, staging.numpy())
         if self.workers is not None:
             self.workers.step_graph(size, staging.numpy())
         g.flat.copy_(staging, non_blocking=True)

@@ -196,6 +196,7 @@ def worker_main(raw_args: dict, model_dir: str, kind: str, rank: int, port: int,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops us
     try:
         import kernels
+        from engine.llm_engine import family_load_args
         from engine.models.registry import load_model
         from engine.runner import ModelRunner
 
@@ -206,7 +207,8 @@ def worker_main(raw_args: dict, model_dir: str, kind: str, rank: int, port: int,
         if kind == "cpu":  # the ranks share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tensor_parallel_size))
         tp = TensorParallel(rank, args.tensor_parallel_size, args.enable_expert_parallel)
-        model = load_model(model_dir, args.dtype, device, tp=tp)
+        model = load_model(model_dir, args.dtype, device, tokenizer=args.tokenizer, tp=tp,
+                           **family_load_args(args, model_dir))
         op, (shape, runner_kwargs) = pickle.loads(conn.recv_bytes())
         assert op == "start", op
         cache = model.cache_class(model.cfg, device=device, **shape)  # the family's cache (V4.1: CSA2 pools)
@@ -249,5 +251,6 @@ def _serve(conn, model, cache: KVCache, runner, device: torch.device) -> None:
         else:  # a decode step replayed as rank 0 replays it
             size, packed = payload[1], payload[2]
             g = runner.graphs[size]
+            runner.prefetch_host_inputs(size, packed)
             g.flat.copy_(torch.from_numpy(packed))
             g.graph.replay()

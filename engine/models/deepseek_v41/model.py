@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,6 +48,7 @@ from engine.models.deepseek_v41.cache import V41KVCache
 from engine.models.deepseek_v41.config import V41Config
 from engine.models.deepseek_v41.decode_plan import DecodePlan, decode_plan
 from engine.models.deepseek_v41.engram import EngramHasher
+from engine.models.deepseek_v41.engram_tables import HostTables
 from engine.models.deepseek_v41.mixed_rows import PLAN_KEY, V41MixedRows
 from engine.models.deepseek_v41.shards import table_span
 from engine.models.deepseek_v41.split_graphs import DecoderSplitGraphs
@@ -315,13 +317,14 @@ class MoE(nn.Module):
 
 
 class Engram(nn.Module):
-    """An n-gram lookup written into each hc stream, gated by its match with the stream."""
+    """An n-gram lookup written into each hc stream, gated by its match with the stream. rows: its
+    table's rows on the device; 0: the table lives in host memory (engine/models/deepseek_v41/engram_tables.py)."""
 
     def __init__(self, cfg: V41Config, rows: int, fp8: bool = False):
         super().__init__()
         cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         self.eps = cfg.rms_norm_eps
-        self.embed = nn.Embedding(rows, cfg.engram_head_dim)
+        self.embed = nn.Embedding(rows, cfg.engram_head_dim) if rows else None
         self.wkv = Linear(cfg.hidden_size * (cfg.hc_mult + 1), cols * cfg.engram_head_dim, fp8, cfg.weight_block_size[0])
         self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.hidden_size))
         self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.hidden_size))
@@ -333,7 +336,7 @@ class Engram(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, cfg: V41Config, layer: int, quantized: bool = False, fp8: bool = False,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, engram_on_device: bool = True):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         mix, hc, D = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult, cfg.hidden_size
@@ -347,7 +350,7 @@ class Block(nn.Module):
         self.ffn = MoE(cfg, quantized, fp8, tp)
         if layer in cfg.engram_layer_ids:
             lo, hi = table_span(cfg, layer, tp)  # tensor parallel: this rank's rows of the table
-            self.engram = Engram(cfg, hi - lo, fp8)
+            self.engram = Engram(cfg, hi - lo if engram_on_device else 0, fp8)
 
     def _site(self, kind: str, h: torch.Tensor, pre: torch.Tensor):
         """This site's (pre, post, comb) and h collapsed with the previous site's pre (one fused op)."""
@@ -365,6 +368,23 @@ class Block(nn.Module):
         ffn_pre, post, comb, x = self._site("ffn", h, attn_pre)
         h = K.v41_hc_expand(self.ffn(self.ffn_norm(x)), h, post, comb)
         return h, ffn_pre
+
+
+class HostRows(dict):
+    """layer -> its gathered Engram rows, fetched (waited for, all-reduced under tensor parallelism)
+    when the layer first reads them, so the gathers overlap the layers before."""
+
+    def __init__(self, tables: HostTables, tp: TensorParallel, layers: tuple[int, ...]):
+        super().__init__()
+        self.tables, self.tp, self.layers = tables, tp, layers
+
+    def __missing__(self, layer: int) -> torch.Tensor:
+        rows = self.tp.all_reduce(self.tables.rows(layer))  # each row from one rank, zeros from the others
+        self[layer] = rows
+        return rows
+
+    def items(self):
+        return [(layer, self[layer]) for layer in self.layers]
 
 
 def engram_hasher(cfg: V41Config) -> EngramHasher:
@@ -397,16 +417,22 @@ class DeepseekV41(ModelFamily):
     cache_class = V41KVCache
     supports_decoder_trim = True
     supports_tensor_parallel = True  # engine/models/deepseek_v41/shards.py
+    supports_host_engram = True  # engine/models/deepseek_v41/engram_tables.py
 
     def __init__(self, cfg: V41Config, quantized: bool = False, decoder_trim: bool = True, fp8_linears: bool = False,
-                 tp: TensorParallel = SINGLE):
+                 tp: TensorParallel = SINGLE, engram_on_device: bool = True):
         """quantized: routed experts as stored (MXFP4); fp8_linears: the FP8 linears as stored (e4m3 +
-        float32 scales per cfg.weight_block_size tile), else in the model dtype. tp: this rank's share."""
+        float32 scales per cfg.weight_block_size tile), else in the model dtype. tp: this rank's share.
+        engram_on_device False: the loader sets `host_tables` (engine/models/deepseek_v41/engram_tables.py)."""
         super().__init__()
         self.cfg, self.quantized, self.decoder_trim, self.tp = cfg, quantized, decoder_trim, tp
         D = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, D)
-        self.layers = nn.ModuleList(Block(cfg, i, quantized, fp8_linears, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, quantized, fp8_linears, tp, engram_on_device)
+                                    for i in range(cfg.num_layers))
+        self.host_tables: HostTables | None = None  # Engram tables in host memory
+        self.host_hasher: EngramHasher | None = None  # their ids hashed on the host
+        self.graph_rows: dict[int, dict[int, torch.Tensor]] = {}  # decode graph size -> its static Engram rows
         self.norm = Norm(D, cfg.rms_norm_eps)
         self.head = _linear(cfg.vocab_size, D) if tp.rank == 0 else None  # rank 0 samples
         self.mtp_weights: dict[str, torch.Tensor] = {}  # DSpark draft layers: kept, not run
@@ -452,6 +478,8 @@ class DeepseekV41(ModelFamily):
             return {}
         if fb.lookback_ids is None:
             raise RuntimeError("the Engram layers need ForwardBatch.lookback_ids (the runner builds them)")
+        if self.host_tables is not None:
+            return self._host_engram_rows(fb, layers)
         ids = self.engram_hasher(fb.input_ids, fb.lookback_ids)  # [T, L, cols]
         wanted = [(k, layer) for k, layer in enumerate(self.cfg.engram_layer_ids) if layers is None or layer in layers]
         if not self.tp.active:
@@ -467,6 +495,35 @@ class DeepseekV41(ModelFamily):
             parts.append(rows * mine.unsqueeze(-1).to(rows.dtype))
         summed = self.tp.all_reduce(torch.stack(parts))
         return {layer: summed[i] for i, (_, layer) in enumerate(wanted)}
+
+    # --- Engram tables in host memory (engine/models/deepseek_v41/engram_tables.py) ---------------
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        return self.host_tables is not None
+
+    def _host_engram_rows(self, fb: ForwardBatch, layers: tuple[int, ...] | None) -> dict:
+        """Eager steps: hash on the host, start every layer's gather, hand each layer its rows when it
+        asks (HostRows). A decode graph being captured reads static buffers prefetch_host_inputs fills."""
+        wanted = tuple(i for i in self.cfg.engram_layer_ids if layers is None or i in layers)
+        if fb.input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            T, cols = fb.input_ids.shape[0], self.host_hasher.offsets.shape[-1]
+            bufs = self.graph_rows.setdefault(T, {i: torch.zeros(T, cols, self.cfg.engram_head_dim,
+                                                                 dtype=self.embed.weight.dtype, device=fb.input_ids.device)
+                                                  for i in self.cfg.engram_layer_ids})
+            return {i: self.tp.all_reduce(bufs[i].clone()) for i in wanted}
+        ids = self.host_hasher(fb.input_ids.cpu(), fb.lookback_ids.cpu())  # the step's tokens: known on the host
+        self.host_tables.gather(ids)
+        return HostRows(self.host_tables, self.tp, wanted)
+
+    def prefetch_host_inputs(self, size: int, input_ids: np.ndarray, lookback: np.ndarray) -> None:
+        """Before a decode graph's replay: its rows' Engram rows into the graph's static buffers (none
+        captured: the CPU's static batches, which run eagerly and gather as any eager step)."""
+        if size not in self.graph_rows:
+            return
+        ids = self.host_hasher(torch.from_numpy(input_ids), torch.from_numpy(lookback))
+        self.host_tables.gather(ids, out=self.graph_rows[size])
+        self.host_tables.wait_all()
 
     @property
     def trim_cut(self) -> int:

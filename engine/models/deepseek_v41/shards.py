@@ -29,6 +29,15 @@ from engine.parallel import FULL, SKIP, TensorParallel, shard_spec
 _TABLE = re.compile(r"^layers\.(\d+)\.engram\.embed\.weight$")
 
 
+def is_table(name: str) -> bool:
+    return _TABLE.match(name) is not None
+
+
+def table_names(layer: int) -> tuple[str, ...]:
+    """Layer `layer`'s Engram table as a checkpoint may store it: official, transformers'."""
+    return f"layers.{layer}.engram.embed.weight", f"model.engram_tables.{layer}.weight"
+
+
 def table_span(cfg: V41Config, layer: int, tp: TensorParallel) -> tuple[int, int]:
     """This rank's [lo, hi) rows of layer `layer`'s Engram table."""
     return tp.row_span(cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)])
