@@ -108,8 +108,9 @@ class LLMEngine:
         graphs = (self.device.type == "cuda" and not args.enforce_eager and args.cudagraph_mode != "NONE"
                   and kernels.backend() != "ref" and self.model.supports_cuda_graphs)
         # tensor parallel: mixed steps run eagerly (the workers mirror decode graphs and eager steps)
+        # Engram rows from host memory: only decode graphs are fed them before replay (runner.prefetch_host_inputs)
         mixed = (mixed_sizes(args.max_num_batched_tokens) if args.cudagraph_mode == "FULL" and not self.parallel
-                 and self.model.supports_mixed_graphs else [])
+                 and self.model.supports_mixed_graphs and not self.model.needs_host_tokens else [])
         runner_kwargs = dict(max_model_len=self.max_model_len, cuda_graphs=graphs, max_num_seqs=args.max_num_seqs,
                              mixed_sizes=mixed)
         if self.parallel is not None:

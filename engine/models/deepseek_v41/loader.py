@@ -14,6 +14,7 @@ import torch
 from engine.models.deepseek_v41.config import load_config
 from engine.models.deepseek_v41.engram import find_tokenizer_json
 from engine.models.deepseek_v41.engram_tables import HostTables, choose_placement, read_stored_table
+from engine.models.deepseek_v41.memory_plan import plan_memory
 from engine.models.deepseek_v41.model import DeepseekV41, engram_hasher, hold_fp32_weights
 from engine.models.deepseek_v41.names import official_name, to_official
 from engine.models.deepseek_v41.shards import is_table, slice_loaded, table_names, table_span, v41_shard_spec
@@ -56,6 +57,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     spans = {layer: table_span(cfg, layer, tp) for layer in cfg.engram_layer_ids}
     table_bytes = sum(hi - lo for lo, hi in spans.values()) * cfg.engram_head_dim * dtype.itemsize
     placement = choose_placement(engram_tables, table_bytes, device)
+    plan = plan_memory(model_dir, cfg, tp, placement, device, dtype)
+    for line in plan.lines(tp):
+        log.info("memory plan: %s", line)
+    plan.check(tp)  # refused before anything is read
     with torch.device("meta"):
         model = DeepseekV41(cfg, quantized=experts_as_stored, decoder_trim=decoder_trim,
                             fp8_linears=linears_as_stored, tp=tp, engram_on_device=placement == "device")
