@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +131,10 @@ class HostTables:
         self.staging: dict[int, torch.Tensor] = {}
         self.copied: dict[int, torch.cuda.Event] = {}  # the last copy out of each layer's staging buffer
         self.pending: dict[int, Future] = {}
+        # host seconds: the gathers' own (threads) and the forward's waits for them (what the overlap left
+        # exposed); tools/bench_v41_share.py reports both
+        self.stats = {"gathers": 0, "gather_s": 0.0, "waited_s": 0.0}
+        self._stats_lock = threading.Lock()  # the layer threads add to it
 
     @property
     def nbytes(self) -> int:
@@ -153,6 +159,15 @@ class HostTables:
                                                    None if out is None else out[layer])
 
     def _gather_one(self, layer: int, ids: torch.Tensor, dst: torch.Tensor | None):
+        t0 = time.perf_counter()
+        try:
+            return self._gather_rows(layer, ids, dst)
+        finally:
+            with self._stats_lock:
+                self.stats["gathers"] += 1
+                self.stats["gather_s"] += time.perf_counter() - t0
+
+    def _gather_rows(self, layer: int, ids: torch.Tensor, dst: torch.Tensor | None):
         table, (lo, hi) = self.tables[layer], self.spans[layer]
         local = ids.reshape(-1) - lo
         mine = (local >= 0) & (local < hi - lo)
@@ -183,7 +198,9 @@ class HostTables:
 
     def rows(self, layer: int) -> torch.Tensor:
         """The layer's gathered rows on the device, ordered after their copy on the compute stream."""
+        t0 = time.perf_counter()
         got = self.pending.pop(layer).result()
+        self.stats["waited_s"] += time.perf_counter() - t0
         if not self.cuda:
             return got
         dev, done = got
