@@ -60,9 +60,11 @@ def test_bench_v41_share_runs_a_tiny_share_and_writes_its_json(tmp_path, monkeyp
     out = tmp_path / "share.json"
     monkeypatch.setattr(sys, "argv", ["bench_v41_share", "--preset", "v41-tiny", "--experts", "8", "--engram-vocab",
                                       "500", "--worlds", "2", "--batches", "2", "--ttft", "32", "--input-len", "16",
-                                      "--steps", "2", "--json", str(out)])
+                                      "--steps", "2", "--check", "--json", str(out)])
     bench_v41_share.main()
-    (world,) = json.loads(out.read_text())["worlds"]
+    result = json.loads(out.read_text())
+    assert all(c["identical_streams"] == c["of"] for c in result["check"].values()), result["check"]
+    (world,) = result["worlds"]
     assert world["world"] == 2 and world["heads"] == 2 and world["experts"] == 4
     assert [d["batch"] for d in world["decode"]] == [2] and [t["prompt"] for t in world["ttft"]] == [32]
     assert world["decode"][0]["gather_ms"] > 0 and world["ttft"][0]["gather_ms"] > 0
