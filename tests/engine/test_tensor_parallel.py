@@ -27,6 +27,7 @@ from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.loader import load_model
 from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
 from engine.models.deepseek_v41.random_checkpoint import write_v41_checkpoint
+from engine.models.weights import WeightsError
 from engine.parallel import ParallelConfigError, TensorParallel
 from engine.request import GenerationRequest, SamplingParams
 from tests.engine.models.deepseek_v41.oracle import ORACLE
@@ -268,3 +269,5 @@ def test_v41_quantized_slices_cut_the_scales_with_them(tmp_path):
     narrow = write_v41_checkpoint(tmp_path / "narrow", "v41-tiny", seed=5, quant="fp8-fp4")  # shared width 32
     with pytest.raises(ParallelConfigError, match=r"shared expert's slice per rank \(16\).*FP8 block 32"):
         LLMEngine(dict(dtype="float32", model=str(narrow), tensor_parallel_size=2))
+    with pytest.raises(WeightsError, match=r"shared_experts\.w[123]\.(weight|scale).*cuts a block of 32"):
+        load_v41(narrow, "bfloat16", tp=TensorParallel(0, 2, True), **kept)  # the loader itself, unchecked
