@@ -13,11 +13,11 @@ Why the ids are known early enough: a row's n-gram ids depend only on its token 
 tokens or tokens already sampled, which the host holds when it packs the step (the runner's
 look-back ids come from the host's token lists). So the ids are hashed on the host, before the
 step runs; the gather for every Engram layer starts at once on host threads, each thread copying
-its layer's rows to the device on a side stream when done, while the device runs the layers
-before that Engram layer (layer 1 waits behind layer 0 only, layer 14 behind 13 layers). The
-compute stream waits on the copy's event just before the Engram layer. Decode CUDA graphs read the
-rows from static device buffers the runner fills before each replay (`prefetch`), so no graph
-ever waits on the host.
+its layer's rows as stored (FP8: half the bytes of bf16) to the device on a side stream and
+dequantizing them there, while the device runs the layers before that Engram layer (layer 1 waits
+behind layer 0 only, layer 14 behind 13 layers). The compute stream waits on the copy's event just
+before the Engram layer. Decode CUDA graphs read the rows from static device buffers filled before
+each replay (DeepseekV41.prefetch_host_inputs), so no graph ever waits on the host.
 """
 
 from __future__ import annotations
@@ -140,15 +140,13 @@ class HostTables:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tables.values())
 
-    def _stage(self, layer: int, shape: tuple[int, ...]) -> torch.Tensor:
-        """A pinned buffer of at least `shape` for this layer (grown, never shrunk)."""
+    def _stage(self, key: tuple, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A pinned buffer of at least `shape` for `key` (grown, never shrunk)."""
         need = int(np.prod(shape))
-        if layer in self.copied:  # the previous step's copy out of it may still run (async scheduling)
-            self.copied.pop(layer).synchronize()
-        buf = self.staging.get(layer)
+        buf = self.staging.get(key)
         if buf is None or buf.numel() < need:
-            buf = torch.empty(max(need, 1), dtype=self.dtype, pin_memory=self.cuda)
-            self.staging[layer] = buf
+            buf = torch.empty(max(need, 1), dtype=dtype, pin_memory=self.cuda)
+            self.staging[key] = buf
         return buf[:need].view(shape)
 
     def gather(self, ids: torch.Tensor, out: dict[int, torch.Tensor] | None = None) -> None:
@@ -168,33 +166,49 @@ class HostTables:
                 self.stats["gather_s"] += time.perf_counter() - t0
 
     def _gather_rows(self, layer: int, ids: torch.Tensor, dst: torch.Tensor | None):
+        """Rows as stored into pinned staging (a row of another rank: zero bytes, so it dequantizes
+        to exactly 0), copied as stored (FP8: half of bf16's bytes), dequantized on the device."""
         table, (lo, hi) = self.tables[layer], self.spans[layer]
         local = ids.reshape(-1) - lo
         mine = (local >= 0) & (local < hi - lo)
         idx = torch.where(mine, local, 0)
-        d = table.rows.shape[-1]
-        staged = self._stage(layer, (idx.numel(), d))
+        if layer in self.copied:  # the previous step's copy out of the staging may still run (async scheduling)
+            self.copied.pop(layer).synchronize()
+        rows = self._stage((layer, "rows"), (idx.numel(), table.rows.shape[-1]), table.rows.dtype)
+        scale = None if table.scale is None else self._stage((layer, "scale"), (idx.numel(), table.scale.shape[-1]),
+                                                             table.scale.dtype)
         if idx.numel() < SPLIT_ABOVE:
-            self._rows_into(table, idx, mine, staged)
+            self._rows_into(table, idx, mine, rows, scale)
         else:  # a prefill's rows: split over the row threads
             parts = [slice(c[0].item(), c[-1].item() + 1) for c in torch.arange(idx.numel()).tensor_split(GATHER_THREADS)]
-            list(self.row_pool.map(lambda c: self._rows_into(table, idx[c], mine[c], staged[c]), parts))
-        staged = staged.view(*ids.shape, d)
+            list(self.row_pool.map(lambda c: self._rows_into(table, idx[c], mine[c], rows[c],
+                                                             None if scale is None else scale[c]), parts))
+        shape = (*ids.shape, table.rows.shape[-1])
         if not self.cuda:
-            return staged.clone() if dst is None else dst.copy_(staged)
+            out = self._dequantize(rows, scale).view(shape)
+            return out if dst is None else dst.copy_(out)
         with torch.cuda.stream(self.copy_stream):
-            dev = dst if dst is not None else torch.empty(staged.shape, dtype=self.dtype, device=self.device)
-            dev.copy_(staged, non_blocking=True)
+            stored = rows.to(self.device, non_blocking=True)
+            scales = None if scale is None else scale.to(self.device, non_blocking=True)
+            dev = self._dequantize(stored, scales).view(shape)
+            if dst is not None:
+                dev = dst.copy_(dev)
             done = torch.cuda.Event()
             done.record(self.copy_stream)
         self.copied[layer] = done
         return dev, done
 
-    def _rows_into(self, table: StoredTable, idx: torch.Tensor, mine: torch.Tensor, out: torch.Tensor) -> None:
-        rows = table.rows.index_select(0, idx)
-        if table.scale is not None:
-            rows = dequantize_rows(rows, table.scale.index_select(0, idx))
-        out.copy_(rows.to(self.dtype) * mine.unsqueeze(-1).to(self.dtype))
+    def _dequantize(self, rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """As the loader dequantizes a device table (weights.dequantize_rows, then the model dtype)."""
+        return (rows if scale is None else dequantize_rows(rows, scale)).to(self.dtype)
+
+    @staticmethod
+    def _rows_into(table: StoredTable, idx: torch.Tensor, mine: torch.Tensor, rows: torch.Tensor,
+                   scale: torch.Tensor | None) -> None:
+        torch.index_select(table.rows, 0, idx, out=rows)
+        rows.view(torch.uint8)[~mine] = 0  # zero bytes: 0 in every float format and in e4m3
+        if scale is not None:
+            torch.index_select(table.scale, 0, idx, out=scale)
 
     def rows(self, layer: int) -> torch.Tensor:
         """The layer's gathered rows on the device, ordered after their copy on the compute stream."""
