@@ -200,7 +200,9 @@ class HostTables:
 
     def _dequantize(self, rows: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """As the loader dequantizes a device table (weights.dequantize_rows, then the model dtype)."""
-        return (rows if scale is None else dequantize_rows(rows, scale)).to(self.dtype)
+        if scale is None:  # a copy: the rows must outlive the staging buffer they came through
+            return rows.to(self.dtype, copy=True)
+        return dequantize_rows(rows, scale).to(self.dtype)
 
     @staticmethod
     def _rows_into(table: StoredTable, idx: torch.Tensor, mine: torch.Tensor, rows: torch.Tensor,
