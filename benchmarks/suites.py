@@ -293,6 +293,12 @@ SUITE_LIST = [
           "skipped), the compute term of the multi-GPU projection?",
           (Step("tools.bench_tp_share", ("--world", "8", "--batches", "1,32,150", "--input-len", "512",
                                          "--chunk", "2048"), timeout_s=420),)),
+    Suite("v41_share", "How long is rank 0's share of V4.1-Flash at its released size (384 MXFP4 experts, Engram "
+          "tables of 384M rows, the rank's rows in host RAM) at tensor_parallel_size 8 and 4 (collectives skipped): "
+          "decode at batch 1/32/150 against its floor, TTFT 1K/8K, and how much of the Engram gather the overlap hides?",
+          tuple(Step("tools.bench_v41_share", ("--worlds", w, "--batches", "1,32,150", "--ttft", "1024,8192",
+                                               "--input-len", "512", *check), name=f"world{w}", timeout_s=295)
+                for w, check in (("8", ("--check",)), ("4", ())))),  # --check: host tables equal device tables
     # ---- profiles (text tables: the step's output)
     Suite("profile_decode_depth", "Where does a decode step at V4-Flash depth as shipped go, kernel by kernel, "
           "at batch 1 and 150?",

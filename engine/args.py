@@ -17,6 +17,7 @@ class InvalidEngineArgs(ValueError):
 
 
 CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")
+ENGRAM_TABLES = ("auto", "device", "host", "mmap")
 _RENAMED = {"swa_decoder_replay": "swa_decoder_trim"}  # earlier names model.json files may still carry
 
 
@@ -62,6 +63,11 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     pipeline_parallel_size: int = 1  # refused unless 1 (not implemented)
     data_parallel_size: int = 1  # refused unless 1 (not implemented)
+    # DeepSeek-V4.1's Engram tables: on the GPU (device), in host RAM (host: pinned), memory-mapped
+    # from the checkpoint (mmap: no copy in RAM), or auto: host when they would take more than a
+    # quarter of a GPU (engine/models/deepseek_v41/engram_tables.py). In host memory the step's
+    # tokens must be on the host when it is packed: no async scheduling
+    engram_tables: str = "auto"
     # a step running longer than this means a hung GPU or a deadlock: the engine is declared dead
     # (requests in flight fail UNAVAILABLE, health turns false, the Triton model unloads). 0: off
     step_timeout_s: float = 60.0
@@ -103,6 +109,7 @@ class EngineArgs:
             (self.step_timeout_s >= 0, "step_timeout_s must be >= 0 (0: no step watchdog)"),
             (self.kernels in ("auto", "ref"), "kernels must be 'auto' or 'ref'"),
             (self.cudagraph_mode in CUDAGRAPH_MODES, f"cudagraph_mode must be one of {CUDAGRAPH_MODES}"),
+            (self.engram_tables in ENGRAM_TABLES, f"engram_tables must be one of {ENGRAM_TABLES}"),
             (self.core_restart_limit >= 0, "core_restart_limit must be >= 0"),
             (self.core_restart_backoff_s >= 0, "core_restart_backoff_s must be >= 0"),
             (self.engine == "native", "this is the native engine; engine must be 'native'"),

@@ -51,6 +51,15 @@ class RequestState:
     prompt_ranks: list[int | None] | None = None
 
 
+def family_load_args(args: EngineArgs, model_dir) -> dict:
+    """The engine arguments only some families' loaders take; set for another family: refused."""
+    if registry.family(model_dir).Model.supports_host_engram:
+        return {"engram_tables": args.engram_tables}
+    if args.engram_tables in ("host", "mmap"):
+        raise InvalidEngineArgs(f"engram_tables={args.engram_tables!r}: this checkpoint has no Engram tables")
+    return {}
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs | dict, detokenize: bool = True):
         """detokenize=False: outputs carry token ids only and stop strings are left to the caller
@@ -77,7 +86,8 @@ class LLMEngine:
 
     def _build(self, args: EngineArgs, model_dir) -> None:
         self.model = registry.load_model(model_dir, args.dtype, self.device, tokenizer=args.tokenizer,
-                                         tp=self.parallel.tp if self.parallel else SINGLE)
+                                         tp=self.parallel.tp if self.parallel else SINGLE,
+                                         **family_load_args(args, model_dir))
         self.cfg = cfg = self.model.cfg
         if self.model.supports_decoder_trim:  # swa_bounded_replay covers the decoder side too, unless told
             self.model.set_decoder_trim(args.swa_bounded_replay if args.swa_decoder_trim is None
@@ -98,8 +108,9 @@ class LLMEngine:
         graphs = (self.device.type == "cuda" and not args.enforce_eager and args.cudagraph_mode != "NONE"
                   and kernels.backend() != "ref" and self.model.supports_cuda_graphs)
         # tensor parallel: mixed steps run eagerly (the workers mirror decode graphs and eager steps)
+        # Engram rows from host memory: only decode graphs are fed them before replay (runner.prefetch_host_inputs)
         mixed = (mixed_sizes(args.max_num_batched_tokens) if args.cudagraph_mode == "FULL" and not self.parallel
-                 and self.model.supports_mixed_graphs else [])
+                 and self.model.supports_mixed_graphs and not self.model.needs_host_tokens else [])
         runner_kwargs = dict(max_model_len=self.max_model_len, cuda_graphs=graphs, max_num_seqs=args.max_num_seqs,
                              mixed_sizes=mixed)
         if self.parallel is not None:
@@ -112,7 +123,11 @@ class LLMEngine:
         self.spec = SpecDecoder(self, spec.num_speculative_tokens) if spec else None
         self.requests: dict[str, RequestState] = {}
         self.pending: InFlight | None = None  # the step in flight (async scheduling)
-        self.async_scheduling = self.device.type == "cuda" if args.async_scheduling is None else args.async_scheduling
+        if args.async_scheduling and self.model.needs_host_tokens:
+            raise InvalidEngineArgs("async_scheduling needs the Engram tables on the device (engram_tables: device): "
+                                    "in host memory their rows are gathered from the step's tokens on the host")
+        self.async_scheduling = (self.device.type == "cuda" and not self.model.needs_host_tokens
+                                 if args.async_scheduling is None else args.async_scheduling)
         # with CUDA graphs, an eager step's launch is the slow part: read back first (see _step);
         # without them (CPU) every step is eager and overlapping changes nothing but is exercised
         self.flush_before_eager = bool(self.runner.graphs)

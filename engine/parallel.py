@@ -13,6 +13,8 @@ A rank holds, per layer:
   ranks' experts skipped (index -1); without it every expert's intermediate slice. The shared
   expert is sliced by its intermediate dim either way. One all-reduce joins routed + shared;
 - the LM head: rank 0 only (it samples); the other ranks stop after the last layer.
+DeepSeek-V4.1 is cut the same way, plus its Engram tables split by rows
+(engine/models/deepseek_v41/shards.py).
 The input ids are broadcast from rank 0 at the start of each forward (with async scheduling its
 last tokens exist only on rank 0's device). Both collectives are NCCL ops on the current stream,
 so a decode CUDA graph captures them.
@@ -54,6 +56,11 @@ class TensorParallel:
         """This rank's [lo, hi) of n items split evenly."""
         per = n // self.world
         return self.rank * per, (self.rank + 1) * per
+
+    def row_span(self, n: int) -> tuple[int, int]:
+        """This rank's [lo, hi) of n rows that need not divide evenly (V4.1's Engram tables: prime
+        bucket sums): every row on exactly one rank."""
+        return n * self.rank // self.world, n * (self.rank + 1) // self.world
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.active:
@@ -146,6 +153,11 @@ def local_expert_name(name: str, tp: TensorParallel, cfg: DeepseekConfig) -> str
     return f"{m.group(1)}.{int(m.group(2)) - lo}.{m.group(3)}.{m.group(4)}"
 
 
+def fp8_block(cfg: DeepseekConfig) -> int:
+    """The FP8 tile edge of the checkpoint's linears: V4's 128, V4.1's `weight_block_size` (32)."""
+    return getattr(cfg, "weight_block_size", (FP8_BLOCK, FP8_BLOCK))[0]
+
+
 def check_parallel(cfg: DeepseekConfig, tensor_parallel_size: int, enable_expert_parallel: bool) -> None:
     """Refuse a layout this engine cannot split, naming the argument."""
     n = tensor_parallel_size
@@ -167,14 +179,15 @@ def check_parallel(cfg: DeepseekConfig, tensor_parallel_size: int, enable_expert
                         "(or set enable_expert_parallel)")
     # slices of stored quantized weights must cut whole scale blocks
     if cfg.fp8_linears:
+        block = fp8_block(cfg)
         per_rank = {"wq_b rows": cfg.num_heads // n * cfg.head_dim, "the shared expert's slice": shared // n,
                     "wo_a/wo_b group rows": max(1, cfg.o_groups // n) * cfg.o_lora_rank}
         if n > cfg.o_groups:
             per_rank["wo_a's slice of a group"] = cfg.num_heads // n * cfg.head_dim
-        problems += [f"{k} per rank ({v}) is not a multiple of the FP8 block {FP8_BLOCK}" for k, v in per_rank.items()
-                     if v % FP8_BLOCK]
+        problems += [f"{k} per rank ({v}) is not a multiple of the FP8 block {block}" for k, v in per_rank.items()
+                     if v % block]
     if not enable_expert_parallel and cfg.expert_dtype != "bf16":
-        need = FP8_BLOCK if cfg.expert_dtype == "fp8" else MX_BLOCK
+        need = fp8_block(cfg) if cfg.expert_dtype == "fp8" else MX_BLOCK
         if (cfg.moe_intermediate_size // n) % need:
             problems.append(f"each rank's expert width {cfg.moe_intermediate_size // n} is not a multiple of the "
                             f"{cfg.expert_dtype} scale block {need} (set enable_expert_parallel)")

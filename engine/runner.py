@@ -72,11 +72,16 @@ class ModelRunner:
         token_ids then its spec_token_ids (drafts to verify). Logits come for each row from a
         sequence's last known token on (it samples next), or every row."""
         fb = self.host_batch(scheduled, all_logits).to_device(self.device)
-        k = self.model.lookback_tokens
-        if k:  # V4.1 Engram: the tokens before each row, from the host (never a pending one)
-            fb.lookback_ids = torch.cat([lookback_rows(seq.token_ids, seq.num_computed_tokens, n, k)
-                                         for seq, n in scheduled]).to(self.device)
+        lookback = self.lookback_ids(scheduled)
+        fb.lookback_ids = None if lookback is None else lookback.to(self.device)
         return fb
+
+    def lookback_ids(self, scheduled: list[tuple[Sequence, int]]) -> torch.Tensor | None:
+        """V4.1 Engram: the tokens before each row [T, k] on the host (never a pending one); None: no Engram."""
+        k = self.model.lookback_tokens
+        if not k:
+            return None
+        return torch.cat([lookback_rows(seq.token_ids, seq.num_computed_tokens, n, k) for seq, n in scheduled])
 
     def host_batch(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> HostBatch:
         """build_batch's ForwardBatch fields as host lists."""
@@ -119,10 +124,11 @@ class ModelRunner:
         if prompt_rows is None and self.mixed is not None and self.mixed.fits(scheduled, all_logits):
             return self.mixed.run(scheduled, pending, self._fill_pending)
         self.eager_steps += 1
-        if self.workers is not None:  # tensor parallel (V4: no Engram look-back rows)
-            host = self.host_batch(scheduled, all_logits)
-            self.workers.step_eager(host)
+        if self.workers is not None:  # tensor parallel: the workers get the host lists (and the Engram look-back)
+            host, lookback = self.host_batch(scheduled, all_logits), self.lookback_ids(scheduled)
+            self.workers.step_eager(host, lookback)
             fb = host.to_device(self.device)
+            fb.lookback_ids = None if lookback is None else lookback.to(self.device)
         else:
             fb = self.build_batch(scheduled, all_logits)
         self._fill_pending(fb.input_ids, scheduled, pending, [r - 1 for r in _ends(scheduled)])
@@ -230,6 +236,13 @@ class ModelRunner:
         tables[0, n:] = c.scratch_window
         tables[1, n:] = c.scratch_full
 
+    def prefetch_host_inputs(self, size: int, host: np.ndarray) -> None:
+        """A model that reads host memory per step (V4.1's Engram tables there) gets the packed decode
+        batch's ids and look-back before the replay (tensor-parallel workers call it on rank 0's buffer)."""
+        if self.model.needs_host_tokens:
+            k = self.model.lookback_tokens
+            self.model.prefetch_host_inputs(size, host[:size], host[(5 + 2 * self._table_width()) * size:].reshape(size, k))
+
     def _replay(self, scheduled: list[tuple[Sequence, int]],
                 pending: tuple[torch.Tensor, dict[int, int]] | None = None) -> torch.Tensor:
         """Pack into a pinned staging buffer, one host-to-device copy, replay. A buffer is packed
@@ -241,6 +254,7 @@ class ModelRunner:
         self.replays += 1
         staging = g.stagings[self.replays % 2]  # the other one may still be on its way to the GPU
         self.pack_decode(scheduled, size, staging.numpy())
+        self.prefetch_host_inputs(size, staging.numpy())
         if self.workers is not None:
             self.workers.step_graph(size, staging.numpy())
         g.flat.copy_(staging, non_blocking=True)

@@ -4,7 +4,8 @@ runner (the same CUDA graphs), then runs every step rank 0 hands it.
 
 Rank 0 schedules once. Per step it sends each worker, over its own pipe, the cache writes made
 outside the forward (KVCache.mirror: a state slot reset, a prefix-cache restore) and the batch:
-the host lists the runner packs (eager) or the decode graph's packed buffer (replay). The
+the host lists the runner packs and V4.1's Engram look-back ids (eager) or the decode graph's
+packed buffer (replay; it holds the look-back). The
 forward's collectives then keep the ranks in step; only rank 0 computes logits and samples.
 
 Faults (docs/PARALLEL.md): a worker that raises exits; rank 0 watches every worker's process
@@ -157,8 +158,9 @@ class TensorParallelWorkers:
         ops, self.cache.mirror = self.cache.mirror, []
         return ops
 
-    def step_eager(self, host_batch: HostBatch) -> None:
-        self._send(("eager", (self._ops(), host_batch)))
+    def step_eager(self, host_batch: HostBatch, lookback: torch.Tensor | None = None) -> None:
+        """lookback: V4.1's Engram look-back ids [T, k] (engine/runner.py's lookback_ids)."""
+        self._send(("eager", (self._ops(), host_batch, lookback)))
 
     def step_graph(self, size: int, packed) -> None:
         self._send(("graph", (self._ops(), size, packed)))
@@ -194,6 +196,7 @@ def worker_main(raw_args: dict, model_dir: str, kind: str, rank: int, port: int,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops us
     try:
         import kernels
+        from engine.llm_engine import family_load_args
         from engine.models.registry import load_model
         from engine.runner import ModelRunner
 
@@ -204,10 +207,11 @@ def worker_main(raw_args: dict, model_dir: str, kind: str, rank: int, port: int,
         if kind == "cpu":  # the ranks share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tensor_parallel_size))
         tp = TensorParallel(rank, args.tensor_parallel_size, args.enable_expert_parallel)
-        model = load_model(model_dir, args.dtype, device, tp=tp)
+        model = load_model(model_dir, args.dtype, device, tokenizer=args.tokenizer, tp=tp,
+                           **family_load_args(args, model_dir))
         op, (shape, runner_kwargs) = pickle.loads(conn.recv_bytes())
         assert op == "start", op
-        cache = KVCache(model.cfg, device=device, **shape)
+        cache = model.cache_class(model.cfg, device=device, **shape)  # the family's cache (V4.1: CSA2 pools)
         runner = ModelRunner(model, cache, **runner_kwargs)
         if kind == "cuda":  # rank 0 compiles these in its warmup, outside any step: so do we
             from types import SimpleNamespace
@@ -241,9 +245,12 @@ def _serve(conn, model, cache: KVCache, runner, device: torch.device) -> None:
         for op, op_args in payload[0]:
             getattr(cache, op)(*op_args)
         if kind == "eager":
-            model(payload[1].to_device(device), cache)
+            fb = payload[1].to_device(device)
+            fb.lookback_ids = None if payload[2] is None else payload[2].to(device)
+            model(fb, cache)
         else:  # a decode step replayed as rank 0 replays it
             size, packed = payload[1], payload[2]
             g = runner.graphs[size]
+            runner.prefetch_host_inputs(size, packed)
             g.flat.copy_(torch.from_numpy(packed))
             g.graph.replay()

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-import engine.llm_engine as llm_engine
+import engine.models.registry as registry
 from engine.llm import LLM
 from engine.models.deepseek_v4.config import parse_config
 from engine.models.deepseek_v4.model import DeepseekV4
@@ -46,6 +46,15 @@ def random_share(cfg, tp: TensorParallel, device: str, dtype: torch.dtype) -> De
         model = DeepseekV4(cfg, quantized=device != "cpu", tp=tp)
     model.to_empty(device=device)
     model.cast(dtype)
+    fill_random(model, cfg, device)
+    model.main_inv_freq = cfg.main_rope.inv_freq().to(device)
+    model.compress_inv_freq = cfg.compress_rope.inv_freq().to(device)
+    return model.eval()
+
+
+@torch.no_grad()
+def fill_random(model, cfg, device: str) -> None:
+    """Every parameter and buffer of a V4 or V4.1 share drawn in place in its stored format."""
     g = torch.Generator(device=device).manual_seed(0)
     for name, t in [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if b is not None)]:
         if t.dtype == torch.float8_e4m3fn:
@@ -65,9 +74,6 @@ def random_share(cfg, tp: TensorParallel, device: str, dtype: torch.dtype) -> De
         elif t.is_floating_point():
             fan_in = t.shape[-1] if t.dim() > 1 else 1
             t.copy_(torch.randn(t.shape, generator=g, device=device).mul_(fan_in**-0.5).to(t.dtype))
-    model.main_inv_freq = cfg.main_rope.inv_freq().to(device)
-    model.compress_inv_freq = cfg.compress_rope.inv_freq().to(device)
-    return model.eval()
 
 
 def share_bytes(model: DeepseekV4, cfg, tp: TensorParallel, batch: int) -> dict:
@@ -134,7 +140,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="tp-share-"))
     (tmp / "config.json").write_text(json.dumps(raw))
     write_tokenizer(tmp)
-    llm_engine.load_model = lambda *args, **kw: model  # the engine runs the share built above
+    registry.load_model = lambda *args, **kw: model  # the engine runs the share built above
     batches = [int(b) for b in a.batches.split(",")]
     max_len = a.input_len + a.steps + 64
     engine_args = {"model": str(tmp), "max_model_len": max(max_len, a.chunk + 8), "max_num_seqs": max(batches) + 8,

@@ -27,6 +27,8 @@ class ModelFamily(nn.Module):
     # the layers after the last KV source may run on each sequence's last window only at prefill
     # (an approximation, measured); engine argument swa_decoder_trim sets it
     supports_decoder_trim: ClassVar[bool] = False
+    # Engram tables in host memory (engine argument engram_tables; V4.1)
+    supports_host_engram: ClassVar[bool] = False
 
     cfg: DeepseekConfig  # the family's config
 
@@ -39,6 +41,16 @@ class ModelFamily(nn.Module):
     def compressed_ratios(self) -> list[int]:
         """The compress ratios the step's compressor plans are built for, ascending."""
         return sorted({r for r in self.cfg.compress_ratios if r})
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """The step's input tokens must be on the host when it is packed (no async scheduling): a
+        decode graph's replay is preceded by prefetch_host_inputs."""
+        return False
+
+    def prefetch_host_inputs(self, size: int, input_ids, lookback) -> None:
+        """Before a decode graph of `size` rows replays: host arrays of its input ids [size] and
+        look-back ids [size, k] (needs_host_tokens)."""
 
     def refuses_token(self, ids: list[int]) -> str | None:
         """Why a prompt with these token ids cannot be served (None: it can)."""

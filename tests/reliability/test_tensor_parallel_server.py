@@ -1,4 +1,5 @@
-"""A real tritonserver serving the tiny checkpoint with `tensor_parallel_size: 2` (gloo, CPU):
+"""A real tritonserver serving a tiny checkpoint with `tensor_parallel_size: 2` (gloo, CPU), once
+for DeepSeek-V4 and once for V4.1 (its Engram tables memory-mapped, each rank its rows):
 streaming equals the one-rank engine token for token (float32), cancel aborts the engine request,
 bad input is INVALID_ARG while a good request completes; killing rank 1 mid-stream fails the
 requests in flight UNAVAILABLE within seconds, the core restarts with new ranks and serves again,
@@ -17,6 +18,7 @@ from backend.process_tree import alive
 from backend.serve import TritonServer
 from client.grpc import GrpcClient
 from engine.llm import LLM
+from engine.models.deepseek_v41.random_checkpoint import write_v41_checkpoint
 from engine.request import SamplingParams
 from loadtest.chaos import error_code
 from loadtest.scrape import metric, metrics_text
@@ -34,9 +36,19 @@ def _ranks(core: int) -> list[int]:
     return [pid for pid in _children(core) if alive(pid)]
 
 
+@pytest.fixture(scope="module", params=["v4", "v41"])
+def family(request, tmp_path_factory) -> tuple[str, dict]:
+    """(model, engine args) of one family's tiny checkpoint."""
+    if request.param == "v4":
+        return "tiny", ENGINE_ARGS
+    path = write_v41_checkpoint(tmp_path_factory.mktemp("v41"), "v41-tiny", seed=7)
+    return str(path), {**ENGINE_ARGS, "engram_tables": "mmap"}
+
+
 @pytest.fixture(scope="module")
-def server():
-    with TritonServer(engine_args=ENGINE_ARGS, http_port=0, grpc_port=0, metrics_port=0,
+def server(family):
+    model, args = family
+    with TritonServer(model=model, engine_args=args, http_port=0, grpc_port=0, metrics_port=0,
                       startup_timeout_s=300) as s:
         yield s
 
@@ -47,11 +59,12 @@ def client(server):
         yield c
 
 
-def test_streams_equal_the_one_rank_engine(server, client):
+def test_streams_equal_the_one_rank_engine(family, server, client):
     deltas = list(client.generate_stream(PROMPT, max_tokens=12, temperature=0.0, ignore_eos=True))
     assert len(deltas) > 1 and deltas[-1].finish_reason == "length"
-    args = {k: v for k, v in ENGINE_ARGS.items() if k not in ("tensor_parallel_size", "enable_expert_parallel")}
-    want = LLM("tiny", **args).generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    model, args = family
+    args = {k: v for k, v in args.items() if k not in ("tensor_parallel_size", "enable_expert_parallel", "engram_tables")}
+    want = LLM(model, **args).generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
     assert "".join(d.text for d in deltas) == want.text
 
 

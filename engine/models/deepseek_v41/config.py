@@ -47,6 +47,7 @@ class V41Config(DeepseekConfig):
     weight_block_size: tuple[int, int] = (32, 32)
 
     model_type = "deepseek_v41"
+    n_shared_experts = 1  # always one (parse_v41_config refuses others); engine/parallel.py slices it
 
     # --- the schedule, as the engine reads it ---------------------------------------------------
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,10 +48,13 @@ from engine.models.deepseek_v41.cache import V41KVCache
 from engine.models.deepseek_v41.config import V41Config
 from engine.models.deepseek_v41.decode_plan import DecodePlan, decode_plan
 from engine.models.deepseek_v41.engram import EngramHasher
+from engine.models.deepseek_v41.engram_tables import HostTables
 from engine.models.deepseek_v41.mixed_rows import PLAN_KEY, V41MixedRows
+from engine.models.deepseek_v41.shards import table_span
 from engine.models.deepseek_v41.split_graphs import DecoderSplitGraphs
 from engine.models.family import ModelFamily
 from engine.models.stacked_linears import linear_group
+from engine.parallel import SINGLE, TensorParallel
 
 SCORE_BUDGET = 1 << 27  # fp32 elements of one indexer score chunk [rows, heads, entries]
 
@@ -195,13 +199,17 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: V41Config, layer: int, fp8: bool = False):
+    """Under tensor parallelism its rank's heads and their share of wo_a / wo_b; the compressor and
+    the indexer whole (engine/models/deepseek_v41/shards.py says why)."""
+
+    def __init__(self, cfg: V41Config, layer: int, fp8: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.cfg, self.layer = cfg, layer
+        self.cfg, self.layer, self.tp = cfg, layer, tp
         self.ratio = cfg.compress_ratios[layer]
         self.source = cfg.kv_source_of(layer)
-        H = cfg.num_heads
-        add_attention_projections(self, cfg, H, cfg.o_groups, fp8, norm=Norm, block=cfg.weight_block_size[0])
+        self.num_heads, self.o_groups = tp.local_heads(cfg), tp.local_groups(cfg)
+        add_attention_projections(self, cfg, self.num_heads, self.o_groups, fp8, norm=Norm,
+                                  block=cfg.weight_block_size[0])
         if layer in cfg.kv_source_layer_ids:
             self.compressor = Compressor(cfg, self.ratio)
         if layer in cfg.index_source_layer_ids:
@@ -228,7 +236,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rows: Rows, fb: ForwardBatch, cache: V41KVCache,
                 inv_freq: torch.Tensor, full_rows: bool) -> torch.Tensor:
         cfg, T = self.cfg, x.shape[0]
-        H, hd = cfg.num_heads, cfg.head_dim
+        H, hd = self.num_heads, cfg.head_dim
         cos, sin = rows.ropes["compress" if self.ratio else "main"]
         q_a, kv = linear_group((self.wq_a, self.wkv), x)  # one launch where the FP8 pair is stacked
         q_res = self.q_norm(q_a)
@@ -248,8 +256,8 @@ class Attention(nn.Module):
                                 rows.replay_start_t, cfg.sliding_window, comp_pool, fb.full_tables, ratio or 1,
                                 rows.topk if self.ratio else None, self.attn_sink, hd**-0.5)
         out = K.v41_rope(out, cos, sin, inverse=True)  # K = V carried RoPE: take the query's off
-        o = K.grouped_linear(out.view(T, cfg.o_groups, -1), self.wo_a.weight, cfg.o_groups, self.wo_a.scale)
-        return self.wo_b(o)
+        o = K.grouped_linear(out.view(T, self.o_groups, -1), self.wo_a.weight, self.o_groups, self.wo_a.scale)
+        return self.tp.all_reduce(self.wo_b(o))  # tensor parallel: each rank's heads' partial sum
 
 
 class Gate(nn.Module):
@@ -261,9 +269,9 @@ class Gate(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, cfg: V41Config, fp8: bool = False):
+    def __init__(self, cfg: V41Config, fp8: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        inter, b = cfg.moe_intermediate_size, cfg.weight_block_size[0]
+        inter, b = tp.local_shared_width(cfg), cfg.weight_block_size[0]
         self.w1, self.w3 = Linear(inter, cfg.hidden_size, fp8, b), Linear(inter, cfg.hidden_size, fp8, b)
         self.w2 = Linear(cfg.hidden_size, inter, fp8, b)
         self.limit = cfg.swiglu_limit
@@ -274,22 +282,26 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: V41Config, quantized: bool = False, fp8: bool = False):
+    """Under tensor parallelism its rank's experts (expert parallel) or every expert's intermediate
+    slice, and a slice of the shared expert: one all-reduce joins them."""
+
+    def __init__(self, cfg: V41Config, quantized: bool = False, fp8: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.cfg = cfg
-        E, inter, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.cfg, self.tp = cfg, tp
+        E, inter, D = tp.local_experts(cfg), tp.local_expert_width(cfg), cfg.hidden_size
         self.gate = Gate(cfg)
         fmt = cfg.expert_dtype if quantized and cfg.expert_dtype == "fp4" else "bf16"  # MXFP4 as stored
         _expert_weights(self, "w1", E, inter, D, fmt)
         _expert_weights(self, "w3", E, inter, D, fmt)
         _expert_weights(self, "w2", E, D, inter, fmt)
-        self.shared_experts = SharedExpert(cfg, fp8)
+        self.shared_experts = SharedExpert(cfg, fp8, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         weights, indices = K.v41_router(x, self.gate.weight, self.gate.bias, cfg.num_experts_per_tok,
                                         cfg.routed_scaling_factor, cfg.scoring_func, cfg.gate_temp,
                                         cfg.norm_topk_prob)
+        indices = self.tp.local_expert_indices(indices, cfg)  # -1: another rank's expert
         # the grouped kernels (weight after w2: equal up to rounding); the CPU's torch loop reads the experts
         # hit on the host, so a forced fused backend (kernels.set_backend("fused")) takes the kernels too
         if x.is_cuda or self.experts_w1_scale is not None or K.backend() == "fused":
@@ -300,17 +312,19 @@ class MoE(nn.Module):
         else:
             routed = ops.routed_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights, indices,
                                         cfg.swiglu_limit)
-        return K.v41_moe_sum(routed, self.shared_experts(x), x.dtype)
+        # tensor parallel: one join per layer (each rank's sum rounded to x's dtype first, as V4's)
+        return self.tp.all_reduce(K.v41_moe_sum(routed, self.shared_experts(x), x.dtype))
 
 
 class Engram(nn.Module):
-    """An n-gram lookup written into each hc stream, gated by its match with the stream."""
+    """An n-gram lookup written into each hc stream, gated by its match with the stream. rows: its
+    table's rows on the device; 0: the table lives in host memory (engine/models/deepseek_v41/engram_tables.py)."""
 
     def __init__(self, cfg: V41Config, rows: int, fp8: bool = False):
         super().__init__()
         cols = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         self.eps = cfg.rms_norm_eps
-        self.embed = nn.Embedding(rows, cfg.engram_head_dim)
+        self.embed = nn.Embedding(rows, cfg.engram_head_dim) if rows else None
         self.wkv = Linear(cfg.hidden_size * (cfg.hc_mult + 1), cols * cfg.engram_head_dim, fp8, cfg.weight_block_size[0])
         self.q_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.hidden_size))
         self.k_weight = nn.Parameter(torch.ones(cfg.hc_mult, cfg.hidden_size))
@@ -321,7 +335,8 @@ class Engram(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: V41Config, layer: int, quantized: bool = False, fp8: bool = False):
+    def __init__(self, cfg: V41Config, layer: int, quantized: bool = False, fp8: bool = False,
+                 tp: TensorParallel = SINGLE, engram_on_device: bool = True):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         mix, hc, D = (2 + cfg.hc_mult) * cfg.hc_mult, cfg.hc_mult, cfg.hidden_size
@@ -331,10 +346,11 @@ class Block(nn.Module):
             setattr(self, f"hc_{kind}_fn", nn.Parameter(torch.zeros(mix, hc * D, dtype=torch.float32)))
             setattr(self, f"hc_{kind}_base", nn.Parameter(torch.zeros(mix, dtype=torch.float32)))
             setattr(self, f"hc_{kind}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
-        self.attn = Attention(cfg, layer, fp8)
-        self.ffn = MoE(cfg, quantized, fp8)
+        self.attn = Attention(cfg, layer, fp8, tp)
+        self.ffn = MoE(cfg, quantized, fp8, tp)
         if layer in cfg.engram_layer_ids:
-            self.engram = Engram(cfg, cfg.engram_num_embeddings[cfg.engram_layer_ids.index(layer)], fp8)
+            lo, hi = table_span(cfg, layer, tp)  # tensor parallel: this rank's rows of the table
+            self.engram = Engram(cfg, hi - lo if engram_on_device else 0, fp8)
 
     def _site(self, kind: str, h: torch.Tensor, pre: torch.Tensor):
         """This site's (pre, post, comb) and h collapsed with the previous site's pre (one fused op)."""
@@ -352,6 +368,23 @@ class Block(nn.Module):
         ffn_pre, post, comb, x = self._site("ffn", h, attn_pre)
         h = K.v41_hc_expand(self.ffn(self.ffn_norm(x)), h, post, comb)
         return h, ffn_pre
+
+
+class HostRows(dict):
+    """layer -> its gathered Engram rows, fetched (waited for, all-reduced under tensor parallelism)
+    when the layer first reads them, so the gathers overlap the layers before."""
+
+    def __init__(self, tables: HostTables, tp: TensorParallel, layers: tuple[int, ...]):
+        super().__init__()
+        self.tables, self.tp, self.layers = tables, tp, layers
+
+    def __missing__(self, layer: int) -> torch.Tensor:
+        rows = self.tp.all_reduce(self.tables.rows(layer))  # each row from one rank, zeros from the others
+        self[layer] = rows
+        return rows
+
+    def items(self):
+        return [(layer, self[layer]) for layer in self.layers]
 
 
 def engram_hasher(cfg: V41Config) -> EngramHasher:
@@ -383,17 +416,25 @@ class DeepseekV41(ModelFamily):
     # CPU emulation of a graph).
     cache_class = V41KVCache
     supports_decoder_trim = True
+    supports_tensor_parallel = True  # engine/models/deepseek_v41/shards.py
+    supports_host_engram = True  # engine/models/deepseek_v41/engram_tables.py
 
-    def __init__(self, cfg: V41Config, quantized: bool = False, decoder_trim: bool = True, fp8_linears: bool = False):
+    def __init__(self, cfg: V41Config, quantized: bool = False, decoder_trim: bool = True, fp8_linears: bool = False,
+                 tp: TensorParallel = SINGLE, engram_on_device: bool = True):
         """quantized: routed experts as stored (MXFP4); fp8_linears: the FP8 linears as stored (e4m3 +
-        float32 scales per cfg.weight_block_size tile), else in the model dtype."""
+        float32 scales per cfg.weight_block_size tile), else in the model dtype. tp: this rank's share.
+        engram_on_device False: the loader sets `host_tables` (engine/models/deepseek_v41/engram_tables.py)."""
         super().__init__()
-        self.cfg, self.quantized, self.decoder_trim = cfg, quantized, decoder_trim
+        self.cfg, self.quantized, self.decoder_trim, self.tp = cfg, quantized, decoder_trim, tp
         D = cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, D)
-        self.layers = nn.ModuleList(Block(cfg, i, quantized, fp8_linears) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, quantized, fp8_linears, tp, engram_on_device)
+                                    for i in range(cfg.num_layers))
+        self.host_tables: HostTables | None = None  # Engram tables in host memory
+        self.host_hasher: EngramHasher | None = None  # their ids hashed on the host
+        self.graph_rows: dict[int, dict[int, torch.Tensor]] = {}  # decode graph size -> its static Engram rows
         self.norm = Norm(D, cfg.rms_norm_eps)
-        self.head = _linear(cfg.vocab_size, D)
+        self.head = _linear(cfg.vocab_size, D) if tp.rank == 0 else None  # rank 0 samples
         self.mtp_weights: dict[str, torch.Tensor] = {}  # DSpark draft layers: kept, not run
         self.engram_hasher = engram_hasher(cfg) if cfg.engram_layer_ids else None
         self.register_buffer("main_inv_freq", cfg.main_rope.inv_freq(), persistent=False)
@@ -437,9 +478,52 @@ class DeepseekV41(ModelFamily):
             return {}
         if fb.lookback_ids is None:
             raise RuntimeError("the Engram layers need ForwardBatch.lookback_ids (the runner builds them)")
+        if self.host_tables is not None:
+            return self._host_engram_rows(fb, layers)
         ids = self.engram_hasher(fb.input_ids, fb.lookback_ids)  # [T, L, cols]
-        return {layer: self.layers[layer].engram.embed(ids[:, k]) for k, layer in enumerate(self.cfg.engram_layer_ids)
-                if layers is None or layer in layers}
+        wanted = [(k, layer) for k, layer in enumerate(self.cfg.engram_layer_ids) if layers is None or layer in layers]
+        if not self.tp.active:
+            return {layer: self.layers[layer].engram.embed(ids[:, k]) for k, layer in wanted}
+        # tensor parallel: each rank gathers the rows it holds, zeros for the others'; one sum over
+        # the ranks gives every row exactly (it comes from one rank, plus zeros)
+        parts = []
+        for k, layer in wanted:
+            lo, hi = table_span(self.cfg, layer, self.tp)
+            local = ids[:, k] - lo
+            mine = (local >= 0) & (local < hi - lo)
+            rows = self.layers[layer].engram.embed(torch.where(mine, local, 0))
+            parts.append(rows * mine.unsqueeze(-1).to(rows.dtype))
+        summed = self.tp.all_reduce(torch.stack(parts))
+        return {layer: summed[i] for i, (_, layer) in enumerate(wanted)}
+
+    # --- Engram tables in host memory (engine/models/deepseek_v41/engram_tables.py) ---------------
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        return self.host_tables is not None
+
+    def _host_engram_rows(self, fb: ForwardBatch, layers: tuple[int, ...] | None) -> dict:
+        """Eager steps: hash on the host, start every layer's gather, hand each layer its rows when it
+        asks (HostRows). A decode graph being captured reads static buffers prefetch_host_inputs fills."""
+        wanted = tuple(i for i in self.cfg.engram_layer_ids if layers is None or i in layers)
+        if fb.input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            T, cols = fb.input_ids.shape[0], self.host_hasher.offsets.shape[-1]
+            bufs = self.graph_rows.setdefault(T, {i: torch.zeros(T, cols, self.cfg.engram_head_dim,
+                                                                 dtype=self.embed.weight.dtype, device=fb.input_ids.device)
+                                                  for i in self.cfg.engram_layer_ids})
+            return {i: self.tp.all_reduce(bufs[i].clone()) for i in wanted}
+        ids = self.host_hasher(fb.input_ids.cpu(), fb.lookback_ids.cpu())  # the step's tokens: known on the host
+        self.host_tables.gather(ids)
+        return HostRows(self.host_tables, self.tp, wanted)
+
+    def prefetch_host_inputs(self, size: int, input_ids: np.ndarray, lookback: np.ndarray) -> None:
+        """Before a decode graph's replay: its rows' Engram rows into the graph's static buffers (none
+        captured: the CPU's static batches, which run eagerly and gather as any eager step)."""
+        if size not in self.graph_rows:
+            return
+        ids = self.host_hasher(torch.from_numpy(input_ids), torch.from_numpy(lookback))
+        self.host_tables.gather(ids, out=self.graph_rows[size])
+        self.host_tables.wait_all()
 
     @property
     def trim_cut(self) -> int:
@@ -455,7 +539,7 @@ class DeepseekV41(ModelFamily):
 
     def embed_rows(self, fb: ForwardBatch, cache: V41KVCache):
         """-> (h, pre, rows) before the first block: the hc copies of the embedding, the first site's pre."""
-        x = self.embed(fb.input_ids)
+        x = self.embed(self.tp.broadcast(fb.input_ids))  # async scheduling's tokens live on rank 0
         rows = self.rows_of(fb, x.dtype)
         if fb.is_decode:
             rows.plans = {m: decode_plan(fb, m, cache) for m in self.compressed_ratios}
@@ -476,8 +560,9 @@ class DeepseekV41(ModelFamily):
         return F.linear(self.norm(ops.hc_collapse(h, pre)), self.head.weight).float()
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, cache: V41KVCache) -> torch.Tensor:
-        """One step over packed tokens; returns logits [len(fb.logits_rows), vocab] in fp32."""
+    def forward(self, fb: ForwardBatch, cache: V41KVCache) -> torch.Tensor | None:
+        """One step over packed tokens; returns logits [len(fb.logits_rows), vocab] in fp32 (None
+        on tensor-parallel ranks > 0: rank 0 samples)."""
         h, pre, rows = self.embed_rows(fb, cache)
         cut = self.trim_cut
         h, pre = self.run_layers(h, pre, rows, fb, cache, 0, cut)
@@ -489,7 +574,7 @@ class DeepseekV41(ModelFamily):
                 h, pre, rows, logits_rows = self._trim(h, pre, rows, fb, *got)
                 full_rows = False
         h, pre = self.run_layers(h, pre, rows, fb, cache, cut, None, full_rows)
-        return self.logits_of(h[logits_rows], pre[logits_rows])
+        return None if self.head is None else self.logits_of(h[logits_rows], pre[logits_rows])
 
     @staticmethod
     def _trim(h, pre, rows: Rows, fb: ForwardBatch, keep: torch.Tensor, first: list[int]):
@@ -512,7 +597,7 @@ class DeepseekV41(ModelFamily):
     _FP32 = ("hc_", "attn_sink", "gate.bias")
 
     def expected_names(self) -> set[str]:
-        return expected_names(self, self.cfg.n_routed_experts)
+        return expected_names(self, self.tp.local_experts(self.cfg))
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
         if name.startswith("mtp."):  # DSpark draft layers: kept, not run

@@ -80,6 +80,8 @@ def official_name(name: str) -> str | None:
         return name
     if name in _GLOBAL:
         return _GLOBAL[name]
+    if (m := _TABLE_RE.fullmatch(name)) and m[2] == "weight":
+        return f"layers.{m[1]}.engram.embed.weight"
     m = _LAYER_RE.fullmatch(name)
     return f"layers.{m[1]}.{_LAYER_MAP[m[2]]}" if m is not None and m[2] in _LAYER_MAP else None
 

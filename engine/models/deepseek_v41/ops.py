@@ -30,9 +30,10 @@ from kernels.deepseek_v41.reference import (  # noqa: F401
 def routed_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                    indices: torch.Tensor, limit: float) -> torch.Tensor:
     """fp32 sum over each token's experts of w2(weight * swiglu(w1 x, w3 x)): the routing weight
-    multiplies the activation before the down projection (the reference's order)."""
+    multiplies the activation before the down projection (the reference's order). An index of -1 is
+    a pair another rank computes (expert parallel): it adds nothing here."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    hit = torch.unique(indices).tolist()
+    hit = [e for e in torch.unique(indices).tolist() if e >= 0]
     for e in hit:
         tok, k = torch.where(indices == e)
         xe = x[tok]

@@ -24,7 +24,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.models.deepseek_v41.names import official_name
+from engine.models.deepseek_v41.shards import read_share
 from engine.models.weights import WeightsError, checkpoint_files
+from engine.parallel import FULL, SKIP
 from kernels.formats import (
     E4M3_MAX,
     dequantize_fp8_block,
@@ -95,12 +98,16 @@ def mxfp4_experts(model_dir: str | Path) -> bool:
 
 def iter_v41_checkpoint(model_dir: str | Path, block: tuple[int, int] = (32, 32),
                         device: str | torch.device = "cpu", keep_mxfp4: bool = False,
-                        keep_fp8: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                        keep_fp8: Callable[[str], bool] | None = None,
+                        shard: Callable[[str], tuple | None] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name as stored, float tensor on `device`) for every weight; scales are consumed. Stored
     weights move to `device` first and dequantize there (seconds on a GPU, not minutes).
     keep_mxfp4: routed MXFP4 experts come as stored instead, each with its ue8m0 scale bytes
     (`<stem>.scale`, uint8), for the fused MoE. keep_fp8(name): FP8 tiled linears it says yes to
-    come as stored (e4m3), each followed by `<stem>.scale` in float32."""
+    come as stored (e4m3), each followed by `<stem>.scale` in float32. shard(official name): what a
+    tensor-parallel rank reads (engine/models/deepseek_v41/shards.py: None skips, else slices; the
+    scale cut with its weight); a name with no one-tensor official name (transformers' fused
+    experts) is read whole and cut by the loader."""
     files = [p for p in checkpoint_files(model_dir) if p.name.startswith("model")] or checkpoint_files(model_dir)
     with ExitStack() as stack:
         handles = [stack.enter_context(safe_open(str(p), framework="pt")) for p in files]
@@ -108,7 +115,13 @@ def iter_v41_checkpoint(model_dir: str | Path, block: tuple[int, int] = (32, 32)
         names = set(where)
         owner = {s: n for n in names if (s := _scale_of(names, n)) is not None and s != n}
         for name in sorted(n for n in names if n not in owner):
-            t = where[name].get_tensor(name).to(device)
+            official = official_name(name)
+            spec = shard(official) if shard is not None and official is not None else FULL
+            if spec is SKIP:
+                continue
+            view = where[name].get_slice(name)
+            packed = view.get_dtype() == "I8" and name.endswith(".weight")
+            t = read_share(where[name], name, spec, (1, 2) if packed else (1, 1)).to(device)
             table = "engram_tables" in name or "engram.embed" in name
             quantized = t.dtype in FP8_DTYPES or (t.dtype == torch.int8 and name.endswith(".weight"))
             if not quantized:
@@ -119,7 +132,9 @@ def iter_v41_checkpoint(model_dir: str | Path, block: tuple[int, int] = (32, 32)
             scale_name = _scale_of(names, name)
             if scale_name is None:
                 raise WeightsError(f"quantized tensor {name} has no .scale / weight_scale_inv beside it")
-            scale = where[scale_name].get_tensor(scale_name).to(device)
+            scale = read_share(where[scale_name], scale_name, spec,
+                               _scale_div(view.get_shape(), where[scale_name].get_slice(scale_name).get_shape(),
+                                          packed, table, block[0])).to(device)
             if keep_mxfp4 and _mxfp4_pair(name, t, scale):
                 yield name, t
                 yield name[: -len(".weight")] + ".scale", scale.view(torch.uint8)
@@ -134,6 +149,16 @@ def iter_v41_checkpoint(model_dir: str | Path, block: tuple[int, int] = (32, 32)
                     yield name[: -len(".weight")] + ".scale", scale_to_float(scale)
                 else:
                     yield name, dequantize_fp8_block(t, scale)
+
+
+def _scale_div(shape: list[int], scale_shape: list[int], packed: bool, table: bool, block: int) -> tuple[int, int]:
+    """Logical weight units per stored scale entry along (dim 0, dim 1): a slice's scale is the
+    slice's edges divided by these (read_share refuses edges inside one)."""
+    if packed:  # [N, K/2] e2m1 pairs, one scale per g values along K
+        return 1, 2 * shape[-1] // scale_shape[-1]
+    if table:  # one scale per row chunk
+        return 1, shape[-1] // scale_shape[-1]
+    return block, block
 
 
 def quantize_rows(w: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -108,10 +108,3 @@ def test_image_input_is_refused():
     with pytest.raises(InvalidRequest, match="image input is not supported"):
         llm.engine.add_request(GenerationRequest("img", prompt_token_ids=[5, token, 6], sampling=GREEDY))
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))[0].token_ids  # still serves
-
-
-def test_tensor_parallel_is_refused_at_start():
-    from engine.args import InvalidEngineArgs
-
-    with pytest.raises(InvalidEngineArgs, match="tensor_parallel_size"):
-        _llm(tensor_parallel_size=2)
