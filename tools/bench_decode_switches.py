@@ -1,6 +1,7 @@
 """Which decode switches pay at depth: PDL (kernels/pdl.py) and each launch-saving fusion
 (kernels/fusions.py), one engine load, steady decode timed under each switch set against the
-memory floor, with the kernels a decode step launches per layer on the GPU (torch profiler).
+memory floor, with the kernels a decode step launches per layer on the GPU (torch profiler) and a check
+that each switch set's logits agree with the first set's on the same input (exit 1 if not).
 
     python -m tools.bench_decode_switches --model CKPT [--batches 1,32,150] [--configs base,pdl,fuse,all,...]
                                           [--input-len 1024] [--steps 32] [--json OUT]   (suite decode_switches)
@@ -28,6 +29,8 @@ from engine.llm import LLM
 from engine.request import GenerationRequest, SamplingParams
 from kernels import fusions, pdl
 from tools.bench_engine import decode_floors, random_prompts
+
+LOGITS_TOL = 3e-2  # max |difference| / max |logit| between switch sets: 0 where the arithmetic is the same (PDL)
 
 
 def parse_config(spec: str) -> tuple[str, bool, tuple[str, ...]]:
@@ -74,14 +77,16 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def kernels_per_step(runner, size: int) -> int | None:
-    """CUDA kernels one eager decode forward of the bucket's static batch launches (what its graph holds)."""
+def eager_forward(runner, size: int) -> tuple[int | None, torch.Tensor]:
+    """One eager decode forward of the bucket's static batch (what its graph holds): the CUDA kernels it
+    launches (torch profiler; None without CUPTI or on the CPU) and its logits (the same input under every
+    switch set: they must agree within bf16 rounding)."""
     from torch.profiler import ProfilerActivity, profile
 
-    if not torch.cuda.is_available():
-        return None
     batch = runner.graphs[size].batch
-    runner.model(batch, runner.cache)  # warm: no first-call allocations in the count
+    logits = runner.model(batch, runner.cache).float().clone()  # also warms: no first-call allocations counted
+    if not torch.cuda.is_available():
+        return None, logits
     torch.cuda.synchronize()
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -89,9 +94,9 @@ def kernels_per_step(runner, size: int) -> int | None:
             torch.cuda.synchronize()
     except Exception as e:  # no CUPTI: the CPU count (tools.count_decode_ops) stands
         print(f"  kernel count unavailable: {type(e).__name__}: {e}", flush=True)
-        return None
+        return None, logits
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA" and "Memcpy" not in e.name
-               and "Memset" not in e.name)
+               and "Memset" not in e.name), logits
 
 
 def time_steps(eng, steps: int) -> float:
@@ -113,7 +118,7 @@ def run(engine_args: dict, batches: list[int], configs: list[tuple[str, bool, tu
     llm = LLM(**engine_args)
     eng = llm.engine
     runner, layers = eng.runner, eng.cfg.num_layers
-    rows = []
+    rows, first_logits = [], None
     for b in batches:
         size = min((s for s in runner.graphs if s >= b), default=b)  # the CPU: no graphs, a static batch of b
         sp = SamplingParams(max_tokens=len(configs) * (steps + 8) + 16, temperature=0, ignore_eos=True)
@@ -128,7 +133,11 @@ def run(engine_args: dict, batches: list[int], configs: list[tuple[str, bool, tu
             apply(on, fuse)
             try:
                 recapture(runner, size)
-                count = kernels_per_step(runner, size) if b == batches[0] else None
+                count, diff = None, None
+                if b == batches[0]:
+                    count, logits = eager_forward(runner, size)
+                    first_logits = logits if first_logits is None else first_logits
+                    diff = ((logits - first_logits).abs().max() / first_logits.abs().max()).item()
                 ms = time_steps(eng, steps)
             except Exception as e:  # a config that fails is reported; the others still run
                 print(f"  batch {b} {name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -138,8 +147,11 @@ def run(engine_args: dict, batches: list[int], configs: list[tuple[str, bool, tu
             row = {"batch": b, "config": name, "pdl": on, "fusions": list(fuse), "step_ms": ms}
             if count is not None:
                 row |= {"kernels_per_step": count, "kernels_per_layer": count / layers}
-            rows.append(row)
             extra = f", {count} kernels ({count / layers:.1f} per layer)" if count is not None else ""
+            if diff is not None:  # the bf16 tolerance of tests/engine/test_kernels_on_off.py
+                row |= {"logits_rel_diff": diff, "logits_ok": diff <= LOGITS_TOL}
+                extra += f", logits vs {configs[0][0]}: {diff:.1e}" + ("" if diff <= LOGITS_TOL else " MISMATCH")
+            rows.append(row)
             print(f"  batch {b:>3} {name:<16} {ms:7.2f} ms/step{extra}", flush=True)
         for rid in list(eng.requests):
             eng.abort(rid)
@@ -184,7 +196,7 @@ def main() -> int:
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "argv": vars(a)}
         Path(a.json).write_text(json.dumps({"meta": meta, "floors": list(floors.values()), "rows": rows}, indent=1,
                                            default=str))
-    return 1 if any("error" in r for r in rows) else 0
+    return 1 if any("error" in r or not r.get("logits_ok", True) for r in rows) else 0
 
 
 if __name__ == "__main__":
