@@ -1,6 +1,7 @@
 """What one streamed response costs the Triton model's Python, measured on a real tritonserver.
 
     python -m tools.profile_serving [--model DIR] [--users 32] [--requests 3] [--max-tokens 128]
+    python -m tools.profile_serving --ttft [--requests 40] [--prompt-words 8] [--max-tokens 4]
 
 Every streamed response is rendered (numpy + pb_utils tensors) and sent (IPC to the Triton
 process) by one Python thread of the model, under the GIL the engine's step loop also needs.
@@ -9,6 +10,10 @@ that, the deltas that pile up for a request go out merged (backend/model.py), so
 response rises instead of the server falling behind. Read from the server's own counters
 (`deepseek:stream_*_total`, `deepseek:response_thread_cpu_seconds_total`). Prints one table row;
 --json writes it.
+
+--ttft: one user's requests one after another, each TTFT as the client sees it against the model's
+own (request in `execute` -> first token on its event loop; vllm:time_to_first_token_seconds): the
+difference is what the client, gRPC, Triton and the response path add to a request's first token.
 """
 
 from __future__ import annotations
@@ -18,9 +23,13 @@ import json
 import threading
 import time
 
+import statistics
+
 from backend.serve import TritonServer
 from client.grpc import GrpcClient
-from loadtest.scrape import SETTLE_S, delta, scrape
+from loadtest.scrape import SETTLE_S, delta, metric, metrics_text, scrape
+
+WARMUP_REQUESTS = 3  # the first requests pay one-time costs (a stream, caches)
 
 
 def run(server: TritonServer, users: int, requests: int, max_tokens: int) -> dict:
@@ -56,28 +65,69 @@ def run(server: TritonServer, users: int, requests: int, max_tokens: int) -> dic
             "responses_per_s_ceiling": None if not per_response else 1 / per_response}
 
 
+def ttft(server: TritonServer, requests: int, prompt_words: int, max_tokens: int) -> dict:
+    """One user, `requests` streaming requests one after another on one client."""
+    filler = " ".join(["word"] * max(0, prompt_words - 1))
+    client_s = []
+    with GrpcClient(server.grpc_url) as client:
+        for r in range(WARMUP_REQUESTS + requests):
+            if r == WARMUP_REQUESTS:
+                before = metrics_text(server.metrics_url)
+            t0 = time.perf_counter()
+            first = None
+            for _ in client.generate_stream(f"{r} {filler}", max_tokens=max_tokens, temperature=0, ignore_eos=True):
+                first = first or time.perf_counter() - t0
+            client_s.append(first)
+    after = metrics_text(server.metrics_url)
+    name = "vllm:time_to_first_token_seconds"
+    n = metric(after, f"{name}_count") - metric(before, f"{name}_count")
+    server_mean = (metric(after, f"{name}_sum") - metric(before, f"{name}_sum")) / n if n else None
+    client_s = client_s[WARMUP_REQUESTS:]
+    ms = lambda q: statistics.quantiles(client_s, n=10)[q] * 1e3
+    return {"requests": requests, "prompt_words": prompt_words, "client_ttft_ms": {
+            "p10": ms(0), "p50": statistics.median(client_s) * 1e3, "p90": ms(8),
+            "mean": statistics.fmean(client_s) * 1e3},
+            "model_ttft_mean_ms": None if server_mean is None else server_mean * 1e3}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the tiny model)")
     ap.add_argument("--engine-args", default="{}", help="JSON merged into model.json")
     ap.add_argument("--users", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=3, help="per user, one after another")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=None, help="per user, one after another (3; --ttft: 40)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="per request (128; --ttft: 4)")
+    ap.add_argument("--ttft", action="store_true", help="one user's TTFT: client against model (see above)")
+    ap.add_argument("--prompt-words", type=int, default=8, help="--ttft: words per prompt")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    a.requests = a.requests or (40 if a.ttft else 3)
+    a.max_tokens = a.max_tokens or (4 if a.ttft else 128)
     engine_args = {"max_num_seqs": max(16, a.users), **json.loads(a.engine_args)}
     with TritonServer(model=a.model, engine_args=engine_args, http_port=0, grpc_port=0, metrics_port=0,
                       startup_timeout_s=600) as server:
-        r = run(server, a.users, a.requests, a.max_tokens)
+        r = ttft(server, a.requests, a.prompt_words, a.max_tokens) if a.ttft else run(server, a.users, a.requests,
+                                                                                          a.max_tokens)
+    if a.ttft:
+        c, m = r["client_ttft_ms"], r["model_ttft_mean_ms"]
+        print("requests | client TTFT p10 / p50 / p90 / mean ms | model TTFT mean ms | client - model (mean) ms")
+        fmt = lambda x: "-" if x is None else f"{x:.2f}"
+        print(f"{r['requests']} | {c['p10']:.2f} / {c['p50']:.2f} / {c['p90']:.2f} / {c['mean']:.2f} | {fmt(m)} | "
+              f"{fmt(None if m is None else c['mean'] - m)}")
+    else:
+        _print_row(r)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(r, f, indent=2)
+
+
+def _print_row(r: dict) -> None:
     print("users | requests | errors | deltas | responses | tokens/response | response thread busy | "
           "CPU us/response | ceiling responses/s")
     fmt = lambda x, spec: "-" if x is None else format(x, spec)
     print(f"{r['users']} | {r['requests']} | {r['errors']} | {r['stream_deltas']:.0f} | {r['stream_responses']:.0f} | "
           f"{fmt(r['tokens_per_response'], '.2f')} | {r['response_thread_busy']:.1%} | "
           f"{fmt(r['cpu_us_per_response'], '.1f')} | {fmt(r['responses_per_s_ceiling'], '.0f')}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=2)
 
 
 if __name__ == "__main__":

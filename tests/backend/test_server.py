@@ -176,6 +176,12 @@ def test_cancelling_a_stream_aborts_the_engine_request(triton_server, grpc_clien
         time.sleep(0.2)
     else:
         pytest.fail(f"the cancelled request was not aborted in the engine:\n{triton_server.log_tail()}")
+    # the client goes on, on a new stream; requests that finish leave theirs open for the next
+    first = grpc_client.generate(PROMPT, max_tokens=4, temperature=0)
+    stream_after_first = grpc_client._responses
+    second = grpc_client.generate(PROMPT, max_tokens=4, temperature=0)
+    assert first.text == second.text and first.finish_reason == "length"
+    assert stream_after_first is not None and grpc_client._responses is stream_after_first
 
 
 # ------------------------------------------------------------------------------------------ errors
