@@ -345,6 +345,10 @@ SUITE_LIST = [
           (Step("tools.profile_serving", ("--users", "32", "--requests", "2", "--max-tokens", "128"),
                 python="triton", timeout_s=400),),
           machine="cpu"),
+    Suite("response_sends", "How many streamed responses a second can a Triton python model send, from 1 or 4 "
+          "threads, beside a thread that keeps the GIL busy, at Python's default switch interval and at 0.5 ms?",
+          (Step("tools.bench_response_sends", (), python="triton", timeout_s=300),), machine="cpu",
+          notes="also meaningful on the H200 host's 16 cores"),
     serving_vs_engine("serving_vs_engine_cpu", Serving("1,4", "64", "16", "{}", None, None,
                                                        "the tiny checkpoint on the CPU", duration="4"), "cpu"),
     Suite("transport", "How long does handing a step's outputs from the engine core process to the front take?",

@@ -4,16 +4,19 @@
     python -m tools.profile_serving --ttft [--requests 40] [--prompt-words 8] [--max-tokens 4]
 
 Every streamed response is rendered (numpy + pb_utils tensors) and sent (IPC to the Triton
-process) by one Python thread of the model, under the GIL the engine's step loop also needs.
-Its CPU time per response bounds the responses per second one model instance can stream; above
-that, the deltas that pile up for a request go out merged (backend/model.py), so tokens per
-response rises instead of the server falling behind. Read from the server's own counters
+process, a round trip) by the model's response threads, under the GIL the engine's loop also
+needs. Their CPU time per response bounds the responses per second one model instance can
+stream; above that, the deltas that pile up for a request go out merged (backend/model.py), so
+tokens per response rises (and the client's ITL with it) instead of the server falling behind. Read from the server's own counters
 (`deepseek:stream_*_total`, `deepseek:response_thread_cpu_seconds_total`). Prints one table row;
 --json writes it.
 
 --ttft: one user's requests one after another, each TTFT as the client sees it against the model's
-own (request in `execute` -> first token on its event loop; vllm:time_to_first_token_seconds): the
-difference is what the client, gRPC, Triton and the response path add to a request's first token.
+own (request in `execute` -> first token on its event loop; vllm:time_to_first_token_seconds, split
+into queue time, up to the core's scheduling it, and prefill time): the difference is what the
+client, gRPC, Triton and the response path add to a request's first token. With --model and a
+prompt as long as the workload's (--prompt-words 512), engine-direct's TTFT is the one to hold
+the model's prefill time against (tools.bench_engine --core-process --concurrency 1).
 """
 
 from __future__ import annotations
@@ -34,14 +37,19 @@ WARMUP_REQUESTS = 3  # the first requests pay one-time costs (a stream, caches)
 
 def run(server: TritonServer, users: int, requests: int, max_tokens: int) -> dict:
     errors: list[str] = []
+    gaps: list[float] = []  # between a stream's consecutive responses, as its client sees them (ITL)
 
     def user(i: int) -> None:
         with GrpcClient(server.grpc_url) as client:
             for r in range(requests):
                 try:
+                    last = None
                     for _ in client.generate_stream(f"user {i} request {r}: tell me a story", max_tokens=max_tokens,
                                                     temperature=0, ignore_eos=True):
-                        pass
+                        now = time.perf_counter()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
                 except Exception as e:  # noqa: BLE001 - counted and reported
                     errors.append(repr(e))
 
@@ -57,7 +65,9 @@ def run(server: TritonServer, users: int, requests: int, max_tokens: int) -> dic
     d = delta(before, scrape(server.metrics_url)) or {}
     responses, deltas, cpu = d.get("stream_responses", 0), d.get("stream_deltas", 0), d.get("response_thread_cpu_s", 0)
     per_response = cpu / responses if responses else None
-    return {"users": users, "requests": users * requests, "errors": len(errors), "wall_s": wall,
+    itl = statistics.quantiles(gaps, n=10) if len(gaps) > 1 else None
+    return {"itl_ms": None if itl is None else {"p10": itl[0] * 1e3, "p50": statistics.median(gaps) * 1e3,
+                                                  "p90": itl[8] * 1e3},"users": users, "requests": users * requests, "errors": len(errors), "wall_s": wall,
             "stream_deltas": deltas, "stream_responses": responses,
             "tokens_per_response": deltas / responses if responses else None,
             "response_thread_cpu_s": cpu, "response_thread_busy": cpu / wall,
@@ -79,15 +89,20 @@ def ttft(server: TritonServer, requests: int, prompt_words: int, max_tokens: int
                 first = first or time.perf_counter() - t0
             client_s.append(first)
     after = metrics_text(server.metrics_url)
-    name = "vllm:time_to_first_token_seconds"
-    n = metric(after, f"{name}_count") - metric(before, f"{name}_count")
-    server_mean = (metric(after, f"{name}_sum") - metric(before, f"{name}_sum")) / n if n else None
+
+    def mean_ms(histogram: str) -> float | None:
+        n = metric(after, f"vllm:{histogram}_count") - metric(before, f"vllm:{histogram}_count")
+        return (metric(after, f"vllm:{histogram}_sum") - metric(before, f"vllm:{histogram}_sum")) / n * 1e3 if n else None
+
     client_s = client_s[WARMUP_REQUESTS:]
     ms = lambda q: statistics.quantiles(client_s, n=10)[q] * 1e3
     return {"requests": requests, "prompt_words": prompt_words, "client_ttft_ms": {
             "p10": ms(0), "p50": statistics.median(client_s) * 1e3, "p90": ms(8),
             "mean": statistics.fmean(client_s) * 1e3},
-            "model_ttft_mean_ms": None if server_mean is None else server_mean * 1e3}
+            "model_ttft_mean_ms": mean_ms("time_to_first_token_seconds"),
+            # the model's TTFT in two: arrival -> the core schedules it, then -> its first token on the loop
+            "model_queue_mean_ms": mean_ms("request_queue_time_seconds"),
+            "model_prefill_mean_ms": mean_ms("request_prefill_time_seconds")}
 
 
 def main() -> None:
@@ -110,9 +125,11 @@ def main() -> None:
                                                                                           a.max_tokens)
     if a.ttft:
         c, m = r["client_ttft_ms"], r["model_ttft_mean_ms"]
-        print("requests | client TTFT p10 / p50 / p90 / mean ms | model TTFT mean ms | client - model (mean) ms")
+        print("requests | client TTFT p10 / p50 / p90 / mean ms | model TTFT mean ms (queue + prefill) | "
+              "client - model (mean) ms")
         fmt = lambda x: "-" if x is None else f"{x:.2f}"
-        print(f"{r['requests']} | {c['p10']:.2f} / {c['p50']:.2f} / {c['p90']:.2f} / {c['mean']:.2f} | {fmt(m)} | "
+        print(f"{r['requests']} | {c['p10']:.2f} / {c['p50']:.2f} / {c['p90']:.2f} / {c['mean']:.2f} | {fmt(m)} "
+              f"({fmt(r['model_queue_mean_ms'])} + {fmt(r['model_prefill_mean_ms'])}) | "
               f"{fmt(None if m is None else c['mean'] - m)}")
     else:
         _print_row(r)
@@ -122,12 +139,13 @@ def main() -> None:
 
 
 def _print_row(r: dict) -> None:
-    print("users | requests | errors | deltas | responses | tokens/response | response thread busy | "
-          "CPU us/response | ceiling responses/s")
+    print("users | requests | errors | deltas | responses | tokens/response | response threads busy | "
+          "CPU us/response | ceiling responses/s | client ITL p10 / p50 / p90 ms")
     fmt = lambda x, spec: "-" if x is None else format(x, spec)
     print(f"{r['users']} | {r['requests']} | {r['errors']} | {r['stream_deltas']:.0f} | {r['stream_responses']:.0f} | "
           f"{fmt(r['tokens_per_response'], '.2f')} | {r['response_thread_busy']:.1%} | "
-          f"{fmt(r['cpu_us_per_response'], '.1f')} | {fmt(r['responses_per_s_ceiling'], '.0f')}")
+          f"{fmt(r['cpu_us_per_response'], '.1f')} | {fmt(r['responses_per_s_ceiling'], '.0f')} | "
+          + ("-" if r["itl_ms"] is None else " / ".join(f"{r['itl_ms'][q]:.2f}" for q in ("p10", "p50", "p90"))))
 
 
 if __name__ == "__main__":
