@@ -165,6 +165,17 @@ SUITE_LIST = [
     # (checkpoint 17 s, engine-direct 140-150 s of which ~135 s start-up, a sweep ~35 s start-up + its levels)
     serving_vs_engine("serving_vs_engine", SHAPED_SERVING, "h200", legs=("engine",),
                       notes="about 6 minutes: checkpoint 20 s, engine-direct 170 s, Triton 175 s"),
+    Suite("serving_ttft", "Where do one user's first-token milliseconds go through Triton (flash-shaped, 512 in): "
+          "engine-direct TTFT, against the client's TTFT through Triton and the model's own split into queue "
+          "(up to the core's scheduling) and prefill?",
+          (SHAPED_SERVING.make_model,
+           Step("tools.bench_engine", ("--model", "{ckpt}/flash-shaped", "--core-process", "--concurrency", "1",
+                                       "--input-len", "512", "--output-len", "4", "--requests-per-user", "40",
+                                       "--engine-args", SHAPED), name="engine_direct", timeout_s=240),
+           Step("tools.profile_serving", ("--ttft", "--model", "{ckpt}/flash-shaped", "--engine-args", SHAPED,
+                                          "--input-len", "512", "--requests", "40"), name="triton",
+                python="triton", timeout_s=240)),
+          notes="about 4 minutes: checkpoint 20 s, engine-direct 150 s, Triton 60 s"),
     serving_vs_engine("serving_vs_openai", SHAPED_SERVING, "h200", legs=("openai",),
                       notes="about 6 minutes: checkpoint 20 s, Triton 175 s, OpenAI 175 s"),
     serving_vs_engine("serving_vs_engine_depth", DEPTH_SERVING, "h200", legs=("engine",),

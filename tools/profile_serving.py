@@ -1,7 +1,7 @@
 """What one streamed response costs the Triton model's Python, measured on a real tritonserver.
 
     python -m tools.profile_serving [--model DIR] [--users 32] [--requests 3] [--max-tokens 128]
-    python -m tools.profile_serving --ttft [--requests 40] [--prompt-words 8] [--max-tokens 4]
+    python -m tools.profile_serving --ttft [--requests 40] [--input-len 16] [--max-tokens 4]
 
 Every streamed response is rendered (numpy + pb_utils tensors) and sent (IPC to the Triton
 process, a round trip) by the model's response threads, under the GIL the engine's loop also
@@ -14,9 +14,9 @@ tokens per response rises (and the client's ITL with it) instead of the server f
 --ttft: one user's requests one after another, each TTFT as the client sees it against the model's
 own (request in `execute` -> first token on its event loop; vllm:time_to_first_token_seconds, split
 into queue time, up to the core's scheduling it, and prefill time): the difference is what the
-client, gRPC, Triton and the response path add to a request's first token. With --model and a
-prompt as long as the workload's (--prompt-words 512), engine-direct's TTFT is the one to hold
-the model's prefill time against (tools.bench_engine --core-process --concurrency 1).
+client, gRPC, Triton and the response path add to a request's first token. Engine-direct's TTFT
+(tools.bench_engine --core-process --concurrency 1, same model and prompt length) is the one to hold
+the model's prefill time against: suite serving_ttft runs both.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import statistics
 from backend.serve import TritonServer
 from client.grpc import GrpcClient
 from loadtest.scrape import SETTLE_S, delta, metric, metrics_text, scrape
+from loadtest.workloads import WorkloadConfig, make_workload
 
 WARMUP_REQUESTS = 3  # the first requests pay one-time costs (a stream, caches)
 
@@ -75,17 +76,19 @@ def run(server: TritonServer, users: int, requests: int, max_tokens: int) -> dic
             "responses_per_s_ceiling": None if not per_response else 1 / per_response}
 
 
-def ttft(server: TritonServer, requests: int, prompt_words: int, max_tokens: int) -> dict:
-    """One user, `requests` streaming requests one after another on one client."""
-    filler = " ".join(["word"] * max(0, prompt_words - 1))
+def ttft(server: TritonServer, requests: int, input_len: int, max_tokens: int, model: str | None) -> dict:
+    """One user, `requests` streaming requests one after another on one client, each a prompt of
+    `input_len` tokens that shares no prefix with the others (the sweep's `random` workload)."""
+    session = make_workload(WorkloadConfig(tokenizer=model or "", input_len=str(input_len))).session(0)
     client_s = []
     with GrpcClient(server.grpc_url) as client:
         for r in range(WARMUP_REQUESTS + requests):
             if r == WARMUP_REQUESTS:
                 before = metrics_text(server.metrics_url)
+            prompt = session.next_request().prompt
             t0 = time.perf_counter()
             first = None
-            for _ in client.generate_stream(f"{r} {filler}", max_tokens=max_tokens, temperature=0, ignore_eos=True):
+            for _ in client.generate_stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
                 first = first or time.perf_counter() - t0
             client_s.append(first)
     after = metrics_text(server.metrics_url)
@@ -96,7 +99,7 @@ def ttft(server: TritonServer, requests: int, prompt_words: int, max_tokens: int
 
     client_s = client_s[WARMUP_REQUESTS:]
     ms = lambda q: statistics.quantiles(client_s, n=10)[q] * 1e3
-    return {"requests": requests, "prompt_words": prompt_words, "client_ttft_ms": {
+    return {"requests": requests, "input_len": input_len, "client_ttft_ms": {
             "p10": ms(0), "p50": statistics.median(client_s) * 1e3, "p90": ms(8),
             "mean": statistics.fmean(client_s) * 1e3},
             "model_ttft_mean_ms": mean_ms("time_to_first_token_seconds"),
@@ -113,7 +116,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="per user, one after another (3; --ttft: 40)")
     ap.add_argument("--max-tokens", type=int, default=None, help="per request (128; --ttft: 4)")
     ap.add_argument("--ttft", action="store_true", help="one user's TTFT: client against model (see above)")
-    ap.add_argument("--prompt-words", type=int, default=8, help="--ttft: words per prompt")
+    ap.add_argument("--input-len", type=int, default=16, help="--ttft: prompt tokens")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     a.requests = a.requests or (40 if a.ttft else 3)
@@ -121,7 +124,7 @@ def main() -> None:
     engine_args = {"max_num_seqs": max(16, a.users), **json.loads(a.engine_args)}
     with TritonServer(model=a.model, engine_args=engine_args, http_port=0, grpc_port=0, metrics_port=0,
                       startup_timeout_s=600) as server:
-        r = ttft(server, a.requests, a.prompt_words, a.max_tokens) if a.ttft else run(server, a.users, a.requests,
+        r = ttft(server, a.requests, a.input_len, a.max_tokens, a.model) if a.ttft else run(server, a.users, a.requests,
                                                                                           a.max_tokens)
     if a.ttft:
         c, m = r["client_ttft_ms"], r["model_ttft_mean_ms"]
