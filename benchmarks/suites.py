@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from benchmarks.suite import Step, Suite
 
 # Engine arguments shared by several suites
@@ -33,35 +35,71 @@ def sweep(label: str, model: str, engine_args: str, *extra: str, timeout_s: int 
                 name=label, json_flag=None, result=f"{{out}}/{label}.json", python="triton", timeout_s=timeout_s)
 
 
-def serving_vs_engine(name: str, levels: str, duration: str, input_len: str, output_len: str, engine_args: str,
-                      model: str | None, device: str, machine: str, requests_per_user: str = "4") -> Suite:
-    """Through Triton (and through the OpenAI front) against the same engine called directly, one
-    workload, level by level; each sweep checks that its clients were not the limit (loadtest.saturation).
-    Engine-direct and Triton run first, so a call cut short still answers the main question."""
-    shape = ("--concurrency", levels, "--input-len", input_len, "--output-len", output_len)
-    served = (("--model", model) if model else ()) + ("--engine-args", engine_args)
-    sweep_ = ("--serve", *served, *shape, "--duration", duration, "--driver", "threads", "--stop-timeout", "20",
-              "--out", "{out}")
-    steps = [] if model is None else [Step("tools.make_tiny_checkpoint", (model, "--preset", "flash-shaped",
-                                                                         "--device", device),
-                                           name="checkpoint", json_flag=None, unless_exists=f"{model}/config.json")]
-    steps += [
-        Step("tools.bench_engine", (*(("--model", model) if model else ("--preset", "tiny")), "--core-process",
-                                    *shape, "--requests-per-user", requests_per_user, "--engine-args",
-                                    engine_args, "--json", "{out}/engine_direct.json"),
-             name="engine_direct", json_flag=None, result="{out}/engine_direct.json", timeout_s=240),
-        Step("loadtest.sweep", (*sweep_, "--protocol", "grpc", "--label", "triton"), name="triton", json_flag=None,
-             result="{out}/triton.json", python="triton", timeout_s=300),
-        Step("loadtest.vs_engine", ("{out}/triton.json", "{out}/engine_direct.json"), name="ratio", timeout_s=60),
-        Step("loadtest.sweep", (*sweep_, "--protocol", "openai", "--label", "openai"), name="openai", json_flag=None,
-             result="{out}/openai.json", python="triton", timeout_s=300),
-        Step("loadtest.vs_engine", ("{out}/triton.json", "{out}/engine_direct.json", "--openai", "{out}/openai.json"),
-             name="ratio_openai", timeout_s=60),
-    ]
-    where = "flash-shaped" if model else "the tiny checkpoint on the CPU"
-    return Suite(name, f"Through Triton, and through the OpenAI front, how close is serving to the same engine called "
-                 f"directly ({where}, {levels.replace(',', ' / ')} users, {input_len} in / {output_len} out), with "
-                 f"load generators that are not the limit?", tuple(steps), machine=machine)
+@dataclass(frozen=True)
+class Serving:
+    """One workload for the serving_vs_engine suites: the checkpoint, its engine arguments, the levels."""
+
+    levels: str
+    input_len: str
+    output_len: str
+    engine_args: str
+    model: str | None  # None: the tiny model, on the CPU
+    make_model: Step | None  # draws the checkpoint on a fresh machine
+    where: str  # the checkpoint, in the question's words
+    duration: str = "30"  # seconds of each sweep level
+    stop_timeout: str = "20"  # seconds a level's in-flight requests get after its window
+    requests_per_user: str = "4"  # engine-direct: requests each user sends, one after another
+    timeout_s: int = 300  # each engine-direct run and each sweep
+
+
+def serving_vs_engine(name: str, w: Serving, machine: str, legs: tuple[str, ...] = ("engine", "openai"),
+                      notes: str = "") -> Suite:
+    """Through Triton against the same engine called directly ("engine" in legs) and against the OpenAI front
+    ("openai"), one workload, level by level; each sweep checks that its clients were not the limit
+    (loadtest.saturation). Engine-direct and Triton run first, so a call cut short still answers the main
+    question; the OpenAI leg sweeps Triton on its own machine too, so its ratio compares runs side by side."""
+    shape = ("--concurrency", w.levels, "--input-len", w.input_len, "--output-len", w.output_len)
+    served = (("--model", w.model) if w.model else ()) + ("--engine-args", w.engine_args)
+    sweep_ = ("--serve", *served, *shape, "--duration", w.duration, "--driver", "threads", "--stop-timeout",
+              w.stop_timeout, "--out", "{out}")
+    engine = "engine" in legs
+    steps = [] if w.make_model is None else [w.make_model]
+    if engine:
+        steps.append(Step("tools.bench_engine", (*(("--model", w.model) if w.model else ("--preset", "tiny")),
+                                                 "--core-process", *shape, "--requests-per-user", w.requests_per_user,
+                                                 "--engine-args", w.engine_args, "--json", "{out}/engine_direct.json"),
+                          name="engine_direct", json_flag=None, result="{out}/engine_direct.json",
+                          timeout_s=w.timeout_s))
+    steps.append(Step("loadtest.sweep", (*sweep_, "--protocol", "grpc", "--label", "triton"), name="triton",
+                      json_flag=None, result="{out}/triton.json", python="triton", timeout_s=w.timeout_s))
+    direct = ("{out}/engine_direct.json",) if engine else ()
+    if engine:
+        steps.append(Step("loadtest.vs_engine", ("{out}/triton.json", *direct), name="ratio", timeout_s=60))
+    if "openai" in legs:
+        steps += [Step("loadtest.sweep", (*sweep_, "--protocol", "openai", "--label", "openai"), name="openai",
+                       json_flag=None, result="{out}/openai.json", python="triton", timeout_s=w.timeout_s),
+                  Step("loadtest.vs_engine", ("{out}/triton.json", *direct, "--openai", "{out}/openai.json"),
+                       name="ratio_openai", timeout_s=60)]
+    workload = f"{w.where}, {w.levels.replace(',', ' / ')} users, {w.input_len} in / {w.output_len} out"
+    if not engine:
+        question = f"What does the OpenAI front (FastAPI + gRPC to Triton) cost against Triton direct ({workload})?"
+    else:
+        question = (f"Through Triton{', and through the OpenAI front,' if 'openai' in legs else ','} how close is "
+                    f"serving to the same engine called directly ({workload}), with load generators that are not "
+                    "the limit?")
+    return Suite(name, question, tuple(steps), machine=machine, notes=notes)
+
+
+# 30 s levels: at 10 s the ramp moves the ratio by up to 0.27x between runs (docs/PERF.md)
+SHAPED_SERVING = Serving("1,32,150,256", "512", "64", SHAPED, "{ckpt}/flash-shaped",
+                         Step("tools.make_tiny_checkpoint", ("{ckpt}/flash-shaped", "--preset", "flash-shaped",
+                                                             "--device", "cuda"),
+                              name="checkpoint", json_flag=None, unless_exists="{ckpt}/flash-shaped/config.json"),
+                         "flash-shaped", requests_per_user="12")
+# 1024-token prompts at 150 users take ~75 mixed steps of ~0.19 s (docs/HISTORY.md, depth-s10): a request
+# lasts 10-20 s, so 2 requests per engine-direct user, and 30 s windows with 30 s to finish in-flight requests
+DEPTH_SERVING = Serving("64,150", "1024", "128", DEPTH, DEPTH_CKPT, checkpoint(DEPTH_CKPT, "flash-depth"),
+                        "V4-Flash depth as shipped", stop_timeout="30", requests_per_user="2", timeout_s=330)
 
 
 def profile(name: str, *args: str, then_remove: str | None = None) -> Step:
@@ -160,9 +198,25 @@ SUITE_LIST = [
                                        "1,32,150", "--input-len", "512", "--output-len", "64",
                                        "--requests-per-user", "4", "--engine-args", SHAPED),
                 name="engine_direct", timeout_s=250))),
-    # 30 s levels: at 10 s the ramp moves the ratio by up to 0.27x between runs (docs/PERF.md)
-    serving_vs_engine("serving_vs_engine", "1,32,150,256", "30", "512", "64", SHAPED, "{ckpt}/flash-shaped", "cuda",
-                      "h200", requests_per_user="12"),
+    # each fits one 600 s device call (machine start apart): the estimates are the 2026-12-04 runs' step times
+    # (checkpoint 17 s, engine-direct 140-150 s of which ~135 s start-up, a sweep ~35 s start-up + its levels)
+    serving_vs_engine("serving_vs_engine", SHAPED_SERVING, "h200", legs=("engine",),
+                      notes="about 6 minutes: checkpoint 20 s, engine-direct 170 s, Triton 175 s"),
+    Suite("serving_ttft", "Where do one user's first-token milliseconds go through Triton (flash-shaped, 512 in): "
+          "engine-direct TTFT, against the client's TTFT through Triton and the model's own split into queue "
+          "(up to the core's scheduling) and prefill?",
+          (SHAPED_SERVING.make_model,
+           Step("tools.bench_engine", ("--model", "{ckpt}/flash-shaped", "--core-process", "--concurrency", "1",
+                                       "--input-len", "512", "--output-len", "4", "--requests-per-user", "40",
+                                       "--engine-args", SHAPED), name="engine_direct", timeout_s=240),
+           Step("tools.profile_serving", ("--ttft", "--model", "{ckpt}/flash-shaped", "--engine-args", SHAPED,
+                                          "--input-len", "512", "--requests", "40"), name="triton",
+                python="triton", timeout_s=240)),
+          notes="about 4 minutes: checkpoint 20 s, engine-direct 150 s, Triton 60 s"),
+    serving_vs_engine("serving_vs_openai", SHAPED_SERVING, "h200", legs=("openai",),
+                      notes="about 6 minutes: checkpoint 20 s, Triton 175 s, OpenAI 175 s"),
+    serving_vs_engine("serving_vs_engine_depth", DEPTH_SERVING, "h200", legs=("engine",),
+                      notes="about 8-9 minutes: checkpoint ~60 s, engine-direct ~180 s, Triton ~250 s; alone in a call"),
     Suite("serving_depth", "At V4-Flash depth as shipped, with 64 users through Triton (1024 in / 128 out, 90 s): "
           "is ITL p50 within 2x of the batch-64 decode step and TTFT p90 within 4x of p50?",
           (checkpoint(DEPTH_CKPT, "flash-depth"),
@@ -345,7 +399,12 @@ SUITE_LIST = [
           (Step("tools.profile_serving", ("--users", "32", "--requests", "2", "--max-tokens", "128"),
                 python="triton", timeout_s=400),),
           machine="cpu"),
-    serving_vs_engine("serving_vs_engine_cpu", "1,4", "4", "64", "16", "{}", None, "cpu", "cpu"),
+    Suite("response_sends", "How many streamed responses a second can a Triton python model send, from 1 or 4 "
+          "threads, beside a thread that keeps the GIL busy, at Python's default switch interval and at 0.5 ms?",
+          (Step("tools.bench_response_sends", (), python="triton", timeout_s=300),), machine="cpu",
+          notes="also meaningful on the H200 host's 16 cores"),
+    serving_vs_engine("serving_vs_engine_cpu", Serving("1,4", "64", "16", "{}", None, None,
+                                                       "the tiny checkpoint on the CPU", duration="4"), "cpu"),
     Suite("transport", "How long does handing a step's outputs from the engine core process to the front take?",
           (Step("tools.bench_transport", (), timeout_s=200),), machine="cpu"),
     Suite("core_process", "Through Triton on the CPU, what does the engine core in its own process change "

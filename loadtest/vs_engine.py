@@ -1,8 +1,8 @@
 """Serving against the engine alone, level by level: a loadtest.sweep through Triton, the same
-engine called directly (tools.bench_engine's online JSON, `--core-process`), and optionally a
-sweep through the OpenAI front. Prints the ratio table the `serving_vs_engine` suite answers with.
+engine called directly (tools.bench_engine's online JSON, `--core-process`), and/or a sweep
+through the OpenAI front. Prints the ratio table the `serving_vs_*` suites answer with.
 
-    python -m loadtest.vs_engine TRITON.json ENGINE.json [--openai OPENAI.json] [--json out.json]
+    python -m loadtest.vs_engine TRITON.json [ENGINE.json] [--openai OPENAI.json] [--json out.json]
 
 A level whose load generator was the limit (loadtest.saturation) is marked: its ratio describes
 the clients, not the server. Missing inputs (a step that failed) leave their columns empty.
@@ -77,14 +77,14 @@ def table(result: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.vs_engine", description=__doc__.split("\n\n")[0])
     p.add_argument("triton", help="loadtest.sweep JSON through Triton")
-    p.add_argument("engine", help="tools.bench_engine JSON (online, --core-process)")
+    p.add_argument("engine", nargs="?", default=None, help="tools.bench_engine JSON (online, --core-process)")
     p.add_argument("--openai", default=None, help="loadtest.sweep JSON through the OpenAI front")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     triton, engine, openai = sweep_levels(args.triton), engine_levels(args.engine), sweep_levels(args.openai)
-    if not triton or not engine:
-        print(f"error: need both a Triton sweep ({args.triton}) and an engine-direct run ({args.engine})",
-              file=sys.stderr)
+    if not triton or not (engine or openai):
+        print(f"error: need a Triton sweep ({args.triton}) and an engine-direct run ({args.engine}) or an OpenAI "
+              f"sweep ({args.openai})", file=sys.stderr)
         return 1
     result = rows(triton, engine, openai)
     print(table(result))

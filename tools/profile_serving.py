@@ -1,14 +1,22 @@
 """What one streamed response costs the Triton model's Python, measured on a real tritonserver.
 
     python -m tools.profile_serving [--model DIR] [--users 32] [--requests 3] [--max-tokens 128]
+    python -m tools.profile_serving --ttft [--requests 40] [--input-len 16] [--max-tokens 4]
 
 Every streamed response is rendered (numpy + pb_utils tensors) and sent (IPC to the Triton
-process) by one Python thread of the model, under the GIL the engine's step loop also needs.
-Its CPU time per response bounds the responses per second one model instance can stream; above
-that, the deltas that pile up for a request go out merged (backend/model.py), so tokens per
-response rises instead of the server falling behind. Read from the server's own counters
+process, a round trip) by the model's response threads, under the GIL the engine's loop also
+needs. Their CPU time per response bounds the responses per second one model instance can
+stream; above that, the deltas that pile up for a request go out merged (backend/model.py), so
+tokens per response rises (and the client's ITL with it) instead of the server falling behind. Read from the server's own counters
 (`deepseek:stream_*_total`, `deepseek:response_thread_cpu_seconds_total`). Prints one table row;
 --json writes it.
+
+--ttft: one user's requests one after another, each TTFT as the client sees it against the model's
+own (request in `execute` -> first token on its event loop; vllm:time_to_first_token_seconds, split
+into queue time, up to the core's scheduling it, and prefill time): the difference is what the
+client, gRPC, Triton and the response path add to a request's first token. Engine-direct's TTFT
+(tools.bench_engine --core-process --concurrency 1, same model and prompt length) is the one to hold
+the model's prefill time against: suite serving_ttft runs both.
 """
 
 from __future__ import annotations
@@ -18,21 +26,31 @@ import json
 import threading
 import time
 
+import statistics
+
 from backend.serve import TritonServer
 from client.grpc import GrpcClient
-from loadtest.scrape import SETTLE_S, delta, scrape
+from loadtest.scrape import SETTLE_S, delta, metric, metrics_text, scrape
+from loadtest.workloads import WorkloadConfig, make_workload
+
+WARMUP_REQUESTS = 3  # the first requests pay one-time costs (a stream, caches)
 
 
 def run(server: TritonServer, users: int, requests: int, max_tokens: int) -> dict:
     errors: list[str] = []
+    gaps: list[float] = []  # between a stream's consecutive responses, as its client sees them (ITL)
 
     def user(i: int) -> None:
         with GrpcClient(server.grpc_url) as client:
             for r in range(requests):
                 try:
+                    last = None
                     for _ in client.generate_stream(f"user {i} request {r}: tell me a story", max_tokens=max_tokens,
                                                     temperature=0, ignore_eos=True):
-                        pass
+                        now = time.perf_counter()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
                 except Exception as e:  # noqa: BLE001 - counted and reported
                     errors.append(repr(e))
 
@@ -48,7 +66,9 @@ def run(server: TritonServer, users: int, requests: int, max_tokens: int) -> dic
     d = delta(before, scrape(server.metrics_url)) or {}
     responses, deltas, cpu = d.get("stream_responses", 0), d.get("stream_deltas", 0), d.get("response_thread_cpu_s", 0)
     per_response = cpu / responses if responses else None
-    return {"users": users, "requests": users * requests, "errors": len(errors), "wall_s": wall,
+    itl = statistics.quantiles(gaps, n=10) if len(gaps) > 1 else None
+    return {"itl_ms": None if itl is None else {"p10": itl[0] * 1e3, "p50": statistics.median(gaps) * 1e3,
+                                                  "p90": itl[8] * 1e3},"users": users, "requests": users * requests, "errors": len(errors), "wall_s": wall,
             "stream_deltas": deltas, "stream_responses": responses,
             "tokens_per_response": deltas / responses if responses else None,
             "response_thread_cpu_s": cpu, "response_thread_busy": cpu / wall,
@@ -56,28 +76,79 @@ def run(server: TritonServer, users: int, requests: int, max_tokens: int) -> dic
             "responses_per_s_ceiling": None if not per_response else 1 / per_response}
 
 
+def ttft(server: TritonServer, requests: int, input_len: int, max_tokens: int, model: str | None) -> dict:
+    """One user, `requests` streaming requests one after another on one client, each a prompt of
+    `input_len` tokens that shares no prefix with the others (the sweep's `random` workload)."""
+    session = make_workload(WorkloadConfig(tokenizer=model or "", input_len=str(input_len))).session(0)
+    client_s = []
+    with GrpcClient(server.grpc_url) as client:
+        for r in range(WARMUP_REQUESTS + requests):
+            if r == WARMUP_REQUESTS:
+                before = metrics_text(server.metrics_url)
+            prompt = session.next_request().prompt
+            t0 = time.perf_counter()
+            first = None
+            for _ in client.generate_stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True):
+                first = first or time.perf_counter() - t0
+            client_s.append(first)
+    after = metrics_text(server.metrics_url)
+
+    def mean_ms(histogram: str) -> float | None:
+        n = metric(after, f"vllm:{histogram}_count") - metric(before, f"vllm:{histogram}_count")
+        return (metric(after, f"vllm:{histogram}_sum") - metric(before, f"vllm:{histogram}_sum")) / n * 1e3 if n else None
+
+    client_s = client_s[WARMUP_REQUESTS:]
+    ms = lambda q: statistics.quantiles(client_s, n=10)[q] * 1e3
+    return {"requests": requests, "input_len": input_len, "client_ttft_ms": {
+            "p10": ms(0), "p50": statistics.median(client_s) * 1e3, "p90": ms(8),
+            "mean": statistics.fmean(client_s) * 1e3},
+            "model_ttft_mean_ms": mean_ms("time_to_first_token_seconds"),
+            # the model's TTFT in two: arrival -> the core schedules it, then -> its first token on the loop
+            "model_queue_mean_ms": mean_ms("request_queue_time_seconds"),
+            "model_prefill_mean_ms": mean_ms("request_prefill_time_seconds")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the tiny model)")
     ap.add_argument("--engine-args", default="{}", help="JSON merged into model.json")
     ap.add_argument("--users", type=int, default=32)
-    ap.add_argument("--requests", type=int, default=3, help="per user, one after another")
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=None, help="per user, one after another (3; --ttft: 40)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="per request (128; --ttft: 4)")
+    ap.add_argument("--ttft", action="store_true", help="one user's TTFT: client against model (see above)")
+    ap.add_argument("--input-len", type=int, default=16, help="--ttft: prompt tokens")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    a.requests = a.requests or (40 if a.ttft else 3)
+    a.max_tokens = a.max_tokens or (4 if a.ttft else 128)
     engine_args = {"max_num_seqs": max(16, a.users), **json.loads(a.engine_args)}
     with TritonServer(model=a.model, engine_args=engine_args, http_port=0, grpc_port=0, metrics_port=0,
                       startup_timeout_s=600) as server:
-        r = run(server, a.users, a.requests, a.max_tokens)
-    print("users | requests | errors | deltas | responses | tokens/response | response thread busy | "
-          "CPU us/response | ceiling responses/s")
-    fmt = lambda x, spec: "-" if x is None else format(x, spec)
-    print(f"{r['users']} | {r['requests']} | {r['errors']} | {r['stream_deltas']:.0f} | {r['stream_responses']:.0f} | "
-          f"{fmt(r['tokens_per_response'], '.2f')} | {r['response_thread_busy']:.1%} | "
-          f"{fmt(r['cpu_us_per_response'], '.1f')} | {fmt(r['responses_per_s_ceiling'], '.0f')}")
+        r = ttft(server, a.requests, a.input_len, a.max_tokens, a.model) if a.ttft else run(server, a.users, a.requests,
+                                                                                          a.max_tokens)
+    if a.ttft:
+        c, m = r["client_ttft_ms"], r["model_ttft_mean_ms"]
+        print("requests | client TTFT p10 / p50 / p90 / mean ms | model TTFT mean ms (queue + prefill) | "
+              "client - model (mean) ms")
+        fmt = lambda x: "-" if x is None else f"{x:.2f}"
+        print(f"{r['requests']} | {c['p10']:.2f} / {c['p50']:.2f} / {c['p90']:.2f} / {c['mean']:.2f} | {fmt(m)} "
+              f"({fmt(r['model_queue_mean_ms'])} + {fmt(r['model_prefill_mean_ms'])}) | "
+              f"{fmt(None if m is None else c['mean'] - m)}")
+    else:
+        _print_row(r)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(r, f, indent=2)
+
+
+def _print_row(r: dict) -> None:
+    print("users | requests | errors | deltas | responses | tokens/response | response threads busy | "
+          "CPU us/response | ceiling responses/s | client ITL p10 / p50 / p90 ms")
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)
+    print(f"{r['users']} | {r['requests']} | {r['errors']} | {r['stream_deltas']:.0f} | {r['stream_responses']:.0f} | "
+          f"{fmt(r['tokens_per_response'], '.2f')} | {r['response_thread_busy']:.1%} | "
+          f"{fmt(r['cpu_us_per_response'], '.1f')} | {fmt(r['responses_per_s_ceiling'], '.0f')} | "
+          + ("-" if r["itl_ms"] is None else " / ".join(f"{r['itl_ms'][q]:.2f}" for q in ("p10", "p50", "p90"))))
 
 
 if __name__ == "__main__":

@@ -87,6 +87,20 @@ def test_greedy_matches_the_engine_offline_over_grpc_and_http(grpc_client, http_
         assert "".join(d.text for d in http_client.generate_stream(prompt, max_tokens=12, temperature=0)) == expected
 
 
+def test_concurrent_streams_each_arrive_whole_and_in_order(triton_server, offline):
+    """Several response threads send; each request's deltas stay in order on one of them."""
+    def stream(prompt: str) -> list:
+        with GrpcClient(triton_server.grpc_url) as client:
+            return list(client.generate_stream(prompt, max_tokens=12, temperature=0))
+
+    prompts = list(offline) * 3
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(stream, prompts))
+    for prompt, deltas in zip(prompts, results):
+        assert "".join(d.text for d in deltas) == offline[prompt]
+        assert [d.finish_reason for d in deltas[:-1]] == [None] * (len(deltas) - 1) and deltas[-1].finish_reason
+
+
 def test_streams_arrive_as_several_deltas(grpc_client, http_client):
     for client in (grpc_client, http_client):
         deltas = list(client.generate_stream(PROMPT, max_tokens=8, temperature=0, ignore_eos=True))
@@ -176,6 +190,12 @@ def test_cancelling_a_stream_aborts_the_engine_request(triton_server, grpc_clien
         time.sleep(0.2)
     else:
         pytest.fail(f"the cancelled request was not aborted in the engine:\n{triton_server.log_tail()}")
+    # the client goes on, on a new stream; requests that finish leave theirs open for the next
+    first = grpc_client.generate(PROMPT, max_tokens=4, temperature=0)
+    stream_after_first = grpc_client._responses
+    second = grpc_client.generate(PROMPT, max_tokens=4, temperature=0)
+    assert first.text == second.text and first.finish_reason == "length"
+    assert stream_after_first is not None and grpc_client._responses is stream_after_first
 
 
 # ------------------------------------------------------------------------------------------ errors

@@ -39,3 +39,17 @@ def test_ratio_table(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "| 1 | 429.0 | 400.0 | 0.93x | 380.0 | 0.95x |" in table and table.rstrip().endswith("| triton |")
     assert vs_engine.main([str(paths["triton"]), str(tmp_path / "missing.json")]) == 1
+
+
+def test_openai_against_triton_alone(tmp_path, capsys):
+    """The serving_vs_openai suite's form: no engine-direct run, the OpenAI / Triton column only."""
+    triton, openai = tmp_path / "triton.json", tmp_path / "openai.json"
+    triton.write_text(json.dumps(sweep({1: 400.0, 32: 5000.0})))
+    openai.write_text(json.dumps(sweep({1: 380.0, 32: 5500.0})))
+    out = tmp_path / "rows.json"
+    assert vs_engine.main([str(triton), "--openai", str(openai), "--json", str(out)]) == 0
+    one, many = json.loads(out.read_text())["rows"]
+    assert one["engine_tok_s"] is None and one["triton_vs_engine"] is None
+    assert one["openai_vs_triton"] == pytest.approx(0.95) and many["openai_vs_triton"] == pytest.approx(1.1)
+    assert "| 32 | - | 5,000.0 | - | 5,500.0 | 1.10x |" in capsys.readouterr().out
+    assert vs_engine.main([str(triton)]) == 1  # nothing to compare Triton with
