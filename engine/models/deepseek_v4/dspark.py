@@ -1,0 +1,121 @@
+"""DeepSeek-V4-Flash-0731's DSpark draft stages (`mtp.0..`, docs/DSPARK.md): the module that holds
+them, the map from checkpoint names to it, and the load-time check of the section.
+
+Checkpoint layout (S = num_stages, 3 in 0731; L = S - 1):
+  mtp.J.<block tensors>            every stage: one sliding-window V4 block (attention, routed MoE
+                                   with a shared expert, mHC), stored as the main layers are
+  mtp.0.main_proj / main_norm      stage 0: the concatenated target-layer streams -> hidden
+  mtp.L.norm, mtp.L.hc_head_*      the last stage: the drafter's HC head and final norm
+  mtp.L.markov_head.markov_w1/w2   the low-rank Markov head ([vocab, rank] each)
+  mtp.L.confidence_head.proj       the confidence head ([1, hidden + rank], no bias)
+Here the stages are `stages.J.*` and the single-owner extras drop their `mtp.J.` prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from engine.models.config import SLIDING
+from engine.models.deepseek_v4.config import ModelConfig
+from engine.models.deepseek_v4.model import Block, Linear, Norm, check_weight, expected_names, weight_target
+from engine.models.weights import WeightsError
+
+PREFIX = "mtp."
+_BLOCK = ("attn", "ffn", "hc_attn", "hc_ffn")  # what a stage's Block holds (attn_norm / ffn_norm included)
+_FIRST = ("main_proj.", "main_norm.")
+_LAST = ("norm.", "hc_head_", "markov_head.", "confidence_head.")
+FP32 = ("hc_", "attn_sink", ".ape", "gate.bias", "norm.weight", "q_norm", "kv_norm", "confidence_head")
+
+
+def stage_config(cfg: ModelConfig) -> ModelConfig:
+    """A draft stage as layer 0 of a one-layer model: sliding window, routed MoE with the stages' experts."""
+    d = cfg.dspark
+    return dataclasses.replace(cfg, num_layers=1, compress_ratios=(0,), layer_types=(SLIDING,), num_hash_layers=0,
+                               n_routed_experts=d.n_routed_experts, num_experts_per_tok=d.num_experts_per_tok,
+                               dspark=None)
+
+
+class MarkovHead(nn.Module):
+    """Low-rank bigram correction: logits bias = markov_w2 @ markov_w1[previous token]."""
+
+    def __init__(self, vocab: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, hidden: int, rank: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden + rank, 1, bias=False)
+
+
+class DSparkDrafter(nn.Module):
+    def __init__(self, cfg: ModelConfig, quantized: bool = False):
+        super().__init__()
+        if cfg.dspark is None:
+            raise ValueError("DSparkDrafter needs a config with dspark_* keys (the 0731 layout)")
+        d, D, hc = cfg.dspark, cfg.hidden_size, cfg.hc_mult
+        self.cfg, self.stage_cfg = cfg, stage_config(cfg)
+        fp8 = quantized and cfg.fp8_linears
+        self.stages = nn.ModuleList(Block(self.stage_cfg, 0, quantized) for _ in range(d.num_stages))
+        self.main_proj = Linear(D, len(d.target_layer_ids) * D, fp8)
+        self.main_norm = Norm(D, cfg.rms_norm_eps)
+        self.norm = Norm(D, cfg.rms_norm_eps)
+        self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * D, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.markov_head = MarkovHead(cfg.vocab_size, d.markov_rank)
+        self.confidence_head = ConfidenceHead(D, d.markov_rank)
+
+    def expected_names(self) -> set[str]:
+        return expected_names(self, self.cfg.dspark.n_routed_experts)
+
+
+def module_name(name: str, num_stages: int) -> str | None:
+    """`mtp.J.<rest>` -> this module's name for it; None when no stage J holds `<rest>` (a tensor
+    in the wrong stage, or a stage the config does not have)."""
+    if not name.startswith(PREFIX):
+        return None
+    head, _, rest = name[len(PREFIX):].partition(".")
+    if not head.isdigit() or not rest:
+        return None
+    j = int(head)
+    if j >= num_stages:
+        return None
+    if rest.startswith(_BLOCK):
+        return f"stages.{j}.{rest}"
+    if (j == 0 and rest.startswith(_FIRST)) or (j == num_stages - 1 and rest.startswith(_LAST)):
+        return rest
+    return None
+
+
+def check_dspark_section(cfg: ModelConfig, weights: dict[str, torch.Tensor], quantized: bool) -> None:
+    """Refuse a DSpark section that does not match the config, naming the tensor: missing, unexpected
+    or misplaced names, shapes, stored FP8 / FP4 dtypes. Builds the drafter on the meta device (no memory)."""
+    with torch.device("meta"):
+        drafter = DSparkDrafter(cfg, quantized)
+    expected, seen, unexpected = drafter.expected_names(), set(), []
+    for name, tensor in weights.items():
+        mine = module_name(name, cfg.dspark.num_stages)
+        if mine is None or mine not in expected:
+            unexpected.append(name)
+            continue
+        check_weight(weight_target(drafter, mine), name, tensor)
+        seen.add(mine)
+    missing = sorted(expected - seen)
+    if missing or unexpected:
+        missing = [_checkpoint_name(m, cfg.dspark.num_stages) for m in missing]
+        raise WeightsError(f"DSpark section (mtp.*) does not match the config ({cfg.dspark.num_stages} stages): "
+                           f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''} "
+                           f"unexpected {sorted(unexpected)[:8]}{' ...' if len(unexpected) > 8 else ''}")
+
+
+def _checkpoint_name(mine: str, num_stages: int) -> str:
+    """This module's name -> the checkpoint's (for messages)."""
+    if mine.startswith("stages."):
+        return PREFIX + mine[len("stages."):]
+    return f"{PREFIX}{0 if mine.startswith(_FIRST) else num_stages - 1}.{mine}"
