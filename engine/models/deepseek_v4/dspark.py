@@ -20,7 +20,17 @@ from torch import nn
 
 from engine.models.config import SLIDING
 from engine.models.deepseek_v4.config import ModelConfig
-from engine.models.deepseek_v4.model import Block, Linear, Norm, check_weight, expected_names, weight_target
+from engine.models.deepseek_v4.model import (
+    Block,
+    DeepseekV4,
+    Linear,
+    Norm,
+    cast_params,
+    check_weight,
+    expected_names,
+    load_weight,
+    weight_target,
+)
 from engine.models.weights import WeightsError
 
 PREFIX = "mtp."
@@ -73,6 +83,23 @@ class DSparkDrafter(nn.Module):
 
     def expected_names(self) -> set[str]:
         return expected_names(self, self.cfg.dspark.n_routed_experts)
+
+    @classmethod
+    def from_model(cls, model: DeepseekV4) -> DSparkDrafter:
+        """Build from the `mtp.*` tensors the loader kept and checked (model.mtp_weights), which move here."""
+        cfg = model.cfg
+        if cfg.dspark is None:
+            raise WeightsError("speculative_config method 'dspark' needs DSpark draft stages (the 0731 layout: "
+                               "dspark_* config keys); this checkpoint has none")
+        check_dspark_section(cfg, model.mtp_weights, model.quantized)
+        dev = model.embed.weight.device
+        with torch.device("meta"):
+            drafter = cls(cfg, model.quantized)
+        drafter.to_empty(device=dev)
+        cast_params(drafter, model.embed.weight.dtype, FP32)
+        for name in list(model.mtp_weights):
+            load_weight(drafter, module_name(name, cfg.dspark.num_stages), model.mtp_weights.pop(name).to(dev))
+        return drafter.eval()
 
 
 def module_name(name: str, num_stages: int) -> str | None:

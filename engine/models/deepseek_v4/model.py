@@ -327,13 +327,26 @@ class DeepseekV4(ModelFamily):
     @torch.inference_mode()
     def hidden_states(self, fb: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Every row's last residual streams [T, hc_mult, hidden], before the HC head (what MTP reads)."""
+        return self._layers(fb, cache)[0]
+
+    @torch.inference_mode()
+    def dspark_features(self, fb: ForwardBatch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last residual streams [T, hc_mult, hidden], DSpark's target features [T, n_targets * hidden]:
+        the residual streams after each of dspark_target_layer_ids, averaged over the copies,
+        concatenated in that order; docs/DSPARK.md)."""
+        return self._layers(fb, cache, self.cfg.dspark.target_layer_ids)
+
+    def _layers(self, fb: ForwardBatch, cache: KVCache, taps: tuple[int, ...] = ()):
         x = self.embed(self.tp.broadcast(fb.input_ids))  # async scheduling's tokens live on rank 0
         ropes = self.ropes(fb.positions, x.dtype)
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # mHC: 4 copies of the residual
-        pending = None
-        for block in self.layers:
+        pending, tapped = None, {}
+        for i, block in enumerate(self.layers):
             h, pending = block.run(h, fb, cache, ropes, pending)
-        return K.hc_post(h, *pending)
+            if i in taps:  # the pending hc_post once more: the next block fuses it into its own hc_pre
+                tapped[i] = K.hc_post(h, *pending).mean(dim=1)
+        h = K.hc_post(h, *pending)
+        return h, (torch.cat([tapped[i] for i in taps], dim=-1) if taps else None)
 
     @torch.inference_mode()
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
