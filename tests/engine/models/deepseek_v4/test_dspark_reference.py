@@ -119,3 +119,22 @@ def test_drafter_drafts_a_block_and_picks_its_verify_length(loaded):
     assert len(out.tokens) == B and out.logits.shape == (B, model.cfg.vocab_size) and out.verify_len == B
     assert out.tokens == out.logits.argmax(-1).tolist()
     assert ref.draft_block(model, drafter, features, IDS[-1], threshold=1.0).verify_len == 1
+
+
+def test_engine_drafter_equals_the_reference(loaded):
+    """DSparkDrafter.draft (batched, the kernels' ops) vs the reference, two sequences at once with
+    different context lengths (one shorter than the window)."""
+    model, drafter, features = loaded
+    W = model.cfg.sliding_window
+    cases = [(len(IDS), 11), (9, 2000)]  # (context length t + 1, last token)
+    contexts = []
+    for t1, _ in cases:
+        pos = torch.arange(max(0, t1 - W), t1)
+        contexts.append((drafter.main_context(features[pos]), pos))
+    got = drafter.draft(model, contexts, [tok for _, tok in cases], threshold=0.5)
+    for s, (t1, tok) in enumerate(cases):
+        want = ref.draft_block(model, drafter, features[:t1], tok, threshold=0.5)
+        assert got.tokens[s].tolist() == want.tokens
+        # mHC mixes in fp32 in both (kernels/reference.py), batched here, one sequence there
+        torch.testing.assert_close(got.confidence[s], want.confidence, rtol=1e-6, atol=1e-6)
+        assert got.verify_len[s] == want.verify_len
