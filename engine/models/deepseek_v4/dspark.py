@@ -116,7 +116,7 @@ class DSparkDrafter(nn.Module):
         their positions [n]: the last sliding_window positions before the block, ascending);
         last_tokens: each block's real first token, at the position after its context."""
         cfg, d, dev = self.cfg, self.cfg.dspark, self.main_norm.weight.device
-        S, B, D, hc, eps = len(last_tokens), d.block_size, cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps
+        S, B, hc, eps = len(last_tokens), d.block_size, cfg.hc_mult, cfg.rms_norm_eps
         starts = [int(pos[-1]) + 1 if len(pos) else 0 for _, pos in contexts]
         ids = torch.tensor([[t] + [d.noise_token_id] * (B - 1) for t in last_tokens], device=dev).view(-1)
         block_pos = (torch.tensor(starts, device=dev)[:, None] + torch.arange(B, device=dev)).view(-1)

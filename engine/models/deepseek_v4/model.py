@@ -293,7 +293,7 @@ class Block(nn.Module):
 class DeepseekV4(ModelFamily):
     supports_tensor_parallel = True
     supports_prompt_logprobs = True
-    speculative_methods = ("mtp",)
+    speculative_methods = ("mtp", "dspark")  # as the checkpoint's layout allows (preview: MTP; 0731: DSpark)
 
     def __init__(self, cfg: ModelConfig, quantized: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -377,6 +377,11 @@ class DeepseekV4(ModelFamily):
             raise WeightsError("speculative_config method 'mtp' needs a NextN MTP layer; this checkpoint (the 0731 "
                                f"layout) ships {self.cfg.dspark.num_stages} DSpark draft stages under mtp.* instead")
         return MTP.from_model(self)
+
+    def dspark_draft(self):
+        from engine.models.deepseek_v4.dspark import DSparkDrafter  # it builds on this module's blocks
+
+        return DSparkDrafter.from_model(self)
 
 
 # Shared by DeepseekV4 and the MTP module (engine/models/deepseek_v4/mtp.py): the same official names below a prefix.
