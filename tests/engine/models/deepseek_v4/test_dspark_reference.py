@@ -138,3 +138,21 @@ def test_engine_drafter_equals_the_reference(loaded):
         # mHC mixes in fp32 in both (kernels/reference.py), batched here, one sequence there
         torch.testing.assert_close(got.confidence[s], want.confidence, rtol=1e-6, atol=1e-6)
         assert got.verify_len[s] == want.verify_len
+
+
+def test_drafter_kept_as_stored_equals_the_dequantized_one(tmp_path):
+    """The FP8 / MXFP4 stages kept as stored (the CUDA default) and dequantized at load (the CPU's):
+    the same drafts from the same features (the torch references dequantize inside each op)."""
+    path = write_checkpoint(tmp_path, "tiny", seed=5, quant="fp8-fp4", layout="0731")
+    out = []
+    for quantized in (False, True):
+        model = load_model(path, torch.float32, quantized=quantized)
+        drafter = DSparkDrafter.from_model(model)
+        assert drafter.stages[1].attn.wq_b.weight.dtype == (torch.float8_e4m3fn if quantized else torch.float32)
+        assert drafter.main_proj.weight.dtype == (torch.float8_e4m3fn if quantized else torch.float32)
+        g = torch.Generator().manual_seed(0)
+        features = torch.randn(20, 3 * model.cfg.hidden_size, generator=g)
+        pos = torch.arange(4, 20)
+        out.append(drafter.draft(model, [(drafter.main_context(features[pos]), pos)], [42], 0.0))
+    assert torch.equal(out[0].tokens, out[1].tokens)
+    torch.testing.assert_close(out[0].confidence, out[1].confidence, rtol=1e-4, atol=1e-4)
