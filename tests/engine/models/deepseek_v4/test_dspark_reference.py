@@ -156,3 +156,28 @@ def test_drafter_kept_as_stored_equals_the_dequantized_one(tmp_path):
         out.append(drafter.draft(model, [(drafter.main_context(features[pos]), pos)], [42], 0.0))
     assert torch.equal(out[0].tokens, out[1].tokens)
     torch.testing.assert_close(out[0].confidence, out[1].confidence, rtol=1e-4, atol=1e-4)
+
+
+def test_drafter_on_the_fused_kernels_equals_the_references(tmp_path):
+    """The GPU's path: stages as stored, every fused kernel on (the interpreter on the CPU), float32."""
+    import kernels
+
+    model = load_model(write_checkpoint(tmp_path, "tiny", seed=5, quant="fp8-fp4", layout="0731"), torch.float32,
+                       quantized=True)
+    drafter = DSparkDrafter.from_model(model)
+    features = torch.randn(20, 3 * model.cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(4, 20)
+
+    def draft():
+        return drafter.draft(model, [(drafter.main_context(features[pos]), pos),
+                                     (drafter.main_context(features[pos[8:]]), pos[8:])], [42, 7], 0.0)
+
+    want = draft()
+    try:
+        kernels.set_backend("fused")
+        assert kernels.hc_pre.__module__.startswith("kernels.fused")
+        got = draft()
+    finally:
+        kernels.set_backend("auto")
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-4, atol=1e-4)
