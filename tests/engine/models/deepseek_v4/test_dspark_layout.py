@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from engine.models.deepseek_v4.config import ConfigError, parse_config
 from engine.models.deepseek_v4.dspark import DSparkDrafter, _checkpoint_name, module_name
 from engine.models.deepseek_v4.loader import load_model
-from engine.models.deepseek_v4.random_checkpoint import build_config, write_checkpoint
+from engine.models.deepseek_v4.random_checkpoint import PRESETS, QUANTS, build_config, write_checkpoint
 from engine.models.weights import WeightsError
 from tests.engine.conftest import incremental_logits
 
@@ -34,6 +34,16 @@ def test_flash_depth_0731_config_is_the_shipped_one():
         (5, 128799, 256, (40, 41, 42), 3)
     assert cfg.num_layers == 43 and cfg.compress_ratios == tuple(raw["compress_ratios"][:43])
     assert parse_config(build_config("flash-depth")).dspark is None  # the preview layout
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("quant", QUANTS)
+def test_every_preset_has_a_0731_layout(preset, quant):
+    raw = build_config(preset, quant=quant, layout="0731")
+    cfg = parse_config(raw)
+    n = cfg.num_layers
+    assert cfg.dspark.target_layer_ids == tuple(range(n - 3, n)) and len(raw["compress_ratios"]) == n + 3
+    assert raw["compress_ratios"][n:] == [0, 0, 0] and cfg.dspark.noise_token_id < cfg.vocab_size
 
 
 def test_stage_tensor_counts_match_the_shipped_index():
