@@ -121,10 +121,22 @@ def gauges_from_stats(stats: dict) -> tuple[dict[str, float], dict[str, float]]:
         gauges["spec_decode_mean_acceptance_length"] = float(stats.get("spec_decode_mean_acceptance_length", 0.0))
         for pos, n in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos") or []):
             counters[f"{PER_POS}/{pos}"] = float(n)
+        # the accepted-length histogram: verifies by tokens they emitted (accepted drafts + 1)
+        for a, n in enumerate(stats.get("spec_decode_accepted_length_counts") or []):
+            counters[f"{ACCEPTED_LENGTH}/{a + 1}"] = float(n)
+        for i, n in enumerate(stats.get("spec_decode_dspark_chosen_length_counts") or []):
+            counters[f"{CHOSEN_LENGTH}/{i + 1}"] = float(n)
     return gauges, counters
 
 
 PER_POS = "spec_decode_num_accepted_tokens_per_pos_total"  # labelled by draft position
+ACCEPTED_LENGTH = "spec_decode_accepted_length_total"  # labelled by tokens per verify
+CHOSEN_LENGTH = "spec_decode_dspark_chosen_length_total"  # labelled by the drafts the confidence head chose
+LABELLED = {  # counter families with one labelled counter per "<family>/<label value>" key
+    PER_POS: ("position", "Draft tokens accepted, by position in the draft (0: the first)."),
+    ACCEPTED_LENGTH: ("length", "Verify steps, by the tokens they emitted (accepted drafts + 1): the accepted-length histogram."),
+    CHOSEN_LENGTH: ("length", "DSpark blocks, by the number of drafts the confidence head chose to verify."),
+}
 
 
 class Metrics:
@@ -176,8 +188,8 @@ class Metrics:
         self.stat_counters = {name: family(name, description, F.COUNTER).Metric(labels=self.labels)
                               for name, description in STAT_COUNTERS.values()}
         self.last_counter_values = dict.fromkeys(self.stat_counters, 0.0)
-        self.per_pos_family = family(PER_POS, "Draft tokens accepted, by position in the draft (0: the first).",
-                                     F.COUNTER)
+        self.labelled_families = {name: family(name, description, F.COUNTER)
+                                  for name, (_, description) in LABELLED.items()}
         self.gauge_families = {
             "num_requests_running": family("num_requests_running", "Requests running in the engine.", F.GAUGE),
             "num_requests_waiting": family("num_requests_waiting", "Requests waiting in the engine.", F.GAUGE),
@@ -262,9 +274,10 @@ class Metrics:
                 self.gauges[key] = self.gauge_families[name].Metric(labels=labels)
             self.gauges[key].set(value)
         for name, value in counters.items():
-            if name not in self.stat_counters:  # <family>/<position>: one labelled counter per draft position
-                self.stat_counters[name] = self.per_pos_family.Metric(
-                    labels={**self.labels, "position": name.partition("/")[2]})
+            if name not in self.stat_counters:  # <family>/<value>: one labelled counter per value (LABELLED)
+                fam, _, label = name.partition("/")
+                self.stat_counters[name] = self.labelled_families[fam].Metric(
+                    labels={**self.labels, LABELLED[fam][0]: label})
                 self.last_counter_values[name] = 0.0
             delta = value - self.last_counter_values[name]
             if delta < 0:  # the engine's counter restarted

@@ -18,6 +18,7 @@ V41_CKPT = "{ckpt}/v41-flash-shaped-fp8-fp4"
 DEPTH_CKPT = "{ckpt}/flash-depth-fp8-fp4"
 SWITCH_CKPT = "{{ckpt}}/flash-depth-e{e}-fp8-fp4"  # one per expert count, removed after its step
 SWITCHES = DEPTH[:-1] + ',"cudagraph_mode":"FULL_DECODE_ONLY"}'  # decode graphs only: no mixed-step captures to wait for
+DSPARK_CKPT = "{ckpt}/flash-depth-0731-fp8-fp4"  # V4-Flash depth with 0731's DSpark stages (16 experts)
 TRITON_SWEEP = ("--serve", "--driver", "threads", "--protocol", "grpc", "--stop-timeout", "20", "--out", "{out}")
 
 
@@ -289,6 +290,14 @@ SUITE_LIST = [
           (Step("tools.bench_spec", (*MODEL, "--batches", "1,8,32", "--input-len", "512", "--output-len", "48",
                                      "--engine-args", SPEC), timeout_s=300),),
           preset="flash-depth"),
+    Suite("dspark", "What do DSpark's (0731) verify and draft steps cost at V4-Flash depth as shipped (16 experts) "
+          "at batch 1 / 8 / 32, what speed-up do they model at acceptance lengths 2 / 3 / 4.4 / 5.4 against MTP "
+          "k = 1 and 3, and what do random (acceptance ~0) and forced (~1) drafts give end to end?",
+          (checkpoint(DSPARK_CKPT, "flash-depth", "--layout", "0731"),
+           Step("tools.bench_spec", ("--method", "dspark", "--model", DSPARK_CKPT, "--batches", "1,8,32",
+                                     "--input-len", "512", "--output-len", "32", "--reps", "5", "--engine-args", SPEC),
+                timeout_s=420)),
+          notes="DSpark steps run eagerly (no verify / draft graphs for it yet)"),
     Suite("profile_spec", "Where does a speculative step's time go at V4-Flash depth (batch 1, k = 3): the host "
           "under cProfile, then the GPU's kernels?",
           tuple(profile(name, *MODEL, "--batch", "1", "--steps", "48", "--rows", "45", *host, "--engine-args",

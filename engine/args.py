@@ -50,7 +50,7 @@ class EngineArgs:
     # scheduling and output work overlaps the GPU's step. None: on when running on CUDA.
     async_scheduling: bool | None = None
     seed: int = 0
-    # vLLM's {"method": "mtp", "num_speculative_tokens": k}, k in 1..3 (engine/spec/config.py); None: off
+    # vLLM's {"method": "mtp" | "dspark", "num_speculative_tokens": k}, k in 1..3 (engine/spec/config.py); None: off
     speculative_config: dict | str | None = None
     max_waiting_requests: int = 1024
     max_logprobs: int = 20

@@ -120,7 +120,7 @@ class LLMEngine:
             self.parallel.wait_ready()
             self.runner.workers = self.parallel
         spec = SpeculativeConfig.parse(args.speculative_config)
-        self.spec = SpecDecoder(self, spec.num_speculative_tokens) if spec else None
+        self.spec = SpecDecoder(self, spec) if spec else None
         self.requests: dict[str, RequestState] = {}
         self.pending: InFlight | None = None  # the step in flight (async scheduling)
         if args.async_scheduling and self.model.needs_host_tokens:

@@ -14,12 +14,22 @@ One engine (speculative_config k = 3, CUDA graphs for its plain steps) on a rand
    random MTP's own drafts (acceptance ~0: the pure overhead) and drafts forced to agree (the
    outputs of that speculative run replayed as drafts: acceptance ~1), against plain decoding.
 
+`--method dspark` (a 0731 checkpoint: `make_tiny_checkpoint --layout 0731`) measures DSpark instead
+(engine/spec/dspark.py, docs/DSPARK.md; its steps run eagerly): the plain step, the verify forward
+with the target features of k + 1 tokens per sequence (k = 1, 2, 3 and the whole block of 5), the
+drafter's block (main context of the step's rows + the three stages + Markov and confidence heads),
+and one stage over one row per sequence (the shape of an MTP draft step: the proxy the model uses
+for MTP on the same model); the modelled speed-up at mean acceptance lengths 2, 3, 4.4 and 5.4
+against MTP k = 1 and 3; end to end with the drafter's own drafts (acceptance ~0 on random
+weights: the overhead, every step rolling back) and forced ones (acceptance ~1).
+
 Prints tables, writes JSON (--json). Needs CUDA for meaningful numbers (runs on CPU for a smoke test).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -133,16 +143,85 @@ def model_speedup(row: dict, graphs: bool = True) -> dict:
     return out
 
 
-def end_to_end(eng, spec, batch: int, input_len: int, output_len: int) -> dict:
+ACCEPTANCE_LENGTHS = (2.0, 3.0, 4.4, 5.4)  # DSpark's published range: ~4.4 real prompts, ~5.4 random tokens
+
+
+def micro_dspark(eng, spec, batch: int, input_len: int, reps: int) -> dict:
+    """DSpark step times on live sequences (aborted after): plain decode, the verify forward with the
+    target features (eager, as DSpark runs), the drafter's block, one stage over one row (MTP proxy)."""
+    saved, eng.spec = eng.spec, None
+    ids = _prefill(eng, batch, input_len, eng.max_model_len - input_len - 8, f"micro-{batch}", seed=batch)
+    eng.flush()
+    seqs = [eng.requests[r].seq for r in ids]
+    model, runner, cache, drafter = eng.model, eng.runner, eng.cache, spec.dspark.drafter
+    d, W = model.cfg.dspark, model.cfg.sliding_window
+    for s in seqs:
+        cache.allocate(s.blocks, eng.scheduler._window_lo(s), s.num_computed_tokens + 1)
+    row = {"batch": batch, "plain_ms": _median_ms(lambda: runner.run([(s, 1) for s in seqs]), reps)}
+    for k in (1, 2, 3, d.block_size):
+        for s in seqs:
+            s.spec_token_ids = [s.last_token_id] * k
+            cache.allocate(s.blocks, eng.scheduler._window_lo(s), s.num_computed_tokens + k + 1)
+        batch_k = [(s, 1 + k) for s in seqs]
+
+        def verify():
+            fb = runner.build_batch(batch_k)
+            hidden, features = model.dspark_features(fb, cache)
+            return model.compute_logits(hidden[fb.logits_rows]), features
+
+        row[f"verify_k{k}_ms"] = _median_ms(verify, reps)
+        for s in seqs:
+            s.spec_token_ids = []
+    dt, dev, D = model.embed.weight.dtype, eng.device, model.cfg.hidden_size
+    features = torch.randn(batch * (d.block_size + 1), len(d.target_layer_ids) * D, dtype=dt, device=dev)
+    contexts = [(torch.randn(W, D, dtype=dt, device=dev), torch.arange(s.num_computed_tokens - W, s.num_computed_tokens,
+                                                                       device=dev)) for s in seqs]
+    last = [s.last_token_id for s in seqs]
+    row["draft_ms"] = _median_ms(lambda: (drafter.main_context(features),
+                                          drafter.draft(model, contexts, last, spec.dspark.threshold)), reps)
+    one_stage = torch.nn.ModuleList(drafter.stages[:1])
+    full, drafter.stages = drafter.stages, one_stage
+    saved_block = d.block_size
+    try:  # one stage, one row per sequence: an MTP draft step's shape (a block + the LM head)
+        drafter.cfg = _with_block(drafter.cfg, 1)
+        row["stage_row_ms"] = _median_ms(lambda: drafter.draft(model, contexts, last, 0.0), reps)
+    finally:
+        drafter.stages, drafter.cfg = full, _with_block(drafter.cfg, saved_block)
+    for r in ids:
+        eng.abort(r)
+    eng.spec = saved
+    return row
+
+
+def _with_block(cfg, block_size: int):
+    return dataclasses.replace(cfg, dspark=dataclasses.replace(cfg.dspark, block_size=block_size))
+
+
+def model_dspark(row: dict, block: int) -> dict:
+    """Modelled speed-up over plain decoding at mean acceptance length L (tokens per verify step):
+    DSpark verifies its whole block (k = block; L <= block + 1) and drafts it in one call; at our
+    k = 3 cap L <= 4; MTP with k drafts costs the verify of k + 1 tokens and k chained draft steps
+    (each timed as one stage over one row), L <= k + 1."""
+    plain, out = row["plain_ms"], {}
+    for L in ACCEPTANCE_LENGTHS:
+        out[f"dspark_k{block}_L{L:g}"] = min(L, block + 1) * plain / (row[f"verify_k{block}_ms"] + row["draft_ms"])
+        out[f"dspark_k3_L{L:g}"] = min(L, 4) * plain / (row["verify_k3_ms"] + row["draft_ms"])
+        for k in (1, 3):
+            out[f"mtp_k{k}_L{L:g}"] = min(L, k + 1) * plain / (row[f"verify_k{k}_ms"] + k * row["stage_row_ms"])
+    return out
+
+
+def end_to_end(eng, spec, batch: int, input_len: int, output_len: int, own: str = "mtp") -> dict:
     """Decode tokens/s after the prefills: plain, speculative with the MTP's drafts, and with
     drafts forced to the MTP run's outputs. The forced run replays what the speculative path
     itself produced (its verify forwards, in the same batch shapes), not the plain run's tokens:
     plain decode steps take other kernel paths (decode graphs, one row per sequence), and on
-    random weights argmax near-ties would flip and part the replay from its source."""
+    random weights argmax near-ties would flip and part the replay from its source. own: the
+    key of the run with the drafter's own drafts ("mtp", "dspark")."""
     res, outputs = {"batch": batch}, {}
-    for mode in ("plain", "mtp", "forced"):
+    for mode in ("plain", own, "forced"):
         eng.spec = None if mode == "plain" else spec
-        spec.force_drafts(outputs["mtp"] if mode == "forced" else None)
+        spec.force_drafts(outputs[own] if mode == "forced" else None)
         before, paths = dict(spec.counters), dict(spec.step_paths)
         ids = _prefill(eng, batch, input_len, output_len, f"e2e-{batch}", seed=1000 + batch)
         seqs = {r: eng.requests[r].seq for r in ids}
@@ -162,11 +241,11 @@ def end_to_end(eng, spec, batch: int, input_len: int, output_len: int) -> dict:
             res[f"{mode}_acceptance"] = acc / drafted if drafted else 0.0
             res[f"{mode}_same_as_plain"] = sum(outputs[mode][r] == outputs["plain"][r] for r in ids)
             res[f"{mode}_step_paths"] = {k: v - paths[k] for k, v in spec.step_paths.items()}
-    res["forced_same_as_mtp"] = sum(outputs["forced"][r] == outputs["mtp"][r] for r in outputs["mtp"])
+    res[f"forced_same_as_{own}"] = sum(outputs["forced"][r] == outputs[own][r] for r in outputs[own])
     spec.force_drafts(None)
     eng.spec = spec
     res["forced_speedup"] = res["forced_tok_s"] / res["plain_tok_s"]
-    res["mtp_overhead"] = 1 - res["mtp_tok_s"] / res["plain_tok_s"]
+    res[f"{own}_overhead"] = 1 - res[f"{own}_tok_s"] / res["plain_tok_s"]
     return res
 
 
@@ -182,11 +261,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--engine-args", default="{}")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--method", default="mtp", choices=("mtp", "dspark"),
+                    help="dspark: a 0731 checkpoint's DSpark stages (--model a --layout 0731 checkpoint)")
     args = ap.parse_args()
     model = resolve_model(SimpleNamespace(model=args.model, preset=args.preset, quant=args.quant,
                                           cache_dir=args.cache_dir))
     engine_args = {"max_num_seqs": max(args.batches), "max_model_len": 4096, **json.loads(args.engine_args),
-                   "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}
+                   "speculative_config": {"method": args.method, "num_speculative_tokens": 3}}
+    if args.method == "dspark":
+        return main_dspark(args, model, engine_args)
     t = time.perf_counter()
     eng = LLM(model, **engine_args).engine
     print(f"engine up in {time.perf_counter() - t:.0f} s (graphs: {sorted(eng.runner.graphs)})", flush=True)
@@ -232,6 +315,50 @@ def main() -> None:
               f"{r['mtp_same_as_plain']:>6} {r['forced_tok_s']:>8.1f} {r['forced_acceptance']:>5.2f} "
               f"{r['forced_same_as_mtp']:>5} {p['verify_graph']:>4}/{p['verify_graph'] + p['verify_eager']:<4} {r['forced_speedup']:>8.2f} "
               f"{100 * r['mtp_overhead']:>7.1f}%", flush=True)
+        dump()
+
+
+def main_dspark(args, model: str, engine_args: dict) -> None:
+    t = time.perf_counter()
+    eng = LLM(model, **engine_args).engine
+    spec, block = eng.spec, eng.cfg.dspark.block_size
+    print(f"engine up in {time.perf_counter() - t:.0f} s (graphs: {sorted(eng.runner.graphs)}); DSpark: block {block}, "
+          f"k {spec.k}, eager", flush=True)
+    rows, e2e = [], []
+
+    def dump():  # after every row: a run cut short by its timeout keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": model, "engine_args": engine_args, "method": "dspark", "input_len": args.input_len,
+                           "output_len": args.output_len, "micro": rows, "end_to_end": e2e}, f, indent=2)
+
+    print("step times (ms): plain decode (graph); verify of k+1 tokens per sequence with the target features "
+          "(eager); the drafter's block; one stage over one row (MTP step proxy)")
+    print(f"{'batch':>5} {'plain':>7} {'k=1':>7} {'k=2':>7} {'k=3':>7} {'k=' + str(block):>7} {'draft':>7} "
+          f"{'stage':>7}")
+    for b in args.batches:
+        r = micro_dspark(eng, spec, b, args.input_len, args.reps)
+        r["speedup"] = model_dspark(r, block)
+        rows.append(r)
+        print(f"{b:>5} {r['plain_ms']:>7.2f} " + " ".join(f"{r[f'verify_k{k}_ms']:>7.2f}" for k in (1, 2, 3, block))
+              + f" {r['draft_ms']:>7.2f} {r['stage_row_ms']:>7.2f}", flush=True)
+        dump()
+    print("\nmodelled speed-up over plain decoding by mean acceptance length L (tokens per verify step)")
+    cols = (f"dspark_k{block}", "dspark_k3", "mtp_k1", "mtp_k3")
+    print(f"{'batch':>5} {'L':>4} " + " ".join(f"{c:>10}" for c in cols))
+    for r in rows:
+        for L in ACCEPTANCE_LENGTHS:
+            print(f"{r['batch']:>5} {L:>4g} " + " ".join(f"{r['speedup'][f'{c}_L{L:g}']:>10.2f}" for c in cols))
+    print("\nend to end, k=3, decode tok/s after the prefills; own = DSpark's drafts (random weights: acceptance ~0, "
+          "every step rolls back); forced = drafts replayed from the own run's outputs")
+    print(f"{'batch':>5} {'plain':>8} {'own':>8} {'acc':>5} {'=plain':>6} {'forced':>8} {'acc':>5} {'speed-up':>8} "
+          f"{'overhead':>8}")
+    for b in args.batches:
+        r = end_to_end(eng, spec, b, args.input_len, args.output_len, own="dspark")
+        e2e.append(r)
+        print(f"{b:>5} {r['plain_tok_s']:>8.1f} {r['dspark_tok_s']:>8.1f} {r['dspark_acceptance']:>5.2f} "
+              f"{r['dspark_same_as_plain']:>6} {r['forced_tok_s']:>8.1f} {r['forced_acceptance']:>5.2f} "
+              f"{r['forced_speedup']:>8.2f} {100 * r['dspark_overhead']:>7.1f}%", flush=True)
         dump()
 
 

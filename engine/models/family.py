@@ -22,7 +22,7 @@ class ModelFamily(nn.Module):
     supports_mixed_graphs: ClassVar[bool] = True  # prefill chunks and decodes in one padded graph
     supports_tensor_parallel: ClassVar[bool] = False  # heads and experts split over ranks (engine/parallel.py)
     supports_prompt_logprobs: ClassVar[bool] = False  # needs hidden_states() + compute_logits()
-    # speculative methods (engine/spec/): "mtp" needs mtp_draft()
+    # speculative methods (engine/spec/): "mtp" needs mtp_draft(), "dspark" dspark_draft() and dspark_features()
     speculative_methods: ClassVar[tuple[str, ...]] = ()
     # the layers after the last KV source may run on each sequence's last window only at prefill
     # (an approximation, measured); engine argument swa_decoder_trim sets it
@@ -74,3 +74,11 @@ class ModelFamily(nn.Module):
     def mtp_draft(self):
         """The MTP draft module built from this model's `mtp.*` weights (speculative_methods has "mtp")."""
         raise NotImplementedError(f"{type(self).__name__} has no MTP draft")
+
+    def dspark_draft(self):
+        """The DSpark drafter built from this model's `mtp.*` stages (speculative_methods has "dspark")."""
+        raise NotImplementedError(f"{type(self).__name__} has no DSpark drafter")
+
+    def dspark_features(self, fb, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden_states, the DSpark target features of every row) in one forward."""
+        raise NotImplementedError(f"{type(self).__name__} exposes no DSpark target features")

@@ -1,7 +1,10 @@
-"""`speculative_config`, vLLM's shape: {"method": "mtp", "num_speculative_tokens": k}.
+"""`speculative_config`, vLLM's shape: {"method": "mtp", "num_speculative_tokens": k} or
+{"method": "dspark", "num_speculative_tokens": k, "confidence_threshold": c} (both optional for
+dspark: k from the checkpoint's dspark_block_size, c = 0: verify what the drafter proposes).
 
 Checked at the edge (EngineArgs.validate: a bad one is InvalidEngineArgs); LLMEngine parses it
-again at start for k.
+again at start. What depends on the checkpoint (the block size, the compress ratios bounding k)
+is checked by the SpecDecoder (engine/spec/decoder.py).
 """
 
 from __future__ import annotations
@@ -9,14 +12,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-METHODS = ("mtp",)
+METHODS = ("mtp", "dspark")
 MAX_SPECULATIVE_TOKENS = 3  # k + 1 verified positions must not close two blocks of a ratio-4 compressor
+_KEYS = {"mtp": {"method", "num_speculative_tokens"},
+         "dspark": {"method", "num_speculative_tokens", "confidence_threshold"}}
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
-    num_speculative_tokens: int
+    num_speculative_tokens: int | None  # None: the method's default (dspark: from the checkpoint)
+    confidence_threshold: float = 0.0  # dspark: verify the longest prefix predicted accepted at least this likely
 
     @classmethod
     def parse(cls, raw: dict | str | None) -> SpeculativeConfig | None:
@@ -31,16 +37,20 @@ class SpeculativeConfig:
         if not isinstance(raw, dict):
             raise ValueError(f"speculative_config must be an object like "
                              f'{{"method": "mtp", "num_speculative_tokens": 1}}, got {raw!r}')
-        unknown = sorted(set(raw) - {"method", "num_speculative_tokens"})
-        if unknown:
-            raise ValueError(f"speculative_config: unsupported key(s) {unknown}; "
-                             "this engine reads method and num_speculative_tokens")
         method = raw.get("method")
         if method not in METHODS:
-            raise ValueError(f"speculative_config: method {method!r} is not supported; the native engine "
-                             f"drafts with the checkpoint's own MTP layer: method must be one of {list(METHODS)}")
+            raise ValueError(f"speculative_config: method {method!r} is not supported; the native engine drafts "
+                             f"with the checkpoint's own MTP layer or DSpark stages: method must be one of {list(METHODS)}")
+        unknown = sorted(set(raw) - _KEYS[method])
+        if unknown:
+            raise ValueError(f"speculative_config: unsupported key(s) {unknown} for method {method!r}; "
+                             f"this engine reads {sorted(_KEYS[method])}")
         k = raw.get("num_speculative_tokens")
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        if not (k is None and method == "dspark") and (
+                isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        return cls(method, k)
+        c = raw.get("confidence_threshold", 0.0)
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
+            raise ValueError(f"speculative_config: confidence_threshold must be a number in [0, 1], got {c!r}")
+        return cls(method, k, float(c))

@@ -1,4 +1,8 @@
-"""Speculative decoding with the checkpoint's MTP layer: one engine step that verifies drafts.
+"""Speculative decoding with the checkpoint's own drafter: one engine step that verifies drafts.
+
+Two drafters (speculative_config's method): the preview release's MTP layer (k chained
+single-token steps) or 0731's DSpark stages (engine/spec/dspark.py: a block per step from the
+target's features, the confidence head choosing how much of it to verify; docs/DSPARK.md).
 
 A step in which some scheduled sequence speculates runs here instead of LLMEngine._step:
 
@@ -13,8 +17,8 @@ A step in which some scheduled sequence speculates runs here instead of LLMEngin
    rows put back into the open-block state, the CSA overlap state restored from before the
    step); num_computed_tokens / compress_from move only over accepted positions, so nothing
    rejected reaches the prefix cache;
-4. the MTP layer catches up over the step's accepted positions (its window KV) and chains k
-   drafts for the next step;
+4. the drafter catches up over the step's accepted positions (the MTP: its window KV; DSpark: the
+   main context of those positions) and drafts up to k tokens for the next step;
 5. the scheduler advances by what was accepted and the tokens are emitted in order (stops,
    lengths and stop strings cut them as usual).
 
@@ -25,7 +29,8 @@ per-token semantics. A step with no speculating sequence takes the ordinary path
 async scheduling). A speculative step in which every sequence decodes replays a verify graph and
 then an MTP graph per batch bucket (engine/spec/verify_graphs.py, engine/spec/draft_graphs.py) when decode
 graphs are captured; others (prefill chunks in the batch) run eagerly (step_paths counts both).
-Either way the step reads back before the next one is scheduled.
+Either way the step reads back before the next one is scheduled. DSpark steps run eagerly (no
+verify or draft graphs yet).
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ from engine.forward_batch import ForwardBatch
 from engine.prompt_logprobs import prompt_logprob_rows
 from engine.sampler import sampling_probs
 from engine.sequence import Sequence, Status
+from engine.spec.config import SpeculativeConfig
 from engine.spec.draft_graphs import DraftGraphs
+from engine.spec.dspark import DSparkProposer
 from engine.spec.rejection_sampler import greedy_accept, rejection_sample
 from engine.spec.rollback_graphs import reopen
 from engine.spec.verify_graphs import VerifyGraphs
@@ -62,22 +69,39 @@ def spec_graphs(engine, k: int, mtp, mtp_cache) -> tuple[VerifyGraphs | None, Dr
 
 
 class SpecDecoder:
-    def __init__(self, engine, num_speculative_tokens: int):
-        self.engine, self.k = engine, num_speculative_tokens
-        if "mtp" not in engine.model.speculative_methods:
-            raise InvalidEngineArgs(f"speculative_config: {type(engine.model).__name__} has no MTP draft "
+    def __init__(self, engine, spec: SpeculativeConfig):
+        self.engine, self.method = engine, spec.method
+        if spec.method not in engine.model.speculative_methods:
+            raise InvalidEngineArgs(f"speculative_config: {type(engine.model).__name__} has no {spec.method} draft "
                                     f"(speculative methods: {list(engine.model.speculative_methods) or 'none'})")
         cfg = engine.cfg
         ratios = [r for r in cfg.compress_ratios if r]
+        self.dspark = None
+        if spec.method == "dspark":
+            if cfg.dspark is None:
+                raise InvalidEngineArgs("speculative_config: method 'dspark' needs a checkpoint with DSpark draft "
+                                        "stages (the 0731 layout); this one has none")
+            # default: the checkpoint's block, as much of it as one verify may hold (k + 1 <= smallest ratio)
+            self.k = spec.num_speculative_tokens or min(cfg.dspark.block_size, min(ratios, default=2**30) - 1)
+            if self.k > cfg.dspark.block_size:
+                raise InvalidEngineArgs(f"speculative_config: num_speculative_tokens={self.k} exceeds the checkpoint's "
+                                        f"dspark_block_size ({cfg.dspark.block_size})")
+        else:
+            self.k = spec.num_speculative_tokens
         if ratios and self.k + 1 > min(ratios):  # one verify closes at most one block per compressor
             raise InvalidEngineArgs(f"speculative_config: num_speculative_tokens={self.k} needs k + 1 <= the smallest "
                              f"compress ratio ({min(ratios)})")
-        self.mtp = engine.model.mtp_draft()
-        self.mtp_cache = self.mtp.make_cache(engine.cache)
         self.forced_drafts: dict[str, list[int]] | None = None  # benchmarks: see force_drafts
-        self.mtp_drafts: dict[str, list[int]] = {}  # the last step's own MTP drafts (before force_drafts)
-        # steps in which every sequence decodes replay a verify graph and an MTP graph per batch bucket
-        self.verify_steps, self.draft_steps = spec_graphs(engine, self.k, self.mtp, self.mtp_cache)
+        self.mtp_drafts: dict[str, list[int]] = {}  # the last step's own drafts (before force_drafts)
+        if spec.method == "dspark":
+            self.mtp = self.mtp_cache = None
+            self.dspark = DSparkProposer(engine, engine.model.dspark_draft(), self.k, spec.confidence_threshold)
+            self.verify_steps = self.draft_steps = None  # DSpark steps run eagerly
+        else:
+            self.mtp = engine.model.mtp_draft()
+            self.mtp_cache = self.mtp.make_cache(engine.cache)
+            # steps in which every sequence decodes replay a verify graph and an MTP graph per batch bucket
+            self.verify_steps, self.draft_steps = spec_graphs(engine, self.k, self.mtp, self.mtp_cache)
         self.use_graphs = True  # benchmarks switch it off to time the eager path on the same engine
         self.step_paths = {"verify_graph": 0, "verify_eager": 0, "draft_graph": 0, "draft_eager": 0}
         self.reset_counters()
@@ -86,6 +110,9 @@ class SpecDecoder:
         self.counters = {"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
                          "spec_decode_num_accepted_tokens": 0}
         self.accepted_per_pos = [0] * self.k
+        self.accepted_lengths = [0] * (self.k + 1)  # index a: verifies that accepted a drafts (a + 1 tokens)
+        if self.dspark is not None:
+            self.dspark.chosen_lengths.clear()
 
     def force_drafts(self, outputs: dict[str, list[int]] | None) -> None:
         """Benchmarks: the MTP runs as usual but its drafts are replaced by these tokens (request id ->
@@ -98,9 +125,14 @@ class SpecDecoder:
     def stats(self) -> dict:
         c = self.counters
         drafts, tokens, acc = c["spec_decode_num_drafts"], c["spec_decode_num_draft_tokens"], c["spec_decode_num_accepted_tokens"]
-        return {**c, "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
-                "spec_decode_acceptance_rate": acc / tokens if tokens else 0.0,
-                "spec_decode_mean_acceptance_length": 1 + acc / drafts if drafts else 0.0}
+        out = {**c, "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+               "spec_decode_acceptance_rate": acc / tokens if tokens else 0.0,
+               "spec_decode_mean_acceptance_length": 1 + acc / drafts if drafts else 0.0,
+               "spec_decode_accepted_length_counts": list(self.accepted_lengths)}
+        if self.dspark is not None:  # index i: blocks whose confidence head chose i + 1 drafts
+            chosen = self.dspark.chosen_lengths
+            out["spec_decode_dspark_chosen_length_counts"] = [chosen[n] for n in range(1, self.engine.cfg.dspark.block_size + 1)]
+        return out
 
     # --- the step -----------------------------------------------------------------------------
 
@@ -125,7 +157,10 @@ class SpecDecoder:
             if verifying:
                 closed = fb.closed_blocks = {}
                 snapshot = self._snapshot([s.blocks.state_slot for s, _ in batch])
-            hidden = eng.model.hidden_states(fb, eng.cache)
+            if self.dspark is not None:  # the target's features at the DSpark target layers too
+                hidden, features = eng.model.dspark_features(fb, eng.cache)
+            else:
+                hidden, features = eng.model.hidden_states(fb, eng.cache), None
             logits = eng.model.compute_logits(hidden[fb.logits_rows])
             prompt_rows = prompt_logprob_rows(batch, eng.device)  # prompt_logprobs of this step's prefill rows
             if prompt_rows is not None:
@@ -153,7 +188,10 @@ class SpecDecoder:
         # the MTP follows every speculating sequence over this step's accepted positions
         nxt = {id(s): [smp.token_id] for s, smp in zip(plain, samples) if smp.error is None}
         nxt.update({sid: [t for t, _ in toks] for sid, toks in emitted.items()})
-        drafted = self._propose(batch, hidden, nxt, graphed and self.draft_steps is not None)
+        if self.dspark is not None:
+            drafted = self._propose_dspark(batch, features, nxt)
+        else:
+            drafted = self._propose(batch, hidden, nxt, graphed and self.draft_steps is not None)
 
         # while the MTP's graph runs: the scheduler and the outputs (neither reads the drafts)
         eng.scheduler.advance([(s, len(emitted[id(s)]) if id(s) in emitted else n)
@@ -214,6 +252,7 @@ class SpecDecoder:
             self.counters["spec_decode_num_accepted_tokens"] += a
             for j in range(a):
                 self.accepted_per_pos[j] += 1
+            self.accepted_lengths[a] += 1
         return out
 
     @staticmethod
@@ -276,8 +315,39 @@ class SpecDecoder:
         graphed: the step replayed a verify graph, so the MTP's graph of that bucket runs them.
         -> a function that sets the drafts as spec_token_ids (the graph's read-back waits there)."""
         eng = self.engine
+        items, rows, where = self._catch_up(batch, nxt)
+        if not items:
+            return lambda: None
+        if not graphed:
+            fb_m = self._batch(items)
+            h = self.mtp(eng.model, fb_m, self.mtp_cache, hidden[torch.tensor(rows, device=hidden.device)])
+        drafting = []  # (item index, position of its next MTP row, drafts wanted, outputs after this step)
+        for j, base, k, n_out in self._wanted(items):
+            # the chained MTP rows (positions base .. base + k - 2) need window blocks
+            if k > 1 and not eng.scheduler._try_allocate(items[j][0], len(items[j][2]) + k - 1):
+                k = 1
+            drafting.append((j, base, k, n_out))
+        if graphed:  # the catch-up runs even when nobody drafts: it keeps the MTP's window KV
+            self.step_paths["draft_graph"] += 1
+            self.draft_steps.launch(batch, {where[j][0]: (where[j][1], toks) for j, (_, _, toks) in enumerate(items)},
+                                    {where[j][0]: (base, k) for j, base, k, _ in drafting})
+
+            def read():
+                drafts = self.draft_steps.read(len(batch))
+                self._set_drafts(items, drafting, [drafts[where[j][0]][:k] for j, _, k, _ in drafting])
+            return read
+        self.step_paths["draft_eager"] += 1
+        if drafting:
+            self._set_drafts(items, drafting, self._chain(h, fb_m, items, drafting))
+        return lambda: None
+
+    def _catch_up(self, batch, nxt: dict[int, list[int]]):
+        """Each speculating sequence's rows of this step whose input tokens are now known (a prefill
+        chunk's, or up to the last accepted one): items (sequence, first position, the token after
+        each row), their rows in the step's batch, and each item's (batch index, first row). Clears
+        every sequence's drafts."""
         self.mtp_drafts = {}
-        items, rows, where, row0 = [], [], [], 0  # where: each item's batch index and first row
+        items, rows, where, row0 = [], [], [], 0
         for b, (seq, n) in enumerate(batch):
             start = seq.num_computed_tokens
             toks = None
@@ -292,35 +362,32 @@ class SpecDecoder:
                 where.append((b, row0))
             seq.spec_token_ids = []
             row0 += n
-        if not items:
-            return lambda: None
-        if not graphed:
-            fb_m = self._batch(items)
-            h = self.mtp(eng.model, fb_m, self.mtp_cache, hidden[torch.tensor(rows, device=hidden.device)])
-        drafting = []  # (item index, position of its next MTP row, drafts wanted, outputs after this step)
+        return items, rows, where
+
+    def _wanted(self, items):
+        """(item index, position of its last token, drafts wanted, outputs after this step) of each
+        item that drafts: not a prefill chunk, min_tokens reached, room left."""
+        eng, out = self.engine, []
         for j, (seq, start, toks) in enumerate(items):
             base = start + len(toks)  # num_tokens - 1 once this step's tokens are appended
             n_out = base + 1 - seq.num_prompt_tokens
             if base < seq.num_tokens or n_out < seq.sampling.min_tokens:
                 continue  # a prefill chunk (nothing to draft yet), or min_tokens still bans stop tokens
             k = min(self.k, eng.max_model_len - base - 1, seq.sampling.max_tokens - n_out - 1)
-            # the chained MTP rows (positions base .. base + k - 2) need window blocks
-            if k > 1 and not eng.scheduler._try_allocate(seq, len(toks) + k - 1):
-                k = 1
             if k > 0:
-                drafting.append((j, base, k, n_out))
-        if graphed:  # the catch-up runs even when nobody drafts: it keeps the MTP's window KV
-            self.step_paths["draft_graph"] += 1
-            self.draft_steps.launch(batch, {where[j][0]: (where[j][1], toks) for j, (_, _, toks) in enumerate(items)},
-                                    {where[j][0]: (base, k) for j, base, k, _ in drafting})
+                out.append((j, base, k, n_out))
+        return out
 
-            def read():
-                drafts = self.draft_steps.read(len(batch))
-                self._set_drafts(items, drafting, [drafts[where[j][0]][:k] for j, _, k, _ in drafting])
-            return read
+    def _propose_dspark(self, batch, features: torch.Tensor, nxt: dict[int, list[int]]):
+        """DSpark: the main context of each speculating sequence's known rows, then one block per
+        drafting sequence; the confidence head's verify length caps its drafts."""
+        items, rows, _ = self._catch_up(batch, nxt)
         self.step_paths["draft_eager"] += 1
+        self.dspark.absorb(items, features[torch.tensor(rows, dtype=torch.long, device=features.device)]
+                           if rows else None)
+        drafting = self._wanted(items)
         if drafting:
-            self._set_drafts(items, drafting, self._chain(h, fb_m, items, drafting))
+            self._set_drafts(items, drafting, self.dspark.draft(items, drafting))
         return lambda: None
 
     def _set_drafts(self, items, drafting, out: list[list[int]]) -> None:

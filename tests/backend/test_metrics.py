@@ -85,7 +85,8 @@ def test_speculative_decoding_stats_reach_vllms_families(metrics_module):
          "spec_decode_mean_acceptance_length": 1 + 5 / 4},
         {**base, "spec_decode_num_drafts": 10, "spec_decode_num_draft_tokens": 30, "spec_decode_num_accepted_tokens": 9,
          "spec_decode_num_accepted_tokens_per_pos": [6, 2, 1], "spec_decode_acceptance_rate": 0.3,
-         "spec_decode_mean_acceptance_length": 1.9},
+         "spec_decode_mean_acceptance_length": 1.9, "spec_decode_accepted_length_counts": [4, 4, 1, 1],
+         "spec_decode_dspark_chosen_length_counts": [0, 1, 2, 3, 4]},
     ])
     m = metrics_module.Metrics({"model": "m", "version": "1"}, lambda: next(stats), 1024, poll_interval_s=0.05)
     m.start()
@@ -97,6 +98,10 @@ def test_speculative_decoding_stats_reach_vllms_families(metrics_module):
     assert fam["deepseek:spec_decode_num_accepted_tokens_total"].metrics[0].value == 9
     per_pos = {c.labels["position"]: c.value for c in fam["deepseek:spec_decode_num_accepted_tokens_per_pos_total"].metrics}
     assert per_pos == {"0": 6, "1": 2, "2": 1}
+    lengths = {c.labels["length"]: c.value for c in fam["deepseek:spec_decode_accepted_length_total"].metrics}
+    assert lengths == {"1": 4, "2": 4, "3": 1, "4": 1}  # appeared at the second poll: its whole value counts
+    chosen = {c.labels["length"]: c.value for c in fam["deepseek:spec_decode_dspark_chosen_length_total"].metrics}
+    assert chosen == {"1": 0, "2": 1, "3": 2, "4": 3, "5": 4}
     assert fam["deepseek:spec_decode_draft_acceptance_rate"].metrics[0].value == 0.3
     assert fam["deepseek:spec_decode_mean_acceptance_length"].metrics[0].value == 1.9
 

@@ -42,6 +42,23 @@ def test_bench_spec_runs_on_the_tiny_model_and_writes_its_json(tmp_path, monkeyp
     assert e2e["forced_acceptance"] == 1.0 and e2e["forced_same_as_mtp"] == 2
 
 
+def test_bench_spec_dspark_runs_on_a_tiny_0731_checkpoint(tmp_path, monkeypatch):
+    from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
+    from tools import bench_spec
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", "tiny", layout="0731", override={"index_topk": 32})
+    out = tmp_path / "dspark.json"
+    monkeypatch.setattr(sys, "argv", ["bench_spec", "--method", "dspark", "--model", str(ckpt), "--batches", "2",
+                                      "--input-len", "20", "--output-len", "8", "--reps", "1", "--engine-args",
+                                      '{"dtype":"float32","max_model_len":64}', "--json", str(out)])
+    bench_spec.main()
+    result = json.loads(out.read_text())
+    (row,) = result["micro"]
+    assert {"verify_k5_ms", "draft_ms", "stage_row_ms"} <= set(row) and set(row["speedup"]) >= {"dspark_k5_L5.4", "mtp_k3_L4.4"}
+    (e2e,) = result["end_to_end"]
+    assert e2e["forced_acceptance"] == 1.0 and e2e["forced_same_as_dspark"] == 2
+
+
 def test_sass_report_reads_the_sass_of_a_kernel_compiled_for_sm90():
     """No GPU needed: Triton's own ptxas and cuobjdump. A bf16 tile product at 4 warps runs on wgmma."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real compiler

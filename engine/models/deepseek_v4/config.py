@@ -4,6 +4,9 @@ Official checkpoints carry `compress_ratios` (one per layer plus the MTP slot),
 `num_hash_layers`, `qk_rope_head_dim` and `rope_scaling`; transformers' own configs carry
 `layer_types`, `mlp_layer_types`, `compress_rates` and `rope_parameters`. Both read into
 `ModelConfig`; anything unknown or inconsistent fails here, naming the key.
+
+The 0731 release (DeepSeek-V4-Flash-0731, -DSpark) adds `dspark_*` keys for its three DSpark
+draft stages stored under `mtp.0/1/2` (docs/DSPARK.md); they read into `DSparkConfig`.
 """
 
 from __future__ import annotations
@@ -24,6 +27,20 @@ from engine.models.config import (
 )
 
 
+@dataclass(frozen=True)
+class DSparkConfig:
+    """The 0731 draft stages (docs/DSPARK.md): `num_stages` blocks under `mtp.0..`, fed the target's
+    residual streams at `target_layer_ids`, drafting `block_size` tokens per step."""
+
+    block_size: int
+    noise_token_id: int  # fills the block's positions after its first (real) token
+    markov_rank: int
+    target_layer_ids: tuple[int, ...]
+    num_stages: int
+    n_routed_experts: int  # the stages' MoE (the main model's unless dspark_n_routed_experts says)
+    num_experts_per_tok: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig(DeepseekConfig):
     """DeepSeek-V4: a shared expert count, the layer kinds and the hash-routed layers on top of the common fields."""
@@ -31,6 +48,7 @@ class ModelConfig(DeepseekConfig):
     n_shared_experts: int
     layer_types: tuple[str, ...]
     num_hash_layers: int
+    dspark: DSparkConfig | None = None  # the 0731 layout's draft stages; None: the preview's one NextN layer
 
     @property
     def is_hash_layer(self) -> tuple[bool, ...]:
@@ -45,6 +63,8 @@ class ModelConfig(DeepseekConfig):
                 out = math.lcm(out, r)
         return out
 
+
+_DSPARK_KEYS = ("block_size", "noise_token_id", "markov_rank", "target_layer_ids")  # all or none
 
 # Keys we read or knowingly ignore; anything else is a typo or a model we do not serve.
 _IGNORED = {
@@ -63,6 +83,7 @@ _READ = {
     "mlp_layer_types", "index_n_heads", "index_head_dim", "index_topk", "hc_mult", "hc_sinkhorn_iters",
     "hc_eps", "rms_norm_eps", "rope_theta", "compress_rope_theta", "rope_scaling", "rope_parameters",
     "max_position_embeddings", "bos_token_id", "eos_token_id", "quantization_config", "expert_dtype",
+    *(f"dspark_{k}" for k in _DSPARK_KEYS), "dspark_n_routed_experts", "dspark_num_experts_per_tok",
 }
 
 
@@ -97,6 +118,41 @@ def _layer_types(raw: dict, n: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
     if len(types) != n:
         raise ConfigError(f"config.json: {len(types)} layer types for num_hidden_layers={n}")
     return types, ratios
+
+
+def _dspark(raw: dict, n: int) -> DSparkConfig | None:
+    """The 0731 keys, checked against the model; the stage count is num_nextn_predict_layers,
+    each stage with its compress_ratios slot after the layers' (46 entries for 43 layers)."""
+    present = [k for k in raw if k.startswith("dspark_")]
+    if not present:
+        return None
+    missing = [f"dspark_{k}" for k in _DSPARK_KEYS if f"dspark_{k}" not in raw]
+    if missing:
+        raise ConfigError(f"config.json: DSpark keys {sorted(present)} without {missing}")
+    vocab = int(_need(raw, "vocab_size"))
+    stages = int(raw.get("num_nextn_predict_layers", 0))
+    targets = tuple(int(i) for i in raw["dspark_target_layer_ids"])
+    out = DSparkConfig(
+        block_size=int(raw["dspark_block_size"]), noise_token_id=int(raw["dspark_noise_token_id"]),
+        markov_rank=int(raw["dspark_markov_rank"]), target_layer_ids=targets, num_stages=stages,
+        n_routed_experts=int(raw.get("dspark_n_routed_experts", raw["n_routed_experts"])),
+        num_experts_per_tok=int(raw.get("dspark_num_experts_per_tok", raw["num_experts_per_tok"])),
+    )
+    if stages < 1:
+        raise ConfigError(f"config.json: DSpark needs num_nextn_predict_layers >= 1 draft stages, got {stages}")
+    if len(raw.get("compress_ratios") or []) not in (0, n + stages):
+        raise ConfigError(f"config.json: compress_ratios has {len(raw['compress_ratios'])} entries; the DSpark "
+                          f"layout has one per layer and per draft stage ({n} + {stages})")
+    if out.block_size < 1 or out.markov_rank < 1:
+        raise ConfigError(f"config.json: dspark_block_size={out.block_size} and dspark_markov_rank="
+                          f"{out.markov_rank} must be >= 1")
+    if not 0 <= out.noise_token_id < vocab:
+        raise ConfigError(f"config.json: dspark_noise_token_id={out.noise_token_id} is outside the vocabulary ({vocab})")
+    if not targets or len(set(targets)) != len(targets) or not all(0 <= i < n for i in targets):
+        raise ConfigError(f"config.json: dspark_target_layer_ids {list(targets)} must be distinct layers in [0, {n})")
+    if not 1 <= out.num_experts_per_tok <= out.n_routed_experts:
+        raise ConfigError(f"config.json: DSpark stages route {out.num_experts_per_tok} of {out.n_routed_experts} experts")
+    return out
 
 
 def parse_config(raw: dict) -> ModelConfig:
@@ -169,6 +225,7 @@ def parse_config(raw: dict) -> ModelConfig:
         torch_dtype=str(raw.get("torch_dtype", raw.get("dtype", "bfloat16"))),
         fp8_linears=fp8_linears,
         expert_dtype=expert_dtype,
+        dspark=_dspark(raw, n),
         extra={k: raw[k] for k in raw if k in _IGNORED},
     )
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.models.deepseek_v4.config import load_config  # noqa: F401 - the registry's entry (engine/models/registry.py)
+from engine.models.deepseek_v4.dspark import check_dspark_section
 from engine.models.deepseek_v4.model import DeepseekV4
 from engine.models.loading import device_bytes, load_named, resolve_dtype
 from engine.models.stacked_linears import stack_linears
@@ -44,8 +45,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     load_named(model, ((local_expert_name(name, tp, cfg), tensor)
                        for name, tensor in iter_checkpoint(model_dir, dequantize=not quantized, shard=shard)),
                device, model_dir)
+    if cfg.dspark is not None:  # the 0731 layout: its draft stages are checked now, kept as stored until drafted
+        check_dspark_section(cfg, model.mtp_weights, quantized)
     stacked = stack_linears(model)  # linears reading one input: one launch per group (engine/models/stacked_linears.py)
-    log.info("weights: %smodel on %s holds %.3f GB (%s; %d MTP tensors kept)",
+    log.info("weights: %smodel on %s holds %.3f GB (%s; %d draft (mtp.*) tensors kept)",
              f"rank {tp.rank}/{tp.world}: " if tp.world > 1 else "", device, device_bytes(model) / 1e9,
              f"as stored, {stacked} linear groups stacked" if quantized else f"dequantized to {dtype}" if cfg.fp8_linears else str(dtype),
              len(model.mtp_weights))

@@ -5,7 +5,8 @@ Module and parameter names are DeepSeek's official checkpoint names (`layers.N.a
 `quantized=True` keeps weights as the checkpoint stores them (kernels/formats.py): the FP8
 dense linears (attention projections, shared experts) as e4m3 + float32 block scales, the
 routed experts as FP8 (Base) or MXFP4 (V4-Flash) + scales; the kernels dequantize in registers.
-The MTP layer's tensors (`mtp.0.*`) are kept as loaded in `mtp_weights` for speculative decoding.
+The draft tensors (`mtp.*`: the preview's MTP layer or 0731's DSpark stages) are kept as loaded in
+`mtp_weights` for speculative decoding.
 Every hot op goes through `kernels` (torch references today, fused kernels behind the same
 calls). State lives in the paged `KVCache`; the model reads and writes it through the
 `ForwardBatch` the runner built, one step at a time (prefill chunks and decode alike).
@@ -292,7 +293,7 @@ class Block(nn.Module):
 class DeepseekV4(ModelFamily):
     supports_tensor_parallel = True
     supports_prompt_logprobs = True
-    speculative_methods = ("mtp",)
+    speculative_methods = ("mtp", "dspark")  # as the checkpoint's layout allows (preview: MTP; 0731: DSpark)
 
     def __init__(self, cfg: ModelConfig, quantized: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
@@ -326,13 +327,26 @@ class DeepseekV4(ModelFamily):
     @torch.inference_mode()
     def hidden_states(self, fb: ForwardBatch, cache: KVCache) -> torch.Tensor:
         """Every row's last residual streams [T, hc_mult, hidden], before the HC head (what MTP reads)."""
+        return self._layers(fb, cache)[0]
+
+    @torch.inference_mode()
+    def dspark_features(self, fb: ForwardBatch, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last residual streams [T, hc_mult, hidden], DSpark's target features [T, n_targets * hidden]:
+        the residual streams after each of dspark_target_layer_ids, averaged over the copies,
+        concatenated in that order; docs/DSPARK.md)."""
+        return self._layers(fb, cache, self.cfg.dspark.target_layer_ids)
+
+    def _layers(self, fb: ForwardBatch, cache: KVCache, taps: tuple[int, ...] = ()):
         x = self.embed(self.tp.broadcast(fb.input_ids))  # async scheduling's tokens live on rank 0
         ropes = self.ropes(fb.positions, x.dtype)
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # mHC: 4 copies of the residual
-        pending = None
-        for block in self.layers:
+        pending, tapped = None, {}
+        for i, block in enumerate(self.layers):
             h, pending = block.run(h, fb, cache, ropes, pending)
-        return K.hc_post(h, *pending)
+            if i in taps:  # the pending hc_post once more: the next block fuses it into its own hc_pre
+                tapped[i] = K.hc_post(h, *pending).mean(dim=1)
+        h = K.hc_post(h, *pending)
+        return h, (torch.cat([tapped[i] for i in taps], dim=-1) if taps else None)
 
     @torch.inference_mode()
     def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -359,7 +373,15 @@ class DeepseekV4(ModelFamily):
     def mtp_draft(self):
         from engine.models.deepseek_v4.mtp import MTP  # it builds on this module's blocks
 
+        if self.cfg.dspark is not None:
+            raise WeightsError("speculative_config method 'mtp' needs a NextN MTP layer; this checkpoint (the 0731 "
+                               f"layout) ships {self.cfg.dspark.num_stages} DSpark draft stages under mtp.* instead")
         return MTP.from_model(self)
+
+    def dspark_draft(self):
+        from engine.models.deepseek_v4.dspark import DSparkDrafter  # it builds on this module's blocks
+
+        return DSparkDrafter.from_model(self)
 
 
 # Shared by DeepseekV4 and the MTP module (engine/models/deepseek_v4/mtp.py): the same official names below a prefix.
@@ -381,21 +403,31 @@ def expected_names(module: nn.Module, n_experts: int) -> set[str]:
     return names
 
 
-def load_weight(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Copy one checkpoint tensor (official name, relative to `module`) into its parameter or buffer."""
+def weight_target(module: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer (a view of it, for one routed expert) that checkpoint tensor `name`
+    (official name, relative to `module`) fills."""
     if ".ffn.experts." in name:  # layers.N.ffn.experts.E.wK.{weight,scale} -> stacked experts_wK[_scale][E]
         prefix, rest = name.split(".ffn.experts.")
         e, w, kind = rest.split(".")
         stacked = f"{prefix}.ffn.experts_{w}"
-        target = (module.get_buffer(stacked + "_scale") if kind == "scale" else module.get_parameter(stacked))[int(e)]
-    elif name.endswith(("tid2eid", ".scale")):
-        target = module.get_buffer(name)
-    else:
-        target = module.get_parameter(name)
+        return (module.get_buffer(stacked + "_scale") if kind == "scale" else module.get_parameter(stacked))[int(e)]
+    if name.endswith(("tid2eid", ".scale")):
+        return module.get_buffer(name)
+    return module.get_parameter(name)
+
+
+def check_weight(target: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
+    """Refuse a checkpoint tensor that cannot fill `target`, naming it (shape; stored FP8 / FP4 dtype)."""
     if target.shape != tensor.shape:
         raise WeightsError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
     if target.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8) and tensor.dtype != target.dtype:
         raise WeightsError(f"{name}: checkpoint dtype {tensor.dtype}, but the config stores it as {target.dtype}")
+
+
+def load_weight(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Copy one checkpoint tensor (official name, relative to `module`) into its parameter or buffer."""
+    target = weight_target(module, name)
+    check_weight(target, name, tensor)
     with torch.no_grad():
         target.copy_(tensor.to(target.dtype))
 

@@ -16,6 +16,12 @@ linears with ue8m0 128x128 block scales, MXFP4 routed experts), "fp8" as V4-Flas
 experts too; float32 block scales, as vLLM's DeepseekV4FP8Config reads Base). With
 `num_nextn_predict_layers: 1` the MTP layer is written as `mtp.0.*` (a sliding-window block plus
 e_proj, h_proj, enorm, hnorm, norm and its own hc_head), the names vLLM's DeepSeekV4MTP loads.
+
+`layout="0731"` writes DeepSeek-V4-Flash-0731's layout instead (docs/DSPARK.md): three DSpark draft
+stages `mtp.0..2` (each a sliding-window block with routed MoE, in the main layers' stored
+formats), stage 0's `main_proj` (FP8 when quantized) and `main_norm`, the last stage's `norm`,
+`hc_head_*`, `markov_head.markov_w1/w2` (bf16) and `confidence_head.proj` (fp32), and the
+`dspark_*` config keys with one compress_ratios slot per stage.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from kernels.formats import quantize_fp8_block, quantize_mxfp4
 
 DATA = Path(__file__).parents[2] / "data"  # engine/data: the tiny tokenizer
 WRITER_VERSION = "2"  # bumped when what the writer emits changes (2: the MTP layer); the cached tiny default follows
+LAYOUTS = ("preview", "0731")  # one NextN MTP layer (the preview release) / DSpark draft stages (0731)
 
 # Real models only use 0 (sliding), 4 (CSA) and 128 (HCA); transformers maps only those from
 # `compress_ratios`, so other ratios also get its `layer_types` + `compress_rates` keys.
@@ -88,7 +95,7 @@ QUANTS = ("bf16", "fp8", "fp8-fp4")
 # Dense linears stored FP8 in the official checkpoint; compressor / indexer projections, the
 # router gate, embedding and head stay bf16.
 FP8_LINEAR = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$|\.shared_experts\.w[123]\.weight$|"
-                        r"^mtp\.\d+\.(e_proj|h_proj)\.weight$")
+                        r"^mtp\.\d+\.(e_proj|h_proj|main_proj)\.weight$")
 ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.w[123]\.weight$")
 
 
@@ -121,16 +128,29 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], quant: str) -> dict[str, 
     return out
 
 
-def build_config(preset: str, override: dict | None = None, quant: str = "bf16") -> dict:
+def dspark_keys(cfg: dict) -> dict:
+    """The 0731 config keys for a model `cfg`: 5-token blocks, the last three layers as targets
+    (V4-Flash: [40, 41, 42]), rank 256 (16 below hidden 1024), the noise token the vocabulary's last."""
+    n, V = cfg["num_hidden_layers"], cfg["vocab_size"]
+    return {"dspark_block_size": 5, "dspark_noise_token_id": 128799 if V == 129280 else V - 1,
+            "dspark_markov_rank": 256 if cfg["hidden_size"] >= 1024 else 16,
+            "dspark_target_layer_ids": list(range(max(0, n - 3), n)), "num_nextn_predict_layers": 3}
+
+
+def build_config(preset: str, override: dict | None = None, quant: str = "bf16", layout: str = "preview") -> dict:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; choose from {LAYOUTS}")
     cfg = {**COMMON, **PRESETS[preset], **quant_config(quant), **(override or {})}
-    n = cfg["num_hidden_layers"]
+    if layout == "0731":
+        cfg = {**cfg, **dspark_keys({**cfg, **(override or {})}), **(override or {})}
+    n, slots = cfg["num_hidden_layers"], max(1, int(cfg.get("num_nextn_predict_layers", 0)))
     ratios = cfg["compress_ratios"]
-    if len(ratios) == n:  # an override gave one per layer: add the MTP slot the official key carries
-        ratios = cfg["compress_ratios"] = [*ratios, 0]
-    if len(ratios) != n + 1:
-        raise ValueError(f"compress_ratios needs {n} + 1 (MTP) entries, got {len(ratios)}")
+    if len(ratios) in (n, n + 1) and len(ratios) != n + slots:  # the draft slots the official key carries
+        ratios = cfg["compress_ratios"] = [*ratios[:n], *[0] * slots]
+    if len(ratios) != n + slots:
+        raise ValueError(f"compress_ratios needs {n} + {slots} (MTP / draft stages) entries, got {len(ratios)}")
     if any(r not in OFFICIAL_RATIOS for r in ratios[:n]):
         csa = sorted({r for r in ratios[:n] if r and r <= 8}) or [4]
         hca = sorted({r for r in ratios[:n] if r > 8}) or [128]
@@ -257,6 +277,30 @@ def mtp_tensors(cfg: dict, r: _Rand, j: int = 0) -> dict[str, torch.Tensor]:
     return t
 
 
+def dspark_tensors(cfg: dict, r: _Rand, j: int) -> dict[str, torch.Tensor]:
+    """DSpark draft stage j (the 0731 layout): a block at index num_hidden_layers + j; stage 0 also
+    projects the concatenated target-layer streams (main_proj, main_norm); the last stage carries
+    the drafter's head: norm, hc_head, the Markov head and the confidence head."""
+    D, V, hc, p = cfg["hidden_size"], cfg["vocab_size"], cfg["hc_mult"], f"mtp.{j}."
+    rank, targets = cfg["dspark_markov_rank"], len(cfg["dspark_target_layer_ids"])
+    t = layer_tensors(cfg, cfg["num_hidden_layers"] + j, r, prefix=p)
+    if j == 0:
+        t[p + "main_proj.weight"] = r.linear(p + "main_proj", D, targets * D)
+        t[p + "main_norm.weight"] = r.norm(p + "main_norm", D)
+    if j == cfg["num_nextn_predict_layers"] - 1:
+        t.update({
+            p + "norm.weight": r.norm(p + "norm", D),
+            p + "hc_head_fn": r.normal(p + "hc_head_fn", (hc, hc * D), 0.02, dtype=torch.float32),
+            p + "hc_head_base": r.normal(p + "hc_head_base", (hc,), 0.1, dtype=torch.float32),
+            p + "hc_head_scale": r.normal(p + "hc_head_scale", (1,), 0.1, mean=0.5, dtype=torch.float32),
+            p + "markov_head.markov_w1.weight": r.normal(p + "markov_w1", (V, rank), 1.0),
+            p + "markov_head.markov_w2.weight": r.linear(p + "markov_w2", V, rank),
+            p + "confidence_head.proj.weight": r.normal(p + "confidence", (1, D + rank), 1.0 / math.sqrt(D + rank),
+                                                        dtype=torch.float32),
+        })
+    return t
+
+
 def global_tensors(cfg: dict, r: _Rand) -> dict[str, torch.Tensor]:
     D, V, hc = cfg["hidden_size"], cfg["vocab_size"], cfg["hc_mult"]
     return {
@@ -293,20 +337,22 @@ def _shard_path(out: Path, name: str, nbytes: int, spill_dir: Path | None) -> Pa
 
 
 def write_checkpoint(out: str | Path, preset: str = "tiny", seed: int = 0, override: dict | None = None,
-                     device: str = "cpu", quant: str = "bf16", spill_dir: str | Path | None = None) -> Path:
+                     device: str = "cpu", quant: str = "bf16", spill_dir: str | Path | None = None,
+                     layout: str = "preview") -> Path:
     """Write config, tokenizer and weights (one shard per layer when large) to `out`, the weights
-    stored as `quant` (QUANTS); the same seed gives the same values before quantization.
-    spill_dir: where shards go (linked from `out`) when `out`'s disk would fill up."""
+    stored as `quant` (QUANTS) in `layout` (LAYOUTS); the same seed gives the same values before
+    quantization. spill_dir: where shards go (linked from `out`) when `out`'s disk would fill up."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = build_config(preset, override, quant)
+    cfg = build_config(preset, override, quant, layout)
+    draft = dspark_tensors if "dspark_block_size" in cfg else mtp_tensors
     r = _Rand(seed, device)
     n, n_mtp = cfg["num_hidden_layers"], int(cfg.get("num_nextn_predict_layers", 0))
     sharded = cfg["hidden_size"] >= 1024  # stream big models layer by layer; never all in RAM
     weight_map: dict[str, str] = {}
     pending: dict[str, torch.Tensor] = {}
     for i in range(-1, n + n_mtp):  # -1: the global tensors; n..: the MTP layers
-        tensors = global_tensors(cfg, r) if i < 0 else layer_tensors(cfg, i, r) if i < n else mtp_tensors(cfg, r, i - n)
+        tensors = global_tensors(cfg, r) if i < 0 else layer_tensors(cfg, i, r) if i < n else draft(cfg, r, i - n)
         tensors = {name: t.cpu() for name, t in quantize_tensors(tensors, quant).items()}
         if sharded:
             name = f"model-{i + 2:05d}-of-{n + n_mtp + 1:05d}.safetensors"

@@ -1,0 +1,136 @@
+"""DSpark as a speculative method (engine/spec/dspark.py, docs/DSPARK.md) on tiny 0731 checkpoints:
+greedy output equal to plain greedy token for token (batched with requests that do not speculate,
+across a preemption and a prefix-cache hit), whole blocks accepted when the drafts replay the
+target's own greedy run, the target distribution kept at temperature 1, the config checked."""
+
+import pytest
+import torch
+
+from engine.args import InvalidEngineArgs
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
+from engine.request import SamplingParams
+from tests.engine.spec.test_spec_decode import _corrupt, _prompts, _run
+
+DSPARK = {"method": "dspark"}  # k and the threshold from the checkpoint: k = 3 (ratio 4), threshold 0
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dspark_spec")
+    # index_topk 32 covers every compressed entry these runs reach: the indexer's top-k breaks exact
+    # score ties differently with the batch's shape (seen with MTP too: a 64-token batched run flips a
+    # token at the same place), which no drafter can be held to
+    return {"tiny": write_checkpoint(root / "tiny", "tiny", seed=7, layout="0731", override={"index_topk": 32}),
+            "narrow": write_checkpoint(root / "narrow", "tiny", seed=7, layout="0731", override={
+                "sliding_window": 8, "num_hidden_layers": 4, "compress_ratios": [4, 32, 4, 0],
+                "num_attention_heads": 2, "head_dim": 64, "qk_rope_head_dim": 16, "o_groups": 2, "index_topk": 3,
+                "num_hash_layers": 2, "n_routed_experts": 4})}
+
+
+PROMPTS = _prompts(4096, seed=4, lengths=(3, 9, 17, 22, 30, 38, 47, 51))
+GREEDY = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+NO_SPEC = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1)  # logprobs: never speculates
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    params = [GREEDY] * 8 + [NO_SPEC] * 2
+    return _run(ckpt["tiny"], PROMPTS + PROMPTS[:2], params)[0]
+
+
+def test_greedy_equals_plain_with_random_and_replayed_drafts(ckpt, plain):
+    """8 prompts x 64 tokens, batched with two requests that do not speculate. The random drafter
+    (acceptance ~0: every step rejects and rolls back) and drafts replayed from the plain run
+    (every block accepted whole: k + 1 tokens per verify)."""
+    params = [GREEDY] * 8 + [NO_SPEC] * 2
+    got, eng = _run(ckpt["tiny"], PROMPTS + PROMPTS[:2], params, speculative_config=DSPARK)
+    assert got == plain
+    st = eng.stats()
+    assert st["spec_decode_num_drafts"] > 8 * 10 and st["spec_decode_num_draft_tokens"] > 2 * st["spec_decode_num_drafts"]
+    got, eng = _run(ckpt["tiny"], PROMPTS + PROMPTS[:2], params, forced=plain, speculative_config=DSPARK)
+    assert got == plain
+    st = eng.stats()
+    assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
+    assert st["spec_decode_mean_acceptance_length"] > 1 + 0.9 * 3  # whole blocks (shorter near max_tokens)
+    assert sum(eng.spec.dspark.chosen_lengths.values()) > 0
+
+
+def test_greedy_equals_plain_with_chunked_prefill_and_preemption(ckpt):
+    prompts = _prompts(4096, seed=1, lengths=(9, 40, 23, 61, 5))
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True) for _ in prompts]
+    kw = dict(max_num_batched_tokens=24, max_num_seqs=5, num_gpu_blocks_override=8)
+    want, _ = _run(ckpt["narrow"], prompts, params, **kw)
+    got, eng = _run(ckpt["narrow"], prompts, params, [_corrupt(w, 4096) for w in want], speculative_config=DSPARK, **kw)
+    assert got == want
+    assert eng.scheduler.num_preemptions > 0, "the block budget must force preemption mid-speculation"
+    assert eng.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_prefix_cache_hit_with_bounded_replay(ckpt):
+    """The second request hits the first's cached blocks; bounded replay's rows rebuild the
+    drafter's window of main context; greedy tokens equal the plain engine's with the same hit."""
+    prefix = _prompts(4096, seed=3, lengths=(40,))[0]
+    sp = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    outs = []
+    for spec in (None, DSPARK):
+        llm = LLM(str(ckpt["tiny"]), dtype="float64", max_model_len=256, enable_prefix_caching=True,
+                  speculative_config=spec)
+        first = llm.generate([prefix + [7, 8, 9]], sp)[0].token_ids
+        second = llm.generate([prefix + [10, 11]], sp)[0].token_ids
+        st = llm.engine.stats()
+        assert st["prefix_cache_hits"] == 1 and st["prefix_cache_replayed_tokens"] > 0
+        outs.append((first, second))
+    assert outs[0] == outs[1]
+    assert st["spec_decode_num_drafts"] > 4
+
+
+def test_confidence_threshold_caps_the_verify_length(ckpt):
+    prompts = PROMPTS[:2]
+    want, _ = _run(ckpt["tiny"], prompts, [GREEDY] * 2)
+    got, eng = _run(ckpt["tiny"], prompts, [GREEDY] * 2, speculative_config={**DSPARK, "confidence_threshold": 1.0})
+    st = eng.stats()
+    assert got == want and st["spec_decode_num_draft_tokens"] == st["spec_decode_num_drafts"] > 0
+    assert set(eng.spec.dspark.chosen_lengths) == {1}
+
+
+def test_sampled_tokens_keep_the_target_distribution(ckpt):
+    """As test_spec_decode's MTP version: 500 requests at temperature 1 (top_k 2: 8 joint outcomes of
+    three tokens), drafts replayed from the greedy run (both the accept and the resample paths),
+    against the plain engine's exact joint distribution, chi-square at p 1e-4 with the engine's seed."""
+    from tests.engine.spec.test_rejection_sampler import P_VALUE, chi_square_p
+    from tests.engine.spec.test_spec_decode import _exact_joint
+
+    n, prompt = 500, [11, 523, 77, 1200, 9]
+    sp = SamplingParams(max_tokens=3, temperature=1.0, top_k=2, ignore_eos=True)
+    joint = _exact_joint(ckpt["tiny"], prompt, sp, 4096)
+    greedy = LLM(str(ckpt["tiny"]), dtype="float32", max_model_len=64).generate(
+        [prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0].token_ids
+    llm = LLM(str(ckpt["tiny"]), dtype="float32", max_model_len=64, max_num_seqs=128, seed=0,
+              speculative_config={**DSPARK, "num_speculative_tokens": 2})
+    llm.engine.spec.force_drafts({f"offline-{i}": greedy for i in range(n)})
+    outs = [tuple(o.token_ids) for o in llm.generate([prompt] * n, sp)]
+    st = llm.engine.stats()
+    assert st["spec_decode_num_drafts"] >= n and 0.1 < st["spec_decode_acceptance_rate"] < 0.9
+    assert all(o in joint for o in outs), "a token outside the target's top-k was emitted"
+    cells = list(joint)
+    counts = torch.tensor([outs.count(c) for c in cells])
+    assert chi_square_p(counts, torch.tensor([joint[c] for c in cells])) > P_VALUE
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"method": "dspark", "num_speculative_tokens": 4}, "num_speculative_tokens must be an integer in \\[1, 3\\]"),
+    ({"method": "dspark", "confidence_threshold": 1.5}, "confidence_threshold must be a number in \\[0, 1\\]"),
+    ({"method": "mtp", "num_speculative_tokens": 1, "confidence_threshold": 0.5}, "unsupported key.*confidence_threshold"),
+])
+def test_bad_dspark_config_is_refused_naming_it(ckpt, spec, message):
+    with pytest.raises(InvalidEngineArgs, match=message):
+        LLMEngine({"model": str(ckpt["tiny"]), "speculative_config": spec})
+
+
+def test_dspark_needs_the_0731_layout_and_mtp_the_preview_one(ckpt, tiny_dir):
+    with pytest.raises(InvalidEngineArgs, match="method 'dspark' needs a checkpoint with DSpark draft stages"):
+        LLMEngine({"model": str(tiny_dir), "speculative_config": DSPARK})
+    with pytest.raises(Exception, match="ships 3 DSpark draft stages"):
+        LLMEngine({"model": str(ckpt["tiny"]), "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}})
