@@ -18,6 +18,7 @@ from concurrent.futures.process import BrokenProcessPool
 from backend.openai import body_limits
 from backend.openai.errors import OpenAIError, bad_request
 from backend.openai.forward_limits import ForwardLimits, check_fields
+from backend.process_tree import die_with_parent
 
 LARGE_BODY_BYTES = 256 << 10  # parsed in a worker process from this size up
 PARSE_WORKERS = 2  # what parsing may hold at once: each worker about 20x the body it parses
@@ -55,7 +56,8 @@ class BodyParser:
         if len(body) < self.large_bytes:
             return decode(body, self.max_depth, self.limits)
         if self._pool is None:  # spawned (not forked: this process runs gRPC's threads) on first use
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=die_with_parent)  # none outlives a SIGKILLed front
         loop = asyncio.get_running_loop()
         try:
             parsed, error = await loop.run_in_executor(self._pool, _decode_in_worker, body, self.max_depth,
