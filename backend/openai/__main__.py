@@ -12,8 +12,8 @@ from backend.openai.admission import MAX_BODY_BYTES_IN_FLIGHT, MAX_CONCURRENT_RE
 from backend.openai.app import Settings, build_app
 from backend.openai.body_limits import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from backend.openai.forward_limits import ForwardLimits
-from backend.openai.readiness import UNRESPONSIVE_AFTER_S
 from backend.openai.process import API_KEY_ENV
+from backend.openai.readiness import UNRESPONSIVE_AFTER_S
 
 
 def main(argv: list[str] | None = None) -> int:
