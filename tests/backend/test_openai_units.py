@@ -175,3 +175,15 @@ def test_forward_limits_follow_model_json(tmp_path):
     with pytest.raises(OpenAIError) as info:
         check_forwarded("x" * (64 * 128 + 1), "{}", {}, limits)
     assert info.value.param == "prompt"
+
+
+def test_readiness_reads_the_longest_running_step_from_tritons_metrics():
+    from backend.openai.readiness import step_running_s
+
+    text = ('# TYPE deepseek:engine_step_running_seconds gauge\n'
+            'deepseek:engine_step_running_seconds{model="deepseek_v4",version="1"} 0.25\n'
+            'deepseek:engine_step_running_seconds{model="other",version="1"} 7.5\n'
+            'deepseek:engine_step_running_seconds_total 99\n'
+            'deepseek:num_requests_running{model="deepseek_v4",version="1"} 3\n')
+    assert step_running_s(text) == 7.5
+    assert step_running_s('deepseek:num_requests_running{model="deepseek_v4"} 3\n') is None  # no gauge: the vLLM engine
