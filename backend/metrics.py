@@ -104,6 +104,7 @@ def gauges_from_stats(stats: dict) -> tuple[dict[str, float], dict[str, float]]:
     gauges = {
         "num_requests_running": float(stats.get("running", 0)),
         "num_requests_waiting": float(stats.get("waiting", 0)),
+        "engine_step_running_seconds": float(stats.get("step_running_s", 0.0)),
     }
     kv = stats.get("kv_usage", {})
     if isinstance(kv, dict):
@@ -193,6 +194,9 @@ class Metrics:
         self.gauge_families = {
             "num_requests_running": family("num_requests_running", "Requests running in the engine.", F.GAUGE),
             "num_requests_waiting": family("num_requests_waiting", "Requests waiting in the engine.", F.GAUGE),
+            "engine_step_running_seconds": family(
+                "engine_step_running_seconds", "How long the engine step now running has run (0: idle); past a "
+                "few seconds the engine is unresponsive (the OpenAI API's /health turns 503).", F.GAUGE),
             "kv_cache_usage_perc": family("kv_cache_usage_perc", "KV-cache block usage per pool; 1 is full.",
                                           F.GAUGE),
             "kv_cache_free_blocks": family("kv_cache_free_blocks", "Free KV-cache blocks per pool.", F.GAUGE),

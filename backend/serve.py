@@ -595,6 +595,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--openai-api-key", help="require 'Authorization: Bearer KEY' on the OpenAI API; visible in "
                         "the process list: prefer --openai-api-key-file or $DSV4_OPENAI_API_KEY (default: open)")
     parser.add_argument("--openai-api-key-file", help="read the OpenAI API key from this file (e.g. /run/secrets/...)")
+    parser.add_argument("--openai-max-concurrent-requests", type=int, help="requests the OpenAI API has in progress "
+                        "at once (a stream until its end); more get 503 with Retry-After (default 1024)")
+    parser.add_argument("--openai-max-body-bytes-in-flight", type=int, help="request-body bytes the OpenAI API reads "
+                        "or parses at once; past it, 503 with Retry-After (default 64 MiB)")
     args = parser.parse_args(argv)
     try:
         engine_args = parse_engine_args(args.engine_args)
@@ -634,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shown = "as given"
     try:
-        front = start_openai(server, args.openai_port, args.openai_host, openai_key)
+        front = start_openai(server, args.openai_port, args.openai_host, openai_key, openai_bounds(args))
     except RuntimeError as e:
         cause = headline_of_front_log(server.workdir / OPENAI_LOG)
         print(f"error: {cause or e}\n({e}; work dir kept: {server.workdir})", file=sys.stderr)
@@ -651,16 +655,26 @@ def main(argv: list[str] | None = None) -> int:
 
 # -- the OpenAI-compatible API beside tritonserver ------------------------------------------------
 
-def start_openai(server: TritonServer, port: int | None, host: str, api_key: str | None):
+def openai_bounds(args) -> tuple[str, ...]:
+    """The launcher's --openai-max-* options, as `python -m backend.openai` takes them."""
+    bounds = {"--max-concurrent-requests": args.openai_max_concurrent_requests,
+              "--max-body-bytes-in-flight": args.openai_max_body_bytes_in_flight}
+    return tuple(part for flag, value in bounds.items() if value is not None for part in (flag, str(value)))
+
+
+def start_openai(server: TritonServer, port: int | None, host: str, api_key: str | None,
+                 extra_args: tuple[str, ...] = ()):
     """Start `python -m backend.openai` once Triton is ready (None without a port); it is ready
-    when its /health says the model is. It talks to Triton's gRPC port, so it rides out a restart."""
+    when its /health says the model is and the engine answers (Triton's metrics tell it). It talks
+    to Triton's gRPC port, so it rides out a restart."""
     if port is None:
         return None
     from backend.openai.process import OpenAIProcess, tokenizer_dir
 
     model_json = server.workdir / "model_repository" / "deepseek_v4" / "1" / "model.json"
     front = OpenAIProcess(server.grpc_url, port=port, host=host, tokenizer=tokenizer_dir(model_json),
-                          api_key=api_key, log_path=server.workdir / OPENAI_LOG)
+                          api_key=api_key, log_path=server.workdir / OPENAI_LOG, triton_metrics=server.metrics_url,
+                          model_json=model_json, extra_args=extra_args)
     front.start()
     print(f"OpenAI API ready: {front.base_url} (log {front.log_path})", flush=True)
     return front

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 from engine import messages
 from engine.args import EngineArgs, resolve_model_dir
 from engine.delta_stream import merged_deltas, on_loop
-from engine.interface import EngineLifetime
+from engine.interface import EngineLifetime, step_running_s
 from engine.messages import AbortRequests, AddRequest, CoreDead, CoreReady, Shutdown, StepOutputs
 from engine.output_text import OutputText
 from engine.request import EngineDead, EngineOverloaded, GenerationRequest, InvalidRequest, RequestOutput
@@ -192,6 +192,8 @@ class CoreClient(EngineLifetime):
         stats = {**self._stats, **self.counters}
         stats["num_requests_rejected"] = (stats.get("num_requests_rejected", 0)
                                           + stats.pop("num_requests_rejected_front"))
+        # read here, not from the core's last message: a hung core sends none
+        stats["step_running_s"] = step_running_s(self._step_since.value if self._step_since is not None else None)
         return stats
 
     def health(self) -> bool:

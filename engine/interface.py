@@ -3,6 +3,7 @@ vllm: backend/vllm_engine.py). The Triton backend talks to nothing else."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -21,13 +22,19 @@ class AsyncEngine(Protocol):
         """Stop a request and free its cache; its stream ends with finish_reason="abort"."""
 
     def stats(self) -> dict:
-        """running, waiting, kv usage per pool, token counters, prefix-cache counters."""
+        """running, waiting, kv usage per pool, token counters, prefix-cache counters, and
+        step_running_s (how long the step now running has run: readiness turns false past a few s)."""
 
     def health(self) -> bool:
         """False once the engine cannot serve (fatal error, shut down)."""
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         """Stop admission, let in-flight requests finish up to the timeout, then stop."""
+
+
+def step_running_s(since: float | None) -> float:
+    """Seconds since `since` (time.monotonic() when the running step began; None or 0: idle)."""
+    return max(0.0, time.monotonic() - since) if since else 0.0
 
 
 class EngineLifetime:

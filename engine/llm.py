@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from engine.args import EngineArgs
 from engine.delta_stream import merged_deltas, on_loop
-from engine.interface import EngineLifetime
+from engine.interface import EngineLifetime, step_running_s
 from engine.llm_engine import LLMEngine
 from engine.request import (
     EngineDead,
@@ -178,6 +178,7 @@ class AsyncLLM(EngineLifetime):
             return {}
         out = self._steps.stats()
         out["num_requests_rejected"] += self._rejected_early
+        out["step_running_s"] = step_running_s(self._step_since)
         return out
 
     def health(self) -> bool:

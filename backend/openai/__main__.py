@@ -8,9 +8,12 @@ import sys
 
 import uvicorn
 
+from backend.openai.admission import MAX_BODY_BYTES_IN_FLIGHT, MAX_CONCURRENT_REQUESTS
 from backend.openai.app import Settings, build_app
 from backend.openai.body_limits import MAX_BODY_BYTES, MAX_JSON_DEPTH
+from backend.openai.forward_limits import ForwardLimits
 from backend.openai.process import API_KEY_ENV
+from backend.openai.readiness import UNRESPONSIVE_AFTER_S
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,13 +33,26 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV})")
     parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES)
     parser.add_argument("--max-json-depth", type=int, default=MAX_JSON_DEPTH)
+    parser.add_argument("--max-concurrent-requests", type=int, default=MAX_CONCURRENT_REQUESTS,
+                        help="requests in progress at once (a stream until its end); more get 503 with Retry-After")
+    parser.add_argument("--max-body-bytes-in-flight", type=int, default=MAX_BODY_BYTES_IN_FLIGHT,
+                        help="request-body bytes read or being parsed at once; past it: 503 with Retry-After")
+    parser.add_argument("--unresponsive-after-s", type=float, default=UNRESPONSIVE_AFTER_S,
+                        help="/health turns 503 while the engine's step has run longer than this (read from "
+                        "--triton-metrics; 0: off)")
+    parser.add_argument("--model-json", help="the served model's model.json: the front refuses what its engine "
+                        "would (stop lists, prompt size) before sending it")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     app = build_app(Settings(triton_grpc=args.triton_grpc, model=args.model,
                              served_model_name=args.served_model_name, tokenizer=args.tokenizer,
                              chat_template=args.chat_template, api_key=args.api_key,
                              triton_metrics=args.triton_metrics,
-                             max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth))
+                             max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
+                             max_concurrent_requests=args.max_concurrent_requests,
+                             max_body_bytes_in_flight=args.max_body_bytes_in_flight,
+                             unresponsive_after_s=args.unresponsive_after_s,
+                             forward_limits=ForwardLimits.from_model_json(args.model_json)))
     # uvicorn's own limit on header + request-line size stays; the body limits are the app's
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
     return 0

@@ -1,6 +1,7 @@
 """The OpenAI-compatible routes. `build_app(Settings(...))` -> an ASGI app (uvicorn runs it).
 
-A request's way: body limits -> JSON -> request model (400 on a bad field) -> model name (404)
+A request's way: admission (requests in progress, body bytes held) -> body limits -> JSON, off the
+event loop when large, with the forwarded fields' caps -> request model (400 on a bad field) -> model name (404)
 -> prompt (chat template) -> one Triton gRPC stream -> an OpenAI body, or SSE chunks ending in
 `data: [DONE]`. Triton's early errors (INVALID_ARG, UNAVAILABLE) come before the first chunk, so
 they get their HTTP status; one in the middle of a stream becomes an `error` event."""
@@ -18,10 +19,13 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from backend.openai import body_limits
+from backend.openai import admission, body_limits, readiness
+from backend.openai.admission import Admission, BodyBudget
+from backend.openai.body_parser import BodyParser
 from backend.openai.chat_output import ChatOutput, Piece, message
 from backend.openai.chat_template import ChatTemplate, opens_thinking
-from backend.openai.errors import OpenAIError, bad_request
+from backend.openai.errors import OpenAIError
+from backend.openai.forward_limits import ForwardLimits
 from backend.openai.requests import ChatCompletionRequest, CompletionRequest, parse
 from backend.openai.responses import Builder
 from backend.openai.responses_api import ResponseBuilder, ResponsesRequest
@@ -43,18 +47,27 @@ class Settings:
     triton_metrics: str | None = None  # Triton's /metrics URL, passed through at /metrics
     max_body_bytes: int = body_limits.MAX_BODY_BYTES
     max_json_depth: int = body_limits.MAX_JSON_DEPTH
+    max_concurrent_requests: int = admission.MAX_CONCURRENT_REQUESTS
+    max_body_bytes_in_flight: int = admission.MAX_BODY_BYTES_IN_FLIGHT
+    forward_limits: ForwardLimits = ForwardLimits()  # the served model's caps (its model.json)
+    unresponsive_after_s: float = readiness.UNRESPONSIVE_AFTER_S  # /health: 503 once a step runs longer
 
 
-def build_app(settings: Settings) -> FastAPI:
+def build_app(settings: Settings) -> Admission:
+    """The routes, behind the bound on requests in progress (an ASGI app; `.app` is the FastAPI one)."""
     name = settings.served_model_name or settings.model
     template = ChatTemplate.load(settings.tokenizer, settings.chat_template)
     tokenizer = load_tokenizer(settings.tokenizer)
     state: dict[str, TritonModel] = {}
+    bodies = _Bodies(BodyBudget(settings.max_body_bytes_in_flight), settings.max_body_bytes,
+                     BodyParser(settings.max_json_depth, settings.forward_limits))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        state["model"] = TritonModel(settings.triton_grpc, settings.model)  # on the server's event loop
+        # on the server's event loop
+        state["model"] = TritonModel(settings.triton_grpc, settings.model, settings.forward_limits)
         yield
+        bodies.parser.close()
         await state["model"].close()
 
     async def require_key(request: Request) -> None:
@@ -75,7 +88,7 @@ def build_app(settings: Settings) -> FastAPI:
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_request, error: OpenAIError):
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_request, error: HTTPException):  # unknown routes, wrong methods
@@ -88,11 +101,14 @@ def build_app(settings: Settings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        """Ready only while the Triton model is (the launcher waits for this)."""
-        ready = await state["model"].ready()
-        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+        """Ready only while the Triton model is and its engine answers (the launcher waits for this;
+        a load balancer probes it)."""
+        why = await readiness.not_ready_because(state["model"], settings.triton_metrics,
+                                                settings.unresponsive_after_s)
+        return JSONResponse({"ready": why is None} if why is None else {"ready": False, "reason": why},
+                            status_code=200 if why is None else 503)
 
-    add_utility_routes(app, tokenizer, template, lambda request: _read_json(request, settings),
+    add_utility_routes(app, tokenizer, template, bodies.read_json,
                        lambda model: _check_model(model, name), settings.triton_metrics)
 
     @app.get("/v1/models")
@@ -106,7 +122,7 @@ def build_app(settings: Settings) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse(CompletionRequest, await _read_json(request, settings))
+        req = parse(CompletionRequest, await bodies.read_json(request))
         _check_model(req.model, name)
         prompts = req.prompts()
         sampling = req.sampling()
@@ -117,8 +133,15 @@ def build_app(settings: Settings) -> FastAPI:
         texts = [_prompt_text(p, tokenizer) for p in prompts] if req.echo else None
         jobs = [p for p in range(len(prompts)) for _ in range(req.n)]  # choice -> its prompt
         builder = Builder("completion", name, req.logprobs, echoes=[texts[p] for p in jobs] if req.echo else None)
-        calls = [state["model"].generate(prompts[p], _seeded(sampling, i % req.n), req.stream, req.logprobs is not None)
-                 for i, p in enumerate(jobs)]
+        calls: list[Call] = []
+        try:  # a prompt of the batch over the caps refuses the request: the calls already made end
+            for i, p in enumerate(jobs):
+                calls.append(state["model"].generate(prompts[p], _seeded(sampling, i % req.n), req.stream,
+                                                     req.logprobs is not None))
+        except OpenAIError:
+            for call in calls:
+                call.cancel()
+            raise
 
         def read(output: Output) -> Output:
             return _prompt_only(output) if req.prompt_only else output
@@ -157,7 +180,7 @@ def build_app(settings: Settings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse(ChatCompletionRequest, await _read_json(request, settings))
+        req = parse(ChatCompletionRequest, await bodies.read_json(request))
         _check_model(req.model, name)
         prompt, sampling, thinking, reader = chat_prompt(req)
         builder = Builder("chat", name, (req.top_logprobs or 0) if req.logprobs else None)
@@ -199,7 +222,7 @@ def build_app(settings: Settings) -> FastAPI:
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        responses_req = parse(ResponsesRequest, await _read_json(request, settings))
+        responses_req = parse(ResponsesRequest, await bodies.read_json(request))
         _check_model(responses_req.model, name)
         req = parse(ChatCompletionRequest, responses_req.chat_body())
         prompt, sampling, _thinking, reader = chat_prompt(req)
@@ -228,7 +251,7 @@ def build_app(settings: Settings) -> FastAPI:
 
         return await _stream(request, [call], events, sse=_sse_event, done=None)
 
-    return app
+    return Admission(app, settings.max_concurrent_requests, OPEN_PATHS)
 
 
 def _prompt_text(prompt: str | list[int], tokenizer) -> str:
@@ -259,24 +282,29 @@ def _check_model(model: str, served: str) -> None:
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
 
 
-async def _read_json(request: Request, settings: Settings) -> object:
-    """The body, refused (413 / 400) by size and nesting before json.loads ever sees it."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit():
-        body_limits.check_size(int(declared), settings.max_body_bytes)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        body_limits.check_size(size, settings.max_body_bytes)
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    body_limits.check_depth(body, settings.max_json_depth)
-    try:
-        parsed = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-    body_limits.check_text(parsed)
-    return parsed
+class _Bodies:
+    """Request bodies: read within the size cap and the bytes-in-flight budget, then parsed."""
+
+    def __init__(self, budget: BodyBudget, max_bytes: int, parser: BodyParser):
+        self.budget, self.max_bytes, self.parser = budget, max_bytes, parser
+
+    async def read_json(self, request: Request) -> object:
+        """The body's JSON value, refused (413 / 400 / 503) by size, nesting and the budget before
+        json.loads ever sees it."""
+        with self.budget.hold() as held:
+            declared = request.headers.get("content-length")
+            if declared and declared.isdigit():
+                body_limits.check_size(int(declared), self.max_bytes)
+                held.reserve(int(declared))
+            chunks, size = [], 0
+            async for chunk in request.stream():
+                size += len(chunk)
+                body_limits.check_size(size, self.max_bytes)
+                held.reserve(size)
+                chunks.append(chunk)
+            body = b"".join(chunks)
+            del chunks
+            return await self.parser.parse(body)
 
 
 async def _collect(call: Call, request: Request) -> Output:

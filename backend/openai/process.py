@@ -26,12 +26,15 @@ class OpenAIProcess:
     def __init__(self, triton_grpc: str, port: int = DEFAULT_PORT, host: str = "127.0.0.1",
                  tokenizer: str | None = None, api_key: str | None = None, chat_template: str | None = None,
                  model: str = "deepseek_v4", log_path: str | os.PathLike | None = None,
-                 startup_timeout_s: float = 60.0, triton_metrics: str | None = None):
+                 startup_timeout_s: float = 60.0, triton_metrics: str | None = None,
+                 model_json: str | os.PathLike | None = None, extra_args: tuple[str, ...] = ()):
         self.triton_grpc, self.host, self.tokenizer = triton_grpc, host, tokenizer
         local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.port = port or free_port(local)
         self.api_key, self.chat_template, self.model = api_key, chat_template, model
         self.triton_metrics = triton_metrics  # Triton's /metrics URL, served again on the API port
+        self.model_json = model_json  # the served model's limits, checked before a request is sent
+        self.extra_args = tuple(extra_args)  # more of `python -m backend.openai`'s options (its bounds)
         self.log_path = Path(log_path) if log_path else None
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen | None = None
@@ -51,7 +54,9 @@ class OpenAIProcess:
             command += ["--chat-template", self.chat_template]
         if self.triton_metrics:
             command += ["--triton-metrics", self.triton_metrics]
-        return command
+        if self.model_json:
+            command += ["--model-json", str(self.model_json)]
+        return command + list(self.extra_args)
 
     def start(self) -> OpenAIProcess:
         env = dict(os.environ)

@@ -18,6 +18,7 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from backend.openai.errors import OpenAIError, from_triton
+from backend.openai.forward_limits import ForwardLimits, check_forwarded
 
 UNFINISHED = ("", "None")  # finish_reason of a delta that is not the last (vllm_backend sends "None")
 
@@ -35,8 +36,8 @@ class Output:
 
 
 class TritonModel:
-    def __init__(self, url: str, model_name: str):
-        self.url, self.model_name = url, model_name
+    def __init__(self, url: str, model_name: str, limits: ForwardLimits | None = None):
+        self.url, self.model_name, self.limits = url, model_name, limits or ForwardLimits()
         self.client = grpcclient.InferenceServerClient(url)
 
     async def ready(self) -> bool:
@@ -50,13 +51,16 @@ class TritonModel:
 
     def generate(self, prompt: str | list[int], sampling: dict, stream: bool, logprobs: bool) -> Call:
         """Deltas when `stream`, else one Output with the whole text; iterating raises OpenAIError.
-        A token-id prompt goes as the input_ids tensor: the engine takes the ids as they are."""
+        A token-id prompt goes as the input_ids tensor: the engine takes the ids as they are.
+        OpenAIError 400, and nothing sent, when a tensor would be over the model's caps."""
+        sampling_json = json.dumps(sampling)
+        check_forwarded(prompt, sampling_json, sampling, self.limits)
         flags = {"stream": stream, "exclude_input_in_output": True, "return_finish_reason": True,
                  "return_num_input_tokens": True, "return_num_output_tokens": True, "return_logprobs": logprobs}
         prompt_tensor = (_tensor("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES")
                          if isinstance(prompt, str) else _tensor("input_ids", np.array(prompt, dtype=np.int32), "INT32"))
         inputs = [prompt_tensor,
-                  _tensor("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_),
+                  _tensor("sampling_parameters", np.array([sampling_json.encode()], dtype=np.object_),
                           "BYTES")]
         inputs += [_tensor(name, np.array([value]), "BOOL") for name, value in flags.items()]
         request = {"model_name": self.model_name, "inputs": inputs, "request_id": f"oai-{uuid.uuid4().hex[:16]}"}

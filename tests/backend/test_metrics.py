@@ -54,7 +54,7 @@ def test_requests_and_polled_stats_reach_the_families(metrics_module):
     stats = iter([
         {"running": 2, "waiting": 1, "kv_usage": {"swa": 0.5, "compressed": 0.25}, "prefix_cache_hit_tokens": 10},
         {"running": 0, "waiting": 0, "kv_usage": {"swa": 0.0, "compressed": 0.0}, "prefix_cache_hit_tokens": 30,
-         "prefix_cache_replayed_tokens": 16, "prefix_cache_queries": 40},
+         "prefix_cache_replayed_tokens": 16, "prefix_cache_queries": 40, "step_running_s": 2.5},
     ])
     m = metrics_module.Metrics({"model": "m", "version": "1"}, lambda: next(stats), 1024, poll_interval_s=0.05)
     m.start()
@@ -75,6 +75,7 @@ def test_requests_and_polled_stats_reach_the_families(metrics_module):
     assert fam["deepseek:prefix_cache_queries_total"].metrics[0].value == 40
     assert fam["deepseek:num_preemptions_total"].metrics[0].value == 0
     assert fam["deepseek:num_requests_running"].metrics[0].value == 0
+    assert fam["deepseek:engine_step_running_seconds"].metrics[0].value == 2.5  # the OpenAI front's readiness reads it
 
 
 def test_speculative_decoding_stats_reach_vllms_families(metrics_module):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import select
 import socket
 import time
 import urllib.error
@@ -329,3 +330,117 @@ def test_thinking_template_splits_reasoning_content_and_the_key_is_checked(think
         plain = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
         assert plain.choices[0].message.content and getattr(plain.choices[0].message, "reasoning_content",
                                                             None) is None  # </think> closed by the template
+
+
+def _triton_failures(triton_server) -> float:
+    """Requests the model answered with an error: what reached Triton and was refused there."""
+    return metric(metrics_text(triton_server.metrics_url), "deepseek:request_failure_total") or 0
+
+
+def test_the_front_refuses_what_the_model_would_not_take_before_sending_it(sdk, triton_server):
+    """Item 6: a field over the engine's cap is a 400 naming it, and Triton never sees the request
+    (a 16 MiB body of stop_token_ids used to travel as a 24 MB tensor). One request the engine
+    refuses itself is the control: the failure count moves by it alone."""
+    failures = _triton_failures(triton_server)
+    cases = [({"stop_token_ids": [7] * 1_000_000}, "stop_token_ids"),
+             ({"stop": [f"s{i}" for i in range(17)]}, "stop"),
+             ({"stop": "x" * 300}, "stop"),
+             ({"logit_bias": {str(i): 1.0 for i in range(10_000)}}, "logit_bias"),  # 130 KB of JSON
+             ({"structured_outputs": {"json": {"enum": ["y" * 70_000]}}}, "structured_outputs")]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body=extra)
+        assert info.value.body["param"] == param and param in info.value.body["message"], info.value.body
+    with pytest.raises(openai.BadRequestError):
+        sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"top_k": -5})
+    _wait_metric(triton_server, "deepseek:request_failure_total", lambda v: v >= failures + 1)
+    assert _triton_failures(triton_server) == failures + 1
+
+
+def _send(front: OpenAIProcess, head: bytes, body: bytes) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", front.port), timeout=60)
+    s.sendall(head + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return s
+
+
+def _answered(s: socket.socket) -> bool:
+    return bool(select.select([s], [], [], 0)[0])
+
+
+def test_a_large_body_being_parsed_does_not_hold_up_small_requests(openai_server):
+    """Item 4: a 14 MiB body takes about a second to parse; while it is parsed, small requests are
+    answered, every one before it. Parsed on the event loop, it held them all until its own answer."""
+    small = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
+    big = _send(openai_server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n",
+                b"[" + b'{"a": 1},' * (14 << 17) + b"{}]")
+    try:
+        time.sleep(0.3)  # the whole body is in: the request is at its parse
+        for _ in range(3):
+            with _send(openai_server, small, b"") as s:
+                assert s.recv(65536).startswith(b"HTTP/1.1 200"), "the small request failed"
+            assert not _answered(big), "the large body was answered before a small request sent after it"
+        big.settimeout(60)
+        assert big.recv(65536).startswith(b"HTTP/1.1 400")  # an array: not a request body
+    finally:
+        big.close()
+
+
+@pytest.fixture(scope="module")
+def bounded_front(triton_server):
+    """A front with two requests in progress at most and 1 MiB of bodies at once."""
+    with OpenAIProcess(triton_server.grpc_url, port=0, log_path=triton_server.workdir / "openai-bounded.log",
+                       extra_args=("--max-concurrent-requests", "2", "--max-body-bytes-in-flight",
+                                   str(1 << 20))) as front:
+        yield front
+
+
+def _get_models(front: OpenAIProcess) -> http.client.HTTPResponse:
+    conn = http.client.HTTPConnection("127.0.0.1", front.port, timeout=30)
+    conn.request("GET", "/v1/models")
+    response = conn.getresponse()
+    response.body = response.read()
+    conn.close()
+    return response
+
+
+def _until(check, timeout_s: float = 15):
+    deadline = time.monotonic() + timeout_s
+    while not (result := check()):
+        assert time.monotonic() < deadline, "the front never got there"
+        time.sleep(0.05)
+    return result
+
+
+def test_requests_past_the_bound_get_503_with_retry_after(bounded_front):
+    """Item 4: two requests in progress (their bodies still coming) fill the front; a third is 503
+    with Retry-After at once, the probe still answers; one leaves, and requests are served again."""
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{"
+    held = [socket.create_connection(("127.0.0.1", bounded_front.port), timeout=30) for _ in range(2)]
+    try:
+        for s in held:
+            s.sendall(head)
+        refused = _until(lambda: (r := _get_models(bounded_front)).status == 503 and r)
+        assert refused.getheader("Retry-After") == "1"
+        assert json.loads(refused.body)["error"]["code"] == "server_overloaded"
+        assert bounded_front.is_ready()  # /health is not bounded: a probe must not read "overloaded" as "dead"
+        held.pop().close()
+        _until(lambda: _get_models(bounded_front).status == 200)
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_bodies_past_the_bytes_in_flight_budget_get_503(bounded_front):
+    """Item 4: a body still arriving holds its declared 800 KB of the 1 MiB budget; a 300 KB body
+    meanwhile is 503 with Retry-After, a small one is served."""
+    slow = socket.create_connection(("127.0.0.1", bounded_front.port), timeout=30)
+    try:
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 800000\r\n\r\n{")
+        big = json.dumps({"model": MODEL, "prompt": "x" * 300_000, "max_tokens": 1}).encode()
+        status, payload = _until(lambda: (r := _raw_post(bounded_front, big))[0] == 503 and r)
+        assert "bytes" in payload["error"]["message"] and payload["error"]["code"] == "server_overloaded"
+        assert _raw_post(bounded_front, json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 1}).encode())[0] == 200
+    finally:
+        slow.close()
+    assert _until(lambda: _raw_post(bounded_front, big)[0] != 503)

@@ -136,3 +136,54 @@ def test_prompt_logprobs_map_as_vllms_and_echo_prepends_the_prompts_tokens():
     builder = Builder("chat", "m", None)
     chat = builder.chat([builder.chat_choice(0, {"role": "assistant", "content": "!"}, out, "length")], out)
     assert chat["prompt_logprobs"][1] == prompt[1] and chat["choices"][0]["logprobs"] is None
+
+
+def test_the_fronts_forward_limits_are_the_engines():
+    """The front states the engine's caps without importing it (torch): they must stay equal."""
+    import ast
+    from pathlib import Path
+
+    from backend import protocol
+    from backend.openai import forward_limits
+    from engine import sampling_checks
+    from engine.args import EngineArgs
+
+    assert forward_limits.MAX_SAMPLING_BYTES == protocol.MAX_JSON_BYTES
+    assert forward_limits.MAX_STOP_TOKEN_IDS == protocol.MAX_STOP_TOKEN_IDS
+    assert forward_limits.MAX_BAD_WORDS == sampling_checks.MAX_BAD_WORDS
+    assert forward_limits.MAX_STOP_STRINGS == EngineArgs.max_stop_strings
+    assert forward_limits.MAX_STOP_STRING_LEN == EngineArgs.max_stop_string_len
+    # backend/model.py imports Triton's stub module, so its constant is read from the source
+    tree = ast.parse((Path(protocol.__file__).parent / "model.py").read_text())
+    model_value = next(node.value.value for node in tree.body if isinstance(node, ast.Assign)
+                       and getattr(node.targets[0], "id", None) == "PROMPT_BYTES_PER_TOKEN")
+    assert forward_limits.PROMPT_BYTES_PER_TOKEN == model_value
+
+
+def test_forward_limits_follow_model_json(tmp_path):
+    from backend.openai.forward_limits import ForwardLimits, check_fields, check_forwarded
+
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps({"model": "tiny", "max_model_len": 64, "max_stop_strings": 2}))
+    limits = ForwardLimits.from_model_json(path)
+    assert (limits.max_stop_strings, limits.max_prompt_tokens, limits.max_prompt_bytes) == (2, 64, 64 * 128)
+    check_fields({"stop": ["a", "b"], "prompt": [1] * 64}, limits)
+    for body, param in (({"stop": ["a", "b", "c"]}, "stop"), ({"prompt": [[1], [2] * 65]}, "prompt")):
+        with pytest.raises(OpenAIError) as info:
+            check_fields(body, limits)
+        assert (info.value.status, info.value.param) == (400, param)
+    with pytest.raises(OpenAIError) as info:
+        check_forwarded("x" * (64 * 128 + 1), "{}", {}, limits)
+    assert info.value.param == "prompt"
+
+
+def test_readiness_reads_the_longest_running_step_from_tritons_metrics():
+    from backend.openai.readiness import step_running_s
+
+    text = ('# TYPE deepseek:engine_step_running_seconds gauge\n'
+            'deepseek:engine_step_running_seconds{model="deepseek_v4",version="1"} 0.25\n'
+            'deepseek:engine_step_running_seconds{model="other",version="1"} 7.5\n'
+            'deepseek:engine_step_running_seconds_total 99\n'
+            'deepseek:num_requests_running{model="deepseek_v4",version="1"} 3\n')
+    assert step_running_s(text) == 7.5
+    assert step_running_s('deepseek:num_requests_running{model="deepseek_v4"} 3\n') is None  # no gauge: the vLLM engine

@@ -91,6 +91,8 @@ def test_logprob_outputs_turn_on_sampled_token_logprobs():
     (dict(prompt=b"\xff\xfe"), "text_input is not valid UTF-8"),
     (dict(sampling_parameters="{not json"), "sampling_parameters is not valid JSON"),
     (dict(sampling_parameters="[1, 2]"), "sampling_parameters must be a JSON object"),
+    # the model's own transport cap (the OpenAI front refuses before it sends): no 24 MB parse in the stub
+    (dict(sampling_parameters=json.dumps({"stop_token_ids": [7] * 40_000})), "sampling_parameters is 120020 bytes; at most 65536"),
     (dict(sampling_parameters={"bogus": 1}), "unknown sampling parameter 'bogus'"),
     (dict(sampling_parameters={"max_tokens": "many"}), "max_tokens must be an integer, got 'many'"),
     (dict(sampling_parameters={"max_tokens": 2.5}), "max_tokens must be an integer"),

@@ -1,19 +1,25 @@
 """The engine core killed under a real tritonserver: the requests in flight fail UNAVAILABLE, the
 model stays loaded while the core restarts (requests meanwhile: UNAVAILABLE, never a hang), then
-it serves again from a new core process; when the server stops, no core remains."""
+it serves again from a new core process; when the server stops, no core remains. A hung core turns
+the OpenAI front's readiness false within seconds, long before step_timeout_s declares it dead."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
+from backend.openai.process import OpenAIProcess
 from backend.process_tree import alive
 from backend.serve import TritonServer
 from loadtest.chaos import GrpcCall, error_code, good_tensors
+from tests.reliability.conftest import MARKER
 
 pytestmark = pytest.mark.slow
 
@@ -83,3 +89,45 @@ def test_a_killed_core_fails_its_requests_and_the_model_serves_again():
         new_core = _core_pid(server)
         assert new_core != core and not alive(core)
     assert not alive(new_core)
+
+
+def _health(front: OpenAIProcess) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{front.port}/health", timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _until_health(front: OpenAIProcess, status: int, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while (found := _health(front))[0] != status:
+        assert time.monotonic() < deadline, f"/health stayed {found} ({timeout_s:g} s)"
+        time.sleep(0.2)
+    return found[1]
+
+
+def test_a_hung_core_turns_the_fronts_readiness_false_within_seconds(server):
+    """Item 12: the step watchdog needs step_timeout_s (60 s) to declare a hung core dead; the
+    front's /health reads how long the step has run (Triton's metrics) and is 503 a few seconds
+    in (Triton's own readiness stays 200 meanwhile: its python backend cannot say otherwise). The
+    core killed, it restarts and /health is 200 again."""
+    with OpenAIProcess(server.grpc_url, port=0, triton_metrics=server.metrics_url,
+                       log_path=server.workdir / "openai-readiness.log",
+                       extra_args=("--unresponsive-after-s", "1")) as front:  # 5 s by default: 4 s of test saved
+        assert _health(front) == (200, {"ready": True})
+        result = {}
+        hung = threading.Thread(target=lambda: result.setdefault("hung", _run(server, f"{MARKER}:hang", 4)))
+        hung.start()
+        try:
+            # 1 s (the front's bound here) plus the gauge's 0.5 s poll, with room for a loaded machine;
+            # well within step_timeout_s (60 s), which readiness used to need
+            body = _until_health(front, 503, timeout_s=25)
+            assert "unresponsive" in body["reason"], body
+            assert server.models_ready()  # Triton's readiness: what a load balancer saw before
+        finally:
+            os.kill(_core_pid(server), signal.SIGKILL)
+            hung.join(timeout=60)
+        assert result["hung"][0] == "error" and error_code(result["hung"][1]) == "UNAVAILABLE", result
+        await_recovery(server)
+        assert _until_health(front, 200, timeout_s=30) == {"ready": True}
