@@ -60,7 +60,7 @@ def _route_token(logits_ptr, bias_ptr, hash_ptr, w_ptr, idx_ptr, t, E, scaling, 
             sel = tl.where(e == i, -float("inf"), sel)
     ws = tl.where(kr < K, ws, 0.0)
     ws = ws / (tl.sum(ws, axis=0) + 1e-20) * scaling
-    tl.store(w_ptr + t * K + kr, ws.to(w_ptr.dtype.element_ty), mask=kr < K)  # x's dtype: no cast launch after
+    tl.store(w_ptr + t * K + kr, ws, mask=kr < K)
     tl.store(idx_ptr + t * K + kr, ids, mask=kr < K)
 
 
@@ -114,12 +114,12 @@ def router_topk_gemm_fused(x, weight, bias, top_k, routed_scaling, scoring_func,
         return router_topk(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids)
     logits = torch.nn.functional.linear(x, weight).contiguous()
     T, E = logits.shape
-    w = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     _router_kernel[(T,)](logits, bias.float().contiguous(), w, idx, E, routed_scaling, K=top_k,
                          KP=triton.next_power_of_2(top_k),
                          SCORING=_SCORING[scoring_func], BLOCK_E=triton.next_power_of_2(E), **pdl.options(logits))
-    return w, idx
+    return w.to(x.dtype), idx
 
 
 def router_topk_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids=None):
@@ -129,10 +129,10 @@ def router_topk_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash
     x = x if x.is_contiguous() else x.contiguous()
     T, D = x.shape
     E = weight.shape[0]
-    w = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
+    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     if T == 0:
-        return w, idx
+        return w.to(x.dtype), idx
     logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(E, BLOCK_E), triton.cdiv(T, BLOCK_T))
     hashed = hash_ids is not None
@@ -142,4 +142,4 @@ def router_topk_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash
                        SCORING=_SCORING[scoring_func], HASH=hashed, EP=triton.next_power_of_2(E), BLOCK_T=BLOCK_T,
                        BLOCK_E=BLOCK_E, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(D)),
                        DOT_F32=x.dtype == torch.float32 or _INTERPRET, **pdl.options(x))
-    return w, idx
+    return w.to(x.dtype), idx
