@@ -11,11 +11,11 @@ from loadtest.chaos import GrpcCall, error_code, good_tensors
 pytestmark = pytest.mark.slow
 
 
-def _run(server, request_id: str, **kwargs):
+def _run(server, request_id: str, max_tokens: int = 64, **kwargs):
     call = GrpcCall(server.grpc_url)
     try:
-        return call.run(good_tensors("an id test", {"max_tokens": 64, "ignore_eos": True}), request_id=request_id,
-                        **kwargs)
+        return call.run(good_tensors("an id test", {"max_tokens": max_tokens, "ignore_eos": True}),
+                        request_id=request_id, **kwargs)
     finally:
         call.close()
 
@@ -30,7 +30,9 @@ def test_an_absurd_request_id_is_refused(server):
 
 def test_what_the_log_holds_of_a_long_id_is_bounded(server):
     long_id = "L" * MAX_REQUEST_ID_CHARS
-    outcome, _, _, _ = _run(server, long_id, cancel_after_responses=1)  # a cancel logs its request's id
+    # a cancel logs its request's id; long enough that it cannot finish before the cancel is seen
+    # (cancels are polled every 0.1 s: a 64-token request on a loaded CPU sometimes ended first)
+    outcome, _, _, _ = _run(server, long_id, max_tokens=400, cancel_after_responses=1)
     assert outcome == "cancelled"
     outcome, message, _, _ = _run(server, "after the long id", timeout_s=60)
     assert outcome == "completed", message  # the cancel has been handled by now
