@@ -414,7 +414,9 @@ def indexer_topk(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, f
                  positions: torch.Tensor, token_seq: torch.Tensor, ratio: int, topk: int,
                  max_pos: int | None = None, one_per_seq: bool = False, iw_scale: float = 1.0) -> torch.Tensor:
     """Lightning indexer selection per query token: indices [T, topk] of the compressed entries to
-    attend, best first, then -1 where fewer are visible (the fused attention relies on that order). A query at i sees entry e once its block is complete: (e + 1) * ratio <= i + 1.
+    attend, best first (an exact tie: the lower index), then -1 where fewer are visible (the fused
+    attention relies on that order). A query at i sees entry e once its block is complete:
+    (e + 1) * ratio <= i + 1.
     one_per_seq (decode): all sequences at once, padded to the largest, no host sync. iw: the head
     weights [T, Hi] before their scale iw_scale (V4: Hi^-0.5), which the fused kernel applies in fp32."""
     iw = _scaled_head_weights(iw, iw_scale)
