@@ -18,6 +18,7 @@ from kernels import pdl
 from kernels.fused_attention import _INTERPRET
 from kernels.fused_compress import rows_unit_stride
 from kernels.pdl import wait_and_release
+from kernels.reference import topk_by_score_then_index
 
 
 @triton.jit(do_not_specialize=["ftab_stride", "n_max"])  # sizes vary per eager step
@@ -58,6 +59,7 @@ def _topk_kernel(scores_ptr, pos_ptr, out_ptr, n, RATIO, TOPK: tl.constexpr, BLO
     t = tl.program_id(0)
     e = tl.arange(0, BLOCK)
     x = tl.load(scores_ptr + t * n + e, mask=e < n, other=-float("inf"))
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties +0.0 (the reference's order)
     bits = x.to(tl.int32, bitcast=True)
     key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # IEEE order as signed integers
     packed = (key.to(tl.int64) << 32) | (BLOCK - 1 - e).to(tl.int64)
@@ -103,6 +105,6 @@ def indexer_topk_fused(iq, iw, index_pool, full_tables, positions, token_seq, ra
                            num_warps=4 if n <= 1024 else 8, **pdl.options(scores))
         return out
     k = min(topk, n)
-    idx = scores.topk(k, dim=-1).indices
+    idx = topk_by_score_then_index(scores, k)  # the sort kernel's tie order
     out[:, :k] = torch.where(idx < ((positions + 1) // ratio)[:, None], idx, -1)
     return out

@@ -397,11 +397,26 @@ def indexer_scores_paged(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.T
     return scores.masked_fill(e[None] >= ((positions + 1) // ratio)[:, None], float("-inf"))
 
 
+def topk_by_score_then_index(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k best fp32 scores per row, best first, an exact tie to the lower index (-0.0 as
+    +0.0). torch.topk breaks ties by its own algorithm, which on CPU depends on the row's length, so a
+    sequence padded to a batch's longest row could pick another of the tied entries than alone (the
+    relu in the indexer's score makes exact 0.0 ties common). One int64 key per entry, the score's
+    bits made order-preserving above the reversed index: the fused sort kernel's order exactly."""
+    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0
+    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)  # IEEE order as signed integers
+    n = scores.shape[-1]
+    packed = (key << 32) | (n - 1 - torch.arange(n, device=scores.device))
+    return n - 1 - (packed.topk(k, dim=-1).values & 0xFFFFFFFF)
+
+
 def indexer_topk(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, full_tables: torch.Tensor,
                  positions: torch.Tensor, token_seq: torch.Tensor, ratio: int, topk: int,
                  max_pos: int | None = None, one_per_seq: bool = False, iw_scale: float = 1.0) -> torch.Tensor:
     """Lightning indexer selection per query token: indices [T, topk] of the compressed entries to
-    attend, best first, then -1 where fewer are visible (the fused attention relies on that order). A query at i sees entry e once its block is complete: (e + 1) * ratio <= i + 1.
+    attend, best first (an exact tie: the lower index), then -1 where fewer are visible (the fused
+    attention relies on that order). A query at i sees entry e once its block is complete:
+    (e + 1) * ratio <= i + 1.
     one_per_seq (decode): all sequences at once, padded to the largest, no host sync. iw: the head
     weights [T, Hi] before their scale iw_scale (V4: Hi^-0.5), which the fused kernel applies in fp32."""
     iw = _scaled_head_weights(iw, iw_scale)
@@ -415,7 +430,7 @@ def indexer_topk(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, f
         scores = indexer_scores_paged(iq, iw, index_pool, full_tables, positions, token_seq, ratio, n)
         limit = ((positions + 1) // ratio)[:, None]
         k = min(topk, n)
-        idx = scores.topk(k, dim=-1).indices
+        idx = topk_by_score_then_index(scores, k)
         out[:, :k] = torch.where(idx < limit, idx, -1)
         return out
     for s in torch.unique(token_seq).tolist():
@@ -428,7 +443,7 @@ def indexer_topk(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.Tensor, f
         scores = indexer_scores(iq[rows], keys, iw[rows], d)
         visible = torch.arange(n, device=iq.device)[None] < ((pos + 1) // ratio)[:, None]
         k = min(topk, n)
-        idx = scores.masked_fill(~visible, float("-inf")).topk(k, dim=-1).indices
+        idx = topk_by_score_then_index(scores.masked_fill(~visible, float("-inf")), k)
         ok = idx < ((pos + 1) // ratio)[:, None]
         out[rows, :k] = torch.where(ok, idx, torch.full_like(idx, -1))
     return out

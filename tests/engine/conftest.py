@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from engine.cache import KVCache
 from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
@@ -44,7 +45,35 @@ def reference_model(path, dtype, dequantize: bool = False):
     # would round float32-scaled Base weights)
     kw = {"quantization_config": FineGrainedFP8Config(dequantize=True), "dtype": torch.float32} if dequantize else {}
     # eager experts: transformers' grouped_mm path has no float64
-    return DeepseekV4ForCausalLM.from_pretrained(str(path), experts_implementation="eager", **kw).to(dtype).eval()
+    model = DeepseekV4ForCausalLM.from_pretrained(str(path), experts_implementation="eager", **kw).to(dtype).eval()
+    for module in model.modules():
+        if type(module).__name__ == "DeepseekV4Indexer":
+            _ties_to_lower_index(module)
+    return model
+
+
+class _TopkTiesToLowerIndex(TorchFunctionMode):
+    """torch.topk with exact ties to the lower index, the engine's rule (kernels.reference.
+    topk_by_score_then_index): torch.topk's own tie order changes with the row's length (for the
+    oracle, the whole sequence's), and the model defines none. A stable sort keeps the dtype's precision."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.Tensor.topk:
+            return func(*args, **kwargs)
+        x, k = args[0], kwargs.get("k", args[1] if len(args) > 1 else None)
+        dim = kwargs.get("dim", args[2] if len(args) > 2 else -1)
+        values, indices = torch.sort(x, dim=dim, descending=True, stable=True)
+        return torch.return_types.topk((values.narrow(dim, 0, k), indices.narrow(dim, 0, k)))
+
+
+def _ties_to_lower_index(indexer) -> None:
+    forward = indexer.forward
+
+    def forward_with_tie_rule(*args, **kwargs):
+        with _TopkTiesToLowerIndex():
+            return forward(*args, **kwargs)
+    indexer.forward = forward_with_tie_rule
 
 
 def incremental_logits(model, ids: list[int], chunks: list[int], block_size: int | None = None) -> torch.Tensor:

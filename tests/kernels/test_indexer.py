@@ -105,3 +105,22 @@ def test_head_weights_as_a_strided_slice_with_their_scale_inside(dtype):
     assert torch.equal(indexer_topk_fused(*args, iw_scale=H**-0.5),
                        indexer_topk_fused(iq, scaled, *args[2:]))
     assert torch.equal(ref.indexer_topk(*args, iw_scale=H**-0.5), ref.indexer_topk(iq, scaled, *args[2:]))
+
+
+@pytest.mark.parametrize("select", ["reference", "fused"])
+def test_exact_ties_pick_the_same_entries_alone_and_batched(select):
+    """Zero keys score exactly 0 (-0.0 with negative head weights): the best entries, tied. A sequence's
+    selection must not depend on the batch it runs in (its row padded to a longer sequence's entries):
+    every path takes the lowest tied indices. torch.topk's own tie order changed with the row's length
+    and flipped a greedy token of the tiny preset batched vs alone."""
+    H, d, ratio, bs, topk = 6, 16, 4, 32, 4
+    iq, iw, pool, ft, pos, seq = _batch([(76, 1), (200, 1)], H, d, ratio, bs, torch.float32, seed=2)
+    iw = -iw.abs()  # every other entry scores below 0
+    tied = [1, 3, 7, 11, 12, 15, 18]
+    per_block = bs // ratio
+    pool.view(-1, d)[ref._entry_slots(ft[0], per_block, torch.tensor(tied))] = 0.0
+    fn = ref.indexer_topk if select == "reference" else indexer_topk_fused
+    alone = fn(iq[:1], iw[:1], pool, ft, pos[:1], seq[:1], ratio, topk, int(pos[0]), one_per_seq=True)
+    batched = fn(iq, iw, pool, ft, pos, seq, ratio, topk, int(pos.max()), one_per_seq=True)
+    prefill_path = fn(iq, iw, pool, ft, pos, seq, ratio, topk, int(pos.max()))
+    assert alone[0].tolist() == batched[0].tolist() == prefill_path[0].tolist() == tied[:topk]

@@ -23,6 +23,7 @@ from kernels.deepseek_v41.reference import (  # noqa: F401
     rope,
     router,
 )
+from kernels.reference import topk_by_score_then_index
 
 # --- MoE ----------------------------------------------------------------------------------------
 
@@ -62,12 +63,7 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: i
 def topk_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """scores.topk(k) over the last dim (fp32), ties going to the lower index: torch's own choice
     among equal scores (relu'd index scores tie at 0) depends on the row's length, and a padded
-    step's rows are longer than the eager step's. Score bits made order-preserving in the high
-    half of an int64 key, the reversed index in the low half (the fused top-k kernel's packing).
-    -> (values, indices), best first."""
-    n = scores.shape[-1]
-    bits = scores.float().contiguous().view(torch.int32).long()
-    key = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    packed = (key << 32) | (n - 1 - torch.arange(n, device=scores.device))
-    indices = n - 1 - (packed.topk(k, dim=-1).values & 0xFFFFFFFF)
+    step's rows are longer than the eager step's (kernels.reference.topk_by_score_then_index, V4's
+    indexer rule). -> (values, indices), best first."""
+    indices = topk_by_score_then_index(scores, k)
     return scores.gather(-1, indices), indices
