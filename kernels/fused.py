@@ -17,7 +17,7 @@ from kernels.formats import fp8_block_of
 from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
 from kernels.fused_compress_blocks import compress_blocks_fused
-from kernels.fused_fp8_linear import fp8_linear_fused, takes_swiglu, tiles
+from kernels.fused_fp8_linear import fp8_linear_fused, takes_prologue, tiles
 from kernels.fused_gate import router_topk_fused, router_topk_gemm_fused
 from kernels.fused_indexer import indexer_scores_paged, indexer_topk_fused
 from kernels.fused_moe import moe_experts_fused
@@ -99,13 +99,23 @@ def swiglu_fused(gate, up, limit):
 def swiglu_linear_fused(gate, up, limit, weight, scale=None):
     """The shared expert's w2 over its SwiGLU: two launches (swiglu_fused, then the linear), or with the fusion
     switch swiglu_gemv (kernels/fusions.py) one, the SwiGLU in the FP8 GEMV's prologue (same roundings)."""
-    if fusions.on("swiglu_gemv") and scale is not None and limit > 0 and takes_swiglu(gate.numel() // gate.shape[-1],
+    if fusions.on("swiglu_gemv") and scale is not None and limit > 0 and takes_prologue(gate.numel() // gate.shape[-1],
                                                                                        weight, scale):
         return fp8_linear_fused(gate, weight, scale, act=(up, limit))
     return linear_fused(swiglu_fused(gate, up, limit), weight, scale)
 
 
+def norm_linear_fused(x, norm_weight, eps, weight, scale=None):
+    """linear(rms_norm(x)): two launches (the RMSNorm kernel, then the linear), or with the fusion switch
+    q_norm_gemv (kernels/fusions.py) one, the RMSNorm in the FP8 GEMV's prologue (one rounding to x's dtype in
+    both; its sum of squares in another order)."""
+    if fusions.on("q_norm_gemv") and scale is not None and takes_prologue(x.numel() // x.shape[-1], weight, scale):
+        return fp8_linear_fused(x, weight, scale, norm=(norm_weight, eps))
+    return linear_fused(rms_norm_fused(x, norm_weight, eps), weight, scale)
+
+
 FUSED = {
+    "norm_linear": norm_linear_fused,
     "linear": linear_fused,
     "linear_split": linear_split_fused,
     "grouped_linear": grouped_linear_fused,

@@ -203,6 +203,12 @@ def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: to
     return linear(swiglu(gate, up, limit), weight, scale)
 
 
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The q LoRA's up projection of its RMSNorm: linear(rms_norm(x, norm_weight, eps), weight, scale)."""
+    return linear(rms_norm(x, norm_weight, eps), weight, scale)
+
+
 def mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
     return F.linear(swiglu(F.linear(x, w1), F.linear(x, w3), limit), w2)
 

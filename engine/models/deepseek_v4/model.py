@@ -154,8 +154,12 @@ class Attention(nn.Module):
         rope = "main" if self.layer_type == SLIDING else "compress"
         cos, sin = ropes[rope]
         q_lora, kv = linear_group((self.wq_a, self.wkv), x)  # one launch where stacked at load
-        q_res = self.q_norm(q_lora)
-        q = K.q_kv_norm_rope(self.wq_b(q_res).view(T, H, hd), kv, self.kv_norm.weight, cos, sin, cfg.rms_norm_eps,
+        if self.layer_type == CSA:  # the indexer reads the normed q too
+            q_res = self.q_norm(q_lora)
+            q_b = self.wq_b(q_res)
+        else:  # the norm in wq_b's prologue where the fusion switch q_norm_gemv takes it (kernels/fusions.py)
+            q_b = K.norm_linear(q_lora, self.q_norm.weight, self.q_norm.eps, self.wq_b.weight, self.wq_b.scale)
+        q = K.q_kv_norm_rope(q_b.view(T, H, hd), kv, self.kv_norm.weight, cos, sin, cfg.rms_norm_eps,
                              cache.window[self.layer], fb.window_slots)  # kv: norm, RoPE, into the window cache
 
         comp_pool, selected = None, None
