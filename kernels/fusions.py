@@ -2,8 +2,8 @@
 against the path it replaces at depth (suite decode_switches). Read at every call: CUDA graphs
 captured after a change follow it.
 
-    DSV4_FUSE=mega_mhc,mega_gate,moe_shared_sum,swiglu_gemv,inv_rope_out,q_kv_rope,q_norm_gemv   (or "all"; unset:
-    DEFAULT)
+    DSV4_FUSE=mega_mhc,mega_gate,moe_shared_sum,swiglu_gemv,inv_rope_out,q_kv_rope,q_norm_gemv,combine_last
+    (or "all"; unset: DEFAULT)
 
 - mega_mhc: hc_post + the next hc_pre + its RMSNorm in two launches (kernels.fused_norm_mhc.
   hc_post_pre_norm_fused) instead of four; twice a layer.
@@ -20,13 +20,16 @@ captured after a change follow it.
 - q_norm_gemv: the query LoRA's RMSNorm (q_norm) computed in wq_b's FP8 GEMV prologue (kernels.fused.
   norm_linear_fused: one rounding, as the RMSNorm kernel), not by a separate kernel; once a layer outside CSA
   layers (their indexer reads the normed q too). GEMV variants only: at prefill sizes the two launches stay.
+- combine_last: the split attention's combine done by the last split of each (token, head block) to finish
+  (kernels.fused_attention, a counter per pair), not by its own launch; once a layer where keys are split (decode).
 """
 
 from __future__ import annotations
 
 import os
 
-ALL = ("mega_mhc", "mega_gate", "moe_shared_sum", "swiglu_gemv", "inv_rope_out", "q_kv_rope", "q_norm_gemv")
+ALL = ("mega_mhc", "mega_gate", "moe_shared_sum", "swiglu_gemv", "inv_rope_out", "q_kv_rope", "q_norm_gemv",
+       "combine_last")
 DEFAULT: tuple[str, ...] = ()  # each measured slower alone on the H200 or not measured yet at depth
 
 
