@@ -72,10 +72,10 @@ def hc_post_pre_norm_composed(h, out, post, comb, fn, base, scale, norm_w, hc_ep
                               sinkhorn_iters):
     """Mega-mHC as the three fused ops, which the two-launch kernel did not beat alone on the H200 (tools/bench_fused.py,
     docs/perf/h200-2026-12-01-s5/fused.log: 0.83-0.90x); the two-launch kernel (hc_post_pre_norm_fused) with the
-    fusion switch mega_mhc (kernels/fusions.py)."""
-    if fusions.on("mega_mhc"):
+    fusion switch mega_mhc (kernels/fusions.py), one launch with mega_mhc_one."""
+    if fusions.on("mega_mhc") or fusions.on("mega_mhc_one"):  # mega_mhc_one: its finish in the same launch
         return hc_post_pre_norm_fused(h, out, post, comb, fn, base, scale, norm_w, hc_eps, norm_eps, out_eps,
-                                      sinkhorn_iters)
+                                      sinkhorn_iters, one_launch=fusions.on("mega_mhc_one"))
     new = hc_post_fused(h, out, post, comb)
     post2, comb2, x = hc_pre_fused(new, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters)
     return new, post2, comb2, rms_norm_fused(x, norm_w, out_eps)

@@ -2,8 +2,8 @@
 against the path it replaces at depth (suite decode_switches). Read at every call: CUDA graphs
 captured after a change follow it.
 
-    DSV4_FUSE=mega_mhc,mega_gate,moe_shared_sum,swiglu_gemv,inv_rope_out,q_kv_rope,q_norm_gemv,combine_last
-    (or "all"; unset: DEFAULT)
+    DSV4_FUSE=mega_mhc,mega_gate,moe_shared_sum,swiglu_gemv,inv_rope_out,q_kv_rope,q_norm_gemv,combine_last,
+    mega_mhc_one   (or "all"; unset: DEFAULT)
 
 - mega_mhc: hc_post + the next hc_pre + its RMSNorm in two launches (kernels.fused_norm_mhc.
   hc_post_pre_norm_fused) instead of four; twice a layer.
@@ -22,6 +22,9 @@ captured after a change follow it.
   layers (their indexer reads the normed q too). GEMV variants only: at prefill sizes the two launches stay.
 - combine_last: the split attention's combine done by the last split of each (token, head block) to finish
   (kernels.fused_attention, a counter per pair), not by its own launch; once a layer where keys are split (decode).
+- mega_mhc_one: Mega-mHC in one launch: its finish (Sinkhorn, collapse, RMSNorm) done by each token tile's last
+  split of the first kernel to finish (kernels.fused_norm_mhc, a counter per tile), with or without mega_mhc;
+  twice a layer.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import os
 
 ALL = ("mega_mhc", "mega_gate", "moe_shared_sum", "swiglu_gemv", "inv_rope_out", "q_kv_rope", "q_norm_gemv",
-       "combine_last")
+       "combine_last", "mega_mhc_one")
 DEFAULT: tuple[str, ...] = ()  # each measured slower alone on the H200 or not measured yet at depth
 
 
