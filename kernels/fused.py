@@ -20,7 +20,7 @@ from kernels.fused_compress_blocks import compress_blocks_fused
 from kernels.fused_fp8_linear import fp8_linear_fused, takes_prologue, tiles
 from kernels.fused_gate import router_topk_fused, router_topk_gemm_fused
 from kernels.fused_indexer import indexer_scores_paged, indexer_topk_fused
-from kernels.fused_moe import moe_experts_fused
+from kernels.fused_moe import aligned_rows, moe_experts_fused
 from kernels.fused_norm_mhc import (
     hc_post_fused,
     hc_post_pre_norm_fused,
@@ -88,6 +88,26 @@ def router_topk_switched(x, weight, bias, top_k, routed_scaling, scoring_func, h
     return fn(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids)
 
 
+def router_moe_fused(x, gate_weight, gate_bias, top_k, routed_scaling, scoring_func, hash_ids, w1, w3, w2, limit,
+                     scales=None, shared=None):
+    """The router, then the routed experts: with the fusion switch align_in_router (kernels/fusions.py) the router's
+    launch also aligns the pairs into the experts' row tiles (its last program: kernels.fused_gate's routers, the
+    one router_topk_switched picks), one launch less; not where the router is the reference (the cuBLAS router's
+    hash layers, a gate without bias) or the experts make no alignment (prefill's grouped path)."""
+    mega = fusions.on("mega_gate")
+    block_m = None
+    if fusions.on("align_in_router") and gate_weight.shape[0] == w1.shape[0] and (
+            (hash_ids is None and gate_bias is not None) or (mega and hash_ids is not None)):
+        block_m = aligned_rows(x, w1, scales, x.shape[0] * top_k)
+    if block_m is None:
+        weights, indices = router_topk_switched(x, gate_weight, gate_bias, top_k, routed_scaling, scoring_func, hash_ids)
+        return moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales, shared)
+    router = router_topk_fused if mega else router_topk_gemm_fused
+    weights, indices, layout = router(x, gate_weight, gate_bias, top_k, routed_scaling, scoring_func, hash_ids,
+                                      align_m=block_m)
+    return moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales, shared, aligned=(block_m, layout))
+
+
 def swiglu_fused(gate, up, limit):
     """V4's shared-expert SwiGLU in one launch instead of four: V4.1's kernel (fp32 inside, one rounding
     to the input dtype, where the reference rounds after each op); the reference when nothing clamps."""
@@ -129,6 +149,7 @@ FUSED = {
     "router_topk": router_topk_switched,
     "paged_attention": paged_attention_fused,
     "moe_experts": moe_experts_fused,
+    "router_moe": router_moe_fused,
     "norm_rope": norm_rope_fused,
     "apply_rope": apply_rope_fused,
     "kv_norm_rope_insert": kv_norm_rope_insert_fused,

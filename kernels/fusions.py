@@ -3,7 +3,7 @@ against the path it replaces at depth (suite decode_switches). Read at every cal
 captured after a change follow it.
 
     DSV4_FUSE=mega_mhc,mega_gate,moe_shared_sum,swiglu_gemv,inv_rope_out,q_kv_rope,q_norm_gemv,combine_last,
-    mega_mhc_one   (or "all"; unset: DEFAULT)
+    mega_mhc_one,align_in_router   (or "all"; unset: DEFAULT)
 
 - mega_mhc: hc_post + the next hc_pre + its RMSNorm in two launches (kernels.fused_norm_mhc.
   hc_post_pre_norm_fused) instead of four; twice a layer.
@@ -25,6 +25,10 @@ captured after a change follow it.
 - mega_mhc_one: Mega-mHC in one launch: its finish (Sinkhorn, collapse, RMSNorm) done by each token tile's last
   split of the first kernel to finish (kernels.fused_norm_mhc, a counter per tile), with or without mega_mhc;
   twice a layer.
+- align_in_router: the MoE's alignment (pairs grouped by expert, cut into row tiles) done by the router's last
+  program to finish (kernels.fused_gate's routers' align_m: the cuBLAS one's, or Mega-Gate's with mega_gate), not by
+  its own launch; once a layer (not with experts on other ranks, not prefill's grouped experts, not the cuBLAS
+  router's hash layers, which run the torch reference).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from __future__ import annotations
 import os
 
 ALL = ("mega_mhc", "mega_gate", "moe_shared_sum", "swiglu_gemv", "inv_rope_out", "q_kv_rope", "q_norm_gemv",
-       "combine_last", "mega_mhc_one")
+       "combine_last", "mega_mhc_one", "align_in_router")
 DEFAULT: tuple[str, ...] = ()  # each measured slower alone on the H200 or not measured yet at depth
 
 
