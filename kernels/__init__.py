@@ -73,6 +73,7 @@ def _bind() -> None:
     """(Re)binds every public op for the backend; an op is its reference, then its kernel if FUSED has one."""
     global rms_norm, rms_norm_unweighted, rope_cos_sin, apply_rope, hc_pre, hc_post, hc_post_pre_norm, hc_head
     global router_topk, linear, linear_split, swiglu, swiglu_linear, mlp, moe_experts, sink_attention, grouped_linear
+    global norm_linear, router_moe
     global indexer_scores, indexer_scores_paged, indexer_topk, paged_attention, pool_blocks, norm_rope
     global kv_norm_rope_insert, q_kv_norm_rope, compress_decode, compress_blocks, greedy_pick
     global v41_hc_site_collapse, v41_hc_expand, v41_rms_norm, v41_rope, v41_fake_quant_fp4, v41_fake_quant_fp8
@@ -99,8 +100,10 @@ def _bind() -> None:
     linear_split = op("linear_split", reference.linear_split)
     swiglu = op("swiglu", reference.swiglu)
     swiglu_linear = op("swiglu_linear", reference.swiglu_linear)
+    norm_linear = op("norm_linear", reference.norm_linear)
     mlp = op("mlp", reference.mlp)
     moe_experts = op("moe_experts", reference.moe_experts)
+    router_moe = op("router_moe", reference.router_moe)
     sink_attention = op("sink_attention", reference.sink_attention)
     grouped_linear = op("grouped_linear", reference.grouped_linear)
     indexer_scores = op("indexer_scores", reference.indexer_scores)

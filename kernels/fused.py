@@ -17,10 +17,10 @@ from kernels.formats import fp8_block_of
 from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
 from kernels.fused_compress_blocks import compress_blocks_fused
-from kernels.fused_fp8_linear import fp8_linear_fused, takes_swiglu, tiles
+from kernels.fused_fp8_linear import fp8_linear_fused, takes_prologue, tiles
 from kernels.fused_gate import router_topk_fused, router_topk_gemm_fused
 from kernels.fused_indexer import indexer_scores_paged, indexer_topk_fused
-from kernels.fused_moe import moe_experts_fused
+from kernels.fused_moe import aligned_rows, moe_experts_fused
 from kernels.fused_norm_mhc import (
     hc_post_fused,
     hc_post_pre_norm_fused,
@@ -72,10 +72,10 @@ def hc_post_pre_norm_composed(h, out, post, comb, fn, base, scale, norm_w, hc_ep
                               sinkhorn_iters):
     """Mega-mHC as the three fused ops, which the two-launch kernel did not beat alone on the H200 (tools/bench_fused.py,
     docs/perf/h200-2026-12-01-s5/fused.log: 0.83-0.90x); the two-launch kernel (hc_post_pre_norm_fused) with the
-    fusion switch mega_mhc (kernels/fusions.py)."""
-    if fusions.on("mega_mhc"):
+    fusion switch mega_mhc (kernels/fusions.py), one launch with mega_mhc_one."""
+    if fusions.on("mega_mhc") or fusions.on("mega_mhc_one"):  # mega_mhc_one: its finish in the same launch
         return hc_post_pre_norm_fused(h, out, post, comb, fn, base, scale, norm_w, hc_eps, norm_eps, out_eps,
-                                      sinkhorn_iters)
+                                      sinkhorn_iters, one_launch=fusions.on("mega_mhc_one"))
     new = hc_post_fused(h, out, post, comb)
     post2, comb2, x = hc_pre_fused(new, fn, base, scale, hc_eps, norm_eps, sinkhorn_iters)
     return new, post2, comb2, rms_norm_fused(x, norm_w, out_eps)
@@ -86,6 +86,26 @@ def router_topk_switched(x, weight, bias, top_k, routed_scaling, scoring_func, h
     switch mega_gate (kernels/fusions.py; hash layers in that launch too)."""
     fn = router_topk_fused if fusions.on("mega_gate") else router_topk_gemm_fused
     return fn(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids)
+
+
+def router_moe_fused(x, gate_weight, gate_bias, top_k, routed_scaling, scoring_func, hash_ids, w1, w3, w2, limit,
+                     scales=None, shared=None):
+    """The router, then the routed experts: with the fusion switch align_in_router (kernels/fusions.py) the router's
+    launch also aligns the pairs into the experts' row tiles (its last program: kernels.fused_gate's routers, the
+    one router_topk_switched picks), one launch less; not where the router is the reference (the cuBLAS router's
+    hash layers, a gate without bias) or the experts make no alignment (prefill's grouped path)."""
+    mega = fusions.on("mega_gate")
+    block_m = None
+    if fusions.on("align_in_router") and gate_weight.shape[0] == w1.shape[0] and (
+            (hash_ids is None and gate_bias is not None) or (mega and hash_ids is not None)):
+        block_m = aligned_rows(x, w1, scales, x.shape[0] * top_k)
+    if block_m is None:
+        weights, indices = router_topk_switched(x, gate_weight, gate_bias, top_k, routed_scaling, scoring_func, hash_ids)
+        return moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales, shared)
+    router = router_topk_fused if mega else router_topk_gemm_fused
+    weights, indices, layout = router(x, gate_weight, gate_bias, top_k, routed_scaling, scoring_func, hash_ids,
+                                      align_m=block_m)
+    return moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales, shared, aligned=(block_m, layout))
 
 
 def swiglu_fused(gate, up, limit):
@@ -99,13 +119,23 @@ def swiglu_fused(gate, up, limit):
 def swiglu_linear_fused(gate, up, limit, weight, scale=None):
     """The shared expert's w2 over its SwiGLU: two launches (swiglu_fused, then the linear), or with the fusion
     switch swiglu_gemv (kernels/fusions.py) one, the SwiGLU in the FP8 GEMV's prologue (same roundings)."""
-    if fusions.on("swiglu_gemv") and scale is not None and limit > 0 and takes_swiglu(gate.numel() // gate.shape[-1],
+    if fusions.on("swiglu_gemv") and scale is not None and limit > 0 and takes_prologue(gate.numel() // gate.shape[-1],
                                                                                        weight, scale):
         return fp8_linear_fused(gate, weight, scale, act=(up, limit))
     return linear_fused(swiglu_fused(gate, up, limit), weight, scale)
 
 
+def norm_linear_fused(x, norm_weight, eps, weight, scale=None):
+    """linear(rms_norm(x)): two launches (the RMSNorm kernel, then the linear), or with the fusion switch
+    q_norm_gemv (kernels/fusions.py) one, the RMSNorm in the FP8 GEMV's prologue (one rounding to x's dtype in
+    both; its sum of squares in another order)."""
+    if fusions.on("q_norm_gemv") and scale is not None and takes_prologue(x.numel() // x.shape[-1], weight, scale):
+        return fp8_linear_fused(x, weight, scale, norm=(norm_weight, eps))
+    return linear_fused(rms_norm_fused(x, norm_weight, eps), weight, scale)
+
+
 FUSED = {
+    "norm_linear": norm_linear_fused,
     "linear": linear_fused,
     "linear_split": linear_split_fused,
     "grouped_linear": grouped_linear_fused,
@@ -119,6 +149,7 @@ FUSED = {
     "router_topk": router_topk_switched,
     "paged_attention": paged_attention_fused,
     "moe_experts": moe_experts_fused,
+    "router_moe": router_moe_fused,
     "norm_rope": norm_rope_fused,
     "apply_rope": apply_rope_fused,
     "kv_norm_rope_insert": kv_norm_rope_insert_fused,

@@ -10,9 +10,10 @@ base pointer: the compressed pool's rows sit COMP_OFF elements from the window p
 Online softmax in base 2; the sink joins the denominator at the end.
 
 Splits (flash-decoding: enough programs for a few decode tokens) each take a slice of the slots and write partials
-that _combine_kernel joins. BLOCK_D < head_dim splits the output columns over programs, each recomputing the scores
-(QK is half the FLOPs): its accumulator shrinks with it. Positions and tables in int32, block size, ratio and entries
-per block as constants: the index arithmetic is shifts, not 64-bit divisions.
+that _combine_kernel joins (fusion switch combine_last: the last split of each token's head block to finish joins
+them). BLOCK_D < head_dim splits the output columns over programs, each recomputing the scores (QK is half the
+FLOPs): its accumulator shrinks with it. Positions and tables in int32, block size, ratio and entries per block as
+constants: the index arithmetic is shifts, not 64-bit divisions.
 
 Same result as kernels.reference.paged_attention. (q's norm + RoPE and the output's inverse RoPE folded into this
 kernel measured slower than their own kernels: tools/bench_attention_prefill.py,
@@ -30,6 +31,7 @@ import triton.language as tl
 from kernels import fusions, pdl, quant_configs
 from kernels.fused_rope import apply_rope_fused
 from kernels.pdl import wait_and_release
+from kernels.semaphores import semaphores
 
 # Triton's CPU interpreter computes bf16 tl.dot wrongly (seen with Triton 3.9: errors of 1e10),
 # so under TRITON_INTERPRET the dots run in fp32; on the GPU they stay in the model dtype.
@@ -68,9 +70,11 @@ def _paged_attention_kernel(
     replay_ptr, ftab_ptr, ftab_stride, sel_ptr, sink_ptr, scale, H, W, COMP_OFF, cos_ptr, sin_ptr,
     BS: tl.constexpr, RATIO: tl.constexpr, PER_BLOCK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, TOPK: tl.constexpr, NSPLIT: tl.constexpr,
-    DOT_F32: tl.constexpr, R: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
+    DOT_F32: tl.constexpr, R: tl.constexpr = 0, sem_ptr=None, COMBINE_LAST: tl.constexpr = False,
+    CB_H: tl.constexpr = 8, CB_D: tl.constexpr = 128, PDL: tl.constexpr = False,
 ):
+    """COMBINE_LAST (NSPLIT > 1): the last split of a (token, head block) to finish joins the partials (a counter
+    per pair at sem_ptr, kernels/semaphores.py), in _combine_kernel's CB_H x CB_D slices: no combine launch."""
     wait_and_release(PDL)
     t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -149,6 +153,16 @@ def _paged_attention_kernel(
         tl.store(part_m_ptr + row, m_i, mask=hmask)
         tl.store(part_l_ptr + row, l_i, mask=hmask)
         tl.store(part_acc_ptr + row[:, None] * HD + d[None, :], acc, mask=hmask[:, None])
+        if COMBINE_LAST:
+            tl.debug_barrier()  # every thread's partials are stored before the counter's release
+            tile = sem_ptr + t * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(tile, 1, sem="acq_rel") == NSPLIT - 1:
+                tl.atomic_xchg(tile, 0)  # zero again (CUDA graphs replay it as is)
+                for h0 in range(0, BLOCK_H, CB_H):
+                    hh = tl.program_id(1) * BLOCK_H + h0 + tl.arange(0, CB_H)
+                    for c0 in range(0, HD, CB_D):
+                        _combine_tile(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, t, hh, hh < H, c0, H,
+                                      cos_ptr, sin_ptr, HD, CB_H, CB_D, NSPLIT, R, True)
 
 
 @triton.jit
@@ -158,14 +172,22 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H, 
     """Program (token, heads, columns): its own small slice, so the partials of one decode token are read by many
     programs at once (one program per 16 heads read 512 KB each for V4's 64 x 512 at 16 splits)."""
     wait_and_release(PDL)
-    t = tl.program_id(0)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < H
-    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    _combine_tile(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, tl.program_id(0), heads, heads < H,
+                  tl.program_id(2) * BLOCK_D, H, cos_ptr, sin_ptr, HD, BLOCK_H, BLOCK_D, NSPLIT, R, False)
+
+
+@triton.jit
+def _combine_tile(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, t, heads, hmask, col0, H, cos_ptr, sin_ptr,
+                  HD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NSPLIT: tl.constexpr,
+                  R: tl.constexpr, VOLATILE: tl.constexpr):
+    """Token t's output at `heads`, columns col0 + (0..BLOCK_D), from the splits' partials. VOLATILE: the partials
+    were stored by other programs of this launch (COMBINE_LAST), so read from L2, never a stale L1 line."""
+    d = col0 + tl.arange(0, BLOCK_D)
     sp = tl.arange(0, NSPLIT)
     rows = (t * H + heads)[:, None] * NSPLIT + sp[None, :]
-    m = tl.load(part_m_ptr + rows, mask=hmask[:, None], other=-float("inf"))
-    l = tl.load(part_l_ptr + rows, mask=hmask[:, None], other=0.0)
+    m = tl.load(part_m_ptr + rows, mask=hmask[:, None], other=-float("inf"), volatile=VOLATILE)
+    l = tl.load(part_l_ptr + rows, mask=hmask[:, None], other=0.0, volatile=VOLATILE)
     sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0).to(tl.float32) * LOG2E
     m_all = tl.maximum(tl.max(m, axis=1), sink)
     w = tl.exp2(m - m_all[:, None])
@@ -174,10 +196,9 @@ def _combine_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sink_ptr, H, 
     for i in tl.static_range(NSPLIT):
         wi = tl.sum(tl.where(sp[None, :] == i, w, 0.0), axis=1)
         a = tl.load(part_acc_ptr + ((t * H + heads) * NSPLIT + i)[:, None] * HD + d[None, :], mask=hmask[:, None],
-                    other=0.0)
+                    other=0.0, volatile=VOLATILE)
         o += a * wi[:, None]
-    _store_out(out_ptr, o / l_all[:, None], t, heads, hmask, tl.program_id(2) * BLOCK_D, cos_ptr, sin_ptr, H, HD, R,
-               BLOCK_D)
+    _store_out(out_ptr, o / l_all[:, None], t, heads, hmask, col0, cos_ptr, sin_ptr, H, HD, R, BLOCK_D)
 
 
 # Prefill chunks (PREFILL_T tokens or more), and V4's heads (64 x 512) from WGMMA_MIN_T tokens (split for few): the
@@ -276,6 +297,9 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
     sinks = sinks.float().contiguous()
     cos, sin = (t.contiguous() for t in inv_rope) if inv_rope is not None else (sinks, sinks)
     rope_r = 2 * inv_rope[0].shape[-1] if inv_rope is not None else 0
+    cb_h, cb_d = min(COMBINE_BLOCK_H, block_h), min(COMBINE_BLOCK_D, hd)
+    combine_last = nsplit > 1 and fusions.on("combine_last")
+    sem = semaphores(q.device, T * head_blocks) if combine_last else sinks
     _paged_attention_kernel[(T, head_blocks, hd // block_d * nsplit)](
         q, out, part_m, part_l, part_acc, positions, token_seq, window_pool, window_tables, window_tables.stride(0),
         replay_starts, full_tables if full_tables is not None else window_tables,
@@ -283,10 +307,10 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
         selected.contiguous() if selected is not None else positions, sinks, scale, H, sliding_window, comp_off, cos,
         sin, BS=window_pool.shape[1], RATIO=max(ratio, 1), PER_BLOCK=comp_pool.shape[1] if comp_pool is not None else 1,
         HD=hd, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, MODE=mode, TOPK=topk, NSPLIT=nsplit,
-        DOT_F32=_INTERPRET, R=rope_r, num_warps=warps, num_stages=stages, **pdl.options(q),
+        DOT_F32=_INTERPRET, R=rope_r, sem_ptr=sem, COMBINE_LAST=combine_last, CB_H=cb_h, CB_D=cb_d,
+        num_warps=warps, num_stages=stages, **pdl.options(q),
     )
-    if nsplit > 1:
-        cb_h, cb_d = min(COMBINE_BLOCK_H, block_h), min(COMBINE_BLOCK_D, hd)
+    if nsplit > 1 and not combine_last:
         _combine_kernel[(T, triton.cdiv(H, cb_h), hd // cb_d)](
             out, part_m, part_l, part_acc, sinks, H, cos, sin, HD=hd, BLOCK_H=cb_h, BLOCK_D=cb_d, NSPLIT=nsplit,
             R=rope_r, **pdl.options(out))

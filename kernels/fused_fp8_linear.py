@@ -126,23 +126,45 @@ def _scaled_dot(w, xt, sw, DOT_F32: tl.constexpr, W_CVT: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_ptr, u_ptr, offs, mask, limit, ACT: tl.constexpr):
+def _x_tile(x_ptr, u_ptr, offs, mask, limit, ACT: tl.constexpr, nw_ptr=None, k=None, rstd=None,
+            NORM: tl.constexpr = False):
     """The activations at offs; ACT: the clamped SwiGLU of (gate x, up u) computed here in float32 and rounded
-    once to x's dtype, as the separate SwiGLU kernel (kernels.deepseek_v41.fused._pair_kernel) stores it."""
+    once to x's dtype, as the separate SwiGLU kernel (kernels.deepseek_v41.fused._pair_kernel) stores it.
+    NORM: x's RMSNorm (rstd: its rows' 1 / rms, broadcast to offs; nw_ptr: the float32 weight at columns k),
+    x * rstd * weight in float32 rounded once to x's dtype, as the RMSNorm kernel stores it."""
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if ACT:
         a = tl.minimum(x.to(tl.float32), limit)
         b = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         b = tl.minimum(tl.maximum(b, -limit), limit)
         x = (a * tl.sigmoid(a) * b).to(x.dtype)
+    if NORM:
+        x = (x.to(tl.float32) * rstd * tl.load(nw_ptr + k, mask=mask, other=0.0)).to(x.dtype)
     return x
+
+
+@triton.jit
+def _rows_rstd(x_ptr, rows, rmask, X_STRIDE, K, eps, NORM: tl.constexpr, CH: tl.constexpr = 128):
+    """1 / rms of the activation rows `rows` over all K columns (every split reads the whole row: K is the
+    q LoRA rank, a few KB from L2), for the RMSNorm prologue; ones without NORM."""
+    r = tl.full(rows.shape, 1.0, tl.float32)
+    if NORM:
+        ss = tl.zeros(rows.shape, tl.float32)
+        for k0 in range(0, K, CH):
+            c = k0 + tl.arange(0, CH)
+            v = tl.load(x_ptr + rows[:, None] * X_STRIDE + c[None, :], mask=rmask[:, None] & (c < K)[None, :],
+                        other=0.0).to(tl.float32)
+            ss += tl.sum(v * v, axis=1)
+        r = tl.rsqrt(ss / K + eps)
+    return r
 
 
 @triton.jit(do_not_specialize=["M"])
 def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STRIDE, ROWS, K_SPLIT, u_ptr,
                     act_limit, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     DOT_F32: tl.constexpr, W_CVT: tl.constexpr = "cast", B: tl.constexpr = 128,
-                    SCALE_TILE: tl.constexpr = False, ACT: tl.constexpr = False, PDL: tl.constexpr = False):
+                    SCALE_TILE: tl.constexpr = False, ACT: tl.constexpr = False, nw_ptr=None, norm_eps=0.0,
+                    NORM: tl.constexpr = False, PDL: tl.constexpr = False):
     """acc[BLOCK_N, BLOCK_M] = W[n, k-range] @ x[m, g * K + k-range]^T, g = the group of rows n (ROWS
     weight rows per group: wo_a's 8 groups read their own slice of x; a plain linear is one group).
     B: the scale block (128 V4, 32 V4.1). Split-K: each split stores its float32 partial, and the last
@@ -159,6 +181,7 @@ def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_
     s_row = s_ptr + (n // B) * tl.cdiv(K, B)  # hoisted: one scale per weight row per B-wide K block
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    rstd = _rows_rstd(x_ptr, m, mmask, X_STRIDE, K, norm_eps, NORM)[None, :]  # NORM: ungrouped, so xg is x_ptr
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     if BLOCK_K <= B:  # each step inside one scale block (V4): one scale per weight row per step
         # the block scales one step ahead: loaded in the loop and used after its MMA, a scale load's L2
@@ -168,7 +191,8 @@ def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < k_hi
             w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-            xt = _x_tile(xg, ug, m[None, :] * X_STRIDE + k[:, None], kmask[:, None] & mmask[None, :], act_limit, ACT)
+            xt = _x_tile(xg, ug, m[None, :] * X_STRIDE + k[:, None], kmask[:, None] & mmask[None, :], act_limit, ACT,
+                         nw_ptr, k[:, None], rstd, NORM)
             sw_next = tl.load(s_row + tl.minimum(k0 + BLOCK_K, k_hi - 1) // B, mask=nmask, other=0.0)  # last: unused
             acc += _scaled_dot(w, xt, sw, DOT_F32, W_CVT)
             sw = sw_next
@@ -179,7 +203,8 @@ def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_
             kmask = k < k_hi
             wmask = nmask[:, None] & kmask[None, :]
             w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=wmask, other=0.0)
-            xt = _x_tile(xg, ug, m[None, :] * X_STRIDE + k[:, None], kmask[:, None] & mmask[None, :], act_limit, ACT)
+            xt = _x_tile(xg, ug, m[None, :] * X_STRIDE + k[:, None], kmask[:, None] & mmask[None, :], act_limit, ACT,
+                         nw_ptr, k[:, None], rstd, NORM)
             st = tl.load(s_row[:, None] + k[None, :] // B, mask=wmask, other=0.0)
             if DOT_F32:
                 acc += tl.dot(w.to(tl.float32) * st, xt.to(tl.float32), input_precision="ieee")
@@ -192,7 +217,7 @@ def _dequant_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_
                 kmask = k < k_hi
                 w = tl.load(w_ptr + n[:, None] * K + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
                 xt = _x_tile(xg, ug, m[None, :] * X_STRIDE + k[:, None], kmask[:, None] & mmask[None, :],
-                             act_limit, ACT)
+                             act_limit, ACT, nw_ptr, k[:, None], rstd, NORM)
                 # past k_hi (a split's or K's end) the tile is masked to zero: any in-bounds scale does
                 sw = tl.load(s_row + tl.minimum(k0 + j * B, k_hi - 1) // B, mask=nmask, other=0.0)
                 acc += _scaled_dot(w, xt, sw, DOT_F32, W_CVT)
@@ -227,23 +252,26 @@ def _gemv_weights(w_ptr, s_row, n, nmask, k0, k_hi, K, G: tl.constexpr, B: tl.co
 
 
 @triton.jit
-def _gemv_step(xg, ug, n, w, k, sw, k_hi, act_limit, ACT: tl.constexpr):
+def _gemv_step(xg, ug, n, w, k, sw, k_hi, act_limit, ACT: tl.constexpr, nw_ptr, rstd, NORM: tl.constexpr):
     # x in the weight tile's layout (each thread its own entries, from L1): no shared-memory broadcast
-    xk = _x_tile(xg, ug, k[None, :, :] + 0 * n[:, None, None], (k < k_hi)[None, :, :], act_limit, ACT).to(tl.float32)
+    xk = _x_tile(xg, ug, k[None, :, :] + 0 * n[:, None, None], (k < k_hi)[None, :, :], act_limit, ACT, nw_ptr,
+                 k[None, :, :], rstd, NORM).to(tl.float32)
     return tl.sum(tl.sum(w.to(tl.float32) * xk, axis=2) * sw, axis=1)
 
 
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STRIDE, ROWS, K_SPLIT, u_ptr,
                  act_limit, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 B: tl.constexpr = 128, ACT: tl.constexpr = False, PDL: tl.constexpr = False):
+                 B: tl.constexpr = 128, ACT: tl.constexpr = False, nw_ptr=None, norm_eps=0.0,
+                 NORM: tl.constexpr = False, PDL: tl.constexpr = False):
     """y[m, n-tile] for one activation row m per program, on the CUDA cores: no MMA and no shared
     memory, the weight in 16-byte loads straight to registers ([BLOCK_N, BLOCK_K / B, B]: the last
     axis one scale block, B = 128 in V4, 32 in V4.1), e4m3 -> float32 (F2FP unpack + HADD2.F32), one
     FMA per weight byte, each scale block's sum rescaled once. Groups and split-K as _dequant_kernel.
     PDL: the program's first weight step is loaded before the grid-dependency wait (no kernel writes
     weights), so its bytes stream while the predecessor finishes. ACT: x is a SwiGLU's gate, u_ptr its up
-    (_x_tile: the activation computed in the prologue, no separate SwiGLU launch)."""
+    (_x_tile: the activation computed in the prologue, no separate SwiGLU launch). NORM: x's RMSNorm (weight
+    nw_ptr) in the prologue, its row's rms read after the wait (no separate RMSNorm launch)."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     G: tl.constexpr = BLOCK_K // B
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -257,13 +285,17 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STR
     if PDL:  # the first step peeled: its weights in flight across the wait (every split has one step)
         w, k, sw = _gemv_weights(w_ptr, s_row, n, nmask, k_lo, k_hi, K, G, B)
         wait_and_release(PDL)
-        acc += _gemv_step(xg, ug, n, w, k, sw, k_hi, act_limit, ACT)
+        rstd = tl.sum(_rows_rstd(x_ptr, m + tl.arange(0, 1), tl.full((1,), 1, tl.int1), X_STRIDE, K, norm_eps, NORM),
+                      axis=0)
+        acc += _gemv_step(xg, ug, n, w, k, sw, k_hi, act_limit, ACT, nw_ptr, rstd, NORM)
         k_next = k_lo + BLOCK_K
     else:
+        rstd = tl.sum(_rows_rstd(x_ptr, m + tl.arange(0, 1), tl.full((1,), 1, tl.int1), X_STRIDE, K, norm_eps, NORM),
+                      axis=0)
         k_next = k_lo
     for k0 in range(k_next, k_hi, BLOCK_K):
         w, k, sw = _gemv_weights(w_ptr, s_row, n, nmask, k0, k_hi, K, G, B)
-        acc += _gemv_step(xg, ug, n, w, k, sw, k_hi, act_limit, ACT)
+        acc += _gemv_step(xg, ug, n, w, k, sw, k_hi, act_limit, ACT, nw_ptr, rstd, NORM)
     _split_k_store(acc, y_ptr, ws_ptr, sem_ptr + m * tl.num_programs(0) + pid_n, pid_k,
                    _out_offsets(m, n, M, N, N1), nmask, M, N, SPLITS)
 
@@ -363,10 +395,11 @@ def _launch_opts(cfg: dict) -> dict:
 
 
 def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None, gemv: bool = False,
-             block: int = FP8_BLOCK, act: tuple | None = None):
+             block: int = FP8_BLOCK, act: tuple | None = None, norm: tuple | None = None):
     """x2 [M, groups * K] (row stride x2.stride(0)), weight [N, K] in `groups` blocks of N / groups rows;
     the MMA GEMV (_dequant_kernel) or, gemv, the CUDA-core one (_gemv_kernel, one row per program).
-    block: the weight's scale block (kernels.formats.fp8_block_of). act: (up, limit): x2 is a SwiGLU's gate."""
+    block: the weight's scale block (kernels.formats.fp8_block_of). act: (up, limit): x2 is a SwiGLU's gate.
+    norm: (weight, eps): x2's RMSNorm is what multiplies W (ungrouped)."""
     M = x2.shape[0]
     N, K = weight.shape
     if gemv:
@@ -380,14 +413,16 @@ def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None, 
     up, limit = act if act is not None else (x2, 0.0)
     args = (x2, weight, scale, y, ws, sem, M, N, N if n1 is None else n1, K, x2.stride(0), N // groups, k_split, up,
             float(limit), split)
+    nw, eps = norm if norm is not None else (x2, 0.0)
+    prologue = {"ACT": act is not None, "nw_ptr": nw, "norm_eps": float(eps), "NORM": norm is not None}
     if gemv:
-        _gemv_kernel[grid](*args, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], B=block, ACT=act is not None,
+        _gemv_kernel[grid](*args, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], B=block, **prologue,
                            **_launch_opts(cfg), **pdl.options(x2))
         return
     _dequant_kernel[grid](*args, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                           DOT_F32=_INTERPRET or x2.dtype == torch.float32,
                           W_CVT=cfg.get("W_CVT", quant_configs.W_CVT) if x2.dtype == torch.bfloat16 else "cast",
-                          B=block, SCALE_TILE=cfg.get("SCALE_TILE", False), ACT=act is not None, **_launch_opts(cfg),
+                          B=block, SCALE_TILE=cfg.get("SCALE_TILE", False), **prologue, **_launch_opts(cfg),
                           **pdl.options(x2))
 
 
@@ -426,15 +461,16 @@ def tiles(m: int, n: int, k: int, variant: str | None = None, config: dict | Non
     return variant, cfg
 
 
-def takes_swiglu(m: int, weight: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether fp8_linear_fused computes a SwiGLU in its prologue (`act`) at m rows: the GEMV variants do."""
+def takes_prologue(m: int, weight: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether fp8_linear_fused computes a SwiGLU (`act`) or an RMSNorm (`norm`) in its prologue at m rows: the
+    GEMV variants do."""
     n, k = weight.shape
     return tiles(m, n, k, block=fp8_block_of(weight.shape, scale.shape))[0] in ("gemv", "dequant")
 
 
 def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, variant: str | None = None,
                      config: dict | None = None, groups: int = 1, split_n: int | None = None,
-                     act: tuple[torch.Tensor, float] | None = None):
+                     act: tuple[torch.Tensor, float] | None = None, norm: tuple[torch.Tensor, float] | None = None):
     """x [..., K] (bf16 / fp16 / fp32), weight e4m3 [N, K], scale float32 [cdiv(N,b), cdiv(K,b)], b the
     block (kernels.formats.fp8_block_of: 128 V4, 32 V4.1).
     groups > 1 (wo_a): x [..., groups, K] and weight [groups * R, K], group g's rows times x's
@@ -443,9 +479,14 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     x @ W[split_n:]^T), each contiguous, from one launch.
     `config` (tools/bench_quant.py's sweep) overrides kernels/quant_configs.py's entry.
     act (up, limit): x is a SwiGLU's gate; the clamped SwiGLU of (x, up) is what multiplies W, computed in
-    the GEMV's prologue (variants gemv and dequant only: takes_swiglu; ungrouped, unsplit)."""
+    the GEMV's prologue (variants gemv and dequant only: takes_prologue; ungrouped, unsplit).
+    norm (weight, eps): what multiplies W is x's RMSNorm (kernels.reference.rms_norm: float32 weight [K]),
+    computed in the GEMV's prologue (the same variants; ungrouped; not with act)."""
     if act is not None and (groups > 1 or split_n is not None or act[0].shape != x.shape):
         raise ValueError("a SwiGLU prologue takes one ungrouped, unsplit linear and an up of the gate's shape")
+    if norm is not None and (groups > 1 or act is not None or norm[0].shape != (x.shape[-1],)):
+        raise ValueError(f"an RMSNorm prologue takes one ungrouped linear, no SwiGLU, and a weight of shape "
+                         f"({x.shape[-1]},), got {tuple(norm[0].shape)}")
     if groups > 1:
         lead, K = x.shape[:-2], x.shape[-1]
     else:
@@ -463,9 +504,11 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if groups > 1 and (N // groups) % block:
         raise ValueError(f"grouped FP8 linear: {N // groups} rows per group are not whole {block}-row scale blocks")
     variant, cfg = tiles(M, N // groups, K, variant, config, block)  # per group: the tiles see one group
+    if (act is not None or norm is not None) and variant not in ("dequant", "gemv"):
+        raise ValueError(f"a prologue needs the gemv or dequant variant, not {variant!r} (takes_prologue)")
+    if norm is not None:
+        norm = (norm[0].float().contiguous(), norm[1])
     if act is not None:
-        if variant not in ("dequant", "gemv"):
-            raise ValueError(f"a SwiGLU prologue needs the gemv or dequant variant, not {variant!r} (takes_swiglu)")
         up = act[0].reshape(-1, K)
         act = (up if up.is_contiguous() else up.contiguous(), act[1])
     if variant == "unpacked":
@@ -486,7 +529,7 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if variant in ("dequant", "gemv"):
         if groups > 1 and (N // groups) % cfg["BLOCK_N"]:
             raise ValueError(f"grouped {variant} tiles must not straddle groups: {N // groups} rows, {cfg}")
-        _dequant(x2, weight, scale, y, cfg, groups, split_n, gemv=variant == "gemv", block=block, act=act)
+        _dequant(x2, weight, scale, y, cfg, groups, split_n, gemv=variant == "gemv", block=block, act=act, norm=norm)
     elif groups == 1:
         _mma(x2, weight, scale, y, cfg, split_n, block)
     else:  # the FP8 tensor-core kernel takes one group at a time

@@ -20,12 +20,14 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.fused_moe_align import CHUNK, align_outputs, align_pairs
 from kernels.pdl import wait_and_release
 from kernels.semaphores import semaphores
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
 _SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 BLOCK_T, BLOCK_E, BLOCK_K = 16, 16, 256
+ALIGN_CHUNK = tl.constexpr(CHUNK)  # the alignment's pairs per loop step (kernels/fused_moe_align.py)
 
 
 @triton.jit
@@ -64,11 +66,14 @@ def _route_token(logits_ptr, bias_ptr, hash_ptr, w_ptr, idx_ptr, t, E, scaling, 
     tl.store(idx_ptr + t * K + kr, ids, mask=kr < K)
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "max_blocks"])
 def _gate_kernel(x_ptr, g_ptr, bias_ptr, hash_ptr, logits_ptr, sem_ptr, w_ptr, idx_ptr, T, D, E, scaling,
                  K: tl.constexpr, KP: tl.constexpr, SCORING: tl.constexpr, HASH: tl.constexpr, EP: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                 PDL: tl.constexpr = False):
+                 work_ptr=None, sorted_ptr=None, expert_end_ptr=None, block_expert_ptr=None, block_start_ptr=None,
+                 max_blocks=0, ALIGN_M: tl.constexpr = 0, ALIGN_EP: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """ALIGN_M > 0: the last token tile to be routed (a counter past the tiles' own) then aligns every pair
+    (_router_kernel's)."""
     wait_and_release(PDL)
     pid_e, pid_t = tl.program_id(0), tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -94,36 +99,83 @@ def _gate_kernel(x_ptr, g_ptr, bias_ptr, hash_ptr, logits_ptr, sem_ptr, w_ptr, i
             if tok < T:
                 _route_token(logits_ptr, bias_ptr, hash_ptr, w_ptr, idx_ptr, tok, E, scaling, K, KP, SCORING, EP, HASH,
                              True)
+        if ALIGN_M > 0:
+            _align_if_last(sem_ptr + tl.num_programs(1), tl.num_programs(1), idx_ptr, work_ptr, sorted_ptr,
+                           expert_end_ptr, block_expert_ptr, block_start_ptr, T * K, E, max_blocks, ALIGN_M, ALIGN_EP)
 
 
 @triton.jit
+def _align_if_last(sem_ptr, arrivals, idx_ptr, work_ptr, sorted_ptr, expert_end_ptr, block_expert_ptr, block_start_ptr,
+                   n_pairs, E, max_blocks, ALIGN_M: tl.constexpr, ALIGN_EP: tl.constexpr):
+    """The last of `arrivals` programs to arrive at the counter sem_ptr aligns the n_pairs ids at idx_ptr
+    (kernels/fused_moe_align.py's one program) and zeroes the counter."""
+    tl.debug_barrier()  # every thread's ids are stored before the counter's release
+    if tl.atomic_add(sem_ptr, 1, sem="acq_rel") == arrivals - 1:
+        tl.atomic_xchg(sem_ptr, 0)  # zero again (CUDA graphs replay it as is)
+        align_pairs(idx_ptr, work_ptr, sorted_ptr, expert_end_ptr, block_expert_ptr, block_start_ptr, n_pairs, E,
+                    max_blocks, ALIGN_M, ALIGN_EP, ALIGN_CHUNK, True)
+
+
+@triton.jit(do_not_specialize=["max_blocks"])  # grows with the batch
 def _router_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, scaling, K: tl.constexpr, KP: tl.constexpr,
-                   SCORING: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr = False):
-    """One token's route from the logits cuBLAS wrote before this launch (so plain loads)."""
+                   SCORING: tl.constexpr, BLOCK_E: tl.constexpr, sem_ptr=None, work_ptr=None, sorted_ptr=None,
+                   expert_end_ptr=None, block_expert_ptr=None, block_start_ptr=None, max_blocks=0,
+                   ALIGN_M: tl.constexpr = 0, ALIGN_EP: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """One token's route from the logits cuBLAS wrote before this launch (so plain loads). ALIGN_M > 0: the
+    last program to finish (one counter at sem_ptr) then aligns every token's pairs into ALIGN_M-row tiles
+    (kernels/fused_moe_align.py's one program), instead of the MoE's alignment launch."""
     wait_and_release(PDL)
     _route_token(logits_ptr, bias_ptr, bias_ptr, w_ptr, idx_ptr, tl.program_id(0), E, scaling, K, KP, SCORING, BLOCK_E,
                  False, False)
+    if ALIGN_M > 0:
+        _align_if_last(sem_ptr, tl.num_programs(0), idx_ptr, work_ptr, sorted_ptr, expert_end_ptr, block_expert_ptr,
+                       block_start_ptr, tl.num_programs(0) * K, E, max_blocks, ALIGN_M, ALIGN_EP)
 
 
-def router_topk_gemm_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids=None):
+def router_topk_gemm_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids=None,
+                           align_m: int | None = None):
     """The engine's router: the gate GEMM on cuBLAS, then one program per token for scores, bias,
     top-k and renormalisation; hash layers gather in torch. Faster than Mega-Gate on the H200 at every
-    batch measured (tools/bench_fused.py's Mega-Gate rows and the depth profile, docs/perf/h200-2026-12-01-s5/)."""
+    batch measured (tools/bench_fused.py's Mega-Gate rows and the depth profile, docs/perf/h200-2026-12-01-s5/).
+    align_m (not for hash layers or a gate without bias): also the ids' MoE alignment into align_m-row tiles
+    (kernels.fused_moe_align.moe_align_fused's four outputs, every gate row an expert), from the same launch:
+    returns (weights, ids, alignment)."""
     if hash_ids is not None or bias is None:
+        if align_m is not None:
+            raise ValueError("the router aligns the pairs only for a biased gate without a hash table")
         from kernels.reference import router_topk
         return router_topk(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids)
     logits = torch.nn.functional.linear(x, weight).contiguous()
     T, E = logits.shape
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
-    _router_kernel[(T,)](logits, bias.float().contiguous(), w, idx, E, routed_scaling, K=top_k,
-                         KP=triton.next_power_of_2(top_k),
-                         SCORING=_SCORING[scoring_func], BLOCK_E=triton.next_power_of_2(E), **pdl.options(logits))
-    return w.to(x.dtype), idx
+    route = (logits, bias.float().contiguous(), w, idx, E, routed_scaling)
+    consts = {"K": top_k, "KP": triton.next_power_of_2(top_k), "SCORING": _SCORING[scoring_func],
+              "BLOCK_E": triton.next_power_of_2(E), **pdl.options(logits)}
+    if align_m is None:
+        _router_kernel[(T,)](*route, **consts)
+        return w.to(x.dtype), idx
+    layout, align = _alignment(T * top_k, E, align_m, x.device)
+    if T:
+        _router_kernel[(T,)](*route, sem_ptr=semaphores(x.device, 1), **align, **consts)
+    return w.to(x.dtype), idx, layout
 
 
-def router_topk_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids=None):
+def _alignment(n_pairs: int, E: int, align_m: int, device) -> tuple[tuple, dict]:
+    """The alignment's four outputs, and the router kernels' arguments that fill them."""
+    work, sorted_ids, expert_end, block_expert, block_start = align_outputs(n_pairs, E, align_m, device)
+    return (sorted_ids, expert_end, block_expert, block_start), {
+        "work_ptr": work, "sorted_ptr": sorted_ids, "expert_end_ptr": expert_end, "block_expert_ptr": block_expert,
+        "block_start_ptr": block_start, "max_blocks": block_expert.numel(), "ALIGN_M": align_m,
+        "ALIGN_EP": triton.next_power_of_2(E + 1)}
+
+
+def router_topk_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids=None, align_m: int | None = None):
+    """Mega-Gate. align_m: also the ids' alignment, as router_topk_gemm_fused's, from the same launch (hash
+    layers too): returns (weights, ids, alignment)."""
     if hash_ids is None and bias is None:
+        if align_m is not None:
+            raise ValueError("Mega-Gate aligns the pairs only for a biased gate or a hash table")
         from kernels.reference import router_topk  # a gate with neither bias nor table: the reference
         return router_topk(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids)
     x = x if x.is_contiguous() else x.contiguous()
@@ -131,15 +183,16 @@ def router_topk_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash
     E = weight.shape[0]
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    layout, align = _alignment(T * top_k, E, align_m, x.device) if align_m is not None else (None, {})
     if T == 0:
-        return w.to(x.dtype), idx
+        return (w.to(x.dtype), idx) if align_m is None else (w.to(x.dtype), idx, layout)
     logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(E, BLOCK_E), triton.cdiv(T, BLOCK_T))
     hashed = hash_ids is not None
     _gate_kernel[grid](x, weight, bias.float().contiguous() if bias is not None else logits,
-                       hash_ids.contiguous() if hashed else idx, logits, semaphores(x.device, grid[1]), w, idx,
+                       hash_ids.contiguous() if hashed else idx, logits, semaphores(x.device, grid[1] + 1), w, idx,
                        T, D, E, routed_scaling, K=top_k, KP=triton.next_power_of_2(top_k),
                        SCORING=_SCORING[scoring_func], HASH=hashed, EP=triton.next_power_of_2(E), BLOCK_T=BLOCK_T,
                        BLOCK_E=BLOCK_E, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(D)),
-                       DOT_F32=x.dtype == torch.float32 or _INTERPRET, **pdl.options(x))
-    return w.to(x.dtype), idx
+                       DOT_F32=x.dtype == torch.float32 or _INTERPRET, **align, **pdl.options(x))
+    return (w.to(x.dtype), idx) if align_m is None else (w.to(x.dtype), idx, layout)

@@ -282,12 +282,30 @@ def _tiles(cfg: dict, fmt: int, act_dtype: torch.dtype) -> dict:
     return {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "MX": MX_MODES[mx] if fmt == 2 else 0, **_opts(cfg)}
 
 
-def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, shared=None, config: dict | None = None):
+def _grouped(x, n_pairs: int, E: int, I: int, D: int, fmt: int) -> bool:
+    """Whether a call without a config goes to kernels/moe_grouped.py (prefill's many rows per expert)."""
+    return GROUPED_OK and x.dtype == torch.bfloat16 and quant_configs.moe_grouped(
+        n_pairs, E, E * I * D * 2 if fmt else 0, FORMAT_NAMES[fmt]) and (not x.is_cuda or quant_configs.hopper(x.device))
+
+
+def aligned_rows(x, w1, scales, n_pairs: int) -> int | None:
+    """The BLOCK_M of the alignment moe_experts_fused makes for such a call (no config), or None where it makes
+    none (the grouped path, no pairs): what a router that aligns the pairs itself must use."""
+    fmt = weight_format(w1, scales[0] if scales is not None else None)
+    E, I = w1.shape[:2]
+    if n_pairs == 0 or _grouped(x, n_pairs, E, I, x.shape[1], fmt):
+        return None
+    return quant_configs.moe_config(x.shape[0], n_pairs, E, FORMAT_NAMES[fmt])["gate_up"]["BLOCK_M"]
+
+
+def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, shared=None, config: dict | None = None,
+                      aligned: tuple | None = None):
     """`config` ({"gate_up": cfg, "down": cfg}, tools/bench_quant.py's sweep) overrides
     kernels/quant_configs.py's entry. `shared`: added in the top-k sum's launch with the fusion switch
-    moe_shared_sum (kernels/fusions.py), else by one add after it."""
+    moe_shared_sum (kernels/fusions.py), else by one add after it. `aligned` (BLOCK_M, the alignment's four
+    outputs): the pairs already aligned (by the router's launch: kernels.fused_gate), BLOCK_M aligned_rows'."""
     if shared is not None and not (fusions.on("moe_shared_sum") and shared.is_contiguous()):
-        return moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales, config=config) + shared
+        return moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales, config=config, aligned=aligned) + shared
     T, D = x.shape
     E, I = w1.shape[:2]
     k = indices.shape[1]
@@ -302,9 +320,7 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, share
     else:
         s1 = s3 = s2 = w1  # unused pointers
     n_pairs = T * k
-    if config is None and GROUPED_OK and x.dtype == torch.bfloat16 and quant_configs.moe_grouped(
-            n_pairs, E, E * I * D * 2 if fmt else 0, FORMAT_NAMES[fmt]) and (
-            not x.is_cuda or quant_configs.hopper(x.device)):
+    if config is None and _grouped(x, n_pairs, E, I, D, fmt):
         out = moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales)
         return out if shared is None else out + shared
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
@@ -320,7 +336,9 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, share
     rw = rw if rw.is_contiguous() else rw.contiguous()
     h = torch.empty(n_pairs, I, dtype=x.dtype, device=x.device)
     y = torch.empty(n_pairs, D, dtype=torch.float32, device=x.device)
-    sorted_ids, expert_end, block_expert, block_start = moe_align_fused(indices, E, bm)
+    if aligned is not None and aligned[0] != bm:
+        raise ValueError(f"the pairs were aligned into {aligned[0]}-row tiles, this call's tiles are {bm} rows")
+    sorted_ids, expert_end, block_expert, block_start = aligned[1] if aligned else moe_align_fused(indices, E, bm)
     layout = (sorted_ids, block_expert, block_start, expert_end)
     tiles = block_expert.numel()
     used = quant_configs.moe_used_tiles(n_pairs, E, bm)

@@ -26,6 +26,15 @@ def _moe_align_kernel(ids_ptr, work_ptr, sorted_ptr, expert_end_ptr, block_exper
                       max_blocks, BLOCK_M: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr,
                       PDL: tl.constexpr = False):
     wait_and_release(PDL)
+    align_pairs(ids_ptr, work_ptr, sorted_ptr, expert_end_ptr, block_expert_ptr, block_start_ptr, n_pairs, E,
+                max_blocks, BLOCK_M, EP, CH, False)
+
+
+@triton.jit
+def align_pairs(ids_ptr, work_ptr, sorted_ptr, expert_end_ptr, block_expert_ptr, block_start_ptr, n_pairs, E,
+                max_blocks, BLOCK_M: tl.constexpr, EP: tl.constexpr, CH: tl.constexpr, VOLATILE: tl.constexpr):
+    """The alignment by one program. VOLATILE: the expert ids were stored by other programs of the calling
+    launch (the router's, kernels/fused_gate.py), so read from L2, never a stale L1 line."""
     e = tl.arange(0, EP)
     emask = e < E
     slots = e <= E  # the experts and the skipped pairs' slot E
@@ -35,7 +44,7 @@ def _moe_align_kernel(ids_ptr, work_ptr, sorted_ptr, expert_end_ptr, block_exper
     for p0 in range(0, n_pairs, CH):  # rank of each pair within its expert; counts
         p = p0 + tl.arange(0, CH)
         m = p < n_pairs
-        ex = tl.load(ids_ptr + p, mask=m, other=0).to(tl.int32)
+        ex = tl.load(ids_ptr + p, mask=m, other=0, volatile=VOLATILE).to(tl.int32)
         ex = tl.where(ex < 0, E, ex)
         r = tl.atomic_add(work_ptr + ex, tl.full((CH,), 1, tl.int32), mask=m)
         tl.store(rank_ptr + p, r, mask=m)
@@ -51,7 +60,7 @@ def _moe_align_kernel(ids_ptr, work_ptr, sorted_ptr, expert_end_ptr, block_exper
     for p0 in range(0, n_pairs, CH):  # scatter: sorted[start of its expert + rank] = pair
         p = p0 + tl.arange(0, CH)
         m = p < n_pairs
-        ex = tl.load(ids_ptr + p, mask=m, other=0).to(tl.int32)
+        ex = tl.load(ids_ptr + p, mask=m, other=0, volatile=VOLATILE).to(tl.int32)
         ex = tl.where(ex < 0, E, ex)
         s = tl.load(work_ptr + ex, mask=m, other=0, volatile=True)
         r = tl.load(rank_ptr + p, mask=m, other=0, volatile=True)
@@ -70,17 +79,20 @@ def _moe_align_kernel(ids_ptr, work_ptr, sorted_ptr, expert_end_ptr, block_exper
         tl.store(block_start_ptr + blk_start + j, start + j * BLOCK_M, mask=m)
 
 
+def align_outputs(n_pairs: int, num_experts: int, block_m: int, device) -> tuple:
+    """(work, sorted_ids, expert_end, block_expert, block_start) for n_pairs pairs: the scratch, then the
+    alignment's four outputs (moe_align_fused's return)."""
+    max_blocks = triton.cdiv(n_pairs, block_m) + min(num_experts, n_pairs)
+    i32 = {"dtype": torch.int32, "device": device}
+    return (torch.empty(num_experts + 1 + n_pairs, **i32), torch.empty(n_pairs, **i32), torch.empty(num_experts, **i32),
+            torch.empty(max_blocks, **i32), torch.empty(max_blocks, **i32))
+
+
 def moe_align_fused(indices: torch.Tensor, num_experts: int, block_m: int):
     flat = indices.reshape(-1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
-    n_pairs, dev = flat.numel(), flat.device
-    max_blocks = triton.cdiv(n_pairs, block_m) + min(num_experts, n_pairs)
-    work = torch.empty(num_experts + 1 + n_pairs, dtype=torch.int32, device=dev)
-    sorted_ids = torch.empty(n_pairs, dtype=torch.int32, device=dev)
-    expert_end = torch.empty(num_experts, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    block_start = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    _moe_align_kernel[(1,)](flat, work, sorted_ids, expert_end, block_expert, block_start, n_pairs, num_experts,
-                            max_blocks, BLOCK_M=block_m, EP=triton.next_power_of_2(num_experts + 1), CH=CHUNK,
-                            num_warps=8, **pdl.options(flat))
-    return sorted_ids, expert_end, block_expert, block_start
+    n_pairs = flat.numel()
+    work, *layout = align_outputs(n_pairs, num_experts, block_m, flat.device)
+    _moe_align_kernel[(1,)](flat, work, *layout, n_pairs, num_experts, layout[2].numel(), BLOCK_M=block_m,
+                            EP=triton.next_power_of_2(num_experts + 1), CH=CHUNK, num_warps=8, **pdl.options(flat))
+    return tuple(layout)

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from kernels import pdl, quant_configs
 from kernels.pdl import wait_and_release
+from kernels.semaphores import semaphores
 
 # --- RMSNorm ----------------------------------------------------------------------------------
 
@@ -105,9 +106,21 @@ def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, 
     RMSNorm of the collapsed row, whose sum of squares is pre^T Gram pre (no second pass over D).
     SINGLE_PASS (V4.1): stores this site's pre and collapses with the previous site's (pre_in)."""
     wait_and_release(PDL)
+    _hc_finish_tile(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, w_ptr, pre_in_ptr, pre_out_ptr,
+                    tl.program_id(0) * BLOCK_T, tl.program_id(1), T, D, N_SPLIT, hc_eps, norm_eps, out_eps, ITERS,
+                    BLOCK_T, BLOCK_D, PW, NORM, SINGLE_PASS, SPLITS_AT_ONCE, False)
+
+
+@triton.jit
+def _hc_finish_tile(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, w_ptr, pre_in_ptr, pre_out_ptr,
+                    t0, pid_d, T, D, N_SPLIT, hc_eps, norm_eps, out_eps, ITERS: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_D: tl.constexpr, PW: tl.constexpr, NORM: tl.constexpr, SINGLE_PASS: tl.constexpr,
+                    SPLITS_AT_ONCE: tl.constexpr, VOLATILE: tl.constexpr):
+    """The finish of tokens t0 + (0..BLOCK_T), columns block pid_d (post and comb stored by block 0). VOLATILE:
+    the partials and the streams x were stored by other programs of this launch (Mega-mHC in one launch), so
+    read from L2, never a stale L1 line."""
     HC: tl.constexpr = 4
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    pid_d = tl.program_id(1)
+    t = t0 + tl.arange(0, BLOCK_T)
     tmask = t < T
     r16 = tl.arange(0, 16)
     pre_w = tl.zeros((BLOCK_T, 16), tl.float32)
@@ -120,14 +133,15 @@ def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, 
         sp = sp0 + tl.arange(0, SPLITS_AT_ONCE)
         spm = (sp < N_SPLIT)[:, None, None]
         row = part_ptr + (sp[:, None, None] * T + t[None, :, None]) * PW + r16[None, None, :]
-        pre_w += tl.sum(tl.load(row, mask=spm & small[None, :, :], other=0.0), axis=0)
-        post_w += tl.sum(tl.load(row + HC, mask=spm & small[None, :, :], other=0.0), axis=0)
-        comb_w += tl.sum(tl.load(row + 2 * HC, mask=spm & tmask[None, :, None], other=0.0), axis=0)
+        pre_w += tl.sum(tl.load(row, mask=spm & small[None, :, :], other=0.0, volatile=VOLATILE), axis=0)
+        post_w += tl.sum(tl.load(row + HC, mask=spm & small[None, :, :], other=0.0, volatile=VOLATILE), axis=0)
+        comb_w += tl.sum(tl.load(row + 2 * HC, mask=spm & tmask[None, :, None], other=0.0, volatile=VOLATILE),
+                         axis=0)
         sumsq += tl.sum(tl.sum(tl.load(row + 24, mask=spm & tmask[None, :, None] & (r16[None, None, :] == 0),
-                                       other=0.0), axis=2), axis=0)
+                                       other=0.0, volatile=VOLATILE), axis=2), axis=0)
         if NORM:
-            gram += tl.sum(tl.load(row + 25, mask=spm & tmask[None, :, None] & (r16[None, None, :] < 10), other=0.0),
-                           axis=0)
+            gram += tl.sum(tl.load(row + 25, mask=spm & tmask[None, :, None] & (r16[None, None, :] < 10), other=0.0,
+                                   volatile=VOLATILE), axis=0)
     # the unweighted RMSNorm of the flattened streams is one scalar per token: it factors out
     r = tl.rsqrt(sumsq / (HC * D) + norm_eps)[:, None]
     b_pre = tl.load(base_ptr + r16, mask=r16 < HC, other=0.0)
@@ -156,10 +170,10 @@ def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, 
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     m = tmask[:, None] & (d[None, :] < D)
     base = x_ptr + t[:, None] * (HC * D) + d[None, :]
-    y = p0 * tl.load(base, mask=m, other=0.0).to(tl.float32)
-    y += p1 * tl.load(base + D, mask=m, other=0.0).to(tl.float32)
-    y += p2 * tl.load(base + 2 * D, mask=m, other=0.0).to(tl.float32)
-    y += p3 * tl.load(base + 3 * D, mask=m, other=0.0).to(tl.float32)
+    y = p0 * tl.load(base, mask=m, other=0.0, volatile=VOLATILE).to(tl.float32)
+    y += p1 * tl.load(base + D, mask=m, other=0.0, volatile=VOLATILE).to(tl.float32)
+    y += p2 * tl.load(base + 2 * D, mask=m, other=0.0, volatile=VOLATILE).to(tl.float32)
+    y += p3 * tl.load(base + 3 * D, mask=m, other=0.0, volatile=VOLATILE).to(tl.float32)
     if NORM:  # sum_d (sum_j p_j x_jd)^2 = sum_jk p_j p_k Gram_jk
         ss = p0 * p0 * _col(gram, 0) + p1 * p1 * _col(gram, 4) + p2 * p2 * _col(gram, 7) + p3 * p3 * _col(gram, 9)
         ss += 2.0 * (p0 * (p1 * _col(gram, 1) + p2 * _col(gram, 2) + p3 * _col(gram, 3))
@@ -172,6 +186,14 @@ def _hc_finish_kernel(x_ptr, part_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, 
 FINISH_WARPS = 4  # tuning knob for the Sinkhorn/collapse kernel (tools/tune_small_kernels.py)
 
 
+def _finish_tiles(T: int, D: int, n_split: int) -> tuple[int, int, int]:
+    """The finish's token tile, column block and splits loaded per step: decode's few tokens get a token tile no
+    wider than the tokens (the Sinkhorn's reductions run over the whole tile) and every split's partials loaded
+    in one step (each step waits on L2); 16 tokens and 8 splits a step past."""
+    block_t = min(16, triton.next_power_of_2(T))
+    return block_t, min(512, triton.next_power_of_2(D)), max(8, min(triton.next_power_of_2(n_split), 128 // block_t))
+
+
 def _hc_finish(x, part, base, scale, out, norm_w, hc_eps, norm_eps, out_eps, sinkhorn_iters, pre_in=None,
                pre_out=None):
     """post, comb and the collapsed streams (weighted-RMSNorm'ed with norm_w) into `out`, from the partials;
@@ -179,10 +201,7 @@ def _hc_finish(x, part, base, scale, out, norm_w, hc_eps, norm_eps, out_eps, sin
     T, hc, D = x.shape
     post = torch.empty(T, hc, dtype=torch.float32, device=x.device)
     comb = torch.empty(T, hc, hc, dtype=torch.float32, device=x.device)
-    # decode's few tokens: a token tile no wider than the tokens (the Sinkhorn's reductions run over the whole
-    # tile) and every split's partials loaded in one step (each step waits on L2); 16 tokens and 8 splits a step past
-    BLOCK_T, BLOCK_D = min(16, triton.next_power_of_2(T)), min(512, triton.next_power_of_2(D))
-    splits_at_once = max(8, min(triton.next_power_of_2(part.shape[0]), 128 // BLOCK_T))
+    BLOCK_T, BLOCK_D, splits_at_once = _finish_tiles(T, D, part.shape[0])
     _hc_finish_kernel[(triton.cdiv(T, BLOCK_T), triton.cdiv(D, BLOCK_D))](
         x, part, base.float().contiguous(), scale.float().contiguous(), post, comb, out,
         out if norm_w is None else norm_w, post if pre_in is None else pre_in, post if pre_out is None else pre_out,
@@ -242,10 +261,15 @@ def hc_site_collapse_fused(h, pre_in, fn, base, scale, hc_eps, norm_eps, sinkhor
 @triton.jit(do_not_specialize=["T"])
 def _hc_post_mix_kernel(h_ptr, blk_ptr, post_ptr, comb_ptr, fn_ptr, new_ptr, part_ptr, T, D, D_SPLIT,
                         PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PW: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        base_ptr=None, scale_ptr=None, post2_ptr=None, comb2_ptr=None, x_ptr=None, w_ptr=None,
+                        sem_ptr=None, hc_eps=0.0, norm_eps=0.0, out_eps=0.0, ITERS: tl.constexpr = 1,
+                        FBLOCK_T: tl.constexpr = 16, FBLOCK_D: tl.constexpr = 512, SPLITS_AT_ONCE: tl.constexpr = 8,
+                        FINISH: tl.constexpr = False, PDL: tl.constexpr = False):
     """new[t, k] = post[t, k] * blk[t] + sum_j comb[t, j, k] * h[t, j] over this split's columns, stored
     (rounded to h's dtype); part[split, t] = (the 24 mixes of the rounded streams with fn, their sum of
-    squares, the 10 upper entries of their Gram matrix)."""
+    squares, the 10 upper entries of their Gram matrix). FINISH (Mega-mHC in one launch): the last split of a
+    token tile to finish (a counter per tile, kernels/semaphores.py) runs the finish kernel's work for the tile,
+    in the finish kernel's FBLOCK_T x FBLOCK_D tiles (the same arithmetic), instead of that launch."""
     wait_and_release(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
@@ -306,6 +330,16 @@ def _hc_post_mix_kernel(h_ptr, blk_ptr, post_ptr, comb_ptr, fn_ptr, new_ptr, par
     tl.store(out + 32, g22, mask=tmask)
     tl.store(out + 33, g23, mask=tmask)
     tl.store(out + 34, g33, mask=tmask)
+    if FINISH:
+        tl.debug_barrier()  # every thread's streams and partials are stored before the counter's release
+        tile = sem_ptr + tl.program_id(0)
+        if tl.atomic_add(tile, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+            tl.atomic_xchg(tile, 0)  # zero again (CUDA graphs replay it as is)
+            for t0 in range(tl.program_id(0) * BLOCK_T, tl.minimum(tl.program_id(0) * BLOCK_T + BLOCK_T, T), FBLOCK_T):
+                for pid_d in range(0, tl.cdiv(D, FBLOCK_D)):
+                    _hc_finish_tile(new_ptr, part_ptr, base_ptr, scale_ptr, post2_ptr, comb2_ptr, x_ptr, w_ptr,
+                                    post2_ptr, post2_ptr, t0, pid_d, T, D, tl.num_programs(1), hc_eps, norm_eps,
+                                    out_eps, ITERS, FBLOCK_T, FBLOCK_D, PW, True, False, SPLITS_AT_ONCE, True)
 
 
 @triton.jit
@@ -324,7 +358,10 @@ def _post_stream(b, x0, x1, x2, x3, post_ptr, cb, t, tmask, k: tl.constexpr, new
 MEGA_SPLIT_D = 64  # columns per program of kernel 1: 64 programs at one token for D = 4096
 
 
-def hc_post_pre_norm_fused(h, out, post, comb, fn, base, scale, norm_w, hc_eps, norm_eps, out_eps, sinkhorn_iters):
+def hc_post_pre_norm_fused(h, out, post, comb, fn, base, scale, norm_w, hc_eps, norm_eps, out_eps, sinkhorn_iters,
+                           one_launch: bool = False):
+    """Mega-mHC in two launches, or one_launch: the finish done by each token tile's last split (the same
+    values: the finish kernel's tiles and arithmetic)."""
     T, hc, D = h.shape
     assert hc == 4, "the fused mHC kernel is written for 4 streams (DeepSeek-V4's hc_mult)"
     h, out = h.contiguous(), out.contiguous()
@@ -332,12 +369,25 @@ def hc_post_pre_norm_fused(h, out, post, comb, fn, base, scale, norm_w, hc_eps, 
     n_split = triton.cdiv(D, BLOCK_D)
     new = torch.empty_like(h)
     part = torch.empty(n_split, T, 48, dtype=torch.float32, device=h.device)
-    _hc_post_mix_kernel[(triton.cdiv(T, BLOCK_T), n_split)](
-        h, out, post.float().contiguous(), comb.float().contiguous(), fn.float().contiguous(), new, part, T, D,
-        BLOCK_D, PRECISION=_PRECISION, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, PW=48, **pdl.options(h))
     x = torch.empty(T, D, dtype=h.dtype, device=h.device)
-    post2, comb2, x = _hc_finish(new, part, base, scale, x, norm_w.float().contiguous(), hc_eps, norm_eps, out_eps,
-                                 sinkhorn_iters)
+    args = (h, out, post.float().contiguous(), comb.float().contiguous(), fn.float().contiguous(), new, part, T, D,
+            BLOCK_D)
+    grid = (triton.cdiv(T, BLOCK_T), n_split)
+    if not one_launch:
+        _hc_post_mix_kernel[grid](*args, PRECISION=_PRECISION, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, PW=48,
+                                  **pdl.options(h))
+        post2, comb2, x = _hc_finish(new, part, base, scale, x, norm_w.float().contiguous(), hc_eps, norm_eps,
+                                     out_eps, sinkhorn_iters)
+        return new, post2, comb2, x
+    post2 = torch.empty(T, hc, dtype=torch.float32, device=h.device)
+    comb2 = torch.empty(T, hc, hc, dtype=torch.float32, device=h.device)
+    fbt, fbd, at_once = _finish_tiles(T, D, n_split)
+    _hc_post_mix_kernel[grid](*args, PRECISION=_PRECISION, BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D, PW=48,
+                              base_ptr=base.float().contiguous(), scale_ptr=scale.float().contiguous(),
+                              post2_ptr=post2, comb2_ptr=comb2, x_ptr=x, w_ptr=norm_w.float().contiguous(),
+                              sem_ptr=semaphores(h.device, grid[0]), hc_eps=hc_eps, norm_eps=norm_eps,
+                              out_eps=out_eps, ITERS=sinkhorn_iters, FBLOCK_T=fbt, FBLOCK_D=fbd,
+                              SPLITS_AT_ONCE=at_once, FINISH=True, **pdl.options(h))
     return new, post2, comb2, x
 
 

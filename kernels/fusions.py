@@ -2,7 +2,8 @@
 against the path it replaces at depth (suite decode_switches). Read at every call: CUDA graphs
 captured after a change follow it.
 
-    DSV4_FUSE=mega_mhc,mega_gate,moe_shared_sum,swiglu_gemv,inv_rope_out,q_kv_rope   (or "all"; unset: DEFAULT)
+    DSV4_FUSE=mega_mhc,mega_gate,moe_shared_sum,swiglu_gemv,inv_rope_out,q_kv_rope,q_norm_gemv,combine_last,
+    mega_mhc_one,align_in_router   (or "all"; unset: DEFAULT)
 
 - mega_mhc: hc_post + the next hc_pre + its RMSNorm in two launches (kernels.fused_norm_mhc.
   hc_post_pre_norm_fused) instead of four; twice a layer.
@@ -16,13 +17,26 @@ captured after a change follow it.
   not by a separate rotation kernel; once a layer.
 - q_kv_rope: attention's query norm + RoPE and its K=V latent's norm + RoPE + cache insert in one launch
   (kernels.fused_rope.q_kv_norm_rope_fused), not two; once a layer.
+- q_norm_gemv: the query LoRA's RMSNorm (q_norm) computed in wq_b's FP8 GEMV prologue (kernels.fused.
+  norm_linear_fused: one rounding, as the RMSNorm kernel), not by a separate kernel; once a layer outside CSA
+  layers (their indexer reads the normed q too). GEMV variants only: at prefill sizes the two launches stay.
+- combine_last: the split attention's combine done by the last split of each (token, head block) to finish
+  (kernels.fused_attention, a counter per pair), not by its own launch; once a layer where keys are split (decode).
+- mega_mhc_one: Mega-mHC in one launch: its finish (Sinkhorn, collapse, RMSNorm) done by each token tile's last
+  split of the first kernel to finish (kernels.fused_norm_mhc, a counter per tile), with or without mega_mhc;
+  twice a layer.
+- align_in_router: the MoE's alignment (pairs grouped by expert, cut into row tiles) done by the router's last
+  program to finish (kernels.fused_gate's routers' align_m: the cuBLAS one's, or Mega-Gate's with mega_gate), not by
+  its own launch; once a layer (not with experts on other ranks, not prefill's grouped experts, not the cuBLAS
+  router's hash layers, which run the torch reference).
 """
 
 from __future__ import annotations
 
 import os
 
-ALL = ("mega_mhc", "mega_gate", "moe_shared_sum", "swiglu_gemv", "inv_rope_out", "q_kv_rope")
+ALL = ("mega_mhc", "mega_gate", "moe_shared_sum", "swiglu_gemv", "inv_rope_out", "q_kv_rope", "q_norm_gemv",
+       "combine_last", "mega_mhc_one", "align_in_router")
 DEFAULT: tuple[str, ...] = ()  # each measured slower alone on the H200 or not measured yet at depth
 
 

@@ -203,6 +203,21 @@ def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: to
     return linear(swiglu(gate, up, limit), weight, scale)
 
 
+def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The q LoRA's up projection of its RMSNorm: linear(rms_norm(x, norm_weight, eps), weight, scale)."""
+    return linear(rms_norm(x, norm_weight, eps), weight, scale)
+
+
+def router_moe(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor | None, top_k: int,
+               routed_scaling: float, scoring_func: str, hash_ids: torch.Tensor | None, w1: torch.Tensor,
+               w3: torch.Tensor, w2: torch.Tensor, limit: float, scales=None,
+               shared: torch.Tensor | None = None) -> torch.Tensor:
+    """The router, then the routed experts on its pairs (every gate row an expert held here: no other rank's)."""
+    weights, indices = router_topk(x, gate_weight, gate_bias, top_k, routed_scaling, scoring_func, hash_ids)
+    return moe_experts(x, w1, w3, w2, weights, indices, limit, scales, shared)
+
+
 def mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
     return F.linear(swiglu(F.linear(x, w1), F.linear(x, w3), limit), w2)
 

@@ -34,6 +34,17 @@ def _setup(seq_specs, H, hd, W, bs, ratio, dtype, seed):
     return q, t(pos), t(seq), window, wt, t(rs), comp, ft, sinks
 
 
+def _selection(pos, ratio, seed=3):
+    """A CSA selection of up to 6 visible entries per token, -1 padded (top-k > available)."""
+    g = torch.Generator().manual_seed(seed)
+    selected = torch.full((len(pos), 6), -1, dtype=torch.long)
+    for i, p in enumerate(pos.tolist()):
+        n_vis = (p + 1) // ratio
+        pick = torch.randperm(max(n_vis, 1), generator=g)[: min(n_vis, 6)]
+        selected[i, : len(pick)] = pick
+    return selected
+
+
 SPECS = [
     [(0, 1, 0)],  # one token, first position
     [(5, 1, 0), (40, 1, 0), (17, 9, 0)],  # decodes and a prefill chunk across the window boundary
@@ -52,14 +63,7 @@ def test_paged_attention(dtype, tol, spec, mode, nsplit, block_h, wgmma_tiles):
     with the output columns split over programs."""
     H, hd, W, bs, ratio = 5, 32, 16, 16, (0 if mode == "sliding" else 4)
     q, pos, seq, window, wt, rs, comp, ft, sinks = _setup(spec, H, hd, W, bs, ratio or 1, dtype, seed=len(spec))
-    selected = None
-    if mode == "csa":  # a selection of up to 6 visible entries, -1 padded (top-k > available)
-        g = torch.Generator().manual_seed(3)
-        selected = torch.full((len(pos), 6), -1, dtype=torch.long)
-        for i, p in enumerate(pos.tolist()):
-            n_vis = (p + 1) // ratio
-            pick = torch.randperm(max(n_vis, 1), generator=g)[: min(n_vis, 6)]
-            selected[i, : len(pick)] = pick
+    selected = _selection(pos, ratio) if mode == "csa" else None
     args = (q, pos, seq, window, wt, rs, W, None if mode == "sliding" else comp, ft, ratio, selected, sinks, 32**-0.5)
     want = ref.paged_attention(*args)
     got = paged_attention_fused(*args, nsplit=nsplit, block_h=block_h, wgmma_tiles=wgmma_tiles)
@@ -129,3 +133,41 @@ def test_inverse_rope_in_the_store_equals_the_rotation_launch(nsplit, wgmma_tile
     assert not torch.equal(got[..., -r:], plain[..., -r:]) and torch.equal(got[..., :-r], plain[..., :-r])
     want = ref.paged_attention(*args, inv_rope=inv)
     assert (got.float() - want.float()).abs().max() <= 2e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("mode, inv", [("hca", False), ("csa", True)])
+def test_combine_by_the_last_split_equals_the_combine_launch(monkeypatch, mode, inv):
+    """combine_last (kernels/fusions.py): the last split of each (token, head block) to finish joins the partials,
+    in the combine's head x column slices (2 x 8 here: several of each per program), with the inverse RoPE where
+    asked: bit for bit what the combine launch gives, and the counters are left zero for the next launch."""
+    import kernels.fused_attention as fa
+    from kernels import fusions
+    from kernels.semaphores import all_zero
+
+    monkeypatch.setattr(fa, "COMBINE_BLOCK_H", 2)
+    monkeypatch.setattr(fa, "COMBINE_BLOCK_D", 8)
+    H, hd, W, bs, r = 5, 32, 16, 16, 8
+    q, pos, seq, window, wt, rs, comp, ft, sinks = _setup(SPECS[1], H, hd, W, bs, 4, torch.bfloat16, seed=13)
+    sel = _selection(pos, 4, seed=4) if mode == "csa" else None
+    ang = pos[:, None].float() * torch.rand(r // 2, generator=torch.Generator().manual_seed(2))[None, :]
+    kw = {"nsplit": 4, "inv_rope": (ang.cos().bfloat16(), -ang.sin().bfloat16()) if inv else None}
+    args = (q, pos, seq, window, wt, rs, W, comp, ft, 4, sel, sinks, 32**-0.5)
+    ran = []
+    monkeypatch.setattr(fa._combine_kernel, "run", lambda *a, **k: ran.append(1))  # the launch must not run
+    try:
+        fusions.set_fusions("combine_last,inv_rope_out")
+        got = paged_attention_fused(*args, **kw)
+    finally:
+        fusions.set_fusions(fusions.DEFAULT)
+    assert not ran and all_zero()
+    monkeypatch.undo()
+    monkeypatch.setattr(fa, "COMBINE_BLOCK_H", 2)
+    monkeypatch.setattr(fa, "COMBINE_BLOCK_D", 8)
+    try:
+        fusions.set_fusions("inv_rope_out")
+        want = paged_attention_fused(*args, **kw)
+    finally:
+        fusions.set_fusions(fusions.DEFAULT)
+    assert torch.equal(got, want)
+    ref_out = ref.paged_attention(*args, inv_rope=kw["inv_rope"])
+    assert (got.float() - ref_out.float()).abs().max() <= 2e-2 * ref_out.abs().max()

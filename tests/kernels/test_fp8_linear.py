@@ -373,3 +373,49 @@ def test_swiglu_prologue_equals_the_two_launches(variant, m):
     assert torch.equal(got, fp8_linear_fused(act, q, s, variant=variant))
     want = ref.swiglu_linear(gate, up, 10.0, q, s)
     assert (got.float() - want.float()).abs().max() <= 3e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("variant, m", [("gemv", 1), ("gemv", GEMV_ROWS), ("dequant", 5)])
+def test_rms_norm_prologue_equals_the_two_launches(variant, m):
+    """norm=(weight, eps): the RMSNorm computed in the GEMV's prologue (every split reads the whole row's sum of
+    squares) gives what the RMSNorm kernel then the linear give, up to the sum's order (one bf16 step of an
+    activation at most), on rows of very different scales."""
+    from kernels.fused_norm_mhc import rms_norm_fused
+
+    n, k = 200, 384  # N off the 128 block, K three blocks
+    _, q, s = _case(m, n, k, ue8m0=True, seed=7)
+    g = torch.Generator().manual_seed(m)
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m)[:, None]).bfloat16()
+    nw = torch.rand(k, generator=g) + 0.5
+    got = fp8_linear_fused(x, q, s, variant=variant, norm=(nw, 1e-6))
+    two = fp8_linear_fused(rms_norm_fused(x, nw, 1e-6), q, s, variant=variant)
+    want = ref.norm_linear(x, nw, 1e-6, q, s)
+    scale = want.float().abs().amax(dim=1, keepdim=True)
+    assert ((got.float() - two.float()).abs() <= 1e-2 * scale).all()
+    assert ((got.float() - want.float()).abs() <= 3e-2 * scale).all()
+
+
+def test_rms_norm_prologue_refuses_what_it_cannot_take():
+    x, q, s = _case(1, 128, 256, ue8m0=True)
+    with pytest.raises(ValueError, match="RMSNorm prologue"):
+        fp8_linear_fused(x, q, s, norm=(torch.ones(128), 1e-6))  # weight of the wrong width
+    with pytest.raises(ValueError, match="gemv or dequant"):
+        fp8_linear_fused(x, q, s, variant="mma", norm=(torch.ones(256), 1e-6))
+
+
+def test_norm_linear_takes_the_prologue_only_with_its_switch():
+    """kernels.fused.norm_linear_fused: the RMSNorm kernel then the linear, or with q_norm_gemv one GEMV whose
+    prologue norms (the same values as fp8_linear_fused's norm=)."""
+    from kernels import fusions
+    from kernels.fused import norm_linear_fused
+    from kernels.fused_norm_mhc import rms_norm_fused
+
+    x, q, s = _case(1, 128, 256, ue8m0=True, seed=9)
+    x, nw = x.bfloat16(), torch.rand(256) + 0.5
+    try:
+        fusions.set_fusions("q_norm_gemv")
+        assert torch.equal(norm_linear_fused(x, nw, 1e-6, q, s), fp8_linear_fused(x, q, s, norm=(nw, 1e-6)))
+        fusions.set_fusions("")
+        assert torch.equal(norm_linear_fused(x, nw, 1e-6, q, s), fp8_linear_fused(rms_norm_fused(x, nw, 1e-6), q, s))
+    finally:
+        fusions.set_fusions(fusions.DEFAULT)

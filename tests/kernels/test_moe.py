@@ -190,3 +190,75 @@ def test_shared_expert_added_in_the_topk_sum(fused_sum):
     want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, None, shared)
     assert (got.float() - want.float()).abs().max() <= 3e-2 * want.abs().max().item()
     assert (got.float() - moe_experts_fused(x, w1, w3, w2, w, idx, 10.0).float()).abs().max() > 0.1  # it adds
+
+
+@pytest.mark.parametrize("T, block_m", [(1, 16), (5, 32)])
+def test_router_aligns_the_pairs_in_its_launch(T, block_m):
+    """router_topk_gemm_fused's align_m: the router's last program aligns its ids: the same weights and ids as
+    without, the same four outputs as the alignment launch on them, the counter left zero."""
+    from kernels.fused_gate import router_topk_gemm_fused
+    from kernels.semaphores import all_zero
+
+    E, k, D = 40, 6, 64
+    g = torch.Generator().manual_seed(T)
+    x, w, bias = torch.randn(T, D, generator=g), torch.randn(E, D, generator=g) / D**0.5, torch.randn(E, generator=g)
+    gw, gi, layout = router_topk_gemm_fused(x, w, bias * 0.1, k, 1.5, "sqrtsoftplus", align_m=block_m)
+    assert all_zero()
+    want_w, want_i = router_topk_gemm_fused(x, w, bias * 0.1, k, 1.5, "sqrtsoftplus")
+    assert torch.equal(gw, want_w) and torch.equal(gi, want_i)
+    for got, want in zip(layout, moe_align_fused(gi, E, block_m)):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="hash table"):
+        router_topk_gemm_fused(x, w, None, k, 1.5, "sqrtsoftplus", align_m=block_m)
+
+
+@pytest.mark.parametrize("router", ["", "mega_gate"])
+def test_router_moe_aligns_in_the_router_only_with_its_switch(monkeypatch, router):
+    """kernels.fused.router_moe_fused with align_in_router: no alignment launch (the cuBLAS router's or Mega-Gate's
+    does it), the same output as the router then the experts; the reference op (router then experts) within bf16."""
+    import kernels.fused_moe_align as align
+    from kernels import fusions
+    from kernels.fused import router_moe_fused
+
+    T, D, I, E, k = 3, 40, 24, 8, 3
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(T, D, generator=g).bfloat16()
+    w1, w3 = (torch.randn(E, I, D, generator=g) / D**0.5).bfloat16(), (torch.randn(E, I, D, generator=g) / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, I, generator=g) / I**0.5).bfloat16()
+    gate_w, gate_b = (torch.randn(E, D, generator=g) / D**0.5).bfloat16(), torch.randn(E, generator=g) * 0.1
+    args = (x, gate_w, gate_b, k, 1.5, "sqrtsoftplus", None, w1, w3, w2, 10.0)
+    launches = []
+    run = align._moe_align_kernel.run
+    monkeypatch.setattr(align._moe_align_kernel, "run", lambda *a, **kw: launches.append(1) or run(*a, **kw))
+    try:
+        fusions.set_fusions(",".join(filter(None, ("align_in_router", router))))
+        got = router_moe_fused(*args)
+        assert not launches
+        fusions.set_fusions(router)
+        want = router_moe_fused(*args)
+        assert launches
+    finally:
+        fusions.set_fusions(fusions.DEFAULT)
+    assert torch.equal(got, want)
+    r = ref.router_moe(*args)
+    assert (got.float() - r.float()).abs().max() <= 3e-2 * r.abs().max().item()
+
+
+@pytest.mark.parametrize("T, hashed", [(1, False), (17, True)])  # two token tiles
+def test_mega_gate_aligns_the_pairs_in_its_launch(T, hashed):
+    """router_topk_fused's align_m: Mega-Gate's last token tile to be routed aligns every pair: the same weights and
+    ids as without, the alignment launch's four outputs on them, the counters left zero."""
+    from kernels.fused_gate import router_topk_fused
+    from kernels.semaphores import all_zero
+
+    E, k, D = 40, 6, 64
+    g = torch.Generator().manual_seed(T)
+    x, w, bias = torch.randn(T, D, generator=g), torch.randn(E, D, generator=g) / D**0.5, torch.randn(E, generator=g)
+    hash_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if hashed else None
+    args = (x, w, None if hashed else bias * 0.1, k, 1.5, "sqrtsoftplus", hash_ids)
+    gw, gi, layout = router_topk_fused(*args, align_m=16)
+    assert all_zero()
+    want_w, want_i = router_topk_fused(*args)
+    assert torch.equal(gw, want_w) and torch.equal(gi, want_i)
+    for got, want in zip(layout, moe_align_fused(gi, E, 16)):
+        assert torch.equal(got, want)

@@ -94,6 +94,23 @@ def test_hc_post_pre_norm_matches_reference(T, D, dtype):
         _close(g, w, dtype)
 
 
+@pytest.mark.parametrize("T, D", [(3, 600), (17, 72)])  # several finish column blocks; several token tiles
+def test_mega_mhc_in_one_launch_equals_the_two_launches(T, D):
+    """mega_mhc_one: each token tile's last split runs the finish (Sinkhorn, collapse, RMSNorm) in the finish
+    kernel's tiles: bit for bit the two launches' four outputs, and the tile counters are left zero."""
+    from kernels.semaphores import all_zero
+
+    torch.manual_seed(T + D)
+    h, out = torch.randn(T, 4, D).bfloat16(), torch.randn(T, D).bfloat16()
+    post, comb = torch.rand(T, 4) * 2, torch.rand(T, 4, 4)
+    fn, base, scale = torch.randn(24, 4 * D) * 0.1, torch.randn(24) * 0.3, torch.rand(3) + 0.5
+    args = (h, out, post, comb, fn, base, scale, torch.rand(D) + 0.5, 1e-6, 1e-6, 1e-6, 20)
+    got = hc_post_pre_norm_fused(*args, one_launch=True)
+    assert all_zero()
+    for g, w in zip(got, hc_post_pre_norm_fused(*args)):
+        assert torch.equal(g, w)
+
+
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("hashed", [False, True])
 def test_engine_router_and_composed_mhc_match_the_references(T, hashed):

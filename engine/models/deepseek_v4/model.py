@@ -154,8 +154,12 @@ class Attention(nn.Module):
         rope = "main" if self.layer_type == SLIDING else "compress"
         cos, sin = ropes[rope]
         q_lora, kv = linear_group((self.wq_a, self.wkv), x)  # one launch where stacked at load
-        q_res = self.q_norm(q_lora)
-        q = K.q_kv_norm_rope(self.wq_b(q_res).view(T, H, hd), kv, self.kv_norm.weight, cos, sin, cfg.rms_norm_eps,
+        if self.layer_type == CSA:  # the indexer reads the normed q too
+            q_res = self.q_norm(q_lora)
+            q_b = self.wq_b(q_res)
+        else:  # the norm in wq_b's prologue where the fusion switch q_norm_gemv takes it (kernels/fusions.py)
+            q_b = K.norm_linear(q_lora, self.q_norm.weight, self.q_norm.eps, self.wq_b.weight, self.wq_b.scale)
+        q = K.q_kv_norm_rope(q_b.view(T, H, hd), kv, self.kv_norm.weight, cos, sin, cfg.rms_norm_eps,
                              cache.window[self.layer], fb.window_slots)  # kv: norm, RoPE, into the window cache
 
         comp_pool, selected = None, None
@@ -238,13 +242,17 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         hash_ids = self.gate.tid2eid[input_ids] if self.gate.tid2eid is not None else None
-        weights, indices = K.router_topk(x, self.gate.weight, self.gate.bias, cfg.num_experts_per_tok,
-                                         cfg.routed_scaling_factor, cfg.scoring_func, hash_ids)
-        indices = self.tp.local_expert_indices(indices, cfg)
+        gate = (self.gate.weight, self.gate.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.scoring_func,
+                hash_ids)
+        experts = (self.experts_w1, self.experts_w3, self.experts_w2)
         scales = None if self.experts_w1_scale is None else (self.experts_w1_scale, self.experts_w3_scale,
                                                              self.experts_w2_scale)
-        out = K.moe_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights, indices,
-                            cfg.swiglu_limit, scales, self.shared_experts(x))  # + shared: in its last launch
+        if not self.tp.expert_parallel or self.tp.world == 1:  # every expert here: the router may align the pairs
+            out = K.router_moe(x, *gate, *experts, cfg.swiglu_limit, scales, self.shared_experts(x))
+        else:
+            weights, indices = K.router_topk(x, *gate)
+            out = K.moe_experts(x, *experts, weights, self.tp.local_expert_indices(indices, cfg), cfg.swiglu_limit,
+                                scales, self.shared_experts(x))  # + shared: in its last launch
         return self.tp.all_reduce(out)  # tensor parallel: one join per layer
 
 
