@@ -10,7 +10,7 @@ from engine.args import InvalidEngineArgs
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
-from engine.request import SamplingParams
+from engine.request import GenerationRequest, SamplingParams
 from tests.engine.spec.test_spec_decode import _corrupt, _prompts, _run
 
 DSPARK = {"method": "dspark"}  # k and the threshold from the checkpoint: k = the block (5), threshold 0
@@ -87,6 +87,29 @@ def test_prefix_cache_hit_with_bounded_replay(ckpt):
         outs.append((first, second))
     assert outs[0] == outs[1]
     assert st["spec_decode_num_drafts"] > 4
+
+
+def test_cached_context_keys_draft_as_the_main_context_rows(ckpt):
+    """The proposer keeps every stage's keys per position (computed once, when the features come),
+    in a ring of the window (8 here): a prefill chunk longer than the window, verify steps that wrap
+    the ring, rejected positions rewritten with other features. Its drafts equal those of the keys
+    recomputed from the main context rows of the window's final features."""
+    eng = LLM(str(ckpt["narrow"]), dtype="float64", max_model_len=256, speculative_config=DSPARK).engine
+    eng.add_request(GenerationRequest("r", prompt_token_ids=list(range(5, 25)), sampling=GREEDY))
+    prop, drafter, seq = eng.spec.dspark, eng.spec.dspark.drafter, eng.requests["r"].seq
+    W, g = prop.window, torch.Generator().manual_seed(0)
+    truth = torch.zeros(64, len(eng.cfg.dspark.target_layer_ids) * eng.cfg.hidden_size, dtype=torch.float64)
+    for start, n in [(0, 20), (20, 6), (23, 6), (29, 6), (31, 3)]:  # 23, 31: run again (a replay)
+        feats = torch.randn(n, truth.shape[1], generator=g, dtype=torch.float64)
+        truth[start:start + n] = feats
+        prop.absorb([(seq, start, [7] * n)], feats)
+    want = torch.arange(35 - W, 35)
+    ring, pos = prop.context["r"]
+    assert torch.equal(pos[want % W], want)
+    cached = drafter.draft(eng.model, [(ring[want % W], want)], [11], 0.0)
+    direct = drafter.draft(eng.model, [(drafter.main_context(truth[want]), want)], [11], 0.0)
+    assert torch.equal(cached.tokens, direct.tokens)
+    torch.testing.assert_close(cached.confidence, direct.confidence, rtol=1e-10, atol=1e-10)
 
 
 def test_confidence_threshold_caps_the_verify_length(ckpt):
