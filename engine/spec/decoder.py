@@ -30,8 +30,8 @@ per-token semantics. A step with no speculating sequence takes the ordinary path
 async scheduling). A speculative step in which every sequence decodes replays a verify graph and
 then an MTP graph per batch bucket (engine/spec/verify_graphs.py, engine/spec/draft_graphs.py) when decode
 graphs are captured; others (prefill chunks in the batch) run eagerly (step_paths counts both).
-Either way the step reads back before the next one is scheduled. DSpark steps run eagerly (no
-verify or draft graphs yet).
+Either way the step reads back before the next one is scheduled. DSpark replays the same verify
+graphs (they also leave the target features) and drafts eagerly (engine/spec/dspark.py).
 """
 
 from __future__ import annotations
@@ -57,16 +57,17 @@ def speculates(seq: Sequence) -> bool:
     return not p.processes_logits and p.logprobs is None and p.seed is None
 
 
-def spec_graphs(engine, k: int, mtp, mtp_cache) -> tuple[VerifyGraphs | None, DraftGraphs | None]:
+def spec_graphs(engine, k: int, mtp=None, mtp_cache=None) -> tuple[VerifyGraphs | None, DraftGraphs | None]:
     """The verify graphs for the batch buckets the decode graphs have (those that fit the token
     budget) and the MTP's graphs for the same buckets, captured when the runner captured decode
-    graphs; else None (speculative steps run eagerly)."""
+    graphs; else None (speculative steps run eagerly). Without an MTP (DSpark) the verify graphs
+    also leave the target features and there are no draft graphs: the DSpark drafter runs eagerly."""
     if engine.device.type != "cuda" or not any(g.graph is not None for g in engine.runner.graphs.values()):
         return None, None
     buckets = [b for b in engine.runner.graphs if b * (k + 1) <= engine.args.max_num_batched_tokens]
     pool = torch.cuda.graph_pool_handle()
-    verify = VerifyGraphs(engine.model, engine.cache, engine.max_model_len, k, buckets, pool)
-    return verify, DraftGraphs(mtp, engine.model, mtp_cache, verify, pool)
+    verify = VerifyGraphs(engine.model, engine.cache, engine.max_model_len, k, buckets, pool, features=mtp is None)
+    return verify, (DraftGraphs(mtp, engine.model, mtp_cache, verify, pool) if mtp is not None else None)
 
 
 class SpecDecoder:
@@ -92,7 +93,7 @@ class SpecDecoder:
         if spec.method == "dspark":
             self.mtp = self.mtp_cache = None
             self.dspark = DSparkProposer(engine, engine.model.dspark_draft(), self.k, spec.confidence_threshold)
-            self.verify_steps = self.draft_steps = None  # DSpark steps run eagerly
+            self.verify_steps, self.draft_steps = spec_graphs(engine, self.k)  # verify graphs; eager drafter
         else:
             self.mtp = engine.model.mtp_draft()
             self.mtp_cache = self.mtp.make_cache(engine.cache)
@@ -144,7 +145,8 @@ class SpecDecoder:
         if graphed:
             self.step_paths["verify_graph"] += 1  # every sequence decodes: the bucket's padded batch
             out = self.verify_steps.run(batch)
-            logits, hidden, closed, snapshot = out.logits, out.hidden, out.closed_blocks, out.snapshot
+            logits, hidden, features = out.logits, out.hidden, out.features
+            closed, snapshot = out.closed_blocks, out.snapshot
             blocks = out.blocks
         else:
             self.step_paths["verify_eager"] += 1

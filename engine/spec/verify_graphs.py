@@ -10,7 +10,8 @@ write only the scratch block and slot. The batch's tensors are views of one flat
 host-to-device copy and one replay.
 
 Besides the logits, the graph leaves what the step's rollback needs in static buffers shared by
-every bucket: each row's residual streams (the MTP's input), the blocks each compressor closed
+every bucket: each row's residual streams (the MTP's input) or also DSpark's target features (the
+DSpark proposer's input), the blocks each compressor closed
 (reopened when a rejected draft closed them) and the CSA overlap state of the batch's slots from
 before the step. On the CPU (no graphs) the same padded batch runs eagerly through the same
 function: the tests compare it with the unpadded eager path.
@@ -47,6 +48,7 @@ def max_closed_blocks(B: int, k1: int, m: int) -> int:
 class VerifyOutput:
     logits: torch.Tensor  # [T, V] every row's logits, in batch order
     hidden: torch.Tensor  # [T, hc_mult, D] every row's residual streams (before the HC head)
+    features: torch.Tensor | None  # [T, n_targets * D] DSpark's target features of every row (when kept)
     closed_blocks: dict  # id(state) -> (kv, gate) [>= blocks, m, C]: the rows of the blocks closed, in plan order
     blocks: dict  # ratio -> (batch index, entry) of each closed block, host lists, in plan order
     snapshot: dict  # id(state) -> (prev_kv, prev_gate, has_prev) of batch index b at row b
@@ -69,7 +71,8 @@ class VerifyGraphs:
     """The padded verify batches of every bucket, captured as CUDA graphs when `pool` is given."""
 
     def __init__(self, model, cache: KVCache, max_model_len: int, num_speculative_tokens: int,
-                 buckets: list[int], pool=None, capture_fn=capture):
+                 buckets: list[int], pool=None, capture_fn=capture, features: bool = False):
+        """features: the forward also leaves DSpark's target features (DeepseekV4.dspark_features)."""
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
         self.max_model_len, self.k1 = max_model_len, num_speculative_tokens + 1
@@ -82,6 +85,8 @@ class VerifyGraphs:
         # shared outputs: every bucket's graph writes here, so no graph keeps outputs of its own in the pool
         self.hidden = torch.zeros(T, cfg.hc_mult, cfg.hidden_size, dtype=model.embed.weight.dtype, device=dev)
         self.logits = torch.zeros(T, cfg.vocab_size, device=dev)
+        self.features = (torch.zeros(T, len(cfg.dspark.target_layer_ids) * cfg.hidden_size, dtype=self.hidden.dtype,
+                                     device=dev) if features else None)
         self.closed = {id(st): tuple(t.new_zeros(max_closed_blocks(B, self.k1, t.shape[1]), *t.shape[1:])
                                      for t in (st.pend_kv, st.pend_gate)) for st in self.states}
         self.snap = {id(st): (st.prev_kv.new_zeros(B + 1, *st.prev_kv.shape[1:]),
@@ -166,7 +171,11 @@ class VerifyGraphs:
                 for dst, src in zip(self.snap[id(st)], (st.prev_kv, st.prev_gate, st.has_prev)):
                     dst[:S].copy_(src[fb.state_slot_t])
         fb.closed_blocks = {}
-        h = self.model.hidden_states(fb, self.cache)
+        if self.features is not None:
+            h, f = self.model.dspark_features(fb, self.cache)
+            self.features[:T].copy_(f)
+        else:
+            h = self.model.hidden_states(fb, self.cache)
         self.hidden[:T].copy_(h)
         self.logits[:T].copy_(self.model.compute_logits(h))
         for sid, (kv, gate) in fb.closed_blocks.items():
@@ -184,4 +193,5 @@ class VerifyGraphs:
             self._forward(bk)
         else:
             bk.graph.replay()
-        return VerifyOutput(self.logits[:T], self.hidden[:T], self.closed, blocks, self.snap)
+        return VerifyOutput(self.logits[:T], self.hidden[:T], None if self.features is None else self.features[:T],
+                            self.closed, blocks, self.snap)

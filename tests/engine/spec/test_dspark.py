@@ -192,3 +192,24 @@ def test_dspark_needs_the_0731_layout_and_mtp_the_preview_one(ckpt, tiny_dir):
         LLMEngine({"model": str(tiny_dir), "speculative_config": DSPARK})
     with pytest.raises(Exception, match="ships 3 DSpark draft stages"):
         LLMEngine({"model": str(ckpt["tiny"]), "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}})
+
+
+def test_padded_verify_graph_steps_equal_the_eager_steps(ckpt):
+    """What the GPU captures for DSpark (the verify graph with the target features, the rollback
+    graph; the drafter eager), as static batches run eagerly on the CPU: the same greedy tokens as
+    plain decoding with drafts wrong after every gap (partial acceptance at every offset, blocks
+    reopened through the rollback graph's index arrays), and those steps took the graph path."""
+    from engine.spec.verify_graphs import VerifyGraphs
+
+    prompts = _prompts(4096, seed=8, lengths=(7, 26, 41))
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 3
+    want, _ = _run(ckpt["tiny"], prompts, params)
+    llm = LLM(str(ckpt["tiny"]), dtype="float64", max_model_len=256, speculative_config=DSPARK)
+    spec = llm.engine.spec
+    assert spec.verify_steps is None  # CPU: no decode graphs, so none
+    spec.verify_steps = VerifyGraphs(llm.engine.model, llm.engine.cache, llm.engine.max_model_len, spec.k, [1, 4],
+                                     features=True)
+    spec.force_drafts({f"offline-{i}": _wrong_after_gaps(w, 4096, gaps=range(1, 7)) for i, w in enumerate(want)})
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert spec.step_paths["verify_graph"] > 5 and spec.verify_steps.rollback.replays > 3
+    assert all(spec.stats()["spec_decode_accepted_length_counts"])
