@@ -5,8 +5,9 @@ A verify step of k + 1 rows per sequence may close several blocks per sequence a
 holding the first rejected position) is reopened: its rows go back into the open-block state and
 the CSA overlap state is the Ca slice of the block before it (closed by this step, or the state
 from before the step). Later blocks hold only rejected positions: nothing reads them until those
-positions run again and rewrite them (engine/spec/decoder.py says why that is all the cache needs). Eagerly that is a handful of indexed
-copies per compressor and indexer state, so the host's launch work grows with the depth; after a
+positions run again and rewrite them (engine/spec/decoder.py says why that is all the cache
+needs). Eagerly that is a handful of indexed copies per compressor and indexer state, so the
+host's launch work grows with the depth; after a
 pure verify step (a replayed verify graph, whose closed blocks and snapshot sit in VerifyGraphs'
 static buffers) the same copies replay as one graph, fed one small index array: per ratio and
 batch row, the closed block to reopen, its state slot, its batch index and the closed block before
