@@ -174,9 +174,9 @@ def micro_dspark(eng, spec, batch: int, input_len: int, reps: int) -> dict:
             s.spec_token_ids = []
     dt, dev, D = model.embed.weight.dtype, eng.device, model.cfg.hidden_size
     features = torch.randn(batch * (d.block_size + 1), len(d.target_layer_ids) * D, dtype=dt, device=dev)
-    # each stage's context keys, as the proposer keeps them (computed once per position)
+    # each stage's context keys, as the proposer keeps them (computed once per position; positions on the host)
     contexts = [(drafter.context_kv(model, torch.randn(W, D, dtype=dt, device=dev), p), p)
-                for p in (torch.arange(s.num_computed_tokens - W, s.num_computed_tokens, device=dev) for s in seqs)]
+                for p in (torch.arange(s.num_computed_tokens - W, s.num_computed_tokens) for s in seqs)]
     last = [s.last_token_id for s in seqs]
     new_pos = torch.arange(features.shape[0], device=dev)  # a step's new rows: main context and keys, then the block
     row["draft_ms"] = _median_ms(lambda: (drafter.context_kv(model, drafter.main_context(features), new_pos),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import torch
 
 from engine.models.deepseek_v4.dspark import DSparkDrafter
@@ -23,7 +24,7 @@ class DSparkProposer:
     def __init__(self, engine, drafter: DSparkDrafter, k: int, confidence_threshold: float):
         self.engine, self.drafter, self.k, self.threshold = engine, drafter, k, confidence_threshold
         self.window = drafter.cfg.sliding_window
-        # request id -> (every stage's keys [W, stages, head_dim], their positions [W])
+        # request id -> (every stage's keys [W, stages, head_dim], their positions [W] on the host)
         self.context: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.chosen_lengths: Counter[int] = Counter()  # the confidence head's verify lengths (before k)
 
@@ -35,38 +36,39 @@ class DSparkProposer:
             del self.context[rid]
         if features is None:
             return
-        W, row, kept, keep, where = self.window, 0, 0, [], []
-        spans = []  # per item: its kept rows' range in keep / where
-        for seq, start, toks in items:  # a long prefill chunk: only its last window matters
+        W, row, keep, where = self.window, 0, [], []
+        for _, start, toks in items:  # a long prefill chunk: only its last window matters
             n = len(toks)
             lo = max(0, n - W)
-            keep.append(torch.arange(row + lo, row + n))
-            where.append(torch.arange(start + lo, start + n))
-            spans.append((seq, kept, kept + n - lo))
-            row, kept = row + n, kept + n - lo
+            keep.append(np.arange(row + lo, row + n))
+            where.append(np.arange(start + lo, start + n))
+            row += n
         dev = features.device
-        keep, where = torch.cat(keep).to(dev), torch.cat(where).to(dev)
-        kv = self.drafter.context_kv(self.engine.model, self.drafter.main_context(features[keep]), where)
-        for seq, a, b in spans:
+        index = torch.from_numpy(np.concatenate(keep)).to(dev)
+        kv = self.drafter.context_kv(self.engine.model, self.drafter.main_context(features[index]),
+                                     torch.from_numpy(np.concatenate(where)).to(dev))
+        a = 0
+        for (seq, _, _), q in zip(items, where):
             if seq.request_id not in self.context:
-                self.context[seq.request_id] = (kv.new_zeros(W, *kv.shape[1:]),
-                                                torch.full((W,), -1, dtype=torch.long, device=dev))
+                self.context[seq.request_id] = (kv.new_zeros(W, *kv.shape[1:]), np.full(W, -1, dtype=np.int64))
             ring, pos = self.context[seq.request_id]
-            q = where[a:b]
-            ring[q % W], pos[q % W] = kv[a:b], q
+            ring[torch.from_numpy(q % W).to(dev)] = kv[a:a + len(q)]
+            pos[q % W] = q
+            a += len(q)
 
     def draft(self, items, drafting) -> list[list[int]]:
         """drafting: (item index, position of its last token, drafts wanted, outputs) per sequence
-        that drafts -> its drafts (none when its window of main context is incomplete)."""
+        that drafts -> its drafts (none when its window of context keys is incomplete). Positions
+        live on the host: deciding who drafts reads nothing back from the device."""
         W, ready, contexts, last = self.window, [], [], []
         for i, (j, base, _, _) in enumerate(drafting):
             seq, _, toks = items[j]
             ring, pos = self.context[seq.request_id]
-            want = torch.arange(max(0, base - W), base, device=pos.device)
-            if not torch.equal(pos[want % W], want):
+            want = np.arange(max(0, base - W), base)
+            if not np.array_equal(pos[want % W], want):
                 continue
             ready.append(i)
-            contexts.append((ring[want % W], want))
+            contexts.append((ring[torch.from_numpy(want % W).to(ring.device)], torch.from_numpy(want)))
             last.append(toks[-1])
         out = [[] for _ in drafting]
         if not ready:

@@ -105,7 +105,7 @@ def test_cached_context_keys_draft_as_the_main_context_rows(ckpt):
         prop.absorb([(seq, start, [7] * n)], feats)
     want = torch.arange(35 - W, 35)
     ring, pos = prop.context["r"]
-    assert torch.equal(pos[want % W], want)
+    assert pos[want % W].tolist() == want.tolist()
     cached = drafter.draft(eng.model, [(ring[want % W], want)], [11], 0.0)
     direct = drafter.draft(eng.model, [(drafter.main_context(truth[want]), want)], [11], 0.0)
     assert torch.equal(cached.tokens, direct.tokens)
