@@ -325,7 +325,7 @@ def main_dspark(args, model: str, engine_args: dict) -> None:
     eng = LLM(model, **engine_args).engine
     spec, block = eng.spec, eng.cfg.dspark.block_size
     print(f"engine up in {time.perf_counter() - t:.0f} s (graphs: {sorted(eng.runner.graphs)}); DSpark: block {block}, "
-          f"k {spec.k}, eager", flush=True)
+          f"k {spec.k}, verify graphs {spec.verify_steps is not None}, drafter eager", flush=True)
     rows, e2e = [], []
 
     def dump():  # after every row: a run cut short by its timeout keeps what it measured
@@ -351,16 +351,18 @@ def main_dspark(args, model: str, engine_args: dict) -> None:
     for r in rows:
         for L in ACCEPTANCE_LENGTHS:
             print(f"{r['batch']:>5} {L:>4g} " + " ".join(f"{r['speedup'][f'{c}_L{L:g}']:>10.2f}" for c in cols))
-    print("\nend to end, k=3, decode tok/s after the prefills; own = DSpark's drafts (random weights: acceptance ~0, "
+    print(f"\nend to end, k={spec.k}, decode tok/s after the prefills; own = DSpark's drafts (random weights: acceptance ~0, "
           "every step rolls back); forced = drafts replayed from the own run's outputs")
     print(f"{'batch':>5} {'plain':>8} {'own':>8} {'acc':>5} {'=plain':>6} {'forced':>8} {'acc':>5} {'speed-up':>8} "
-          f"{'overhead':>8}")
+          f"{'overhead':>8} {'graph':>9}")
     for b in args.batches:
         r = end_to_end(eng, spec, b, args.input_len, args.output_len, own="dspark")
+        p = r["forced_step_paths"]  # verify steps replayed as graphs / all
         e2e.append(r)
         print(f"{b:>5} {r['plain_tok_s']:>8.1f} {r['dspark_tok_s']:>8.1f} {r['dspark_acceptance']:>5.2f} "
               f"{r['dspark_same_as_plain']:>6} {r['forced_tok_s']:>8.1f} {r['forced_acceptance']:>5.2f} "
-              f"{r['forced_speedup']:>8.2f} {100 * r['dspark_overhead']:>7.1f}%", flush=True)
+              f"{r['forced_speedup']:>8.2f} {100 * r['dspark_overhead']:>7.1f}% "
+              f"{p['verify_graph']:>4}/{p['verify_graph'] + p['verify_eager']:<4}", flush=True)
         dump()
 
 
