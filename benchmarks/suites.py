@@ -297,7 +297,7 @@ SUITE_LIST = [
            Step("tools.bench_spec", ("--method", "dspark", "--model", DSPARK_CKPT, "--batches", "1,8,32",
                                      "--input-len", "512", "--output-len", "32", "--reps", "5", "--engine-args", SPEC),
                 timeout_s=420)),
-          notes="DSpark steps run eagerly (no verify / draft graphs for it yet)"),
+          notes="DSpark verify steps replay the verify graphs (the micro verify_k*_ms are eager forwards); its drafter runs eagerly"),
     Suite("profile_spec", "Where does a speculative step's time go at V4-Flash depth (batch 1, k = 3): the host "
           "under cProfile, then the GPU's kernels?",
           tuple(profile(name, *MODEL, "--batch", "1", "--steps", "48", "--rows", "45", *host, "--engine-args",

@@ -174,10 +174,12 @@ def micro_dspark(eng, spec, batch: int, input_len: int, reps: int) -> dict:
             s.spec_token_ids = []
     dt, dev, D = model.embed.weight.dtype, eng.device, model.cfg.hidden_size
     features = torch.randn(batch * (d.block_size + 1), len(d.target_layer_ids) * D, dtype=dt, device=dev)
-    contexts = [(torch.randn(W, D, dtype=dt, device=dev), torch.arange(s.num_computed_tokens - W, s.num_computed_tokens,
-                                                                       device=dev)) for s in seqs]
+    # each stage's context keys, as the proposer keeps them (computed once per position; positions on the host)
+    contexts = [(drafter.context_kv(model, torch.randn(W, D, dtype=dt, device=dev), p), p)
+                for p in (torch.arange(s.num_computed_tokens - W, s.num_computed_tokens) for s in seqs)]
     last = [s.last_token_id for s in seqs]
-    row["draft_ms"] = _median_ms(lambda: (drafter.main_context(features),
+    new_pos = torch.arange(features.shape[0], device=dev)  # a step's new rows: main context and keys, then the block
+    row["draft_ms"] = _median_ms(lambda: (drafter.context_kv(model, drafter.main_context(features), new_pos),
                                           drafter.draft(model, contexts, last, spec.dspark.threshold)), reps)
     one_stage = torch.nn.ModuleList(drafter.stages[:1])
     full, drafter.stages = drafter.stages, one_stage
@@ -199,8 +201,8 @@ def _with_block(cfg, block_size: int):
 
 def model_dspark(row: dict, block: int) -> dict:
     """Modelled speed-up over plain decoding at mean acceptance length L (tokens per verify step):
-    DSpark verifies its whole block (k = block; L <= block + 1) and drafts it in one call; at our
-    k = 3 cap L <= 4; MTP with k drafts costs the verify of k + 1 tokens and k chained draft steps
+    DSpark verifies its whole block (k = block; L <= block + 1) and drafts it in one call; with
+    k = 3 (a shorter verify) L <= 4; MTP with k drafts costs the verify of k + 1 tokens and k chained draft steps
     (each timed as one stage over one row), L <= k + 1."""
     plain, out = row["plain_ms"], {}
     for L in ACCEPTANCE_LENGTHS:
@@ -323,7 +325,7 @@ def main_dspark(args, model: str, engine_args: dict) -> None:
     eng = LLM(model, **engine_args).engine
     spec, block = eng.spec, eng.cfg.dspark.block_size
     print(f"engine up in {time.perf_counter() - t:.0f} s (graphs: {sorted(eng.runner.graphs)}); DSpark: block {block}, "
-          f"k {spec.k}, eager", flush=True)
+          f"k {spec.k}, verify graphs {spec.verify_steps is not None}, drafter eager", flush=True)
     rows, e2e = [], []
 
     def dump():  # after every row: a run cut short by its timeout keeps what it measured
@@ -349,16 +351,18 @@ def main_dspark(args, model: str, engine_args: dict) -> None:
     for r in rows:
         for L in ACCEPTANCE_LENGTHS:
             print(f"{r['batch']:>5} {L:>4g} " + " ".join(f"{r['speedup'][f'{c}_L{L:g}']:>10.2f}" for c in cols))
-    print("\nend to end, k=3, decode tok/s after the prefills; own = DSpark's drafts (random weights: acceptance ~0, "
+    print(f"\nend to end, k={spec.k}, decode tok/s after the prefills; own = DSpark's drafts (random weights: acceptance ~0, "
           "every step rolls back); forced = drafts replayed from the own run's outputs")
     print(f"{'batch':>5} {'plain':>8} {'own':>8} {'acc':>5} {'=plain':>6} {'forced':>8} {'acc':>5} {'speed-up':>8} "
-          f"{'overhead':>8}")
+          f"{'overhead':>8} {'graph':>9}")
     for b in args.batches:
         r = end_to_end(eng, spec, b, args.input_len, args.output_len, own="dspark")
+        p = r["forced_step_paths"]  # verify steps replayed as graphs / all
         e2e.append(r)
         print(f"{b:>5} {r['plain_tok_s']:>8.1f} {r['dspark_tok_s']:>8.1f} {r['dspark_acceptance']:>5.2f} "
               f"{r['dspark_same_as_plain']:>6} {r['forced_tok_s']:>8.1f} {r['forced_acceptance']:>5.2f} "
-              f"{r['forced_speedup']:>8.2f} {100 * r['dspark_overhead']:>7.1f}%", flush=True)
+              f"{r['forced_speedup']:>8.2f} {100 * r['dspark_overhead']:>7.1f}% "
+              f"{p['verify_graph']:>4}/{p['verify_graph'] + p['verify_eager']:<4}", flush=True)
         dump()
 
 

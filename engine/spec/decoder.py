@@ -13,10 +13,11 @@ A step in which some scheduled sequence speculates runs here instead of LLMEngin
    match; sampled: rejection sampling, engine/spec/rejection_sampler.py) plus one token of its own;
 3. the paged hybrid cache rolls back what was rejected: window KV and compressed entries are
    addressed by position and rewritten when those positions run again, so only the
-   compressors' rolling state needs it: a block closed by a rejected position is reopened (its
-   rows put back into the open-block state, the CSA overlap state restored from before the
-   step); num_computed_tokens / compress_from move only over accepted positions, so nothing
-   rejected reaches the prefix cache;
+   compressors' rolling state needs it: the block holding the first rejected position, if the
+   step closed it, is reopened (its rows put back into the open-block state, the CSA overlap state
+   set to the block before it); blocks the step closed after it hold only rejected positions and
+   are rewritten before anything reads them; num_computed_tokens / compress_from move only over
+   accepted positions, so nothing rejected reaches the prefix cache;
 4. the drafter catches up over the step's accepted positions (the MTP: its window KV; DSpark: the
    main context of those positions) and drafts up to k tokens for the next step;
 5. the scheduler advances by what was accepted and the tokens are emitted in order (stops,
@@ -29,8 +30,8 @@ per-token semantics. A step with no speculating sequence takes the ordinary path
 async scheduling). A speculative step in which every sequence decodes replays a verify graph and
 then an MTP graph per batch bucket (engine/spec/verify_graphs.py, engine/spec/draft_graphs.py) when decode
 graphs are captured; others (prefill chunks in the batch) run eagerly (step_paths counts both).
-Either way the step reads back before the next one is scheduled. DSpark steps run eagerly (no
-verify or draft graphs yet).
+Either way the step reads back before the next one is scheduled. DSpark replays the same verify
+graphs (they also leave the target features) and drafts eagerly (engine/spec/dspark.py).
 """
 
 from __future__ import annotations
@@ -56,16 +57,17 @@ def speculates(seq: Sequence) -> bool:
     return not p.processes_logits and p.logprobs is None and p.seed is None
 
 
-def spec_graphs(engine, k: int, mtp, mtp_cache) -> tuple[VerifyGraphs | None, DraftGraphs | None]:
+def spec_graphs(engine, k: int, mtp=None, mtp_cache=None) -> tuple[VerifyGraphs | None, DraftGraphs | None]:
     """The verify graphs for the batch buckets the decode graphs have (those that fit the token
     budget) and the MTP's graphs for the same buckets, captured when the runner captured decode
-    graphs; else None (speculative steps run eagerly)."""
+    graphs; else None (speculative steps run eagerly). Without an MTP (DSpark) the verify graphs
+    also leave the target features and there are no draft graphs: the DSpark drafter runs eagerly."""
     if engine.device.type != "cuda" or not any(g.graph is not None for g in engine.runner.graphs.values()):
         return None, None
     buckets = [b for b in engine.runner.graphs if b * (k + 1) <= engine.args.max_num_batched_tokens]
     pool = torch.cuda.graph_pool_handle()
-    verify = VerifyGraphs(engine.model, engine.cache, engine.max_model_len, k, buckets, pool)
-    return verify, DraftGraphs(mtp, engine.model, mtp_cache, verify, pool)
+    verify = VerifyGraphs(engine.model, engine.cache, engine.max_model_len, k, buckets, pool, features=mtp is None)
+    return verify, (DraftGraphs(mtp, engine.model, mtp_cache, verify, pool) if mtp is not None else None)
 
 
 class SpecDecoder:
@@ -75,28 +77,23 @@ class SpecDecoder:
             raise InvalidEngineArgs(f"speculative_config: {type(engine.model).__name__} has no {spec.method} draft "
                                     f"(speculative methods: {list(engine.model.speculative_methods) or 'none'})")
         cfg = engine.cfg
-        ratios = [r for r in cfg.compress_ratios if r]
         self.dspark = None
         if spec.method == "dspark":
             if cfg.dspark is None:
                 raise InvalidEngineArgs("speculative_config: method 'dspark' needs a checkpoint with DSpark draft "
                                         "stages (the 0731 layout); this one has none")
-            # default: the checkpoint's block, as much of it as one verify may hold (k + 1 <= smallest ratio)
-            self.k = spec.num_speculative_tokens or min(cfg.dspark.block_size, min(ratios, default=2**30) - 1)
+            self.k = spec.num_speculative_tokens or cfg.dspark.block_size  # default: the checkpoint's whole block
             if self.k > cfg.dspark.block_size:
                 raise InvalidEngineArgs(f"speculative_config: num_speculative_tokens={self.k} exceeds the checkpoint's "
                                         f"dspark_block_size ({cfg.dspark.block_size})")
         else:
             self.k = spec.num_speculative_tokens
-        if ratios and self.k + 1 > min(ratios):  # one verify closes at most one block per compressor
-            raise InvalidEngineArgs(f"speculative_config: num_speculative_tokens={self.k} needs k + 1 <= the smallest "
-                             f"compress ratio ({min(ratios)})")
         self.forced_drafts: dict[str, list[int]] | None = None  # benchmarks: see force_drafts
         self.mtp_drafts: dict[str, list[int]] = {}  # the last step's own drafts (before force_drafts)
         if spec.method == "dspark":
             self.mtp = self.mtp_cache = None
             self.dspark = DSparkProposer(engine, engine.model.dspark_draft(), self.k, spec.confidence_threshold)
-            self.verify_steps = self.draft_steps = None  # DSpark steps run eagerly
+            self.verify_steps, self.draft_steps = spec_graphs(engine, self.k)  # verify graphs; eager drafter
         else:
             self.mtp = engine.model.mtp_draft()
             self.mtp_cache = self.mtp.make_cache(engine.cache)
@@ -148,7 +145,8 @@ class SpecDecoder:
         if graphed:
             self.step_paths["verify_graph"] += 1  # every sequence decodes: the bucket's padded batch
             out = self.verify_steps.run(batch)
-            logits, hidden, closed, snapshot = out.logits, out.hidden, out.closed_blocks, out.snapshot
+            logits, hidden, features = out.logits, out.hidden, out.features
+            closed, snapshot = out.closed_blocks, out.snapshot
             blocks = out.blocks
         else:
             self.step_paths["verify_eager"] += 1
@@ -279,13 +277,16 @@ class SpecDecoder:
                 for st in self._states() if st.prev_kv is not None}
 
     def _rollback(self, batch, emitted: dict, blocks: dict, closed: dict, snapshot: dict, graphed: bool) -> None:
-        """Reopen every compressor block that a rejected position closed: its rows (the gathered
-        block, rows at accepted positions exact, the others rewritten when they run again) go back
-        to the open-block state, and the overlap state is the one from before the step. k + 1 <=
-        ratio, so a verify closes at most one block per sequence and compressor. blocks: ratio ->
-        (batch index, entry) of each closed block in plan order; closed: id(state) -> those blocks'
-        (kv, gate) rows; snapshot: id(state) -> the overlap state by batch index. graphed: after a
-        verify graph, whose rollback graph does the copies (engine/spec/rollback_graphs.py)."""
+        """Reopen, per sequence and compressor, the block holding the first rejected position when
+        this step closed it: its rows (the gathered block, rows at accepted positions exact, the
+        others rewritten when they run again) go back to the open-block state, and the overlap state
+        is the Ca slice of the block before it (this step's closed block, or the state from before
+        the step). A verify longer than the ratio may have closed more blocks after it: they hold
+        only rejected positions, which run again and rewrite them before anything reads them.
+        blocks: ratio -> (batch index, entry) of each closed block in plan order (a sequence's
+        blocks adjacent, ascending); closed: id(state) -> those blocks' (kv, gate) rows; snapshot:
+        id(state) -> the overlap state by batch index. graphed: after a verify graph, whose rollback
+        graph does the copies (engine/spec/rollback_graphs.py)."""
         ends = {}  # batch index -> first rejected position
         for b, (seq, _) in enumerate(batch):
             toks = emitted.get(id(seq))
@@ -293,10 +294,10 @@ class SpecDecoder:
                 ends[b] = seq.num_computed_tokens + len(toks)
         if not ends:
             return
-        fixes = {}  # ratio -> (closed block index, state slot, batch index) of each block to reopen
+        fixes = {}  # ratio -> (closed block, state slot, batch index, closed block before it or -1) to reopen
         for m, (blk_seq, blk_entry) in blocks.items():
-            f = [(j, batch[s][0].blocks.state_slot, s) for j, (s, e) in enumerate(zip(blk_seq, blk_entry))
-                 if s in ends and (e + 1) * m > ends[s]]
+            f = [(j, batch[s][0].blocks.state_slot, s, j - 1 if j and blk_seq[j - 1] == s else -1)
+                 for j, (s, e) in enumerate(zip(blk_seq, blk_entry)) if s in ends and e == ends[s] // m]
             if f:
                 fixes[m] = f
         if graphed:

@@ -1,10 +1,12 @@
 """The DSpark proposer (docs/DSPARK.md): what the speculative decoder keeps per sequence for the
 0731 drafter, and the drafts of a step.
 
-Per sequence it keeps the main context (DSparkDrafter.main_context of the target's features) of
-its last `sliding_window` positions, in a ring indexed by position: a position run again (after a
-rejection, a preemption, a prefix-cache hit's bounded replay) is simply rewritten, and a block is
-drafted only when every position of its window is there. Each drafting sequence then gets one
+Per sequence it keeps every stage's keys for its last `sliding_window` positions
+(DSparkDrafter.context_kv of the main context of the target's features: they depend only on those
+features and the position, so each is computed once, when its features arrive), in a ring
+indexed by position: a position run again (after a rejection, a preemption, a prefix-cache hit's
+bounded replay) is simply rewritten, and a block is drafted only when every position of its
+window is there. Each drafting sequence then gets one
 block from the drafter; the confidence head's verify length (and k) caps what is verified.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import torch
 
 from engine.models.deepseek_v4.dspark import DSparkDrafter
@@ -21,7 +24,8 @@ class DSparkProposer:
     def __init__(self, engine, drafter: DSparkDrafter, k: int, confidence_threshold: float):
         self.engine, self.drafter, self.k, self.threshold = engine, drafter, k, confidence_threshold
         self.window = drafter.cfg.sliding_window
-        self.context: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request id -> (rows [W, D], positions [W])
+        # request id -> (every stage's keys [W, stages, head_dim], their positions [W] on the host)
+        self.context: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.chosen_lengths: Counter[int] = Counter()  # the confidence head's verify lengths (before k)
 
     def absorb(self, items, features: torch.Tensor | None) -> None:
@@ -32,32 +36,39 @@ class DSparkProposer:
             del self.context[rid]
         if features is None:
             return
-        main_x = self.drafter.main_context(features)
-        W, row = self.window, 0
-        for seq, start, toks in items:
+        W, row, keep, where = self.window, 0, [], []
+        for _, start, toks in items:  # a long prefill chunk: only its last window matters
             n = len(toks)
-            if seq.request_id not in self.context:
-                self.context[seq.request_id] = (main_x.new_zeros(W, main_x.shape[1]),
-                                                torch.full((W,), -1, dtype=torch.long, device=main_x.device))
-            rows, pos = self.context[seq.request_id]
-            keep = slice(max(0, n - W), n)  # a long prefill chunk: only its last window matters
-            p = torch.arange(start, start + n, device=main_x.device)[keep]
-            rows[p % W] = main_x[row:row + n][keep]
-            pos[p % W] = p
+            lo = max(0, n - W)
+            keep.append(np.arange(row + lo, row + n))
+            where.append(np.arange(start + lo, start + n))
             row += n
+        dev = features.device
+        index = torch.from_numpy(np.concatenate(keep)).to(dev)
+        kv = self.drafter.context_kv(self.engine.model, self.drafter.main_context(features[index]),
+                                     torch.from_numpy(np.concatenate(where)).to(dev))
+        a = 0
+        for (seq, _, _), q in zip(items, where):
+            if seq.request_id not in self.context:
+                self.context[seq.request_id] = (kv.new_zeros(W, *kv.shape[1:]), np.full(W, -1, dtype=np.int64))
+            ring, pos = self.context[seq.request_id]
+            ring[torch.from_numpy(q % W).to(dev)] = kv[a:a + len(q)]
+            pos[q % W] = q
+            a += len(q)
 
     def draft(self, items, drafting) -> list[list[int]]:
         """drafting: (item index, position of its last token, drafts wanted, outputs) per sequence
-        that drafts -> its drafts (none when its window of main context is incomplete)."""
+        that drafts -> its drafts (none when its window of context keys is incomplete). Positions
+        live on the host: deciding who drafts reads nothing back from the device."""
         W, ready, contexts, last = self.window, [], [], []
         for i, (j, base, _, _) in enumerate(drafting):
             seq, _, toks = items[j]
-            rows, pos = self.context[seq.request_id]
-            want = torch.arange(max(0, base - W), base, device=pos.device)
-            if not torch.equal(pos[want % W], want):
+            ring, pos = self.context[seq.request_id]
+            want = np.arange(max(0, base - W), base)
+            if not np.array_equal(pos[want % W], want):
                 continue
             ready.append(i)
-            contexts.append((rows[want % W], want))
+            contexts.append((ring[torch.from_numpy(want % W).to(ring.device)], torch.from_numpy(want)))
             last.append(toks[-1])
         out = [[] for _ in drafting]
         if not ready:

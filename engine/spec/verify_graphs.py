@@ -2,15 +2,16 @@
 
 A pure verify step: every scheduled sequence decodes (its last token and up to k drafts: 1..k + 1
 rows, its compressors caught up) and every row wants logits. That is a fixed shape per number of
-sequences B: B x (k + 1) token rows, at most one closed block per sequence and compressor (k + 1
-<= the smallest ratio). So a bucket's batch is padded the way engine/graphs/mixed.py pads a mixed
+sequences B: B x (k + 1) token rows, at most ceil((k + 1) / m) closed blocks per sequence and
+ratio-m compressor. So a bucket's batch is padded the way engine/graphs/mixed.py pads a mixed
 step: padding rows belong to a padding sequence whose tables hold the cache's scratch blocks, and
-the compressors' plan is padded to B closed blocks whose padding entries read row 0 and write only
-the scratch block and slot. The batch's tensors are views of one flat buffer: a step is one pinned
+the compressors' plan is padded to that many closed blocks, whose padding entries read row 0 and
+write only the scratch block and slot. The batch's tensors are views of one flat buffer: a step is one pinned
 host-to-device copy and one replay.
 
 Besides the logits, the graph leaves what the step's rollback needs in static buffers shared by
-every bucket: each row's residual streams (the MTP's input), the blocks each compressor closed
+every bucket: each row's residual streams (the MTP's input) or also DSpark's target features (the
+DSpark proposer's input), the blocks each compressor closed
 (reopened when a rejected draft closed them) and the CSA overlap state of the batch's slots from
 before the step. On the CPU (no graphs) the same padded batch runs eagerly through the same
 function: the tests compare it with the unpadded eager path.
@@ -32,15 +33,23 @@ from engine.sequence import Sequence
 from engine.spec.rollback_graphs import RollbackGraphs
 
 # the plan's arrays in CompressPlan's order (src, blk_seq, blk_entry, prev, bnd_blk, bnd_seq,
-# bnd_logical, upd_slot, upd_blk, pend_row, pend_dst); their lengths per (T rows, B sequences, ratio m)
-_PLAN_LENGTHS = lambda T, B, m: (B * m, B, B, B, B, B, B, B, B, T, T)
+# bnd_logical, upd_slot, upd_blk, pend_row, pend_dst); their lengths per (T rows, B sequences, ratio m,
+# N closed blocks at most)
+_PLAN_LENGTHS = lambda T, B, m, N: (N * m, N, N, N, N, N, N, B, B, T, T)
+
+
+def max_closed_blocks(B: int, k1: int, m: int) -> int:
+    """Closed blocks of a ratio-m compressor in a verify of B sequences x k1 rows: k1 consecutive
+    positions end at most ceil(k1 / m) blocks."""
+    return B * -(-k1 // m)
 
 
 @dataclass
 class VerifyOutput:
     logits: torch.Tensor  # [T, V] every row's logits, in batch order
     hidden: torch.Tensor  # [T, hc_mult, D] every row's residual streams (before the HC head)
-    closed_blocks: dict  # id(state) -> (kv, gate) [>= blocks, m, C]: the rows of the blocks closed
+    features: torch.Tensor | None  # [T, n_targets * D] DSpark's target features of every row (when kept)
+    closed_blocks: dict  # id(state) -> (kv, gate) [>= blocks, m, C]: the rows of the blocks closed, in plan order
     blocks: dict  # ratio -> (batch index, entry) of each closed block, host lists, in plan order
     snapshot: dict  # id(state) -> (prev_kv, prev_gate, has_prev) of batch index b at row b
 
@@ -62,7 +71,8 @@ class VerifyGraphs:
     """The padded verify batches of every bucket, captured as CUDA graphs when `pool` is given."""
 
     def __init__(self, model, cache: KVCache, max_model_len: int, num_speculative_tokens: int,
-                 buckets: list[int], pool=None, capture_fn=capture):
+                 buckets: list[int], pool=None, capture_fn=capture, features: bool = False):
+        """features: the forward also leaves DSpark's target features (DeepseekV4.dspark_features)."""
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
         self.max_model_len, self.k1 = max_model_len, num_speculative_tokens + 1
@@ -75,8 +85,10 @@ class VerifyGraphs:
         # shared outputs: every bucket's graph writes here, so no graph keeps outputs of its own in the pool
         self.hidden = torch.zeros(T, cfg.hc_mult, cfg.hidden_size, dtype=model.embed.weight.dtype, device=dev)
         self.logits = torch.zeros(T, cfg.vocab_size, device=dev)
-        self.closed = {id(st): (st.pend_kv.new_zeros(B, *st.pend_kv.shape[1:]),
-                                st.pend_gate.new_zeros(B, *st.pend_gate.shape[1:])) for st in self.states}
+        self.features = (torch.zeros(T, len(cfg.dspark.target_layer_ids) * cfg.hidden_size, dtype=self.hidden.dtype,
+                                     device=dev) if features else None)
+        self.closed = {id(st): tuple(t.new_zeros(max_closed_blocks(B, self.k1, t.shape[1]), *t.shape[1:])
+                                     for t in (st.pend_kv, st.pend_gate)) for st in self.states}
         self.snap = {id(st): (st.prev_kv.new_zeros(B + 1, *st.prev_kv.shape[1:]),
                               st.prev_gate.new_zeros(B + 1, *st.prev_gate.shape[1:]),
                               st.has_prev.new_zeros(B + 1)) for st in self.states if st.prev_kv is not None}
@@ -103,7 +115,7 @@ class VerifyGraphs:
             fields[name], at = (at, n), at + n
         for m in self.ratios:
             plans[m] = []
-            for n in _PLAN_LENGTHS(T, B, m):
+            for n in _PLAN_LENGTHS(T, B, m, max_closed_blocks(B, self.k1, m)):
                 plans[m].append((at, n))
                 at += n
         pad = np.zeros(at, dtype=np.int64)
@@ -126,7 +138,8 @@ class VerifyGraphs:
             state_slots=[], logits_rows=torch.arange(T, device=self.device), token_seq=v["token_seq"],
             replay_start_t=v["replay_start_t"], state_slot_t=v["state_slot_t"], is_decode=False,
             max_pos=self.max_model_len - 1,  # the indexer sizes for the longest sequence
-            plans={("compress", m): CompressPlan(m, B, *(flat[o:o + n] for o, n in parts)) for m, parts in plans.items()})
+            plans={("compress", m): CompressPlan(m, max_closed_blocks(B, self.k1, m), *(flat[o:o + n] for o, n in parts))
+                   for m, parts in plans.items()})
         staging = torch.empty(at, dtype=torch.long, pin_memory=self.device.type == "cuda")
         return _Bucket(B, T, fields, plans, fb, flat, staging, pad)
 
@@ -144,7 +157,7 @@ class VerifyGraphs:
         for m, parts in bk.plans.items():
             arrays = plan_arrays(n, starts, cfrom, slots, m, bs, c.scratch_slot + 1, bk.T)
             for (o, cap), a in zip(parts, arrays):
-                assert len(a) <= cap, "a verify step closes at most one block per sequence and compressor"
+                assert len(a) <= cap, "a verify step closes at most ceil((k + 1) / ratio) blocks per sequence"
                 host[o:o + len(a)] = a
             if len(arrays[1]):
                 blocks[m] = (arrays[1].tolist(), arrays[2].tolist())
@@ -158,7 +171,11 @@ class VerifyGraphs:
                 for dst, src in zip(self.snap[id(st)], (st.prev_kv, st.prev_gate, st.has_prev)):
                     dst[:S].copy_(src[fb.state_slot_t])
         fb.closed_blocks = {}
-        h = self.model.hidden_states(fb, self.cache)
+        if self.features is not None:
+            h, f = self.model.dspark_features(fb, self.cache)
+            self.features[:T].copy_(f)
+        else:
+            h = self.model.hidden_states(fb, self.cache)
         self.hidden[:T].copy_(h)
         self.logits[:T].copy_(self.model.compute_logits(h))
         for sid, (kv, gate) in fb.closed_blocks.items():
@@ -176,4 +193,5 @@ class VerifyGraphs:
             self._forward(bk)
         else:
             bk.graph.replay()
-        return VerifyOutput(self.logits[:T], self.hidden[:T], self.closed, blocks, self.snap)
+        return VerifyOutput(self.logits[:T], self.hidden[:T], None if self.features is None else self.features[:T],
+                            self.closed, blocks, self.snap)

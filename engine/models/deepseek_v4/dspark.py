@@ -11,7 +11,8 @@ Checkpoint layout (S = num_stages, 3 in 0731; L = S - 1):
 Here the stages are `stages.J.*` and the single-owner extras drop their `mtp.J.` prefix.
 
 `DSparkDrafter.draft` is the engine's drafter: a batch of sequences' blocks at once (each with its
-own window of main context), on the `kernels` ops; engine/models/deepseek_v4/dspark_reference.py is
+own window of context: main-context rows, or every stage's keys already computed by
+`context_kv`), on the `kernels` ops; engine/models/deepseek_v4/dspark_reference.py is
 its one-sequence torch reference.
 """
 
@@ -110,11 +111,23 @@ class DSparkDrafter(nn.Module):
         return self.main_norm(self.main_proj(features))
 
     @torch.inference_mode()
+    def context_kv(self, model: DeepseekV4, main_x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Main context rows [T, D] at `positions` -> every stage's keys for them [T, stages, head_dim]:
+        its wkv, kv_norm and RoPE at the context position. They depend on nothing else, so a
+        sequence's rows are computed once, when its features arrive (DSparkProposer keeps them)."""
+        x = main_x.to(model.embed.weight.dtype)
+        cos, sin = K.rope_cos_sin(positions.to(x.device), model.main_inv_freq, x.dtype)
+        eps = self.cfg.rms_norm_eps
+        return torch.stack([K.norm_rope(b.attn.wkv(x), b.attn.kv_norm.weight, cos, sin, eps) for b in self.stages], 1)
+
+    @torch.inference_mode()
     def draft(self, model: DeepseekV4, contexts: list[tuple[torch.Tensor, torch.Tensor]], last_tokens: list[int],
               threshold: float) -> Drafts:
-        """Each sequence's block, drafted greedily. contexts: per sequence (main context rows [n, D],
-        their positions [n]: the last sliding_window positions before the block, ascending);
-        last_tokens: each block's real first token, at the position after its context."""
+        """Each sequence's block, drafted greedily. contexts: per sequence (its context, their
+        positions [n]: the last sliding_window positions before the block, ascending), the context
+        either main context rows [n, D] (their keys computed here) or every stage's keys
+        [n, stages, head_dim] (context_kv, computed earlier); last_tokens: each block's real first
+        token, at the position after its context."""
         cfg, d, dev = self.cfg, self.cfg.dspark, self.main_norm.weight.device
         S, B, hc, eps = len(last_tokens), d.block_size, cfg.hc_mult, cfg.rms_norm_eps
         starts = [int(pos[-1]) + 1 if len(pos) else 0 for _, pos in contexts]
@@ -122,14 +135,13 @@ class DSparkDrafter(nn.Module):
         block_pos = (torch.tensor(starts, device=dev)[:, None] + torch.arange(B, device=dev)).view(-1)
         x = model.embed(ids)
         rope = K.rope_cos_sin(block_pos, model.main_inv_freq, x.dtype)
-        ctx_rows = torch.cat([c for c, _ in contexts]).to(x.dtype)
-        ctx_rope = K.rope_cos_sin(torch.cat([p for _, p in contexts]).to(dev), model.main_inv_freq, x.dtype)
+        ctx_kv = torch.cat([c if c.dim() == 3 else self.context_kv(model, c, p) for c, p in contexts]).to(x.dtype)
         h = x.unsqueeze(1).expand(-1, hc, -1).contiguous()
         sc = self.stage_cfg
-        for block in self.stages:
+        for j, block in enumerate(self.stages):
             post, comb, xa = K.hc_pre(h, block.hc_attn_fn, block.hc_attn_base, block.hc_attn_scale, sc.hc_eps, eps,
                                       sc.hc_sinkhorn_iters)
-            h = K.hc_post(h, self._attention(block.attn, block.attn_norm(xa), ctx_rows, ctx_rope, rope,
+            h = K.hc_post(h, self._attention(block.attn, block.attn_norm(xa), ctx_kv[:, j], rope,
                                              [len(p) for _, p in contexts]), post, comb)
             post, comb, xf = K.hc_pre(h, block.hc_ffn_fn, block.hc_ffn_base, block.hc_ffn_scale, sc.hc_eps, eps,
                                       sc.hc_sinkhorn_iters)
@@ -149,14 +161,13 @@ class DSparkDrafter(nn.Module):
         conf = F.linear(torch.cat([hidden, markov.to(hidden.dtype)], -1).to(proj.dtype), proj).view(S, B)
         return Drafts(torch.stack(tokens, dim=1), conf, verify_lengths(conf, threshold))
 
-    def _attention(self, attn, x: torch.Tensor, ctx_rows: torch.Tensor, ctx_rope, rope, ctx_lens: list[int]):
-        """DSpark attention for S blocks of B rows: each reads its own context's KV (this stage's wkv
-        on the main context, RoPE at the context positions) and its whole block."""
+    def _attention(self, attn, x: torch.Tensor, ctx_kv: torch.Tensor, rope, ctx_lens: list[int]):
+        """DSpark attention for S blocks of B rows: each reads its own context's keys (this stage's,
+        ctx_kv [sum ctx_lens, head_dim]) and its whole block."""
         cfg, B = self.stage_cfg, self.cfg.dspark.block_size
         H, hd, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
         q = K.norm_rope(attn.wq_b(attn.q_norm(attn.wq_a(x))).view(-1, H, hd), None, *rope, eps)
         kv = K.norm_rope(attn.wkv(x), attn.kv_norm.weight, *rope, eps)
-        ctx_kv = K.norm_rope(attn.wkv(ctx_rows), attn.kv_norm.weight, *ctx_rope, eps)
         outs, c0 = [], 0
         for s, n in enumerate(ctx_lens):
             keys = torch.cat([ctx_kv[c0:c0 + n], kv[s * B:(s + 1) * B]])

@@ -10,10 +10,10 @@ from engine.args import InvalidEngineArgs
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
-from engine.request import SamplingParams
+from engine.request import GenerationRequest, SamplingParams
 from tests.engine.spec.test_spec_decode import _corrupt, _prompts, _run
 
-DSPARK = {"method": "dspark"}  # k and the threshold from the checkpoint: k = 3 (ratio 4), threshold 0
+DSPARK = {"method": "dspark"}  # k and the threshold from the checkpoint: k = the block (5), threshold 0
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,10 @@ def ckpt(tmp_path_factory):
             "narrow": write_checkpoint(root / "narrow", "tiny", seed=7, layout="0731", override={
                 "sliding_window": 8, "num_hidden_layers": 4, "compress_ratios": [4, 32, 4, 0],
                 "num_attention_heads": 2, "head_dim": 64, "qk_rope_head_dim": 16, "o_groups": 2, "index_topk": 3,
-                "num_hash_layers": 2, "n_routed_experts": 4})}
+                "num_hash_layers": 2, "n_routed_experts": 4}),
+            # blocks of 8: a verify of 9 rows closes up to 5 blocks of the ratio-2 CSA
+            "block8": write_checkpoint(root / "block8", "tiny", seed=5, layout="0731", override={
+                "dspark_block_size": 8, "compress_ratios": [2, 16, 2, 0], "index_topk": 64})}
 
 
 PROMPTS = _prompts(4096, seed=4, lengths=(3, 9, 17, 22, 30, 38, 47, 51))
@@ -43,7 +46,7 @@ def plain(ckpt):
 def test_greedy_equals_plain_with_random_and_replayed_drafts(ckpt, plain):
     """8 prompts x 64 tokens, batched with two requests that do not speculate. The random drafter
     (acceptance ~0: every step rejects and rolls back) and drafts replayed from the plain run
-    (every block accepted whole: k + 1 tokens per verify)."""
+    (every block of 5 accepted whole: 6 tokens per verify, across the ratio-4 and -16 blocks)."""
     params = [GREEDY] * 8 + [NO_SPEC] * 2
     got, eng = _run(ckpt["tiny"], PROMPTS + PROMPTS[:2], params, speculative_config=DSPARK)
     assert got == plain
@@ -53,7 +56,7 @@ def test_greedy_equals_plain_with_random_and_replayed_drafts(ckpt, plain):
     assert got == plain
     st = eng.stats()
     assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
-    assert st["spec_decode_mean_acceptance_length"] > 1 + 0.9 * 3  # whole blocks (shorter near max_tokens)
+    assert st["spec_decode_mean_acceptance_length"] > 1 + 0.9 * 5  # whole blocks (shorter near max_tokens)
     assert sum(eng.spec.dspark.chosen_lengths.values()) > 0
 
 
@@ -84,6 +87,29 @@ def test_prefix_cache_hit_with_bounded_replay(ckpt):
         outs.append((first, second))
     assert outs[0] == outs[1]
     assert st["spec_decode_num_drafts"] > 4
+
+
+def test_cached_context_keys_draft_as_the_main_context_rows(ckpt):
+    """The proposer keeps every stage's keys per position (computed once, when the features come),
+    in a ring of the window (8 here): a prefill chunk longer than the window, verify steps that wrap
+    the ring, rejected positions rewritten with other features. Its drafts equal those of the keys
+    recomputed from the main context rows of the window's final features."""
+    eng = LLM(str(ckpt["narrow"]), dtype="float64", max_model_len=256, speculative_config=DSPARK).engine
+    eng.add_request(GenerationRequest("r", prompt_token_ids=list(range(5, 25)), sampling=GREEDY))
+    prop, drafter, seq = eng.spec.dspark, eng.spec.dspark.drafter, eng.requests["r"].seq
+    W, g = prop.window, torch.Generator().manual_seed(0)
+    truth = torch.zeros(64, len(eng.cfg.dspark.target_layer_ids) * eng.cfg.hidden_size, dtype=torch.float64)
+    for start, n in [(0, 20), (20, 6), (23, 6), (29, 6), (31, 3)]:  # 23, 31: run again (a replay)
+        feats = torch.randn(n, truth.shape[1], generator=g, dtype=torch.float64)
+        truth[start:start + n] = feats
+        prop.absorb([(seq, start, [7] * n)], feats)
+    want = torch.arange(35 - W, 35)
+    ring, pos = prop.context["r"]
+    assert pos[want % W].tolist() == want.tolist()
+    cached = drafter.draft(eng.model, [(ring[want % W], want)], [11], 0.0)
+    direct = drafter.draft(eng.model, [(drafter.main_context(truth[want]), want)], [11], 0.0)
+    assert torch.equal(cached.tokens, direct.tokens)
+    torch.testing.assert_close(cached.confidence, direct.confidence, rtol=1e-10, atol=1e-10)
 
 
 def test_confidence_threshold_caps_the_verify_length(ckpt):
@@ -119,8 +145,40 @@ def test_sampled_tokens_keep_the_target_distribution(ckpt):
     assert chi_square_p(counts, torch.tensor([joint[c] for c in cells])) > P_VALUE
 
 
+def _wrong_after_gaps(tokens, vocab, gaps=range(1, 10)):
+    """The outputs with wrong tokens at 1, 1 + 2, 1 + 2 + 3, ...: the first verify drafts from
+    output 1 on, and after each rejection the next one drafts just past the wrong token, so
+    the verifies accept 0, 1, 2, ... drafts (every offset of the block)."""
+    out, at = list(tokens), 0
+    for g in gaps:
+        at += g
+        if at < len(out):
+            out[at] = (out[at] + 1) % vocab
+    return out
+
+
+def test_whole_blocks_of_8_and_every_partial_acceptance_across_small_ratios(ckpt):
+    """Blocks of 8 on ratios 2 (CSA) and 16 (HCA): a verify closes several blocks per compressor.
+    Drafts replayed from the plain run are accepted whole; drafts wrong after every gap of 1..9
+    accept every count 0..8 and the rollback reopens the block of the first rejected position
+    (its overlap state from a block the same verify closed, or from before it)."""
+    prompts = _prompts(4096, seed=6, lengths=(5, 19, 34))
+    params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)] * 3
+    want, _ = _run(ckpt["block8"], prompts, params)
+    got, eng = _run(ckpt["block8"], prompts, params, want, speculative_config=DSPARK)
+    assert got == want and eng.spec.k == 8
+    st = eng.stats()
+    assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
+    assert st["spec_decode_mean_acceptance_length"] > 1 + 0.8 * 8
+    got, eng = _run(ckpt["block8"], prompts, params, [_wrong_after_gaps(w, 4096) for w in want],
+                    speculative_config=DSPARK)
+    assert got == want
+    assert all(eng.stats()["spec_decode_accepted_length_counts"]), "every acceptance count 0..8 happens"
+
+
 @pytest.mark.parametrize("spec, message", [
-    ({"method": "dspark", "num_speculative_tokens": 4}, "num_speculative_tokens must be an integer in \\[1, 3\\]"),
+    ({"method": "dspark", "num_speculative_tokens": 6}, "num_speculative_tokens=6 exceeds the checkpoint's dspark_block_size \\(5\\)"),
+    ({"method": "dspark", "num_speculative_tokens": 17}, "num_speculative_tokens must be an integer in \\[1, 16\\]"),
     ({"method": "dspark", "confidence_threshold": 1.5}, "confidence_threshold must be a number in \\[0, 1\\]"),
     ({"method": "mtp", "num_speculative_tokens": 1, "confidence_threshold": 0.5}, "unsupported key.*confidence_threshold"),
 ])
@@ -134,3 +192,24 @@ def test_dspark_needs_the_0731_layout_and_mtp_the_preview_one(ckpt, tiny_dir):
         LLMEngine({"model": str(tiny_dir), "speculative_config": DSPARK})
     with pytest.raises(Exception, match="ships 3 DSpark draft stages"):
         LLMEngine({"model": str(ckpt["tiny"]), "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}})
+
+
+def test_padded_verify_graph_steps_equal_the_eager_steps(ckpt):
+    """What the GPU captures for DSpark (the verify graph with the target features, the rollback
+    graph; the drafter eager), as static batches run eagerly on the CPU: the same greedy tokens as
+    plain decoding with drafts wrong after every gap (partial acceptance at every offset, blocks
+    reopened through the rollback graph's index arrays), and those steps took the graph path."""
+    from engine.spec.verify_graphs import VerifyGraphs
+
+    prompts = _prompts(4096, seed=8, lengths=(7, 26, 41))
+    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 3
+    want, _ = _run(ckpt["tiny"], prompts, params)
+    llm = LLM(str(ckpt["tiny"]), dtype="float64", max_model_len=256, speculative_config=DSPARK)
+    spec = llm.engine.spec
+    assert spec.verify_steps is None  # CPU: no decode graphs, so none
+    spec.verify_steps = VerifyGraphs(llm.engine.model, llm.engine.cache, llm.engine.max_model_len, spec.k, [1, 4],
+                                     features=True)
+    spec.force_drafts({f"offline-{i}": _wrong_after_gaps(w, 4096, gaps=range(1, 7)) for i, w in enumerate(want)})
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
+    assert spec.step_paths["verify_graph"] > 5 and spec.verify_steps.rollback.replays > 3
+    assert all(spec.stats()["spec_decode_accepted_length_counts"])

@@ -14,7 +14,7 @@ from engine.spec.draft_graphs import DraftGraphs
 from engine.spec.verify_graphs import VerifyGraphs
 from tests.engine.test_batching import _full
 
-SPEC = {"method": "mtp", "num_speculative_tokens": 3}
+SPEC = {"method": "mtp", "num_speculative_tokens": 5}  # 6 rows: up to 2 closed blocks of ratio 4
 pytestmark = [pytest.mark.usefixtures("single_thread")]
 
 
