@@ -492,7 +492,7 @@ class TritonPythonModel:
             time.sleep(0.05)
         if self.metrics is not None:
             self.metrics.stop()
-        for thread in self.response_threads:
+        for _ in self.response_threads:
             self.responses.put(None)
         for thread in self.response_threads:
             thread.join(timeout=10)

@@ -18,7 +18,6 @@ import argparse
 import json
 import queue
 import threading
-import time
 from pathlib import Path
 
 import numpy as np

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import threading
 import time
-
-import statistics
 
 from backend.serve import TritonServer
 from client.grpc import GrpcClient
