@@ -21,7 +21,7 @@ from kernels import fused, reference
 COPY_TBS, MATMUL_TFLOPS = None, None
 
 
-def _time(fn, iters: int = 30) -> float:
+def time_ms(fn, iters: int = 30) -> float:
     """Median ms over iters, CUDA events, after warm-up."""
     for _ in range(3):
         fn()
@@ -40,10 +40,10 @@ def _time(fn, iters: int = 30) -> float:
 def ceilings() -> tuple[float, float]:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    ms = _time(lambda: y.copy_(x))
+    ms = time_ms(lambda: y.copy_(x))
     copy_tbs = 2 * x.numel() / (ms * 1e-3) / 1e12
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    ms = _time(lambda: a @ a)
+    ms = time_ms(lambda: a @ a)
     return copy_tbs, 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
@@ -116,13 +116,13 @@ def main() -> None:
             if name.startswith("router"):  # same experts, order free
                 got, want = (got[0].sort(-1).values, got[1].sort(-1).values), (want[0].sort(-1).values, want[1].sort(-1).values)
             err = max(((g.float() - w.float()).norm() / max(w.float().norm(), 1e-12)).item() for g, w in zip(got, want))
-            t_f = _time(lambda f=fz, x=args: f(*x))
-            t_e = _time(lambda f=rf, x=args: f(*x))
+            t_f = time_ms(lambda f=fz, x=args: f(*x))
+            t_e = time_ms(lambda f=rf, x=args: f(*x))
             t_c = float("nan")
             if not a.no_compile:
                 try:
                     cf = torch.compile(rf, dynamic=False)
-                    t_c = _time(lambda f=cf, x=args: f(*x))
+                    t_c = time_ms(lambda f=cf, x=args: f(*x))
                 except Exception as e:  # noqa: BLE001 - data-dependent references do not compile
                     print(f"  torch.compile {name}: {type(e).__name__}")
             floor_ms = max(nbytes / (copy_tbs * 1e12), flops / (mm_tflops * 1e12)) * 1e3

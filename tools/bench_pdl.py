@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
@@ -23,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import wait_and_release
+from tools.bench_kernels import time_ms
 
 BLOCK = 1024
 
@@ -77,17 +77,7 @@ class Chain:
 
 
 def _eager_ms(fn, reps: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return time_ms(fn, reps)
 
 
 def _graph_ms(fn, reps: int = 20) -> float:

@@ -95,6 +95,17 @@ def world1(ckpts):
     ("v41-oracle", 2, True, {}),
     ("v41-8h-16e", 2, False, {"engram_tables": "mmap"}),  # each rank's rows mapped from the file, vs world 1's on the device
     ("v41-8h-16e", 4, True, {})])
+
+def _assert_expert_slices(m, fm, cfg, rank: int, world: int, ep: bool) -> None:
+    """A rank's routed experts: whole experts (expert parallel) or each expert's width slice."""
+    if ep:
+        e = cfg.n_routed_experts // world
+        assert torch.equal(m.experts_w2, fm.experts_w2[rank * e:(rank + 1) * e])
+    else:
+        i = cfg.moe_intermediate_size // world
+        assert torch.equal(m.experts_w1, fm.experts_w1[:, rank * i:(rank + 1) * i])
+        assert torch.equal(m.experts_w2, fm.experts_w2[:, :, rank * i:(rank + 1) * i])
+
 def test_world_n_equals_world_1(ckpts, world1, ckpt, world, ep, extra):
     if ckpt not in ckpts:
         pytest.skip(f"the DeepSeek-V4.1 oracle is not at {ORACLE}")
@@ -143,13 +154,7 @@ def test_each_rank_reads_only_its_slices(ckpts):
                                       (rank + 1) * cfg.o_lora_rank * cfg.o_groups // world]
             assert torch.equal(a.wo_b.weight, cols)
             m, fm = part.layers[1].ffn, full.layers[1].ffn
-            if ep:
-                e = cfg.n_routed_experts // world
-                assert torch.equal(m.experts_w2, fm.experts_w2[rank * e:(rank + 1) * e])
-            else:
-                i = cfg.moe_intermediate_size // world
-                assert torch.equal(m.experts_w1, fm.experts_w1[:, rank * i:(rank + 1) * i])
-                assert torch.equal(m.experts_w2, fm.experts_w2[:, :, rank * i:(rank + 1) * i])
+            _assert_expert_slices(m, fm, cfg, rank, world, ep)
             assert (part.head is not None) == (rank == 0)
 
 
@@ -224,13 +229,7 @@ def test_v41_each_rank_reads_only_its_slices(ckpts):
             for name in ("wkv", "compressor.wkv", "compressor.wgate", "indexer.wq_b", "indexer.wk"):
                 assert torch.equal(a.get_submodule(name).weight, fa.get_submodule(name).weight), name
             m, fm = part.layers[2].ffn, full.layers[2].ffn
-            if ep:
-                e = cfg.n_routed_experts // world
-                assert torch.equal(m.experts_w2, fm.experts_w2[rank * e:(rank + 1) * e])
-            else:
-                i = cfg.moe_intermediate_size // world
-                assert torch.equal(m.experts_w1, fm.experts_w1[:, rank * i:(rank + 1) * i])
-                assert torch.equal(m.experts_w2, fm.experts_w2[:, :, rank * i:(rank + 1) * i])
+            _assert_expert_slices(m, fm, cfg, rank, world, ep)
             s = cfg.moe_intermediate_size // world
             assert torch.equal(m.shared_experts.w2.weight, fm.shared_experts.w2.weight[:, rank * s:(rank + 1) * s])
             for layer in cfg.engram_layer_ids:
