@@ -90,12 +90,6 @@ def world1(ckpts):
     return {name: drive(LLMEngine(dict(args_for(name), model=str(path)))) for name, path in ckpts.items()}
 
 
-@pytest.mark.parametrize("ckpt, world, ep, extra", [
-    ("tiny", 2, True, {}), ("tiny", 4, False, {}), ("tiny-16e", 2, False, {}), ("tiny-16e", 4, True, {}),
-    ("v41-oracle", 2, True, {}),
-    ("v41-8h-16e", 2, False, {"engram_tables": "mmap"}),  # each rank's rows mapped from the file, vs world 1's on the device
-    ("v41-8h-16e", 4, True, {})])
-
 def _assert_expert_slices(m, fm, cfg, rank: int, world: int, ep: bool) -> None:
     """A rank's routed experts: whole experts (expert parallel) or each expert's width slice."""
     if ep:
@@ -106,6 +100,12 @@ def _assert_expert_slices(m, fm, cfg, rank: int, world: int, ep: bool) -> None:
         assert torch.equal(m.experts_w1, fm.experts_w1[:, rank * i:(rank + 1) * i])
         assert torch.equal(m.experts_w2, fm.experts_w2[:, :, rank * i:(rank + 1) * i])
 
+
+@pytest.mark.parametrize("ckpt, world, ep, extra", [
+    ("tiny", 2, True, {}), ("tiny", 4, False, {}), ("tiny-16e", 2, False, {}), ("tiny-16e", 4, True, {}),
+    ("v41-oracle", 2, True, {}),
+    ("v41-8h-16e", 2, False, {"engram_tables": "mmap"}),  # each rank's rows mapped from the file, vs world 1's on the device
+    ("v41-8h-16e", 4, True, {})])
 def test_world_n_equals_world_1(ckpts, world1, ckpt, world, ep, extra):
     if ckpt not in ckpts:
         pytest.skip(f"the DeepSeek-V4.1 oracle is not at {ORACLE}")
