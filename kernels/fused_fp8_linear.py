@@ -30,6 +30,7 @@ Which variant and tiles per shape: kernels/quant_configs.py (measured by tools/b
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -461,6 +462,15 @@ def tiles(m: int, n: int, k: int, variant: str | None = None, config: dict | Non
     return variant, cfg
 
 
+def group_tiles(cfg: dict, rows: int) -> dict:
+    """The table's GEMV tiles for one group of `rows` rows (a multiple of the scale block): a BLOCK_N wider than
+    the group (V4.1's wo_a at 8-way tensor parallelism has 32 rows a group) would straddle two groups, so it
+    narrows to the largest power of two dividing both."""
+    if rows % cfg["BLOCK_N"] == 0:
+        return cfg
+    return {**cfg, "BLOCK_N": math.gcd(rows, cfg["BLOCK_N"])}
+
+
 def takes_prologue(m: int, weight: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether fp8_linear_fused computes a SwiGLU (`act`) or an RMSNorm (`norm`) in its prologue at m rows: the
     GEMV variants do."""
@@ -504,6 +514,8 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if groups > 1 and (N // groups) % block:
         raise ValueError(f"grouped FP8 linear: {N // groups} rows per group are not whole {block}-row scale blocks")
     variant, cfg = tiles(M, N // groups, K, variant, config, block)  # per group: the tiles see one group
+    if groups > 1 and variant in ("dequant", "gemv") and config is None:
+        cfg = group_tiles(cfg, N // groups)
     if (act is not None or norm is not None) and variant not in ("dequant", "gemv"):
         raise ValueError(f"a prologue needs the gemv or dequant variant, not {variant!r} (takes_prologue)")
     if norm is not None:

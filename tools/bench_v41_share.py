@@ -163,6 +163,16 @@ def check_host_tables(device: str) -> dict:
     return r
 
 
+def kv_bytes(kv_gb: int, reserve_gb: int = 4) -> int:
+    """The KV pool: kv_gb GiB, or what the GPU has left after the share's weights and reserve_gb GiB for
+    activations where that is less (world 4 on an 80 GB card); refused below 2 GiB."""
+    free = torch.cuda.mem_get_info()[0] - (reserve_gb << 30)
+    if free < 2 << 30:
+        raise SystemExit(f"the share's weights leave {free / 2**30:.1f} GiB for the KV pool after {reserve_gb} GiB of "
+                         "activations: a larger GPU, or a smaller --experts / --engram-vocab")
+    return min(kv_gb << 30, free)
+
+
 def one_world(world: int, a, device: str) -> dict:
     tmp = write_config(Path(tempfile.mkdtemp(prefix="v41-share-")), a.preset, a.experts, a.engram_vocab,
                        device == "cuda")
@@ -180,7 +190,7 @@ def one_world(world: int, a, device: str) -> dict:
                    "max_num_seqs": max(batches) + 8, "max_num_batched_tokens": chunk, "block_size": 128,
                    "engram_tables": "host"}
     if device == "cuda":
-        engine_args["kv_cache_memory_bytes"] = a.kv_gb << 30
+        engine_args["kv_cache_memory_bytes"] = kv_bytes(a.kv_gb)
     registry.load_model = lambda *args, **kw: model  # the engine runs the share built above
     try:
         eng = LLM(**engine_args).engine
@@ -224,7 +234,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--ttft", default="1024,8192", help="TTFT prompt lengths ('' for none)")
-    ap.add_argument("--kv-gb", type=int, default=12, help="KV pool bytes (GiB) on the GPU")
+    ap.add_argument("--kv-gb", type=int, default=12, help="KV pool bytes (GiB) on the GPU, at most what the weights leave")
     ap.add_argument("--check", action="store_true", help="first: host and mmap tables against device tables "
                     "on a tiny V4.1 in the released formats (greedy streams and logprobs)")
     ap.add_argument("--json", default=None)

@@ -164,6 +164,24 @@ def test_grouped_linear_variant_chosen_by_the_per_group_shape(monkeypatch):
     assert ran == ["_mma"] * groups and (got - want).abs().max() <= 0.1 * want.abs().max()
 
 
+def test_grouped_gemv_tiles_narrow_to_groups_of_32_rows():
+    """V4.1's wo_a at 8-way tensor parallelism has 32 rows a group: the table's 64-wide GEMV tile would straddle
+    two groups (the launch refused it); the tile narrows to the group, and a group that holds whole tiles keeps
+    the table's."""
+    from kernels.fused_fp8_linear import group_tiles
+
+    wide = {"variant": "dequant", "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 0}
+    assert group_tiles(wide, 32) == {**wide, "BLOCK_N": 32} and wide["BLOCK_N"] == 64
+    assert group_tiles(wide, 96)["BLOCK_N"] == 32 and group_tiles(wide, 128) is wide
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 4, 64, generator=g).to(torch.bfloat16)
+    q, s = quantize_fp8_block(torch.randn(4 * 32, 64, generator=g) / 8, ue8m0=True, block=32)
+    s = scale_to_float(s)
+    want = ref.grouped_linear(x, q, 4, s).float()
+    got = fp8_linear_fused(x, q, s, variant="dequant", groups=4).float()
+    assert got.shape == (2, 128) and (got - want).abs().max() <= 1e-2 * want.abs().max()
+
+
 def test_integer_e4m3_to_bf16_recipe_equals_the_cast_for_every_code():
     """The GPU's "int" weight conversion (PTX the interpreter cannot run): its constants read from the
     asm and its instructions done here on the bits (prmt with sign replication, shift, mask, one
