@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import triton_python_backend_utils as pb_utils
 
 from backend.vllm_metrics import VllmFamilies
+from engine.os_threads import named
 
 PREFIX = "deepseek:"
 POLL_INTERVAL_S = 0.5
@@ -149,7 +150,7 @@ class Metrics:
         self.stats_fn = stats_fn
         self.poll_interval_s = poll_interval_s
         self.queue: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._loop, name="deepseek-metrics", daemon=True)
+        self.thread = threading.Thread(target=named("ds-metrics", self._loop), name="deepseek-metrics", daemon=True)
         self.stats_errors = 0
 
         F = pb_utils.MetricFamily

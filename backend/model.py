@@ -39,6 +39,8 @@ import triton_python_backend_utils as pb_utils
 from backend import protocol, stub_numpy
 from backend.engine_setup import build_engine, drained_marker, load_engine_args, pop_backend_options
 from backend.metrics import Metrics, RequestRecord, scheduling_times
+from engine import hop_trace
+from engine.os_threads import named
 from engine.request import EngineDead, EngineOverloaded, InvalidRequest, RequestFailed, merge_outputs
 
 # The stub's embedded interpreter starts in the C locale (ASCII text files); take the environment's
@@ -122,7 +124,8 @@ class TritonPythonModel:
                                     PROMPT_BYTES_PER_TOKEN * (self.max_model_len or 1 << 17))
 
         self.loop = asyncio.new_event_loop()
-        self.loop_thread = threading.Thread(target=self.loop.run_forever, name="deepseek-engine", daemon=True)
+        self.loop_thread = threading.Thread(target=named("ds-loop", self.loop.run_forever), name="deepseek-engine",
+                                            daemon=True)
         self.loop_thread.start()
         try:
             self.engine = build_engine(engine_args)
@@ -147,7 +150,8 @@ class TritonPythonModel:
         # each response thread's own counters, summed for metrics (stream_*_total, response_thread_cpu_seconds_total)
         self.thread_stats = [{"stream_deltas": 0, "stream_responses": 0, "response_thread_cpu_s": 0.0}
                              for _ in range(RESPONSE_THREADS)]
-        self.response_threads = [threading.Thread(target=self._response_loop, args=(stats, i == 0),
+        self.response_threads = [threading.Thread(target=named(f"ds-responses-{i}", self._response_loop),
+                                                  args=(stats, i == 0),
                                                   name=f"deepseek-responses-{i}", daemon=True)
                                  for i, stats in enumerate(self.thread_stats)]
         for thread in self.response_threads:
@@ -193,6 +197,7 @@ class TritonPythonModel:
             if self.log_requests:
                 self.logger.log_info(f"[deepseek] request {request_id}: stream={parsed.stream} "
                                      f"sampling={parsed.request.sampling} prompt={parsed.request.prompt!r}")
+            hop_trace.mark(request_id, "execute", t=arrival)
             stream = _ResponseStream(sender, request_id, parsed.stream)
             with self.streams_lock:
                 self.streams.add(stream)
@@ -273,6 +278,7 @@ class TritonPythonModel:
         100 us of Python (tools.profile_serving), under the GIL the engine's loop also needs: when
         the threads fall behind (many streams, fast steps), the deltas that piled up for a request
         go out as one response, so the work scales with requests rather than tokens."""
+        hop_trace.mark(stream.request_id, "handed", delta.num_output_tokens)
         with self.deltas_lock:
             stream.deltas.append(delta)
             if stream.queued:
@@ -363,19 +369,22 @@ class TritonPythonModel:
             response, final = self._error_response(f"internal error: {type(e).__name__}: {e}", "INTERNAL"), True
             stream.cancelled = True  # the rest of its stream is dropped: free its cache
             asyncio.run_coroutine_threadsafe(self.engine.abort(stream.request_id), self.loop)
-        self._send(stream, response, FINAL if final else 0)
+        self._send(stream, response, FINAL if final else 0, delta.num_output_tokens)
 
-    def _send(self, stream: _ResponseStream, response, flags) -> None:
+    def _send(self, stream: _ResponseStream, response, flags, tokens: int = 0) -> None:
         with stream.sender_lock:
             if stream.final_sent:
                 return
+            hop_trace.mark(stream.request_id, "send_began", tokens)
             try:
                 stream.sender.send(response, flags=flags)
             except Exception:
                 self.logger.log_error(f"[deepseek] sending a response failed: {traceback.format_exc()}")
+            hop_trace.mark(stream.request_id, "sent", tokens)
             if flags & FINAL:
                 stream.final_sent = True
         if flags & FINAL:
+            hop_trace.done(stream.request_id)
             with self.streams_lock:
                 self.streams.discard(stream)
 

@@ -80,12 +80,14 @@ class GrpcClient:
 
     def generate_stream(self, prompt: str, max_tokens: int | None = None, temperature: float | None = None,
                         returns: tuple[str, ...] = DEFAULT_RETURNS, timeout_s: float | None = 300.0,
-                        **sampling) -> Iterator[Delta]:
-        """Yield deltas as the server streams them; the last has `finish_reason` set."""
+                        request_id: str = "", **sampling) -> Iterator[Delta]:
+        """Yield deltas as the server streams them; the last has `finish_reason` set. `request_id`: the
+        head of the engine's id for it (its logs; tools.profile_serving --hops matches by it)."""
         yield from self._run(prompt, True, sampling_json(max_tokens, temperature, **sampling), True, returns,
-                             timeout_s)
+                             timeout_s, request_id)
 
-    def _run(self, prompt, stream, sampling, exclude_input_in_output, returns, timeout_s) -> Iterator[Delta]:
+    def _run(self, prompt, stream, sampling, exclude_input_in_output, returns, timeout_s,
+             request_id: str = "") -> Iterator[Delta]:
         responses = self._stream()
         finished = reuse = False
         try:
@@ -94,7 +96,7 @@ class GrpcClient:
                 self.model, build_inputs(prompt, stream, sampling, exclude_input_in_output, returns),
                 outputs=[grpcclient.InferRequestedOutput(n) for n in _OUTPUTS if n == "text_output"
                          or f"return_{n}" in returns],
-                enable_empty_final_response=True)
+                request_id=request_id, enable_empty_final_response=True)
             deadline = None if timeout_s is None else start + timeout_s
             while True:
                 remaining = None if deadline is None else max(0.0, deadline - time.perf_counter())

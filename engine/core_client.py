@@ -31,11 +31,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 
-from engine import messages
+from engine import hop_trace, messages
 from engine.args import EngineArgs, resolve_model_dir
 from engine.delta_stream import merged_deltas, on_loop
 from engine.interface import EngineLifetime, step_running_s
 from engine.messages import AbortRequests, AddRequest, CoreDead, CoreReady, Shutdown, StepOutputs
+from engine.os_threads import named
 from engine.output_text import OutputText
 from engine.request import EngineDead, EngineOverloaded, GenerationRequest, InvalidRequest, RequestOutput
 from engine.tokenizer import Tokenizer
@@ -143,8 +144,8 @@ class CoreClient(EngineLifetime):
         loop = asyncio.get_running_loop()
         self.tokenizer = await loop.run_in_executor(None, self._load_tokenizer)
         ready = loop.create_future()
-        self._supervisor = threading.Thread(target=self._supervise, args=(loop, ready), name="dsv4-core-supervisor",
-                                            daemon=True)
+        self._supervisor = threading.Thread(target=named("dsv4-supervisor", self._supervise), args=(loop, ready),
+                                            name="dsv4-core-supervisor", daemon=True)
         self._supervisor.start()
         await ready  # a core that cannot load raises here (a bad configuration fails the model's load)
         self._accepting = True
@@ -172,6 +173,7 @@ class CoreClient(EngineLifetime):
                                                 OutputText(self.tokenizer, request.sampling))
         prompt = request.prompt if self.args.fault_injection_marker else None  # the core tokenizes nothing
         self._send(AddRequest(rid, prompt, list(ids), request.sampling))
+        hop_trace.mark(rid, "submitted")
         finished = False
         try:
             async for out in merged_deltas(stream):
@@ -344,12 +346,13 @@ class CoreClient(EngineLifetime):
         while True:
             ready = mp.connection.wait([conn, proc.sentinel], timeout=WATCH_TICK_S)
             if conn in ready:
+                read_at = time.monotonic()
                 try:
                     msg = messages.decode(conn.recv_bytes())
                 except (EOFError, OSError):
                     msg = None
                 if isinstance(msg, StepOutputs):
-                    self._deliver(msg)
+                    self._deliver(msg, read_at)
                     continue
                 if isinstance(msg, CoreDead):
                     return msg.reason
@@ -396,7 +399,7 @@ class CoreClient(EngineLifetime):
 
     # --- the core's outputs, made text --------------------------------------------------------
 
-    def _deliver(self, msg: StepOutputs) -> None:
+    def _deliver(self, msg: StepOutputs, read_at: float) -> None:
         cpu = time.thread_time()
         if msg.stats is not None:
             self._stats = msg.stats
@@ -407,7 +410,9 @@ class CoreClient(EngineLifetime):
             if req is None:  # finished here already (a stop string, a consumer gone)
                 continue
             core_finished = out.finished
+            hop_trace.mark(out.request_id, "read", out.num_output_tokens, read_at)
             self._render(req, out)
+            hop_trace.mark(out.request_id, "detokenized", out.num_output_tokens)
             if out.finished:
                 self._requests.pop(out.request_id, None)
                 if not core_finished:

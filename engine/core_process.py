@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 
-from engine import messages
+from engine import hop_trace, messages
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from engine.messages import (
@@ -99,6 +99,7 @@ class CoreLoop:
 
     def _handle(self, msg) -> None:
         if isinstance(msg, AddRequest):
+            hop_trace.mark(msg.request_id, "core_received")
             self.steps.add(GenerationRequest(msg.request_id, msg.prompt, msg.prompt_token_ids, msg.sampling))
         elif isinstance(msg, AbortRequests):
             self.steps.abort(msg.request_ids)
@@ -133,4 +134,17 @@ class CoreLoop:
         if self.outputs or self.errors or stats is not None:
             msg = StepOutputs(self.outputs, self.errors, stats)
             self.outputs, self.errors = [], []
-            self.conn.send_bytes(messages.encode(msg))
+            data = messages.encode(msg)
+            sent_at = time.monotonic()
+            self.conn.send_bytes(data)
+            if hop_trace.enabled():
+                self._trace(msg, sent_at)
+
+    @staticmethod
+    def _trace(msg: StepOutputs, sent_at: float) -> None:
+        for out in msg.outputs:
+            hop_trace.mark(out.request_id, "core_sent", out.num_output_tokens, sent_at)
+            if out.finished:
+                hop_trace.done(out.request_id)
+        for err in msg.errors:
+            hop_trace.done(err.request_id)

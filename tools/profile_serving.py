@@ -2,6 +2,7 @@
 
     python -m tools.profile_serving [--model DIR] [--users 32] [--requests 3] [--max-tokens 128]
     python -m tools.profile_serving --ttft [--requests 40] [--input-len 16] [--max-tokens 4]
+    python -m tools.profile_serving --hops [--users 1] [--requests 20] [--input-len 16] [--max-tokens 64]
 
 Every streamed response is rendered (numpy + pb_utils tensors) and sent (IPC to the Triton
 process, a round trip) by the model's response threads, under the GIL the engine's loop also
@@ -17,20 +18,33 @@ into queue time, up to the core's scheduling it, and prefill time): the differen
 client, gRPC, Triton and the response path add to a request's first token. Engine-direct's TTFT
 (tools.bench_engine --core-process --concurrency 1, same model and prompt length) is the one to hold
 the model's prefill time against: suite serving_ttft runs both.
+
+--hops: `--users` users stream `--requests` requests each, with the server's hop trace on
+(engine/hop_trace.py): every hop of the path timed per token, from the client's send through Triton's
+`execute`, the front, the engine core and back through the response threads to the client
+(tools/hop_table.py), beside each thread's CPU per output token in the Triton stub (by the names
+engine/os_threads.py gives them), the server processes' CPU, and tokens per response.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import tempfile
 import threading
 import time
+from collections import defaultdict
+from pathlib import Path
 
+from backend.process_tree import descendants
 from backend.serve import TritonServer
 from client.grpc import GrpcClient
+from engine import hop_trace
 from loadtest.scrape import SETTLE_S, delta, metric, metrics_text, scrape
 from loadtest.workloads import WorkloadConfig, make_workload
+from tools import hop_table
 
 WARMUP_REQUESTS = 3  # the first requests pay one-time costs (a stream, caches)
 
@@ -107,6 +121,93 @@ def ttft(server: TritonServer, requests: int, input_len: int, max_tokens: int, m
             "model_prefill_mean_ms": mean_ms("request_prefill_time_seconds")}
 
 
+def _cpu_s(stat_path: str) -> float:
+    fields = Path(stat_path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def server_cpu(server: TritonServer) -> dict:
+    """CPU seconds so far: each server process by its name, and each thread of the Triton stub by its
+    OS name (threads of one name summed)."""
+    processes, threads = {}, defaultdict(float)
+    for pid in [server.process.pid, *descendants(server.process.pid)]:
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            processes[f"{name} ({pid})"] = _cpu_s(f"/proc/{pid}/stat")
+            if name.startswith("triton_python"):
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    task = f"/proc/{pid}/task/{tid}"
+                    threads[Path(f"{task}/comm").read_text().strip()] += _cpu_s(f"{task}/stat")
+        except OSError:  # gone meanwhile
+            continue
+    return {"processes": processes, "stub_threads": dict(threads)}
+
+
+def hops(server: TritonServer, users: int, requests: int, input_len: int, max_tokens: int, model: str | None,
+         trace_prefix: str) -> dict:
+    """Every user sends WARMUP_REQUESTS, then `requests` timed ones, one after another; each request's
+    client marks join the server's by its id."""
+    workload = make_workload(WorkloadConfig(tokenizer=model or "", input_len=str(input_len)))
+    client_marks: dict[str, list] = {}
+    errors: list[str] = []
+    start = threading.Barrier(users + 1)
+
+    def user(i: int) -> None:
+        session = workload.session(i)
+        with GrpcClient(server.grpc_url) as client:
+            for r in range(WARMUP_REQUESTS + requests):
+                if r == WARMUP_REQUESTS:
+                    start.wait()
+                rid, prompt = f"hops-{i}-{r}", session.next_request().prompt
+                marks, tokens = [("client_sent", 0, time.monotonic())], 0
+                try:
+                    for d in client.generate_stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                                                    request_id=rid):
+                        tokens += d.num_output_tokens or 0
+                        marks.append(("client_received", tokens, time.monotonic()))
+                except Exception as e:  # noqa: BLE001 - counted and reported
+                    errors.append(repr(e))
+                if r >= WARMUP_REQUESTS:
+                    client_marks[rid] = marks
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(users)]
+    for t in threads:
+        t.start()
+    start.wait()
+    cpu_before, t0 = server_cpu(server), time.perf_counter()
+    for t in threads:
+        t.join()
+    wall, cpu_after = time.perf_counter() - t0, server_cpu(server)
+    server_marks = {rid.rsplit("-", 1)[0]: m for rid, m in hop_table.load(trace_prefix).items()}
+    per_request, gaps, responses, tokens = [], [], 0, 0
+    for rid, marks in client_marks.items():
+        received = [m for m in marks if m[0] == "client_received" and m[1] > 0]
+        if not received:
+            continue
+        n = received[-1][1]
+        tokens, responses = tokens + n, responses + len(received)
+        gaps += [(b[2] - a[2]) * 1e3 for a, b in zip(received, received[1:])]
+        per_request.append(hop_table.token_times(sorted(marks + server_marks.get(rid, []), key=lambda m: m[2]), n))
+    used = {kind: {name: cpu_after[kind][name] - before for name, before in cpu_before[kind].items()
+                   if name in cpu_after[kind]} for kind in cpu_before}
+    return {"users": users, "requests": len(per_request), "errors": len(errors), "wall_s": wall,
+            "output_tokens": tokens, "tokens_per_response": tokens / responses if responses else None,
+            "client_gap_ms": hop_table.stats(gaps), **hop_table.table(per_request),
+            "cpu_us_per_token": {kind: {name: s / tokens * 1e6 for name, s in v.items() if s > 0}
+                                 for kind, v in used.items()} if tokens else {}}
+
+
+def _print_hops(r: dict) -> None:
+    print(f"users {r['users']}, {r['requests']} requests, {r['errors']} errors, {r['output_tokens']} output tokens "
+          f"in {r['wall_s']:.1f} s; tokens per response {r['tokens_per_response'] or 0:.2f}; client gap between "
+          f"responses p50 {r['client_gap_ms'].get('p50', 0):.2f} ms")
+    hop_table.print_table(r)
+    for kind, rows in r["cpu_us_per_token"].items():
+        print(f"\n{kind}: CPU us per output token")
+        for name, us in sorted(rows.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:32s} {us:9.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the tiny model)")
@@ -115,17 +216,27 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="per user, one after another (3; --ttft: 40)")
     ap.add_argument("--max-tokens", type=int, default=None, help="per request (128; --ttft: 4)")
     ap.add_argument("--ttft", action="store_true", help="one user's TTFT: client against model (see above)")
-    ap.add_argument("--input-len", type=int, default=16, help="--ttft: prompt tokens")
+    ap.add_argument("--hops", action="store_true", help="every hop of the path per token (see above)")
+    ap.add_argument("--input-len", type=int, default=16, help="--ttft, --hops: prompt tokens")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    a.requests = a.requests or (40 if a.ttft else 3)
-    a.max_tokens = a.max_tokens or (4 if a.ttft else 128)
+    a.requests = a.requests or (40 if a.ttft else 20 if a.hops else 3)
+    a.max_tokens = a.max_tokens or (4 if a.ttft else 64 if a.hops else 128)
     engine_args = {"max_num_seqs": max(16, a.users), **json.loads(a.engine_args)}
-    with TritonServer(model=a.model, engine_args=engine_args, http_port=0, grpc_port=0, metrics_port=0,
-                      startup_timeout_s=600) as server:
-        r = ttft(server, a.requests, a.input_len, a.max_tokens, a.model) if a.ttft else run(server, a.users, a.requests,
-                                                                                          a.max_tokens)
-    if a.ttft:
+    trace = tempfile.TemporaryDirectory(prefix="hops-")
+    if a.hops:  # the server's processes inherit it
+        os.environ[hop_trace.ENV] = os.path.join(trace.name, "trace")
+    with trace, TritonServer(model=a.model, engine_args=engine_args, http_port=0, grpc_port=0, metrics_port=0,
+                             startup_timeout_s=600) as server:
+        if a.hops:
+            r = hops(server, a.users, a.requests, a.input_len, a.max_tokens, a.model, os.environ[hop_trace.ENV])
+        elif a.ttft:
+            r = ttft(server, a.requests, a.input_len, a.max_tokens, a.model)
+        else:
+            r = run(server, a.users, a.requests, a.max_tokens)
+    if a.hops:
+        _print_hops(r)
+    elif a.ttft:
         c, m = r["client_ttft_ms"], r["model_ttft_mean_ms"]
         print("requests | client TTFT p10 / p50 / p90 / mean ms | model TTFT mean ms (queue + prefill) | "
               "client - model (mean) ms")
