@@ -1,13 +1,17 @@
 """TritonPythonModel for the `deepseek` python-based backend: requests in, streamed responses out.
 
-Three kinds of thread, no model logic:
-- Triton's execute thread parses each request (backend/protocol.py) and hands it to
-- the engine's asyncio event loop (its own thread), which runs `engine.add` per request and
-  queues its deltas (streaming) or its one rendered response for
+Threads, no model logic:
+- Triton's execute thread parses each request (backend/protocol.py) and starts it with
+  `engine.submit`: the native engine's core client tokenizes it and sends it to the engine core
+  right there;
+- the thread that delivers the engine's deltas (the core client's reader thread, which reads each
+  step's outputs from the core; the model's asyncio event loop for engines that only have
+  `add`) hands each request's deltas (streaming) or its one rendered response (_Delivery) to
 - the response threads, the only ones that touch response senders after admission: they render
   and send (a request's deltas that piled up meanwhile as one response), one request on one
   thread at a time so its responses stay in order; the first also polls `is_cancelled()` so a
   cancelled request is aborted in the engine (freeing its cache).
+The event loop (its own thread) still runs the engine's start, stats, aborts and shutdown.
 
 Every error message starts with its Triton code ("UNAVAILABLE: engine overloaded: ..."): Triton
 2.51's HTTP generate endpoints answer 400 for any error a decoupled model sends, and errors inside
@@ -80,6 +84,100 @@ PARENT_POLL_S = 1.0
 PROMPT_BYTES_PER_TOKEN = 128  # far above any tokenizer's average: a bound, not an estimate
 
 
+class _Delivery:
+    """One request's deltas from the engine (engine/interface.py's DeltaSink), on the thread that
+    delivers them: the core client's reader thread, which reads each step's outputs and hands them
+    on here at once, or the model's event loop for engines that deliver through `add`. Streamed
+    deltas go to the response threads; the end of the request (its last delta or its failure)
+    queues the response that closes it and records its metrics."""
+
+    def __init__(self, model: TritonPythonModel, stream: _ResponseStream, parsed: protocol.ParsedRequest,
+                 arrival: float):
+        self.model, self.stream, self.parsed, self.arrival = model, stream, parsed, arrival
+        request = parsed.request
+        stream.state = protocol.OutputState(request.prompt, parsed.exclude_input_in_output, parsed.returns,
+                                            id=parsed.id, decode_token=model.decode_token)
+        self.last = None
+        self.first_token_at = self.last_token_at = self.scheduled_at = None
+        self.itl: list[float] = []  # the gaps between deltas that brought tokens (vllm:inter_token_latency_seconds)
+        self.aborted = False
+
+    def output(self, delta) -> None:
+        model, stream = self.model, self.stream
+        self.last = delta
+        stream.started = True
+        self.scheduled_at = self.scheduled_at or delta.scheduled_time  # the engine's, on the same host clock
+        if delta.token_ids:
+            now = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            elif model.metrics is not None:
+                self.itl.append(now - self.last_token_at)
+            self.last_token_at = now
+        if stream.cancelled:
+            if not self.aborted:  # the response thread aborts too; this covers a cancel before admission
+                self.aborted = True
+                model._abort(stream.request_id)
+        elif self.parsed.stream:
+            model._queue_delta(stream, delta)
+        else:
+            stream.state.accumulate(delta)
+        if delta.finished:
+            self._end()
+
+    def _end(self) -> None:
+        model, stream, last = self.model, self.stream, self.last
+        try:
+            if stream.cut_off:
+                model._queue_error(stream, stream.cut_off, "UNAVAILABLE")
+            elif stream.cancelled:  # counted once: as request_success_total{finished_reason="abort"}
+                model._queue_error(stream, "request cancelled", "CANCELLED", count=False)
+            elif not self.parsed.stream:
+                model._queue(stream, protocol.render_final(stream.state, last), final=True)
+        except Exception as e:  # a bug in rendering fails this request only
+            self._internal_error(e)
+        finally:
+            self._close()
+
+    def failed(self, error: BaseException) -> None:
+        model, stream = self.model, self.stream
+        try:
+            if isinstance(error, InvalidRequest):
+                model._queue_error(stream, str(error), "INVALID_ARG")
+            elif isinstance(error, EngineOverloaded):
+                model._queue_error(stream, f"engine overloaded: {error}", "UNAVAILABLE")
+            elif isinstance(error, EngineDead):
+                model._queue_error(stream, f"engine dead: {error}", "UNAVAILABLE")
+                model._healthy()
+            elif isinstance(error, RequestFailed):
+                model._queue_error(stream, f"request failed: {error}", "INTERNAL")
+            elif isinstance(error, asyncio.CancelledError):
+                model._queue_error(stream, "the server is shutting down", "UNAVAILABLE")
+            else:
+                self._internal_error(error)
+        finally:
+            self._close()
+
+    def _internal_error(self, error: BaseException) -> None:
+        self.model.logger.log_error(f"[deepseek] request {self.stream.request_id} failed: "
+                                    f"{''.join(traceback.format_exception(error))}")
+        self.model._queue_error(self.stream, f"internal error: {type(error).__name__}: {error}", "INTERNAL")
+
+    def _close(self) -> None:
+        model, last = self.model, self.last
+        model._count_active(-1)
+        if model.metrics is not None and last is not None and last.finished:
+            first, now = self.first_token_at, time.monotonic()
+            model.metrics.record(RequestRecord(
+                num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
+                finish_reason=last.finish_reason or "unknown",
+                ttft_s=None if first is None else first - self.arrival,
+                e2e_s=now - self.arrival,
+                decode_s=None if first is None else self.last_token_at - first,
+                itl_s=self.itl, max_tokens=self.parsed.request.sampling.max_tokens,
+                **scheduling_times(self.arrival, self.scheduled_at, first, self.last_token_at)))
+
+
 @dataclass(eq=False)
 class _ResponseStream:
     """One admitted request, as the response thread sees it."""
@@ -140,6 +238,7 @@ class TritonPythonModel:
             lambda token: tokenizer.decode([token], skip_special_tokens=False))
 
         self.num_active = 0  # requests admitted and not yet finished; read by finalize
+        self.active_lock = threading.Lock()  # num_active: counted up on execute, down where deltas arrive
         self._engine_stopping: asyncio.Future | None = None  # the engine's shutdown, once started
         self.stopping = False
         self.unloading = False
@@ -201,77 +300,23 @@ class TritonPythonModel:
             stream = _ResponseStream(sender, request_id, parsed.stream)
             with self.streams_lock:
                 self.streams.add(stream)
-            asyncio.run_coroutine_threadsafe(self._generate(stream, parsed, arrival), self.loop)
+            self._count_active(1)
+            delivery = _Delivery(self, stream, parsed, arrival)
+            try:
+                self.engine.submit(parsed.request, delivery, self.loop)
+            except Exception as e:  # a bug on the way in fails this request only
+                delivery.failed(e)
         return None
 
-    # ---------------------------------------------------------------- engine event loop
+    def _abort(self, request_id: str) -> None:
+        """From any thread: stop the request in the engine (frees its cache)."""
+        asyncio.run_coroutine_threadsafe(self.engine.abort(request_id), self.loop)
 
-    async def _generate(self, stream: _ResponseStream, parsed: protocol.ParsedRequest, arrival: float):
-        self.num_active += 1
-        request = parsed.request
-        state = protocol.OutputState(request.prompt, parsed.exclude_input_in_output, parsed.returns,
-                                     id=parsed.id, decode_token=self.decode_token)
-        stream.state = state
-        last = None
-        first_token_at = last_token_at = scheduled_at = None
-        itl = []  # the gaps between deltas that brought tokens (vllm:inter_token_latency_seconds)
-        aborted = False
-        try:
-            async for delta in self.engine.add(request):
-                last = delta
-                stream.started = True
-                scheduled_at = scheduled_at or delta.scheduled_time  # the engine's, on the same host clock
-                if delta.token_ids:
-                    now = time.monotonic()
-                    if first_token_at is None:
-                        first_token_at = now
-                    elif self.metrics is not None:
-                        itl.append(now - last_token_at)
-                    last_token_at = now
-                if stream.cancelled:
-                    if not aborted:  # the response thread aborts too; this covers a cancel before add
-                        aborted = True
-                        await self.engine.abort(request.request_id)
-                    continue
-                if parsed.stream:
-                    self._queue_delta(stream, delta)
-                else:
-                    state.accumulate(delta)
-            if stream.cut_off:
-                self._queue_error(stream, stream.cut_off, "UNAVAILABLE")
-            elif stream.cancelled:  # counted once: as request_success_total{finished_reason="abort"}
-                self._queue_error(stream, "request cancelled", "CANCELLED", count=last is None or not last.finished)
-            elif last is None or not last.finished:
-                self._queue_error(stream, "the engine ended the request without a final output", "INTERNAL")
-            elif not parsed.stream:
-                self._queue(stream, protocol.render_final(state, last), final=True)
-        except InvalidRequest as e:
-            self._queue_error(stream, str(e), "INVALID_ARG")
-        except EngineOverloaded as e:
-            self._queue_error(stream, f"engine overloaded: {e}", "UNAVAILABLE")
-        except EngineDead as e:
-            self._queue_error(stream, f"engine dead: {e}", "UNAVAILABLE")
-            self._healthy()
-        except RequestFailed as e:
-            self._queue_error(stream, f"request failed: {e}", "INTERNAL")
-        except asyncio.CancelledError:
-            self._queue_error(stream, "the server is shutting down", "UNAVAILABLE")
-            raise
-        except Exception as e:
-            self.logger.log_error(f"[deepseek] request {request.request_id} failed: {traceback.format_exc()}")
-            self._queue_error(stream, f"internal error: {type(e).__name__}: {e}", "INTERNAL")
-        finally:
-            self.num_active -= 1
-            if self.metrics is not None and last is not None and last.finished:
-                now = time.monotonic()
-                self.metrics.record(RequestRecord(
-                    num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
-                    finish_reason=last.finish_reason or "unknown",
-                    ttft_s=None if first_token_at is None else first_token_at - arrival,
-                    e2e_s=now - arrival,
-                    decode_s=None if first_token_at is None else last_token_at - first_token_at,
-                    itl_s=itl, max_tokens=request.sampling.max_tokens,
-                    **scheduling_times(arrival, scheduled_at, first_token_at, last_token_at)))
+    def _count_active(self, change: int) -> None:
+        with self.active_lock:
+            self.num_active += change
+
+    # ---------------------------------------------------------------- engine deltas (_Delivery)
 
     def _queue_delta(self, stream: _ResponseStream, delta) -> None:
         """Streamed deltas are rendered and sent by the response threads. A render costs about
@@ -368,7 +413,7 @@ class TritonPythonModel:
                                   f"{traceback.format_exc()}")
             response, final = self._error_response(f"internal error: {type(e).__name__}: {e}", "INTERNAL"), True
             stream.cancelled = True  # the rest of its stream is dropped: free its cache
-            asyncio.run_coroutine_threadsafe(self.engine.abort(stream.request_id), self.loop)
+            self._abort(stream.request_id)
         self._send(stream, response, FINAL if final else 0, delta.num_output_tokens)
 
     def _send(self, stream: _ResponseStream, response, flags, tokens: int = 0) -> None:
@@ -403,7 +448,7 @@ class TritonPythonModel:
             if cancelled:
                 self.logger.log_info(f"[deepseek] request {stream.request_id} cancelled by the client")
                 stream.cancelled = True
-                asyncio.run_coroutine_threadsafe(self.engine.abort(stream.request_id), self.loop)
+                self._abort(stream.request_id)
 
     def _poll_shutdown(self) -> None:
         """Triton counts a decoupled model's open streams as neither in-flight inferences nor

@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from engine.interface import SubmitThroughAdd
 from engine.request import (
     EngineDead,
     EngineOverloaded,
@@ -216,7 +217,7 @@ def _vllm_errors():
     }
 
 
-class VllmEngine:
+class VllmEngine(SubmitThroughAdd):
     """AsyncEngine over vllm.v1.engine.async_llm.AsyncLLM."""
 
     def __init__(self, engine_args: dict):

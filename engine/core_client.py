@@ -6,6 +6,11 @@ token ids into text: detokenization, stop strings (a match finishes the request 
 it in the core; tokens the core made past the stop are dropped) and the held-back text are this
 side's work, never the step loop's. docs/PROCESSES.md has the picture.
 
+A request started with `submit` (the Triton model's) is tokenized and sent on the caller's thread,
+and its deltas go to its sink on the reader thread as each step's message is read: no event loop
+on the way in or out. One started with `add` gets its deltas on its event loop, one hop per loop
+per step.
+
 One supervisor thread per client spawns the core, reads its step messages, and watches it: a
 core that exits (SIGKILL, CUDA error, out of memory) or whose step runs past step_timeout_s
 (killed) fails every request in flight with EngineDead at once; health() is false while the
@@ -34,7 +39,7 @@ from dataclasses import asdict, dataclass
 from engine import hop_trace, messages
 from engine.args import EngineArgs, resolve_model_dir
 from engine.delta_stream import merged_deltas, on_loop
-from engine.interface import EngineLifetime, step_running_s
+from engine.interface import DeltaSink, EngineLifetime, step_running_s
 from engine.messages import AbortRequests, AddRequest, CoreDead, CoreReady, Shutdown, StepOutputs
 from engine.os_threads import named
 from engine.output_text import OutputText
@@ -51,11 +56,13 @@ STOP_GRACE_S = 10.0  # shutdown: how long the core may take to exit before it is
 
 @dataclass(eq=False)
 class _FrontRequest:
-    """One request in flight, as the front sees it."""
+    """One request in flight, as the front sees it: its deltas go to `sink` (submit) or onto
+    `stream` on `loop` (add)."""
 
-    loop: asyncio.AbstractEventLoop
-    stream: asyncio.Queue
     text: OutputText
+    sink: DeltaSink | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    stream: asyncio.Queue | None = None
 
 
 def _python_executable() -> str:
@@ -151,6 +158,33 @@ class CoreClient(EngineLifetime):
         self._accepting = True
 
     async def add(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        stream: asyncio.Queue = asyncio.Queue()
+        self._admit(request, loop=asyncio.get_running_loop(), stream=stream)
+        rid = request.request_id
+        finished = False
+        try:
+            async for out in merged_deltas(stream):
+                finished = out.finished
+                yield out
+        except Exception:
+            finished = True  # the core ended it (refused, failed, dead): nothing to abort
+            raise
+        finally:
+            if not finished and self._requests.pop(rid, None) is not None:  # the consumer went away
+                self._send(AbortRequests([rid]))
+
+    def submit(self, request: GenerationRequest, sink: DeltaSink,
+               loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Tokenize and send `request` on this thread; the reader thread hands its deltas to `sink`
+        (a refusal here goes to `sink.failed` at once). `loop` is not needed."""
+        try:
+            self._admit(request, sink=sink)
+        except Exception as e:  # noqa: BLE001 - the sink maps it (InvalidRequest, EngineOverloaded, EngineDead)
+            sink.failed(e)
+
+    def _admit(self, request: GenerationRequest, **deliver) -> None:
+        """Register `request` (its deltas go where `deliver` says: _FrontRequest's sink, or loop and
+        stream) and send it to the core. Raises EngineDead, EngineOverloaded or InvalidRequest."""
         if not self.health() or not self._accepting:
             raise EngineDead(self._not_serving())
         if len(self._requests) >= self.args.max_num_seqs + self.args.max_waiting_requests:
@@ -163,28 +197,15 @@ class CoreClient(EngineLifetime):
                 raise InvalidRequest("the prompt is empty")
             ids = self.tokenizer.encode(request.prompt)
         rid = request.request_id
-        stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if self._state != "serving":
                 raise EngineDead(self._not_serving())
             if rid in self._requests:
                 raise InvalidRequest(f"request id {rid!r} is already in flight")
-            self._requests[rid] = _FrontRequest(asyncio.get_running_loop(), stream,
-                                                OutputText(self.tokenizer, request.sampling))
+            self._requests[rid] = _FrontRequest(OutputText(self.tokenizer, request.sampling), **deliver)
         prompt = request.prompt if self.args.fault_injection_marker else None  # the core tokenizes nothing
         self._send(AddRequest(rid, prompt, list(ids), request.sampling))
         hop_trace.mark(rid, "submitted")
-        finished = False
-        try:
-            async for out in merged_deltas(stream):
-                finished = out.finished
-                yield out
-        except Exception:
-            finished = True  # the core ended it (refused, failed, dead): nothing to abort
-            raise
-        finally:
-            if not finished and self._requests.pop(rid, None) is not None:  # the consumer went away
-                self._send(AbortRequests([rid]))
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._requests:  # its stream ends with the core's "abort" output
@@ -296,8 +317,8 @@ class CoreClient(EngineLifetime):
             failed, self._requests = self._requests, {}
         error = EngineDead(f"engine stopped: {reason or 'shut down'}")
         by_loop: dict = {}
-        for req in failed.values():
-            by_loop.setdefault(req.loop, []).append((req.stream, error))
+        for rid, req in failed.items():
+            self._hand(rid, req, error, by_loop)
         for req_loop, items in by_loop.items():
             on_loop(req_loop, _put_all, items)
 
@@ -417,16 +438,35 @@ class CoreClient(EngineLifetime):
                 self._requests.pop(out.request_id, None)
                 if not core_finished:
                     stopped.append(out.request_id)
-            by_loop.setdefault(req.loop, []).append((req.stream, out))
+            if not self._hand(out.request_id, req, out, by_loop) and not out.finished:
+                stopped.append(out.request_id)
         for err in msg.errors:
             req = self._requests.pop(err.request_id, None)
             if req is not None:
-                by_loop.setdefault(req.loop, []).append((req.stream, messages.ERRORS[err.kind](err.message)))
+                self._hand(err.request_id, req, messages.ERRORS[err.kind](err.message), by_loop)
         for loop, items in by_loop.items():  # one hop per event loop per step, not per request
             on_loop(loop, _put_all, items)
-        if stopped:  # a stop string matched here: free the core's cache, drop what it makes meanwhile
+        if stopped:  # a stop string matched here (or a sink failed): free the core's cache, drop what it makes
             self._send(AbortRequests(stopped))
         self.counters["front_cpu_s"] += time.thread_time() - cpu
+
+    def _hand(self, rid: str, req: _FrontRequest, item: RequestOutput | BaseException, by_loop: dict) -> bool:
+        """A delta or the request's error to its sink now, or onto `by_loop` for its event loop.
+        False when the sink failed: a bug there ends its request (dropped here, aborted in the core),
+        never this thread."""
+        if req.sink is None:
+            by_loop.setdefault(req.loop, []).append((req.stream, item))
+            return True
+        try:
+            if isinstance(item, RequestOutput):
+                req.sink.output(item)
+            else:
+                req.sink.failed(item)
+            return True
+        except Exception:  # noqa: BLE001 - logged; the request is dropped
+            log.exception("handing request %s its output failed; dropping it", rid)
+            self._requests.pop(rid, None)
+            return False
 
     @staticmethod
     def _render(req: _FrontRequest, out: RequestOutput) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from engine.args import EngineArgs
 from engine.delta_stream import merged_deltas, on_loop
-from engine.interface import EngineLifetime, step_running_s
+from engine.interface import EngineLifetime, SubmitThroughAdd, step_running_s
 from engine.llm_engine import LLMEngine
 from engine.request import (
     EngineDead,
@@ -88,7 +88,7 @@ class LLM:
         return results
 
 
-class AsyncLLM(EngineLifetime):
+class AsyncLLM(SubmitThroughAdd, EngineLifetime):
     """The native engine behind the async interface the Triton backend uses: the step loop
     (engine/step_loop.py) in a thread of this process, deltas onto each caller's event loop."""
 

@@ -1,17 +1,21 @@
 """The engine core in its own process behind CoreClient streams what the in-process AsyncLLM
 streams, token for token: greedy, seeded sampling, logprobs, stop strings (matched in the front,
 which aborts the core's request and drops what it made past the stop), EOS, min_tokens,
-invalid requests, aborts; and a slow consumer still gets merged deltas."""
+invalid requests, aborts; and a slow consumer still gets merged deltas. `submit` (the Triton
+model's way in) hands the core client's deltas to the caller's sink on the reader thread, with no
+event loop between, and runs an in-process engine's `add` on the caller's loop."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
 from engine.core_client import CoreClient
+from engine.interface import pump
 from engine.llm import AsyncLLM
-from engine.request import GenerationRequest, InvalidRequest, SamplingParams
+from engine.request import GenerationRequest, InvalidRequest, RequestFailed, RequestOutput, SamplingParams
 
 ARGS = {"max_model_len": 256, "dtype": "float32", "enable_prefix_caching": False}
 
@@ -117,3 +121,83 @@ def test_abort_ends_the_stream_and_a_slow_consumer_gets_merged_deltas():
     assert len(slow) < len(fast) and any(len(o.token_ids) > 1 for o in slow)
     assert _joined(slow) == _expected(fast)
     assert stats["running"] == 0 and stats["num_steps"] > 0
+
+
+class _Sink:
+    """Records what `submit` delivers, and on which thread."""
+
+    def __init__(self):
+        self.outputs, self.threads, self.errors = [], set(), []
+        self.done = threading.Event()
+
+    def output(self, out):
+        self.outputs.append(out)
+        self.threads.add(threading.current_thread().name)
+        if out.finished:
+            self.done.set()
+
+    def failed(self, error):
+        self.errors.append(error)
+        self.done.set()
+
+
+def test_submit_hands_each_steps_delta_to_the_sink_on_the_reader_thread_with_the_event_loop_stuck():
+    """The Triton model's way in and out: no event loop between the core's step and the sink, no
+    waiting to gather steps. The client's loop is held still for the whole request; every token
+    still arrives, one delta per step, as `add` streams them."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    engine = CoreClient(ARGS)
+    on_loop = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+    try:
+        on_loop(engine.start())
+        sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        stuck = threading.Event()
+        loop.call_soon_threadsafe(stuck.wait, 120)
+        sink, refused = _Sink(), _Sink()
+        engine.submit(GenerationRequest("direct", prompt="The capital of France is", sampling=sp), sink, loop)
+        engine.submit(GenerationRequest("empty", prompt="", sampling=sp), refused, loop)
+        delivered = sink.done.wait(120)
+        stuck.set()
+        streamed = on_loop(_collect(engine, "through-add", "The capital of France is", sp))
+    finally:
+        on_loop(engine.shutdown())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    assert delivered and not sink.errors and sink.threads == {"dsv4-core-supervisor"}
+    assert [len(o.token_ids) for o in sink.outputs] == [1] * 12  # each step's token on its own
+    assert _joined(sink.outputs)[:-1] == _joined(streamed)[:-1]
+    assert refused.done.is_set() and [type(e) for e in refused.errors] == [InvalidRequest]
+
+
+def test_submit_through_add_runs_the_stream_on_the_callers_loop():
+    """The in-process engine (and vLLM's) deliver through `add`: `submit` runs it on the loop it is
+    given, each delta to the sink there; a refusal, or a stream that ends unfinished, fails it."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="callers-loop", daemon=True)
+    thread.start()
+    engine = AsyncLLM(ARGS)
+    on_loop = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+    try:
+        on_loop(engine.start())
+        sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        sink, refused = _Sink(), _Sink()
+        engine.submit(GenerationRequest("through-add", prompt="The capital of France is", sampling=sp), sink, loop)
+        engine.submit(GenerationRequest("empty", prompt="", sampling=sp), refused, loop)
+        delivered = sink.done.wait(120) and refused.done.wait(120)
+        streamed = on_loop(_collect(engine, "again", "The capital of France is", sp))
+    finally:
+        on_loop(engine.shutdown())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    assert delivered and not sink.errors and sink.threads == {"callers-loop"}
+    assert _joined(sink.outputs)[:-1] == _joined(streamed)[:-1]
+    assert [type(e) for e in refused.errors] == [InvalidRequest]
+
+    async def unfinished():
+        yield RequestOutput("cut", text="a", token_ids=[5], num_output_tokens=1)
+
+    cut = _Sink()
+    asyncio.run(pump(unfinished(), cut))
+    assert len(cut.outputs) == 1 and [type(e) for e in cut.errors] == [RequestFailed]
