@@ -121,9 +121,20 @@ def ttft(server: TritonServer, requests: int, input_len: int, max_tokens: int, m
             "model_prefill_mean_ms": mean_ms("request_prefill_time_seconds")}
 
 
-def _cpu_s(stat_path: str) -> float:
-    fields = Path(stat_path).read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+def _process_cpu_s(pid: int) -> float:
+    """Every thread's CPU seconds: utime + stime, in clock ticks."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _thread_cpu_s(task: str) -> float:
+    """One thread's CPU seconds (/proc/PID/task/TID): the scheduler's nanosecond count where the
+    kernel keeps one; ticks (10 ms) are too coarse for threads that run in short bursts."""
+    try:
+        return int(Path(f"{task}/schedstat").read_text().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        fields = Path(f"{task}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def server_cpu(server: TritonServer) -> dict:
@@ -133,11 +144,11 @@ def server_cpu(server: TritonServer) -> dict:
     for pid in [server.process.pid, *descendants(server.process.pid)]:
         try:
             name = Path(f"/proc/{pid}/comm").read_text().strip()
-            processes[f"{name} ({pid})"] = _cpu_s(f"/proc/{pid}/stat")
+            processes[f"{name} ({pid})"] = _process_cpu_s(pid)
             if name.startswith("triton_python"):
                 for tid in os.listdir(f"/proc/{pid}/task"):
                     task = f"/proc/{pid}/task/{tid}"
-                    threads[Path(f"{task}/comm").read_text().strip()] += _cpu_s(f"{task}/stat")
+                    threads[Path(f"{task}/comm").read_text().strip()] += _thread_cpu_s(task)
         except OSError:  # gone meanwhile
             continue
     return {"processes": processes, "stub_threads": dict(threads)}
