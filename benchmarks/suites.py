@@ -214,6 +214,14 @@ SUITE_LIST = [
                                           "--input-len", "512", "--requests", "40"), name="triton",
                 python="triton", timeout_s=240)),
           notes="about 4 minutes: checkpoint 20 s, engine-direct 150 s, Triton 60 s"),
+    Suite("serving_hops", "Where does the Triton path spend each token's time (flash-shaped, 512 in / 64 out, 1 and "
+          "32 users): every hop from the client's send through Triton's execute, the front and the engine core back "
+          "through the response threads to the client, and each Triton-stub thread's CPU per output token?",
+          (SHAPED_SERVING.make_model,
+           Step("tools.profile_serving", ("--hops", "--model", "{ckpt}/flash-shaped", "--engine-args", SHAPED,
+                                          "--input-len", "512", "--max-tokens", "64", "--users", "1,32",
+                                          "--requests", "20"), name="hops", python="triton", timeout_s=300)),
+          notes="about 2 minutes: checkpoint 20 s, server start 35 s, the two levels 40 s"),
     serving_vs_engine("serving_vs_openai", SHAPED_SERVING, "h200", legs=("openai",),
                       notes="about 6 minutes: checkpoint 20 s, Triton 175 s, OpenAI 175 s"),
     serving_vs_engine("serving_vs_engine_depth", DEPTH_SERVING, "h200", legs=("engine",),

@@ -386,6 +386,20 @@ def step_paths(runner) -> dict:
     return {"decode_graph": runner.replays, "mixed_graph": mixed, "eager": runner.eager_steps}
 
 
+def served_engine_args() -> dict:
+    """The engine arguments the Triton model starts from (model_repository's model.json), less the
+    ones that name the engine and checkpoint: --core-process measures the engine as served, and
+    model.json turns prefix caching on where EngineArgs leaves it off."""
+    from backend.engine_setup import load_engine_args, pop_backend_options
+    from backend.serve import DEFAULT_MODEL_REPOSITORY
+
+    args = load_engine_args(DEFAULT_MODEL_REPOSITORY / "deepseek_v4" / "1" / "model.json")
+    pop_backend_options(args)
+    for key in ("engine", "engine_core_process", "model", "tokenizer"):
+        args.pop(key, None)
+    return args
+
+
 def resolve_model(args) -> str:
     if args.model:
         return args.model
@@ -442,7 +456,8 @@ def main() -> int:
     ap.add_argument("--engine-args", default="{}")
     ap.add_argument("--baseline", action="store_true", help="kernels=ref, enforce_eager, no prefix cache")
     ap.add_argument("--core-process", action="store_true",
-                    help="online runs through CoreClient (the engine core in its own process, as served)")
+                    help="online runs through CoreClient (the engine core in its own process), with the served "
+                    "model.json's engine arguments under --engine-args: the engine Triton serves")
     ap.add_argument("--hf-peer", default="", help="also time transformers eager at these batch sizes, e.g. 1,8,32")
     ap.add_argument("--floor", action="store_true", help="report the decode memory floor (GPU)")
     ap.add_argument("--steady", default=None, help="batch sizes: time decode-only steps (after prefill)")
@@ -456,6 +471,8 @@ def main() -> int:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # the loader's progress
     engine_args = {"model": resolve_model(args), **json.loads(args.engine_args)}
+    if args.core_process:
+        engine_args = {**served_engine_args(), **engine_args}
     if args.baseline:
         engine_args.update(BASELINE)
     EngineArgs.from_dict(engine_args)  # fail fast on a typo

@@ -169,7 +169,7 @@ def hops(server: TritonServer, users: int, requests: int, input_len: int, max_to
             for r in range(WARMUP_REQUESTS + requests):
                 if r == WARMUP_REQUESTS:
                     start.wait()
-                rid, prompt = f"hops-{i}-{r}", session.next_request().prompt
+                rid, prompt = f"hops{users}-{i}-{r}", session.next_request().prompt
                 marks, tokens = [("client_sent", 0, time.monotonic())], 0
                 try:
                     for d in client.generate_stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True,
@@ -185,10 +185,11 @@ def hops(server: TritonServer, users: int, requests: int, input_len: int, max_to
     for t in threads:
         t.start()
     start.wait()
-    cpu_before, t0 = server_cpu(server), time.perf_counter()
+    cpu_before, t0, client_cpu = server_cpu(server), time.perf_counter(), time.process_time()
     for t in threads:
         t.join()
     wall, cpu_after = time.perf_counter() - t0, server_cpu(server)
+    client_cpu = time.process_time() - client_cpu
     server_marks = {rid.rsplit("-", 1)[0]: m for rid, m in hop_table.load(trace_prefix).items()}
     per_request, gaps, responses, tokens = [], [], 0, 0
     for rid, marks in client_marks.items():
@@ -203,6 +204,7 @@ def hops(server: TritonServer, users: int, requests: int, input_len: int, max_to
                    if name in cpu_after[kind]} for kind in cpu_before}
     return {"users": users, "requests": len(per_request), "errors": len(errors), "wall_s": wall,
             "output_tokens": tokens, "tokens_per_response": tokens / responses if responses else None,
+            "client_cpu_cores": client_cpu / wall,  # near 1: the client (one process, one GIL) was the limit
             "client_gap_ms": hop_table.stats(gaps), **hop_table.table(per_request),
             "cpu_us_per_token": {kind: {name: s / tokens * 1e6 for name, s in v.items() if s > 0}
                                  for kind, v in used.items()} if tokens else {}}
@@ -211,7 +213,7 @@ def hops(server: TritonServer, users: int, requests: int, input_len: int, max_to
 def _print_hops(r: dict) -> None:
     print(f"users {r['users']}, {r['requests']} requests, {r['errors']} errors, {r['output_tokens']} output tokens "
           f"in {r['wall_s']:.1f} s; tokens per response {r['tokens_per_response'] or 0:.2f}; client gap between "
-          f"responses p50 {r['client_gap_ms'].get('p50', 0):.2f} ms")
+          f"responses p50 {r['client_gap_ms'].get('p50', 0):.2f} ms; client CPU {r['client_cpu_cores']:.2f} cores")
     hop_table.print_table(r)
     for kind, rows in r["cpu_us_per_token"].items():
         print(f"\n{kind}: CPU us per output token")
@@ -223,7 +225,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint directory (default: the tiny model)")
     ap.add_argument("--engine-args", default="{}", help="JSON merged into model.json")
-    ap.add_argument("--users", type=int, default=32)
+    ap.add_argument("--users", default="32", help="concurrent users (--hops: a list, one level after another)")
     ap.add_argument("--requests", type=int, default=None, help="per user, one after another (3; --ttft: 40)")
     ap.add_argument("--max-tokens", type=int, default=None, help="per request (128; --ttft: 4)")
     ap.add_argument("--ttft", action="store_true", help="one user's TTFT: client against model (see above)")
@@ -233,20 +235,23 @@ def main() -> None:
     a = ap.parse_args()
     a.requests = a.requests or (40 if a.ttft else 20 if a.hops else 3)
     a.max_tokens = a.max_tokens or (4 if a.ttft else 64 if a.hops else 128)
-    engine_args = {"max_num_seqs": max(16, a.users), **json.loads(a.engine_args)}
+    levels = [int(u) for u in a.users.split(",")]
+    engine_args = {"max_num_seqs": max(16, *levels), **json.loads(a.engine_args)}
     trace = tempfile.TemporaryDirectory(prefix="hops-")
     if a.hops:  # the server's processes inherit it
         os.environ[hop_trace.ENV] = os.path.join(trace.name, "trace")
     with trace, TritonServer(model=a.model, engine_args=engine_args, http_port=0, grpc_port=0, metrics_port=0,
                              startup_timeout_s=600) as server:
         if a.hops:
-            r = hops(server, a.users, a.requests, a.input_len, a.max_tokens, a.model, os.environ[hop_trace.ENV])
+            r = {"levels": [hops(server, users, a.requests, a.input_len, a.max_tokens, a.model,
+                                 f"{os.environ[hop_trace.ENV]}") for users in levels]}
         elif a.ttft:
             r = ttft(server, a.requests, a.input_len, a.max_tokens, a.model)
         else:
-            r = run(server, a.users, a.requests, a.max_tokens)
+            r = run(server, levels[0], a.requests, a.max_tokens)
     if a.hops:
-        _print_hops(r)
+        for level in r["levels"]:
+            _print_hops(level)
     elif a.ttft:
         c, m = r["client_ttft_ms"], r["model_ttft_mean_ms"]
         print("requests | client TTFT p10 / p50 / p90 / mean ms | model TTFT mean ms (queue + prefill) | "
