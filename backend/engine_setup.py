@@ -18,6 +18,7 @@ BACKEND_OPTIONS = {
     "enable_log_requests": False,  # log each request's prompt and sampling parameters
     "max_prompt_bytes": None,  # text_input size limit; default 128 bytes per token of max_model_len
     "shutdown_file": None,  # backend.serve writes the drain deadline here before it sends SIGTERM
+    "response_threads": None,  # threads that render and send streamed responses; default backend/model.py's
 }
 TINY_MODEL_NAMES = ("", "tiny")
 

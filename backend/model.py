@@ -220,6 +220,10 @@ class TritonPythonModel:
         self.max_model_len = engine_args.get("max_model_len")
         self.max_prompt_bytes = int(options["max_prompt_bytes"] or
                                     PROMPT_BYTES_PER_TOKEN * (self.max_model_len or 1 << 17))
+        response_threads = options["response_threads"] or RESPONSE_THREADS
+        if not isinstance(response_threads, int) or response_threads < 1:
+            raise pb_utils.TritonModelException(f"model.json: response_threads must be an integer >= 1, "
+                                                f"not {response_threads!r}")
 
         self.loop = asyncio.new_event_loop()
         self.loop_thread = threading.Thread(target=named("ds-loop", self.loop.run_forever), name="deepseek-engine",
@@ -248,7 +252,7 @@ class TritonPythonModel:
         self.deltas_lock = threading.Lock()  # a stream's deltas, last and queued
         # each response thread's own counters, summed for metrics (stream_*_total, response_thread_cpu_seconds_total)
         self.thread_stats = [{"stream_deltas": 0, "stream_responses": 0, "response_thread_cpu_s": 0.0}
-                             for _ in range(RESPONSE_THREADS)]
+                             for _ in range(response_threads)]
         self.response_threads = [threading.Thread(target=named(f"ds-responses-{i}", self._response_loop),
                                                   args=(stats, i == 0),
                                                   name=f"deepseek-responses-{i}", daemon=True)

@@ -13,9 +13,10 @@ tokens per response rises (and the client's ITL with it) instead of the server f
 --json writes it.
 
 --ttft: one user's requests one after another, each TTFT as the client sees it against the model's
-own (request in `execute` -> first token on its event loop; vllm:time_to_first_token_seconds, split
-into queue time, up to the core's scheduling it, and prefill time): the difference is what the
-client, gRPC, Triton and the response path add to a request's first token. Engine-direct's TTFT
+own (request in `execute` -> first token where the model receives its deltas;
+vllm:time_to_first_token_seconds, split into queue time, up to the core's scheduling it, and
+prefill time): the difference is what the client, gRPC, Triton and the response path add to a
+request's first token. Engine-direct's TTFT
 (tools.bench_engine --core-process --concurrency 1, same model and prompt length) is the one to hold
 the model's prefill time against: suite serving_ttft runs both.
 
