@@ -101,6 +101,7 @@ class _Delivery:
         self.first_token_at = self.last_token_at = self.scheduled_at = None
         self.itl: list[float] = []  # the gaps between deltas that brought tokens (vllm:inter_token_latency_seconds)
         self.aborted = False
+        self.closed = False
 
     def output(self, delta) -> None:
         model, stream = self.model, self.stream
@@ -140,6 +141,8 @@ class _Delivery:
             self._close()
 
     def failed(self, error: BaseException) -> None:
+        if self.closed:  # its end is queued already
+            return
         model, stream = self.model, self.stream
         try:
             if isinstance(error, InvalidRequest):
@@ -164,6 +167,10 @@ class _Delivery:
         self.model._queue_error(self.stream, f"internal error: {type(error).__name__}: {error}", "INTERNAL")
 
     def _close(self) -> None:
+        """Once per request, however it ended (a failure after its end changes nothing more)."""
+        if self.closed:
+            return
+        self.closed = True
         model, last = self.model, self.last
         model._count_active(-1)
         if model.metrics is not None and last is not None and last.finished:

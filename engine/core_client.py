@@ -43,7 +43,14 @@ from engine.interface import DeltaSink, EngineLifetime, step_running_s
 from engine.messages import AbortRequests, AddRequest, CoreDead, CoreReady, Shutdown, StepOutputs
 from engine.os_threads import named
 from engine.output_text import OutputText
-from engine.request import EngineDead, EngineOverloaded, GenerationRequest, InvalidRequest, RequestOutput
+from engine.request import (
+    EngineDead,
+    EngineOverloaded,
+    GenerationRequest,
+    InvalidRequest,
+    RequestFailed,
+    RequestOutput,
+)
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger("deepseek.engine")
@@ -452,8 +459,8 @@ class CoreClient(EngineLifetime):
 
     def _hand(self, rid: str, req: _FrontRequest, item: RequestOutput | BaseException, by_loop: dict) -> bool:
         """A delta or the request's error to its sink now, or onto `by_loop` for its event loop.
-        False when the sink failed: a bug there ends its request (dropped here, aborted in the core),
-        never this thread."""
+        False when the sink raised: a bug there ends its request (dropped here, aborted in the core,
+        its sink told once more, so that its caller can still answer), never this thread."""
         if req.sink is None:
             by_loop.setdefault(req.loop, []).append((req.stream, item))
             return True
@@ -463,9 +470,14 @@ class CoreClient(EngineLifetime):
             else:
                 req.sink.failed(item)
             return True
-        except Exception:  # noqa: BLE001 - logged; the request is dropped
+        except Exception as e:  # noqa: BLE001 - logged; the request is dropped
             log.exception("handing request %s its output failed; dropping it", rid)
             self._requests.pop(rid, None)
+            if isinstance(item, RequestOutput):
+                try:
+                    req.sink.failed(RequestFailed(f"delivering its output failed: {type(e).__name__}: {e}"))
+                except Exception:  # noqa: BLE001
+                    log.exception("telling request %s's sink that it failed failed too", rid)
             return False
 
     @staticmethod

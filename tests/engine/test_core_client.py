@@ -160,6 +160,10 @@ def test_submit_hands_each_steps_delta_to_the_sink_on_the_reader_thread_with_the
         engine.submit(GenerationRequest("empty", prompt="", sampling=sp), refused, loop)
         delivered = sink.done.wait(120)
         stuck.set()
+        broken = _Sink()
+        broken.output = lambda out: 1 / 0  # a bug in the caller's sink fails its request, not the reader
+        engine.submit(GenerationRequest("broken", prompt="Hello", sampling=sp), broken, loop)
+        broken.done.wait(120)
         streamed = on_loop(_collect(engine, "through-add", "The capital of France is", sp))
     finally:
         on_loop(engine.shutdown())
@@ -169,6 +173,7 @@ def test_submit_hands_each_steps_delta_to_the_sink_on_the_reader_thread_with_the
     assert [len(o.token_ids) for o in sink.outputs] == [1] * 12  # each step's token on its own
     assert _joined(sink.outputs)[:-1] == _joined(streamed)[:-1]
     assert refused.done.is_set() and [type(e) for e in refused.errors] == [InvalidRequest]
+    assert [type(e) for e in broken.errors] == [RequestFailed] and "ZeroDivisionError" in str(broken.errors[0])
 
 
 def test_submit_through_add_runs_the_stream_on_the_callers_loop():
