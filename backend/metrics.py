@@ -87,6 +87,29 @@ class RequestRecord:
     inference_s: float | None = None  # first scheduled -> last token
 
 
+@dataclass
+class TokenTimes:
+    """When a request's tokens reached the model (time.monotonic()): the first, the last, and the
+    gaps vLLM's inter-token histograms take. A gap is counted per delta that starts a response: per
+    engine step while the response threads keep up; the deltas they merge into one response make
+    one gap, the one its client sees. Every observation is an IPC to the Triton process (and a turn
+    of its one stub-message thread, which also passes every response send on), so their number
+    follows the responses sent, which the stub can bound, not the engine's token rate."""
+
+    first: float | None = None
+    last: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    gap_from: float | None = None  # when the last counted gap ended
+
+    def arrived(self, now: float, starts_response: bool = True) -> None:
+        if self.first is None:
+            self.first = self.gap_from = now
+        elif starts_response:
+            self.gaps.append(now - self.gap_from)
+            self.gap_from = now
+        self.last = now
+
+
 def scheduling_times(arrival: float, scheduled: float | None, first_token: float | None,
                      last_token: float | None) -> dict[str, float]:
     """RequestRecord's queue / prefill / inference times (time.monotonic() readings, one host's

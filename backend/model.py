@@ -42,7 +42,7 @@ import triton_python_backend_utils as pb_utils
 
 from backend import protocol, stub_numpy
 from backend.engine_setup import build_engine, drained_marker, load_engine_args, pop_backend_options
-from backend.metrics import Metrics, RequestRecord, scheduling_times
+from backend.metrics import Metrics, RequestRecord, TokenTimes, scheduling_times
 from engine import hop_trace
 from engine.os_threads import named
 from engine.request import EngineDead, EngineOverloaded, InvalidRequest, RequestFailed, merge_outputs
@@ -97,9 +97,8 @@ class _Delivery:
         request = parsed.request
         stream.state = protocol.OutputState(request.prompt, parsed.exclude_input_in_output, parsed.returns,
                                             id=parsed.id, decode_token=model.decode_token)
-        self.last = None
-        self.first_token_at = self.last_token_at = self.scheduled_at = None
-        self.itl: list[float] = []  # the gaps between deltas that brought tokens (vllm:inter_token_latency_seconds)
+        self.last = self.scheduled_at = None
+        self.times = TokenTimes()
         self.aborted = False
         self.closed = False
 
@@ -108,21 +107,17 @@ class _Delivery:
         self.last = delta
         stream.started = True
         self.scheduled_at = self.scheduled_at or delta.scheduled_time  # the engine's, on the same host clock
-        if delta.token_ids:
-            now = time.monotonic()
-            if self.first_token_at is None:
-                self.first_token_at = now
-            elif model.metrics is not None:
-                self.itl.append(now - self.last_token_at)
-            self.last_token_at = now
+        starts_response = True
         if stream.cancelled:
             if not self.aborted:  # the response thread aborts too; this covers a cancel before admission
                 self.aborted = True
                 model._abort(stream.request_id)
         elif self.parsed.stream:
-            model._queue_delta(stream, delta)
+            starts_response = model._queue_delta(stream, delta)
         else:
             stream.state.accumulate(delta)
+        if delta.token_ids:
+            self.times.arrived(time.monotonic(), starts_response)
         if delta.finished:
             self._end()
 
@@ -174,15 +169,15 @@ class _Delivery:
         model, last = self.model, self.last
         model._count_active(-1)
         if model.metrics is not None and last is not None and last.finished:
-            first, now = self.first_token_at, time.monotonic()
+            first, latest, now = self.times.first, self.times.last, time.monotonic()
             model.metrics.record(RequestRecord(
                 num_prompt_tokens=last.num_prompt_tokens, num_output_tokens=last.num_output_tokens,
                 finish_reason=last.finish_reason or "unknown",
                 ttft_s=None if first is None else first - self.arrival,
                 e2e_s=now - self.arrival,
-                decode_s=None if first is None else self.last_token_at - first,
-                itl_s=self.itl, max_tokens=self.parsed.request.sampling.max_tokens,
-                **scheduling_times(self.arrival, self.scheduled_at, first, self.last_token_at)))
+                decode_s=None if first is None else latest - first,
+                itl_s=self.times.gaps, max_tokens=self.parsed.request.sampling.max_tokens,
+                **scheduling_times(self.arrival, self.scheduled_at, first, latest)))
 
 
 @dataclass(eq=False)
@@ -329,18 +324,20 @@ class TritonPythonModel:
 
     # ---------------------------------------------------------------- engine deltas (_Delivery)
 
-    def _queue_delta(self, stream: _ResponseStream, delta) -> None:
+    def _queue_delta(self, stream: _ResponseStream, delta) -> bool:
         """Streamed deltas are rendered and sent by the response threads. A render costs about
-        100 us of Python (tools.profile_serving), under the GIL the engine's loop also needs: when
-        the threads fall behind (many streams, fast steps), the deltas that piled up for a request
-        go out as one response, so the work scales with requests rather than tokens."""
+        100 us of Python (tools.profile_serving), under the GIL the reader and the other senders
+        also need: when the threads fall behind (many streams, fast steps), the deltas that piled up
+        for a request go out as one response, so the work scales with requests rather than tokens.
+        True when `delta` starts a response, False when it joins one still waiting for a thread."""
         hop_trace.mark(stream.request_id, "handed", delta.num_output_tokens)
         with self.deltas_lock:
             stream.deltas.append(delta)
             if stream.queued:
-                return
+                return False
             stream.queued = True
         self.responses.put(stream)
+        return True
 
     def _queue_last(self, stream: _ResponseStream, response, flags: int = FINAL) -> None:
         """The response that ends a request (an error, a non-streaming request's one response):

@@ -154,6 +154,16 @@ def test_vllms_families_per_token_itl_and_the_dashboards_names(metrics_module):
     assert fam["vllm:prompt_tokens_total"].metrics[0].value == 14  # both requests
 
 
+def test_a_response_that_merges_deltas_counts_one_inter_token_gap(metrics_module):
+    """Gaps per delta that starts a response: per step while the senders keep up; the deltas merged
+    into one response (the senders behind) make one gap, so the metric's IPC follows responses."""
+    times = metrics_module.TokenTimes()
+    for now, starts in ((1.0, True), (1.1, True), (1.2, False), (1.3, False), (1.45, True), (1.5, True)):
+        times.arrived(now, starts)
+    assert times.gaps == pytest.approx([0.1, 0.35, 0.05])  # 1.1 -> 1.45 spans the merged response
+    assert (times.first, times.last) == (1.0, 1.5)
+
+
 def test_usages_metrics_table_names_exactly_the_vllm_families(metrics_module):
     """docs/USAGE.md's table is what a dashboard author reads: every `vllm:` name it lists exists,
     and every `vllm:` family the model creates is listed."""
