@@ -229,7 +229,8 @@ def _drafter_step_ms(eng, spec, vs: VerifyGraphs, seqs, k: int, own: bool, pool,
     where = [(b, b * k1) for b in range(B)]
     drafting = [(j, s.num_computed_tokens + k1, k, 0) for j, s in enumerate(seqs)]
     # the host's record of each window before the block (the ring's contents do not matter for timing)
-    prop.new_rows([(s, s.num_computed_tokens + k1 - prop.window, [0] * prop.window) for s in seqs])
+    first = [max(0, s.num_computed_tokens + k1 - prop.window) for s in seqs]
+    prop.new_rows([(s, f, [0] * (s.num_computed_tokens + k1 - f)) for s, f in zip(seqs, first)])
     assert len(prop.ready(items, drafting)) == B, "every sequence drafts"
     out["draft_ms"] = _median_ms(lambda: ds.launch([(s, k1) for s in seqs], items, where, drafting)(), reps)
     features = vs.features[:B * k1]
