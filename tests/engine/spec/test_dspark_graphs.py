@@ -33,8 +33,9 @@ def tiny_0731(tmp_path_factory):
 
 
 def _padded(eng, buckets, pool=None, capture_fn=None):
-    """What the GPU captures for DSpark (the verify graphs with the target features, the drafter's
-    graphs), as static batches run eagerly (pool None) or captured through `capture_fn`."""
+    """What the GPU captures for DSpark: the verify graphs with the target features (their static
+    batches run eagerly) and the drafter's graphs (run eagerly too with pool None, else captured
+    through `capture_fn`)."""
     spec = eng.spec
     assert spec.verify_steps is None and spec.draft_steps is None  # CPU: no decode graphs, so none
     spec.verify_steps = VerifyGraphs(eng.model, eng.cache, eng.max_model_len, spec.k, buckets, features=True)
