@@ -64,6 +64,8 @@ def mapped(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     on the GPU at its host address, which is where unified virtual addressing maps it."""
     if not host.is_contiguous():
         raise ValueError("a mapped Engram table must be contiguous")
+    # an explicit index: torch then takes the address as that device's without asking the driver
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     reg = _Registration(host, device)
     view = torch.as_tensor(reg, device=device).view(host.dtype).view(host.shape)
     if view.data_ptr() != reg.ptr:
@@ -95,7 +97,8 @@ class MappedTables:
         self.tables = {layer: StoredTable(*(None if x is None else self._for_device(x) for x in (t.rows, t.scale)))
                        for layer, t in host.items()}
         self.pin_s = time.perf_counter() - t0  # cudaHostRegister: pins every page
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        # high priority: the gather's blocks take SMs as the first layers' free up, its PCIe reads start early
+        self.stream = torch.cuda.Stream(device, priority=-1) if self.cuda else None
         if self.cuda:
             self._check_reads(host)
             log.info("Engram: %.2f GB of table rows registered for the GPU in %.1f s (%.1f GB/s)", self.nbytes / 1e9,
