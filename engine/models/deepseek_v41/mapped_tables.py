@@ -53,6 +53,8 @@ class _Registration:
 
     def __del__(self):
         try:
+            if torch.cuda.is_current_stream_capturing():  # no sync inside a capture: keep the pages (leaked)
+                return
             torch.cuda.synchronize(self.device)  # no kernel may still read the pages
             torch.cuda.cudart().cudaHostUnregister(self.ptr)
         except Exception:  # interpreter shutdown: the process's mappings go with it
