@@ -151,7 +151,7 @@ class MappedTables:
     def _check_reads(self, host: dict[int, StoredTable]) -> None:
         """Once at load: the first and last row of each table read by the GPU equal the host's bytes (a
         platform whose GPU cannot use host addresses of registered memory fails here, not mid-serving)."""
-        for layer, t in self.tables.items():
+        for layer in self.tables:
             lo, hi = self.spans[layer]
             ids = torch.tensor([lo, hi - 1], device=self.device)
             got = self.gather(ids, layer).cpu()

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engine.args import InvalidEngineArgs
-from engine.llm_engine import LLMEngine
 from engine.graphs.mixed import MixedStepGraphs, mixed_sizes
 from engine.llm import LLM
+from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v41.config import load_config
 from engine.models.deepseek_v41.engram_tables import HostTables, choose_placement, read_stored_table
 from engine.models.deepseek_v41.loader import load_model
