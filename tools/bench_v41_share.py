@@ -213,13 +213,17 @@ def check_host_tables(device: str) -> dict:
                 "mmap": {"cudagraph_mode": "FULL_DECODE_ONLY", "async_scheduling": False}}
 
     def run(placement: str, mode: dict):
+        # a small KV pool: the default sizes it from free memory, which an earlier engine's graphs still hold
         llm = LLM(model=str(path), engram_tables=placement, max_model_len=512, max_num_seqs=8, block_size=16,
-                  max_num_batched_tokens=128, **mode, **({} if device == "cuda" else {"dtype": "float32"}))
+                  max_num_batched_tokens=128, **mode,
+                  **({"kv_cache_memory_bytes": 1 << 30} if device == "cuda" else {"dtype": "float32"}))
         try:
             return llm.generate(prompts, sp)
         finally:
             del llm
             gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
     r = {}
     for placement, mode in settings.items():
