@@ -149,8 +149,14 @@ class HostTables:
         """ids: host [T, L, cols] table rows per Engram layer (k-th = k-th of `tables`). out: device
         buffers to fill (a decode graph's static ones), else fresh device tensors."""
         for k, layer in enumerate(self.tables):
-            self.pending[layer] = self.layer_pool.submit(self._gather_rows, layer, ids[:, k],
+            self.pending[layer] = self.layer_pool.submit(self._gather_in_inference_mode, layer, ids[:, k],
                                                          None if out is None else out[layer])
+
+    def _gather_in_inference_mode(self, layer: int, ids: torch.Tensor, dst: torch.Tensor | None):
+        """Inference mode is per thread: a decode graph's static input (dst) is an inference tensor, which a
+        row thread may update in place only inside it."""
+        with torch.inference_mode():
+            return self._gather_rows(layer, ids, dst)
 
     def _gather_rows(self, layer: int, ids: torch.Tensor, dst: torch.Tensor | None):
         """Rows as stored into pinned staging (a row of another rank: zero bytes, so it dequantizes
