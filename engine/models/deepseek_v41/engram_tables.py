@@ -148,17 +148,22 @@ class HostTables:
     def gather(self, ids: torch.Tensor, out: dict[int, torch.Tensor] | None = None) -> None:
         """ids: host [T, L, cols] table rows per Engram layer (k-th = k-th of `tables`). out: device
         buffers to fill (a decode graph's static ones), else fresh device tensors."""
+        read = None
+        if out is not None and self.cuda:  # the buffers are written only after what the device queued (a replay) read them
+            read = torch.cuda.Event()
+            read.record(torch.cuda.current_stream(self.device))
         for k, layer in enumerate(self.tables):
             self.pending[layer] = self.layer_pool.submit(self._gather_in_inference_mode, layer, ids[:, k],
-                                                         None if out is None else out[layer])
+                                                         None if out is None else out[layer], read)
 
-    def _gather_in_inference_mode(self, layer: int, ids: torch.Tensor, dst: torch.Tensor | None):
-        """Inference mode is per thread: a decode graph's static input (dst) is an inference tensor, which a
+    def _gather_in_inference_mode(self, layer: int, ids: torch.Tensor, dst: torch.Tensor | None,
+                                  read: torch.cuda.Event | None):
+        """Inference mode is per thread: a decode graph's static input (dst) may be an inference tensor, which a
         row thread may update in place only inside it."""
         with torch.inference_mode():
-            return self._gather_rows(layer, ids, dst)
+            return self._gather_rows(layer, ids, dst, read)
 
-    def _gather_rows(self, layer: int, ids: torch.Tensor, dst: torch.Tensor | None):
+    def _gather_rows(self, layer: int, ids: torch.Tensor, dst: torch.Tensor | None, read: torch.cuda.Event | None):
         """Rows as stored into pinned staging (a row of another rank: zero bytes, so it dequantizes
         to exactly 0), copied as stored (FP8: half of bf16's bytes), dequantized on the device."""
         table, (lo, hi) = self.tables[layer], self.spans[layer]
@@ -185,6 +190,7 @@ class HostTables:
             scales = None if scale is None else scale.to(self.device, non_blocking=True)
             dev = self._dequantize(stored, scales).view(shape)
             if dst is not None:
+                self.copy_stream.wait_event(read)
                 dev = dst.copy_(dev)
             done = torch.cuda.Event()
             done.record(self.copy_stream)

@@ -389,6 +389,11 @@ class HostRows(dict):
         return [(layer, self[layer]) for layer in self.layers]
 
 
+def graph_capturing(fb: ForwardBatch) -> bool:
+    """The step is being captured into a CUDA graph (the CPU tests' emulation of a graph stands in here)."""
+    return fb.input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def engram_hasher(cfg: V41Config) -> EngramHasher:
     return EngramHasher(cfg.engram_layer_ids, cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_vocab_size,
                         cfg.engram_compressed_vocab_size, cfg.engram_pad_id)
@@ -511,25 +516,31 @@ class DeepseekV41(ModelFamily):
 
     def _host_engram_rows(self, fb: ForwardBatch, layers: tuple[int, ...] | None) -> dict:
         """Eager steps: hash on the host, start every layer's gather, hand each layer its rows when it
-        asks (HostRows). A decode graph being captured reads static buffers prefetch_host_inputs fills."""
+        asks (HostRows). A decode graph being captured reads the static buffers prefetch_host_inputs
+        made and fills (before the capture, then before each replay)."""
         wanted = tuple(i for i in self.cfg.engram_layer_ids if layers is None or i in layers)
-        if fb.input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
-            T, cols = fb.input_ids.shape[0], self.host_hasher.offsets.shape[-1]
-            bufs = self.graph_rows.setdefault(T, {i: torch.zeros(T, cols, self.cfg.engram_head_dim,
-                                                                 dtype=self.embed.weight.dtype, device=fb.input_ids.device)
-                                                  for i in self.cfg.engram_layer_ids})
+        if graph_capturing(fb):
+            bufs = self.graph_rows.get(fb.input_ids.shape[0])
+            if bufs is None:
+                raise RuntimeError(f"a decode graph of {fb.input_ids.shape[0]} rows is captured before its Engram "
+                                   "rows were prefetched (the runner prefetches the padding batch before capture)")
             return {i: self.tp.all_reduce(bufs[i].clone()) for i in wanted}
         ids = self.host_hasher(fb.input_ids.cpu(), fb.lookback_ids.cpu())  # the step's tokens: known on the host
         self.host_tables.gather(ids)
         return HostRows(self.host_tables.rows, self.tp, wanted)
 
     def prefetch_host_inputs(self, size: int, input_ids: np.ndarray, lookback: np.ndarray) -> None:
-        """Before a decode graph's replay: its rows' Engram rows into the graph's static buffers (none
-        captured: the CPU's static batches, which run eagerly and gather as any eager step)."""
-        if size not in self.graph_rows:
-            return
+        """Before a decode graph of `size` rows is captured and before each of its replays: its rows'
+        Engram rows into the graph's static buffers. They are made here, outside the capture: made
+        inside it, their zero fill is captured too, and every replay zeroes what was prefetched."""
+        bufs = self.graph_rows.get(size)
+        if bufs is None:
+            shape = (size, self.host_hasher.offsets.shape[-1], self.cfg.engram_head_dim)
+            bufs = self.graph_rows[size] = {i: torch.empty(shape, dtype=self.host_tables.dtype,
+                                                           device=self.host_tables.device)
+                                            for i in self.cfg.engram_layer_ids}
         ids = self.host_hasher(torch.from_numpy(input_ids), torch.from_numpy(lookback))
-        self.host_tables.gather(ids, out=self.graph_rows[size])
+        self.host_tables.gather(ids, out=bufs)
         self.host_tables.wait_all()
 
     @property

@@ -1,8 +1,9 @@
 """Engram tables in host memory: a copy in RAM the device gathers from (engine/models/deepseek_v41/mapped_tables.py)
 or the checkpoint's pages memory-mapped and gathered by host threads (engine/models/deepseek_v41/engram_tables.py)
 give the same logits, bit for bit, as the tables on the device, through chunked prefill and decode (eager
-and on the decode graphs' static batches); the copy in RAM also under async scheduling and on the padded
-batches of mixed-step graphs, both of which stay on with it."""
+and on the decode graphs' static batches); the memory-mapped rows also as a decode graph replays them (captured
+and replayed through the CPU emulation of a CUDA graph, fed before each replay); the copy in RAM also under async
+scheduling and on the padded batches of mixed-step graphs, both of which stay on with it."""
 
 from __future__ import annotations
 
@@ -57,6 +58,60 @@ def test_fp8_host_rows_dequantize_as_the_device_tables(v41_fp8, placement, kind)
     assert next(iter(model.host_tables.tables.values())).rows.dtype == torch.float8_e4m3fn  # FP8 bytes as stored
     _, got = greedy(model, PROMPT, 24, steps=3, dtype=torch.float32)
     assert torch.equal(got, want)
+
+
+def test_memory_mapped_rows_reach_the_decode_graphs_as_device_tables_give_them(v41_fp8, monkeypatch):
+    """mmap under decode CUDA graphs, through the CPU emulation of a graph (tests/engine/graphs/graph_emulation.py:
+    every recorded op replayed, allocations poisoned per replay): the runner captures each size's graph after
+    prefetching its padding batch, then prefetches each step's rows into the graph's static buffers before
+    the replay. Each replayed step's rows equal what the device tables give the same batch run eagerly:
+    sizes 2 and 1, a size refilled for another batch, a row with no look-back yet (position 0). The step
+    captured is the Engram part of the forward (each layer's rows, from the model's rows_of): under the
+    emulation the whole forward costs minutes (the fused kernels interpreted), and the decode graphs'
+    own tests check the rest of it."""
+    from engine.models.deepseek_v41 import model as v41_model
+    from engine.models.deepseek_v41.cache import V41KVCache
+    from engine.runner import ModelRunner
+    from engine.sequence import Sequence
+    from tests.engine.graphs.graph_emulation import capture
+
+    device = load_model(v41_fp8, "float32", engram_tables="device")
+    model = load_model(v41_fp8, "float32", engram_tables="mmap")
+    layers = model.cfg.engram_layer_ids
+
+    def engram_rows(m, fb):  # [T, layers, cols, head_dim]
+        rows = m.rows_of(fb, torch.float32).engram
+        return torch.stack([rows[i] for i in layers], dim=1)
+
+    capturing = []
+
+    def capture_graph(run, pool):
+        capturing.append(True)
+        try:
+            return capture(run, pool)
+        finally:
+            capturing.clear()
+
+    monkeypatch.setattr(v41_model, "graph_capturing", lambda fb: bool(capturing))
+    monkeypatch.setattr(model, "forward", lambda fb, cache: engram_rows(model, fb))
+    cache = V41KVCache(model.cfg, 16, 16, 16, 2, torch.float32)
+    runner = ModelRunner(model, cache, max_model_len=128)
+    runner._capture([1, 2], "emulated", capture_graph)
+    seqs = [Sequence(str(i), PROMPT[:n], SamplingParams()) for i, n in enumerate((1, 30))]
+    for s in seqs:  # each prompt's last token is the first decode's input
+        s.num_computed_tokens = s.compress_from = s.num_tokens - 1
+    for step, which in enumerate(([0, 1], [1], [0, 1])):
+        scheduled = [(seqs[i], 1) for i in which]
+        for s, _ in scheduled:
+            cache.allocate(s.blocks, 0, s.num_tokens)
+        want = engram_rows(device, runner.build_batch(scheduled))
+        assert want.abs().amax(-1).gt(0).all()  # every row read something
+        got = runner.run(scheduled)
+        assert torch.equal(got, want), f"step {step}"
+        for s, _ in scheduled:
+            s.num_computed_tokens = s.compress_from = s.num_tokens
+            s.output_token_ids.append(11 + 97 * step)
+    assert runner.replays == 3 and [runner.graphs[b].graph.replays for b in (1, 2)] == [1, 2]
 
 
 def test_host_tables_under_async_scheduling_and_mixed_step_batches_equal_device_tables(v41_fp8):
