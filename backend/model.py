@@ -37,7 +37,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import protocol, stub_numpy
-from backend.engine_setup import build_engine, drained_marker, finalize_marker, load_engine_args, pop_backend_options
+from backend.engine_setup import (
+    build_engine,
+    drained_marker,
+    finalize_marker,
+    load_engine_args,
+    pop_backend_options,
+)
 from backend.metrics import Metrics, RequestRecord, scheduling_times
 from engine.request import EngineDead, EngineOverloaded, InvalidRequest, RequestFailed, merge_outputs
 
