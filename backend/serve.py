@@ -544,10 +544,16 @@ class TritonServer:
         says when it goes)."""
         return workdir.write_admin_key(self.workdir, self.admin_key)
 
-    def usage(self, admin_key_shown_as: str) -> str:
+    def usage(self, admin_key_shown_as: str, openai_url: str | None = None, openai_key: bool = False) -> str:
+        """The banner: where everything is, and commands that run as printed (openai_url: the OpenAI
+        API's base URL when it runs; with a key its command names it KEY)."""
         model = "deepseek_v4"
         generate = json.dumps({"text_input": "Hello", "parameters": {"max_tokens": 32, "temperature": 0}})
         stream = json.dumps({"text_input": "Hello", "stream": True, "parameters": {"max_tokens": 32}})
+        completion = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 32})
+        bearer = " -H 'Authorization: Bearer KEY'" if openai_key else ""
+        openai = [f"  curl -s {openai_url}/completions -H 'Content-Type: application/json'{bearer} -d '{completion}'"
+                  + ("   # KEY: the OpenAI API key it was given" if openai_key else "")] if openai_url else []
         apis = "model control, " if self.allow_model_control else ""
         return "\n".join([
             f"Triton is ready: HTTP {self.http_url}, gRPC {self.grpc_url}, metrics {self.metrics_url}",
@@ -561,6 +567,7 @@ class TritonServer:
             f"  curl -sN http://{self.http_url}/v2/models/{model}/generate_stream -d '{stream}'",
             f"  curl -s {self.metrics_url} | grep deepseek:",
             f"  {python_command()} -m client 'Hello' --stream --url {self.grpc_url}",
+            *openai,
             "",
             "Ctrl-C stops the server.",
         ])
@@ -656,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {cause or e}\n({e}; work dir kept: {server.workdir})", file=sys.stderr)
         server.stop(keep_workdir=True)
         return 1
-    print("\n" + server.usage(shown) + "\n", flush=True)
+    print("\n" + server.usage(shown, front.base_url if front else None, openai_key is not None) + "\n", flush=True)
     try:
         return supervise(server, stop, RestartPolicy(enabled=not args.no_restart, max_restarts=args.max_restarts),
                          front)
