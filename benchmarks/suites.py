@@ -418,6 +418,9 @@ SUITE_LIST = [
                                                        "the tiny checkpoint on the CPU", duration="4"), "cpu"),
     Suite("transport", "How long does handing a step's outputs from the engine core process to the front take?",
           (Step("tools.bench_transport", (), timeout_s=200),), machine="cpu"),
+    Suite("front_bodies", "How much memory does the OpenAI front hold, and how long do its small requests wait, "
+          "while 16 clients send 16 MiB bodies at once (a stop_token_ids list, a long prompt)?",
+          (Step("tools.bench_front_bodies", (), python="triton", timeout_s=300),), machine="cpu"),
     Suite("core_process", "Through Triton on the CPU, what does the engine core in its own process change "
           "against in-process AsyncLLM (tok/s, ITL, CPU seconds per process)?",
           tuple(Step("tools.profile_processes", ("--", "{python}", "-m", "loadtest.sweep", "--serve",

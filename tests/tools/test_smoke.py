@@ -88,3 +88,14 @@ def test_bench_v41_share_runs_a_tiny_share_and_writes_its_json(tmp_path, monkeyp
     assert world["decode"][0]["gather_ms"] > 0 and world["ttft"][0]["gather_ms"] > 0
     (cmp,) = world["compare"]["decode"]
     assert world["compare"]["identical_rows"] and cmp["host_ms"] > 0 and cmp["device_ms"] > 0
+
+
+def test_bench_front_bodies_measures_the_sessions_front(openai_server):
+    """Large bodies (parsed in the front's workers) at the session's front: every one refused 400 by
+    its stop_token_ids cap, the probe answered throughout, the workers' memory counted."""
+    from tools.bench_front_bodies import measure
+
+    row = measure(openai_server.process.pid, openai_server.port, "ints", clients=2, mib=0.5, seconds=1.0,
+                  baseline_s=0.5)
+    assert set(row["statuses"]) == {"400"} and row["probe_failures"] == 0 and row["probe_requests"] > 0, row
+    assert row["total_rss_peak_mb"] > row["front_rss_peak_mb"] > 0 and row["workers_rss_peak_mb"] > 0, row
