@@ -29,6 +29,11 @@ def drained_marker(shutdown_file: str | os.PathLike) -> Path:
     return Path(f"{shutdown_file}.drained")
 
 
+def finalize_marker(shutdown_file: str | os.PathLike) -> Path:
+    """Where the model says Triton called its finalize (Triton let go of it and will exit)."""
+    return Path(f"{shutdown_file}.finalize")
+
+
 def build_engine(engine_args: dict) -> AsyncEngine:
     """Construct (not start) the engine named by `engine_args["engine"]` (default "native").
     The native engine's core runs in its own process unless `"engine_core_process": false`

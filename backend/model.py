@@ -41,7 +41,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backend import protocol, stub_numpy
-from backend.engine_setup import build_engine, drained_marker, load_engine_args, pop_backend_options
+from backend.engine_setup import (
+    build_engine,
+    drained_marker,
+    finalize_marker,
+    load_engine_args,
+    pop_backend_options,
+)
 from backend.metrics import Metrics, RequestRecord, TokenTimes, scheduling_times
 from engine import hop_trace
 from engine.os_threads import named
@@ -503,11 +509,17 @@ class TritonPythonModel:
         """Tell backend.serve that nothing is in flight and the engine is stopped: if Triton has not
         called finalize and exited shortly after, the launcher ends it (backend/serve.py `stop`)."""
         self.logger.log_info(f"[deepseek] drained: {len(self.streams)} streams open, engine stopped")
+        self._write_marker(drained_marker)
+
+    def _write_marker(self, marker) -> None:
+        """A file beside the shutdown file, for backend.serve: when it appeared says what is over."""
+        if not self.shutdown_file:
+            return
+        path = marker(self.shutdown_file)
         try:
-            with open(drained_marker(self.shutdown_file), "w") as f:
-                f.write(f"{time.time():.3f}\n")
+            path.write_text(f"{time.time():.3f}\n")
         except OSError as e:
-            self.logger.log_error(f"[deepseek] could not write the drained marker: {e}")
+            self.logger.log_error(f"[deepseek] could not write {path}: {e}")
 
     async def _cut_off(self, which, reason: str) -> None:
         with self.streams_lock:
@@ -544,6 +556,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.logger.log_info(f"[deepseek] finalize: draining {self.num_active} in-flight requests")
+        self._write_marker(finalize_marker)  # Triton let go of the model: backend.serve waits for its exit
         self.stopping = True
         try:
             self._on_loop(self._stop_engine(), timeout=DRAIN_TIMEOUT_S + 30)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backend import stub_numpy, workdir
-from backend.engine_setup import drained_marker
+from backend.engine_setup import drained_marker, finalize_marker
 from backend.openai.process import API_KEY_ENV as OPENAI_API_KEY_ENV
 from backend.ports import PortInUse, check_ports
 from backend.process_tree import (
@@ -74,7 +74,10 @@ SHM_GROWTH_BYTES = 16 << 20
 HTTP_MAX_INPUT_BYTES = 32 << 20
 RESTARTS_IN_A_ROW = 10
 EXIT_TIMEOUT_S = 30  # default drain timeout: how long in-flight requests may run on after SIGTERM
-FINALIZE_GRACE_S = 3.0  # after the model drained: how long Triton may take to call finalize and exit
+# After the model drained: how long Triton may take to call finalize (it looks at its models once a
+# second), and once it has, to finish and exit.
+FINALIZE_START_S = 2.0
+FINALIZE_EXIT_S = 5.0
 EXIT_POLL_S = 0.1
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 OPENAI_LOG = "openai.log"
@@ -358,8 +361,8 @@ class TritonServer:
         for sub in ("backends", "model_repository"):
             shutil.rmtree(self.workdir / sub, ignore_errors=True)
         layout_backends(install, self.workdir / "backends")
-        self.shutdown_file.unlink(missing_ok=True)
-        drained_marker(self.shutdown_file).unlink(missing_ok=True)
+        for marker in (self.shutdown_file, drained_marker(self.shutdown_file), finalize_marker(self.shutdown_file)):
+            marker.unlink(missing_ok=True)
         prepare_repository(self.model_repository, self.workdir / "model_repository", self.model,
                            {**(self.engine_args or {}), "shutdown_file": str(self.shutdown_file)})
         log = open(self.log_path, "a" if restart else "w")  # noqa: SIM115 (closed by the log thread)
@@ -478,24 +481,33 @@ class TritonServer:
     def _wait_exit(self, process: subprocess.Popen, timeout_s: float) -> None:
         """Wait for tritonserver to exit after SIGTERM; reap() kills what is left. Once the model has
         drained (nothing in flight, its engine stopped: backend/model.py `_mark_drained`), Triton
-        should call finalize and exit within a second or two. Triton 2.51 sometimes keeps a
-        reference to the model after gRPC streams end (seen after ~1,500 requests over
-        tritonclient.grpc.aio, one stream each: every run) and then waits out its whole exit
-        timeout without calling finalize; past FINALIZE_GRACE_S there is nothing left to wait for."""
+        calls finalize at its next look at the models (each second) and exits. Triton 2.51 sometimes
+        keeps a reference to the model after gRPC streams end (seen after ~1,500 requests over
+        tritonclient.grpc.aio, one stream each: every run) and then waits out its whole exit timeout
+        without calling finalize: with no finalize FINALIZE_START_S after the drain there is nothing
+        left to wait for."""
         deadline = time.monotonic() + timeout_s
-        drained = drained_marker(self.shutdown_file)
-        drained_at = None
+        drained, finalizing = drained_marker(self.shutdown_file), finalize_marker(self.shutdown_file)
+        drained_at = finalize_at = None
         while time.monotonic() < deadline:
             try:
                 process.wait(EXIT_POLL_S)
                 return
             except subprocess.TimeoutExpired:
                 pass
+            now = time.monotonic()
             if drained_at is None and drained.exists():
-                drained_at = time.monotonic()
-            if drained_at is not None and time.monotonic() - drained_at > FINALIZE_GRACE_S:
+                drained_at = now
+            if finalize_at is None and finalizing.exists():
+                finalize_at = now
+            if finalize_at is not None:
+                if now - finalize_at > FINALIZE_EXIT_S:
+                    print(f"tritonserver has not exited {FINALIZE_EXIT_S:.0f} s after the model's finalize; "
+                          "nothing is in flight, so it is stopped now", file=sys.stderr, flush=True)
+                    return
+            elif drained_at is not None and now - drained_at > FINALIZE_START_S:
                 self.ended_after_drain = True
-                print(f"tritonserver has not called the model's finalize {FINALIZE_GRACE_S:.0f} s after the drain "
+                print(f"tritonserver has not called the model's finalize {FINALIZE_START_S:g} s after the drain "
                       "ended (Triton 2.51 holds the model after some gRPC streams: docs/RELIABILITY.md); "
                       "nothing is in flight, so it is stopped now", file=sys.stderr, flush=True)
                 return
@@ -532,10 +544,16 @@ class TritonServer:
         says when it goes)."""
         return workdir.write_admin_key(self.workdir, self.admin_key)
 
-    def usage(self, admin_key_shown_as: str) -> str:
+    def usage(self, admin_key_shown_as: str, openai_url: str | None = None, openai_key: bool = False) -> str:
+        """The banner: where everything is, and commands that run as printed (openai_url: the OpenAI
+        API's base URL when it runs; with a key its command names it KEY)."""
         model = "deepseek_v4"
         generate = json.dumps({"text_input": "Hello", "parameters": {"max_tokens": 32, "temperature": 0}})
         stream = json.dumps({"text_input": "Hello", "stream": True, "parameters": {"max_tokens": 32}})
+        completion = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 32})
+        bearer = " -H 'Authorization: Bearer KEY'" if openai_key else ""
+        openai = [f"  curl -s {openai_url}/completions -H 'Content-Type: application/json'{bearer} -d '{completion}'"
+                  + ("   # KEY: the OpenAI API key it was given" if openai_key else "")] if openai_url else []
         apis = "model control, " if self.allow_model_control else ""
         return "\n".join([
             f"Triton is ready: HTTP {self.http_url}, gRPC {self.grpc_url}, metrics {self.metrics_url}",
@@ -549,6 +567,7 @@ class TritonServer:
             f"  curl -sN http://{self.http_url}/v2/models/{model}/generate_stream -d '{stream}'",
             f"  curl -s {self.metrics_url} | grep deepseek:",
             f"  {python_command()} -m client 'Hello' --stream --url {self.grpc_url}",
+            *openai,
             "",
             "Ctrl-C stops the server.",
         ])
@@ -644,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {cause or e}\n({e}; work dir kept: {server.workdir})", file=sys.stderr)
         server.stop(keep_workdir=True)
         return 1
-    print("\n" + server.usage(shown) + "\n", flush=True)
+    print("\n" + server.usage(shown, front.base_url if front else None, openai_key is not None) + "\n", flush=True)
     try:
         return supervise(server, stop, RestartPolicy(enabled=not args.no_restart, max_restarts=args.max_restarts),
                          front)
@@ -708,4 +727,9 @@ def read_key(given: str | None, key_file: str | None, env: str) -> str | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything it started is stopped and reaped by now. The interpreter's own teardown (torch, which
+    # the tiny checkpoint's writer imports) took 0.5-1.5 s of a SIGTERM's exit on a loaded machine.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -303,14 +303,16 @@ SUITE_LIST = [
           (Step("tools.bench_spec", (*MODEL, "--batches", "1,8,32", "--input-len", "512", "--output-len", "48",
                                      "--engine-args", SPEC), timeout_s=300),),
           preset="flash-depth"),
-    Suite("dspark", "What do DSpark's (0731) verify and draft steps cost at V4-Flash depth as shipped (16 experts) "
-          "at batch 1 / 8 / 32, what speed-up do they model at acceptance lengths 2 / 3 / 4.4 / 5.4 against MTP "
-          "k = 1 and 3, and what do random (acceptance ~0) and forced (~1) drafts give end to end?",
+    Suite("dspark", "What do DSpark's (0731) verify, rollback and draft steps cost under CUDA graphs at V4-Flash "
+          "depth as shipped (16 experts) at batch 1 / 8 / 32, what speed-up do they model at acceptance lengths "
+          "2 / 3 / 4.4 / 5.4 against MTP k = 1 and 3, and what do random (acceptance ~0) and forced (~1) drafts "
+          "give end to end with the whole block verified (k = 5, as served)?",
           (checkpoint(DSPARK_CKPT, "flash-depth", "--layout", "0731"),
            Step("tools.bench_spec", ("--method", "dspark", "--model", DSPARK_CKPT, "--batches", "1,8,32",
                                      "--input-len", "512", "--output-len", "32", "--reps", "5", "--engine-args", SPEC),
                 timeout_s=420)),
-          notes="DSpark verify steps replay the verify graphs (the micro verify_k*_ms are eager forwards); its drafter runs eagerly"),
+          notes="verify, rollback and drafter steps replay CUDA graphs (engine/spec/dspark_graphs.py); the micro "
+                "times verify_k*_ms / draft_ms as graphs and *_eager_ms eagerly; stage_row_ms (the MTP proxy) as a graph"),
     Suite("profile_spec", "Where does a speculative step's time go at V4-Flash depth (batch 1, k = 3): the host "
           "under cProfile, then the GPU's kernels?",
           tuple(profile(name, *MODEL, "--batch", "1", "--steps", "48", "--rows", "45", *host, "--engine-args",
@@ -429,6 +431,9 @@ SUITE_LIST = [
                                                        "the tiny checkpoint on the CPU", duration="4"), "cpu"),
     Suite("transport", "How long does handing a step's outputs from the engine core process to the front take?",
           (Step("tools.bench_transport", (), timeout_s=200),), machine="cpu"),
+    Suite("front_bodies", "How much memory does the OpenAI front hold, and how long do its small requests wait, "
+          "while 16 clients send 16 MiB bodies at once (a stop_token_ids list, a long prompt)?",
+          (Step("tools.bench_front_bodies", (), python="triton", timeout_s=300),), machine="cpu"),
     Suite("core_process", "Through Triton on the CPU, what does the engine core in its own process change "
           "against in-process AsyncLLM (tok/s, ITL, CPU seconds per process)?",
           tuple(Step("tools.profile_processes", ("--", "{python}", "-m", "loadtest.sweep", "--serve",

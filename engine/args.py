@@ -63,10 +63,11 @@ class EngineArgs:
     enable_expert_parallel: bool = False
     pipeline_parallel_size: int = 1  # refused unless 1 (not implemented)
     data_parallel_size: int = 1  # refused unless 1 (not implemented)
-    # DeepSeek-V4.1's Engram tables: on the GPU (device), in host RAM (host: pinned), memory-mapped
-    # from the checkpoint (mmap: no copy in RAM), or auto: host when they would take more than a
-    # quarter of a GPU (engine/models/deepseek_v41/engram_tables.py). In host memory the step's
-    # tokens must be on the host when it is packed: no async scheduling
+    # DeepSeek-V4.1's Engram tables: on the GPU (device), in host RAM (host: pinned and read by the
+    # GPU inside the step, engine/models/deepseek_v41/mapped_tables.py), memory-mapped from the
+    # checkpoint (mmap: no copy in RAM, gathered by host threads, so the step's tokens must be on the
+    # host when it is packed: no async scheduling), or auto: host when they would take more than a
+    # quarter of a GPU (engine/models/deepseek_v41/engram_tables.py)
     engram_tables: str = "auto"
     # a step running longer than this means a hung GPU or a deadlock: the engine is declared dead
     # (requests in flight fail UNAVAILABLE, health turns false, the Triton model unloads). 0: off

@@ -58,7 +58,7 @@ log = logging.getLogger("deepseek.engine")
 WATCH_TICK_S = 0.25  # how often the supervisor looks at the core's step clock when no message comes
 STABLE_S = 600.0  # a core that served this long has its restart count reset
 MAX_BACKOFF_S = 30.0
-STOP_GRACE_S = 10.0  # shutdown: how long the core may take to exit before it is killed
+STOP_GRACE_S = 5.0  # shutdown: the core exits after its current step (engine/core_process.py exit_now); past this, killed
 
 
 @dataclass(eq=False)
@@ -238,6 +238,12 @@ class CoreClient(EngineLifetime):
     def core_pid(self) -> int | None:
         proc = self._proc
         return proc.pid if proc is not None and proc.is_alive() else None
+
+    @property
+    def core_exit_code(self) -> int | None:
+        """How the last core process ended (negative: the signal that killed it); None while it runs."""
+        proc = self._proc
+        return None if proc is None else proc.exitcode
 
     async def shutdown(self, drain_timeout_s: float = 0.0) -> None:
         self._accepting = False

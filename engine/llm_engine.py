@@ -108,7 +108,8 @@ class LLMEngine:
         graphs = (self.device.type == "cuda" and not args.enforce_eager and args.cudagraph_mode != "NONE"
                   and kernels.backend() != "ref" and self.model.supports_cuda_graphs)
         # tensor parallel: mixed steps run eagerly (the workers mirror decode graphs and eager steps)
-        # Engram rows from host memory: only decode graphs are fed them before replay (runner.prefetch_host_inputs)
+        # Engram rows gathered on the host (engram_tables: mmap): only decode graphs are fed them before
+        # replay (runner.prefetch_host_inputs); `host` tables are read by the device inside any graph
         mixed = (mixed_sizes(args.max_num_batched_tokens) if args.cudagraph_mode == "FULL" and not self.parallel
                  and self.model.supports_mixed_graphs and not self.model.needs_host_tokens else [])
         runner_kwargs = dict(max_model_len=self.max_model_len, cuda_graphs=graphs, max_num_seqs=args.max_num_seqs,
@@ -124,8 +125,9 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.pending: InFlight | None = None  # the step in flight (async scheduling)
         if args.async_scheduling and self.model.needs_host_tokens:
-            raise InvalidEngineArgs("async_scheduling needs the Engram tables on the device (engram_tables: device): "
-                                    "in host memory their rows are gathered from the step's tokens on the host")
+            raise InvalidEngineArgs("async_scheduling needs the Engram tables read by the device (engram_tables: device "
+                                    "or host): memory-mapped (mmap), their rows are gathered from the step's tokens "
+                                    "on the host")
         self.async_scheduling = (self.device.type == "cuda" and not self.model.needs_host_tokens
                                  if args.async_scheduling is None else args.async_scheduling)
         # with CUDA graphs, an eager step's launch is the slow part: read back first (see _step);

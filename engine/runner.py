@@ -197,16 +197,21 @@ class ModelRunner:
         eagerly on exactly what a replay would read (how the CPU tests check it)."""
         self._capture(buckets, None)
 
-    def _capture(self, buckets: list[int], pool) -> None:
-        """pool None: build the static batches only (graph and logits None)."""
+    def _capture(self, buckets: list[int], pool, capture_fn=capture) -> None:
+        """pool None: build the static batches only (graph and logits None). capture_fn: the CPU tests
+        pass an emulation of a CUDA graph."""
+        cuda = self.device.type == "cuda"
         for size in sorted(buckets, reverse=True):  # largest first: smaller graphs reuse its memory
             fb, flat = self._padding_batch(size)
-            graph, logits = capture(lambda fb=fb: self.model(fb, self.cache), pool) if pool is not None else (None, None)
+            graph, logits = None, None
+            if pool is not None:
+                self.prefetch_host_inputs(size, flat.cpu().numpy())  # host-fed inputs exist before the graph reads them
+                graph, logits = capture_fn(lambda fb=fb: self.model(fb, self.cache), pool)
             # two pinned staging buffers, used by alternate steps: with async scheduling step N+1
             # is packed while step N's copy may still wait behind step N-1 on the GPU
-            staging = [torch.empty(flat.shape, dtype=torch.long, pin_memory=pool is not None) for _ in range(2)]
+            staging = [torch.empty(flat.shape, dtype=torch.long, pin_memory=pool is not None and cuda) for _ in range(2)]
             self.graphs[size] = DecodeGraph(graph, fb, flat, staging, logits)
-        if pool is not None:
+        if pool is not None and cuda:
             torch.cuda.synchronize()
 
     def pack_decode(self, scheduled: list[tuple[Sequence, int]], size: int, host: np.ndarray) -> None:
@@ -237,8 +242,9 @@ class ModelRunner:
         tables[1, n:] = c.scratch_full
 
     def prefetch_host_inputs(self, size: int, host: np.ndarray) -> None:
-        """A model that reads host memory per step (V4.1's Engram tables there) gets the packed decode
-        batch's ids and look-back before the replay (tensor-parallel workers call it on rank 0's buffer)."""
+        """A model that reads host memory per step (V4.1's Engram tables memory-mapped) gets a decode
+        graph's packed ids and look-back before its capture (the padding batch) and before each replay
+        (tensor-parallel workers call it on rank 0's buffer)."""
         if self.model.needs_host_tokens:
             k = self.model.lookback_tokens
             self.model.prefetch_host_inputs(size, host[:size], host[(5 + 2 * self._table_width()) * size:].reshape(size, k))
@@ -254,7 +260,8 @@ class ModelRunner:
         self.replays += 1
         staging = g.stagings[self.replays % 2]  # the other one may still be on its way to the GPU
         self.pack_decode(scheduled, size, staging.numpy())
-        self.prefetch_host_inputs(size, staging.numpy())
+        if g.graph is not None:  # static batches without a graph run eagerly: they gather as any eager step
+            self.prefetch_host_inputs(size, staging.numpy())
         if self.workers is not None:
             self.workers.step_graph(size, staging.numpy())
         g.flat.copy_(staging, non_blocking=True)

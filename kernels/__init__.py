@@ -77,7 +77,7 @@ def _bind() -> None:
     global indexer_scores, indexer_scores_paged, indexer_topk, paged_attention, pool_blocks, norm_rope
     global kv_norm_rope_insert, q_kv_norm_rope, compress_decode, compress_blocks, greedy_pick
     global v41_hc_site_collapse, v41_hc_expand, v41_rms_norm, v41_rope, v41_fake_quant_fp4, v41_fake_quant_fp8
-    global v41_router, v41_clamped_swiglu, v41_moe_sum, v41_engram_gate
+    global v41_router, v41_clamped_swiglu, v41_moe_sum, v41_engram_gate, v41_engram_gather
     fused = _fused_table()
 
     def op(name: str, ref: Op) -> Op:
@@ -128,6 +128,7 @@ def _bind() -> None:
     v41_clamped_swiglu = op("v41_clamped_swiglu", v41_reference.clamped_swiglu)
     v41_moe_sum = op("v41_moe_sum", v41_reference.moe_sum)
     v41_engram_gate = op("v41_engram_gate", v41_reference.engram_gate)
+    v41_engram_gather = op("v41_engram_gather", v41_reference.engram_gather)
 
 
 _bind()

@@ -13,6 +13,7 @@ import torch
 
 from kernels import fusions, reference
 from kernels.deepseek_v41 import fused as v41
+from kernels.deepseek_v41.engram_gather import engram_gather_fused
 from kernels.formats import fp8_block_of
 from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
@@ -169,5 +170,6 @@ FUSED = {
     "v41_clamped_swiglu": v41.clamped_swiglu_fused,
     "v41_moe_sum": v41.moe_sum_fused,
     "v41_engram_gate": v41.engram_gate_fused,
+    "v41_engram_gather": engram_gather_fused,
 }
 

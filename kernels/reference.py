@@ -253,15 +253,15 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
 
 def sink_attention(q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
                    scale: float) -> torch.Tensor:
-    """Shared-KV MQA with per-head sinks. q [n, H, d], kv [K, d] (key = value),
-    allowed [n, K] bool -> [n, H, d]."""
-    logits = torch.einsum("nhd,kd->nhk", q, kv) * scale
-    logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
-    sink = sinks.view(1, -1, 1).expand(q.shape[0], -1, 1)
+    """Shared-KV MQA with per-head sinks. q [..., n, H, d], kv [..., K, d] (key = value),
+    allowed [..., n, K] bool -> [..., n, H, d]; leading dims: independent batches (DSpark's blocks)."""
+    logits = torch.einsum("...nhd,...kd->...nhk", q, kv) * scale
+    logits = logits.masked_fill(~allowed.unsqueeze(-2), float("-inf"))
+    sink = sinks.view(-1, 1).expand(*logits.shape[:-1], 1)
     combined = torch.cat([logits, sink.to(torch.promote_types(logits.dtype, sinks.dtype))], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1]
-    return torch.einsum("nhk,kd->nhd", probs.to(kv.dtype), kv)
+    return torch.einsum("...nhk,...kd->...nhd", probs.to(kv.dtype), kv)
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int, scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,13 +15,16 @@ One engine (speculative_config k = 3, CUDA graphs for its plain steps) on a rand
    outputs of that speculative run replayed as drafts: acceptance ~1), against plain decoding.
 
 `--method dspark` (a 0731 checkpoint: `make_tiny_checkpoint --layout 0731`) measures DSpark instead
-(engine/spec/dspark.py, docs/DSPARK.md; its steps run eagerly): the plain step, the verify forward
-with the target features of k + 1 tokens per sequence (k = 1, 2, 3 and the whole block of 5), the
-drafter's block (main context of the step's rows + the three stages + Markov and confidence heads),
-and one stage over one row per sequence (the shape of an MTP draft step: the proxy the model uses
-for MTP on the same model); the modelled speed-up at mean acceptance lengths 2, 3, 4.4 and 5.4
-against MTP k = 1 and 3; end to end with the drafter's own drafts (acceptance ~0 on random
-weights: the overhead, every step rolling back) and forced ones (acceptance ~1).
+(engine/spec/dspark.py, docs/DSPARK.md), as served: k = the checkpoint's whole block (5), verify,
+rollback and drafter steps replayed as CUDA graphs (engine/spec/dspark_graphs.py). Micro: the
+plain step, the verify forward with the target features of k + 1 tokens per sequence (k = 1, 2, 3
+and the block; graph and eager), the rollback graph, the drafter's step (every verify row's context
+keys + the three stages + Markov and confidence heads for every sequence's block; graph, as the
+decoder launches and reads it, and eager), and one stage over one row per sequence as a graph (the
+shape of an MTP draft step: the proxy the model uses for MTP on the same model); the modelled
+speed-up at mean acceptance lengths 2, 3, 4.4 and 5.4 against MTP k = 1 and 3; end to end with the
+drafter's own drafts (acceptance ~0 on random weights: the overhead, every step rolling back) and
+forced ones (acceptance ~1).
 
 Prints tables, writes JSON (--json). Needs CUDA for meaningful numbers (runs on CPU for a smoke test).
 """
@@ -37,10 +40,12 @@ from types import SimpleNamespace
 
 import torch
 
+from engine.graphs.capture import capture
 from engine.llm import LLM
 from engine.models.deepseek_v4.random_checkpoint import PRESETS, QUANTS
 from engine.request import GenerationRequest, SamplingParams
 from engine.spec.draft_graphs import DraftGraphs
+from engine.spec.dspark_graphs import DSparkGraphs
 from engine.spec.verify_graphs import VerifyGraphs
 from tools.bench_engine import random_prompts, resolve_model
 
@@ -146,19 +151,32 @@ def model_speedup(row: dict, graphs: bool = True) -> dict:
 ACCEPTANCE_LENGTHS = (2.0, 3.0, 4.4, 5.4)  # DSpark's published range: ~4.4 real prompts, ~5.4 random tokens
 
 
+def _graph_ms(fn, reps: int) -> float:
+    """fn captured as one CUDA graph (its own pool) and its replay timed; on the CPU fn itself."""
+    if not torch.cuda.is_available():
+        return _median_ms(fn, reps)
+    graph, _ = capture(fn, torch.cuda.graph_pool_handle())
+    return _median_ms(graph.replay, reps)
+
+
 def micro_dspark(eng, spec, batch: int, input_len: int, reps: int) -> dict:
-    """DSpark step times on live sequences (aborted after): plain decode, the verify forward with the
-    target features (eager, as DSpark runs), the drafter's block, one stage over one row (MTP proxy)."""
+    """DSpark step times on live sequences (their caches are scribbled on; they are aborted after):
+    the plain decode step (graph); the verify forward with the target features of k + 1 tokens per
+    sequence, graph and eager; the rollback graph reopening a block per sequence and ratio; the
+    drafter's step (every verify row's context keys, then every sequence's block) as the engine
+    runs it after a verify graph (pack, one copy, the DSpark graph's replay, the read-back) and
+    eagerly; one stage over one row per sequence as a graph (an MTP draft step's shape: the proxy
+    for MTP on the same model)."""
     saved, eng.spec = eng.spec, None
     ids = _prefill(eng, batch, input_len, eng.max_model_len - input_len - 8, f"micro-{batch}", seed=batch)
     eng.flush()
     seqs = [eng.requests[r].seq for r in ids]
-    model, runner, cache, drafter = eng.model, eng.runner, eng.cache, spec.dspark.drafter
-    d, W = model.cfg.dspark, model.cfg.sliding_window
+    model, runner, cache, prop = eng.model, eng.runner, eng.cache, spec.dspark
+    d, own_k = model.cfg.dspark, spec.k
     for s in seqs:
         cache.allocate(s.blocks, eng.scheduler._window_lo(s), s.num_computed_tokens + 1)
     row = {"batch": batch, "plain_ms": _median_ms(lambda: runner.run([(s, 1) for s in seqs]), reps)}
-    for k in (1, 2, 3, d.block_size):
+    for k in sorted({1, 2, 3, d.block_size, own_k}):
         for s in seqs:
             s.spec_token_ids = [s.last_token_id] * k
             cache.allocate(s.blocks, eng.scheduler._window_lo(s), s.num_computed_tokens + k + 1)
@@ -169,47 +187,74 @@ def micro_dspark(eng, spec, batch: int, input_len: int, reps: int) -> dict:
             hidden, features = model.dspark_features(fb, cache)
             return model.compute_logits(hidden[fb.logits_rows]), features
 
-        row[f"verify_k{k}_ms"] = _median_ms(verify, reps)
+        row[f"verify_k{k}_eager_ms"] = _median_ms(verify, reps)
+        # the verify graph of this batch bucket: the engine's own for its k, one captured here for the others
+        # (on the CPU: the padded static batches, run eagerly)
+        own = k == own_k and spec.verify_steps is not None and batch in spec.verify_steps.static
+        pool = torch.cuda.graph_pool_handle() if torch.cuda.is_available() else None
+        vs = spec.verify_steps if own else VerifyGraphs(model, cache, eng.max_model_len, k, [batch], pool, features=True)
+        row[f"verify_k{k}_ms"] = _median_ms(lambda vs=vs: vs.run(batch_k), reps)
+        if k == own_k:
+            row.update(_drafter_step_ms(eng, spec, vs, seqs, k, own, pool, reps))
+        del vs
         for s in seqs:
             s.spec_token_ids = []
-    dt, dev, D = model.embed.weight.dtype, eng.device, model.cfg.hidden_size
-    features = torch.randn(batch * (d.block_size + 1), len(d.target_layer_ids) * D, dtype=dt, device=dev)
-    # each stage's context keys, as the proposer keeps them (computed once per position; positions on the host)
-    contexts = [(drafter.context_kv(model, torch.randn(W, D, dtype=dt, device=dev), p), p)
-                for p in (torch.arange(s.num_computed_tokens - W, s.num_computed_tokens) for s in seqs)]
-    last = [s.last_token_id for s in seqs]
-    new_pos = torch.arange(features.shape[0], device=dev)  # a step's new rows: main context and keys, then the block
-    row["draft_ms"] = _median_ms(lambda: (drafter.context_kv(model, drafter.main_context(features), new_pos),
-                                          drafter.draft(model, contexts, last, spec.dspark.threshold)), reps)
-    one_stage = torch.nn.ModuleList(drafter.stages[:1])
-    full, drafter.stages = drafter.stages, one_stage
-    saved_block = d.block_size
-    try:  # one stage, one row per sequence: an MTP draft step's shape (a block + the LM head)
-        drafter.cfg = _with_block(drafter.cfg, 1)
-        row["stage_row_ms"] = _median_ms(lambda: drafter.draft(model, contexts, last, 0.0), reps)
+    # one stage over one row per sequence, block 1, as a graph: the shape of a graphed MTP draft step
+    drafter = prop.drafter
+    t = lambda x: torch.tensor(x, device=eng.device)
+    slots, starts, last = t([s.blocks.state_slot for s in seqs]), t([s.num_computed_tokens for s in seqs]), \
+        t([s.last_token_id for s in seqs])
+    full, block = drafter.stages, d.block_size
+    try:
+        drafter.stages, drafter.cfg = torch.nn.ModuleList(full[:1]), _with_block(drafter.cfg, 1)
+        row["stage_row_ms"] = _graph_ms(lambda: drafter.draft_from_ring(model, prop.ring, slots, starts, last, 0.0),
+                                        reps)
     finally:
-        drafter.stages, drafter.cfg = full, _with_block(drafter.cfg, saved_block)
+        drafter.stages, drafter.cfg = full, _with_block(drafter.cfg, block)
     for r in ids:
         eng.abort(r)
     eng.spec = saved
     return row
 
 
+def _drafter_step_ms(eng, spec, vs: VerifyGraphs, seqs, k: int, own: bool, pool, reps: int) -> dict:
+    """After a verify of k + 1 rows per sequence, every draft accepted (the most keys to write):
+    the rollback graph (one block reopened per sequence and ratio: its worst case), the drafter's
+    graph as the decoder launches and reads it, and the same work eagerly."""
+    prop, B, k1 = spec.dspark, len(seqs), k + 1
+    fixes = {m: [(b, s.blocks.state_slot, b, -1) for b, s in enumerate(seqs)] for m in vs.ratios}
+    out = {"rollback_ms": _median_ms(lambda: vs.rollback.run(B, fixes), reps)}
+    ds = spec.draft_steps if own and spec.draft_steps is not None else DSparkGraphs(prop, eng.model, vs, pool)
+    items = [(s, s.num_computed_tokens, [s.last_token_id] * k1) for s in seqs]
+    where = [(b, b * k1) for b in range(B)]
+    drafting = [(j, s.num_computed_tokens + k1, k, 0) for j, s in enumerate(seqs)]
+    # the host's record of each window before the block (the ring's contents do not matter for timing)
+    first = [max(0, s.num_computed_tokens + k1 - prop.window) for s in seqs]
+    prop.new_rows([(s, f, [0] * (s.num_computed_tokens + k1 - f)) for s, f in zip(seqs, first)])
+    assert len(prop.ready(items, drafting)) == B, "every sequence drafts"
+    out["draft_ms"] = _median_ms(lambda: ds.launch([(s, k1) for s in seqs], items, where, drafting)(), reps)
+    features = vs.features[:B * k1]
+    out["draft_eager_ms"] = _median_ms(lambda: (prop.absorb(items, features), prop.draft(items, drafting)), reps)
+    return out
+
+
 def _with_block(cfg, block_size: int):
     return dataclasses.replace(cfg, dspark=dataclasses.replace(cfg.dspark, block_size=block_size))
 
 
-def model_dspark(row: dict, block: int) -> dict:
-    """Modelled speed-up over plain decoding at mean acceptance length L (tokens per verify step):
-    DSpark verifies its whole block (k = block; L <= block + 1) and drafts it in one call; with
-    k = 3 (a shorter verify) L <= 4; MTP with k drafts costs the verify of k + 1 tokens and k chained draft steps
-    (each timed as one stage over one row), L <= k + 1."""
+def model_dspark(row: dict, k: int) -> dict:
+    """Modelled speed-up over plain decoding at mean acceptance length L (tokens per verify step),
+    from the graphs' times: DSpark verifying k drafts of its block (L <= k + 1) costs the verify of
+    k + 1 tokens and the drafter's step; with k = 3 (a shorter verify) L <= 4; MTP with k drafts
+    costs the verify of k + 1 tokens and k chained draft steps (each timed as one stage over one
+    row), L <= k + 1. The rollback (row["rollback_ms"], only when a rejected draft closed a block)
+    is left out of all of them."""
     plain, out = row["plain_ms"], {}
     for L in ACCEPTANCE_LENGTHS:
-        out[f"dspark_k{block}_L{L:g}"] = min(L, block + 1) * plain / (row[f"verify_k{block}_ms"] + row["draft_ms"])
+        out[f"dspark_k{k}_L{L:g}"] = min(L, k + 1) * plain / (row[f"verify_k{k}_ms"] + row["draft_ms"])
         out[f"dspark_k3_L{L:g}"] = min(L, 4) * plain / (row["verify_k3_ms"] + row["draft_ms"])
-        for k in (1, 3):
-            out[f"mtp_k{k}_L{L:g}"] = min(L, k + 1) * plain / (row[f"verify_k{k}_ms"] + k * row["stage_row_ms"])
+        for m in (1, 3):
+            out[f"mtp_k{m}_L{L:g}"] = min(L, m + 1) * plain / (row[f"verify_k{m}_ms"] + m * row["stage_row_ms"])
     return out
 
 
@@ -268,8 +313,10 @@ def main() -> None:
     args = ap.parse_args()
     model = resolve_model(SimpleNamespace(model=args.model, preset=args.preset, quant=args.quant,
                                           cache_dir=args.cache_dir))
+    # MTP k = 3; DSpark as served: k = the checkpoint's whole block
+    spec = {"method": "mtp", "num_speculative_tokens": 3} if args.method == "mtp" else {"method": "dspark"}
     engine_args = {"max_num_seqs": max(args.batches), "max_model_len": 4096, **json.loads(args.engine_args),
-                   "speculative_config": {"method": args.method, "num_speculative_tokens": 3}}
+                   "speculative_config": spec}
     if args.method == "dspark":
         return main_dspark(args, model, engine_args)
     t = time.perf_counter()
@@ -324,45 +371,53 @@ def main_dspark(args, model: str, engine_args: dict) -> None:
     t = time.perf_counter()
     eng = LLM(model, **engine_args).engine
     spec, block = eng.spec, eng.cfg.dspark.block_size
+    graphs = sorted(spec.verify_steps.static) if spec.verify_steps else []
     print(f"engine up in {time.perf_counter() - t:.0f} s (graphs: {sorted(eng.runner.graphs)}); DSpark: block {block}, "
-          f"k {spec.k}, verify graphs {spec.verify_steps is not None}, drafter eager", flush=True)
+          f"k {spec.k}, verify and drafter graphs: {graphs or 'none (eager)'}", flush=True)
     rows, e2e = [], []
 
     def dump():  # after every row: a run cut short by its timeout keeps what it measured
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"model": model, "engine_args": engine_args, "method": "dspark", "input_len": args.input_len,
-                           "output_len": args.output_len, "micro": rows, "end_to_end": e2e}, f, indent=2)
+                json.dump({"model": model, "engine_args": engine_args, "method": "dspark", "k": spec.k,
+                           "input_len": args.input_len, "output_len": args.output_len, "graphs": graphs,
+                           "micro": rows, "end_to_end": e2e}, f, indent=2)
 
-    print("step times (ms): plain decode (graph); verify of k+1 tokens per sequence with the target features "
-          "(eager); the drafter's block; one stage over one row (MTP step proxy)")
-    print(f"{'batch':>5} {'plain':>7} {'k=1':>7} {'k=2':>7} {'k=3':>7} {'k=' + str(block):>7} {'draft':>7} "
-          f"{'stage':>7}")
+    ks = sorted({1, 2, 3, block, spec.k})
+    print("step times (ms): plain decode (graph); verify of k+1 tokens per sequence with the target features, "
+          f"graph / eager; after a verify of k={spec.k}: the rollback graph (a block reopened per sequence and ratio), "
+          "the drafter's step (keys of the verify rows + a block per sequence) graph / eager; one stage over one row, "
+          "graph (MTP step proxy)")
+    print(f"{'batch':>5} {'plain':>7} " + " ".join(f"{'k=' + str(k):>13}" for k in ks)
+          + f" {'rollback':>8} {'draft':>13} {'stage':>7}")
     for b in args.batches:
         r = micro_dspark(eng, spec, b, args.input_len, args.reps)
-        r["speedup"] = model_dspark(r, block)
+        r["speedup"] = model_dspark(r, spec.k)
         rows.append(r)
-        print(f"{b:>5} {r['plain_ms']:>7.2f} " + " ".join(f"{r[f'verify_k{k}_ms']:>7.2f}" for k in (1, 2, 3, block))
-              + f" {r['draft_ms']:>7.2f} {r['stage_row_ms']:>7.2f}", flush=True)
+        ver = " ".join(f"{r[f'verify_k{k}_ms']:>6.2f}/{r[f'verify_k{k}_eager_ms']:<6.1f}" for k in ks)
+        print(f"{b:>5} {r['plain_ms']:>7.2f} {ver} {r['rollback_ms']:>8.2f} "
+              f"{r['draft_ms']:>6.2f}/{r['draft_eager_ms']:<6.1f} {r['stage_row_ms']:>7.2f}", flush=True)
         dump()
-    print("\nmodelled speed-up over plain decoding by mean acceptance length L (tokens per verify step)")
-    cols = (f"dspark_k{block}", "dspark_k3", "mtp_k1", "mtp_k3")
+    print("\nmodelled speed-up over plain decoding by mean acceptance length L (tokens per verify step), graphs' times")
+    cols = (f"dspark_k{spec.k}", "dspark_k3", "mtp_k1", "mtp_k3")
     print(f"{'batch':>5} {'L':>4} " + " ".join(f"{c:>10}" for c in cols))
     for r in rows:
         for L in ACCEPTANCE_LENGTHS:
             print(f"{r['batch']:>5} {L:>4g} " + " ".join(f"{r['speedup'][f'{c}_L{L:g}']:>10.2f}" for c in cols))
     print(f"\nend to end, k={spec.k}, decode tok/s after the prefills; own = DSpark's drafts (random weights: acceptance ~0, "
-          "every step rolls back); forced = drafts replayed from the own run's outputs")
+          "every step rolls back); forced = drafts replayed from the own run's outputs; graph = the own run's verify "
+          "steps replayed as graphs / all, then its drafter steps as graphs / all")
     print(f"{'batch':>5} {'plain':>8} {'own':>8} {'acc':>5} {'=plain':>6} {'forced':>8} {'acc':>5} {'speed-up':>8} "
-          f"{'overhead':>8} {'graph':>9}")
+          f"{'overhead':>8} {'graph':>19}")
     for b in args.batches:
         r = end_to_end(eng, spec, b, args.input_len, args.output_len, own="dspark")
-        p = r["forced_step_paths"]  # verify steps replayed as graphs / all
+        p = r["dspark_step_paths"]
         e2e.append(r)
         print(f"{b:>5} {r['plain_tok_s']:>8.1f} {r['dspark_tok_s']:>8.1f} {r['dspark_acceptance']:>5.2f} "
               f"{r['dspark_same_as_plain']:>6} {r['forced_tok_s']:>8.1f} {r['forced_acceptance']:>5.2f} "
               f"{r['forced_speedup']:>8.2f} {100 * r['dspark_overhead']:>7.1f}% "
-              f"{p['verify_graph']:>4}/{p['verify_graph'] + p['verify_eager']:<4}", flush=True)
+              f"{p['verify_graph']:>4}/{p['verify_graph'] + p['verify_eager']:<4} "
+              f"{p['draft_graph']:>4}/{p['draft_graph'] + p['draft_eager']:<4}", flush=True)
         dump()
 
 

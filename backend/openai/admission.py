@@ -13,16 +13,14 @@ from __future__ import annotations
 import contextlib
 import json
 
-from backend.openai.errors import OpenAIError
+from backend.openai.errors import OpenAIError, retry_later
 
 MAX_CONCURRENT_REQUESTS = 1024  # requests in progress (a stream counts until its last chunk)
 MAX_BODY_BYTES_IN_FLIGHT = 64 << 20  # body bytes being read or parsed, over all requests
-RETRY_AFTER_S = 1
 
 
 def overloaded(message: str) -> OpenAIError:
-    return OpenAIError(503, message, type="service_unavailable", code="server_overloaded",
-                       headers={"Retry-After": str(RETRY_AFTER_S)})
+    return retry_later(503, message, "service_unavailable", "server_overloaded")
 
 
 class Admission:

@@ -20,15 +20,23 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, param=param)
 
 
+RETRY_AFTER_S = 1  # the Retry-After of every "come back later" answer (admission's too)
+
+
+def retry_later(status: int, message: str, type: str, code: str) -> OpenAIError:
+    """A refusal the same request may succeed after (overloaded, not ready): Retry-After says so."""
+    return OpenAIError(status, message, type=type, code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def from_triton(message: str) -> OpenAIError:
     """The model's messages start with their Triton code (backend/model.py says why); gRPC-level
     failures (Triton down, model not loaded) come as tritonclient's text."""
     if message.startswith("INVALID_ARG"):
         return OpenAIError(400, message)
     if message.startswith("UNAVAILABLE: engine overloaded"):
-        return OpenAIError(429, message, type="rate_limit_error", code="rate_limit_exceeded")
+        return retry_later(429, message, "rate_limit_error", "rate_limit_exceeded")
     if message.startswith("UNAVAILABLE") or "StatusCode.UNAVAILABLE" in message:
-        return OpenAIError(503, message, type="service_unavailable", code="service_unavailable")
+        return retry_later(503, message, "service_unavailable", "service_unavailable")
     if "unknown model" in message.lower() or "is not ready" in message:
-        return OpenAIError(503, message, type="service_unavailable", code="model_not_ready")
+        return retry_later(503, message, "service_unavailable", "model_not_ready")
     return OpenAIError(500, message, type="internal_error", code="internal_error")

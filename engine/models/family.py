@@ -49,8 +49,8 @@ class ModelFamily(nn.Module):
         return False
 
     def prefetch_host_inputs(self, size: int, input_ids, lookback) -> None:
-        """Before a decode graph of `size` rows replays: host arrays of its input ids [size] and
-        look-back ids [size, k] (needs_host_tokens)."""
+        """Before a decode graph of `size` rows is captured (its padding batch) and before each replay:
+        host arrays of its input ids [size] and look-back ids [size, k] (needs_host_tokens)."""
 
     def refuses_token(self, ids: list[int]) -> str | None:
         """Why a prompt with these token ids cannot be served (None: it can)."""

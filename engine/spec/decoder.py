@@ -28,10 +28,10 @@ plain sampler at every token (penalties, logit bias, bad words, allowed ids, str
 logprobs, a seed, or min_tokens not yet reached): those take k = 0 and keep their exact
 per-token semantics. A step with no speculating sequence takes the ordinary path (CUDA graphs,
 async scheduling). A speculative step in which every sequence decodes replays a verify graph and
-then an MTP graph per batch bucket (engine/spec/verify_graphs.py, engine/spec/draft_graphs.py) when decode
-graphs are captured; others (prefill chunks in the batch) run eagerly (step_paths counts both).
-Either way the step reads back before the next one is scheduled. DSpark replays the same verify
-graphs (they also leave the target features) and drafts eagerly (engine/spec/dspark.py).
+then a draft graph per batch bucket when decode graphs are captured: the MTP's
+(engine/spec/verify_graphs.py, engine/spec/draft_graphs.py), or DSpark's, whose verify graphs also
+leave the target features (engine/spec/dspark_graphs.py); others (prefill chunks in the batch) run
+eagerly (step_paths counts both). Either way the step reads back before the next one is scheduled.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from engine.sequence import Sequence, Status
 from engine.spec.config import SpeculativeConfig
 from engine.spec.draft_graphs import DraftGraphs
 from engine.spec.dspark import DSparkProposer
+from engine.spec.dspark_graphs import DSparkGraphs
 from engine.spec.rejection_sampler import greedy_accept, rejection_sample
 from engine.spec.rollback_graphs import reopen
 from engine.spec.verify_graphs import VerifyGraphs
@@ -57,17 +58,20 @@ def speculates(seq: Sequence) -> bool:
     return not p.processes_logits and p.logprobs is None and p.seed is None
 
 
-def spec_graphs(engine, k: int, mtp=None, mtp_cache=None) -> tuple[VerifyGraphs | None, DraftGraphs | None]:
+def spec_graphs(engine, k: int, mtp=None, mtp_cache=None,
+                dspark: DSparkProposer | None = None) -> tuple[VerifyGraphs | None, DraftGraphs | DSparkGraphs | None]:
     """The verify graphs for the batch buckets the decode graphs have (those that fit the token
-    budget) and the MTP's graphs for the same buckets, captured when the runner captured decode
-    graphs; else None (speculative steps run eagerly). Without an MTP (DSpark) the verify graphs
-    also leave the target features and there are no draft graphs: the DSpark drafter runs eagerly."""
+    budget) and the drafter's graphs for the same buckets (the MTP's, or DSpark's: then the verify
+    graphs also leave the target features), captured when the runner captured decode graphs; else
+    None (speculative steps run eagerly)."""
     if engine.device.type != "cuda" or not any(g.graph is not None for g in engine.runner.graphs.values()):
         return None, None
     buckets = [b for b in engine.runner.graphs if b * (k + 1) <= engine.args.max_num_batched_tokens]
     pool = torch.cuda.graph_pool_handle()
     verify = VerifyGraphs(engine.model, engine.cache, engine.max_model_len, k, buckets, pool, features=mtp is None)
-    return verify, (DraftGraphs(mtp, engine.model, mtp_cache, verify, pool) if mtp is not None else None)
+    if mtp is not None:
+        return verify, DraftGraphs(mtp, engine.model, mtp_cache, verify, pool)
+    return verify, DSparkGraphs(dspark, engine.model, verify, pool)
 
 
 class SpecDecoder:
@@ -93,7 +97,7 @@ class SpecDecoder:
         if spec.method == "dspark":
             self.mtp = self.mtp_cache = None
             self.dspark = DSparkProposer(engine, engine.model.dspark_draft(), self.k, spec.confidence_threshold)
-            self.verify_steps, self.draft_steps = spec_graphs(engine, self.k)  # verify graphs; eager drafter
+            self.verify_steps, self.draft_steps = spec_graphs(engine, self.k, dspark=self.dspark)
         else:
             self.mtp = engine.model.mtp_draft()
             self.mtp_cache = self.mtp.make_cache(engine.cache)
@@ -186,12 +190,13 @@ class SpecDecoder:
         # the MTP follows every speculating sequence over this step's accepted positions
         nxt = {id(s): [smp.token_id] for s, smp in zip(plain, samples) if smp.error is None}
         nxt.update({sid: [t for t, _ in toks] for sid, toks in emitted.items()})
+        drafter_graphed = graphed and self.draft_steps is not None
         if self.dspark is not None:
-            drafted = self._propose_dspark(batch, features, nxt)
+            drafted = self._propose_dspark(batch, features, nxt, drafter_graphed)
         else:
-            drafted = self._propose(batch, hidden, nxt, graphed and self.draft_steps is not None)
+            drafted = self._propose(batch, hidden, nxt, drafter_graphed)
 
-        # while the MTP's graph runs: the scheduler and the outputs (neither reads the drafts)
+        # while the drafter's graph runs: the scheduler and the outputs (neither reads the drafts)
         eng.scheduler.advance([(s, len(emitted[id(s)]) if id(s) in emitted else n)
                                for s, n in batch if s.status == Status.RUNNING])
         for seq, smp in zip(plain, samples):
@@ -379,14 +384,20 @@ class SpecDecoder:
                 out.append((j, base, k, n_out))
         return out
 
-    def _propose_dspark(self, batch, features: torch.Tensor, nxt: dict[int, list[int]]):
-        """DSpark: the main context of each speculating sequence's known rows, then one block per
-        drafting sequence; the confidence head's verify length caps its drafts."""
-        items, rows, _ = self._catch_up(batch, nxt)
+    def _propose_dspark(self, batch, features: torch.Tensor, nxt: dict[int, list[int]], graphed: bool = False):
+        """DSpark: every stage's keys of each speculating sequence's known rows, then one block per
+        drafting sequence; the confidence head's verify length caps its drafts. graphed: the step
+        replayed a verify graph, so DSpark's graph of that bucket does both.
+        -> a function that sets the drafts as spec_token_ids (the graph's read-back waits there)."""
+        items, rows, where = self._catch_up(batch, nxt)
+        drafting = self._wanted(items)
+        if graphed and items:  # the keys are written even when nobody drafts
+            self.step_paths["draft_graph"] += 1
+            read = self.draft_steps.launch(batch, items, where, drafting)
+            return lambda: self._set_drafts(items, drafting, read())
         self.step_paths["draft_eager"] += 1
         self.dspark.absorb(items, features[torch.tensor(rows, dtype=torch.long, device=features.device)]
                            if rows else None)
-        drafting = self._wanted(items)
         if drafting:
             self._set_drafts(items, drafting, self.dspark.draft(items, drafting))
         return lambda: None

@@ -187,3 +187,23 @@ def engram_gate(h: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_wei
     dot = (hf * w * key).sum(-1) * rstd * D**-0.5
     gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))  # signed sqrt
     return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)
+
+
+def engram_gather(ids: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None, lo: int, dtype: torch.dtype,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Table rows [*ids.shape, D] in `dtype`: row ids - lo of `rows` [n, D] (the rows [lo, lo + n) of a table
+    this rank holds; stored floats, or e4m3 with `scale` [n, D / c], one scale per c channels: ue8m0 bytes
+    or floats, applied in float32); an id outside [lo, lo + n) (another rank's row) gives zeros. out: written
+    and returned. The table may live in host memory mapped for the GPU (kernels/deepseek_v41/engram_gather.py)."""
+    from kernels.formats import scale_to_float
+
+    local = ids - lo
+    mine = (local >= 0) & (local < rows.shape[0])
+    idx = torch.where(mine, local, 0).reshape(-1)
+    got = rows.index_select(0, idx)
+    if scale is not None:
+        s = scale_to_float(scale.index_select(0, idx))
+        got = (got.float().unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
+    got = torch.where(mine.reshape(-1, 1), got.to(dtype), torch.zeros((), dtype=dtype, device=got.device))
+    got = got.view(*ids.shape, rows.shape[-1])
+    return got if out is None else out.copy_(got)

@@ -60,6 +60,14 @@ def test_triton_codes_map_to_http_statuses():
     assert from_triton("UNAVAILABLE: engine dead: x").status == 503
     assert from_triton("StatusCode.UNAVAILABLE: failed to connect").status == 503
     assert from_triton("INTERNAL: request failed: boom").status == 500
+    # not ready (the model unloaded, a server restarting, a core reloading) or overloaded: retry later
+    for message, code in (("Request for unknown model: 'deepseek_v4' is not found", "model_not_ready"),
+                          ("UNAVAILABLE: the model is unavailable: the engine is not healthy", "service_unavailable"),
+                          ("StatusCode.UNAVAILABLE: failed to connect to all addresses", "service_unavailable"),
+                          ("UNAVAILABLE: engine overloaded: 1024 waiting", "rate_limit_exceeded")):
+        error = from_triton(message)
+        assert (error.code, error.headers) == (code, {"Retry-After": "1"}), message
+    assert from_triton("INVALID_ARG: bad").headers == {}
 
 
 def test_the_checkpoints_template_renders_as_the_engines_tokenizer_does():

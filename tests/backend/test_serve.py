@@ -126,6 +126,18 @@ def test_the_banners_client_command_runs_as_printed(tmp_path):
     assert done.returncode == 0, done.stderr
 
 
+def test_the_banners_openai_command_runs_as_printed(tmp_path, openai_server):
+    usage = TritonServer(workdir=tmp_path, http_port=0, grpc_port=0, metrics_port=0).usage("x", openai_server.base_url)
+    line = next(line for line in usage.splitlines() if "/completions" in line)
+    done = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    completion = json.loads(done.stdout)
+    assert completion["object"] == "text_completion" and completion["usage"]["completion_tokens"] > 0, completion
+    keyed = TritonServer(workdir=tmp_path, http_port=0, grpc_port=0, metrics_port=0).usage(
+        "x", openai_server.base_url, openai_key=True)
+    assert "Authorization: Bearer KEY" in keyed
+
+
 def test_keys_come_from_option_file_or_environment_never_only_the_command_line(tmp_path, monkeypatch):
     from backend.serve import OPENAI_API_KEY_ENV, read_key
 

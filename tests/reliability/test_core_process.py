@@ -114,16 +114,34 @@ def test_a_fatal_error_in_the_core_restarts_it_and_a_spent_budget_leaves_it_dead
     asyncio.run(main())
 
 
-def test_no_core_outlives_its_client_shutdown():
+# Planted in the core's interpreter (spawn imports sitecustomize from PYTHONPATH at start-up): an
+# exit handler that records that the interpreter's teardown ran.
+TEARDOWN_PROBE = """
+import atexit, os, pathlib
+atexit.register(lambda: pathlib.Path(os.environ["DSV4_TEARDOWN_PROBE"]).write_text("torn down"))
+"""
+
+
+def test_no_core_outlives_its_client_shutdown_and_its_exit_skips_the_interpreters_teardown(tmp_path, monkeypatch):
+    """The core's stop waits on nothing after its last message: the teardown (torch, the model's
+    tensors, a grammar compile still running) took seconds on a loaded machine inside the drain budget."""
+    (tmp_path / "sitecustomize.py").write_text(TEARDOWN_PROBE)
+    probe = tmp_path / "torn-down"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("DSV4_TEARDOWN_PROBE", str(probe))
+
     async def main():
         engine = CoreClient(ARGS)
         await engine.start()
         pid = engine.core_pid
         assert _alive(pid)
         await engine.shutdown()
-        return pid
+        return pid, engine.core_exit_code
 
-    assert not _alive(asyncio.run(main()))
+    pid, code = asyncio.run(main())
+    assert not _alive(pid)
+    assert code == 0  # it ended itself: not killed after STOP_GRACE_S
+    assert not probe.exists(), "the core ran the interpreter's teardown on its way out"
 
 
 PARENT = """

@@ -1,7 +1,8 @@
 """The engine core killed under a real tritonserver: the requests in flight fail UNAVAILABLE, the
 model stays loaded while the core restarts (requests meanwhile: UNAVAILABLE, never a hang), then
 it serves again from a new core process; when the server stops, no core remains. A hung core turns
-the OpenAI front's readiness false within seconds, long before step_timeout_s declares it dead."""
+the OpenAI front's readiness false within seconds, long before step_timeout_s declares it dead,
+while its /v1/models answers on."""
 
 from __future__ import annotations
 
@@ -91,12 +92,16 @@ def test_a_killed_core_fails_its_requests_and_the_model_serves_again():
     assert not alive(new_core)
 
 
-def _health(front: OpenAIProcess) -> tuple[int, dict]:
+def _get(front: OpenAIProcess, path: str) -> tuple[int, dict]:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{front.port}/health", timeout=10) as response:
+        with urllib.request.urlopen(f"http://127.0.0.1:{front.port}{path}", timeout=10) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def _health(front: OpenAIProcess) -> tuple[int, dict]:
+    return _get(front, "/health")
 
 
 def _until_health(front: OpenAIProcess, status: int, timeout_s: float) -> dict:
@@ -125,6 +130,9 @@ def test_a_hung_core_turns_the_fronts_readiness_false_within_seconds(server):
             body = _until_health(front, 503, timeout_s=25)
             assert "unresponsive" in body["reason"], body
             assert server.models_ready()  # Triton's readiness: what a load balancer saw before
+            # /health is the readiness signal; the routes that need no engine answer as ever (vLLM's way)
+            status, models = _get(front, "/v1/models")
+            assert status == 200 and models["data"][0]["id"] == "deepseek_v4", models
         finally:
             os.kill(_core_pid(server), signal.SIGKILL)
             hung.join(timeout=60)

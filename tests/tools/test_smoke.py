@@ -71,13 +71,14 @@ def test_sass_report_reads_the_sass_of_a_kernel_compiled_for_sm90():
 
 def test_bench_v41_share_runs_a_tiny_share_and_writes_its_json(tmp_path, monkeypatch):
     """Rank 0's share at world 2 of a tiny V4.1, its Engram rows in host memory: decode and TTFT rows
-    with the Engram gather timed (the figures themselves are the H200 suite's)."""
+    with the Engram gather timed, decode steps with host and device tables at a smaller row count (the
+    figures themselves are the H200 suite's)."""
     from tools import bench_v41_share
 
     out = tmp_path / "share.json"
     monkeypatch.setattr(sys, "argv", ["bench_v41_share", "--preset", "v41-tiny", "--experts", "8", "--engram-vocab",
-                                      "500", "--worlds", "2", "--batches", "2", "--ttft", "32", "--input-len", "16",
-                                      "--steps", "2", "--check", "--json", str(out)])
+                                      "500", "--compare-vocab", "300", "--worlds", "2", "--batches", "2", "--ttft", "32",
+                                      "--input-len", "16", "--steps", "2", "--check", "--json", str(out)])
     bench_v41_share.main()
     result = json.loads(out.read_text())
     assert all(c["identical_streams"] == c["of"] for c in result["check"].values()), result["check"]
@@ -85,3 +86,16 @@ def test_bench_v41_share_runs_a_tiny_share_and_writes_its_json(tmp_path, monkeyp
     assert world["world"] == 2 and world["heads"] == 2 and world["experts"] == 4
     assert [d["batch"] for d in world["decode"]] == [2] and [t["prompt"] for t in world["ttft"]] == [32]
     assert world["decode"][0]["gather_ms"] > 0 and world["ttft"][0]["gather_ms"] > 0
+    (cmp,) = world["compare"]["decode"]
+    assert world["compare"]["identical_rows"] and cmp["host_ms"] > 0 and cmp["device_ms"] > 0
+
+
+def test_bench_front_bodies_measures_the_sessions_front(openai_server):
+    """Large bodies (parsed in the front's workers) at the session's front: every one refused 400 by
+    its stop_token_ids cap, the probe answered throughout, the workers' memory counted."""
+    from tools.bench_front_bodies import measure
+
+    row = measure(openai_server.process.pid, openai_server.port, "ints", clients=2, mib=0.5, seconds=1.0,
+                  baseline_s=0.5)
+    assert set(row["statuses"]) == {"400"} and row["probe_failures"] == 0 and row["probe_requests"] > 0, row
+    assert row["total_rss_peak_mb"] > row["front_rss_peak_mb"] > 0 and row["workers_rss_peak_mb"] > 0, row

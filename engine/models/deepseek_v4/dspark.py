@@ -10,10 +10,12 @@ Checkpoint layout (S = num_stages, 3 in 0731; L = S - 1):
   mtp.L.confidence_head.proj       the confidence head ([1, hidden + rank], no bias)
 Here the stages are `stages.J.*` and the single-owner extras drop their `mtp.J.` prefix.
 
-`DSparkDrafter.draft` is the engine's drafter: a batch of sequences' blocks at once (each with its
-own window of context: main-context rows, or every stage's keys already computed by
-`context_kv`), on the `kernels` ops; engine/models/deepseek_v4/dspark_reference.py is
-its one-sequence torch reference.
+`DSparkDrafter` is the engine's drafter: a batch of sequences' blocks at once, on the `kernels` ops,
+in fixed shapes (each block's window of context keys padded and masked, one batched attention):
+`draft_from_ring` reads every stage's keys from the proposer's key ring (engine/spec/dspark.py),
+which `write_context` fills, and is what the CUDA graphs capture (engine/spec/dspark_graphs.py);
+`draft` takes per-sequence contexts (main-context rows or keys). engine/models/deepseek_v4/
+dspark_reference.py is its one-sequence torch reference.
 """
 
 from __future__ import annotations
@@ -75,14 +77,15 @@ class ConfidenceHead(nn.Module):
 class Drafts:
     tokens: torch.Tensor  # [S, B] the drafted tokens of each sequence's block
     confidence: torch.Tensor  # [S, B] the confidence head's logits
-    verify_len: list[int]  # per sequence, how many drafts to verify (1..B)
+    verify_len: torch.Tensor  # [S] long, on the device: how many drafts to verify (1..B)
 
 
-def verify_lengths(confidence: torch.Tensor, threshold: float) -> list[int]:
+def verify_lengths(confidence: torch.Tensor, threshold: float) -> torch.Tensor:
     """Per row: the longest prefix (at least 1) whose predicted probability of being accepted whole,
-    prod sigmoid(confidence_i), stays >= threshold (docs/DSPARK.md: our reading of the head)."""
+    prod sigmoid(confidence_i), stays >= threshold (docs/DSPARK.md: our reading of the head). On the
+    device: a CUDA graph's replay leaves it beside the drafts, read back with them."""
     survive = torch.cumprod(torch.sigmoid(confidence.double()), dim=-1)
-    return (survive >= threshold).sum(-1).clamp(min=1).tolist()
+    return (survive >= threshold).sum(-1).clamp(min=1)
 
 
 class DSparkDrafter(nn.Module):
@@ -121,28 +124,62 @@ class DSparkDrafter(nn.Module):
         return torch.stack([K.norm_rope(b.attn.wkv(x), b.attn.kv_norm.weight, cos, sin, eps) for b in self.stages], 1)
 
     @torch.inference_mode()
+    def write_context(self, model: DeepseekV4, ring: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                      rows: torch.Tensor) -> None:
+        """Every stage's keys of target features [T, n_targets * D] at `positions` [T] into `ring`
+        [slots * window, stages, head_dim] at `rows` [T] (DSparkProposer's key ring)."""
+        ring.index_copy_(0, rows, self.context_kv(model, self.main_context(features), positions).to(ring.dtype))
+
+    @torch.inference_mode()
+    def draft_from_ring(self, model: DeepseekV4, ring: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
+                        last_tokens: torch.Tensor, threshold: float) -> Drafts:
+        """Each row's block from the keys in `ring` (DSparkProposer's: slot s holds position p at row
+        s * window + p % window): the block at positions starts[i].. reads slot slots[i]'s last
+        `window` positions before it (fewer near the start: masked). Fixed shapes, no host reads:
+        what a CUDA graph captures."""
+        W = self.cfg.sliding_window
+        ctx_pos = starts[:, None] - W + torch.arange(W, device=starts.device)  # ascending, as draft() orders them
+        keys = ring[slots[:, None] * W + ctx_pos % W]
+        return self._draft(model, keys, ctx_pos >= 0, starts, last_tokens, threshold)
+
+    @torch.inference_mode()
     def draft(self, model: DeepseekV4, contexts: list[tuple[torch.Tensor, torch.Tensor]], last_tokens: list[int],
               threshold: float) -> Drafts:
         """Each sequence's block, drafted greedily. contexts: per sequence (its context, their
         positions [n]: the last sliding_window positions before the block, ascending), the context
         either main context rows [n, D] (their keys computed here) or every stage's keys
         [n, stages, head_dim] (context_kv, computed earlier); last_tokens: each block's real first
-        token, at the position after its context."""
-        cfg, d, dev = self.cfg, self.cfg.dspark, self.main_norm.weight.device
+        token, at the position after its context. The contexts are padded to the longest (masked)."""
+        dev, S = self.main_norm.weight.device, len(last_tokens)
+        keys = [c if c.dim() == 3 else self.context_kv(model, c, p) for c, p in contexts]
+        n = max(len(k) for k in keys)
+        ctx = keys[0].new_zeros(S, n, *keys[0].shape[1:])
+        mask = torch.zeros(S, n, dtype=torch.bool, device=dev)
+        for s, k in enumerate(keys):  # padding first: the context's positions stay ascending
+            ctx[s, n - len(k):] = k
+            mask[s, n - len(k):] = True
+        starts = torch.tensor([int(p[-1]) + 1 if len(p) else 0 for _, p in contexts], device=dev)
+        return self._draft(model, ctx, mask, starts, torch.tensor(last_tokens, device=dev), threshold)
+
+    def _draft(self, model: DeepseekV4, ctx_kv: torch.Tensor, ctx_mask: torch.Tensor, starts: torch.Tensor,
+               last_tokens: torch.Tensor, threshold: float) -> Drafts:
+        """The drafter on fixed shapes. ctx_kv [S, n, stages, head_dim]: each block's context keys,
+        ctx_mask [S, n] which of them exist; starts [S]: each block's first position; last_tokens
+        [S]: its real first token."""
+        cfg, d = self.cfg, self.cfg.dspark
         S, B, hc, eps = len(last_tokens), d.block_size, cfg.hc_mult, cfg.rms_norm_eps
-        starts = [int(pos[-1]) + 1 if len(pos) else 0 for _, pos in contexts]
-        ids = torch.tensor([[t] + [d.noise_token_id] * (B - 1) for t in last_tokens], device=dev).view(-1)
-        block_pos = (torch.tensor(starts, device=dev)[:, None] + torch.arange(B, device=dev)).view(-1)
+        ids = torch.cat([last_tokens[:, None], last_tokens.new_full((S, B - 1), d.noise_token_id)], 1).view(-1)
+        block_pos = (starts[:, None] + torch.arange(B, device=starts.device)).view(-1)
         x = model.embed(ids)
         rope = K.rope_cos_sin(block_pos, model.main_inv_freq, x.dtype)
-        ctx_kv = torch.cat([c if c.dim() == 3 else self.context_kv(model, c, p) for c, p in contexts]).to(x.dtype)
+        ctx_kv = ctx_kv.to(x.dtype)
         h = x.unsqueeze(1).expand(-1, hc, -1).contiguous()
         sc = self.stage_cfg
         for j, block in enumerate(self.stages):
             post, comb, xa = K.hc_pre(h, block.hc_attn_fn, block.hc_attn_base, block.hc_attn_scale, sc.hc_eps, eps,
                                       sc.hc_sinkhorn_iters)
-            h = K.hc_post(h, self._attention(block.attn, block.attn_norm(xa), ctx_kv[:, j], rope,
-                                             [len(p) for _, p in contexts]), post, comb)
+            h = K.hc_post(h, self._attention(block.attn, block.attn_norm(xa), ctx_kv[:, :, j], ctx_mask, rope),
+                          post, comb)
             post, comb, xf = K.hc_pre(h, block.hc_ffn_fn, block.hc_ffn_base, block.hc_ffn_scale, sc.hc_eps, eps,
                                       sc.hc_sinkhorn_iters)
             h = K.hc_post(h, block.ffn(block.ffn_norm(xf), ids), post, comb)
@@ -150,7 +187,7 @@ class DSparkDrafter(nn.Module):
         logits = F.linear(self.norm(hidden), model.head.weight).view(S, B, -1)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         w1, w2 = self.markov_head.markov_w1.weight, self.markov_head.markov_w2.weight
-        prev, tokens, embeds = torch.tensor(last_tokens, device=dev), [], []
+        prev, tokens, embeds = last_tokens, [], []
         for i in range(B):  # sequential: position i is biased by the token drafted at i - 1
             e = w1[prev]
             prev = (logits[:, i] + F.linear(e, w2).to(logits.dtype)).argmax(-1)
@@ -161,20 +198,17 @@ class DSparkDrafter(nn.Module):
         conf = F.linear(torch.cat([hidden, markov.to(hidden.dtype)], -1).to(proj.dtype), proj).view(S, B)
         return Drafts(torch.stack(tokens, dim=1), conf, verify_lengths(conf, threshold))
 
-    def _attention(self, attn, x: torch.Tensor, ctx_kv: torch.Tensor, rope, ctx_lens: list[int]):
-        """DSpark attention for S blocks of B rows: each reads its own context's keys (this stage's,
-        ctx_kv [sum ctx_lens, head_dim]) and its whole block."""
-        cfg, B = self.stage_cfg, self.cfg.dspark.block_size
-        H, hd, eps = cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
+    def _attention(self, attn, x: torch.Tensor, ctx_kv: torch.Tensor, ctx_mask: torch.Tensor, rope):
+        """DSpark attention for S blocks of B rows in one batched call: each reads its own context's
+        keys (this stage's, ctx_kv [S, n, head_dim], where ctx_mask [S, n]) and its whole block."""
+        cfg, (S, n) = self.stage_cfg, ctx_mask.shape
+        B, H, hd, eps = self.cfg.dspark.block_size, cfg.num_heads, cfg.head_dim, cfg.rms_norm_eps
         q = K.norm_rope(attn.wq_b(attn.q_norm(attn.wq_a(x))).view(-1, H, hd), None, *rope, eps)
         kv = K.norm_rope(attn.wkv(x), attn.kv_norm.weight, *rope, eps)
-        outs, c0 = [], 0
-        for s, n in enumerate(ctx_lens):
-            keys = torch.cat([ctx_kv[c0:c0 + n], kv[s * B:(s + 1) * B]])
-            allowed = torch.ones(B, n + B, dtype=torch.bool, device=x.device)  # window + the whole block
-            outs.append(K.sink_attention(q[s * B:(s + 1) * B], keys, allowed, attn.attn_sink, hd**-0.5))
-            c0 += n
-        out = K.apply_rope(torch.cat(outs), rope[0], -rope[1])  # K = V: undo RoPE on the value's rope slice
+        keys = torch.cat([ctx_kv, kv.view(S, B, hd)], 1)
+        allowed = torch.cat([ctx_mask, ctx_mask.new_ones(S, B)], 1)[:, None].expand(S, B, n + B)  # window + the block
+        out = K.sink_attention(q.view(S, B, H, hd), keys, allowed, attn.attn_sink, hd**-0.5).view(S * B, H, hd)
+        out = K.apply_rope(out, rope[0], -rope[1])  # K = V: undo RoPE on the value's rope slice
         o = K.grouped_linear(out.view(out.shape[0], cfg.o_groups, -1), attn.wo_a.weight, cfg.o_groups, attn.wo_a.scale)
         return attn.wo_b(o)
 

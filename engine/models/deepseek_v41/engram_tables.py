@@ -1,31 +1,33 @@
-"""DeepSeek-V4.1's Engram tables in host memory: the step's rows gathered by host threads and
-copied to the device ahead of the layer that reads them.
+"""DeepSeek-V4.1's Engram tables memory-mapped from the checkpoint (`engram_tables: mmap`): the step's
+rows gathered by host threads and copied to the device ahead of the layer that reads them; and what
+every host placement shares: where the tables go (choose_placement) and reading them as stored.
 
 The released tables hold most of the checkpoint's bytes (rows for every hashed n-gram bucket of
 layers 1 and 14), far more than the rows a step reads (tokens x n-gram heads), so they can live in
-host RAM (`engram_tables: host`, a copy in the stored format, pinned on CUDA) or stay in the
-checkpoint's safetensors files, memory-mapped (`mmap`: no copy in RAM; the page cache keeps the hot
-rows and is shared by every rank of the host). Under tensor parallelism each rank holds only its
-row range (engine/models/deepseek_v41/shards.py) and the model sums the ranks' gathers.
+host RAM (`host`: a copy in the stored format, read by the GPU itself: engine/models/deepseek_v41/mapped_tables.py)
+or stay in the checkpoint's safetensors files, memory-mapped (`mmap`: no copy in RAM; the page cache
+keeps the hot rows and is shared by every rank of the host). Under tensor parallelism each rank holds
+only its row range (engine/models/deepseek_v41/shards.py) and the model sums the ranks' gathers.
 
-Why the ids are known early enough: a row's n-gram ids depend only on its token and the
+Mapped file pages cannot be handed to the GPU without pinning (so reading) all of them, so `mmap`
+gathers on the host. Why the ids are known early enough there: a row's n-gram ids depend only on its token and the
 `engram_max_ngram_size - 1` tokens before it (engine/models/deepseek_v41/engram.py), all prompt
 tokens or tokens already sampled, which the host holds when it packs the step (the runner's
-look-back ids come from the host's token lists). So the ids are hashed on the host, before the
+look-back ids come from the host's token lists; async scheduling is off, so the last sampled token
+is on the host too). So the ids are hashed on the host, before the
 step runs; the gather for every Engram layer starts at once on host threads, each thread copying
 its layer's rows as stored (FP8: half the bytes of bf16) to the device on a side stream and
 dequantizing them there, while the device runs the layers before that Engram layer (layer 1 waits
 behind layer 0 only, layer 14 behind 13 layers). The compute stream waits on the copy's event just
 before the Engram layer. Decode CUDA graphs read the rows from static device buffers filled before
-each replay (DeepseekV41.prefetch_host_inputs), so no graph ever waits on the host.
+each replay (DeepseekV41.prefetch_host_inputs): no graph waits on the host, but the whole gather
+comes before the replay.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-import threading
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,32 +111,26 @@ def _rows(path: Path, start: int, entry: dict, name: str, lo: int, hi: int, mmap
 
 
 class HostTables:
-    """This rank's rows of each Engram layer's table in host memory, and the step's gathers.
+    """This rank's rows of each Engram layer's table memory-mapped, and the step's gathers on host threads.
 
     gather(ids) starts one job per layer on host threads: rows by index (a row outside this rank's
     range: zeros), dequantized when stored in FP8, into a pinned staging buffer, then copied to
     the device on a side stream. rows(layer) hands the layer its device rows after the compute
     stream waits on that copy."""
 
+    needs_host_tokens = True  # the ids are hashed on the host: the step's tokens must be there when it is packed
+
     def __init__(self, tables: dict[int, StoredTable], spans: dict[int, tuple[int, int]], dtype: torch.dtype,
-                 device: torch.device, copy: bool):
-        """tables: memory-mapped (read_stored_table); copy: into RAM (`host`; pinned on CUDA, so the
-        pages stay resident), else left mapped (`mmap`)."""
+                 device: torch.device):
+        """tables: memory-mapped (read_stored_table)."""
         self.tables, self.spans, self.dtype, self.device = tables, spans, dtype, device
         self.cuda = device.type == "cuda"
-        if copy:
-            for t in tables.values():
-                t.rows = torch.empty(t.rows.shape, dtype=t.rows.dtype, pin_memory=self.cuda).copy_(t.rows)
         self.layer_pool = ThreadPoolExecutor(max_workers=max(1, len(tables)), thread_name_prefix="engram-layer")
         self.row_pool = ThreadPoolExecutor(max_workers=GATHER_THREADS, thread_name_prefix="engram-rows")
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self.staging: dict[int, torch.Tensor] = {}
         self.copied: dict[int, torch.cuda.Event] = {}  # the last copy out of each layer's staging buffer
         self.pending: dict[int, Future] = {}
-        # host seconds: the gathers' own (threads) and the forward's waits for them (what the overlap left
-        # exposed); tools/bench_v41_share.py reports both
-        self.stats = {"gathers": 0, "gather_s": 0.0, "waited_s": 0.0}
-        self._stats_lock = threading.Lock()  # the layer threads add to it
 
     @property
     def nbytes(self) -> int:
@@ -152,20 +148,22 @@ class HostTables:
     def gather(self, ids: torch.Tensor, out: dict[int, torch.Tensor] | None = None) -> None:
         """ids: host [T, L, cols] table rows per Engram layer (k-th = k-th of `tables`). out: device
         buffers to fill (a decode graph's static ones), else fresh device tensors."""
+        read = None
+        if out is not None and self.cuda:  # the buffers are written only after what the device queued (a replay) read them
+            read = torch.cuda.Event()
+            read.record(torch.cuda.current_stream(self.device))
         for k, layer in enumerate(self.tables):
-            self.pending[layer] = self.layer_pool.submit(self._gather_one, layer, ids[:, k],
-                                                   None if out is None else out[layer])
+            self.pending[layer] = self.layer_pool.submit(self._gather_in_inference_mode, layer, ids[:, k],
+                                                         None if out is None else out[layer], read)
 
-    def _gather_one(self, layer: int, ids: torch.Tensor, dst: torch.Tensor | None):
-        t0 = time.perf_counter()
-        try:
-            return self._gather_rows(layer, ids, dst)
-        finally:
-            with self._stats_lock:
-                self.stats["gathers"] += 1
-                self.stats["gather_s"] += time.perf_counter() - t0
+    def _gather_in_inference_mode(self, layer: int, ids: torch.Tensor, dst: torch.Tensor | None,
+                                  read: torch.cuda.Event | None):
+        """Inference mode is per thread: a decode graph's static input (dst) may be an inference tensor, which a
+        row thread may update in place only inside it."""
+        with torch.inference_mode():
+            return self._gather_rows(layer, ids, dst, read)
 
-    def _gather_rows(self, layer: int, ids: torch.Tensor, dst: torch.Tensor | None):
+    def _gather_rows(self, layer: int, ids: torch.Tensor, dst: torch.Tensor | None, read: torch.cuda.Event | None):
         """Rows as stored into pinned staging (a row of another rank: zero bytes, so it dequantizes
         to exactly 0), copied as stored (FP8: half of bf16's bytes), dequantized on the device."""
         table, (lo, hi) = self.tables[layer], self.spans[layer]
@@ -192,6 +190,7 @@ class HostTables:
             scales = None if scale is None else scale.to(self.device, non_blocking=True)
             dev = self._dequantize(stored, scales).view(shape)
             if dst is not None:
+                self.copy_stream.wait_event(read)
                 dev = dst.copy_(dev)
             done = torch.cuda.Event()
             done.record(self.copy_stream)
@@ -214,9 +213,7 @@ class HostTables:
 
     def rows(self, layer: int) -> torch.Tensor:
         """The layer's gathered rows on the device, ordered after their copy on the compute stream."""
-        t0 = time.perf_counter()
         got = self.pending.pop(layer).result()
-        self.stats["waited_s"] += time.perf_counter() - t0
         if not self.cuda:
             return got
         dev, done = got

@@ -14,6 +14,7 @@ import torch
 from engine.models.deepseek_v41.config import load_config
 from engine.models.deepseek_v41.engram import find_tokenizer_json
 from engine.models.deepseek_v41.engram_tables import HostTables, choose_placement, read_stored_table
+from engine.models.deepseek_v41.mapped_tables import MappedTables
 from engine.models.deepseek_v41.memory_plan import plan_memory
 from engine.models.deepseek_v41.model import DeepseekV41, engram_hasher, hold_fp32_weights
 from engine.models.deepseek_v41.names import official_name, to_official
@@ -41,8 +42,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
     tile scales for the FP8 kernels (default: on CUDA, when the config says FP8 linears; on the CPU
     the torch reference dequantizes them per call). What stays dequantized: engine/models/deepseek_v41/weights.py.
     tp: build and read only this rank's share (engine/models/deepseek_v41/shards.py). engram_tables:
-    where the Engram tables live: device, host (a copy in RAM), mmap (the checkpoint's pages) or
-    auto (by size; engine/models/deepseek_v41/engram_tables.py)."""
+    where the Engram tables live: device, host (a copy in RAM the GPU reads: engine/models/deepseek_v41/mapped_tables.py),
+    mmap (the checkpoint's pages, gathered by host threads) or auto (by size; engine/models/deepseek_v41/engram_tables.py)."""
     cfg = load_config(model_dir)
     dtype = resolve_dtype(dtype, cfg.torch_dtype)
     device = torch.device(device)
@@ -82,18 +83,20 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "auto", device:
         return SKIP if on_host and is_table(name) else v41_shard_spec(name, cfg, tp)
 
     if on_host:
-        model.host_tables = HostTables({layer: read_stored_table(model_dir, table_names(layer), *spans[layer])
-                                        for layer in cfg.engram_layer_ids}, spans, dtype, device,
-                                       copy=placement == "host")
-        model.host_hasher = engram_hasher(cfg)
-        model.host_hasher.bind_tokenizer(find_tokenizer_json(model_dir, tokenizer), cfg.vocab_size)
+        stored = {layer: read_stored_table(model_dir, table_names(layer), *spans[layer]) for layer in cfg.engram_layer_ids}
+        if placement == "host":
+            model.host_tables = MappedTables(stored, spans, dtype, device, copy=True)
+        else:
+            model.host_tables = HostTables(stored, spans, dtype, device)
+            model.host_hasher = engram_hasher(cfg)
+            model.host_hasher.bind_tokenizer(find_tokenizer_json(model_dir, tokenizer), cfg.vocab_size)
     named = _text_weights(model_dir, cfg.weight_block_size, device, experts_as_stored, fp8, shard)
     load_named(model, ((local_expert_name(name, tp, cfg), tensor) for name, tensor in named), device, model_dir)
     stacked = stack_linears(model) if fp8 else 0  # wq_a over wkv, w1 over w3: one FP8 launch per pair
     hold_fp32_weights(model)
     if on_host:
         log.info("Engram: %s tables in host memory (%s, %.3f GB of rows%s)", len(spans),
-                 "a copy" if placement == "host" else "memory-mapped from the checkpoint",
+                 "a copy the GPU reads" if placement == "host" else "memory-mapped from the checkpoint, host threads",
                  model.host_tables.nbytes / 1e9, f", rank {tp.rank}/{tp.world}'s share" if tp.world > 1 else "")
     log.info("weights: %sDeepSeek-V4.1 on %s in %s%s%s (%d DSpark tensors kept aside; %.3f GB)",
              f"rank {tp.rank}/{tp.world}: " if tp.world > 1 else "", device, dtype,

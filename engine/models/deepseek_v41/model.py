@@ -23,6 +23,7 @@ Parameter names are DeepSeek's official checkpoint names (routed experts stacked
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -49,6 +50,7 @@ from engine.models.deepseek_v41.config import V41Config
 from engine.models.deepseek_v41.decode_plan import DecodePlan, decode_plan
 from engine.models.deepseek_v41.engram import EngramHasher
 from engine.models.deepseek_v41.engram_tables import HostTables
+from engine.models.deepseek_v41.mapped_tables import MappedTables
 from engine.models.deepseek_v41.mixed_rows import PLAN_KEY, V41MixedRows
 from engine.models.deepseek_v41.shards import table_span
 from engine.models.deepseek_v41.split_graphs import DecoderSplitGraphs
@@ -371,20 +373,25 @@ class Block(nn.Module):
 
 
 class HostRows(dict):
-    """layer -> its gathered Engram rows, fetched (waited for, all-reduced under tensor parallelism)
-    when the layer first reads them, so the gathers overlap the layers before."""
+    """layer -> its gathered Engram rows from host memory, fetched (waited for, all-reduced under tensor
+    parallelism) when the layer first reads them, so the gathers overlap the layers before."""
 
-    def __init__(self, tables: HostTables, tp: TensorParallel, layers: tuple[int, ...]):
+    def __init__(self, fetch: Callable[[int], torch.Tensor], tp: TensorParallel, layers: tuple[int, ...]):
         super().__init__()
-        self.tables, self.tp, self.layers = tables, tp, layers
+        self.fetch, self.tp, self.layers = fetch, tp, layers
 
     def __missing__(self, layer: int) -> torch.Tensor:
-        rows = self.tp.all_reduce(self.tables.rows(layer))  # each row from one rank, zeros from the others
+        rows = self.tp.all_reduce(self.fetch(layer))  # each row from one rank, zeros from the others
         self[layer] = rows
         return rows
 
     def items(self):
         return [(layer, self[layer]) for layer in self.layers]
+
+
+def graph_capturing(fb: ForwardBatch) -> bool:
+    """The step is being captured into a CUDA graph (the CPU tests' emulation of a graph stands in here)."""
+    return fb.input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def engram_hasher(cfg: V41Config) -> EngramHasher:
@@ -417,7 +424,7 @@ class DeepseekV41(ModelFamily):
     cache_class = V41KVCache
     supports_decoder_trim = True
     supports_tensor_parallel = True  # engine/models/deepseek_v41/shards.py
-    supports_host_engram = True  # engine/models/deepseek_v41/engram_tables.py
+    supports_host_engram = True  # engine/models/deepseek_v41/mapped_tables.py (host), engram_tables.py (mmap)
 
     def __init__(self, cfg: V41Config, quantized: bool = False, decoder_trim: bool = True, fp8_linears: bool = False,
                  tp: TensorParallel = SINGLE, engram_on_device: bool = True):
@@ -430,8 +437,9 @@ class DeepseekV41(ModelFamily):
         self.embed = nn.Embedding(cfg.vocab_size, D)
         self.layers = nn.ModuleList(Block(cfg, i, quantized, fp8_linears, tp, engram_on_device)
                                     for i in range(cfg.num_layers))
-        self.host_tables: HostTables | None = None  # Engram tables in host memory
-        self.host_hasher: EngramHasher | None = None  # their ids hashed on the host
+        # Engram tables in host memory: read by the device (host) or gathered by host threads (mmap)
+        self.host_tables: MappedTables | HostTables | None = None
+        self.host_hasher: EngramHasher | None = None  # mmap: the ids hashed on the host
         self.graph_rows: dict[int, dict[int, torch.Tensor]] = {}  # decode graph size -> its static Engram rows
         self.norm = Norm(D, cfg.rms_norm_eps)
         self.head = _linear(cfg.vocab_size, D) if tp.rank == 0 else None  # rank 0 samples
@@ -478,10 +486,14 @@ class DeepseekV41(ModelFamily):
             return {}
         if fb.lookback_ids is None:
             raise RuntimeError("the Engram layers need ForwardBatch.lookback_ids (the runner builds them)")
-        if self.host_tables is not None:
+        if self.needs_host_tokens:
             return self._host_engram_rows(fb, layers)
-        ids = self.engram_hasher(fb.input_ids, fb.lookback_ids)  # [T, L, cols]
         wanted = [(k, layer) for k, layer in enumerate(self.cfg.engram_layer_ids) if layers is None or layer in layers]
+        if self.host_tables is not None:  # in host RAM, gathered by the device (engine/models/deepseek_v41/mapped_tables.py)
+            fetch = self.host_tables.start(lambda: self.engram_hasher(fb.input_ids, fb.lookback_ids), wanted,
+                                           (fb.input_ids.shape[0], self.engram_hasher.offsets.shape[-1]))
+            return HostRows(fetch, self.tp, tuple(layer for _, layer in wanted))
+        ids = self.engram_hasher(fb.input_ids, fb.lookback_ids)  # [T, L, cols]
         if not self.tp.active:
             return {layer: self.layers[layer].engram.embed(ids[:, k]) for k, layer in wanted}
         # tensor parallel: each rank gathers the rows it holds, zeros for the others'; one sum over
@@ -496,33 +508,39 @@ class DeepseekV41(ModelFamily):
         summed = self.tp.all_reduce(torch.stack(parts))
         return {layer: summed[i] for i, (_, layer) in enumerate(wanted)}
 
-    # --- Engram tables in host memory (engine/models/deepseek_v41/engram_tables.py) ---------------
+    # --- Engram tables memory-mapped, gathered on the host (engine/models/deepseek_v41/engram_tables.py) ---
 
     @property
     def needs_host_tokens(self) -> bool:
-        return self.host_tables is not None
+        return self.host_tables is not None and self.host_tables.needs_host_tokens
 
     def _host_engram_rows(self, fb: ForwardBatch, layers: tuple[int, ...] | None) -> dict:
         """Eager steps: hash on the host, start every layer's gather, hand each layer its rows when it
-        asks (HostRows). A decode graph being captured reads static buffers prefetch_host_inputs fills."""
+        asks (HostRows). A decode graph being captured reads the static buffers prefetch_host_inputs
+        made and fills (before the capture, then before each replay)."""
         wanted = tuple(i for i in self.cfg.engram_layer_ids if layers is None or i in layers)
-        if fb.input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
-            T, cols = fb.input_ids.shape[0], self.host_hasher.offsets.shape[-1]
-            bufs = self.graph_rows.setdefault(T, {i: torch.zeros(T, cols, self.cfg.engram_head_dim,
-                                                                 dtype=self.embed.weight.dtype, device=fb.input_ids.device)
-                                                  for i in self.cfg.engram_layer_ids})
+        if graph_capturing(fb):
+            bufs = self.graph_rows.get(fb.input_ids.shape[0])
+            if bufs is None:
+                raise RuntimeError(f"a decode graph of {fb.input_ids.shape[0]} rows is captured before its Engram "
+                                   "rows were prefetched (the runner prefetches the padding batch before capture)")
             return {i: self.tp.all_reduce(bufs[i].clone()) for i in wanted}
         ids = self.host_hasher(fb.input_ids.cpu(), fb.lookback_ids.cpu())  # the step's tokens: known on the host
         self.host_tables.gather(ids)
-        return HostRows(self.host_tables, self.tp, wanted)
+        return HostRows(self.host_tables.rows, self.tp, wanted)
 
     def prefetch_host_inputs(self, size: int, input_ids: np.ndarray, lookback: np.ndarray) -> None:
-        """Before a decode graph's replay: its rows' Engram rows into the graph's static buffers (none
-        captured: the CPU's static batches, which run eagerly and gather as any eager step)."""
-        if size not in self.graph_rows:
-            return
+        """Before a decode graph of `size` rows is captured and before each of its replays: its rows'
+        Engram rows into the graph's static buffers. They are made here, outside the capture: made
+        inside it, their zero fill is captured too, and every replay zeroes what was prefetched."""
+        bufs = self.graph_rows.get(size)
+        if bufs is None:
+            shape = (size, self.host_hasher.offsets.shape[-1], self.cfg.engram_head_dim)
+            bufs = self.graph_rows[size] = {i: torch.empty(shape, dtype=self.host_tables.dtype,
+                                                           device=self.host_tables.device)
+                                            for i in self.cfg.engram_layer_ids}
         ids = self.host_hasher(torch.from_numpy(input_ids), torch.from_numpy(lookback))
-        self.host_tables.gather(ids, out=self.graph_rows[size])
+        self.host_tables.gather(ids, out=bufs)
         self.host_tables.wait_all()
 
     @property
@@ -537,10 +555,12 @@ class DeepseekV41(ModelFamily):
         return Rows(fb.positions, fb.token_seq, fb.window_slots, fb.replay_start_t, ropes,
                     self._engram_rows(fb, engram_layers))
 
-    def embed_rows(self, fb: ForwardBatch, cache: V41KVCache):
-        """-> (h, pre, rows) before the first block: the hc copies of the embedding, the first site's pre."""
+    def embed_rows(self, fb: ForwardBatch, cache: V41KVCache, engram_layers: tuple[int, ...] | None = None):
+        """-> (h, pre, rows) before the first block: the hc copies of the embedding, the first site's pre.
+        engram_layers: the Engram layers the caller runs (default all; each must read its rows: a
+        gather from host RAM runs on a side stream its layer joins)."""
         x = self.embed(self.tp.broadcast(fb.input_ids))  # async scheduling's tokens live on rank 0
-        rows = self.rows_of(fb, x.dtype)
+        rows = self.rows_of(fb, x.dtype, engram_layers)
         if fb.is_decode:
             rows.plans = {m: decode_plan(fb, m, cache) for m in self.compressed_ratios}
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # mHC: hc copies of the residual

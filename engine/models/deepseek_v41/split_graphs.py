@@ -58,7 +58,8 @@ class DecoderSplitGraphs:
         self.cut = model.trim_cut
         self.window = cfg.sliding_window
         self.sizes = mixed_sizes(max(sizes)) if sizes else []  # kept-row buckets
-        self.engram = tuple(i for i in cfg.engram_layer_ids if i >= self.cut)  # Engram layers in the tail
+        self.front_engram = tuple(i for i in cfg.engram_layer_ids if i < self.cut)  # Engram layers in the front
+        self.engram = tuple(i for i in cfg.engram_layer_ids if i >= self.cut)  # and in the tail
         self.rows = V41MixedRows(model, cache, lookback=bool(self.engram))  # the tail batch's own fields
         T, dev, dtype = max(sizes, default=0), next(model.parameters()).device, model.embed.weight.dtype
         cand = cfg.candidate_source_layer_id
@@ -95,7 +96,7 @@ class DecoderSplitGraphs:
     def front(self, fb) -> None:
         """Every row through the layers up to the last KV source; their state into the buffers."""
         m, s = self.model, self.state
-        h, pre, rows = m.embed_rows(fb, self.cache)
+        h, pre, rows = m.embed_rows(fb, self.cache, self.front_engram)
         h, pre = m.run_layers(h, pre, rows, fb, self.cache, 0, self.cut)
         T = h.shape[0]
         s.h[:T].copy_(h)

@@ -11,6 +11,7 @@ from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
 from engine.request import GenerationRequest, SamplingParams
+from tests.engine.conftest import SHAPES
 from tests.engine.spec.test_spec_decode import _corrupt, _prompts, _run
 
 DSPARK = {"method": "dspark"}  # k and the threshold from the checkpoint: k = the block (5), threshold 0
@@ -22,10 +23,7 @@ def ckpt(tmp_path_factory):
     # the tiny preset's index_topk (4) selects among exactly tied scores in these runs: batched and
     # alone must pick the same entries (kernels.reference.topk_by_score_then_index)
     return {"tiny": write_checkpoint(root / "tiny", "tiny", seed=7, layout="0731"),
-            "narrow": write_checkpoint(root / "narrow", "tiny", seed=7, layout="0731", override={
-                "sliding_window": 8, "num_hidden_layers": 4, "compress_ratios": [4, 32, 4, 0],
-                "num_attention_heads": 2, "head_dim": 64, "qk_rope_head_dim": 16, "o_groups": 2, "index_topk": 3,
-                "num_hash_layers": 2, "n_routed_experts": 4}),
+            "narrow": write_checkpoint(root / "narrow", "tiny", seed=7, layout="0731", override=SHAPES["narrow-window"]),
             # blocks of 8: a verify of 9 rows closes up to 5 blocks of the ratio-2 CSA
             "block8": write_checkpoint(root / "block8", "tiny", seed=5, layout="0731", override={
                 "dspark_block_size": 8, "compress_ratios": [2, 16, 2, 0], "index_topk": 64})}
@@ -90,22 +88,22 @@ def test_prefix_cache_hit_with_bounded_replay(ckpt):
 
 def test_cached_context_keys_draft_as_the_main_context_rows(ckpt):
     """The proposer keeps every stage's keys per position (computed once, when the features come),
-    in a ring of the window (8 here): a prefill chunk longer than the window, verify steps that wrap
-    the ring, rejected positions rewritten with other features. Its drafts equal those of the keys
-    recomputed from the main context rows of the window's final features."""
+    in its key ring, a window (8 here) per state slot: a prefill chunk longer than the window, verify
+    steps that wrap the ring, rejected positions rewritten with other features. Its drafts equal
+    those of the keys recomputed from the main context rows of the window's final features."""
     eng = LLM(str(ckpt["narrow"]), dtype="float64", max_model_len=256, speculative_config=DSPARK).engine
     eng.add_request(GenerationRequest("r", prompt_token_ids=list(range(5, 25)), sampling=GREEDY))
+    eng.step()  # the prefill: the sequence holds a state slot (its keys are rewritten below)
     prop, drafter, seq = eng.spec.dspark, eng.spec.dspark.drafter, eng.requests["r"].seq
-    W, g = prop.window, torch.Generator().manual_seed(0)
+    W, g, slot = prop.window, torch.Generator().manual_seed(0), seq.blocks.state_slot
     truth = torch.zeros(64, len(eng.cfg.dspark.target_layer_ids) * eng.cfg.hidden_size, dtype=torch.float64)
     for start, n in [(0, 20), (20, 6), (23, 6), (29, 6), (31, 3)]:  # 23, 31: run again (a replay)
         feats = torch.randn(n, truth.shape[1], generator=g, dtype=torch.float64)
         truth[start:start + n] = feats
         prop.absorb([(seq, start, [7] * n)], feats)
     want = torch.arange(35 - W, 35)
-    ring, pos = prop.context["r"]
-    assert pos[want % W].tolist() == want.tolist()
-    cached = drafter.draft(eng.model, [(ring[want % W], want)], [11], 0.0)
+    assert prop.positions[slot, want % W].tolist() == want.tolist()
+    cached = drafter.draft_from_ring(eng.model, prop.ring, *(torch.tensor([v]) for v in (slot, 35, 11)), 0.0)
     direct = drafter.draft(eng.model, [(drafter.main_context(truth[want]), want)], [11], 0.0)
     assert torch.equal(cached.tokens, direct.tokens)
     torch.testing.assert_close(cached.confidence, direct.confidence, rtol=1e-10, atol=1e-10)
@@ -191,24 +189,3 @@ def test_dspark_needs_the_0731_layout_and_mtp_the_preview_one(ckpt, tiny_dir):
         LLMEngine({"model": str(tiny_dir), "speculative_config": DSPARK})
     with pytest.raises(Exception, match="ships 3 DSpark draft stages"):
         LLMEngine({"model": str(ckpt["tiny"]), "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}})
-
-
-def test_padded_verify_graph_steps_equal_the_eager_steps(ckpt):
-    """What the GPU captures for DSpark (the verify graph with the target features, the rollback
-    graph; the drafter eager), as static batches run eagerly on the CPU: the same greedy tokens as
-    plain decoding with drafts wrong after every gap (partial acceptance at every offset, blocks
-    reopened through the rollback graph's index arrays), and those steps took the graph path."""
-    from engine.spec.verify_graphs import VerifyGraphs
-
-    prompts = _prompts(4096, seed=8, lengths=(7, 26, 41))
-    params = [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)] * 3
-    want, _ = _run(ckpt["tiny"], prompts, params)
-    llm = LLM(str(ckpt["tiny"]), dtype="float64", max_model_len=256, speculative_config=DSPARK)
-    spec = llm.engine.spec
-    assert spec.verify_steps is None  # CPU: no decode graphs, so none
-    spec.verify_steps = VerifyGraphs(llm.engine.model, llm.engine.cache, llm.engine.max_model_len, spec.k, [1, 4],
-                                     features=True)
-    spec.force_drafts({f"offline-{i}": _wrong_after_gaps(w, 4096, gaps=range(1, 7)) for i, w in enumerate(want)})
-    assert [o.token_ids for o in llm.generate(prompts, params)] == want
-    assert spec.step_paths["verify_graph"] > 5 and spec.verify_steps.rollback.replays > 3
-    assert all(spec.stats()["spec_decode_accepted_length_counts"])

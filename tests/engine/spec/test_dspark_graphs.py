@@ -1,0 +1,125 @@
+"""DSpark's drafter graphs (engine/spec/dspark_graphs.py) without a GPU, on tiny 0731 checkpoints, in
+step with the eager path: the verify and drafter graphs' static batches run eagerly ("padded": the
+same tokens and the same own drafts every step, batched with a request that does not speculate,
+across a preemption, greedy output equal to plain greedy), and the drafter's graph captured and
+replayed through the CPU emulation of CUDA graphs ("emulated")."""
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
+from engine.request import GenerationRequest, SamplingParams
+from engine.spec.dspark_graphs import DSparkGraphs
+from engine.spec.verify_graphs import VerifyGraphs
+from tests.engine.conftest import SHAPES
+from tests.engine.spec.test_dspark import DSPARK, _wrong_after_gaps
+from tests.engine.spec.test_spec_decode import _prompts
+from tests.engine.test_batching import _full
+
+pytestmark = [pytest.mark.usefixtures("single_thread")]
+
+
+@pytest.fixture(scope="module")
+def narrow_0731(tmp_path_factory):
+    """A window of 8 (the key ring wraps within a few steps), ratios 4 and 32."""
+    return write_checkpoint(tmp_path_factory.mktemp("dspark_graphs"), "tiny", seed=7, layout="0731",
+                            override=SHAPES["narrow-window"])
+
+
+@pytest.fixture(scope="module")
+def tiny_0731(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("dspark_graphs"), "tiny", seed=7, layout="0731")
+
+
+def _padded(eng, buckets, pool=None, capture_fn=None):
+    """What the GPU captures for DSpark: the verify graphs with the target features (their static
+    batches run eagerly) and the drafter's graphs (run eagerly too with pool None, else captured
+    through `capture_fn`)."""
+    spec = eng.spec
+    assert spec.verify_steps is None and spec.draft_steps is None  # CPU: no decode graphs, so none
+    spec.verify_steps = VerifyGraphs(eng.model, eng.cache, eng.max_model_len, spec.k, buckets, features=True)
+    kw = {} if capture_fn is None else {"capture_fn": capture_fn}
+    spec.draft_steps = DSparkGraphs(spec.dspark, eng.model, spec.verify_steps, pool, **kw)
+
+
+def test_padded_drafter_steps_equal_the_eager_steps(narrow_0731):
+    """Four greedy requests and one that never speculates (logprobs), a block budget that forces a
+    preemption (the recompute runs eagerly, then graph steps again, maybe in another state slot).
+    The verified drafts are forced to the plain tokens wrong after every gap (every acceptance
+    count, so every number of accepted rows' keys written through the graph's ring rows); the
+    drafter's own drafts (what it proposed before forcing) compared after every step."""
+    prompts = _prompts(4096, seed=1, lengths=(9, 40, 23, 61, 5))
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * 4 + \
+             [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)]
+    kw = dict(dtype="float64", max_model_len=256, max_num_batched_tokens=48, max_num_seqs=5, num_gpu_blocks_override=8)
+    plain = [o.token_ids for o in LLM(str(narrow_0731), **kw).generate(prompts, params)]
+    engines = []
+    for padded in (None, [2, 4, 8]):
+        eng = LLM(str(narrow_0731), speculative_config=DSPARK, **kw).engine
+        if padded:
+            _padded(eng, padded)
+        eng.spec.force_drafts({f"r{i}": _wrong_after_gaps(p, 4096, gaps=range(1, 7)) for i, p in enumerate(plain)})
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            eng.add_request(GenerationRequest(f"r{i}", prompt_token_ids=p, sampling=sp))
+        engines.append(eng)
+    tokens, drafts = {f"r{i}": [] for i in range(len(prompts))}, 0
+    while engines[0].has_unfinished():
+        outs = [[(o.request_id, o.token_ids) for o in eng.step()] for eng in engines]
+        assert outs[0] == outs[1]
+        assert engines[0].spec.mtp_drafts == engines[1].spec.mtp_drafts
+        drafts += sum(map(len, engines[0].spec.mtp_drafts.values()))
+        for rid, ids in outs[0]:
+            tokens[rid] += ids
+    eager, padded = engines
+    assert not padded.has_unfinished() and _full(padded) and list(tokens.values()) == plain
+    assert drafts > 40 and padded.scheduler.num_preemptions > 0
+    paths = padded.spec.step_paths
+    assert paths["draft_graph"] == paths["verify_graph"] == padded.spec.draft_steps.replays > 8
+    assert padded.spec.verify_steps.rollback.replays > 3  # rejected drafts reopened blocks in graph steps
+    assert paths["draft_eager"] > 0  # steps with prefill chunks (the recompute's too)
+    assert padded.spec.stats() == eager.spec.stats()
+    assert all(padded.spec.stats()["spec_decode_accepted_length_counts"][:5])
+
+
+def test_emulated_drafter_graph_replays_what_the_eager_drafter_drafts(tiny_0731, monkeypatch):
+    """DSpark's drafter graph captured through the CPU emulation of CUDA graphs
+    (tests/engine/graphs/graph_emulation.py) on the all-padding batch, as the GPU captures it: host
+    values baked in, host reads refused, allocations poisoned at each replay. Its MoE on the fused
+    kernel (the reference counts each expert's rows on the host, which no graph can; the
+    interpreter runs it, so one small bucket and one replay). The replayed step (one sequence
+    accepting two forced drafts, the other all five) writes the keys and drafts what the eager
+    proposer does."""
+    import kernels
+    from kernels.fused import FUSED
+    from tests.engine.graphs.graph_emulation import capture
+
+    def capture_with_fused_moe(run, pool):
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "router_moe", FUSED["router_moe"])
+            return capture(run, pool)
+
+    prompts = _prompts(4096, seed=2, lengths=(21, 34))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(tiny_0731), dtype="float32", max_model_len=128).generate(prompts, params)]
+    forced = {"r0": plain[0][:3] + [(plain[0][3] + 1) % 4096] + plain[0][4:], "r1": plain[1]}
+    engines = []
+    for emulated in (False, True):
+        eng = LLM(str(tiny_0731), dtype="float32", max_model_len=128, speculative_config=DSPARK).engine
+        if emulated:
+            _padded(eng, [2], "emulated", capture_with_fused_moe)
+        eng.spec.force_drafts(forced)
+        for i, p in enumerate(prompts):
+            eng.add_request(GenerationRequest(f"r{i}", prompt_token_ids=p, sampling=params))
+        engines.append(eng)
+    for _ in range(2):  # the prefill (eager), then a verify step and the drafter graph's replay
+        outs = [[(o.request_id, o.token_ids) for o in eng.step()] for eng in engines]
+        assert outs[0] == outs[1]
+        assert engines[0].spec.mtp_drafts == engines[1].spec.mtp_drafts and len(engines[0].spec.mtp_drafts) == 2
+    spec = engines[1].spec
+    assert spec.draft_steps.static[2].graph.replays == spec.step_paths["draft_graph"] == 1
+    assert spec.stats()["spec_decode_accepted_length_counts"] == [0, 0, 1, 0, 0, 1] == engines[0].spec.stats()[
+        "spec_decode_accepted_length_counts"]
+    W = spec.dspark.window
+    ring = [eng.spec.dspark.ring[:-W] for eng in engines]  # the sequences' slots (the scratch slot's last)
+    torch.testing.assert_close(ring[1], ring[0], rtol=1e-5, atol=1e-5)
