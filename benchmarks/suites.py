@@ -373,7 +373,7 @@ SUITE_LIST = [
                                          "--chunk", "2048"), timeout_s=420),)),
     Suite("v41_share", "How long is rank 0's share of V4.1-Flash at its released size (384 MXFP4 experts, Engram "
           "tables of 384M rows, the rank's rows in host RAM) at tensor_parallel_size 8 and 4 (collectives skipped): "
-          "decode at batch 1/32/150 against its floor, TTFT 1K/8K, and how much of the Engram gather the overlap hides?",
+          "decode at batch 1/32/150 against its floor, TTFT 1K/8K, the Engram gather alone, and what host tables cost against device tables (same rows, same graphs)?",
           tuple(Step("tools.bench_v41_share", ("--worlds", w, "--batches", "1,32,150", "--ttft", "1024,8192",
                                                "--input-len", "512", *check), name=f"world{w}", timeout_s=295)
                 for w, check in (("8", ("--check",)), ("4", ())))),  # --check: host tables equal device tables
