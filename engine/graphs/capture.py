@@ -34,3 +34,13 @@ def capture_buckets(buckets: list[int], make, forward, pool, capture_fn=capture)
     if pool is not None and torch.cuda.is_available():
         torch.cuda.synchronize()
     return out
+
+
+def replay_bucket(bk, forward) -> None:
+    """One step of a bucket from capture_buckets: its packed staging to the device (one copy), then the
+    graph's replay, or forward(bk) eagerly where nothing was captured (the CPU, no pool)."""
+    bk.flat.copy_(bk.staging, non_blocking=True)
+    if bk.graph is None:
+        forward(bk)
+    else:
+        bk.graph.replay()

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from engine.forward_batch import ForwardBatch
-from engine.graphs.capture import capture, capture_buckets
+from engine.graphs.capture import capture, capture_buckets, replay_bucket
 from engine.spec.verify_graphs import VerifyGraphs
 
 
@@ -126,11 +126,7 @@ class DraftGraphs:
         bk = self.static[self.verify.bucket(len(batch))]
         self.replays += 1
         self.pack(batch, items, drafting, bk, bk.staging.numpy())
-        bk.flat.copy_(bk.staging, non_blocking=True)
-        if bk.graph is None:
-            self._forward(bk)
-        else:
-            bk.graph.replay()
+        replay_bucket(bk, self._forward)
 
     def read(self, batch_size: int) -> list[list[int]]:
         """-> each batch row's k drafts (the host keeps the ones it wanted)."""

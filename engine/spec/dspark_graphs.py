@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.graphs.capture import capture, capture_buckets
+from engine.graphs.capture import capture, capture_buckets, replay_bucket
 from engine.spec.dspark import DSparkProposer
 from engine.spec.verify_graphs import VerifyGraphs
 
@@ -100,11 +100,7 @@ class DSparkGraphs:
         for name, attr in zip(_FIELDS[1:], ("slot", "start", "last_token")):
             col(name)[at] = [getattr(r, attr) for r in ready]
         self.replays += 1
-        bk.flat.copy_(bk.staging, non_blocking=True)
-        if bk.graph is None:
-            self._forward(bk)
-        else:
-            bk.graph.replay()
+        replay_bucket(bk, self._forward)
 
         def read() -> list[list[int]]:
             if not ready:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.graphs.capture import capture, capture_buckets
+from engine.graphs.capture import capture, capture_buckets, replay_bucket
 
 
 def reopen(states, closed: dict, snapshot: dict, m: int, blk, slot, b, prev_blk) -> None:
@@ -90,8 +90,4 @@ class RollbackGraphs:
             for j, row in enumerate(fixes.get(m, ())):
                 host[i, :, j] = row
         self.replays += 1
-        bk.flat.copy_(bk.staging, non_blocking=True)
-        if bk.graph is None:
-            self._forward(bk)
-        else:
-            bk.graph.replay()
+        replay_bucket(bk, self._forward)

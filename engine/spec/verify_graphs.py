@@ -27,7 +27,7 @@ import torch
 from engine.cache import KVCache
 from engine.compress_plan import CompressPlan, plan_arrays
 from engine.forward_batch import ForwardBatch
-from engine.graphs.capture import capture, capture_buckets
+from engine.graphs.capture import capture, capture_buckets, replay_bucket
 from engine.graphs.static_batch import pack_rows
 from engine.sequence import Sequence
 from engine.spec.rollback_graphs import RollbackGraphs
@@ -188,10 +188,6 @@ class VerifyGraphs:
         bk = self.static[self.bucket(len(batch))]
         self.replays += 1
         T, blocks = self.pack(batch, bk, bk.staging.numpy())
-        bk.flat.copy_(bk.staging, non_blocking=True)
-        if bk.graph is None:
-            self._forward(bk)
-        else:
-            bk.graph.replay()
+        replay_bucket(bk, self._forward)
         return VerifyOutput(self.logits[:T], self.hidden[:T], None if self.features is None else self.features[:T],
                             self.closed, blocks, self.snap)
