@@ -20,6 +20,11 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.setup-stamp
 PYTRITON := nvidia-pytriton==0.7.0
 OPENAI_PORT ?= 9000
+# test: pytest-xdist workers, each taking whole files (module and package fixtures start once per worker).
+# Most tests are one busy core (the Triton interpreter, the tiny engine), so 2 fill a 2-core CI machine;
+# TEST_WORKERS=0 runs everything in one process. tests/vllm (ENGINE=vllm) stay in one.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter vllm,$(ENGINE)),,-n $(TEST_WORKERS) --dist loadfile)
 
 .DEFAULT_GOAL := help
 .PHONY: help setup setup-vllm serve test test-fast lint doctor tiny bench bench-list clean
@@ -51,8 +56,8 @@ $(STAMP): pyproject.toml constraints.txt
 serve: setup ## serve the tiny default model on a real Triton server (127.0.0.1:8000/8001/8002, OpenAI API on :9000)
 	$(PY) -m backend.serve $(VLLM_SERVE_ARGS) --openai-port $(OPENAI_PORT) $(ARGS)
 
-test: setup ## run the whole test suite (the 25 slowest listed at the end: the suite's time budget)
-	$(PY) -m pytest -q --durations=25 $(VLLM_TESTS) $(ARGS)
+test: setup ## run the whole test suite in TEST_WORKERS processes (the 25 slowest listed at the end: the suite's time budget)
+	$(PY) -m pytest -q --durations=25 $(XDIST) $(VLLM_TESTS) $(ARGS)
 
 test-fast: setup ## tests without the slow (server) ones
 	$(PY) -m pytest -q -m "not slow" $(ARGS)

@@ -37,14 +37,16 @@ def v41_tiny(tmp_path_factory):
     return write_v41_checkpoint(tmp_path_factory.mktemp("v41") / "bf16", "v41-tiny", seed=3, quant="bf16")
 
 
-# v41-tiny's layer kinds in 5 layers, not 10, and half its heads (under the Triton interpreter a
-# step costs its kernel launches times their grids, rows x heads). Before the cut: a sliding layer
+# v41-tiny's layer kinds in 5 layers, not 10, half its attention heads and a quarter of its indexer
+# heads (under the Triton interpreter a step costs its kernel launches times their grids, rows x
+# heads: the indexer's query heads were half the rope and fake-quant programs), 3 Sinkhorn
+# iterations, not 20 (a loop in the hc kernel; its count is no code path). Before the cut: a sliding layer
 # (Engram), a ratio-2 KV source (Engram), the ratio-1 KV source that picks the candidate blocks;
 # after it, a layer attending with the top-k the front left and one whose own indexer reads the
 # front's candidate blocks: what crosses the cut, as in the oracle's tail.
 SPLIT_SMALL = dict(num_hidden_layers=5, compress_ratios=[0, 2, 1, 1, 1], kv_source_layer_ids=[1, 2],
                    index_source_layer_ids=[1, 2, 4], candidate_source_layer_id=2, engram_layer_ids=[0, 1],
-                   num_attention_heads=2, index_n_heads=4)
+                   num_attention_heads=2, index_n_heads=2, hc_sinkhorn_iters=3)
 
 
 def _prompts(n, vocab, seed, shared=0, lo=3, hi=60):
