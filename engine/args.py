@@ -18,6 +18,7 @@ class InvalidEngineArgs(ValueError):
 
 CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")
 ENGRAM_TABLES = ("auto", "device", "host", "mmap")
+CHUNK_BUDGETS = ("fixed", "adaptive")
 _RENAMED = {"swa_decoder_replay": "swa_decoder_trim"}  # earlier names model.json files may still carry
 
 
@@ -31,6 +32,13 @@ class EngineArgs:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # most prompt tokens of one sequence per step (0: the budget)
+    # each step's budget: fixed (max_num_batched_tokens) or adaptive (engine/chunk_budget.py: the prefill chunk
+    # the ITL target leaves after the running decodes, at least min_prefill_chunk, max_num_batched_tokens the cap);
+    # the target: itl_target_ms, or (0) itl_target_factor x the decode step of a full batch (max_num_seqs)
+    chunk_budget: str = "fixed"
+    itl_target_ms: float = 0.0
+    itl_target_factor: float = 2.0
+    min_prefill_chunk: int = 256
     block_size: int | None = None  # default: lcm of compress ratios, >= 16
     enable_prefix_caching: bool = False
     swa_bounded_replay: bool = True
@@ -105,6 +113,10 @@ class EngineArgs:
             (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
             (self.max_num_batched_tokens >= 1, "max_num_batched_tokens must be >= 1"),
             (self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold must be >= 0 (0: off)"),
+            (self.chunk_budget in CHUNK_BUDGETS, f"chunk_budget must be one of {CHUNK_BUDGETS}"),
+            (self.itl_target_ms >= 0, "itl_target_ms must be >= 0 (0: itl_target_factor x the decode step)"),
+            (self.itl_target_factor >= 1.0, "itl_target_factor must be >= 1 (a step holds the decodes at least)"),
+            (self.min_prefill_chunk >= 1, "min_prefill_chunk must be >= 1"),
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.max_waiting_requests >= 0, "max_waiting_requests must be >= 0"),
             (self.step_timeout_s >= 0, "step_timeout_s must be >= 0 (0: no step watchdog)"),

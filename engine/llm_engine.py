@@ -15,6 +15,7 @@ import torch
 import kernels
 from engine.args import EngineArgs, InvalidEngineArgs, resolve_model_dir
 from engine.cache import KVCache
+from engine.chunk_budget import ChunkBudgetConfig
 from engine.graphs.mixed import mixed_sizes
 from engine.in_flight import InFlight
 from engine.models import registry
@@ -103,7 +104,8 @@ class LLMEngine:
         self.cache = self._make_cache()
         self.scheduler = Scheduler(self.cache, cfg.sliding_window, args.max_num_seqs,
                                    args.max_num_batched_tokens, prefix_cache=self._make_prefix_cache(),
-                                   long_prefill_token_threshold=args.long_prefill_token_threshold)
+                                   long_prefill_token_threshold=args.long_prefill_token_threshold,
+                                   chunk_budget=ChunkBudgetConfig.of(args))
         # CUDA graphs need the fused kernels (the references sync with the host)
         graphs = (self.device.type == "cuda" and not args.enforce_eager and args.cudagraph_mode != "NONE"
                   and kernels.backend() != "ref" and self.model.supports_cuda_graphs)

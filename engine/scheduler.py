@@ -8,6 +8,8 @@ long prompt shares a step's budget with the next prompts. The budget bounds a st
 its time and every stream's inter-token latency (suite mixed_budget, docs/PERF.md). When blocks run
 out, the newest running sequence is preempted by recompute: its blocks go back and it re-queues at
 the front, later re-prefilling its prompt plus what it already generated, so its output is unchanged.
+`chunk_budget` (engine/chunk_budget.py) may choose a smaller budget per step from the queue: long
+chunks while few decodes run, short ones while many do; `max_num_batched_tokens` stays the cap.
 """
 
 from __future__ import annotations
@@ -16,16 +18,19 @@ import time
 from collections import deque
 
 from engine.cache import KVCache
+from engine.chunk_budget import ChunkBudget, ChunkBudgetConfig
 from engine.sequence import Sequence, Status
 
 
 class Scheduler:
     def __init__(self, cache: KVCache, sliding_window: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_cache=None, long_prefill_token_threshold: int = 0):
+                 prefix_cache=None, long_prefill_token_threshold: int = 0,
+                 chunk_budget: ChunkBudgetConfig | None = None):
         self.cache, self.window = cache, sliding_window
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_chunk = long_prefill_token_threshold or max_num_batched_tokens
         self.prefix_cache = prefix_cache
+        self.chunk_budget = ChunkBudget(chunk_budget or ChunkBudgetConfig(), max_num_seqs)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -58,11 +63,19 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
-        budget = self.max_num_batched_tokens
+        scheduled = self._schedule()
+        decodes = sum(n == 1 and s.num_computed_tokens + 1 == s.num_tokens for s, n in scheduled)
+        self.chunk_budget.scheduled(decodes, sum(n for _, n in scheduled) - decodes)
+        return scheduled
+
+    def _schedule(self) -> list[tuple[Sequence, int]]:
         scheduled: list[tuple[Sequence, int]] = []
         kept: list[Sequence] = []
         # decodes (one token owed) first, each group in running order (a stable sort)
         queue = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens != 1)
+        decodes = next((i for i, s in enumerate(queue) if s.num_tokens - s.num_computed_tokens != 1), len(queue))
+        budget = self.chunk_budget.budget(decodes, len(queue) - decodes + len(self.waiting),
+                                          self.max_num_batched_tokens)
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk)
@@ -123,3 +136,5 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
+        if not self.has_unfinished():
+            self.chunk_budget.idle()
