@@ -173,6 +173,18 @@ SUITE_LIST = [
                                       "--users", "64", "--requests-per-user", "2", "--input-len", "1024",
                                       "--output-len", "128", "--engine-args", MIXED), timeout_s=570),),
           preset="flash-depth"),
+    # one engine for every row (start-up and graph capture ~135 s), then 2 requests per user: ~45 s per row at
+    # 150 users (~300k prefill tokens at ~8k tok/s), ~25 s at 64; the third policy last, so a call cut short
+    # still compares fixed with the default adaptive target at both levels
+    Suite("mixed_adaptive", "At V4-Flash depth (1024 in / 128 out, 64 and 150 users, the engine's own step loop), "
+          "what does the adaptive chunk budget (engine/chunk_budget.py, ITL target 2x and 4x the full batch's "
+          "decode step) give against the fixed 2048 budget: output tok/s, TTFT p50 / p90, ITL p50 / p90?",
+          (checkpoint(DEPTH_CKPT, "flash-depth"),
+           Step("tools.bench_mixed", ("--model", DEPTH_CKPT, "--budgets", "2048", "--policies",
+                                      "fixed,adaptive,adaptive:4", "--users", "64,150", "--requests-per-user", "2",
+                                      "--input-len", "1024", "--output-len", "128", "--check-budget", "0",
+                                      "--step-budgets", "", "--engine-args", MIXED), timeout_s=420)),
+          notes="about 7 minutes on a fresh machine: checkpoint ~60 s, engine start ~135 s, six rows ~210 s"),
     Suite("graphs_check", "Do CUDA-graph steps (decode and mixed) equal the same padded batches run eagerly, "
           "and if not, which layer and cache write part first?",
           (Step("tools.bench_mixed", (*MODEL, "--check-only", "--step-budgets", "512", "--budgets", "512",

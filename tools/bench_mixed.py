@@ -5,13 +5,19 @@ One engine, loaded once, with mixed-step graphs captured up to the largest budge
 1. step times: `--decoders` streams decoding while a long prompt is prefilled in chunks of the
    budget, each step timed with the mixed-step graphs and eagerly (the runner's graphs set aside),
    next to the pure-decode step at that batch;
-2. the budget sweep: per `max_num_batched_tokens`, a closed loop of `--users` users (each sends its
-   next request when the last one finishes; `--requests-per-user` each) driving the engine's step
-   loop directly: TTFT, ITL (per token), output tok/s, and how the steps ran (graphs or eager).
+2. the budget sweep: per `--policies` entry (`fixed`: every `max_num_batched_tokens` of `--budgets`;
+   `adaptive` or `adaptive:F`: engine/chunk_budget.py's per-step budget under the largest budget, with
+   itl_target_factor F) and per `--users` level, a closed loop of that many users (each sends its next
+   request when the last one finishes; `--requests-per-user` each) driving the engine's step loop
+   directly: TTFT, ITL (per token), output tok/s, the steps' token counts, how the steps ran (graphs
+   or eager) and, adaptive, the step costs it fitted. One engine serves every row (the policy is
+   swapped between rows), so the rows differ only in the budget.
 Prints a table and writes JSON.
 
     python -m tools.bench_mixed --preset flash-depth --quant fp8-fp4 --budgets 256,512,1024,2048 \
         --users 64 --input-len 1024 --output-len 128 --json out.json
+    python -m tools.bench_mixed --preset flash-depth --quant fp8-fp4 --budgets 2048 --policies fixed,adaptive \
+        --users 64,150 --check-budget 0 --step-budgets "" --json out.json
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from engine.chunk_budget import ChunkBudget, ChunkBudgetConfig
 from engine.graphs.mixed import MixedStepGraphs
 from engine.llm_engine import LLMEngine
 from engine.models.deepseek_v4.random_checkpoint import PRESETS, QUANTS
@@ -36,10 +43,24 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def set_budget(eng: LLMEngine, budget: int) -> None:
-    """The scheduler's token budget (the runner has graphs for every budget up to the captured one)."""
+def set_budget(eng: LLMEngine, budget: int, policy: ChunkBudgetConfig | None = None) -> None:
+    """The scheduler's token budget, its cap under an adaptive policy (the runner has graphs for every
+    budget up to the captured one); a fresh policy (fixed by default), which learns its step costs anew."""
     eng.scheduler.max_num_batched_tokens = budget
     eng.scheduler.max_chunk = eng.args.long_prefill_token_threshold or budget
+    eng.scheduler.chunk_budget = ChunkBudget(policy or ChunkBudgetConfig(), eng.scheduler.max_num_seqs)
+
+
+def parse_policy(spec: str) -> ChunkBudgetConfig:
+    """`fixed`, `adaptive`, or `adaptive:F` (itl_target_factor F)."""
+    mode, _, factor = spec.partition(":")
+    if mode not in ("fixed", "adaptive") or (factor and mode == "fixed"):
+        raise argparse.ArgumentTypeError(f"policy {spec!r}: fixed, adaptive or adaptive:FACTOR")
+    return ChunkBudgetConfig(mode, itl_target_factor=float(factor)) if factor else ChunkBudgetConfig(mode)
+
+
+def policy_label(policy: ChunkBudgetConfig) -> str:
+    return "fixed" if policy.mode == "fixed" else f"adaptive x{policy.itl_target_factor:g}"
 
 
 def _drain(eng: LLMEngine) -> None:
@@ -175,10 +196,12 @@ def step_times(eng: LLMEngine, budget: int, decoders: int, steps: int, context: 
 
 
 def closed_loop(eng: LLMEngine, budget: int, users: int, requests_per_user: int, input_len: int,
-                output_len: int) -> dict:
+                output_len: int, policy: ChunkBudgetConfig | None = None) -> dict:
     """`users` streams, each sending its next request when its last finishes, on the engine's own
     step loop (the async front adds a thread hop, not scheduling)."""
-    set_budget(eng, budget)
+    policy = policy or ChunkBudgetConfig()
+    set_budget(eng, budget, policy)
+    tokens_before = [list(b) for b in eng.iteration_tokens]
     total = users * requests_per_user
     prompts = random_prompts(total, input_len, eng.cfg.vocab_size, seed=budget + users)
     sp = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
@@ -188,7 +211,7 @@ def closed_loop(eng: LLMEngine, budget: int, users: int, requests_per_user: int,
     t0 = time.perf_counter()
     while done < total:
         while issued < total and issued - done < users:
-            rid = f"loop-{budget}-{issued}"
+            rid = f"loop-{policy_label(policy)}-{budget}-{users}-{issued}"
             eng.add_request(GenerationRequest(rid, prompt_token_ids=prompts[issued], sampling=sp))
             added[rid] = time.perf_counter()
             issued += 1
@@ -207,10 +230,18 @@ def closed_loop(eng: LLMEngine, budget: int, users: int, requests_per_user: int,
                 out_tokens += o.num_output_tokens
     dt = time.perf_counter() - t0
     paths = {k: v - before[k] for k, v in step_paths(eng.runner).items()}
-    row = {"budget": budget, "users": users, "requests": total, "duration_s": dt, "output_tok_s": out_tokens / dt,
-           "tok_s_per_user": 1e3 / _pct(itl)["p50"] if itl else 0.0, "ttft_ms": _pct(ttft), "itl_ms": _pct(itl),
-           "steps": steps, "step_paths": paths}
-    print(f"  budget {budget}: {users} users: {row['output_tok_s']:.0f} out tok/s, TTFT p50/p90 "
+    # steps by token count: [steps, tokens] per power-of-two bucket (2^(k-1), 2^k], the engine's own counters
+    step_tokens = {2 ** k: [a - b for a, b in zip(now_, before_)]
+                   for k, (now_, before_) in enumerate(zip(eng.iteration_tokens, tokens_before)) if now_[0] > before_[0]}
+    row = {"policy": policy_label(policy), "budget": budget, "users": users, "requests": total, "duration_s": dt,
+           "output_tok_s": out_tokens / dt, "tok_s_per_user": 1e3 / _pct(itl)["p50"] if itl else 0.0,
+           "ttft_ms": _pct(ttft), "itl_ms": _pct(itl), "steps": steps, "step_paths": paths,
+           "step_tokens": step_tokens}
+    if policy.mode == "adaptive":  # what it learned: the decode and prefill costs its budgets came from
+        cb = eng.scheduler.chunk_budget
+        row["fitted"] = {"decode_ms_at_users": cb.costs.decode_ms(users), "target_ms": cb.target_ms(),
+                         "ms_per_prefill_token": cb.costs.ms_per_prefill_token(), "steps_seen": cb.costs.samples}
+    print(f"  {row['policy']}, budget {budget}: {users} users: {row['output_tok_s']:.0f} out tok/s, TTFT p50/p90 "
           f"{row['ttft_ms']['p50']:.0f}/{row['ttft_ms']['p90']:.0f} ms, ITL p50/p90 {row['itl_ms']['p50']:.1f}/"
           f"{row['itl_ms']['p90']:.1f} ms, steps {paths}", flush=True)
     return row
@@ -223,10 +254,11 @@ def print_tables(times: list[dict], sweep: list[dict]) -> None:
             print(f"{r['budget']} | {r['decoders']} + {r['chunk_tokens']} | {r['graph_ms']:.1f} | {r['eager_ms']:.1f} | "
                   f"{r['eager_ms'] / r['graph_ms']:.2f} | {r['decode_ms']:.1f}")
     if sweep:
-        print("\nbudget | users | out tok/s | tok/s/user (1/ITL p50) | TTFT p50 ms | TTFT p90 ms | ITL p50 ms | "
-              "ITL p90 ms | eager steps / all")
+        print("\npolicy | budget (cap) | users | out tok/s | tok/s/user (1/ITL p50) | TTFT p50 ms | TTFT p90 ms | "
+              "ITL p50 ms | ITL p90 ms | eager steps / all")
         for r in sweep:
-            print(f"{r['budget']} | {r['users']} | {r['output_tok_s']:.0f} | {r['tok_s_per_user']:.1f} | "
+            print(f"{r.get('policy', 'fixed')} | {r['budget']} | {r['users']} | {r['output_tok_s']:.0f} | "
+                  f"{r['tok_s_per_user']:.1f} | "
                   f"{r['ttft_ms']['p50']:.0f} | {r['ttft_ms']['p90']:.0f} | {r['itl_ms']['p50']:.1f} | "
                   f"{r['itl_ms']['p90']:.1f} | {r['step_paths']['eager']} / {r['steps']}")
 
@@ -240,7 +272,10 @@ def main() -> None:
     ap.add_argument("--budgets", default="256,512,1024,2048", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--step-budgets", default=None, type=lambda s: [int(x) for x in s.split(",") if x],
                     help="budgets of the graph-vs-eager step timing (default: --budgets)")
-    ap.add_argument("--users", type=int, default=64)
+    ap.add_argument("--users", default=[64], type=lambda s: [int(x) for x in s.split(",")],
+                    help="closed-loop levels (the step timing uses the largest)")
+    ap.add_argument("--policies", default=[ChunkBudgetConfig()], type=lambda s: [parse_policy(x) for x in s.split(",")],
+                    help="fixed (every --budgets), adaptive or adaptive:ITL_TARGET_FACTOR (under the largest budget)")
     ap.add_argument("--requests-per-user", type=int, default=2)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
@@ -254,11 +289,12 @@ def main() -> None:
     ap.add_argument("--engine-args", default="{}")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    ea = {"model": resolve_model(args), "max_num_seqs": max(args.users, 16), "cudagraph_mode": "FULL",
+    users = max(args.users)
+    ea = {"model": resolve_model(args), "max_num_seqs": max(users, 16), "cudagraph_mode": "FULL",
           **json.loads(args.engine_args),
           "max_num_batched_tokens": max(args.budgets)}  # graphs for every budget of the sweep
     eng = LLMEngine(ea)
-    meta = {"engine_args": ea, "argv": vars(args),
+    meta = {"engine_args": ea, "argv": vars(args) | {"policies": [policy_label(p) for p in args.policies]},
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     out = {"meta": meta, "check": None, "step_times": [], "sweep": []}
 
@@ -273,12 +309,15 @@ def main() -> None:
     if args.check_only:
         return
     for b in args.budgets if args.step_budgets is None else args.step_budgets:
-        if b > args.users:
-            out["step_times"].append(step_times(eng, b, args.users, args.steps, min(args.input_len, eng.max_model_len // 4)))
+        if b > users:
+            out["step_times"].append(step_times(eng, b, users, args.steps, min(args.input_len, eng.max_model_len // 4)))
             save()
-    for b in args.budgets:
-        out["sweep"].append(closed_loop(eng, b, args.users, args.requests_per_user, args.input_len, args.output_len))
-        save()
+    for policy in args.policies:  # policy by policy: a run cut short still compares the first ones at every level
+        for u in args.users:
+            for b in args.budgets if policy.mode == "fixed" else [max(args.budgets)]:
+                out["sweep"].append(closed_loop(eng, b, u, args.requests_per_user, args.input_len, args.output_len,
+                                                policy))
+                save()
     print_tables(out["step_times"], out["sweep"])
     if args.json:
         print(f"wrote {args.json}")
