@@ -364,6 +364,13 @@ SUITE_LIST = [
           "GEMM beat the fused kernels they replace?",
           (Step("tools.bench_fp8_vs_bf16", ("--rows", "128,256,512,1024,2048", "--only", "v4"), timeout_s=150),
            Step("tools.bench_moe_prefill", ("--experts", "16", "--fmt", "mxfp4"), timeout_s=150))),
+    Suite("moe_dispatch", "From how many rows per expert does the unpacked-expert grouped GEMM beat the fused "
+          "MXFP4 MoE kernels at prefill, per expert count (16 / 64 / 128 / 256, top-6, V4-Flash's expert shape), "
+          "the rule quant_configs.MOE_GROUPED_MIN_ROWS holds?",
+          (Step("tools.bench_moe_prefill", ("--experts", "16,64,128,256", "--rows-per-expert",
+                                            "16,32,64,96,128,192,256,384,512", "--fmt", "mxfp4"), timeout_s=300),),
+          notes="about 3 minutes: weights ~10 s, the kernels' compiles ~1-2 min, 36 sizes x 2 paths in graph "
+                "replays; the fitted entry is printed for quant_configs.MOE_GROUPED_MIN_ROWS"),
     Suite("attention", "How fast is the paged attention kernel on a 2048-token chunk (per tile swept) and at "
           "decode sizes with the default dispatch, against its FLOP floor?",
           (Step("tools.bench_attention_prefill", (), timeout_s=330),)),

@@ -149,23 +149,37 @@ MOE_PREFILL: dict = {"dense": [(None, _both(_MOE_PRE))], "fp8": [(None, _both(_M
 _DECODE_BLOCK_M = sorted(set.intersection(*(set(tiles) for tiles in MOE_DECODE.values())))  # every format has these
 
 # Prefill MoE through bf16-unpacked experts and torch's grouped GEMM (kernels/moe_grouped.py) once the
-# experts average this many rows per call, per stored format: unpacking costs a pass over the experts' bytes
-# that the rows must repay (none for bf16 experts), and the unpacked experts of one call must fit
+# experts average this many rows per call, per stored format and expert count: unpacking costs a pass over the
+# experts' bytes that the rows must repay (none for bf16 experts), and the unpacked experts of one call must fit
 # MOE_GROUPED_MAX_BYTES: the scratch lives in the engine's 2 GiB activation reserve (engine/llm_engine.py), one
 # weight at a time (16 MXFP4 experts: 256 MiB per weight; 32, one rank's share of V4-Flash at 8-way expert
 # parallelism: 512 MiB; all 256 on one GPU: 4 GiB, the fused kernels).
-# (tools/bench_moe_prefill.py, docs/perf/h200-2026-12-03-s10/moe_prefill.json, 16 MXFP4 experts: 0.80x the fused
-# kernels at 96 rows per expert, 1.25x at 192, 2.1x at 768; bf16 experts' bound is reasoned, not measured: the
-# grouped GEMM reads them as stored, no unpack to repay)
-MOE_GROUPED_MIN_ROWS = {"dense": 32, "fp8": 160, "mxfp4": 160}
+# Entries: (expert count, rows per expert) ascending; a call takes the entry of the largest count <= its experts
+# (below the first, the first's); rows None: the grouped path never wins there. Written from suite
+# moe_dispatch's fit (tools/bench_moe_prefill.py --rows-per-expert, which prints the entry). MXFP4 at 16 experts:
+# docs/perf/h200-2026-12-03-s10/moe_prefill.json (0.80x the fused kernels at 96 rows per expert, 1.25x at 192,
+# 2.1x at 768); 64 / 128 / 256 experts hold the 16-expert value until moe_dispatch has measured them; FP8's is
+# the MXFP4 value, bf16 experts' reasoned (the grouped GEMM reads them as stored, no unpack to repay).
+MOE_GROUPED_MIN_ROWS: dict[str, tuple[tuple[int, int | None], ...]] = {
+    "dense": ((1, 32),),
+    "fp8": ((1, 160),),
+    "mxfp4": ((16, 160), (64, 160), (128, 160), (256, 160)),
+}
 MOE_GROUPED_MAX_BYTES = 512 << 20
+
+
+def moe_grouped_min_rows(experts: int, fmt: str) -> int | None:
+    """MOE_GROUPED_MIN_ROWS' rows per expert for a call over `experts` experts (None: never grouped)."""
+    table = MOE_GROUPED_MIN_ROWS[fmt]
+    return next((rows for count, rows in reversed(table) if experts >= count), table[0][1])
 
 
 def moe_grouped(pairs: int, experts: int, unpacked_bytes: int, fmt: str) -> bool:
     """Whether a MoE call of `pairs` (token, expert) pairs takes the grouped-GEMM path: a prefill-sized call
-    (past the decode tiles) whose experts average MOE_GROUPED_MIN_ROWS rows, with the largest unpacked
+    (past the decode tiles) whose experts average moe_grouped_min_rows' rows, with the largest unpacked
     weight (`unpacked_bytes`, bf16) under MOE_GROUPED_MAX_BYTES."""
-    return (pairs > MOE_DECODE_MAX_PAIRS and pairs >= MOE_GROUPED_MIN_ROWS[fmt] * experts
+    rows = moe_grouped_min_rows(experts, fmt)
+    return (rows is not None and pairs > MOE_DECODE_MAX_PAIRS and pairs >= rows * experts
             and unpacked_bytes <= MOE_GROUPED_MAX_BYTES)
 
 

@@ -73,3 +73,13 @@ def test_dispatch_takes_grouped_path_when_rows_repay_unpacking(monkeypatch):
     assert not quant_configs.moe_grouped(900, 16, 0, "dense")  # decode tiles
     assert quant_configs.moe_grouped(2048, 16, 0, "dense") and not quant_configs.moe_grouped(1536, 16, 0, "mxfp4")
     assert not quant_configs.moe_grouped(8192 * 6, 256, 256 * I * D * 2, "mxfp4")  # 4 GB unpacked: fused kernel
+
+
+def test_grouped_rule_reads_the_entry_of_the_call_s_expert_count(monkeypatch):
+    """MOE_GROUPED_MIN_ROWS per expert count: the largest listed count at or below the call's experts
+    (the first below it), and an entry of None keeps that count on the fused kernels at any size."""
+    monkeypatch.setitem(quant_configs.MOE_GROUPED_MIN_ROWS, "mxfp4", ((16, 160), (64, 96), (256, None)))
+    rows = quant_configs.moe_grouped_min_rows
+    assert [rows(e, "mxfp4") for e in (8, 16, 32, 64, 128, 255, 256, 512)] == [160, 160, 160, 96, 96, 96, None, None]
+    assert quant_configs.moe_grouped(100 * 64, 64, 0, "mxfp4") and not quant_configs.moe_grouped(100 * 32, 32, 0, "mxfp4")
+    assert not quant_configs.moe_grouped(10_000 * 256, 256, 0, "mxfp4")
