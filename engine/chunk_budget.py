@@ -106,9 +106,13 @@ class ChunkBudget:
         self.costs = StepCosts()
         self._last: tuple[float, int, int] | None = None  # (scheduled at, decodes, prefill tokens)
 
+    @property
+    def adaptive(self) -> bool:
+        return self.config.mode == "adaptive"
+
     def budget(self, decodes: int, prefills: int, cap: int) -> int:
         c = self.config
-        if c.mode == "fixed" or self.costs.samples < self.WARMUP_STEPS:
+        if not self.adaptive or self.costs.samples < self.WARMUP_STEPS:
             return cap
         return choose_budget(decodes, prefills, self.costs.decode_ms(decodes), self.costs.ms_per_prefill_token(),
                              self.target_ms(), cap, c.min_prefill_chunk)
@@ -120,7 +124,7 @@ class ChunkBudget:
     def scheduled(self, decodes: int, prefill_tokens: int) -> None:
         """This step's makeup, once scheduled: closes the last step's interval and opens this one's. An
         empty step (idle, or only tokens in flight) opens none, so idle time is never a step's."""
-        if self.config.mode == "fixed":
+        if not self.adaptive:
             return
         now = self.clock()
         if self._last is not None:

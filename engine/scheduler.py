@@ -64,8 +64,9 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         scheduled = self._schedule()
-        decodes = sum(n == 1 and s.num_computed_tokens + 1 == s.num_tokens for s, n in scheduled)
-        self.chunk_budget.scheduled(decodes, sum(n for _, n in scheduled) - decodes)
+        if self.chunk_budget.adaptive:  # the step's makeup times its interval (a fixed budget learns nothing)
+            decodes = sum(n == 1 and s.num_computed_tokens + 1 == s.num_tokens for s, n in scheduled)
+            self.chunk_budget.scheduled(decodes, sum(n for _, n in scheduled) - decodes)
         return scheduled
 
     def _schedule(self) -> list[tuple[Sequence, int]]:
