@@ -10,7 +10,9 @@ import torch
 from engine.llm import LLM
 from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
 from engine.request import GenerationRequest, SamplingParams
+from engine.spec.decoder import DSparkStepGraphs
 from engine.spec.dspark_graphs import DSparkGraphs
+from engine.spec.plain_graphs import PlainStepGraphs
 from engine.spec.verify_graphs import VerifyGraphs
 from tests.engine.conftest import SHAPES
 from tests.engine.spec.test_dspark import DSPARK, _wrong_after_gaps
@@ -32,15 +34,20 @@ def tiny_0731(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("dspark_graphs"), "tiny", seed=7, layout="0731")
 
 
-def _padded(eng, buckets, pool=None, capture_fn=None):
-    """What the GPU captures for DSpark: the verify graphs with the target features (their static
-    batches run eagerly) and the drafter's graphs (run eagerly too with pool None, else captured
-    through `capture_fn`)."""
+def _padded(eng, buckets, emulate=(), capture_fn=None):
+    """What the GPU captures for DSpark (engine/spec/decoder.py's dspark_graphs): the verify graphs
+    with the target features, the plain decode step's graph with them (on the runner's static decode
+    batches) and the drafter's graphs after each. Their static batches run eagerly, except the sets
+    named in `emulate` ("plain", "draft"), captured through `capture_fn` (the verify graphs' capture
+    is the verify graph tests' business: tests/engine/spec/test_verify_graphs.py)."""
     spec = eng.spec
     assert spec.verify_steps is None and spec.draft_steps is None  # CPU: no decode graphs, so none
-    spec.verify_steps = VerifyGraphs(eng.model, eng.cache, eng.max_model_len, spec.k, buckets, features=True)
-    kw = {} if capture_fn is None else {"capture_fn": capture_fn}
-    spec.draft_steps = DSparkGraphs(spec.dspark, eng.model, spec.verify_steps, pool, **kw)
+    eng.runner.static_decode_batches(buckets)
+    cap = lambda name: {"pool": "emulated", "capture_fn": capture_fn} if name in emulate else {}
+    verify = VerifyGraphs(eng.model, eng.cache, eng.max_model_len, spec.k, buckets, features=True)
+    plain = PlainStepGraphs(eng.runner, buckets, **cap("plain"))
+    spec.use_dspark_graphs(DSparkStepGraphs(verify, DSparkGraphs(spec.dspark, eng.model, verify, **cap("draft")), plain,
+                                            DSparkGraphs(spec.dspark, eng.model, plain, **cap("draft"))))
 
 
 def test_padded_drafter_steps_equal_the_eager_steps(narrow_0731):
@@ -107,7 +114,7 @@ def test_emulated_drafter_graph_replays_what_the_eager_drafter_drafts(tiny_0731,
     for emulated in (False, True):
         eng = LLM(str(tiny_0731), dtype="float32", max_model_len=128, speculative_config=DSPARK).engine
         if emulated:
-            _padded(eng, [2], "emulated", capture_with_fused_moe)
+            _padded(eng, [2], ("draft",), capture_with_fused_moe)
         eng.spec.force_drafts(forced)
         for i, p in enumerate(prompts):
             eng.add_request(GenerationRequest(f"r{i}", prompt_token_ids=p, sampling=params))
