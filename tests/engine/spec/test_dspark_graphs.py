@@ -130,3 +130,55 @@ def test_emulated_drafter_graph_replays_what_the_eager_drafter_drafts(tiny_0731,
     W = spec.dspark.window
     ring = [eng.spec.dspark.ring[:-W] for eng in engines]  # the sequences' slots (the scratch slot's last)
     torch.testing.assert_close(ring[1], ring[0], rtol=1e-5, atol=1e-5)
+
+
+def test_emulated_plain_step_graph_replays_what_the_eager_step_does(tiny_0731, monkeypatch):
+    """Steps that verify nothing (the confidence threshold 1: every block gated to no draft) replay
+    the plain decode step's graph with the target features and then DSpark's drafter graph after it,
+    both captured through the CPU emulation of CUDA graphs (the fused MoE and paged attention, whose
+    references read the host; one bucket, four tokens): the
+    tokens equal plain greedy and the eager engine's, the drafts and every stored key equal eager."""
+    import kernels
+    from kernels.fused import FUSED
+    from tests.engine.graphs.graph_emulation import capture
+
+    HOST_READING = ("router_moe", "paged_attention")  # references that read the host; the rest stay torch
+
+    def capture_fused(run, pool):
+        with monkeypatch.context() as m:
+            for name in HOST_READING:
+                m.setattr(kernels, name, FUSED[name])
+            return capture(run, pool)
+
+    prompts = _prompts(4096, seed=2, lengths=(21, 34))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(tiny_0731), dtype="float32", max_model_len=64).generate(prompts, params)]
+    engines = []
+    for emulated in (False, True):
+        eng = LLM(str(tiny_0731), dtype="float32", max_model_len=64,
+                  speculative_config={**DSPARK, "confidence_threshold": 1.0}).engine
+        if emulated:
+            _padded(eng, [2], ("plain", "draft"), capture_fused)
+        for i, p in enumerate(prompts):
+            eng.add_request(GenerationRequest(f"r{i}", prompt_token_ids=p, sampling=params))
+        engines.append(eng)
+    tokens = {"r0": [], "r1": []}
+    while engines[0].has_unfinished():
+        outs = [[(o.request_id, o.token_ids) for o in eng.step()] for eng in engines]
+        assert outs[0] == outs[1]
+        assert engines[0].spec.mtp_drafts == engines[1].spec.mtp_drafts
+        for rid, ids in outs[0]:
+            tokens[rid] += ids
+    assert list(tokens.values()) == plain
+    spec = engines[1].spec
+    assert spec.plain_steps.static[2].graph.replays == spec.step_paths["plain_graph"] == 3  # after the prefill
+    # after the first plain step both draft (blocks of one: room for one more token; gated to nothing),
+    # after the others nobody has room: the keys only
+    bucket = spec.plain_draft_steps.static[2]
+    assert (bucket.graph.replays, bucket.keys_only.graph.replays, spec.verify_steps.replays) == (1, 2, 0)
+    st = spec.stats()
+    assert st["spec_decode_num_drafts"] == 0 and st["spec_decode_num_confidence_skips"] == 2 * 2  # the prefill's and the first plain step's
+    assert st["spec_decode_num_steps_without_verify"] == 4 == engines[0].spec.stats()["spec_decode_num_steps_without_verify"]
+    W = spec.dspark.window
+    ring = [eng.spec.dspark.ring[:-W] for eng in engines]
+    torch.testing.assert_close(ring[1], ring[0], rtol=1e-5, atol=1e-5)
