@@ -50,12 +50,16 @@ def _padded(eng, buckets, emulate=(), capture_fn=None):
                                             DSparkGraphs(spec.dspark, eng.model, plain, **cap("draft"))))
 
 
-def test_padded_drafter_steps_equal_the_eager_steps(narrow_0731):
+@pytest.mark.parametrize("drafts", ["gaps", "own"])
+def test_padded_drafter_steps_equal_the_eager_steps(narrow_0731, drafts):
     """Four greedy requests and one that never speculates (logprobs), a block budget that forces a
     preemption (the recompute runs eagerly, then graph steps again, maybe in another state slot).
-    The verified drafts are forced to the plain tokens wrong after every gap (every acceptance
-    count, so every number of accepted rows' keys written through the graph's ring rows); the
-    drafter's own drafts (what it proposed before forcing) compared after every step."""
+    gaps: the verified drafts are forced to the plain tokens wrong after every gap (every acceptance
+    count, so every number of accepted rows' keys written through the graph's ring rows). own: the
+    random drafter's own drafts under the acceptance gate: after the warm-up, steps that verify
+    nothing replay the plain step's graph and the drafter's graph after it (keys only while every
+    sequence backs off), probes replay the verify graphs. The drafter's own drafts (what it proposed
+    before forcing) compared after every step."""
     prompts = _prompts(4096, seed=1, lengths=(9, 40, 23, 61, 5))
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * 4 + \
              [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)]
@@ -66,27 +70,34 @@ def test_padded_drafter_steps_equal_the_eager_steps(narrow_0731):
         eng = LLM(str(narrow_0731), speculative_config=DSPARK, **kw).engine
         if padded:
             _padded(eng, padded)
-        eng.spec.force_drafts({f"r{i}": _wrong_after_gaps(p, 4096, gaps=range(1, 7)) for i, p in enumerate(plain)})
+        if drafts == "gaps":
+            eng.spec.force_drafts({f"r{i}": _wrong_after_gaps(p, 4096, gaps=range(1, 7)) for i, p in enumerate(plain)})
         for i, (p, sp) in enumerate(zip(prompts, params)):
             eng.add_request(GenerationRequest(f"r{i}", prompt_token_ids=p, sampling=sp))
         engines.append(eng)
-    tokens, drafts = {f"r{i}": [] for i in range(len(prompts))}, 0
+    tokens, drafted = {f"r{i}": [] for i in range(len(prompts))}, 0
     while engines[0].has_unfinished():
         outs = [[(o.request_id, o.token_ids) for o in eng.step()] for eng in engines]
         assert outs[0] == outs[1]
         assert engines[0].spec.mtp_drafts == engines[1].spec.mtp_drafts
-        drafts += sum(map(len, engines[0].spec.mtp_drafts.values()))
+        drafted += sum(map(len, engines[0].spec.mtp_drafts.values()))
         for rid, ids in outs[0]:
             tokens[rid] += ids
     eager, padded = engines
     assert not padded.has_unfinished() and _full(padded) and list(tokens.values()) == plain
-    assert drafts > 40 and padded.scheduler.num_preemptions > 0
-    paths = padded.spec.step_paths
-    assert paths["draft_graph"] == paths["verify_graph"] == padded.spec.draft_steps.replays > 8
-    assert padded.spec.verify_steps.rollback.replays > 3  # rejected drafts reopened blocks in graph steps
+    assert drafted > 40 and padded.scheduler.num_preemptions > 0
+    paths, spec = padded.spec.step_paths, padded.spec
     assert paths["draft_eager"] > 0  # steps with prefill chunks (the recompute's too)
-    assert padded.spec.stats() == eager.spec.stats()
-    assert all(padded.spec.stats()["spec_decode_accepted_length_counts"][:5])
+    assert spec.stats() == eager.spec.stats()
+    if drafts == "gaps":
+        assert paths["draft_graph"] == paths["verify_graph"] == spec.draft_steps.replays > 8
+        assert spec.verify_steps.rollback.replays > 3  # rejected drafts reopened blocks in graph steps
+        assert all(spec.stats()["spec_decode_accepted_length_counts"][:5])
+    else:
+        assert spec.stats()["spec_decode_num_backoffs"] >= 4 and paths["verify_graph"] > 4  # warm-ups, probes
+        assert paths["plain_graph"] == spec.plain_steps.replays == spec.plain_draft_steps.replays > 10
+        assert spec.plain_draft_steps.keys_replays > 5  # every sequence backed off: the keys only
+        assert paths["draft_graph"] == paths["verify_graph"] + paths["plain_graph"]
 
 
 def test_emulated_drafter_graph_replays_what_the_eager_drafter_drafts(tiny_0731, monkeypatch):
