@@ -56,6 +56,12 @@ STAT_COUNTERS = {
     "spec_decode_num_drafts": ("spec_decode_num_drafts_total", "Draft proposals verified (one per request and step)."),
     "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens_total", "Draft tokens verified."),
     "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens_total", "Draft tokens accepted."),
+    "spec_decode_num_steps_without_verify": ("spec_decode_num_steps_without_verify_total",
+                                             "Speculative steps in which no sequence verified drafts (plain steps)."),
+    "spec_decode_num_backoffs": ("spec_decode_num_backoffs_total",
+                                 "Times a sequence stopped verifying: its mean accepted length fell below break-even."),
+    "spec_decode_num_confidence_skips": ("spec_decode_num_confidence_skips_total",
+                                         "DSpark blocks the confidence head chose not to verify at all."),
     "num_step_failures": ("engine_step_failures_total",
                           "Engine steps that raised (the failing request is isolated and failed)."),
     # from model.py's response thread, not the engine

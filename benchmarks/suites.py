@@ -316,15 +316,20 @@ SUITE_LIST = [
                                      "--engine-args", SPEC), timeout_s=300),),
           preset="flash-depth"),
     Suite("dspark", "What do DSpark's (0731) verify, rollback and draft steps cost under CUDA graphs at V4-Flash "
-          "depth as shipped (16 experts) at batch 1 / 8 / 32, what speed-up do they model at acceptance lengths "
-          "2 / 3 / 4.4 / 5.4 against MTP k = 1 and 3, and what do random (acceptance ~0) and forced (~1) drafts "
-          "give end to end with the whole block verified (k = 5, as served)?",
+          "depth as shipped (16 experts) at batch 1 / 8 / 32 (and a step that verifies nothing: the plain decode "
+          "graph with the target features, the drafter's keys), what speed-up do they model at acceptance lengths "
+          "2 / 3 / 4.4 / 5.4 against MTP k = 1 and 3, and what do random (acceptance ~0) drafts give end to end with "
+          "the acceptance gate off (the raw overhead) and on (as served), and forced (~1) drafts with it on?",
           (checkpoint(DSPARK_CKPT, "flash-depth", "--layout", "0731"),
            Step("tools.bench_spec", ("--method", "dspark", "--model", DSPARK_CKPT, "--batches", "1,8,32",
                                      "--input-len", "512", "--output-len", "32", "--reps", "5", "--engine-args", SPEC),
                 timeout_s=420)),
           notes="verify, rollback and drafter steps replay CUDA graphs (engine/spec/dspark_graphs.py); the micro "
-                "times verify_k*_ms / draft_ms as graphs and *_eager_ms eagerly; stage_row_ms (the MTP proxy) as a graph"),
+                "times verify_k*_ms / draft_ms as graphs and *_eager_ms eagerly; stage_row_ms (the MTP proxy) as a "
+                "graph; rollback_launches: the profiler's count of the rollback graph's kernels and copies; "
+                "plain_features_ms / plain_draft_ms / plain_keys_ms: a step that verifies nothing "
+                "(engine/spec/plain_graphs.py); end to end dspark_ungated_* (gate off), dspark_* (served), forced_*, "
+                "*_steps_without_verify, *_backoffs"),
     Suite("profile_spec", "Where does a speculative step's time go at V4-Flash depth (batch 1, k = 3): the host "
           "under cProfile, then the GPU's kernels?",
           tuple(profile(name, *MODEL, "--batch", "1", "--steps", "48", "--rows", "45", *host, "--engine-args",

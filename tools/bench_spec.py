@@ -176,6 +176,7 @@ def micro_dspark(eng, spec, batch: int, input_len: int, reps: int) -> dict:
     for s in seqs:
         cache.allocate(s.blocks, eng.scheduler._window_lo(s), s.num_computed_tokens + 1)
     row = {"batch": batch, "plain_ms": _median_ms(lambda: runner.run([(s, 1) for s in seqs]), reps)}
+    row.update(_plain_step_ms(spec, seqs, reps))
     for k in sorted({1, 2, 3, d.block_size, own_k}):
         for s in seqs:
             s.spec_token_ids = [s.last_token_id] * k
@@ -224,6 +225,8 @@ def _drafter_step_ms(eng, spec, vs: VerifyGraphs, seqs, k: int, own: bool, pool,
     prop, B, k1 = spec.dspark, len(seqs), k + 1
     fixes = {m: [(b, s.blocks.state_slot, b, -1) for b, s in enumerate(seqs)] for m in vs.ratios}
     out = {"rollback_ms": _median_ms(lambda: vs.rollback.run(B, fixes), reps)}
+    rb = vs.rollback
+    out["rollback_launches"] = _device_ops(lambda: rb._forward(rb.static[vs.bucket(B)]))  # what its graph holds
     ds = spec.draft_steps if own and spec.draft_steps is not None else DSparkGraphs(prop, eng.model, vs, pool)
     items = [(s, s.num_computed_tokens, [s.last_token_id] * k1) for s in seqs]
     where = [(b, b * k1) for b in range(B)]
@@ -236,6 +239,39 @@ def _drafter_step_ms(eng, spec, vs: VerifyGraphs, seqs, k: int, own: bool, pool,
     features = vs.features[:B * k1]
     out["draft_eager_ms"] = _median_ms(lambda: (prop.absorb(items, features), prop.draft(items, drafting)), reps)
     return out
+
+
+def _device_ops(fn) -> int | None:
+    """The kernels and copies fn puts on the GPU, counted by the profiler (None on the CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _plain_step_ms(spec, seqs, reps: int) -> dict:
+    """A step that verifies nothing as served: the plain decode graph with the target features, then
+    DSpark's drafter graph after it with every block drafted, or the keys only (every sequence backed off)."""
+    B = len(seqs)
+    if spec.plain_steps is None or B not in spec.plain_steps.static:
+        return {}
+    batch = [(s, 1) for s in seqs]
+    items = [(s, s.num_computed_tokens, [s.last_token_id]) for s in seqs]
+    where = [(b, b) for b in range(B)]
+    drafting = [(j, s.num_computed_tokens + 1, spec.k, 0) for j, s in enumerate(seqs)]
+    ds, prop = spec.plain_draft_steps, spec.dspark
+    # the host's record of each window before the block (the ring's contents do not matter for timing)
+    first = [max(0, s.num_computed_tokens + 1 - prop.window) for s in seqs]
+    prop.new_rows([(s, f, [0] * (s.num_computed_tokens + 1 - f)) for s, f in zip(seqs, first)])
+    assert len(prop.ready(items, drafting)) == B, "every sequence drafts"
+    return {"plain_features_ms": _median_ms(lambda: spec.plain_steps.run(batch), reps),
+            "plain_draft_ms": _median_ms(lambda: ds.launch(batch, items, where, drafting)(), reps),
+            "plain_keys_ms": _median_ms(lambda: ds.launch(batch, items, where, [])(), reps)}
 
 
 def _with_block(cfg, block_size: int):
@@ -259,17 +295,26 @@ def model_dspark(row: dict, k: int) -> dict:
 
 
 def end_to_end(eng, spec, batch: int, input_len: int, output_len: int, own: str = "mtp") -> dict:
-    """Decode tokens/s after the prefills: plain, speculative with the MTP's drafts, and with
-    drafts forced to the MTP run's outputs. The forced run replays what the speculative path
-    itself produced (its verify forwards, in the same batch shapes), not the plain run's tokens:
-    plain decode steps take other kernel paths (decode graphs, one row per sequence), and on
-    random weights argmax near-ties would flip and part the replay from its source. own: the
-    key of the run with the drafter's own drafts ("mtp", "dspark")."""
+    """Decode tokens/s after the prefills: plain, speculative with the drafter's own drafts, and with
+    drafts forced to that run's outputs. The forced run replays what the speculative path itself
+    produced (its verify forwards, in the same batch shapes), not the plain run's tokens: plain
+    decode steps take other kernel paths (decode graphs, one row per sequence), and on random
+    weights argmax near-ties would flip and part the replay from its source. own: the key of the
+    run with the drafter's own drafts ("mtp", "dspark"). DSpark also runs its own drafts with the
+    acceptance gate off ("dspark_ungated": every step verifies, the raw overhead; its outputs are
+    what the forced run replays), the served runs with the gate on; steps_without_verify counts the
+    speculative steps in which no sequence verified."""
     res, outputs = {"batch": batch}, {}
-    for mode in ("plain", own, "forced"):
+    gate = spec.gate.min_length if spec.gate is not None else None
+    source = f"{own}_ungated" if gate is not None else own
+    modes = ("plain", source, own, "forced") if gate is not None else ("plain", own, "forced")
+    for mode in modes:
         eng.spec = None if mode == "plain" else spec
-        spec.force_drafts(outputs[own] if mode == "forced" else None)
+        spec.force_drafts(outputs[source] if mode == "forced" else None)
+        if gate is not None:
+            spec.gate.min_length = 0 if mode == source else gate
         before, paths = dict(spec.counters), dict(spec.step_paths)
+        backoffs = spec.gate.backoffs if gate is not None else 0
         ids = _prefill(eng, batch, input_len, output_len, f"e2e-{batch}", seed=1000 + batch)
         seqs = {r: eng.requests[r].seq for r in ids}
         done = {r: len(s.output_token_ids) for r, s in seqs.items()}
@@ -288,11 +333,16 @@ def end_to_end(eng, spec, batch: int, input_len: int, output_len: int, own: str 
             res[f"{mode}_acceptance"] = acc / drafted if drafted else 0.0
             res[f"{mode}_same_as_plain"] = sum(outputs[mode][r] == outputs["plain"][r] for r in ids)
             res[f"{mode}_step_paths"] = {k: v - paths[k] for k, v in spec.step_paths.items()}
-    res[f"forced_same_as_{own}"] = sum(outputs["forced"][r] == outputs[own][r] for r in outputs[own])
+            res[f"{mode}_steps_without_verify"] = (spec.counters["spec_decode_num_steps_without_verify"]
+                                                   - before["spec_decode_num_steps_without_verify"])
+            if gate is not None:
+                res[f"{mode}_backoffs"] = spec.gate.backoffs - backoffs
+    res[f"forced_same_as_{source}"] = sum(outputs["forced"][r] == outputs[source][r] for r in outputs[source])
     spec.force_drafts(None)
     eng.spec = spec
     res["forced_speedup"] = res["forced_tok_s"] / res["plain_tok_s"]
-    res[f"{own}_overhead"] = 1 - res[f"{own}_tok_s"] / res["plain_tok_s"]
+    for mode in {own, source}:
+        res[f"{mode}_overhead"] = 1 - res[f"{mode}_tok_s"] / res["plain_tok_s"]
     return res
 
 
@@ -389,14 +439,16 @@ def main_dspark(args, model: str, engine_args: dict) -> None:
           "the drafter's step (keys of the verify rows + a block per sequence) graph / eager; one stage over one row, "
           "graph (MTP step proxy)")
     print(f"{'batch':>5} {'plain':>7} " + " ".join(f"{'k=' + str(k):>13}" for k in ks)
-          + f" {'rollback':>8} {'draft':>13} {'stage':>7}")
+          + f" {'rollback':>8} {'launches':>8} {'draft':>13} {'stage':>7} {'plain+f':>7} {'+draft':>7} {'+keys':>7}")
     for b in args.batches:
         r = micro_dspark(eng, spec, b, args.input_len, args.reps)
         r["speedup"] = model_dspark(r, spec.k)
         rows.append(r)
         ver = " ".join(f"{r[f'verify_k{k}_ms']:>6.2f}/{r[f'verify_k{k}_eager_ms']:<6.1f}" for k in ks)
-        print(f"{b:>5} {r['plain_ms']:>7.2f} {ver} {r['rollback_ms']:>8.2f} "
-              f"{r['draft_ms']:>6.2f}/{r['draft_eager_ms']:<6.1f} {r['stage_row_ms']:>7.2f}", flush=True)
+        print(f"{b:>5} {r['plain_ms']:>7.2f} {ver} {r['rollback_ms']:>8.2f} {str(r['rollback_launches']):>8} "
+              f"{r['draft_ms']:>6.2f}/{r['draft_eager_ms']:<6.1f} {r['stage_row_ms']:>7.2f} "
+              + " ".join(f"{r[c]:>7.2f}" if c in r else f"{'-':>7}" for c in ("plain_features_ms", "plain_draft_ms",
+                                                                             "plain_keys_ms")), flush=True)
         dump()
     print("\nmodelled speed-up over plain decoding by mean acceptance length L (tokens per verify step), graphs' times")
     cols = (f"dspark_k{spec.k}", "dspark_k3", "mtp_k1", "mtp_k3")
@@ -404,20 +456,22 @@ def main_dspark(args, model: str, engine_args: dict) -> None:
     for r in rows:
         for L in ACCEPTANCE_LENGTHS:
             print(f"{r['batch']:>5} {L:>4g} " + " ".join(f"{r['speedup'][f'{c}_L{L:g}']:>10.2f}" for c in cols))
-    print(f"\nend to end, k={spec.k}, decode tok/s after the prefills; own = DSpark's drafts (random weights: acceptance ~0, "
-          "every step rolls back); forced = drafts replayed from the own run's outputs; graph = the own run's verify "
-          "steps replayed as graphs / all, then its drafter steps as graphs / all")
-    print(f"{'batch':>5} {'plain':>8} {'own':>8} {'acc':>5} {'=plain':>6} {'forced':>8} {'acc':>5} {'speed-up':>8} "
-          f"{'overhead':>8} {'graph':>19}")
+    print(f"\nend to end, k={spec.k}, decode tok/s after the prefills; own = DSpark's drafts (random weights: acceptance ~0) "
+          "with the acceptance gate off (raw: every step verifies and rolls back) and on (gated: as served); forced = "
+          "drafts replayed from the raw run's outputs, gate on; plain steps = speculative steps that verified nothing; "
+          "graph = the gated run's verify graphs / plain-step graphs / all steps")
+    print(f"{'batch':>5} {'plain':>8} {'raw':>8} {'overhead':>8} {'gated':>8} {'overhead':>8} {'plain st':>8} "
+          f"{'backoffs':>8} {'forced':>8} {'acc':>5} {'speed-up':>8} {'=plain':>6} {'graph':>14}")
     for b in args.batches:
         r = end_to_end(eng, spec, b, args.input_len, args.output_len, own="dspark")
         p = r["dspark_step_paths"]
         e2e.append(r)
-        print(f"{b:>5} {r['plain_tok_s']:>8.1f} {r['dspark_tok_s']:>8.1f} {r['dspark_acceptance']:>5.2f} "
-              f"{r['dspark_same_as_plain']:>6} {r['forced_tok_s']:>8.1f} {r['forced_acceptance']:>5.2f} "
-              f"{r['forced_speedup']:>8.2f} {100 * r['dspark_overhead']:>7.1f}% "
-              f"{p['verify_graph']:>4}/{p['verify_graph'] + p['verify_eager']:<4} "
-              f"{p['draft_graph']:>4}/{p['draft_graph'] + p['draft_eager']:<4}", flush=True)
+        print(f"{b:>5} {r['plain_tok_s']:>8.1f} {r['dspark_ungated_tok_s']:>8.1f} {100 * r['dspark_ungated_overhead']:>7.1f}% "
+              f"{r['dspark_tok_s']:>8.1f} {100 * r['dspark_overhead']:>7.1f}% {r['dspark_steps_without_verify']:>8} "
+              f"{r['dspark_backoffs']:>8} {r['forced_tok_s']:>8.1f} {r['forced_acceptance']:>5.2f} "
+              f"{r['forced_speedup']:>8.2f} {r['dspark_same_as_plain']:>6} "
+              f"{p['verify_graph']:>4}/{p['plain_graph']:<4}/{p['verify_graph'] + p['plain_graph'] + p['verify_eager']:<4}",
+              flush=True)
         dump()
 
 

@@ -1,6 +1,8 @@
 """`speculative_config`, vLLM's shape: {"method": "mtp", "num_speculative_tokens": k} or
-{"method": "dspark", "num_speculative_tokens": k, "confidence_threshold": c} (both optional for
-dspark: k from the checkpoint's dspark_block_size, c = 0: verify what the drafter proposes).
+{"method": "dspark", "num_speculative_tokens": k, "confidence_threshold": c, "min_acceptance_length": L,
+"backoff_steps": b, "max_backoff_steps": B} (all optional for dspark: k from the checkpoint's
+dspark_block_size, c = 0: verify what the drafter proposes; L, b, B: the acceptance gate of
+engine/spec/verify_gate.py, defaults below; docs/DSPARK.md says why).
 
 Checked at the edge (EngineArgs.validate: a bad one is InvalidEngineArgs); LLMEngine parses it
 again at start. What depends on the checkpoint (the block size, the compress ratios bounding k)
@@ -15,7 +17,13 @@ from dataclasses import dataclass
 METHODS = ("mtp", "dspark")
 MAX_SPECULATIVE_TOKENS = 16  # a sanity bound: the verify batch and its graphs grow with k + 1
 _KEYS = {"mtp": {"method", "num_speculative_tokens"},
-         "dspark": {"method", "num_speculative_tokens", "confidence_threshold"}}
+         "dspark": {"method", "num_speculative_tokens", "confidence_threshold", "min_acceptance_length",
+                    "backoff_steps", "max_backoff_steps"}}
+# The acceptance gate's defaults (docs/DSPARK.md): a verify of DSpark's whole block plus its drafter step
+# cost (17.08 + 1.98) / 11.80 = 1.6 plain steps at batch 1 (suite dspark, H100, 2026-12-06), so a sequence
+# whose verifies emit fewer than 1.6 tokens on average is slower than plain decoding
+MIN_ACCEPTANCE_LENGTH = 1.6
+BACKOFF_STEPS, MAX_BACKOFF_STEPS = 4, 64  # plain steps before the first probe; doubled per failed probe, capped
 
 
 @dataclass(frozen=True)
@@ -23,6 +31,9 @@ class SpeculativeConfig:
     method: str
     num_speculative_tokens: int | None  # None: the method's default (dspark: from the checkpoint)
     confidence_threshold: float = 0.0  # dspark: verify the longest prefix predicted accepted at least this likely
+    min_acceptance_length: float = MIN_ACCEPTANCE_LENGTH  # dspark: 0 turns the acceptance gate off
+    backoff_steps: int = BACKOFF_STEPS
+    max_backoff_steps: int = MAX_BACKOFF_STEPS
 
     @classmethod
     def parse(cls, raw: dict | str | None) -> SpeculativeConfig | None:
@@ -53,4 +64,15 @@ class SpeculativeConfig:
         c = raw.get("confidence_threshold", 0.0)
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
             raise ValueError(f"speculative_config: confidence_threshold must be a number in [0, 1], got {c!r}")
-        return cls(method, k, float(c))
+        L = raw.get("min_acceptance_length", MIN_ACCEPTANCE_LENGTH)
+        if isinstance(L, bool) or not isinstance(L, (int, float)) or not 0.0 <= L <= MAX_SPECULATIVE_TOKENS + 1:
+            raise ValueError(f"speculative_config: min_acceptance_length must be a number in "
+                             f"[0, {MAX_SPECULATIVE_TOKENS + 1}] (tokens per verify; 0: never stop verifying), got {L!r}")
+        b = raw.get("backoff_steps", BACKOFF_STEPS)
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"speculative_config: backoff_steps must be a positive integer, got {b!r}")
+        top = raw.get("max_backoff_steps", max(b, MAX_BACKOFF_STEPS))
+        if isinstance(top, bool) or not isinstance(top, int) or top < b:
+            raise ValueError(f"speculative_config: max_backoff_steps must be an integer >= backoff_steps ({b}), "
+                             f"got {top!r}")
+        return cls(method, k, float(c), float(L), b, top)

@@ -36,10 +36,13 @@ eagerly (step_paths counts both). Either way the step reads back before the next
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.args import InvalidEngineArgs
 from engine.forward_batch import ForwardBatch
+from engine.graphs.capture import capture
 from engine.prompt_logprobs import prompt_logprob_rows
 from engine.sampler import sampling_probs
 from engine.sequence import Sequence, Status
@@ -47,8 +50,10 @@ from engine.spec.config import SpeculativeConfig
 from engine.spec.draft_graphs import DraftGraphs
 from engine.spec.dspark import DSparkProposer
 from engine.spec.dspark_graphs import DSparkGraphs
+from engine.spec.plain_graphs import PlainStepGraphs
 from engine.spec.rejection_sampler import greedy_accept, rejection_sample
 from engine.spec.rollback_graphs import reopen
+from engine.spec.verify_gate import AcceptanceGate
 from engine.spec.verify_graphs import VerifyGraphs
 
 
@@ -58,20 +63,42 @@ def speculates(seq: Sequence) -> bool:
     return not p.processes_logits and p.logprobs is None and p.seed is None
 
 
-def spec_graphs(engine, k: int, mtp=None, mtp_cache=None,
-                dspark: DSparkProposer | None = None) -> tuple[VerifyGraphs | None, DraftGraphs | DSparkGraphs | None]:
-    """The verify graphs for the batch buckets the decode graphs have (those that fit the token
-    budget) and the drafter's graphs for the same buckets (the MTP's, or DSpark's: then the verify
-    graphs also leave the target features), captured when the runner captured decode graphs; else
-    None (speculative steps run eagerly)."""
+def graph_buckets(engine, k: int) -> list[int]:
+    """The batch buckets the decode graphs have whose verify of k + 1 rows per sequence fits the
+    token budget; none when the runner captured no decode graphs (speculative steps run eagerly)."""
     if engine.device.type != "cuda" or not any(g.graph is not None for g in engine.runner.graphs.values()):
+        return []
+    return [b for b in engine.runner.graphs if b * (k + 1) <= engine.args.max_num_batched_tokens]
+
+
+def spec_graphs(engine, k: int, mtp, mtp_cache) -> tuple[VerifyGraphs | None, DraftGraphs | None]:
+    """The MTP's verify graphs and its draft graphs for the same buckets, captured when the runner
+    captured decode graphs; else None."""
+    buckets = graph_buckets(engine, k)
+    if not buckets:
         return None, None
-    buckets = [b for b in engine.runner.graphs if b * (k + 1) <= engine.args.max_num_batched_tokens]
     pool = torch.cuda.graph_pool_handle()
-    verify = VerifyGraphs(engine.model, engine.cache, engine.max_model_len, k, buckets, pool, features=mtp is None)
-    if mtp is not None:
-        return verify, DraftGraphs(mtp, engine.model, mtp_cache, verify, pool)
-    return verify, DSparkGraphs(dspark, engine.model, verify, pool)
+    verify = VerifyGraphs(engine.model, engine.cache, engine.max_model_len, k, buckets, pool)
+    return verify, DraftGraphs(mtp, engine.model, mtp_cache, verify, pool)
+
+
+@dataclass
+class DSparkStepGraphs:
+    verify: VerifyGraphs  # verify graphs that also leave the target features
+    draft: DSparkGraphs  # the drafter after a verify graph
+    plain: PlainStepGraphs  # a step that verifies nothing: the decode graph with the target features
+    plain_draft: DSparkGraphs  # the drafter after it
+
+
+def dspark_graphs(engine, k: int, dspark: DSparkProposer, buckets: list[int], pool=None,
+                  capture_fn=capture) -> DSparkStepGraphs:
+    """DSpark's graphs for `buckets` (each needs the runner's static decode batch), captured into
+    `pool` (None: static batches run eagerly, the CPU tests' way; capture_fn: their emulation)."""
+    verify = VerifyGraphs(engine.model, engine.cache, engine.max_model_len, k, buckets, pool, capture_fn,
+                          features=True)
+    plain = PlainStepGraphs(engine.runner, buckets, pool, capture_fn)
+    return DSparkStepGraphs(verify, DSparkGraphs(dspark, engine.model, verify, pool, capture_fn), plain,
+                            DSparkGraphs(dspark, engine.model, plain, pool, capture_fn))
 
 
 class SpecDecoder:
@@ -94,22 +121,35 @@ class SpecDecoder:
             self.k = spec.num_speculative_tokens
         self.forced_drafts: dict[str, list[int]] | None = None  # benchmarks: see force_drafts
         self.mtp_drafts: dict[str, list[int]] = {}  # the last step's own drafts (before force_drafts)
+        self.gate = None  # which sequences draft (so verify) next step; None: every speculating one
+        self.plain_steps = self.plain_draft_steps = None  # DSpark: steps that verify nothing, graphed
         if spec.method == "dspark":
             self.mtp = self.mtp_cache = None
             self.dspark = DSparkProposer(engine, engine.model.dspark_draft(), self.k, spec.confidence_threshold)
-            self.verify_steps, self.draft_steps = spec_graphs(engine, self.k, dspark=self.dspark)
+            self.gate = AcceptanceGate(self.k, spec.min_acceptance_length, spec.backoff_steps, spec.max_backoff_steps)
+            self.verify_steps = self.draft_steps = None
+            buckets = graph_buckets(engine, self.k)
+            if buckets:
+                self.use_dspark_graphs(dspark_graphs(engine, self.k, self.dspark, buckets, torch.cuda.graph_pool_handle()))
         else:
             self.mtp = engine.model.mtp_draft()
             self.mtp_cache = self.mtp.make_cache(engine.cache)
             # steps in which every sequence decodes replay a verify graph and an MTP graph per batch bucket
             self.verify_steps, self.draft_steps = spec_graphs(engine, self.k, self.mtp, self.mtp_cache)
         self.use_graphs = True  # benchmarks switch it off to time the eager path on the same engine
-        self.step_paths = {"verify_graph": 0, "verify_eager": 0, "draft_graph": 0, "draft_eager": 0}
+        self.step_paths = {"verify_graph": 0, "verify_eager": 0, "plain_graph": 0, "draft_graph": 0, "draft_eager": 0}
         self.reset_counters()
+
+    def use_dspark_graphs(self, g: DSparkStepGraphs) -> None:
+        self.verify_steps, self.draft_steps = g.verify, g.draft
+        self.plain_steps, self.plain_draft_steps = g.plain, g.plain_draft
 
     def reset_counters(self) -> None:
         self.counters = {"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
-                         "spec_decode_num_accepted_tokens": 0}
+                         "spec_decode_num_accepted_tokens": 0,
+                         "spec_decode_num_steps_without_verify": 0}  # speculative steps in which no sequence verified
+        if self.gate is not None:
+            self.gate.backoffs = 0
         self.accepted_per_pos = [0] * self.k
         self.accepted_lengths = [0] * (self.k + 1)  # index a: verifies that accepted a drafts (a + 1 tokens)
         if self.dspark is not None:
@@ -133,6 +173,9 @@ class SpecDecoder:
         if self.dspark is not None:  # index i: blocks whose confidence head chose i + 1 drafts
             chosen = self.dspark.chosen_lengths
             out["spec_decode_dspark_chosen_length_counts"] = [chosen[n] for n in range(1, self.engine.cfg.dspark.block_size + 1)]
+            out["spec_decode_num_confidence_skips"] = chosen[0]  # blocks the confidence head chose not to verify
+        if self.gate is not None:
+            out["spec_decode_num_backoffs"] = self.gate.backoffs
         return out
 
     # --- the step -----------------------------------------------------------------------------
@@ -145,8 +188,18 @@ class SpecDecoder:
             return outputs
         batch = self._attach_drafts(scheduled)
         verifying = any(s.spec_token_ids for s, _ in batch)
-        graphed = self.verify_steps is not None and self.use_graphs and self.verify_steps.fits(batch)
-        if graphed:
+        if not verifying:
+            self.counters["spec_decode_num_steps_without_verify"] += 1
+        # nobody verifies and every sequence decodes: a plain decode step's graph (with the features)
+        plain_graphed = (not verifying and self.plain_steps is not None and self.use_graphs
+                         and self.plain_steps.fits(batch))
+        graphed = (not plain_graphed and self.verify_steps is not None and self.use_graphs
+                   and self.verify_steps.fits(batch))
+        if plain_graphed:
+            self.step_paths["plain_graph"] += 1
+            logits, features = self.plain_steps.run(batch)
+            hidden = closed = snapshot = blocks = None
+        elif graphed:
             self.step_paths["verify_graph"] += 1  # every sequence decodes: the bucket's padded batch
             out = self.verify_steps.run(batch)
             logits, hidden, features = out.logits, out.hidden, out.features
@@ -190,11 +243,12 @@ class SpecDecoder:
         # the MTP follows every speculating sequence over this step's accepted positions
         nxt = {id(s): [smp.token_id] for s, smp in zip(plain, samples) if smp.error is None}
         nxt.update({sid: [t for t, _ in toks] for sid, toks in emitted.items()})
-        drafter_graphed = graphed and self.draft_steps is not None
         if self.dspark is not None:
-            drafted = self._propose_dspark(batch, features, nxt, drafter_graphed)
+            drafted = self._propose_dspark(batch, features, nxt, {id(s) for s in verify},
+                                           self.plain_draft_steps if plain_graphed else
+                                           self.draft_steps if graphed else None)
         else:
-            drafted = self._propose(batch, hidden, nxt, drafter_graphed)
+            drafted = self._propose(batch, hidden, nxt, graphed and self.draft_steps is not None)
 
         # while the drafter's graph runs: the scheduler and the outputs (neither reads the drafts)
         eng.scheduler.advance([(s, len(emitted[id(s)]) if id(s) in emitted else n)
@@ -250,6 +304,8 @@ class SpecDecoder:
         for i, s in enumerate(seqs):
             a = accepted[i]
             out[id(s)] = list(zip(tokens[i][:a + 1], logprob[i][:a + 1]))
+            if self.gate is not None:
+                self.gate.verified(s.request_id, a + 1)
             self.counters["spec_decode_num_drafts"] += 1
             self.counters["spec_decode_num_draft_tokens"] += nd[i]
             self.counters["spec_decode_num_accepted_tokens"] += a
@@ -384,16 +440,21 @@ class SpecDecoder:
                 out.append((j, base, k, n_out))
         return out
 
-    def _propose_dspark(self, batch, features: torch.Tensor, nxt: dict[int, list[int]], graphed: bool = False):
+    def _propose_dspark(self, batch, features: torch.Tensor, nxt: dict[int, list[int]], verified: set[int],
+                        graphs: DSparkGraphs | None = None):
         """DSpark: every stage's keys of each speculating sequence's known rows, then one block per
-        drafting sequence; the confidence head's verify length caps its drafts. graphed: the step
-        replayed a verify graph, so DSpark's graph of that bucket does both.
+        sequence the acceptance gate lets draft; the confidence head's verify length caps its drafts.
+        verified: id() of the sequences that verified drafts this step. graphs: the drafter's graphs
+        after the step's graph (a verify's or a plain step's), which do both.
         -> a function that sets the drafts as spec_token_ids (the graph's read-back waits there)."""
         items, rows, where = self._catch_up(batch, nxt)
-        drafting = self._wanted(items)
-        if graphed and items:  # the keys are written even when nobody drafts
+        drafting = [d for d in self._wanted(items)
+                    if self.gate.drafts(items[d[0]][0].request_id, id(items[d[0]][0]) in verified)]
+        if len(self.gate.tracks) > 2 * len(self.engine.requests) + 64:
+            self.gate.forget(self.engine.requests)
+        if graphs is not None and items:  # the keys are written even when nobody drafts
             self.step_paths["draft_graph"] += 1
-            read = self.draft_steps.launch(batch, items, where, drafting)
+            read = graphs.launch(batch, items, where, drafting)
             return lambda: self._set_drafts(items, drafting, read())
         self.step_paths["draft_eager"] += 1
         self.dspark.absorb(items, features[torch.tensor(rows, dtype=torch.long, device=features.device)]

@@ -10,7 +10,8 @@ s * window + p % window, so a CUDA graph addresses any sequence's window by its 
 prefix-cache hit's bounded replay) is simply rewritten. Which position each row holds, and which
 sequence owns a slot, live on the host: a block is drafted only when every position of its window
 is there, decided without reading anything back. Each drafting sequence then gets one block from
-the drafter; the confidence head's verify length (and k) caps what is verified.
+the drafter; the confidence head's verify length (and k) caps what is verified: possibly nothing
+(gated_lengths), and then the sequence's next step is a plain one.
 """
 
 from __future__ import annotations
@@ -21,7 +22,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.models.deepseek_v4.dspark import DSparkDrafter
+from engine.models.deepseek_v4.dspark import DSparkDrafter, Drafts
+
+
+def gated_lengths(d: Drafts, threshold: float) -> torch.Tensor:
+    """The verify lengths served: the confidence head's (DSparkDrafter: the longest prefix whose
+    predicted probability of being accepted whole, prod sigmoid(confidence_i), stays >= threshold,
+    at least one draft), but none where even the first draft is predicted below the threshold: a
+    block that is expected to fail whole is not worth a verify step (docs/DSPARK.md). On the device
+    (a graph leaves it beside the drafts)."""
+    first = torch.sigmoid(d.confidence[:, 0].double()) >= threshold
+    return torch.where(first, d.verify_len, torch.zeros_like(d.verify_len))
 
 
 @dataclass(frozen=True)
@@ -52,7 +63,7 @@ class DSparkProposer:
                                 device=engine.device)
         self.positions = np.full((slots, W), -1, dtype=np.int64)  # the position each ring row holds (-1: none)
         self.owner: dict[int, object] = {}  # slot -> the Sequence whose keys it holds
-        self.chosen_lengths: Counter[int] = Counter()  # the confidence head's verify lengths (before k)
+        self.chosen_lengths: Counter[int] = Counter()  # the verify lengths chosen (before k; 0: none)
 
     def new_rows(self, items) -> list[NewRows]:
         """items: (sequence, first position, tokens) per sequence whose rows of this step are known
@@ -104,7 +115,7 @@ class DSparkProposer:
         t = lambda x: torch.tensor(x, device=self.ring.device)
         d = self.drafter.draft_from_ring(self.engine.model, self.ring, t([r.slot for r in ready]),
                                          t([r.start for r in ready]), t([r.last_token for r in ready]), self.threshold)
-        return self.take(drafting, ready, d.tokens.tolist(), d.verify_len.tolist())
+        return self.take(drafting, ready, d.tokens.tolist(), gated_lengths(d, self.threshold).tolist())
 
     def take(self, drafting, ready: list[Ready], tokens: list[list[int]], lengths: list[int]) -> list[list[int]]:
         """The drafts each drafting sequence verifies: its block cut to the confidence head's length and k."""

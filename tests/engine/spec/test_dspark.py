@@ -14,7 +14,8 @@ from engine.request import GenerationRequest, SamplingParams
 from tests.engine.conftest import SHAPES
 from tests.engine.spec.test_spec_decode import _corrupt, _prompts, _run
 
-DSPARK = {"method": "dspark"}  # k and the threshold from the checkpoint: k = the block (5), threshold 0
+DSPARK = {"method": "dspark"}  # k and the threshold from the checkpoint: k = the block (5), threshold 0, gate on
+UNGATED = {**DSPARK, "min_acceptance_length": 0}  # every sequence verifies whatever its acceptance
 
 
 @pytest.fixture(scope="module")
@@ -42,19 +43,45 @@ def plain(ckpt):
 
 def test_greedy_equals_plain_with_random_and_replayed_drafts(ckpt, plain):
     """8 prompts x 64 tokens, batched with two requests that do not speculate. The random drafter
-    (acceptance ~0: every step rejects and rolls back) and drafts replayed from the plain run
-    (every block of 5 accepted whole: 6 tokens per verify, across the ratio-4 and -16 blocks)."""
+    (acceptance ~0) with the acceptance gate off (every step verifies, rejects and rolls back) and
+    on (as served: after four failed verifies each sequence backs off and decodes plainly, the
+    drafter absorbing its rows, probing now and then), and drafts replayed from the plain run with
+    the gate on (every block of 5 accepted whole, 6 tokens per verify, across the ratio-4 and -16
+    blocks: the gate never engages)."""
     params = [GREEDY] * 8 + [NO_SPEC] * 2
+    got, eng = _run(ckpt["tiny"], PROMPTS + PROMPTS[:2], params, speculative_config=UNGATED)
+    assert got == plain
+    ungated = eng.stats()
+    assert ungated["spec_decode_num_drafts"] > 8 * 10 and ungated["spec_decode_num_draft_tokens"] > 2 * ungated["spec_decode_num_drafts"]
+    assert ungated["spec_decode_num_backoffs"] == 0
     got, eng = _run(ckpt["tiny"], PROMPTS + PROMPTS[:2], params, speculative_config=DSPARK)
     assert got == plain
     st = eng.stats()
-    assert st["spec_decode_num_drafts"] > 8 * 10 and st["spec_decode_num_draft_tokens"] > 2 * st["spec_decode_num_drafts"]
+    assert st["spec_decode_num_backoffs"] >= 8 * 3  # each sequence: after the warm-up, then failed probes
+    assert st["spec_decode_num_drafts"] < ungated["spec_decode_num_drafts"] / 3
+    assert st["spec_decode_num_steps_without_verify"] > 30  # of ~64 decode steps: plain ones, every sequence backed off
     got, eng = _run(ckpt["tiny"], PROMPTS + PROMPTS[:2], params, forced=plain, speculative_config=DSPARK)
     assert got == plain
     st = eng.stats()
     assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
     assert st["spec_decode_mean_acceptance_length"] > 1 + 0.9 * 5  # whole blocks (shorter near max_tokens)
+    assert st["spec_decode_num_backoffs"] == 0
     assert sum(eng.spec.dspark.chosen_lengths.values()) > 0
+
+
+def test_a_sequence_whose_drafts_recover_resumes_verifying_after_its_backoff(ckpt):
+    """Drafts replayed from the plain run but wrong for the first 24 outputs: the sequence backs off
+    after its warm-up, its probes fail (backing off twice as long each time) until one lands past
+    output 24, accepts the whole block and the sequence verifies whole blocks again."""
+    prompts = PROMPTS[2:4]
+    want, _ = _run(ckpt["tiny"], prompts, [GREEDY] * 2)
+    forced = [[(t + 1) % 4096 for t in w[:24]] + w[24:] for w in want]
+    got, eng = _run(ckpt["tiny"], prompts, [GREEDY] * 2, forced, speculative_config=DSPARK)
+    assert got == want
+    st = eng.stats()
+    assert st["spec_decode_num_backoffs"] >= 2 * 2 and st["spec_decode_num_steps_without_verify"] > 10
+    counts = st["spec_decode_accepted_length_counts"]  # verifies by accepted drafts
+    assert counts[0] >= 2 * 6 and counts[5] >= 2 * 3  # the wrong blocks rejected, then whole blocks accepted
 
 
 def test_greedy_equals_plain_with_chunked_prefill_and_preemption(ckpt):
@@ -110,12 +137,15 @@ def test_cached_context_keys_draft_as_the_main_context_rows(ckpt):
 
 
 def test_confidence_threshold_caps_the_verify_length(ckpt):
+    """Threshold 1: no block is predicted accepted with certainty, not even its first draft, so none
+    is verified: every step after the prefill is a plain one (the drafter still drafts and absorbs)."""
     prompts = PROMPTS[:2]
     want, _ = _run(ckpt["tiny"], prompts, [GREEDY] * 2)
     got, eng = _run(ckpt["tiny"], prompts, [GREEDY] * 2, speculative_config={**DSPARK, "confidence_threshold": 1.0})
     st = eng.stats()
-    assert got == want and st["spec_decode_num_draft_tokens"] == st["spec_decode_num_drafts"] > 0
-    assert set(eng.spec.dspark.chosen_lengths) == {1}
+    assert got == want and st["spec_decode_num_drafts"] == 0 and st["spec_decode_num_backoffs"] == 0
+    assert set(eng.spec.dspark.chosen_lengths) == {0} and st["spec_decode_num_confidence_skips"] > 2 * 60
+    assert st["spec_decode_num_steps_without_verify"] >= 64
 
 
 def test_sampled_tokens_keep_the_target_distribution(ckpt):
@@ -178,6 +208,9 @@ def test_whole_blocks_of_8_and_every_partial_acceptance_across_small_ratios(ckpt
     ({"method": "dspark", "num_speculative_tokens": 17}, "num_speculative_tokens must be an integer in \\[1, 16\\]"),
     ({"method": "dspark", "confidence_threshold": 1.5}, "confidence_threshold must be a number in \\[0, 1\\]"),
     ({"method": "mtp", "num_speculative_tokens": 1, "confidence_threshold": 0.5}, "unsupported key.*confidence_threshold"),
+    ({"method": "dspark", "min_acceptance_length": -1}, "min_acceptance_length must be a number in \\[0, 17\\]"),
+    ({"method": "dspark", "backoff_steps": 0}, "backoff_steps must be a positive integer"),
+    ({"method": "dspark", "backoff_steps": 8, "max_backoff_steps": 4}, "max_backoff_steps must be an integer >= backoff_steps \\(8\\)"),
 ])
 def test_bad_dspark_config_is_refused_naming_it(ckpt, spec, message):
     with pytest.raises(InvalidEngineArgs, match=message):

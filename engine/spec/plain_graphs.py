@@ -1,0 +1,80 @@
+"""A DSpark step that verifies nothing, as a plain decode step's CUDA graph that also leaves the
+target features.
+
+When no sequence of a decode batch holds drafts (the acceptance gate backed them off, the confidence
+head chose none; engine/spec/verify_gate.py), the step is a plain decode step: one row per sequence
+on the decode path (not the verify graph's k + 1 rows per sequence, nor its rollback). DSpark's
+drafter still needs that row's target features, to keep its key ring current, so each decode bucket
+gets a second graph on the runner's own static decode batch (engine/runner.py: the same packed
+rows, the same pinned copy), whose forward is the decode graph's plus the features written to a
+static buffer. DSpark's drafter graph after it (engine/spec/dspark_graphs.py) reads them there as it
+reads the verify graphs'. On the CPU (no pool) the same forward runs eagerly on the static batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.forward_batch import ForwardBatch
+from engine.graphs.capture import capture, capture_buckets, replay_bucket
+from engine.sequence import Sequence
+
+
+@dataclass
+class _Bucket:
+    B: int
+    T: int  # rows: one per sequence
+    fb: ForwardBatch  # the runner's static decode batch (views of flat)
+    flat: torch.Tensor  # the runner's, refreshed by one copy per replay
+    staging: torch.Tensor  # pinned on CUDA; a spec step reads back before the next one packs
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class PlainStepGraphs:
+    def __init__(self, runner, verify_buckets: list[int], pool=None, capture_fn=capture):
+        """verify_buckets: the buckets DSpark's drafter graphs have (each needs the runner's static
+        decode batch: its decode graphs, or static_decode_batches on the CPU). Built before any step
+        runs, while those batches hold only padding (the capture's warm-up runs them)."""
+        self.runner, self.model, self.cache = runner, runner.model, runner.cache
+        self.device = runner.device
+        self.buckets = sorted(b for b in set(verify_buckets) if b in runner.graphs)
+        self.replays = 0
+        cfg, B = self.model.cfg, max(self.buckets, default=0)
+        self.logits = torch.zeros(B, cfg.vocab_size, device=self.device)
+        self.features = torch.zeros(B, len(cfg.dspark.target_layer_ids) * cfg.hidden_size,
+                                    dtype=self.model.embed.weight.dtype, device=self.device)
+        self.static: dict[int, _Bucket] = capture_buckets(self.buckets, self._bucket, self._forward, pool, capture_fn)
+
+    def _bucket(self, B: int) -> _Bucket:
+        g = self.runner.graphs[B]
+        staging = torch.empty(g.flat.shape, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        return _Bucket(B, B, g.batch, g.flat, staging)
+
+    def _forward(self, bk: _Bucket) -> None:
+        h, f = self.model.dspark_features(bk.fb, self.cache)
+        self.features[:bk.B].copy_(f)
+        self.logits[:bk.B].copy_(self.model.compute_logits(h))
+
+    def bucket(self, batch_size: int) -> int:
+        return min(b for b in self.buckets if b >= batch_size)
+
+    def fits(self, batch: list[tuple[Sequence, int]]) -> bool:
+        """A decode step the runner would replay as a graph (one new token per sequence, no drafts,
+        nothing replayed), within the largest bucket."""
+        return bool(self.buckets) and len(batch) <= self.buckets[-1] and all(
+            n == 1 and not s.spec_token_ids and s.num_computed_tokens == s.num_tokens - 1
+            and s.compress_from == s.num_computed_tokens and not s.has_pending_token for s, n in batch)
+
+    def run(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pack (the runner's decode layout), one copy, replay. -> (logits, target features), one row
+        per sequence in batch order."""
+        bk = self.static[self.bucket(len(batch))]
+        self.replays += 1
+        host: np.ndarray = bk.staging.numpy()
+        self.runner.pack_decode(batch, bk.B, host)
+        replay_bucket(bk, self._forward)
+        n = len(batch)
+        return self.logits[:n], self.features[:n]

@@ -1,0 +1,73 @@
+"""The acceptance gate: which speculating sequences draft (so verify) next step, from how their
+verifies have paid off.
+
+A verify step costs more than a plain decode step even when it verifies one draft (DSpark on
+V4-Flash: an MoE reading more experts for more rows, the drafter, the rollback; docs/DSPARK.md), so
+a sequence whose drafts keep failing (random weights; stretches of a real prompt the drafter cannot
+guess) is better off decoding plainly. Each sequence keeps a running mean of its accepted length
+(tokens emitted per verify: accepted drafts + 1), an exponential average that starts at the most a
+verify can emit (a new sequence verifies). When a verify leaves it below `min_length` (the break-even
+of the verify / plain cost ratio) the sequence backs off: it drafts nothing for `backoff` steps
+(plain steps for it; the drafter still absorbs its rows, so drafting restarts without a catch-up),
+then drafts once more and verifies that block (the probe). A probe that brings the mean back over the
+break-even resumes verifying and resets the back-off; one that fails backs off twice as long, up to
+`max_backoff`. At acceptance 0 the steady state is plain steps plus a probe every `max_backoff` steps.
+
+Only whether a sequence verifies changes, never how: a verify accepts by the same rule and a step
+that verifies nothing samples as plain decoding does, so greedy output stays plain greedy and
+sampling keeps the target distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MEAN_WEIGHT = 0.5  # the running mean's weight on the newest verify: four failed verifies of a new sequence reach 1.3
+
+
+@dataclass
+class _Track:
+    mean: float  # running mean of tokens emitted per verify
+    wait: int = 0  # steps left without drafts (0: drafts this step, verifies the next)
+    backoff: int = 0  # the next back-off's length
+
+
+class AcceptanceGate:
+    def __init__(self, k: int, min_length: float, backoff: int, max_backoff: int):
+        """k: drafts per verify (a verify emits at most k + 1 tokens); min_length 0: always draft."""
+        self.k1, self.min_length, self.backoff, self.max_backoff = k + 1, min_length, backoff, max_backoff
+        self.tracks: dict[str, _Track] = {}  # request id -> its record
+        self.backoffs = 0  # times a sequence stopped verifying (or a probe failed)
+
+    def _track(self, request_id: str) -> _Track:
+        t = self.tracks.get(request_id)
+        if t is None:
+            t = self.tracks[request_id] = _Track(float(self.k1), 0, self.backoff)
+        return t
+
+    def verified(self, request_id: str, tokens: int) -> None:
+        """A verify of this sequence emitted `tokens` (accepted drafts + 1)."""
+        if not self.min_length:
+            return
+        t = self._track(request_id)
+        t.mean += MEAN_WEIGHT * (tokens - t.mean)
+        if t.mean >= self.min_length:
+            t.backoff = self.backoff  # paying off (again): the next failure starts from the first back-off
+            return
+        t.wait, t.backoff = t.backoff, min(2 * t.backoff, self.max_backoff)
+        self.backoffs += 1
+
+    def drafts(self, request_id: str, verified: bool) -> bool:
+        """At the end of a step: does this sequence draft a block for the next step? verified: it
+        verified drafts this step (verified() has been told how many were accepted)."""
+        if not self.min_length:
+            return True
+        t = self._track(request_id)
+        if t.wait and not verified:
+            t.wait -= 1
+        return t.wait == 0
+
+    def forget(self, live) -> None:
+        """Drop the records of requests no longer in `live` (finished, aborted)."""
+        for rid in [r for r in self.tracks if r not in live]:
+            del self.tracks[rid]
