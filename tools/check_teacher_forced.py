@@ -296,6 +296,68 @@ def check(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int,
     return report
 
 
+def switched(engine: LLMEngine, name: str) -> None:
+    """The engine under test with one decode switch alone on ("base": none; "pdl": kernels/pdl.py; else a
+    fusion of kernels/fusions.py), its decode graphs captured again (they hold the kernels at capture)."""
+    from kernels import fusions, pdl
+    from tools.bench_decode_switches import recapture
+
+    pdl.set_enabled(name == "pdl")
+    fusions.set_fusions(() if name in ("base", "pdl") else (name,))
+    for size in sorted(engine.runner.graphs) or ([] if torch.cuda.is_available() else
+                                                 [b for b in GRAPH_BUCKETS if b <= engine.args.max_num_seqs]):
+        recapture(engine.runner, size)
+
+
+def switch_verdicts(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int, names: list[str],
+                    slack: float = 1.25) -> list[dict]:
+    """Each decode switch alone against the path without it and against the (rounded) reference, all fed the
+    base path's greedy tokens (prefill, then one decode step per position, graphs as served). A switch whose
+    mean KL to the reference is within `slack` times the base path's only rounds differently ("rounding");
+    past it "wrong", with the layer the per-layer probe (the first parting position, else the largest KL)
+    sees jump. PDL changes the order of launches, not arithmetic: its logits must equal the base's."""
+    logits: dict[str, dict] = {}
+
+    def into(store):
+        return lambda i, k, lg: store.__setitem__((i, k), lg.float().cpu())
+
+    switched(test, "base")
+    tokens = run_forced(test, prompts, steps, None, into(logits.setdefault("base", {})))
+    want: dict = {}
+    run_forced(ref, prompts, steps, tokens, into(want))
+    base_rows = [{"prompt": i, "step": k, **compare_row(want[i, k], logits["base"][i, k])} for i, k in sorted(want)]
+    out = [{"switch": "base", **summarize(base_rows, 1e-2), "vs_base_max_dlogit": 0.0, "verdict": "-"}]
+    for name in names:
+        switched(test, name)
+        got = logits.setdefault(name, {})
+        run_forced(test, prompts, steps, tokens, into(got))
+        rows = [{"prompt": i, "step": k, **compare_row(want[i, k], got[i, k])} for i, k in sorted(want)]
+        r = summarize(rows, 1e-2)
+        dmax = max(float((got[key] - logits["base"][key]).abs().max()) for key in got)
+        if name == "pdl":
+            verdict = "identical" if dmax == 0 else f"differs by {dmax:.3g}"
+        elif r["mean_kl"] <= slack * out[0]["mean_kl"]:
+            verdict = "rounding"
+        else:
+            (probe,) = probe_positions(rows, 1)
+            i, k = probe["prompt"], probe["step"]
+            errs = layer_errors(decode_states(ref, prompts[i], tokens[i], {k})[k],
+                                decode_states(test, prompts[i], tokens[i], {k})[k])
+            verdict = f"wrong: layer {errs['jump']}"
+        out.append({"switch": name, **r, "vs_base_max_dlogit": dmax, "verdict": verdict})
+        print(f"  {name}: {verdict}", flush=True)
+    switched(test, "base")
+    return out
+
+
+def print_verdicts(rows: list[dict], reference: str) -> None:
+    print(f"decode switches alone vs the base path and the {reference} reference (same tokens):")
+    print(f"{'switch':>16} | {'top-1':>7} | {'mean KL':>9} | {'max KL':>9} | {'dlogit vs base':>14} | verdict")
+    for r in rows:
+        print(f"{r['switch']:>16} | {r['top1_agreement']:7.2%} | {r['mean_kl']:9.2e} | {r['max_kl']:9.2e} | "
+              f"{r['vs_base_max_dlogit']:14.3e} | {r['verdict']}")
+
+
 def perturb_layer(engine: LLMEngine, layer: int, scale: float) -> None:
     """Scale one layer's FFN norm weight on the engine's side (a planted bug the check must find; the
     attention's would mostly vanish in the q and kv norms after its first linears)."""
@@ -347,6 +409,9 @@ def main() -> int:
     ap.add_argument("--max-mean-kl", type=float, default=1e-3)
     ap.add_argument("--oracle", action="store_true", help="also compare the reference with transformers' "
                     "DeepseekV4ForCausalLM (V4 only; float32 weights: where they fit)")
+    ap.add_argument("--switches", default="", help="instead of the check: each decode switch alone (pdl, a "
+                    "fusion of kernels/fusions.py, or 'all': pdl and every fusion) against the base path and the "
+                    "first --reference: rounding or wrong, and where (switch_verdicts); exit 1 if any is wrong")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -359,6 +424,14 @@ def main() -> int:
     prompts = [p[:n] for p, n in zip(random_prompts(a.prompts, max(lens), ref.cfg.vocab_size, a.seed), lens)]
     if a.perturb_layer is not None:
         perturb_layer(test, a.perturb_layer, a.perturb_scale)
+    if a.switches:
+        from kernels import fusions
+        names = ["pdl", *fusions.ALL] if a.switches == "all" else a.switches.split(",")
+        rows = switch_verdicts(ref, test, prompts, a.steps, names)
+        print_verdicts(rows, kinds[0])
+        if a.json:
+            Path(a.json).write_text(json.dumps({"argv": vars(a), "switches": rows}, indent=2, default=str))
+        return 0 if all(r["verdict"] in ("-", "rounding", "identical") for r in rows) else 1
     reports, targets = {}, {}
     for kind in kinds:
         if ref is None:  # one reference on the device at a time
