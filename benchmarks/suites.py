@@ -115,7 +115,11 @@ SUITE_LIST = [
           "predict what the torch references predict (float32, and rounding where the kernels store; top-1 >= 99%, "
           "mean KL <= 1e-3), and where they part, which layer moves first?",
           (checkpoint(DEPTH_CKPT, "flash-depth"),
-           Step("tools.check_teacher_forced", ("--model", DEPTH_CKPT), name="v4_depth", timeout_s=500))),
+           Step("tools.check_teacher_forced", ("--model", DEPTH_CKPT, "--reference", "float32"), name="v4_depth",
+                timeout_s=500),
+           # the rounded reference decodes eagerly in the engine's schedule (one reference forward per step)
+           Step("tools.check_teacher_forced", ("--model", DEPTH_CKPT, "--reference", "rounded", "--steps", "64"),
+                name="v4_depth_rounded", timeout_s=500))),
     Suite("teacher_forced_switches", "At V4-Flash depth as shipped, is each decode switch alone (PDL, each fusion of "
           "kernels/fusions.py) only rounding or wrong, and where: its logits against the path without it and "
           "against the reference rounding where the kernels store, on the same tokens (4 prompts x 32 positions)?",
