@@ -112,10 +112,22 @@ SUITE_LIST = [
     # ---- correctness first: run these before any timing suite
     Suite("teacher_forced", "Fed the same tokens (8 prompts x 256 positions, one decode step each), does "
           "the engine at V4-Flash depth as shipped (16 MXFP4 experts, FP8 linears, fused kernels, CUDA graphs) "
-          "predict what the float32 torch references predict (top-1 >= 99%, mean KL <= 1e-3), and where they "
-          "part, which layer moves first?",
+          "predict what the torch references predict (float32, and rounding where the kernels store; top-1 >= 99%, "
+          "mean KL <= 1e-3), and where they part, which layer moves first?",
           (checkpoint(DEPTH_CKPT, "flash-depth"),
-           Step("tools.check_teacher_forced", ("--model", DEPTH_CKPT), name="v4_depth", timeout_s=500))),
+           Step("tools.check_teacher_forced", ("--model", DEPTH_CKPT, "--reference", "float32"), name="v4_depth",
+                timeout_s=500),
+           # the rounded reference decodes eagerly in the engine's schedule (one reference forward per step)
+           Step("tools.check_teacher_forced", ("--model", DEPTH_CKPT, "--reference", "rounded", "--steps", "64"),
+                name="v4_depth_rounded", timeout_s=500))),
+    Suite("teacher_forced_switches", "At V4-Flash depth as shipped, is each decode switch alone (PDL, each fusion of "
+          "kernels/fusions.py) only rounding or wrong, and where: its logits against the path without it and "
+          "against the reference rounding where the kernels store, on the same tokens (4 prompts x 32 positions)?",
+          (checkpoint(DEPTH_CKPT, "flash-depth"),
+           Step("tools.check_teacher_forced", ("--model", DEPTH_CKPT, "--switches", "all", "--reference", "rounded",
+                                               "--prompts", "4", "--steps", "32", "--engine-args",
+                                               '{"cudagraph_mode":"FULL_DECODE_ONLY"}'),
+                name="v4_depth_switches", timeout_s=540))),
     Suite("teacher_forced_v41", "The same teacher-forced check on the V4.1-Flash-shaped engine as shipped (FP8 "
           "32x32 linears kept as stored, MXFP4 experts, decoder trim on), then with decoder trim off (what the "
           "kernels and graphs alone move).",

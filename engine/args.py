@@ -64,7 +64,9 @@ class EngineArgs:
     max_logprobs: int = 20
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
-    kernels: str = "auto"  # auto | ref
+    # auto | ref | rounded (the references rounding as the kernels store: a float32 model) | fused (the kernels
+    # on any device: on the CPU under TRITON_INTERPRET=1, for tests)
+    kernels: str = "auto"
     # one host's GPUs (docs/PARALLEL.md): attention heads split over tensor_parallel_size ranks,
     # experts too with enable_expert_parallel (else each expert's intermediate slice); gloo on CPU
     tensor_parallel_size: int = 1
@@ -120,7 +122,7 @@ class EngineArgs:
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.max_waiting_requests >= 0, "max_waiting_requests must be >= 0"),
             (self.step_timeout_s >= 0, "step_timeout_s must be >= 0 (0: no step watchdog)"),
-            (self.kernels in ("auto", "ref"), "kernels must be 'auto' or 'ref'"),
+            (self.kernels in ("auto", "ref", "rounded", "fused"), "kernels must be 'auto', 'ref', 'rounded' or 'fused'"),
             (self.cudagraph_mode in CUDAGRAPH_MODES, f"cudagraph_mode must be one of {CUDAGRAPH_MODES}"),
             (self.engram_tables in ENGRAM_TABLES, f"engram_tables must be one of {ENGRAM_TABLES}"),
             (self.core_restart_limit >= 0, "core_restart_limit must be >= 0"),

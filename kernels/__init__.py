@@ -5,7 +5,8 @@ FUSED) where one exists and the tensors are on CUDA, else the torch reference (k
 spec; V4.1's own ops, `v41_*`: kernels/deepseek_v41/reference.py).
 `DSV4_KERNELS=ref` (or `set_backend("ref")`, the engine argument `kernels`) forces the
 references everywhere; `set_backend("fused")` forces the kernels on any device (tests, with
-TRITON_INTERPRET=1 on the CPU).
+TRITON_INTERPRET=1 on the CPU); `set_backend("rounded")`: the references in a float32 model, rounding to
+bf16 where the served kernels store (kernels.reference.set_rounding; the teacher-forced check's reference).
 """
 
 from __future__ import annotations
@@ -21,16 +22,19 @@ from kernels import reference
 from kernels.deepseek_v41 import reference as v41_reference
 
 Op = TypeVar("Op", bound=Callable)
+BACKENDS = ("auto", "ref", "rounded", "fused")
 _backend = os.environ.get("DSV4_KERNELS", "auto")
 _references: dict[str, Callable] = {}  # public op name -> its torch reference, filled by _bind
 
 
 def set_backend(name: str) -> None:
-    """'auto' (fused on CUDA), 'ref' (torch references only) or 'fused' (kernels everywhere)."""
+    """'auto' (fused on CUDA), 'ref' (torch references only), 'rounded' (the references, rounding as the served
+    kernels store: run them in a float32 model) or 'fused' (kernels everywhere)."""
     global _backend
-    if name not in ("auto", "ref", "fused"):
-        raise ValueError(f"kernels backend must be 'auto', 'ref' or 'fused', got {name!r}")
+    if name not in BACKENDS:
+        raise ValueError(f"kernels backend must be 'auto', 'ref', 'rounded' or 'fused', got {name!r}")
     _backend = name
+    reference.set_rounding(torch.bfloat16 if name == "rounded" else None)  # V4 serves in bf16
     _bind()
 
 
@@ -49,7 +53,7 @@ def op_names() -> tuple[str, ...]:
 
 
 def _fused_table() -> dict[str, Callable]:
-    if _backend == "ref":
+    if _backend in ("ref", "rounded"):
         return {}
     try:
         from kernels import fused
@@ -131,4 +135,5 @@ def _bind() -> None:
     v41_engram_gather = op("v41_engram_gather", v41_reference.engram_gather)
 
 
+reference.set_rounding(torch.bfloat16 if _backend == "rounded" else None)
 _bind()

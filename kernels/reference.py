@@ -10,7 +10,61 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.formats import dequantize_fp8_block, dequantize_mxfp4, quantize_act_1x128
+from kernels.formats import dequantize_fp8_block, dequantize_mxfp4, fp8_block_of, quantize_act_1x128
+
+# --- rounding where the served kernels round (kernels.set_backend("rounded")) ------------------
+# None: the references round only to the dtype they run in (CPU serving in bf16, the float32
+# reference). A dtype: they run in float32 and round to it where the fused kernels store an
+# activation (each launch's output; see `stored`'s call sites) and quantize activations to e4m3
+# where the served FP8 GEMM does, so that a comparison with the engine sees its kernels' error, not
+# its storage's (tools/check_teacher_forced.py --reference rounded).
+_store_dtype: torch.dtype | None = None
+
+
+def set_rounding(dtype: torch.dtype | None) -> None:
+    global _store_dtype
+    _store_dtype = dtype
+
+
+def rounding() -> torch.dtype | None:
+    return _store_dtype
+
+
+def stored(t: torch.Tensor) -> torch.Tensor:
+    """t as the served kernels leave it in memory: rounded to the storage dtype (same dtype kept)."""
+    if _store_dtype is None or not t.is_floating_point() or t.dtype == _store_dtype:
+        return t
+    return t.to(_store_dtype).to(t.dtype)
+
+
+def _act_quant_as_served(x2: torch.Tensor, m: int, n: int, block: int) -> bool:
+    """Whether the fused FP8 linear of m rows quantizes x2's activations (its "mma" / "cublas" variants; the GEMVs
+    multiply them as stored): only with rounding on. The CPU serves these references, so the rounded reference
+    mirrors the kernels as served on CUDA (or forced under the interpreter), not the CPU path."""
+    if _store_dtype is None:
+        return False
+    from kernels.fused_fp8_linear import tiles  # needs triton, as the kernels it mirrors
+
+    return tiles(m, n, x2.shape[-1], block=block)[0] in ("mma", "cublas")
+
+
+def _as_served_input(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, n: int,
+                     groups: int = 1) -> torch.Tensor:
+    """x as the served FP8 linear (n rows of output per group) multiplies it: e4m3 per 1x128 block of each
+    row (of each group's slice) where it quantizes, else as is."""
+    if scale is None or weight.dtype != torch.float8_e4m3fn:
+        return x
+    x2 = x.reshape(-1, x.shape[-1])
+    if not _act_quant_as_served(x2, x2.shape[0] // groups, n, fp8_block_of(weight.shape, scale.shape)):
+        return x
+    return act_quant_1x128(x2).to(x.dtype).view(x.shape)
+
+
+def act_quant_1x128(x2: torch.Tensor) -> torch.Tensor:
+    """Activations [M, K] as the FP8 tensor-core GEMM multiplies them: e4m3 per 1x128 block, float32."""
+    xq, xs = quantize_act_1x128(x2)
+    return xq.float() * xs.repeat_interleave(128, -1)[:, : x2.shape[-1]]
+
 
 # --- norms ------------------------------------------------------------------------------------
 
@@ -18,7 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Weighted RMSNorm; weights are fp32, multiply in fp32, cast once."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * h).to(x.dtype)
+    return stored((weight * h).to(x.dtype))
 
 
 def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,7 +84,7 @@ def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
     """cos/sin [T, rope_dim/2], angles in fp32 as the reference computes them."""
     freqs = positions[:, None].float() * inv_freq.float()
-    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+    return stored(freqs.cos().to(dtype)), stored(freqs.sin().to(dtype))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -42,14 +96,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     r = cos.shape[-1]
     nope, rope = x[..., :-r], x[..., -r:]
     rotated_half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    rotated = (rope.float() * cos + rotated_half.float() * sin).to(x.dtype)
+    rotated = stored((rope.float() * cos + rotated_half.float() * sin).to(x.dtype))
     return torch.cat([nope, rotated], dim=-1)
 
 
 def norm_rope(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
               eps: float) -> torch.Tensor:
     """RMSNorm (weighted, or per-head unweighted for q) then RoPE."""
-    y = rms_norm(x, weight, eps) if weight is not None else rms_norm_unweighted(x, eps)
+    y = rms_norm(x, weight, eps) if weight is not None else stored(rms_norm_unweighted(x, eps))
     return apply_rope(y, cos, sin)
 
 
@@ -86,14 +140,14 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    collapsed = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+    collapsed = stored((pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype))
     return post, comb, collapsed
 
 
 def hc_post(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """new streams = post * block output + comb^T @ old streams."""
     dtype = x.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
+    return stored(post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x))
 
 
 def hc_post_pre_norm(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
@@ -110,7 +164,7 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
             hc_eps: float, norm_eps: float) -> torch.Tensor:
     flat = rms_norm_unweighted(x.flatten(1).float(), norm_eps)
     pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
-    return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+    return stored((pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype))
 
 
 # --- MoE --------------------------------------------------------------------------------------
@@ -127,14 +181,14 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 routed_scaling: float, scoring_func: str, hash_ids: torch.Tensor | None = None):
     """Router gate: scores, selection (bias only for choosing, or a hash table), renormalise, scale.
     Returns (weights [T, k], indices [T, k])."""
-    scores = _scores(F.linear(x, weight), scoring_func)
+    scores = _scores(stored(F.linear(x, weight)), scoring_func)  # the served GEMM's logits: stored
     if hash_ids is not None:
         indices = hash_ids.long()
     else:
         indices = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
     w = scores.gather(1, indices)
     w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return w * routed_scaling, indices
+    return stored(w * routed_scaling), indices
 
 
 def moe_align(indices: torch.Tensor, num_experts: int, block_m: int):
@@ -176,7 +230,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dt
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """A dense linear; with `scale`, weight is FP8 e4m3 with 128x128 block scales."""
-    return F.linear(x, dequantize(weight, scale, x.dtype))
+    return stored(F.linear(_as_served_input(x, weight, scale, weight.shape[0]), dequantize(weight, scale, x.dtype)))
 
 
 def linear_split(x: torch.Tensor, weight: torch.Tensor, split_n: int,
@@ -188,13 +242,12 @@ def linear_split(x: torch.Tensor, weight: torch.Tensor, split_n: int,
 
 def linear_act_quant(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """The FP8 tensor-core GEMM's arithmetic: activations rounded to e4m3 per 1x128 block first."""
-    xq, xs = quantize_act_1x128(x.reshape(-1, x.shape[-1]))
-    xd = xq.float() * xs.repeat_interleave(128, -1)[:, : x.shape[-1]]
+    xd = act_quant_1x128(x.reshape(-1, x.shape[-1]))
     return F.linear(xd, dequantize_fp8_block(weight, scale)).to(x.dtype).view(*x.shape[:-1], -1)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+    return stored(F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit))
 
 
 def swiglu_linear(gate: torch.Tensor, up: torch.Tensor, limit: float, weight: torch.Tensor,
@@ -246,7 +299,8 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
         h = mlp(x[tok], *we, limit) * w_sorted[start:start + n, None]
         out.index_add_(0, tok, h.to(out.dtype))
         start += n
-    return out if shared is None else out + shared
+    out = stored(out)  # the kernels' sum of a token's rows, rounded once, then the shared expert added
+    return out if shared is None else stored(out + shared)
 
 
 # --- attention --------------------------------------------------------------------------------
@@ -261,16 +315,17 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sin
     combined = torch.cat([logits, sink.to(torch.promote_types(logits.dtype, sinks.dtype))], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1]
-    return torch.einsum("...nhk,...kd->...nhd", probs.to(kv.dtype), kv)
+    return stored(torch.einsum("...nhk,...kd->...nhd", probs.to(kv.dtype), kv))
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped low-rank output projection wo_a: x [T, G, in/G], weight [G*r, in/G] -> [T, G*r]
     (FP8 block-scaled with `scale`)."""
     T = x.shape[0]
+    x = _as_served_input(x, weight, scale, weight.shape[0] // groups, groups)
     weight = dequantize(weight, scale, x.dtype)
     w = weight.view(groups, -1, x.shape[-1]).transpose(1, 2)  # [G, in/G, r]
-    return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).reshape(T, -1)
+    return stored(torch.bmm(x.transpose(0, 1), w).transpose(0, 1).reshape(T, -1))
 
 
 # --- compressor + lightning indexer (paper sections 2.3.1-2.3.2) ------------------------------

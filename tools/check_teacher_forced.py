@@ -1,4 +1,4 @@
-"""Teacher-forced check: the engine as served against the float32 torch references, on one token sequence.
+"""Teacher-forced check: the engine as served against the torch references, on one token sequence.
 
 The engine under test (the engine arguments as given: fused kernels, CUDA graphs, paged KV cache; on the
 CPU the decode graphs' static batches) reads 8 prompts together and continues them for --steps tokens,
@@ -9,6 +9,14 @@ history, so a rounding flip cannot send them down different paths. `--teacher re
 the reference decode greedily and feeds its tokens to the engine (the engine's own picks overwritten
 before each next step): the same comparison, but the reference then pays one dequantising forward per
 token (minutes at V4-Flash depth against seconds).
+
+Two references (--reference, both by default, one report each): `float32` (every activation float32: what the
+model computes) and `rounded` (the same references in a float32 model, rounding to bf16 where the served kernels
+store an activation and quantizing to e4m3 where the served FP8 GEMM does: kernels.reference.set_rounding). The
+rounded reference reads the tokens in the engine's own schedule (the prompts' prefill together, then one decode
+step per position: the same rows per linear, so the same kernel variants and roundings), never in one prefill.
+Against it only the kernels' own error is left (accumulation order, in-register roundings): a kernel bug shows
+there, where against float32 it hides in the storage's rounding drift.
 
 Per position: top-1 agreement, KL(reference || engine) of the next-token distributions, the largest
 logit difference; a disagreement where the reference's top two are within --tie nats is counted apart
@@ -23,10 +31,11 @@ Memory: both models stay as stored (FP8 / MXFP4); the reference dequantises each
 it is used, so it needs no float32 copy of the model (its activations and KV cache are float32).
 
     python -m tools.check_teacher_forced --model DIR [--prompts 8] [--steps 256] [--probes 2]
-        [--teacher engine|reference] [--engine-args JSON] [--perturb-layer N] [--oracle] [--json F]
+        [--reference float32,rounded] [--teacher engine|reference] [--engine-args JSON] [--perturb-layer N]
+        [--oracle] [--json F]
 
-Exit status 1 when a target is missed (top-1 agreement >= --min-agreement, mean KL <= --max-mean-kl); with
---perturb-layer N (a planted bug), 1 unless every probe names layer N as the jump.
+Exit status 1 when a target is missed (top-1 agreement >= --min-agreement, mean KL <= --max-mean-kl) against
+any reference; with --perturb-layer N (a planted bug), 1 unless every probe names layer N as the jump.
 """
 
 from __future__ import annotations
@@ -49,9 +58,10 @@ from engine.runner import GRAPH_BUCKETS
 from tools.bench_engine import random_prompts
 from tools.layer_taps import EMBED, LayerTaps, eager_steps
 
-# The reference: every op its torch reference, float32, eager
-REFERENCE = {"dtype": "float32", "kernels": "ref", "enforce_eager": True,
-             "swa_decoder_trim": False}  # V4.1: every row through every layer (the trim approximates: engine.replay_error)
+# The references: every op its torch reference, in a float32 model, eager; `rounded` rounds as the kernels store
+REFERENCES = {kind: {"dtype": "float32", "kernels": "ref" if kind == "float32" else "rounded", "enforce_eager": True,
+                     "swa_decoder_trim": False}  # V4.1: every row through every layer (the trim approximates)
+              for kind in ("float32", "rounded")}
 # Both engines: tokens read back every step (so the next one can be forced), no prefix cache (a probe
 # feeds a prompt again: it must run the same path, not a cache hit)
 FORCEABLE = {"async_scheduling": False, "enable_prefix_caching": False}
@@ -69,16 +79,35 @@ def kernels_of(engine: LLMEngine):
         kernels.set_backend(before)
 
 
-def build_engines(model: str, n_prompts: int, max_len: int, engine_args: dict) -> tuple[LLMEngine, LLMEngine]:
-    """(reference, engine under test), both sized for n_prompts sequences of max_len tokens."""
+def _sized(model: str, n_prompts: int, max_len: int) -> dict:
     common = {"model": model, "max_model_len": max_len, "max_num_seqs": n_prompts, **FORCEABLE}
     if torch.cuda.is_available():
         common["kv_cache_memory_bytes"] = KV_BYTES_CUDA
-    ref = LLMEngine({**common, **REFERENCE}, detokenize=False)
-    test = LLMEngine({**common, **engine_args, **FORCEABLE}, detokenize=False)
+    return common
+
+
+def build_reference(model: str, n_prompts: int, max_len: int, engine_args: dict, kind: str = "float32") -> LLMEngine:
+    """The reference of that kind (REFERENCES), sized as the engine under test; `rounded` also takes its
+    scheduling arguments (it must cut the same steps)."""
+    common = _sized(model, n_prompts, max_len)
+    same_steps = engine_args if kind == "rounded" else {}
+    return LLMEngine({**common, **same_steps, **REFERENCES[kind], **FORCEABLE}, detokenize=False)
+
+
+def build_engines(model: str, n_prompts: int, max_len: int, engine_args: dict,
+                  reference: str = "float32") -> tuple[LLMEngine, LLMEngine]:
+    """(reference, engine under test), both sized for n_prompts sequences of max_len tokens."""
+    ref = build_reference(model, n_prompts, max_len, engine_args, reference)
+    test = LLMEngine({**_sized(model, n_prompts, max_len), **engine_args, **FORCEABLE}, detokenize=False)
     if test.device.type == "cpu":  # decode steps on exactly what a graph replay reads
         test.runner.static_decode_batches([b for b in GRAPH_BUCKETS if b <= n_prompts])
     return ref, test
+
+
+def in_engine_steps(ref: LLMEngine) -> bool:
+    """Whether this reference must read the tokens in the engine's schedule (the rounded one: its roundings
+    depend on each step's rows) rather than score each sequence in one prefill."""
+    return ref.args.kernels == "rounded"
 
 
 _runs = iter(range(1 << 30))
@@ -227,13 +256,17 @@ def check(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int,
     else:
         tokens = run_forced(test, prompts, steps, None, into(got))
         t_test = time.monotonic() - t0
-        for i, (p, t) in enumerate(zip(prompts, tokens)):
-            scored = score_sequence(ref, p + t[:-1])[len(p) - 1:]
-            want.update(((i, k), scored[k]) for k in range(steps))
+        if in_engine_steps(ref):  # the engine's schedule: its prefill, then one decode step per position
+            run_forced(ref, prompts, steps, tokens, into(want))
+        else:
+            for i, (p, t) in enumerate(zip(prompts, tokens)):
+                scored = score_sequence(ref, p + t[:-1])[len(p) - 1:]
+                want.update(((i, k), scored[k]) for k in range(steps))
         t_ref = time.monotonic() - t0 - t_test
     rows = [{"prompt": i, "step": k, **compare_row(want[i, k], got[i, k])} for i, k in sorted(got)]
     print(f"  {len(rows)} positions: engine {t_test:.1f} s, reference {t_ref:.1f} s", flush=True)
     report = summarize(rows, tie) | {"prompts": len(prompts), "steps": steps, "teacher": teacher,
+                                     "reference": "rounded" if in_engine_steps(ref) else "float32",
                                      "prompt_lens": [len(p) for p in prompts]}
     # drift along the sequence: mean KL and agreement per span of steps
     spans = [(0, 1), (1, 16), (16, 64), (64, steps)]
@@ -246,8 +279,9 @@ def check(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int,
         at = {p["step"] for p in wanted if p["prompt"] == i}
         print(f"  probing prompt {i} at steps {sorted(at)} layer by layer", flush=True)
         engine_at = decode_states(test, prompts[i], tokens[i], at)
+        ref_steps = decode_states(ref, prompts[i], tokens[i], at) if in_engine_steps(ref) else {}
         for k in sorted(at):
-            ref_at = prefill_states(ref, prompts[i] + tokens[i][:k])
+            ref_at = ref_steps.get(k) or prefill_states(ref, prompts[i] + tokens[i][:k])
             row = next(r for r in rows if r["prompt"] == i and r["step"] == k)
             alone = compare_row(ref_at["logits"], engine_at[k]["logits"])  # the same position, batch 1, eager
             report["probes"].append({"prompt": i, "step": k, "agree": row["agree"], "kl": row["kl"],
@@ -262,6 +296,68 @@ def check(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int,
     return report
 
 
+def switched(engine: LLMEngine, name: str) -> None:
+    """The engine under test with one decode switch alone on ("base": none; "pdl": kernels/pdl.py; else a
+    fusion of kernels/fusions.py), its decode graphs captured again (they hold the kernels at capture)."""
+    from kernels import fusions, pdl
+    from tools.bench_decode_switches import recapture
+
+    pdl.set_enabled(name == "pdl")
+    fusions.set_fusions(() if name in ("base", "pdl") else (name,))
+    for size in sorted(engine.runner.graphs) or ([] if torch.cuda.is_available() else
+                                                 [b for b in GRAPH_BUCKETS if b <= engine.args.max_num_seqs]):
+        recapture(engine.runner, size)
+
+
+def switch_verdicts(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int, names: list[str],
+                    slack: float = 1.25) -> list[dict]:
+    """Each decode switch alone against the path without it and against the (rounded) reference, all fed the
+    base path's greedy tokens (prefill, then one decode step per position, graphs as served). A switch whose
+    mean KL to the reference is within `slack` times the base path's only rounds differently ("rounding");
+    past it "wrong", with the layer the per-layer probe (the first parting position, else the largest KL)
+    sees jump. PDL changes the order of launches, not arithmetic: its logits must equal the base's."""
+    logits: dict[str, dict] = {}
+
+    def into(store):
+        return lambda i, k, lg: store.__setitem__((i, k), lg.float().cpu())
+
+    switched(test, "base")
+    tokens = run_forced(test, prompts, steps, None, into(logits.setdefault("base", {})))
+    want: dict = {}
+    run_forced(ref, prompts, steps, tokens, into(want))
+    base_rows = [{"prompt": i, "step": k, **compare_row(want[i, k], logits["base"][i, k])} for i, k in sorted(want)]
+    out = [{"switch": "base", **summarize(base_rows, 1e-2), "vs_base_max_dlogit": 0.0, "verdict": "-"}]
+    for name in names:
+        switched(test, name)
+        got = logits.setdefault(name, {})
+        run_forced(test, prompts, steps, tokens, into(got))
+        rows = [{"prompt": i, "step": k, **compare_row(want[i, k], got[i, k])} for i, k in sorted(want)]
+        r = summarize(rows, 1e-2)
+        dmax = max(float((got[key] - logits["base"][key]).abs().max()) for key in got)
+        if name == "pdl":
+            verdict = "identical" if dmax == 0 else f"differs by {dmax:.3g}"
+        elif r["mean_kl"] <= slack * out[0]["mean_kl"]:
+            verdict = "rounding"
+        else:
+            (probe,) = probe_positions(rows, 1)
+            i, k = probe["prompt"], probe["step"]
+            errs = layer_errors(decode_states(ref, prompts[i], tokens[i], {k})[k],
+                                decode_states(test, prompts[i], tokens[i], {k})[k])
+            verdict = f"wrong: layer {errs['jump']}"
+        out.append({"switch": name, **r, "vs_base_max_dlogit": dmax, "verdict": verdict})
+        print(f"  {name}: {verdict}", flush=True)
+    switched(test, "base")
+    return out
+
+
+def print_verdicts(rows: list[dict], reference: str) -> None:
+    print(f"decode switches alone vs the base path and the {reference} reference (same tokens):")
+    print(f"{'switch':>16} | {'top-1':>7} | {'mean KL':>9} | {'max KL':>9} | {'dlogit vs base':>14} | verdict")
+    for r in rows:
+        print(f"{r['switch']:>16} | {r['top1_agreement']:7.2%} | {r['mean_kl']:9.2e} | {r['max_kl']:9.2e} | "
+              f"{r['vs_base_max_dlogit']:14.3e} | {r['verdict']}")
+
+
 def perturb_layer(engine: LLMEngine, layer: int, scale: float) -> None:
     """Scale one layer's FFN norm weight on the engine's side (a planted bug the check must find; the
     attention's would mostly vanish in the q and kv norms after its first linears)."""
@@ -271,7 +367,7 @@ def perturb_layer(engine: LLMEngine, layer: int, scale: float) -> None:
 
 
 def print_report(r: dict, targets: dict) -> None:
-    print(f"teacher-forced: {r['prompts']} prompts x {r['steps']} positions, engine vs float32 references")
+    print(f"teacher-forced: {r['prompts']} prompts x {r['steps']} positions, engine vs {r['reference']} references")
     print(f"{'steps':>8} | {'top-1':>7} | {'mean KL':>9} | {'p99 KL':>9} | {'max KL':>9} | {'max dlogit':>10} | near ties")
     for s in r["by_step"] + [{**r, "steps": "all"}]:
         print(f"{s['steps']:>8} | {s['top1_agreement']:7.2%} | {s['mean_kl']:9.2e} | {s['p99_kl']:9.2e} | "
@@ -302,6 +398,9 @@ def main() -> int:
     ap.add_argument("--teacher", choices=("engine", "reference"), default="engine", help="whose greedy tokens "
                     "both are fed: the engine's (the reference scores them in one prefill) or the reference's "
                     "(it decodes them: one forward per token)")
+    ap.add_argument("--reference", default="float32,rounded", help="the references to compare with, in order: "
+                    "float32 (scores each sequence in one prefill), rounded (rounds as the served kernels store; "
+                    "reads the tokens in the engine's schedule)")
     ap.add_argument("--engine-args", default="{}", help="the engine under test's arguments (JSON)")
     ap.add_argument("--perturb-layer", type=int, default=None, help="scale this layer's FFN norm on the "
                     "engine's side by --perturb-scale: the per-layer report must point at it")
@@ -310,26 +409,52 @@ def main() -> int:
     ap.add_argument("--max-mean-kl", type=float, default=1e-3)
     ap.add_argument("--oracle", action="store_true", help="also compare the reference with transformers' "
                     "DeepseekV4ForCausalLM (V4 only; float32 weights: where they fit)")
+    ap.add_argument("--switches", default="", help="instead of the check: each decode switch alone (pdl, a "
+                    "fusion of kernels/fusions.py, or 'all': pdl and every fusion) against the base path and the "
+                    "first --reference: rounding or wrong, and where (switch_verdicts); exit 1 if any is wrong")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    kinds = a.reference.split(",")
+    if not kinds or any(k not in REFERENCES for k in kinds):
+        ap.error(f"--reference takes a comma-separated list of {tuple(REFERENCES)}, got {a.reference!r}")
     lens = [a.prompt_len + 29 * i for i in range(a.prompts)]
-    ref, test = build_engines(a.model, a.prompts, max(lens) + a.steps + 1, json.loads(a.engine_args))
+    engine_args, max_len = json.loads(a.engine_args), max(lens) + a.steps + 1
+    ref, test = build_engines(a.model, a.prompts, max_len, engine_args, kinds[0])
     prompts = [p[:n] for p, n in zip(random_prompts(a.prompts, max(lens), ref.cfg.vocab_size, a.seed), lens)]
     if a.perturb_layer is not None:
         perturb_layer(test, a.perturb_layer, a.perturb_scale)
-    r = check(ref, test, prompts, a.steps, a.probes, a.tie, a.oracle, a.teacher)
-    targets = {f"top-1 >= {a.min_agreement:.0%}": r["top1_agreement"] >= a.min_agreement,
-               f"mean KL <= {a.max_mean_kl:.0e}": r["mean_kl"] <= a.max_mean_kl}
-    if a.perturb_layer is not None:  # a planted bug: the question is whether the probes find it
-        targets = {f"every probe names layer {a.perturb_layer}": all(p["jump"] == a.perturb_layer
-                                                                     for p in r["probes"])}
-    print_report(r, targets)
+    if a.switches:
+        from kernels import fusions
+        names = ["pdl", *fusions.ALL] if a.switches == "all" else a.switches.split(",")
+        rows = switch_verdicts(ref, test, prompts, a.steps, names)
+        print_verdicts(rows, kinds[0])
+        if a.json:
+            Path(a.json).write_text(json.dumps({"argv": vars(a), "switches": rows}, indent=2, default=str))
+        return 0 if all(r["verdict"] in ("-", "rounding", "identical") for r in rows) else 1
+    reports, targets = {}, {}
+    for kind in kinds:
+        if ref is None:  # one reference on the device at a time
+            ref = build_reference(a.model, a.prompts, max_len, engine_args, kind)
+        r = reports[kind] = check(ref, test, prompts, a.steps, a.probes, a.tie, a.oracle and kind == "float32",
+                                  a.teacher)
+        mine = {f"{kind}: top-1 >= {a.min_agreement:.0%}": r["top1_agreement"] >= a.min_agreement,
+                f"{kind}: mean KL <= {a.max_mean_kl:.0e}": r["mean_kl"] <= a.max_mean_kl}
+        if a.perturb_layer is not None:  # a planted bug: the question is whether the probes find it
+            mine = {f"{kind}: every probe names layer {a.perturb_layer}": all(p["jump"] == a.perturb_layer
+                                                                              for p in r["probes"])}
+        print_report(r, mine)
+        targets.update(mine)
+        ref = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     if a.json:
         meta = {"model": a.model, "engine_args": test.args.__dict__, "argv": vars(a), "machine": platform.platform(),
                 "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 "torch": torch.__version__, "graphs": bool(test.runner.graphs), "kernels": test.args.kernels}
-        Path(a.json).write_text(json.dumps({"meta": meta, "targets": targets, **r}, indent=2, default=str))
+        first = reports[kinds[0]]  # the first reference's report at the top level, as before; each under its name
+        Path(a.json).write_text(json.dumps({"meta": meta, "targets": targets, **first, "references": reports},
+                                           indent=2, default=str))
         print(f"wrote {a.json}")
     return 0 if all(targets.values()) else 1
 

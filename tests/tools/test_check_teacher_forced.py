@@ -5,7 +5,7 @@ must show, and the per-layer probe must name the layer. V4's reference is checke
 import pytest
 
 from tools.bench_engine import random_prompts
-from tools.check_teacher_forced import build_engines, check, perturb_layer
+from tools.check_teacher_forced import build_engines, build_reference, check, perturb_layer, switch_verdicts
 
 
 @pytest.fixture(scope="module")
@@ -39,3 +39,21 @@ def test_float32_engine_matches_the_reference_and_a_perturbed_layer_is_named(fam
         assert bad["mean_kl"] > 1e-3
         (probe,) = bad["probes"]
         assert probe["jump"] == 1 and probe["layers"][0] < 1e-5 < 1e-1 < probe["layers"][1]
+    if family == "v4":  # the rounded reference (bf16 where the kernels store) still names the planted layer
+        rounded = build_reference(model, len(lens), max(lens) + steps + 1, {"dtype": "float32"}, "rounded")
+        bad = check(rounded, test, prompts, steps, probes=1)
+        (probe,) = bad["probes"]
+        assert bad["reference"] == "rounded" and rounded.runner.replays == 0
+        assert probe["jump"] == 1 and probe["layers"][0] < 2e-2 < 1e-1 < probe["layers"][1]
+
+
+def test_switch_verdicts_smoke():
+    """The switches' table on the CPU, where the engine serves the references (no switch changes them): PDL
+    identical, a fusion rounding, every row against the same reference logits."""
+    steps, lens = 2, (9, 14)
+    ref, test = build_engines("", len(lens), max(lens) + steps + 1, {}, "rounded")
+    prompts = [p[:n] for p, n in zip(random_prompts(len(lens), max(lens), ref.cfg.vocab_size, seed=1), lens)]
+    rows = switch_verdicts(ref, test, prompts, steps, ["pdl", "mega_mhc"])
+    assert [r["switch"] for r in rows] == ["base", "pdl", "mega_mhc"]
+    assert [r["verdict"] for r in rows] == ["-", "identical", "rounding"]
+    assert rows[2]["mean_kl"] == rows[0]["mean_kl"] and rows[0]["positions"] == len(lens) * steps

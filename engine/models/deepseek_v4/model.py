@@ -15,7 +15,6 @@ calls). State lives in the paged `KVCache`; the model reads and writes it throug
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import kernels as K
@@ -361,7 +360,7 @@ class DeepseekV4(ModelFamily):
         """[n, hc_mult, hidden] residual streams -> fp32 logits: HC head, final norm, LM head."""
         cfg = self.cfg
         x = K.hc_head(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, cfg.hc_eps, cfg.rms_norm_eps)
-        return F.linear(self.norm(x), self.head.weight).float()
+        return K.linear(self.norm(x), self.head.weight).float()  # bf16 logits, as served, rounded there too
 
     # --- loading ------------------------------------------------------------------------------
 
