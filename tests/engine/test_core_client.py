@@ -15,7 +15,14 @@ import pytest
 from engine.core_client import CoreClient
 from engine.interface import pump
 from engine.llm import AsyncLLM
-from engine.request import EngineDead, GenerationRequest, InvalidRequest, RequestFailed, RequestOutput, SamplingParams
+from engine.request import (
+    EngineDead,
+    GenerationRequest,
+    InvalidRequest,
+    RequestFailed,
+    RequestOutput,
+    SamplingParams,
+)
 
 ARGS = {"max_model_len": 256, "dtype": "float32", "enable_prefix_caching": False}
 
