@@ -3,6 +3,7 @@
     python -m tools.profile_serving [--model DIR] [--users 32] [--requests 3] [--max-tokens 128]
     python -m tools.profile_serving --ttft [--requests 40] [--input-len 16] [--max-tokens 4]
     python -m tools.profile_serving --hops [--users 1] [--requests 20] [--input-len 16] [--max-tokens 64]
+                                   [--client-processes auto]
 
 Every streamed response is rendered (numpy + pb_utils tensors) and sent (IPC to the Triton
 process, a round trip) by the model's response threads, under the GIL the engine's loop also
@@ -24,7 +25,9 @@ the model's prefill time against: suite serving_ttft runs both.
 (engine/hop_trace.py): every hop of the path timed per token, from the client's send through Triton's
 `execute`, the front, the engine core and back through the response threads to the client
 (tools/hop_table.py), beside each thread's CPU per output token in the Triton stub (by the names
-engine/os_threads.py gives them), the server processes' CPU, and tokens per response.
+engine/os_threads.py gives them), the server processes' CPU, and tokens per response. The users run
+in `--client-processes` processes (auto: one per 16 users), and the busiest one's CPU is printed: near
+one core, the client, not the server, delayed what arrived.
 """
 
 from __future__ import annotations
