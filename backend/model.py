@@ -2,8 +2,10 @@
 
 Threads, no model logic:
 - Triton's execute thread parses each request (backend/protocol.py) and starts it with
-  `engine.submit`: the native engine's core client tokenizes it and sends it to the engine core
-  right there;
+  `engine.submit`, which returns at once: the native engine's core client queues it for its
+  admission thread, which tokenizes it (without the GIL) and sends it to the engine core. Triton
+  calls execute once at a time per model instance, so every millisecond spent here delays the
+  next arrival;
 - the thread that delivers the engine's deltas (the core client's reader thread, which reads each
   step's outputs from the core; the model's asyncio event loop for engines that only have
   `add`) hands each request's deltas (streaming) or its one rendered response (_Delivery) to
@@ -291,11 +293,9 @@ class TritonPythonModel:
             except InvalidRequest as e:
                 self._send_now(sender, str(e), "INVALID_ARG")
                 continue
-            inputs = {}
-            for name in protocol.INPUTS:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    inputs[name] = tensor.as_numpy()
+            # one pass over the inputs Triton checked against config.pbtxt (get_input_tensor_by_name
+            # walks them all again for each name)
+            inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
             try:
                 parsed = protocol.parse_request(inputs, request.parameters(), request_id, self.max_prompt_bytes)
             except InvalidRequest as e:

@@ -28,7 +28,6 @@ RETURN_FLAGS = (
 BOOL_INPUTS = ("stream", "exclude_input_in_output", *RETURN_FLAGS)
 OUTPUT_TOKEN_IDS = "output_token_ids"  # in ParsedRequest.returns when detokenize is false (no flag turns it on)
 PROMPT_LOGPROBS = "prompt_logprobs"  # in ParsedRequest.returns when the prompt_logprobs sampling key is set
-INPUTS = ("text_input", "input_ids", "sampling_parameters", *BOOL_INPUTS)
 
 # Request parameters that Triton's frontends or clients set for themselves, not for the model.
 _RESERVED_PARAMETERS = {"binary_data_output", "priority", "timeout", "headers", "sequence_id",

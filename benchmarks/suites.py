@@ -238,19 +238,19 @@ SUITE_LIST = [
                                           "--input-len", "512", "--requests", "40"), name="triton",
                 python="triton", timeout_s=240)),
           notes="about 4 minutes: checkpoint 20 s, engine-direct 150 s, Triton 60 s"),
-    Suite("serving_hops", "Where does the Triton path spend each token's time (flash-shaped, 512 in / 64 out, 1 and "
-          "32 users): every hop from the client's send through Triton's execute, the front and the engine core back "
+    Suite("serving_hops", "Where does the Triton path spend each token's time (flash-shaped, 512 in / 64 out, 1, "
+          "32 and 150 users): every hop from the client's send through Triton's execute, the front and the engine core back "
           "through the response threads to the client, and each Triton-stub thread's CPU per output token?",
           (SHAPED_SERVING.make_model,
            Step("tools.profile_serving", ("--hops", "--model", "{ckpt}/flash-shaped", "--engine-args", SHAPED,
-                                          "--input-len", "512", "--max-tokens", "64", "--users", "1,32",
-                                          "--requests", "20"), name="hops", python="triton", timeout_s=300),
+                                          "--input-len", "512", "--max-tokens", "64", "--users", "1,32,150",
+                                          "--requests", "20"), name="hops", python="triton", timeout_s=360),
            # the same 32 users with twice the response threads: do sends or the stub's GIL pace delivery?
            Step("tools.profile_serving", ("--hops", "--model", "{ckpt}/flash-shaped", "--engine-args",
                                           SHAPED[:-1] + ',"response_threads":8}', "--input-len", "512",
                                           "--max-tokens", "64", "--users", "32", "--requests", "20"),
                 name="hops_8_senders", python="triton", timeout_s=300)),
-          notes="about 3 minutes: checkpoint 20 s, two server starts 35 s each, the levels 60 s"),
+          notes="about 4 minutes: checkpoint 20 s, two server starts 35 s each, the levels 100 s"),
     serving_vs_engine("serving_vs_openai", SHAPED_SERVING, "h200", legs=("openai",),
                       notes="about 6 minutes: checkpoint 20 s, Triton 175 s, OpenAI 175 s"),
     serving_vs_engine("serving_vs_engine_depth", DEPTH_SERVING, "h200", legs=("engine",),

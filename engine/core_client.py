@@ -6,9 +6,11 @@ token ids into text: detokenization, stop strings (a match finishes the request 
 it in the core; tokens the core made past the stop are dropped) and the held-back text are this
 side's work, never the step loop's. docs/PROCESSES.md has the picture.
 
-A request started with `submit` (the Triton model's) is tokenized and sent on the caller's thread,
-and its deltas go to its sink on the reader thread as each step's message is read: no event loop
-on the way in or out. One started with `add` gets its deltas on its event loop, one hop per loop
+A request started with `submit` (the Triton model's) is queued for the admission thread, which
+tokenizes it (with the GIL released) and sends it, so the caller (Triton's execute thread, which
+Triton calls once at a time per model instance) is free for the next arrival at once; its deltas
+go to its sink on the reader thread as each step's message is read: no event loop on the way in
+or out. One started with `add` gets its deltas on its event loop, one hop per loop
 per step.
 
 One supervisor thread per client spawns the core, reads its step messages, and watches it: a
@@ -29,6 +31,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.spawn as mp_spawn
 import os
+import queue
 import signal
 import sys
 import threading
@@ -148,6 +151,10 @@ class CoreClient(EngineLifetime):
         self._stopping = threading.Event()
         self._stop_at = 0.0
         self._supervisor: threading.Thread | None = None
+        self._admissions: queue.SimpleQueue = queue.SimpleQueue()  # (request, sink) from `submit`; None: stop
+        self._admissions_open = False  # the admission thread takes what is queued (guarded by _admissions_lock)
+        self._admissions_lock = threading.Lock()
+        self._admitter: threading.Thread | None = None
         self._stats: dict = {}
         self.counters = {"num_core_restarts": 0, "front_cpu_s": 0.0, "num_requests_rejected_front": 0}
         atexit.register(self._kill_core)
@@ -162,6 +169,10 @@ class CoreClient(EngineLifetime):
                                             name="dsv4-core-supervisor", daemon=True)
         self._supervisor.start()
         await ready  # a core that cannot load raises here (a bad configuration fails the model's load)
+        self._admitter = threading.Thread(target=named("ds-admission", self._admission_loop),
+                                          name="dsv4-admission", daemon=True)
+        self._admissions_open = True
+        self._admitter.start()
         self._accepting = True
 
     async def add(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
@@ -182,12 +193,36 @@ class CoreClient(EngineLifetime):
 
     def submit(self, request: GenerationRequest, sink: DeltaSink,
                loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Tokenize and send `request` on this thread; the reader thread hands its deltas to `sink`
-        (a refusal here goes to `sink.failed` at once). `loop` is not needed."""
+        """Queue `request` for the admission thread and return: it tokenizes and sends it, and the
+        reader thread hands its deltas to `sink` (a refusal goes to `sink.failed`, on the admission
+        thread). `loop` is not needed."""
+        with self._admissions_lock:
+            if self._admissions_open:
+                self._admissions.put((request, sink))
+                return
+        sink.failed(EngineDead(self._not_serving()))  # not started, or shut down: no admission thread
+
+    def _admission_loop(self) -> None:
+        """The submitted requests, in arrival order: tokenized here (the GIL released meanwhile, so
+        the reader and the caller's response threads go on) and sent to the core."""
+        while (item := self._admissions.get()) is not None:
+            self._admit_to(*item)
+        with self._admissions_lock:  # shut down: refuse what came in meanwhile (no longer accepting)
+            self._admissions_open = False
+        with contextlib.suppress(queue.Empty):
+            while True:
+                if (item := self._admissions.get_nowait()) is not None:
+                    self._admit_to(*item)
+
+    def _admit_to(self, request: GenerationRequest, sink: DeltaSink) -> None:
+        hop_trace.mark(request.request_id, "admitting")
         try:
             self._admit(request, sink=sink)
         except Exception as e:  # noqa: BLE001 - the sink maps it (InvalidRequest, EngineOverloaded, EngineDead)
-            sink.failed(e)
+            try:
+                sink.failed(e)
+            except Exception:  # noqa: BLE001 - a bug in the sink must not stop admission
+                log.exception("telling request %s's sink that it was refused failed", request.request_id)
 
     def _admit(self, request: GenerationRequest, **deliver) -> None:
         """Register `request` (its deltas go where `deliver` says: _FrontRequest's sink, or loop and
@@ -252,6 +287,7 @@ class CoreClient(EngineLifetime):
             await asyncio.sleep(0.05)
         self._stop_at = time.monotonic()
         self._stopping.set()
+        self._admissions.put(None)  # the admission thread refuses what is queued behind it, and ends
         self._send(Shutdown())  # the core aborts what is left (their streams end "abort") and exits
         if self._supervisor is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._supervisor.join, STOP_GRACE_S + 10)

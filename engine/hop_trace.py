@@ -10,10 +10,11 @@ output tokens so far (cumulative) at that hop, 0 before the first token; a token
 that of the hop's first mark holding it, so deltas merged on the way (several tokens in one
 response) still line up with the core's steps. Off, a mark costs one global read.
 
-The hops, in path order (HOPS): the client sends, Triton calls the model's `execute`, the front
-writes `AddRequest` to the core, the core reads it, the core writes the step's outputs, the front
-reads them, makes their text, hands them to a response thread, that thread starts the send
-(rendered) and the send returns (Triton took the response), the client receives it.
+The hops, in path order (HOPS): the client sends, Triton calls the model's `execute`, the front's
+admission thread takes the request (the core client's `submit`), tokenizes it and writes
+`AddRequest` to the core, the core reads it, the core writes the step's outputs, the front reads
+them, makes their text, hands them to a response thread, that thread starts the send (rendered)
+and the send returns (Triton took the response), the client receives it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import threading
 import time
 
 ENV = "DSV4_HOP_TRACE"
-HOPS = ("client_sent", "execute", "submitted", "core_received", "core_sent", "read", "detokenized", "handed",
+HOPS = ("client_sent", "execute", "admitting", "submitted", "core_received", "core_sent", "read", "detokenized", "handed",
         "send_began", "sent", "client_received")
 
 _prefix = os.environ.get(ENV) or None

@@ -50,7 +50,10 @@ class Tokenizer:
         return tok.get("content") if isinstance(tok, dict) else tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch_fast, not encode: the same ids without the character offsets nobody reads
+        # (~0.6x the time), and it runs with the GIL released, where encode holds it throughout, so
+        # the Triton stub's reader and response threads go on while a long prompt is tokenized
+        ids = self._tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and not text.startswith(self.bos_token or "\0"):
             ids = [self.bos_token_id, *ids]
         return ids

@@ -3,6 +3,7 @@
     python -m tools.profile_serving [--model DIR] [--users 32] [--requests 3] [--max-tokens 128]
     python -m tools.profile_serving --ttft [--requests 40] [--input-len 16] [--max-tokens 4]
     python -m tools.profile_serving --hops [--users 1] [--requests 20] [--input-len 16] [--max-tokens 64]
+                                   [--client-processes auto]
 
 Every streamed response is rendered (numpy + pb_utils tensors) and sent (IPC to the Triton
 process, a round trip) by the model's response threads, under the GIL the engine's loop also
@@ -24,13 +25,16 @@ the model's prefill time against: suite serving_ttft runs both.
 (engine/hop_trace.py): every hop of the path timed per token, from the client's send through Triton's
 `execute`, the front, the engine core and back through the response threads to the client
 (tools/hop_table.py), beside each thread's CPU per output token in the Triton stub (by the names
-engine/os_threads.py gives them), the server processes' CPU, and tokens per response.
+engine/os_threads.py gives them), the server processes' CPU, and tokens per response. The users run
+in `--client-processes` processes (auto: one per 16 users), and the busiest one's CPU is printed: near
+one core, the client, not the server, delayed what arrived.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import tempfile
@@ -43,11 +47,13 @@ from backend.process_tree import descendants
 from backend.serve import TritonServer
 from client.grpc import GrpcClient
 from engine import hop_trace
+from loadtest import saturation
 from loadtest.scrape import SETTLE_S, delta, metric, metrics_text, scrape
 from loadtest.workloads import WorkloadConfig, make_workload
 from tools import hop_table
 
 WARMUP_REQUESTS = 3  # the first requests pay one-time costs (a stream, caches)
+CLIENT_TIMEOUT_S = 900.0  # --hops: a client process that died leaves the level failing, not hung
 
 
 def run(server: TritonServer, users: int, requests: int, max_tokens: int) -> dict:
@@ -155,22 +161,24 @@ def server_cpu(server: TritonServer) -> dict:
     return {"processes": processes, "stub_threads": dict(threads)}
 
 
-def hops(server: TritonServer, users: int, requests: int, input_len: int, max_tokens: int, model: str | None,
-         trace_prefix: str) -> dict:
-    """Every user sends WARMUP_REQUESTS, then `requests` timed ones, one after another; each request's
-    client marks join the server's by its id."""
+def _hop_client(url: str, level: int, first: int, users: int, requests: int, input_len: int, max_tokens: int,
+                model: str | None, start, results) -> None:
+    """One client process: users first..first+users-1 (threads), each WARMUP_REQUESTS requests, then
+    at `start` (a barrier of every user and the parent) `requests` timed ones, one after another.
+    Puts (client marks by request id, errors, this process's CPU seconds after `start`) on `results`."""
     workload = make_workload(WorkloadConfig(tokenizer=model or "", input_len=str(input_len)))
     client_marks: dict[str, list] = {}
     errors: list[str] = []
-    start = threading.Barrier(users + 1)
+    cpu_from = []
 
     def user(i: int) -> None:
         session = workload.session(i)
-        with GrpcClient(server.grpc_url) as client:
+        with GrpcClient(url) as client:
             for r in range(WARMUP_REQUESTS + requests):
                 if r == WARMUP_REQUESTS:
                     start.wait()
-                rid, prompt = f"hops{users}-{i}-{r}", session.next_request().prompt
+                    cpu_from.append(time.process_time())
+                rid, prompt = f"hops{level}-{i}-{r}", session.next_request().prompt
                 marks, tokens = [("client_sent", 0, time.monotonic())], 0
                 try:
                     for d in client.generate_stream(prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True,
@@ -182,15 +190,41 @@ def hops(server: TritonServer, users: int, requests: int, input_len: int, max_to
                 if r >= WARMUP_REQUESTS:
                     client_marks[rid] = marks
 
-    threads = [threading.Thread(target=user, args=(i,)) for i in range(users)]
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(first, first + users)]
     for t in threads:
         t.start()
-    start.wait()
-    cpu_before, t0, client_cpu = server_cpu(server), time.perf_counter(), time.process_time()
     for t in threads:
         t.join()
+    results.put((client_marks, errors, time.process_time() - min(cpu_from, default=0.0)))
+
+
+def hops(server: TritonServer, users: int, requests: int, input_len: int, max_tokens: int, model: str | None,
+         trace_prefix: str, processes: int | None = None) -> dict:
+    """Every user sends WARMUP_REQUESTS, then `requests` timed ones, one after another, from
+    `processes` client processes (None: one per saturation.USERS_PER_PROCESS users): one process of
+    many streaming threads is itself the limit well before the server (its GIL), and its delays
+    would show as the server's sent -> client_received. Each request's client marks join the
+    server's by its id (CLOCK_MONOTONIC: one clock for every process on the host)."""
+    processes = min(users, processes or saturation.auto_processes(users))
+    ctx = multiprocessing.get_context("spawn")
+    start, results = ctx.Barrier(users + 1, timeout=CLIENT_TIMEOUT_S), ctx.Queue()
+    shares = [users // processes + (p < users % processes) for p in range(processes)]
+    clients = [ctx.Process(target=_hop_client, args=(server.grpc_url, users, sum(shares[:p]), n, requests, input_len,
+                                                     max_tokens, model, start, results), daemon=True)
+               for p, n in enumerate(shares)]
+    for client in clients:
+        client.start()
+    start.wait()
+    cpu_before, t0 = server_cpu(server), time.perf_counter()
+    client_marks, errors, process_cpu = {}, [], []
+    for _ in clients:
+        marks, failed, cpu_s = results.get(timeout=CLIENT_TIMEOUT_S)
+        client_marks.update(marks)
+        errors += failed
+        process_cpu.append(cpu_s)
     wall, cpu_after = time.perf_counter() - t0, server_cpu(server)
-    client_cpu = time.process_time() - client_cpu
+    for client in clients:
+        client.join()
     server_marks = {rid.rsplit("-", 1)[0]: m for rid, m in hop_table.load(trace_prefix).items()}
     per_request, gaps, responses, tokens = [], [], 0, 0
     for rid, marks in client_marks.items():
@@ -205,7 +239,9 @@ def hops(server: TritonServer, users: int, requests: int, input_len: int, max_to
                    if name in cpu_after[kind]} for kind in cpu_before}
     return {"users": users, "requests": len(per_request), "errors": len(errors), "wall_s": wall,
             "output_tokens": tokens, "tokens_per_response": tokens / responses if responses else None,
-            "client_cpu_cores": client_cpu / wall,  # near 1: the client (one process, one GIL) was the limit
+            "client_processes": processes,
+            "client_cpu_cores": sum(process_cpu) / wall,
+            "client_busiest_process_cores": max(process_cpu) / wall,  # near 1: a client process (its GIL) was the limit
             "client_gap_ms": hop_table.stats(gaps), **hop_table.table(per_request),
             "cpu_us_per_token": {kind: {name: s / tokens * 1e6 for name, s in v.items() if s > 0}
                                  for kind, v in used.items()} if tokens else {}}
@@ -214,7 +250,8 @@ def hops(server: TritonServer, users: int, requests: int, input_len: int, max_to
 def _print_hops(r: dict) -> None:
     print(f"users {r['users']}, {r['requests']} requests, {r['errors']} errors, {r['output_tokens']} output tokens "
           f"in {r['wall_s']:.1f} s; tokens per response {r['tokens_per_response'] or 0:.2f}; client gap between "
-          f"responses p50 {r['client_gap_ms'].get('p50', 0):.2f} ms; client CPU {r['client_cpu_cores']:.2f} cores")
+          f"responses p50 {r['client_gap_ms'].get('p50', 0):.2f} ms; client CPU {r['client_cpu_cores']:.2f} cores in "
+          f"{r['client_processes']} processes (busiest {r['client_busiest_process_cores']:.2f})")
     hop_table.print_table(r)
     for kind, rows in r["cpu_us_per_token"].items():
         print(f"\n{kind}: CPU us per output token")
@@ -232,6 +269,8 @@ def main() -> None:
     ap.add_argument("--ttft", action="store_true", help="one user's TTFT: client against model (see above)")
     ap.add_argument("--hops", action="store_true", help="every hop of the path per token (see above)")
     ap.add_argument("--input-len", type=int, default=16, help="--ttft, --hops: prompt tokens")
+    ap.add_argument("--client-processes", default="auto", type=saturation.parse_processes,
+                    help="--hops: client processes per level ('auto': one per 16 users)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     a.requests = a.requests or (40 if a.ttft else 20 if a.hops else 3)
@@ -245,7 +284,7 @@ def main() -> None:
                              startup_timeout_s=600) as server:
         if a.hops:
             r = {"levels": [hops(server, users, a.requests, a.input_len, a.max_tokens, a.model,
-                                 f"{os.environ[hop_trace.ENV]}") for users in levels]}
+                                 f"{os.environ[hop_trace.ENV]}", a.client_processes) for users in levels]}
         elif a.ttft:
             r = ttft(server, a.requests, a.input_len, a.max_tokens, a.model)
         else:

@@ -15,7 +15,14 @@ import pytest
 from engine.core_client import CoreClient
 from engine.interface import pump
 from engine.llm import AsyncLLM
-from engine.request import GenerationRequest, InvalidRequest, RequestFailed, RequestOutput, SamplingParams
+from engine.request import (
+    EngineDead,
+    GenerationRequest,
+    InvalidRequest,
+    RequestFailed,
+    RequestOutput,
+    SamplingParams,
+)
 
 ARGS = {"max_model_len": 256, "dtype": "float32", "enable_prefix_caching": False}
 
@@ -138,11 +145,13 @@ class _Sink:
 
     def failed(self, error):
         self.errors.append(error)
+        self.threads.add(threading.current_thread().name)
         self.done.set()
 
 
 def test_submit_hands_each_steps_delta_to_the_sink_on_the_reader_thread_with_the_event_loop_stuck():
-    """The Triton model's way in and out: no event loop between the core's step and the sink, no
+    """The Triton model's way in and out: the caller only queues the request (the admission thread
+    tokenizes and sends it), no event loop between the core's step and the sink, no
     waiting to gather steps. The client's loop is held still for the whole request; every token
     still arrives, one delta per step, as `add` streams them."""
     loop = asyncio.new_event_loop()
@@ -152,6 +161,10 @@ def test_submit_hands_each_steps_delta_to_the_sink_on_the_reader_thread_with_the
     on_loop = lambda coro: asyncio.run_coroutine_threadsafe(coro, loop).result(120)
     try:
         on_loop(engine.start())
+        encoded_on = []  # the threads that tokenized: never the caller's (Triton's execute thread)
+        encode = engine.tokenizer.encode
+        engine.tokenizer.encode = lambda text, **kw: encoded_on.append(threading.current_thread().name) or \
+            encode(text, **kw)
         sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         stuck = threading.Event()
         loop.call_soon_threadsafe(stuck.wait, 120)
@@ -170,6 +183,12 @@ def test_submit_hands_each_steps_delta_to_the_sink_on_the_reader_thread_with_the
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
     assert delivered and not sink.errors and sink.threads == {"dsv4-core-supervisor"}
+    # "direct" and "broken" ("empty" is refused before it; "through-add" on the loop)
+    assert encoded_on.count("dsv4-admission") == 2 and threading.main_thread().name not in encoded_on
+    assert refused.threads == {"dsv4-admission"}
+    late = _Sink()  # after the shutdown: refused at once, not left in a queue nobody reads
+    engine.submit(GenerationRequest("late", prompt="Hello", sampling=sp), late, loop)
+    assert late.done.is_set() and [type(e) for e in late.errors] == [EngineDead]
     assert [len(o.token_ids) for o in sink.outputs] == [1] * 12  # each step's token on its own
     assert _joined(sink.outputs)[:-1] == _joined(streamed)[:-1]
     assert refused.done.is_set() and [type(e) for e in refused.errors] == [InvalidRequest]
