@@ -158,12 +158,14 @@ _DECODE_BLOCK_M = sorted(set.intersection(*(set(tiles) for tiles in MOE_DECODE.v
 # (below the first, the first's); rows None: the grouped path never wins there. Written from suite
 # moe_dispatch's fit (tools/bench_moe_prefill.py --rows-per-expert, which prints the entry). MXFP4 at 16 experts:
 # docs/perf/h200-2026-12-03-s10/moe_prefill.json (0.80x the fused kernels at 96 rows per expert, 1.25x at 192,
-# 2.1x at 768); 64 / 128 / 256 experts hold the 16-expert value until moe_dispatch has measured them; FP8's is
-# the MXFP4 value, bf16 experts' reasoned (the grouped GEMM reads them as stored, no unpack to repay).
+# 2.1x at 768; the H100's fit says 256); 64 / 128 / 256 experts: suite moe_dispatch on the H100
+# (docs/perf/h100-2026-12-06b/moe_dispatch.json: grouped 1.05-1.31x at 192 rows per expert, ~2x at 512); FP8's is
+# the MXFP4 value, bf16 experts' reasoned (the grouped GEMM reads them as stored, no unpack to repay). Past 32
+# experts MOE_GROUPED_MAX_BYTES keeps calls on the fused kernels whatever the rows.
 MOE_GROUPED_MIN_ROWS: dict[str, tuple[tuple[int, int | None], ...]] = {
     "dense": ((1, 32),),
     "fp8": ((1, 160),),
-    "mxfp4": ((16, 160), (64, 160), (128, 160), (256, 160)),
+    "mxfp4": ((16, 160), (64, 192), (128, 192), (256, 192)),
 }
 MOE_GROUPED_MAX_BYTES = 512 << 20
 
