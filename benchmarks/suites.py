@@ -334,7 +334,7 @@ SUITE_LIST = [
           "the acceptance gate off (the raw overhead) and on (as served), and forced (~1) drafts with it on?",
           (checkpoint(DSPARK_CKPT, "flash-depth", "--layout", "0731"),
            Step("tools.bench_spec", ("--method", "dspark", "--model", DSPARK_CKPT, "--batches", "1,8,32",
-                                     "--input-len", "512", "--output-len", "32", "--reps", "5", "--engine-args", SPEC),
+                                     "--input-len", "512", "--output-len", "128", "--reps", "5", "--engine-args", SPEC),
                 timeout_s=420)),
           notes="verify, rollback and drafter steps replay CUDA graphs (engine/spec/dspark_graphs.py); the micro "
                 "times verify_k*_ms / draft_ms as graphs and *_eager_ms eagerly; stage_row_ms (the MTP proxy) as a "

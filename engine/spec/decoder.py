@@ -305,7 +305,7 @@ class SpecDecoder:
             a = accepted[i]
             out[id(s)] = list(zip(tokens[i][:a + 1], logprob[i][:a + 1]))
             if self.gate is not None:
-                self.gate.verified(s.request_id, a + 1)
+                self.gate.verified(s, a + 1)
             self.counters["spec_decode_num_drafts"] += 1
             self.counters["spec_decode_num_draft_tokens"] += nd[i]
             self.counters["spec_decode_num_accepted_tokens"] += a
@@ -449,7 +449,7 @@ class SpecDecoder:
         -> a function that sets the drafts as spec_token_ids (the graph's read-back waits there)."""
         items, rows, where = self._catch_up(batch, nxt)
         drafting = [d for d in self._wanted(items)
-                    if self.gate.drafts(items[d[0]][0].request_id, id(items[d[0]][0]) in verified)]
+                    if self.gate.drafts(items[d[0]][0], id(items[d[0]][0]) in verified)]
         if len(self.gate.tracks) > 2 * len(self.engine.requests) + 64:
             self.gate.forget(self.engine.requests)
         if graphs is not None and items:  # the keys are written even when nobody drafts

@@ -20,7 +20,7 @@ sampling keeps the target distribution.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MEAN_WEIGHT = 0.5  # the running mean's weight on the newest verify: four failed verifies of a new sequence reach 1.3
 
@@ -30,26 +30,27 @@ class _Track:
     mean: float  # running mean of tokens emitted per verify
     wait: int = 0  # steps left without drafts (0: drafts this step, verifies the next)
     backoff: int = 0  # the next back-off's length
+    seq: object = field(default=None, repr=False)  # whose record: a later request reusing the id starts afresh
 
 
 class AcceptanceGate:
     def __init__(self, k: int, min_length: float, backoff: int, max_backoff: int):
         """k: drafts per verify (a verify emits at most k + 1 tokens); min_length 0: always draft."""
         self.k1, self.min_length, self.backoff, self.max_backoff = k + 1, min_length, backoff, max_backoff
-        self.tracks: dict[str, _Track] = {}  # request id -> its record
+        self.tracks: dict[str, _Track] = {}  # request id -> its record (the sequence's, see _Track.seq)
         self.backoffs = 0  # times a sequence stopped verifying (or a probe failed)
 
-    def _track(self, request_id: str) -> _Track:
-        t = self.tracks.get(request_id)
-        if t is None:
-            t = self.tracks[request_id] = _Track(float(self.k1), 0, self.backoff)
+    def _track(self, seq) -> _Track:
+        t = self.tracks.get(seq.request_id)
+        if t is None or t.seq is not seq:
+            t = self.tracks[seq.request_id] = _Track(float(self.k1), 0, self.backoff, seq)
         return t
 
-    def verified(self, request_id: str, tokens: int) -> None:
+    def verified(self, seq, tokens: int) -> None:
         """A verify of this sequence emitted `tokens` (accepted drafts + 1)."""
         if not self.min_length:
             return
-        t = self._track(request_id)
+        t = self._track(seq)
         t.mean += MEAN_WEIGHT * (tokens - t.mean)
         if t.mean >= self.min_length:
             t.backoff = self.backoff  # paying off (again): the next failure starts from the first back-off
@@ -57,12 +58,12 @@ class AcceptanceGate:
         t.wait, t.backoff = t.backoff, min(2 * t.backoff, self.max_backoff)
         self.backoffs += 1
 
-    def drafts(self, request_id: str, verified: bool) -> bool:
+    def drafts(self, seq, verified: bool) -> bool:
         """At the end of a step: does this sequence draft a block for the next step? verified: it
         verified drafts this step (verified() has been told how many were accepted)."""
         if not self.min_length:
             return True
-        t = self._track(request_id)
+        t = self._track(seq)
         if t.wait and not verified:
             t.wait -= 1
         return t.wait == 0
