@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.models.deepseek_v4.dspark import DSparkDrafter, Drafts
+from engine.models.deepseek_v4.dspark import Drafts, DSparkDrafter
 
 
 def gated_lengths(d: Drafts, threshold: float) -> torch.Tensor:
