@@ -61,6 +61,8 @@ class Records:
 
     def add(self, path: str, value) -> None:
         if isinstance(value, torch.Tensor):
+            if not value.numel():  # a prefill chunk short of its prompt's end: no logits (its KV shows later)
+                return
             value = value.detach().float().cpu().clone()
         self.by_path.setdefault(path, []).append(value)
 
@@ -196,17 +198,23 @@ def mixed_aside(runner):
 
 
 def script(eng: LLMEngine, rec: Records, batches: list[int], decode_steps: int = 3) -> dict[str, list[int]]:
-    """The same greedy requests, added at the same steps: a long prompt alone through the mixed-step graphs
-    (then dropped), one alone in eager steps (chunked), one more in mixed steps, then more requests until
+    """The same greedy requests, added at the same steps: prompts() through the mixed-step graphs (then
+    dropped), again in eager steps (no drafter), one more in mixed steps, then more requests until
     each batch of `batches` decodes for decode_steps steps. -> each request's sampled tokens."""
     budget, vocab = eng.args.max_num_batched_tokens, eng.cfg.vocab_size
     sp = SamplingParams(max_tokens=eng.max_model_len // 2, temperature=0, ignore_eos=True)
     seqs, added = {}, iter(range(1 << 20))
 
-    def add(n: int, length: int) -> None:
+    def add(n: int, length: int, params: SamplingParams = sp) -> None:
         for p in random_prompts(n, length, vocab, seed=len(seqs)):
             rid = f"pdl-{next(added)}"
-            seqs[rid] = eng.add_request(GenerationRequest(rid, prompt_token_ids=p, sampling=sp))
+            seqs[rid] = eng.add_request(GenerationRequest(rid, prompt_token_ids=p, sampling=params))
+
+    def prompts() -> None:
+        """A prompt of half a step, done after its prefill (so the first step's logits), and one of two steps
+        beside it (then its later chunks alone)."""
+        add(1, budget // 2, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        add(1, 2 * budget)
 
     def prefill_then(steps: int) -> None:
         while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
@@ -218,12 +226,16 @@ def script(eng: LLMEngine, rec: Records, batches: list[int], decode_steps: int =
     spec = eng.spec is not None
     decode = decode_steps * (3 if spec else 1)  # speculative: enough steps to verify, roll back and back off
     if not spec:  # prefill chunks through the mixed-step graphs, nothing decoding beside them
-        add(1, budget + budget // 2)
+        prompts()
         prefill_then(0)
-        eng.abort(next(iter(seqs)))
+        for rid in list(eng.requests):
+            eng.abort(rid)
         eng.flush()
-    with mixed_aside(eng.runner):  # eager: the first chunk, then later ones
-        add(1, budget + budget // 2 if not spec else budget // 2)
+    with mixed_aside(eng.runner):  # eager: first chunks, then later ones
+        if spec:
+            add(1, budget // 2)
+        else:
+            prompts()
         prefill_then(decode)
     if not spec:  # a prefill beside a decode
         add(1, budget // 2 + 7)
