@@ -41,6 +41,7 @@ HEALTH_INTERVAL_S = 2.0
 NATIVE_ONLY_ARGS = {
     "device": None,
     "kernels": None,
+    "pdl": None,
     "cudagraph_mode": "compilation_config",
     "max_waiting_requests": "max_num_queued_reqs",
     "max_stop_strings": None,

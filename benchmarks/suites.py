@@ -19,14 +19,16 @@ DEPTH_CKPT = "{ckpt}/flash-depth-fp8-fp4"
 SWITCH_CKPT = "{{ckpt}}/flash-depth-e{e}-fp8-fp4"  # one per expert count, removed after its step
 SWITCHES = DEPTH[:-1] + ',"cudagraph_mode":"FULL_DECODE_ONLY"}'  # decode graphs only: no mixed-step captures to wait for
 DSPARK_CKPT = "{ckpt}/flash-depth-0731-fp8-fp4"  # V4-Flash depth with 0731's DSpark stages (16 experts)
+SHAPED_CKPT = "{ckpt}/flash-shaped-fp8-fp4"  # V4-Flash's layers, 4 of them, as shipped (FP8 + MXFP4)
+SHAPED_0731_CKPT = "{ckpt}/flash-shaped-0731-fp8-fp4"  # the same with 0731's DSpark stages
 TRITON_SWEEP = ("--serve", "--driver", "threads", "--protocol", "grpc", "--stop-timeout", "20", "--out", "{out}")
 
 
-def checkpoint(path: str, preset: str, *extra: str) -> Step:
-    """Draw a random checkpoint on the GPU unless it is there already."""
+def checkpoint(path: str, preset: str, *extra: str, name: str = "checkpoint") -> Step:
+    """Draw a random checkpoint on the GPU unless it is there already (name: the step's, where a suite draws two)."""
     return Step("tools.make_tiny_checkpoint", (path, "--preset", preset, "--quant", "fp8-fp4", "--device", "cuda",
                                                *extra),
-                name="checkpoint", json_flag=None, unless_exists=f"{path}/config.json", timeout_s=300)
+                name=name, json_flag=None, unless_exists=f"{path}/config.json", timeout_s=300)
 
 
 def sweep(label: str, model: str, engine_args: str, *extra: str, timeout_s: int = 400) -> Step:
@@ -159,6 +161,14 @@ SUITE_LIST = [
            Step("tools.bench_decode_switches", ("--model", SWITCH_CKPT.format(e=64), "--configs", "base,pdl,fuse,all",
                                                 "--engine-args", SWITCHES, "--label", "e64"), name="e64",
                 then_remove="flash-depth-e64-*", timeout_s=400))),
+    Suite("pdl_paths", "With programmatic dependent launch on, does every served path give what it gives with PDL "
+          "off, bit for bit (prefill eager and chunked, mixed-step graphs, decode graphs at batch 1 / 8 / 32, MTP "
+          "verify / rollback / draft graphs, DSpark verify / plain-step / drafter / rollback graphs, sampled "
+          "tokens)? Passing it is what lets the `pdl` engine argument default to auto.",
+          (checkpoint(SHAPED_CKPT, "flash-shaped"), checkpoint(SHAPED_0731_CKPT, "flash-shaped", "--layout", "0731",
+                                                               name="checkpoint_0731"),
+           Step("tools.check_pdl_paths", ("--model", SHAPED_CKPT, "--dspark-model", SHAPED_0731_CKPT),
+                timeout_s=420))),
     Suite("pdl_chain", "What does programmatic dependent launch save per kernel boundary on this GPU, eagerly and "
           "in a CUDA graph, with and without a weight prefetch before the wait?",
           (Step("tools.bench_pdl", (), timeout_s=150),)),

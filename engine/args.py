@@ -19,6 +19,7 @@ class InvalidEngineArgs(ValueError):
 CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")
 ENGRAM_TABLES = ("auto", "device", "host", "mmap")
 CHUNK_BUDGETS = ("fixed", "adaptive")
+PDL_MODES = ("auto", "on", "off")  # kernels/pdl.py's MODES (not imported: this module stays free of Triton)
 _RENAMED = {"swa_decoder_replay": "swa_decoder_trim"}  # earlier names model.json files may still carry
 
 
@@ -67,6 +68,9 @@ class EngineArgs:
     # auto | ref | rounded (the references rounding as the kernels store: a float32 model) | fused (the kernels
     # on any device: on the CPU under TRITON_INTERPRET=1, for tests)
     kernels: str = "auto"
+    # programmatic dependent launch for the decode kernels (kernels/pdl.py): auto (on where the GPU and Triton
+    # support it: sm_90+), on, off; DSV4_PDL=1 / 0 overrides it. Off until suite pdl_paths passes on the GPU
+    pdl: str = "off"
     # one host's GPUs (docs/PARALLEL.md): attention heads split over tensor_parallel_size ranks,
     # experts too with enable_expert_parallel (else each expert's intermediate slice); gloo on CPU
     tensor_parallel_size: int = 1
@@ -123,6 +127,7 @@ class EngineArgs:
             (self.max_waiting_requests >= 0, "max_waiting_requests must be >= 0"),
             (self.step_timeout_s >= 0, "step_timeout_s must be >= 0 (0: no step watchdog)"),
             (self.kernels in ("auto", "ref", "rounded", "fused"), "kernels must be 'auto', 'ref', 'rounded' or 'fused'"),
+            (self.pdl in PDL_MODES, f"pdl must be one of {PDL_MODES}"),
             (self.cudagraph_mode in CUDAGRAPH_MODES, f"cudagraph_mode must be one of {CUDAGRAPH_MODES}"),
             (self.engram_tables in ENGRAM_TABLES, f"engram_tables must be one of {ENGRAM_TABLES}"),
             (self.core_restart_limit >= 0, "core_restart_limit must be >= 0"),

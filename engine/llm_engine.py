@@ -6,6 +6,7 @@ llm.py wraps it: `LLM` for offline use, `AsyncLLM` (the step loop in its own thr
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from dataclasses import dataclass, field
@@ -35,9 +36,11 @@ from engine.spec.decoder import SpecDecoder
 from engine.structured_output import GrammarCompiler
 from engine.tokenizer import Tokenizer
 from engine.tp_workers import TensorParallelWorkers
+from kernels import pdl
 
 CPU_KV_BYTES = 256 << 20  # default KV budget on CPU
 ITERATION_TOKEN_BUCKETS = 21  # powers of two up to 2^20 tokens a step; larger steps count in the last
+log = logging.getLogger("deepseek.engine")
 
 
 @dataclass
@@ -73,6 +76,8 @@ class LLMEngine:
         model_dir = resolve_model_dir(args.model)
         self.device = torch.device(
             ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+        self.pdl = pdl.configure(args.pdl, self.device)  # before any capture: graphs keep what they were captured with
+        log.info("programmatic dependent launch (pdl=%s): %s", args.pdl, "on" if self.pdl else "off")
         family = registry.family(model_dir).Model
         if args.tensor_parallel_size > 1 and not family.supports_tensor_parallel:
             raise InvalidEngineArgs(f"tensor_parallel_size > 1 is not supported for {family.__name__} checkpoints yet")

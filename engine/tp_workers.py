@@ -199,11 +199,13 @@ def worker_main(raw_args: dict, model_dir: str, kind: str, rank: int, port: int,
         from engine.llm_engine import family_load_args
         from engine.models.registry import load_model
         from engine.runner import ModelRunner
+        from kernels import pdl
 
         args = EngineArgs(**raw_args)
         kernels.set_backend(args.kernels)
         _join_group(kind, rank, args.tensor_parallel_size, port)
         device = _device(kind, rank)
+        pdl.configure(args.pdl, device)  # as rank 0's
         if kind == "cpu":  # the ranks share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tensor_parallel_size))
         tp = TensorParallel(rank, args.tensor_parallel_size, args.enable_expert_parallel)

@@ -7,10 +7,12 @@ visible) before it reads or writes anything a predecessor touches, so every kern
 `PDL` constexpr calls `wait_and_release(PDL)` before its first dependent access; the release right
 after lets the next kernel be scheduled once every program here has passed its wait.
 
-One switch for all of them: `DSV4_PDL=1` (or `set_enabled(True)`); off by default until the decode
-suites measure it faster on the H200 (suites `pdl_chain`, `decode_switches`). On the CPU (the
-interpreter) and before sm_90 the kernels never see PDL=True, so the wait is compiled out. A CUDA
-graph captured from PDL launches keeps them as programmatic edges (CUDA >= 12.3 stream capture).
+One switch for all of them: the engine argument `pdl` (auto | on | off, `configure`), or `DSV4_PDL=1` /
+`DSV4_PDL=0`, which overrides the argument (experiments), or `set_enabled` (tools). `auto` is on where PDL
+can run (`available`: a CUDA device of sm_90 or later, compiled kernels, a Triton that launches with it).
+On the CPU (the interpreter) and before sm_90 the kernels never see PDL=True, so the wait is compiled out.
+A CUDA graph captured from PDL launches keeps them as programmatic edges (CUDA >= 12.3 stream capture);
+suite `pdl_paths` (tools/check_pdl_paths.py) checks every served graph path gives the same logits with it.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-_enabled = os.environ.get("DSV4_PDL", "0") == "1"
+MODES = ("auto", "on", "off")
+ENV = "DSV4_PDL"  # "1" / "0": overrides the engine argument (experiments)
+_enabled = os.environ.get(ENV, "0") == "1"
 
 
 def set_enabled(on: bool) -> None:
@@ -38,6 +42,37 @@ def enabled() -> bool:
 @functools.cache
 def _supported(device: int) -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def launchable() -> bool:
+    """Whether this Triton can launch with PDL and wait on the grid dependency (Triton >= 3.4)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl.extra.cuda, "gdc_wait")
+
+
+def available(device: torch.device) -> bool:
+    """Whether kernels on `device` can launch with PDL: CUDA, sm_90 or later, not the interpreter, a Triton
+    that launches with it."""
+    if device.type != "cuda":
+        return False
+    return _supported(device.index if device.index is not None else torch.cuda.current_device()) and launchable()
+
+
+def configure(mode: str, device: torch.device) -> bool:
+    """The engine argument `pdl` applied (auto: `available`), unless DSV4_PDL says otherwise; -> whether
+    the decode kernels now launch with PDL (on a device without it, "on" still launches plain: `on`)."""
+    if mode not in MODES:
+        raise ValueError(f"pdl must be one of {MODES}, not {mode!r}")
+    forced = os.environ.get(ENV)
+    if forced in ("0", "1"):
+        want = forced == "1"
+    else:
+        want = mode == "on" or (mode == "auto" and available(device))
+    set_enabled(want)
+    return want and available(device)
 
 
 def on(t: torch.Tensor) -> bool:

@@ -27,3 +27,28 @@ def test_chain_matches_torch(w_cols, prefetch):
     out = chain.run(pdl=False, prefetch=prefetch)
     assert torch.allclose(out, chain.expected(), rtol=1e-4, atol=1e-3)
     assert not torch.allclose(out, chain.x0, atol=0.5)  # the links add
+
+
+def test_engine_argument_modes_and_env_override(monkeypatch):
+    """`pdl`: auto is off where PDL cannot run (the CPU), on / off as told, DSV4_PDL overrides; a bad value is
+    refused with the choices."""
+    from engine.args import EngineArgs, InvalidEngineArgs
+
+    cpu = torch.device("cpu")
+    assert EngineArgs().pdl == "off" and not pdl.available(cpu)
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    try:
+        assert pdl.configure("auto", cpu) is False and not pdl.enabled()
+        assert pdl.configure("on", cpu) is False and pdl.enabled()  # switched on, yet a CPU launch stays plain
+        monkeypatch.setenv(pdl.ENV, "0")
+        assert pdl.configure("on", cpu) is False and not pdl.enabled()
+        monkeypatch.setenv(pdl.ENV, "1")
+        pdl.configure("off", cpu)
+        assert pdl.enabled()
+        with pytest.raises(ValueError, match="pdl must be one of"):
+            pdl.configure("yes", cpu)
+    finally:
+        pdl.set_enabled(False)
+    with pytest.raises(InvalidEngineArgs, match=r"pdl must be one of \('auto', 'on', 'off'\)"):
+        EngineArgs.from_dict({"pdl": "always"})
+    assert EngineArgs.from_dict({"pdl": "auto"}).pdl == "auto"
