@@ -135,7 +135,8 @@ def test_greedy_equals_plain_with_chunked_prefill_and_preemption(ckpt):
     assert eng.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
-def test_prefix_cache_hit_with_bounded_replay(ckpt):
+@pytest.mark.parametrize("async_scheduling", [False, True])  # True: held-back plain steps in flight over the hit
+def test_prefix_cache_hit_with_bounded_replay(ckpt, async_scheduling):
     """The second request hits the first's cached blocks; bounded replay's rows rebuild the
     drafter's window of main context; greedy tokens equal the plain engine's with the same hit."""
     prefix = _prompts(4096, seed=3, lengths=(40,))[0]
@@ -143,7 +144,7 @@ def test_prefix_cache_hit_with_bounded_replay(ckpt):
     outs = []
     for spec in (None, DSPARK):
         llm = LLM(str(ckpt["tiny"]), dtype="float64", max_model_len=256, enable_prefix_caching=True,
-                  speculative_config=spec)
+                  speculative_config=spec, async_scheduling=async_scheduling)
         first = llm.generate([prefix + [7, 8, 9]], sp)[0].token_ids
         second = llm.generate([prefix + [10, 11]], sp)[0].token_ids
         st = llm.engine.stats()
@@ -151,6 +152,7 @@ def test_prefix_cache_hit_with_bounded_replay(ckpt):
         outs.append((first, second))
     assert outs[0] == outs[1]
     assert st["spec_decode_num_drafts"] > 4
+    assert (llm.engine.spec.step_paths["plain_async"] > 4) == async_scheduling
 
 
 def test_cached_context_keys_draft_as_the_main_context_rows(ckpt):
