@@ -328,7 +328,7 @@ class LLMEngine:
         bucket[0] += 1
         bucket[1] += tokens
         if self.spec is not None and self.spec.wants(scheduled):
-            return self.spec.step(scheduled)  # speculative steps run eagerly and synchronously
+            return self.spec.step(scheduled)  # synchronous, but for DSpark's held-back plain steps (stay in flight)
         outputs = []
         if self.pending is not None and self.flush_before_eager and not self.runner.replays_graph(scheduled):
             # an eager step (prefill chunks) costs the host more than a GPU step: launching it first

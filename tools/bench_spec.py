@@ -459,9 +459,10 @@ def main_dspark(args, model: str, engine_args: dict) -> None:
     print(f"\nend to end, k={spec.k}, decode tok/s after the prefills; own = DSpark's drafts (random weights: acceptance ~0) "
           "with the acceptance gate off (raw: every step verifies and rolls back) and on (gated: as served); forced = "
           "drafts replayed from the raw run's outputs, gate on; plain steps = speculative steps that verified nothing; "
-          "graph = the gated run's verify graphs / plain-step graphs / all steps")
+          "graph = the gated run's verify graphs / plain-step graphs / all steps; async = of its plain steps, those left "
+          "in flight (async scheduling: every sequence held back by the gate)")
     print(f"{'batch':>5} {'plain':>8} {'raw':>8} {'overhead':>8} {'gated':>8} {'overhead':>8} {'plain st':>8} "
-          f"{'backoffs':>8} {'forced':>8} {'acc':>5} {'speed-up':>8} {'=plain':>6} {'graph':>14}")
+          f"{'backoffs':>8} {'forced':>8} {'acc':>5} {'speed-up':>8} {'=plain':>6} {'graph':>14} {'async':>5}")
     for b in args.batches:
         r = end_to_end(eng, spec, b, args.input_len, args.output_len, own="dspark")
         p = r["dspark_step_paths"]
@@ -470,8 +471,8 @@ def main_dspark(args, model: str, engine_args: dict) -> None:
               f"{r['dspark_tok_s']:>8.1f} {100 * r['dspark_overhead']:>7.1f}% {r['dspark_steps_without_verify']:>8} "
               f"{r['dspark_backoffs']:>8} {r['forced_tok_s']:>8.1f} {r['forced_acceptance']:>5.2f} "
               f"{r['forced_speedup']:>8.2f} {r['dspark_same_as_plain']:>6} "
-              f"{p['verify_graph']:>4}/{p['plain_graph']:<4}/{p['verify_graph'] + p['plain_graph'] + p['verify_eager']:<4}",
-              flush=True)
+              f"{p['verify_graph']:>4}/{p['plain_graph']:<4}/{p['verify_graph'] + p['plain_graph'] + p['verify_eager']:<4} "
+              f"{p['plain_async']:>5}", flush=True)
         dump()
 
 

@@ -36,10 +36,13 @@ def capture_buckets(buckets: list[int], make, forward, pool, capture_fn=capture)
     return out
 
 
-def replay_bucket(bk, forward) -> None:
+def replay_bucket(bk, forward, fill=None) -> None:
     """One step of a bucket from capture_buckets: its packed staging to the device (one copy), then the
-    graph's replay, or forward(bk) eagerly where nothing was captured (the CPU, no pool)."""
+    graph's replay, or forward(bk) eagerly where nothing was captured (the CPU, no pool). fill(): writes
+    what the host did not know into the copied batch (tokens of a step still in flight)."""
     bk.flat.copy_(bk.staging, non_blocking=True)
+    if fill is not None:
+        fill()
     if bk.graph is None:
         forward(bk)
     else:

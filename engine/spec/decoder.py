@@ -31,7 +31,12 @@ async scheduling). A speculative step in which every sequence decodes replays a 
 then a draft graph per batch bucket when decode graphs are captured: the MTP's
 (engine/spec/verify_graphs.py, engine/spec/draft_graphs.py), or DSpark's, whose verify graphs also
 leave the target features (engine/spec/dspark_graphs.py); others (prefill chunks in the batch) run
-eagerly (step_paths counts both). Either way the step reads back before the next one is scheduled.
+eagerly (step_paths counts both). Either way the step reads back before the next one is scheduled,
+except DSpark's steps that verify nothing and after which nobody drafts (every speculating sequence
+held back by the acceptance gate, host state known before the step): under async scheduling such a
+step stays in flight as a plain decode step does (its greedy tokens on the device for the next
+step's inputs; step_paths' plain_async), and the first step that verifies or drafts again reads it
+back first.
 """
 
 from __future__ import annotations
@@ -40,12 +45,14 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
 from engine.args import InvalidEngineArgs
 from engine.forward_batch import ForwardBatch
 from engine.graphs.capture import capture
+from engine.in_flight import InFlight
 from engine.prompt_logprobs import prompt_logprob_rows
 from engine.sampler import sampling_probs
-from engine.sequence import Sequence, Status
+from engine.sequence import PENDING_TOKEN, Sequence, Status
 from engine.spec.config import SpeculativeConfig
 from engine.spec.draft_graphs import DraftGraphs
 from engine.spec.dspark import DSparkProposer
@@ -137,7 +144,10 @@ class SpecDecoder:
             # steps in which every sequence decodes replay a verify graph and an MTP graph per batch bucket
             self.verify_steps, self.draft_steps = spec_graphs(engine, self.k, self.mtp, self.mtp_cache)
         self.use_graphs = True  # benchmarks switch it off to time the eager path on the same engine
-        self.step_paths = {"verify_graph": 0, "verify_eager": 0, "plain_graph": 0, "draft_graph": 0, "draft_eager": 0}
+        # plain_async: of the steps that verify nothing (plain_graph, or verify_eager on the eager path),
+        # those left in flight (async scheduling)
+        self.step_paths = {"verify_graph": 0, "verify_eager": 0, "plain_graph": 0, "plain_async": 0,
+                           "draft_graph": 0, "draft_eager": 0}
         self.reset_counters()
 
     def use_dspark_graphs(self, g: DSparkStepGraphs) -> None:
@@ -182,6 +192,8 @@ class SpecDecoder:
 
     def step(self, scheduled: list[tuple[Sequence, int]]) -> list:
         eng = self.engine
+        if self._stays_in_flight(scheduled):
+            return self._plain_step_in_flight(scheduled)
         outputs = eng.flush()  # a plain step still in flight: its tokens become real first
         scheduled = [(s, n) for s, n in scheduled if s.request_id in eng.requests]
         if not scheduled:
@@ -191,8 +203,7 @@ class SpecDecoder:
         if not verifying:
             self.counters["spec_decode_num_steps_without_verify"] += 1
         # nobody verifies and every sequence decodes: a plain decode step's graph (with the features)
-        plain_graphed = (not verifying and self.plain_steps is not None and self.use_graphs
-                         and self.plain_steps.fits(batch))
+        plain_graphed = not verifying and self._plain_graphed(batch)
         graphed = (not plain_graphed and self.verify_steps is not None and self.use_graphs
                    and self.verify_steps.fits(batch))
         if plain_graphed:
@@ -261,6 +272,58 @@ class SpecDecoder:
                     break  # finished (stop, length, stop string): the rest is dropped
                 outputs += eng._process(seq, token, logprob, None)
         drafted()
+        return outputs
+
+    def _plain_graphed(self, batch: list[tuple[Sequence, int]]) -> bool:
+        """A step that verifies nothing replays the plain step's graph (else it runs eagerly)."""
+        return self.plain_steps is not None and self.use_graphs and self.plain_steps.fits(batch)
+
+    def _stays_in_flight(self, scheduled: list[tuple[Sequence, int]]) -> bool:
+        """DSpark under async scheduling: every sequence decodes one token holding no drafts, none
+        will draft after this step (the gate holds back each speculating one), and the step could
+        stay in flight as a plain one (greedy, nothing to report, no length end:
+        LLMEngine._can_keep_in_flight). With CUDA graphs only a graphed step, as the plain path
+        reads back before an eager one."""
+        eng = self.engine
+        if self.gate is None or not eng.async_scheduling:
+            return False
+        if not all(n == 1 and not s.spec_token_ids and s.num_computed_tokens == s.num_tokens - 1
+                   and (self.gate.holds_back(s) or not speculates(s)) for s, n in scheduled):
+            return False
+        return eng._can_keep_in_flight(scheduled) and (self._plain_graphed(scheduled) or not eng.flush_before_eager)
+
+    def _plain_step_in_flight(self, batch: list[tuple[Sequence, int]]) -> list:
+        """A step that verifies nothing and after which nobody drafts, left in flight: the plain
+        step (its graph, or eagerly) with the last tokens still in flight read on the device, the
+        drafter's keys of its rows (they need the target features, not the tokens just sampled),
+        the greedy tokens kept on the device as the engine's pending step; then the step before is
+        read back and returned, as LLMEngine._step does for a plain decode step."""
+        eng = self.engine
+        prev = eng.pending
+        pending = (prev.token_ids, prev.rows) if prev else None
+        self.counters["spec_decode_num_steps_without_verify"] += 1
+        self.step_paths["plain_async"] += 1
+        graphs = None
+        if self._plain_graphed(batch):
+            self.step_paths["plain_graph"] += 1
+            logits, features = self.plain_steps.run(batch, pending)
+            graphs = self.plain_draft_steps
+        else:
+            self.step_paths["verify_eager"] += 1
+            fb = eng.runner.build_batch(batch)
+            eng.runner._fill_pending(fb.input_ids, batch, pending, list(range(len(batch))))
+            hidden, features = eng.model.dspark_features(fb, eng.cache)
+            logits = eng.model.compute_logits(hidden[fb.logits_rows])
+        picked = kernels.greedy_pick(logits)
+        # nobody drafts, so the tokens are only counted (one row each), never read
+        self._propose_dspark(batch, features, {id(s): [PENDING_TOKEN] for s, _ in batch}, set(), graphs)
+        flight = InFlight.launch(batch, picked)  # after the drafter's launch: its staging copy is behind the read-back
+        outputs = eng.flush()  # the step before, while this one runs
+        eng.scheduler.advance([(s, n) for s, n in batch if s.status == Status.RUNNING])
+        for seq, _ in batch:
+            if seq.request_id in eng.requests:
+                seq.output_token_ids.append(PENDING_TOKEN)
+        eng.pending = flight
         return outputs
 
     def _attach_drafts(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:

@@ -21,7 +21,9 @@ not the three stages). The host decides what the eager path decides (who drafts,
 complete, which rows are accepted) and packs it into one small array; one copy, one replay, then
 the host does the step's scheduler and output work while it runs, then one read-back of
 [B, block + 1]: each row's drafts and its verify length. On the CPU the same functions run eagerly
-on the static buffers (the tests compare them with the eager proposer).
+on the static buffers (the tests compare them with the eager proposer). A keys-only replay may
+follow a step that stays in flight (async scheduling: nothing is read back), so alternate replays
+pack alternate staging buffers.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 
 from engine.graphs.capture import capture, capture_buckets, replay_bucket
 from engine.spec.dspark import DSparkProposer, gated_lengths
+from engine.spec.staging import StagingPair
 
 _FIELDS = ("ring_rows", "slots", "starts", "last_tokens")  # ring_rows: one per source row; the others one per batch row
 
@@ -44,10 +47,14 @@ class _Bucket:
     T: int  # the source bucket's rows
     fields: dict[str, tuple[int, int]]  # name -> (offset, length) in flat
     flat: torch.Tensor
-    staging: torch.Tensor  # pinned on CUDA; packed only after the previous step's read-back
+    stagings: StagingPair  # pinned on CUDA
     pad: np.ndarray
     graph: torch.cuda.CUDAGraph | None = None  # keys and blocks
     keys_only: _KeysOnly | None = None  # the same static batch, keys only
+
+    @property
+    def staging(self) -> torch.Tensor:
+        return self.stagings.current
 
     def view(self, name: str) -> torch.Tensor:
         o, n = self.fields[name]
@@ -98,8 +105,7 @@ class DSparkGraphs:
             o, n = fields[name]
             pad[o:o + n] = v
         flat = torch.from_numpy(pad.copy()).to(self.source.device)
-        staging = torch.empty(at, dtype=torch.long, pin_memory=self.source.device.type == "cuda")
-        return _Bucket(B, T, fields, flat, staging, pad)
+        return _Bucket(B, T, fields, flat, StagingPair(at, self.source.device.type == "cuda"), pad)
 
     def _write_keys(self, bk: _Bucket) -> None:
         p = self.proposer
@@ -123,7 +129,7 @@ class DSparkGraphs:
         blocks (or the keys only, when no sequence's window is ready to draft; on the CPU the static
         batch eagerly). -> read(): each drafting sequence's drafts (waits for the replay)."""
         bk = self.static[self.source.bucket(len(batch))]
-        host = bk.staging.numpy()
+        host = bk.stagings.next().numpy()
         host[:] = bk.pad
         col = lambda name: host[bk.fields[name][0]:bk.fields[name][0] + bk.fields[name][1]]
         ring_rows = col("ring_rows")

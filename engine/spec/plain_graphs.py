@@ -9,6 +9,8 @@ gets a second graph on the runner's own static decode batch (engine/runner.py: t
 rows, the same pinned copy), whose forward is the decode graph's plus the features written to a
 static buffer. DSpark's drafter graph after it (engine/spec/dspark_graphs.py) reads them there as it
 reads the verify graphs'. On the CPU (no pool) the same forward runs eagerly on the static batch.
+Such a step may stay in flight (async scheduling, engine/spec/decoder.py): its tokens are read by
+the next one on the device (`pending`), and alternate steps pack alternate staging buffers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from engine.forward_batch import ForwardBatch
 from engine.graphs.capture import capture, capture_buckets, replay_bucket
 from engine.sequence import Sequence
+from engine.spec.staging import StagingPair
 
 
 @dataclass
@@ -29,8 +32,12 @@ class _Bucket:
     T: int  # rows: one per sequence
     fb: ForwardBatch  # the runner's static decode batch (views of flat)
     flat: torch.Tensor  # the runner's, refreshed by one copy per replay
-    staging: torch.Tensor  # pinned on CUDA; a spec step reads back before the next one packs
+    stagings: StagingPair  # pinned on CUDA
     graph: torch.cuda.CUDAGraph | None = None
+
+    @property
+    def staging(self) -> torch.Tensor:
+        return self.stagings.current
 
 
 class PlainStepGraphs:
@@ -50,8 +57,7 @@ class PlainStepGraphs:
 
     def _bucket(self, B: int) -> _Bucket:
         g = self.runner.graphs[B]
-        staging = torch.empty(g.flat.shape, dtype=torch.long, pin_memory=self.device.type == "cuda")
-        return _Bucket(B, B, g.batch, g.flat, staging)
+        return _Bucket(B, B, g.batch, g.flat, StagingPair(g.flat.shape, self.device.type == "cuda"))
 
     def _forward(self, bk: _Bucket) -> None:
         h, f = self.model.dspark_features(bk.fb, self.cache)
@@ -63,18 +69,21 @@ class PlainStepGraphs:
 
     def fits(self, batch: list[tuple[Sequence, int]]) -> bool:
         """A decode step the runner would replay as a graph (one new token per sequence, no drafts,
-        nothing replayed), within the largest bucket."""
+        nothing replayed), within the largest bucket. A last token still in flight comes from `pending`."""
         return bool(self.buckets) and len(batch) <= self.buckets[-1] and all(
             n == 1 and not s.spec_token_ids and s.num_computed_tokens == s.num_tokens - 1
-            and s.compress_from == s.num_computed_tokens and not s.has_pending_token for s, n in batch)
+            and s.compress_from == s.num_computed_tokens for s, n in batch)
 
-    def run(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pack (the runner's decode layout), one copy, replay. -> (logits, target features), one row
-        per sequence in batch order."""
+    def run(self, batch: list[tuple[Sequence, int]],
+            pending: tuple[torch.Tensor, dict[int, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pack (the runner's decode layout), one copy, the in-flight step's tokens into the rows
+        whose last token is pending (ModelRunner.run's `pending`), replay. -> (logits, target
+        features), one row per sequence in batch order."""
         bk = self.static[self.bucket(len(batch))]
         self.replays += 1
-        host: np.ndarray = bk.staging.numpy()
+        host: np.ndarray = bk.stagings.next().numpy()
         self.runner.pack_decode(batch, bk.B, host)
-        replay_bucket(bk, self._forward)
+        replay_bucket(bk, self._forward,
+                      lambda: self.runner._fill_pending(bk.fb.input_ids, batch, pending, list(range(len(batch)))))
         n = len(batch)
         return self.logits[:n], self.features[:n]

@@ -68,6 +68,13 @@ class AcceptanceGate:
             t.wait -= 1
         return t.wait == 0
 
+    def holds_back(self, seq) -> bool:
+        """Before a step in which the sequence verifies nothing: it will not draft after it either
+        (drafts() then says no). Host state only, so a step of such sequences needs nothing read
+        back before the next one is scheduled (engine/spec/decoder.py keeps it in flight)."""
+        t = self.tracks.get(seq.request_id)
+        return bool(self.min_length) and t is not None and t.seq is seq and t.wait >= 2
+
     def forget(self, live) -> None:
         """Drop the records of requests no longer in `live` (finished, aborted)."""
         for rid in [r for r in self.tracks if r not in live]:

@@ -56,7 +56,8 @@ def test_bench_spec_dspark_runs_on_a_tiny_0731_checkpoint(tmp_path, monkeypatch)
     (row,) = result["micro"]
     assert {"verify_k5_ms", "draft_ms", "stage_row_ms"} <= set(row) and set(row["speedup"]) >= {"dspark_k5_L5.4", "mtp_k3_L4.4"}
     (e2e,) = result["end_to_end"]
-    assert e2e["forced_acceptance"] == 1.0 and e2e["forced_same_as_dspark"] == 2
+    assert e2e["forced_acceptance"] == 1.0 and e2e["forced_same_as_dspark_ungated"] == 2  # forced: the ungated run replayed
+    assert "plain_async" in e2e["dspark_step_paths"]
 
 
 def test_sass_report_reads_the_sass_of_a_kernel_compiled_for_sm90():

@@ -13,6 +13,7 @@ from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
 from engine.request import GenerationRequest, SamplingParams
 from tests.engine.conftest import SHAPES
 from tests.engine.spec.test_spec_decode import _corrupt, _prompts, _run
+from tests.engine.test_batching import _full
 
 DSPARK = {"method": "dspark"}  # k and the threshold from the checkpoint: k = the block (5), threshold 0, gate on
 UNGATED = {**DSPARK, "min_acceptance_length": 0}  # every sequence verifies whatever its acceptance
@@ -84,6 +85,45 @@ def test_a_sequence_whose_drafts_recover_resumes_verifying_after_its_backoff(ckp
     assert counts[0] >= 2 * 6 and counts[5] >= 2 * 3  # the wrong blocks rejected, then whole blocks accepted
 
 
+def test_finish_and_abort_while_a_plain_step_is_in_flight(ckpt, plain):
+    """Async scheduling: held-back sequences' plain steps stay in flight. One request stops on a
+    stop token read back while its next step is in flight (that step's token dropped), another is
+    aborted while its token is in flight, a third runs on; the first's output is plain greedy up to
+    its stop token, the third's plain greedy, every block freed."""
+    stop = plain[0][25]
+    assert plain[0].index(stop) == 25  # its first occurrence: inside the third back-off's plain steps
+    eng = LLMEngine({"model": str(ckpt["tiny"]), "dtype": "float64", "max_model_len": 256, "async_scheduling": True,
+                     "speculative_config": DSPARK})
+    for i, sp in enumerate((SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, stop_token_ids=[stop]),
+                            GREEDY, GREEDY)):
+        eng.add_request(GenerationRequest(f"r{i}", prompt_token_ids=PROMPTS[i], sampling=sp))
+    tokens, finished = {"r0": [], "r1": [], "r2": []}, {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            tokens[o.request_id] += o.token_ids
+            if o.finished:
+                finished[o.request_id] = (o.finish_reason, eng.pending is not None and any(
+                    s.request_id == o.request_id for s, _ in eng.pending.scheduled))
+        st = eng.requests.get("r1")
+        if st is not None and len(st.seq.output_token_ids) > 30 and st.seq.has_pending_token:
+            out = eng.abort("r1")
+            tokens["r1"] += out.token_ids
+            finished["r1"] = (out.finish_reason, True)
+    assert finished["r0"] == ("stop", True)  # its next step was in flight when the stop token came back
+    assert tokens["r0"] == plain[0][:26] and tokens["r2"] == plain[2]
+    assert finished["r1"] == ("abort", True) and len(tokens["r1"]) > 29 and tokens["r1"] == plain[1][:len(tokens["r1"])]
+    assert eng.spec.step_paths["plain_async"] > 20 and _full(eng)
+
+
+def test_forced_drafts_are_accepted_whole_under_async_scheduling(ckpt, plain):
+    """Drafts replayed from the plain run never back off, so no step stays in flight: whole blocks."""
+    got, eng = _run(ckpt["tiny"], PROMPTS[:3], [GREEDY] * 3, forced=plain[:3], speculative_config=DSPARK,
+                    async_scheduling=True)
+    st = eng.stats()
+    assert got == plain[:3] and st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
+    assert st["spec_decode_mean_acceptance_length"] > 1 + 0.9 * 5 and eng.spec.step_paths["plain_async"] == 0
+
+
 def test_greedy_equals_plain_with_chunked_prefill_and_preemption(ckpt):
     prompts = _prompts(4096, seed=1, lengths=(9, 40, 23, 61, 5))
     params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True) for _ in prompts]
@@ -95,7 +135,8 @@ def test_greedy_equals_plain_with_chunked_prefill_and_preemption(ckpt):
     assert eng.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
-def test_prefix_cache_hit_with_bounded_replay(ckpt):
+@pytest.mark.parametrize("async_scheduling", [False, True])  # True: held-back plain steps in flight over the hit
+def test_prefix_cache_hit_with_bounded_replay(ckpt, async_scheduling):
     """The second request hits the first's cached blocks; bounded replay's rows rebuild the
     drafter's window of main context; greedy tokens equal the plain engine's with the same hit."""
     prefix = _prompts(4096, seed=3, lengths=(40,))[0]
@@ -103,7 +144,7 @@ def test_prefix_cache_hit_with_bounded_replay(ckpt):
     outs = []
     for spec in (None, DSPARK):
         llm = LLM(str(ckpt["tiny"]), dtype="float64", max_model_len=256, enable_prefix_caching=True,
-                  speculative_config=spec)
+                  speculative_config=spec, async_scheduling=async_scheduling)
         first = llm.generate([prefix + [7, 8, 9]], sp)[0].token_ids
         second = llm.generate([prefix + [10, 11]], sp)[0].token_ids
         st = llm.engine.stats()
@@ -111,6 +152,7 @@ def test_prefix_cache_hit_with_bounded_replay(ckpt):
         outs.append((first, second))
     assert outs[0] == outs[1]
     assert st["spec_decode_num_drafts"] > 4
+    assert (llm.engine.spec.step_paths["plain_async"] > 4) == async_scheduling
 
 
 def test_cached_context_keys_draft_as_the_main_context_rows(ckpt):

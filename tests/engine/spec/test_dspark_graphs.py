@@ -193,3 +193,39 @@ def test_emulated_plain_step_graph_replays_what_the_eager_step_does(tiny_0731, m
     W = spec.dspark.window
     ring = [eng.spec.dspark.ring[:-W] for eng in engines]
     torch.testing.assert_close(ring[1], ring[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("padded", [None, [2, 4]])
+def test_held_back_plain_steps_stay_in_flight_under_async_scheduling(narrow_0731, padded):
+    """Async scheduling, the random drafter's own drafts under the acceptance gate: once every
+    speculating sequence is held back, steps that verify nothing stay in flight (plain_async: the
+    plain step's graph on the static batches and the drafter's keys-only graph after it, or
+    eagerly), the next step reading their tokens on the device; the probes after them (a step that
+    drafts, then a verify) read them back first and verify. Three speculating requests and a seeded
+    one (never speculates, stays in flight with them), a block budget that forces a preemption.
+    Output equal to plain greedy."""
+    prompts = _prompts(4096, seed=1, lengths=(9, 40, 23, 30))
+    params = [SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)] * 3 + \
+             [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, seed=3)]
+    kw = dict(dtype="float64", max_model_len=256, max_num_batched_tokens=48, max_num_seqs=4, num_gpu_blocks_override=8)
+    plain = [o.token_ids for o in LLM(str(narrow_0731), **kw).generate(prompts, params)]
+    eng = LLM(str(narrow_0731), speculative_config=DSPARK, async_scheduling=True, **kw).engine
+    if padded:
+        _padded(eng, padded)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(GenerationRequest(f"r{i}", prompt_token_ids=p, sampling=sp))
+    tokens, verifies_after_flight = {f"r{i}": [] for i in range(len(prompts))}, None
+    while eng.has_unfinished():
+        for o in eng.step():
+            tokens[o.request_id] += o.token_ids
+        if verifies_after_flight is None and eng.pending is not None and eng.spec.step_paths["plain_async"]:
+            verifies_after_flight = eng.stats()["spec_decode_num_drafts"]
+    assert list(tokens.values()) == plain and _full(eng) and eng.scheduler.num_preemptions > 0
+    spec, st = eng.spec, eng.stats()
+    paths = spec.step_paths
+    assert paths["plain_async"] > 25 and st["spec_decode_num_drafts"] > verifies_after_flight  # probes verified
+    if padded:
+        assert paths["plain_graph"] == spec.plain_steps.replays == spec.plain_draft_steps.replays > paths["plain_async"]
+        assert spec.plain_draft_steps.keys_replays >= paths["plain_async"]
+    else:
+        assert paths["plain_graph"] == 0

@@ -16,3 +16,23 @@ def test_reused_request_id_starts_afresh():
     assert gate.drafts(again, verified=False)
     gate.verified(again, 1)
     assert gate.backoffs == 1  # one failed verify of a fresh record stays above the break-even
+
+
+def test_holds_back_foretells_each_plain_step_of_a_failing_sequence():
+    """holds_back (asked before a step, so the step may stay in flight) says no draft comes after a
+    step without a verify exactly when drafts() then says so, through every back-off and probe of a
+    sequence whose verifies all fail."""
+    gate = AcceptanceGate(k=5, min_length=1.6, backoff=4, max_backoff=16)
+    seq = SimpleNamespace(request_id="r")
+    drafted, held = True, 0
+    for _ in range(120):
+        if drafted:  # it verifies this step: one token, its drafts rejected
+            assert not gate.holds_back(seq)
+            gate.verified(seq, 1)
+            drafted = gate.drafts(seq, verified=True)
+        else:
+            foretold = gate.holds_back(seq)
+            drafted = gate.drafts(seq, verified=False)
+            assert foretold == (not drafted)
+            held += foretold
+    assert gate.backoffs >= 6 and held > 80  # mostly held-back steps once the back-off reaches 16
