@@ -1,7 +1,7 @@
 """What the OpenAI front (backend/openai) costs per streamed token, beside Triton direct, on a real tritonserver.
 
     python -m tools.profile_front [--model DIR] [--users 32] [--requests 4] [--max-tokens 64]
-                                  [--cprofile FRONT.prof] [--json OUT.json]
+                                  [--workers 1] [--cprofile FRONT.prof] [--json OUT.json]
 
 One server, one front (`python -m backend.openai`, as `make serve` starts it); the same load twice:
 `--users` users, each `--requests` streamed requests one after another, first straight to Triton's
@@ -9,7 +9,7 @@ gRPC (client/grpc.py), then through the front's /v1/completions with the running
 chunk (loadtest/openai_stream.py: what the load tests send). Per leg: output tokens per second, the
 front process's CPU (all its threads, /proc) per output token and per request, and this client's CPU
 in cores (near one: the client, not the server, was the limit). --cprofile runs the front under
-cProfile and writes its profile there when it exits (read it with `python -m pstats`).
+cProfile (with --workers 1) and writes its profile there when it exits (read it with `python -m pstats`).
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=4, help="per user, one after another")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--legs", default=",".join(LEGS), help="which of triton,openai to run, in order")
+    ap.add_argument("--workers", default="1", help="the front's --workers (auto: as `make serve` sizes it)")
     ap.add_argument("--cprofile", default=None, help="run the front under cProfile, its profile written here")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         model_json = server.workdir / "model_repository" / "deepseek_v4" / "1" / "model.json"
         launcher = ("-m", "cProfile", "-o", a.cprofile) if a.cprofile else ()
         with OpenAIProcess(server.grpc_url, port=0, tokenizer=tokenizer_dir(model_json), launcher=launcher,
+                           extra_args=("--workers", a.workers),
                            log_path=server.workdir / "openai.log") as front:
             for name in a.legs.split(","):
                 rows.append(leg(name, server, front, a.users, a.requests, a.max_tokens))
