@@ -17,7 +17,6 @@ from backend.openai.forward_limits import ForwardLimits
 from backend.openai.process import API_KEY_ENV
 from backend.openai.readiness import UNRESPONSIVE_AFTER_S
 
-
 ARGV_ENV = "DSV4_OPENAI_ARGV"  # a worker process's options: uvicorn's workers build the app from an import string
 # each streamed token is an SSE write (a syscall) and a gRPC read in the front's one event loop: on a
 # many-core GPU host several processes share the port, so the front does not cap the server's tok/s
