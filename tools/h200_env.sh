@@ -17,7 +17,7 @@ PY312_WHEEL_FLAGS=(--no-deps --only-binary=:all: --python-version 3.12 --impleme
 # the OpenAI front's web stack (the image has anyio, h11, click and jinja2, not these)
 WHEELS=(numpy==1.26.4 tritonclient==2.73.0 python-rapidjson==1.25
         fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0
-        typing-inspection==0.4.5 uvicorn==0.54.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2)
+        typing-inspection==0.4.5 uvicorn==0.54.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2 orjson==3.13.0)
 IMAGE_SITE=${IMAGE_SITE:-/opt/torch/.venv/lib/python3.12/site-packages}
 
 pack() {

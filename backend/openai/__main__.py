@@ -1,8 +1,10 @@
-"""python -m backend.openai --triton-grpc HOST:PORT [--host 127.0.0.1] [--port 9000] [--tokenizer DIR]"""
+"""python -m backend.openai --triton-grpc HOST:PORT [--host 127.0.0.1] [--port 9000] [--tokenizer DIR] [--workers N]"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import sys
 
@@ -15,8 +17,18 @@ from backend.openai.forward_limits import ForwardLimits
 from backend.openai.process import API_KEY_ENV
 from backend.openai.readiness import UNRESPONSIVE_AFTER_S
 
+ARGV_ENV = "DSV4_OPENAI_ARGV"  # a worker process's options: uvicorn's workers build the app from an import string
+# each streamed token is an SSE write (a syscall) and a gRPC read in the front's one event loop: on a
+# many-core GPU host several processes share the port, so the front does not cap the server's tok/s
+AUTO_WORKERS_MAX = 4
 
-def main(argv: list[str] | None = None) -> int:
+
+def auto_workers() -> int:
+    """One process per 4 cores, 1 to AUTO_WORKERS_MAX: Triton, the engine and the clients need the rest."""
+    return max(1, min(AUTO_WORKERS_MAX, (os.cpu_count() or 1) // 4))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m backend.openai",
                                      description="OpenAI-compatible API in front of a Triton server")
     parser.add_argument("--triton-grpc", required=True, help="Triton's gRPC endpoint, HOST:PORT")
@@ -42,19 +54,45 @@ def main(argv: list[str] | None = None) -> int:
                         "--triton-metrics; 0: off)")
     parser.add_argument("--model-json", help="the served model's model.json: the front refuses what its engine "
                         "would (stop lists, prompt size) before sending it")
+    parser.add_argument("--workers", default="auto", help="processes serving the port ('auto': one per 4 cores, "
+                        f"at most {AUTO_WORKERS_MAX}); the request and body bounds are split between them")
     parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
-    app = build_app(Settings(triton_grpc=args.triton_grpc, model=args.model,
+    args.workers = auto_workers() if args.workers == "auto" else int(args.workers)
+    if args.workers < 1:
+        parser.error("--workers must be 1 or more (or auto)")
+    return args
+
+
+def app_from(args: argparse.Namespace):
+    """The app of one process: the bounds are the whole front's, so each of `args.workers` gets its share."""
+    share = lambda bound: math.ceil(bound / args.workers)  # noqa: E731
+    return build_app(Settings(triton_grpc=args.triton_grpc, model=args.model,
                              served_model_name=args.served_model_name, tokenizer=args.tokenizer,
                              chat_template=args.chat_template, api_key=args.api_key,
                              triton_metrics=args.triton_metrics,
                              max_body_bytes=args.max_body_bytes, max_json_depth=args.max_json_depth,
-                             max_concurrent_requests=args.max_concurrent_requests,
-                             max_body_bytes_in_flight=args.max_body_bytes_in_flight,
+                             max_concurrent_requests=share(args.max_concurrent_requests),
+                             max_body_bytes_in_flight=share(args.max_body_bytes_in_flight),
                              unresponsive_after_s=args.unresponsive_after_s,
                              forward_limits=ForwardLimits.from_model_json(args.model_json)))
+
+
+def worker_app():
+    """uvicorn's factory in each worker process: the options the parent was started with."""
+    return app_from(parse_args(json.loads(os.environ[ARGV_ENV])))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     # uvicorn's own limit on header + request-line size stays; the body limits are the app's
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    options = {"host": args.host, "port": args.port, "log_level": args.log_level, "timeout_graceful_shutdown": 10}
+    if args.workers == 1:
+        uvicorn.run(app_from(args), **options)
+    else:
+        os.environ[ARGV_ENV] = json.dumps(argv)
+        uvicorn.run("backend.openai.__main__:worker_app", factory=True, workers=args.workers, **options)
     return 0
 
 

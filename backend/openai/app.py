@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import time
 from dataclasses import dataclass, replace
 
+import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -352,7 +352,7 @@ def _seeded(sampling: dict, choice: int) -> dict:
 
 
 async def _stream(request: Request, calls: list[Call], chunks, builder: Builder | None = None, req=None, sse=None,
-                  done: str | None = "data: [DONE]\n\n") -> StreamingResponse:
+                  done: bytes | None = b"data: [DONE]\n\n") -> StreamingResponse:
     """SSE of `chunks(outputs)`, `outputs` yielding (choice index, Output) as the calls answer. The
     first Triton response of each is awaited here, so an error that comes before any text (a bad
     parameter, an overloaded engine) is answered with its HTTP status. `sse` frames a chunk
@@ -366,9 +366,9 @@ async def _stream(request: Request, calls: list[Call], chunks, builder: Builder 
             call.cancel()
         raise
 
-    async def merged():
-        queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue()  # (choice, Output | None at its end | the error it raised)
 
+    async def merged():
         async def pump(i: int):
             try:
                 await queue.put((i, firsts[i]))
@@ -394,18 +394,26 @@ async def _stream(request: Request, calls: list[Call], chunks, builder: Builder 
                 task.cancel()
 
     async def events():
+        # the chunks of the outputs already here go out in one write: a front (or client) behind the
+        # engine sends fewer, larger writes instead of falling further behind, one syscall per token
+        framed: list[bytes] = []
         try:
             async for chunk in chunks(merged()):
-                yield sse(chunk)
+                framed.append(sse(chunk))
+                if queue.empty():
+                    yield b"".join(framed)
+                    framed.clear()
             if req is not None and req.include_usage:
-                yield sse(builder.usage_chunk())
+                framed.append(sse(builder.usage_chunk()))
         except OpenAIError as error:
-            yield sse(error.body())
+            framed.append(sse(error.body()))
         finally:
             for call in calls:  # synchronous: also runs when the client disconnects and this task is cancelled
                 call.cancel()
         if done:
-            yield done
+            framed.append(done)
+        if framed:
+            yield b"".join(framed)
 
     return StreamingResponse(events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -417,10 +425,15 @@ def _with_usage(chunk: dict, builder: Builder, req) -> dict:
     return chunk
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def _json(payload: dict) -> bytes:
+    # orjson: a tenth of json.dumps's time per chunk; int keys are vLLM's prompt_logprobs token ids
+    return orjson.dumps(payload, option=orjson.OPT_NON_STR_KEYS)
 
 
-def _sse_event(payload: dict) -> str:
+def _sse(payload: dict) -> bytes:
+    return b"data: " + _json(payload) + b"\n\n"
+
+
+def _sse_event(payload: dict) -> bytes:
     """The Responses API's framing: the event's type on its own line, then its data."""
-    return f"event: {payload['type']}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return b"event: " + payload["type"].encode() + b"\ndata: " + _json(payload) + b"\n\n"

@@ -27,7 +27,8 @@ class OpenAIProcess:
                  tokenizer: str | None = None, api_key: str | None = None, chat_template: str | None = None,
                  model: str = "deepseek_v4", log_path: str | os.PathLike | None = None,
                  startup_timeout_s: float = 60.0, triton_metrics: str | None = None,
-                 model_json: str | os.PathLike | None = None, extra_args: tuple[str, ...] = ()):
+                 model_json: str | os.PathLike | None = None, extra_args: tuple[str, ...] = (),
+                 launcher: tuple[str, ...] = ()):
         self.triton_grpc, self.host, self.tokenizer = triton_grpc, host, tokenizer
         local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         self.port = port or free_port(local)
@@ -35,6 +36,7 @@ class OpenAIProcess:
         self.triton_metrics = triton_metrics  # Triton's /metrics URL, served again on the API port
         self.model_json = model_json  # the served model's limits, checked before a request is sent
         self.extra_args = tuple(extra_args)  # more of `python -m backend.openai`'s options (its bounds)
+        self.launcher = tuple(launcher)  # python's own options before `-m backend.openai` (e.g. -m cProfile -o F)
         self.log_path = Path(log_path) if log_path else None
         self.startup_timeout_s = startup_timeout_s
         self.process: subprocess.Popen | None = None
@@ -46,7 +48,7 @@ class OpenAIProcess:
         return f"http://{self._local}:{self.port}/v1"
 
     def command(self) -> list[str]:
-        command = [sys.executable, "-m", "backend.openai", "--triton-grpc", self.triton_grpc,
+        command = [sys.executable, *self.launcher, "-m", "backend.openai", "--triton-grpc", self.triton_grpc,
                    "--host", self.host, "--port", str(self.port), "--model", self.model]
         if self.tokenizer:
             command += ["--tokenizer", self.tokenizer]

@@ -390,7 +390,7 @@ def bounded_front(triton_server):
     """A front with two requests in progress at most and 1 MiB of bodies at once."""
     with OpenAIProcess(triton_server.grpc_url, port=0, log_path=triton_server.workdir / "openai-bounded.log",
                        extra_args=("--max-concurrent-requests", "2", "--max-body-bytes-in-flight",
-                                   str(1 << 20))) as front:
+                                   str(1 << 20), "--workers", "1")) as front:  # the bounds are split over workers
         yield front
 
 

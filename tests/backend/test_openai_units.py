@@ -195,3 +195,14 @@ def test_readiness_reads_the_longest_running_step_from_tritons_metrics():
             'deepseek:num_requests_running{model="deepseek_v4",version="1"} 3\n')
     assert step_running_s(text) == 7.5
     assert step_running_s('deepseek:num_requests_running{model="deepseek_v4"} 3\n') is None  # no gauge: the vLLM engine
+
+
+def test_workers_split_the_fronts_bounds():
+    """--workers N: each process serves its share of the whole front's bounds (rounded up)."""
+    from backend.openai.__main__ import app_from, parse_args
+
+    args = parse_args(["--triton-grpc", "127.0.0.1:1", "--workers", "3", "--max-concurrent-requests", "10"])
+    assert args.workers == 3 and app_from(args).max_concurrent == 4
+    assert parse_args(["--triton-grpc", "127.0.0.1:1", "--workers", "auto"]).workers >= 1
+    with pytest.raises(SystemExit):
+        parse_args(["--triton-grpc", "127.0.0.1:1", "--workers", "0"])
