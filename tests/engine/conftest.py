@@ -37,6 +37,17 @@ def tiny_dir(checkpoints):
     return checkpoints["tiny"]
 
 
+# The tiny preset's layer kinds once each (sliding + hash MoE, CSA ratio 4 with its indexer, HCA ratio 16)
+# and its MTP layer: for the tests of fused kernels under the Triton interpreter, where the tiny preset's
+# second CSA layer only runs the same kernels again (a quarter of a step's time).
+THREE_LAYERS = {"num_hidden_layers": 3, "compress_ratios": [0, 4, 16, 0]}
+
+
+@pytest.fixture(scope="session")
+def three_layer_dir(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "three-layers", "tiny", seed=7, override=THREE_LAYERS)
+
+
 def reference_model(path, dtype, dequantize: bool = False):
     """transformers' model on `path`; dequantize=True for FP8 / MXFP4 checkpoints (needs accelerate)."""
     from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
