@@ -103,7 +103,7 @@ def test_padded_mtp_drafts_equal_the_eager_drafts_at_every_step(checkpoints, sha
 
 
 @pytest.mark.slow
-def test_fused_kernels_on_the_emulated_verify_and_mtp_graphs_equal_the_eager_path(three_layer_dir):
+def test_fused_kernels_on_the_emulated_verify_and_mtp_graphs_equal_the_eager_path(kernels_tiny_dir):
     """The kernels the GPU's verify and MTP graphs replay (the fused ones, here under the Triton
     interpreter) two ways in step: on the unpadded batches, and on the padded batches captured and
     replayed through the CPU emulation of CUDA graphs (tests/engine/graphs/graph_emulation.py: host
@@ -120,11 +120,11 @@ def test_fused_kernels_on_the_emulated_verify_and_mtp_graphs_equal_the_eager_pat
 
     prompts = _prompts(4000, seed=6, lengths=(7, 21))
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    plain = [o.token_ids for o in LLM(str(three_layer_dir), dtype="float32", max_model_len=128).generate(prompts, params)]
+    plain = [o.token_ids for o in LLM(str(kernels_tiny_dir), dtype="float32", max_model_len=128).generate(prompts, params)]
     engines, tokens = [], {f"r{i}": [] for i in range(len(prompts))}
     try:
         for how in ("unpadded", "emulated"):
-            eng = LLM(str(three_layer_dir), dtype="float32", max_model_len=128, speculative_config=SPEC).engine
+            eng = LLM(str(kernels_tiny_dir), dtype="float32", max_model_len=128, speculative_config=SPEC).engine
             kernels.set_backend("fused")  # after the engine, which sets its `kernels` argument's backend
             spec = eng.spec
             if how == "emulated":
