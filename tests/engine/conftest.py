@@ -37,6 +37,19 @@ def tiny_dir(checkpoints):
     return checkpoints["tiny"]
 
 
+# The tiny preset for the fused kernels under the Triton interpreter, where a step costs its kernel
+# launches times their grids (rows x heads): each layer kind once (sliding + hash MoE, CSA ratio 4 with its
+# indexer, HCA ratio 16) and the MTP layer (the preset's second CSA layer only ran the same kernels again),
+# 2 indexer heads, not 8 (the indexer's query heads were most of the rope programs; 2 still weigh and sum
+# heads), 3 Sinkhorn iterations, not 20 (a loop in the hc kernel; its count is no code path).
+KERNELS_TINY = {"num_hidden_layers": 3, "compress_ratios": [0, 4, 16, 0], "index_n_heads": 2, "hc_sinkhorn_iters": 3}
+
+
+@pytest.fixture(scope="session")
+def kernels_tiny_dir(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "kernels-tiny", "tiny", seed=7, override=KERNELS_TINY)
+
+
 def reference_model(path, dtype, dequantize: bool = False):
     """transformers' model on `path`; dequantize=True for FP8 / MXFP4 checkpoints (needs accelerate)."""
     from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config

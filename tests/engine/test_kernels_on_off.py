@@ -7,10 +7,10 @@ from engine.models.deepseek_v4.loader import load_model
 from tests.engine.conftest import incremental_logits
 
 
-def test_engine_logits_kernels_on_vs_off(tiny_dir, single_thread):
-    model = load_model(tiny_dir, torch.bfloat16)
+def test_engine_logits_kernels_on_vs_off(kernels_tiny_dir, single_thread):
+    model = load_model(kernels_tiny_dir, torch.bfloat16)  # cut for the interpreter (tests/engine/conftest.py)
     # a 30-token chunk, then 6 decodes (positions 30-35: groups of both ratios close at 31, one of 4 at
-    # 35); each decode is four layers of kernel launches under the interpreter
+    # 35); each decode is three layers of kernel launches under the interpreter
     ids = torch.randint(5, model.cfg.vocab_size, (36,), generator=torch.Generator().manual_seed(0)).tolist()
     try:
         kernels.set_backend("ref")
@@ -25,12 +25,12 @@ def test_engine_logits_kernels_on_vs_off(tiny_dir, single_thread):
     assert err.median() <= 2e-2 and err.quantile(0.9) <= 3e-2, err
 
 
-def test_engine_logits_with_every_fusion_on(tiny_dir, single_thread):
+def test_engine_logits_with_every_fusion_on(kernels_tiny_dir, single_thread):
     """kernels/fusions.py's launch-saving fusions (Mega-mHC, Mega-Gate, the shared expert in the top-k
     sum) in a prefill chunk and two decodes: within the same tolerance of the references."""
     from kernels import fusions
 
-    model = load_model(tiny_dir, torch.bfloat16)
+    model = load_model(kernels_tiny_dir, torch.bfloat16)
     ids = torch.randint(5, model.cfg.vocab_size, (32,), generator=torch.Generator().manual_seed(1)).tolist()
     try:
         kernels.set_backend("ref")

@@ -52,8 +52,12 @@ SPECS = [
 ]
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("spec", SPECS)
+# float32 on every spec (the masks, windows and replay starts, to float32 rounding); bfloat16 on the spec with
+# decodes and a prefill chunk only: its loads, casts and stores are the same code on every spec
+DTYPE_SPECS = [(torch.float32, 1e-5, spec) for spec in SPECS] + [(torch.bfloat16, 2e-2, SPECS[1])]
+
+
+@pytest.mark.parametrize("dtype, tol, spec", DTYPE_SPECS)
 @pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
 @pytest.mark.parametrize("nsplit, block_h, wgmma_tiles", [(1, 16, None), (4, 16, None), (1, 32, None),
                                                              (None, None, (16, 16, 4, None, 3)),

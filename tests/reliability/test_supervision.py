@@ -55,8 +55,11 @@ def _crash(launcher: Launcher) -> None:
         conn.close()
 
 
-def test_a_crashed_server_is_cleaned_up_and_restarted(tmp_path):
-    launcher = Launcher(tmp_path)
+def test_a_crashed_server_and_a_killed_openai_front_are_cleaned_up_and_restarted(tmp_path):
+    """One launcher with the OpenAI front (one start, not one per failure): tritonserver crashes, then
+    the front is killed; each is cleaned up, logged and started again, and SIGTERM then stops everything."""
+    port = free_port()
+    launcher = Launcher(tmp_path, "--openai-port", str(port))
     try:
         launcher.wait_ready()
         first = launcher.server_pids()
@@ -75,12 +78,26 @@ def test_a_crashed_server_is_cleaned_up_and_restarted(tmp_path):
         assert "tritonserver died (killed by SIGSEGV)" in log and "restarting tritonserver" in log, log[-4000:]
         assert set(launcher.server_pids()).isdisjoint(first)
 
+        front = _openai_front(launcher)
+        assert len(front) == 1, launcher.tail()
+        restarts = launcher.log().count("the OpenAI API restarted")
+        os.kill(front[0], signal.SIGKILL)
+        assert _eventually(lambda: launcher.log().count("the OpenAI API restarted") > restarts, 90), launcher.tail()
+        assert "the OpenAI API died (killed by SIGKILL)" in launcher.log(), launcher.tail()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as response:
+            assert response.status == 200
+
         second = launcher.server_pids()
         launcher.process.send_signal(signal.SIGTERM)
         assert launcher.process.wait(60) == 0, launcher.tail()
         assert _gone(second, 10) and not launcher.regions(), (launcher.server_pids(), launcher.regions())
     finally:
         launcher.close()
+
+
+def _openai_front(launcher: Launcher) -> list[int]:
+    return [pid for pid in descendants(launcher.process.pid)
+            if b"backend.openai" in Path(f"/proc/{pid}/cmdline").read_bytes()]
 
 
 def test_no_restart_exits_1_and_leaves_nothing(tmp_path):
@@ -111,22 +128,5 @@ def test_sigkill_of_the_launcher_leaves_no_server(tmp_path):
         assert stat.S_IMODE(key.stat().st_mode) == 0o600
         workdir.claim(tmp_path)
         assert not key.exists() and (tmp_path / "tritonserver.log").exists()
-    finally:
-        launcher.close()
-
-
-def test_a_killed_openai_front_is_logged_and_restarted(tmp_path):
-    port = free_port()
-    launcher = Launcher(tmp_path, "--openai-port", str(port))
-    try:
-        launcher.wait_ready()
-        front = [pid for pid in descendants(launcher.process.pid)
-                 if b"backend.openai" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert len(front) == 1, launcher.tail()
-        os.kill(front[0], signal.SIGKILL)
-        assert _eventually(lambda: "the OpenAI API restarted" in launcher.log(), 90), launcher.tail()
-        assert "the OpenAI API died (killed by SIGKILL)" in launcher.log(), launcher.tail()
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as response:
-            assert response.status == 200
     finally:
         launcher.close()

@@ -105,7 +105,7 @@ def test_new_token_ids_slices_prompt_and_output():
 
 
 @pytest.mark.slow
-def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(tiny_dir):
+def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(kernels_tiny_dir):
     """The mixed-step graph captured and replayed through an emulation of CUDA graphs on the CPU
     (tests/engine/graphs/graph_emulation.py: every host value baked in at capture, on the all-padding
     batch as MixedStepGraphs captures it; allocations poisoned at each replay; host reads refused), with
@@ -122,7 +122,8 @@ def test_emulated_graph_replays_equal_the_padded_batches_run_eagerly(tiny_dir):
     # decodes (2: the second closes one), each padded to 8 (not 16: the interpreter's cost is rows)
     prompts = [torch.randint(5, 4000, (n,), generator=g).tolist() for n in (4, 3)]
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, logprobs=1)
-    llm = LLM(str(tiny_dir), dtype="float32", max_model_len=256, max_num_batched_tokens=8)
+    # the tiny preset cut for the interpreter (tests/engine/conftest.py: KERNELS_TINY)
+    llm = LLM(str(kernels_tiny_dir), dtype="float32", max_model_len=256, max_num_batched_tokens=8)
     eng = llm.engine
     try:
         kernels.set_backend("fused")  # after the engine, which sets its `kernels` argument's backend

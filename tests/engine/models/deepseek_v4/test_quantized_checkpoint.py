@@ -14,13 +14,14 @@ from engine.models.deepseek_v4.config import ConfigError, parse_config
 from engine.models.deepseek_v4.loader import load_model
 from engine.models.deepseek_v4.random_checkpoint import PRESETS, QUANTS, build_config, write_checkpoint
 from engine.models.weights import WeightsError, iter_checkpoint
-from tests.engine.conftest import incremental_logits
+from tests.engine.conftest import KERNELS_TINY, incremental_logits
 
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
+    """The tiny preset cut for the interpreter (KERNELS_TINY: the fused-kernel test below), window 8."""
     root = tmp_path_factory.mktemp("quant")
-    return {q: write_checkpoint(root / q, "tiny", seed=7, quant=q, override={"sliding_window": 8})
+    return {q: write_checkpoint(root / q, "tiny", seed=7, quant=q, override={**KERNELS_TINY, "sliding_window": 8})
             for q in ("fp8", "fp8-fp4")}
 
 
