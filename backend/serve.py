@@ -42,6 +42,7 @@ from pathlib import Path
 from backend import stub_numpy, workdir
 from backend.engine_setup import drained_marker, finalize_marker
 from backend.openai.process import API_KEY_ENV as OPENAI_API_KEY_ENV
+from backend.openai.process import workers_arg
 from backend.ports import PortInUse, check_ports
 from backend.process_tree import (
     descendants,
@@ -618,6 +619,8 @@ def main(argv: list[str] | None = None) -> int:
                         "at once (a stream until its end); more get 503 with Retry-After (default 1024)")
     parser.add_argument("--openai-max-body-bytes-in-flight", type=int, help="request-body bytes the OpenAI API reads "
                         "or parses at once; past it, 503 with Retry-After (default 64 MiB)")
+    parser.add_argument("--openai-workers", type=workers_arg, help="processes serving the OpenAI API's port: N, or auto (one per 4 "
+                        "cores, at most 4); the bounds above are split between them (default auto)")
     args = parser.parse_args(argv)
     try:
         engine_args = parse_engine_args(args.engine_args)
@@ -675,9 +678,10 @@ def main(argv: list[str] | None = None) -> int:
 # -- the OpenAI-compatible API beside tritonserver ------------------------------------------------
 
 def openai_bounds(args) -> tuple[str, ...]:
-    """The launcher's --openai-max-* options, as `python -m backend.openai` takes them."""
+    """The launcher's --openai-max-* and --openai-workers options, as `python -m backend.openai` takes them."""
     bounds = {"--max-concurrent-requests": args.openai_max_concurrent_requests,
-              "--max-body-bytes-in-flight": args.openai_max_body_bytes_in_flight}
+              "--max-body-bytes-in-flight": args.openai_max_body_bytes_in_flight,
+              "--workers": args.openai_workers}
     return tuple(part for flag, value in bounds.items() if value is not None for part in (flag, str(value)))
 
 

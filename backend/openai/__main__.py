@@ -14,20 +14,10 @@ from backend.openai.admission import MAX_BODY_BYTES_IN_FLIGHT, MAX_CONCURRENT_RE
 from backend.openai.app import Settings, build_app
 from backend.openai.body_limits import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from backend.openai.forward_limits import ForwardLimits
-from backend.openai.process import API_KEY_ENV
+from backend.openai.process import API_KEY_ENV, AUTO_WORKERS_MAX, workers_arg
 from backend.openai.readiness import UNRESPONSIVE_AFTER_S
 
 ARGV_ENV = "DSV4_OPENAI_ARGV"  # a worker process's options: uvicorn's workers build the app from an import string
-# each streamed token is an SSE write (a syscall) and a gRPC read in the front's one event loop: on a
-# many-core GPU host several processes share the port, so the front does not cap the server's tok/s
-AUTO_WORKERS_MAX = 4
-
-
-def auto_workers() -> int:
-    """One process per 4 cores, 1 to AUTO_WORKERS_MAX: Triton, the engine and the clients need the rest."""
-    return max(1, min(AUTO_WORKERS_MAX, (os.cpu_count() or 1) // 4))
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m backend.openai",
                                      description="OpenAI-compatible API in front of a Triton server")
@@ -54,14 +44,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--triton-metrics; 0: off)")
     parser.add_argument("--model-json", help="the served model's model.json: the front refuses what its engine "
                         "would (stop lists, prompt size) before sending it")
-    parser.add_argument("--workers", default="auto", help="processes serving the port ('auto': one per 4 cores, "
+    parser.add_argument("--workers", type=workers_arg, default="auto", help="processes serving the port ('auto': one per 4 cores, "
                         f"at most {AUTO_WORKERS_MAX}); the request and body bounds are split between them")
     parser.add_argument("--log-level", default="warning")
-    args = parser.parse_args(argv)
-    args.workers = auto_workers() if args.workers == "auto" else int(args.workers)
-    if args.workers < 1:
-        parser.error("--workers must be 1 or more (or auto)")
-    return args
+    return parser.parse_args(argv)
 
 
 def app_from(args: argparse.Namespace):

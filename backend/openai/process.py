@@ -3,6 +3,7 @@ ready, and ready itself only when its /health says the Triton model is."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -126,3 +127,26 @@ def tokenizer_dir(model_json: str | os.PathLike) -> str | None:
 
     tokenizer = load_engine_args(model_json).get("tokenizer")
     return tokenizer if tokenizer and Path(tokenizer).is_dir() else None
+
+
+# each streamed token is an SSE write (a syscall) and a gRPC read in the front's one event loop: on a
+# many-core GPU host several processes share the port, so the front does not cap the server's tok/s
+AUTO_WORKERS_MAX = 4
+
+
+def auto_workers() -> int:
+    """One process per 4 cores, 1 to AUTO_WORKERS_MAX: Triton, the engine and the clients need the rest."""
+    return max(1, min(AUTO_WORKERS_MAX, (os.cpu_count() or 1) // 4))
+
+
+def workers_arg(value: str) -> int:
+    """--workers' value (here and the launcher's --openai-workers): 'auto' or a count of 1 or more."""
+    if value == "auto":
+        return auto_workers()
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: a number of processes, 1 or more, or auto")
+    return n

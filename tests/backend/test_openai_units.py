@@ -3,6 +3,7 @@ template (against the engine's own tokenizer on the tiny checkpoint), the reason
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -204,5 +205,18 @@ def test_workers_split_the_fronts_bounds():
     args = parse_args(["--triton-grpc", "127.0.0.1:1", "--workers", "3", "--max-concurrent-requests", "10"])
     assert args.workers == 3 and app_from(args).max_concurrent == 4
     assert parse_args(["--triton-grpc", "127.0.0.1:1", "--workers", "auto"]).workers >= 1
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit):
+            parse_args(["--triton-grpc", "127.0.0.1:1", "--workers", bad])
+
+
+def test_launcher_passes_openai_workers_and_refuses_a_bad_count():
+    """make serve's --openai-workers reaches the front as --workers; a bad count fails at once, before Triton starts."""
+    from backend import serve
+
+    ns = lambda **kw: argparse.Namespace(**{"openai_max_concurrent_requests": None,  # noqa: E731
+                                             "openai_max_body_bytes_in_flight": None, "openai_workers": None, **kw})
+    assert serve.openai_bounds(ns(openai_workers=3)) == ("--workers", "3")
+    assert serve.openai_bounds(ns()) == ()
     with pytest.raises(SystemExit):
-        parse_args(["--triton-grpc", "127.0.0.1:1", "--workers", "0"])
+        serve.main(["--openai-port", "9000", "--openai-workers", "0"])
