@@ -511,6 +511,7 @@ class SpecDecoder:
         after the step's graph (a verify's or a plain step's), which do both.
         -> a function that sets the drafts as spec_token_ids (the graph's read-back waits there)."""
         items, rows, where = self._catch_up(batch, nxt)
+        self.gate.tick()
         drafting = [d for d in self._wanted(items)
                     if self.gate.drafts(items[d[0]][0], id(items[d[0]][0]) in verified)]
         if len(self.gate.tracks) > 2 * len(self.engine.requests) + 64:

@@ -9,7 +9,10 @@ guess) is better off decoding plainly. Each sequence keeps a running mean of its
 verify can emit (a new sequence verifies). When a verify leaves it below `min_length` (the break-even
 of the verify / plain cost ratio) the sequence backs off: it drafts nothing for `backoff` steps
 (plain steps for it; the drafter still absorbs its rows, so drafting restarts without a catch-up),
-then drafts once more and verifies that block (the probe). A probe that brings the mean back over the
+then drafts once more and verifies that block (the probe). A back-off of n steps is stretched to
+end on a step numbered a multiple of n, so sequences that stopped verifying at different times probe
+in the same steps: a step stays in flight (async scheduling) only when no sequence in it drafts, and
+staggered probes in a batch of 32 would leave almost none. A probe that brings the mean back over the
 break-even resumes verifying and resets the back-off; one that fails backs off twice as long, up to
 `max_backoff`. At acceptance 0 the steady state is plain steps plus a probe every `max_backoff` steps.
 
@@ -39,6 +42,11 @@ class AcceptanceGate:
         self.k1, self.min_length, self.backoff, self.max_backoff = k + 1, min_length, backoff, max_backoff
         self.tracks: dict[str, _Track] = {}  # request id -> its record (the sequence's, see _Track.seq)
         self.backoffs = 0  # times a sequence stopped verifying (or a probe failed)
+        self.step = 0  # the speculative steps so far (tick): back-offs end on its multiples
+
+    def tick(self) -> None:
+        """One speculative step began (before its drafts are chosen)."""
+        self.step += 1
 
     def _track(self, seq) -> _Track:
         t = self.tracks.get(seq.request_id)
@@ -55,7 +63,12 @@ class AcceptanceGate:
         if t.mean >= self.min_length:
             t.backoff = self.backoff  # paying off (again): the next failure starts from the first back-off
             return
-        t.wait, t.backoff = t.backoff, min(2 * t.backoff, self.max_backoff)
+        # the probe drafts in the first step numbered a multiple of n at least n - 1 steps on (a probe every n
+        # steps once it fails: its verify is one of the n), so sequences backed off as long probe in the same
+        # steps and the steps between stay in flight together; this step's tick() comes after
+        n = t.backoff
+        t.wait = n - 1 + (-(self.step + n)) % n
+        t.backoff = min(2 * n, self.max_backoff)
         self.backoffs += 1
 
     def drafts(self, seq, verified: bool) -> bool:
