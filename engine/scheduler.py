@@ -74,9 +74,10 @@ class Scheduler:
         kept: list[Sequence] = []
         # decodes (one token owed) first, each group in running order (a stable sort)
         queue = sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens != 1)
-        decodes = next((i for i, s in enumerate(queue) if s.num_tokens - s.num_computed_tokens != 1), len(queue))
-        budget = self.chunk_budget.budget(decodes, len(queue) - decodes + len(self.waiting),
-                                          self.max_num_batched_tokens)
+        budget = self.max_num_batched_tokens
+        if self.chunk_budget.adaptive:  # the queue's makeup: a scan per step that the fixed budget has no use for
+            decodes = next((i for i, s in enumerate(queue) if s.num_tokens - s.num_computed_tokens != 1), len(queue))
+            budget = self.chunk_budget.budget(decodes, len(queue) - decodes + len(self.waiting), budget)
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk)

@@ -34,7 +34,6 @@ def set_backend(name: str) -> None:
     if name not in BACKENDS:
         raise ValueError(f"kernels backend must be 'auto', 'ref', 'rounded' or 'fused', got {name!r}")
     _backend = name
-    reference.set_rounding(torch.bfloat16 if name == "rounded" else None)  # V4 serves in bf16
     _bind()
 
 
@@ -74,7 +73,8 @@ def _on_cuda(fused: Callable, ref: Callable) -> Callable:
 
 
 def _bind() -> None:
-    """(Re)binds every public op for the backend; an op is its reference, then its kernel if FUSED has one."""
+    """(Re)binds every public op for the backend (and the references' rounding); an op is its reference, then its
+    kernel if FUSED has one."""
     global rms_norm, rms_norm_unweighted, rope_cos_sin, apply_rope, hc_pre, hc_post, hc_post_pre_norm, hc_head
     global router_topk, linear, linear_split, swiglu, swiglu_linear, mlp, moe_experts, sink_attention, grouped_linear
     global norm_linear, router_moe
@@ -82,6 +82,7 @@ def _bind() -> None:
     global kv_norm_rope_insert, q_kv_norm_rope, compress_decode, compress_blocks, greedy_pick
     global v41_hc_site_collapse, v41_hc_expand, v41_rms_norm, v41_rope, v41_fake_quant_fp4, v41_fake_quant_fp8
     global v41_router, v41_clamped_swiglu, v41_moe_sum, v41_engram_gate, v41_engram_gather
+    reference.set_rounding(torch.bfloat16 if _backend == "rounded" else None)  # V4 serves in bf16
     fused = _fused_table()
 
     def op(name: str, ref: Op) -> Op:
@@ -135,5 +136,4 @@ def _bind() -> None:
     v41_engram_gather = op("v41_engram_gather", v41_reference.engram_gather)
 
 
-reference.set_rounding(torch.bfloat16 if _backend == "rounded" else None)
 _bind()
