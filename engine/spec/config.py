@@ -26,6 +26,11 @@ MIN_ACCEPTANCE_LENGTH = 1.6
 BACKOFF_STEPS, MAX_BACKOFF_STEPS = 4, 64  # plain steps before the first probe; doubled per failed probe, capped
 
 
+def _is(value, types) -> bool:
+    """isinstance, but a JSON true / false is no number (bool subclasses int)."""
+    return isinstance(value, types) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
@@ -58,21 +63,21 @@ class SpeculativeConfig:
                              f"this engine reads {sorted(_KEYS[method])}")
         k = raw.get("num_speculative_tokens")
         if not (k is None and method == "dspark") and (
-                isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
+                not _is(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         c = raw.get("confidence_threshold", 0.0)
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
+        if not _is(c, (int, float)) or not 0.0 <= c <= 1.0:
             raise ValueError(f"speculative_config: confidence_threshold must be a number in [0, 1], got {c!r}")
         L = raw.get("min_acceptance_length", MIN_ACCEPTANCE_LENGTH)
-        if isinstance(L, bool) or not isinstance(L, (int, float)) or not 0.0 <= L <= MAX_SPECULATIVE_TOKENS + 1:
+        if not _is(L, (int, float)) or not 0.0 <= L <= MAX_SPECULATIVE_TOKENS + 1:
             raise ValueError(f"speculative_config: min_acceptance_length must be a number in "
                              f"[0, {MAX_SPECULATIVE_TOKENS + 1}] (tokens per verify; 0: never stop verifying), got {L!r}")
         b = raw.get("backoff_steps", BACKOFF_STEPS)
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        if not _is(b, int) or b < 1:
             raise ValueError(f"speculative_config: backoff_steps must be a positive integer, got {b!r}")
         top = raw.get("max_backoff_steps", max(b, MAX_BACKOFF_STEPS))
-        if isinstance(top, bool) or not isinstance(top, int) or top < b:
+        if not _is(top, int) or top < b:
             raise ValueError(f"speculative_config: max_backoff_steps must be an integer >= backoff_steps ({b}), "
                              f"got {top!r}")
         return cls(method, k, float(c), float(L), b, top)

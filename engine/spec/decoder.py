@@ -514,8 +514,7 @@ class SpecDecoder:
         self.gate.tick()
         drafting = [d for d in self._wanted(items)
                     if self.gate.drafts(items[d[0]][0], id(items[d[0]][0]) in verified)]
-        if len(self.gate.tracks) > 2 * len(self.engine.requests) + 64:
-            self.gate.forget(self.engine.requests)
+        self.gate.forget(self.engine.requests)
         if graphs is not None and items:  # the keys are written even when nobody drafts
             self.step_paths["draft_graph"] += 1
             read = graphs.launch(batch, items, where, drafting)

@@ -68,11 +68,10 @@ class PlainStepGraphs:
         return min(b for b in self.buckets if b >= batch_size)
 
     def fits(self, batch: list[tuple[Sequence, int]]) -> bool:
-        """A decode step the runner would replay as a graph (one new token per sequence, no drafts,
-        nothing replayed), within the largest bucket. A last token still in flight comes from `pending`."""
-        return bool(self.buckets) and len(batch) <= self.buckets[-1] and all(
-            n == 1 and not s.spec_token_ids and s.num_computed_tokens == s.num_tokens - 1
-            and s.compress_from == s.num_computed_tokens for s, n in batch)
+        """A decode step the runner would replay as a graph (its static batch is this one's) holding no
+        drafts, within the largest bucket. A last token still in flight comes from `pending`."""
+        return (bool(self.buckets) and len(batch) <= self.buckets[-1] and self.runner._decode_graph(batch)
+                and not any(s.spec_token_ids for s, _ in batch))
 
     def run(self, batch: list[tuple[Sequence, int]],
             pending: tuple[torch.Tensor, dict[int, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

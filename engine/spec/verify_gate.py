@@ -89,6 +89,9 @@ class AcceptanceGate:
         return bool(self.min_length) and t is not None and t.seq is seq and t.wait >= 2
 
     def forget(self, live) -> None:
-        """Drop the records of requests no longer in `live` (finished, aborted)."""
+        """Drop the records of requests no longer in `live` (finished, aborted), once they outnumber
+        the live ones: called every step, it sweeps only now and then."""
+        if len(self.tracks) <= 2 * len(live) + 64:
+            return
         for rid in [r for r in self.tracks if r not in live]:
             del self.tracks[rid]
