@@ -17,6 +17,7 @@ from engine.cache import KVCache
 from engine.forward_batch import DEAD, ForwardBatch, HostBatch, lookback_rows
 from engine.graphs.capture import capture
 from engine.graphs.mixed import MixedStepGraphs
+from engine.graphs.staging import StagingPair
 from engine.graphs.static_batch import new_token_ids
 from engine.models.family import ModelFamily
 from engine.sequence import Sequence
@@ -45,7 +46,7 @@ class DecodeGraph:
     graph: torch.cuda.CUDAGraph | None  # None: the static batch only (static_decode_batches, the CPU)
     batch: ForwardBatch  # views of flat: the graph reads its tensors
     flat: torch.Tensor  # the whole batch's metadata, refreshed by one copy per replay
-    stagings: list[torch.Tensor]  # two pinned host buffers, used by alternate steps
+    stagings: StagingPair  # two pinned host buffers, used by alternate steps
     logits: torch.Tensor | None  # what the graph writes
 
 
@@ -209,8 +210,7 @@ class ModelRunner:
                 graph, logits = capture_fn(lambda fb=fb: self.model(fb, self.cache), pool)
             # two pinned staging buffers, used by alternate steps: with async scheduling step N+1
             # is packed while step N's copy may still wait behind step N-1 on the GPU
-            staging = [torch.empty(flat.shape, dtype=torch.long, pin_memory=pool is not None and cuda) for _ in range(2)]
-            self.graphs[size] = DecodeGraph(graph, fb, flat, staging, logits)
+            self.graphs[size] = DecodeGraph(graph, fb, flat, StagingPair(flat.shape, pool is not None and cuda), logits)
         if pool is not None and cuda:
             torch.cuda.synchronize()
 
@@ -258,7 +258,7 @@ class ModelRunner:
         size = min(b for b in self.graphs if b >= n)
         g = self.graphs[size]
         self.replays += 1
-        staging = g.stagings[self.replays % 2]  # the other one may still be on its way to the GPU
+        staging = g.stagings.next()  # the other one may still be on its way to the GPU
         self.pack_decode(scheduled, size, staging.numpy())
         if g.graph is not None:  # static batches without a graph run eagerly: they gather as any eager step
             self.prefetch_host_inputs(size, staging.numpy())

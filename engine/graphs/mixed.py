@@ -123,7 +123,7 @@ class MixedStepGraphs:
         size = min(s for s in self.sizes if s >= T)
         st = self.static[size]
         self.replays += 1
-        staging = st.stagings[self.replays % 2]
+        staging = st.stagings.next()
         n_logits = self.pack(scheduled, size, staging.numpy())
         st.flat.copy_(staging, non_blocking=True)
         ends = np.cumsum([n for _, n in scheduled]) - 1

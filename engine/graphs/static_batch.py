@@ -12,6 +12,7 @@ import torch
 from engine.cache import KVCache
 from engine.compress_plan import CompressPlan
 from engine.forward_batch import ForwardBatch
+from engine.graphs.staging import StagingPair
 from engine.sequence import Sequence
 
 
@@ -95,7 +96,7 @@ class StaticBatch:
     layout: StepLayout
     fb: ForwardBatch  # its tensors are views of `flat`; the graph reads them
     flat: torch.Tensor
-    stagings: list[torch.Tensor]  # two host buffers, used by alternate steps (see MixedStepGraphs.run)
+    stagings: StagingPair  # two host buffers, used by alternate steps (see MixedStepGraphs.run)
     pad: np.ndarray  # the all-padding contents of flat
     views: dict[str, torch.Tensor]  # every field of flat by name
     graph: torch.cuda.CUDAGraph | None = None
@@ -143,9 +144,7 @@ def padded_batch(lay: StepLayout, cache: KVCache, device: torch.device, max_mode
         plans=plans)
     if extra is not None:
         extra.attach(fb, lambda name: v[name], lay.T)
-    pin = device.type == "cuda"
-    stagings = [torch.empty(lay.size, dtype=torch.long, pin_memory=pin) for _ in range(2)]
-    return StaticBatch(lay, fb, flat, stagings, pad, v)
+    return StaticBatch(lay, fb, flat, StagingPair(lay.size, device.type == "cuda"), pad, v)
 
 
 def host_fields(st: StaticBatch, host: np.ndarray):

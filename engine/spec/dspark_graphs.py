@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from engine.graphs.capture import capture, capture_buckets, replay_bucket
+from engine.graphs.staging import StagingPair
 from engine.spec.dspark import DSparkProposer, gated_lengths
-from engine.spec.staging import StagingPair
 
 _FIELDS = ("ring_rows", "slots", "starts", "last_tokens")  # ring_rows: one per source row; the others one per batch row
 

@@ -22,8 +22,8 @@ import torch
 
 from engine.forward_batch import ForwardBatch
 from engine.graphs.capture import capture, capture_buckets, replay_bucket
+from engine.graphs.staging import StagingPair
 from engine.sequence import Sequence
-from engine.spec.staging import StagingPair
 
 
 @dataclass
@@ -32,7 +32,7 @@ class _Bucket:
     T: int  # rows: one per sequence
     fb: ForwardBatch  # the runner's static decode batch (views of flat)
     flat: torch.Tensor  # the runner's, refreshed by one copy per replay
-    stagings: StagingPair  # pinned on CUDA
+    stagings: StagingPair  # the runner's pair for this batch: alternate with its decode graph's replays
     graph: torch.cuda.CUDAGraph | None = None
 
     @property
@@ -57,7 +57,7 @@ class PlainStepGraphs:
 
     def _bucket(self, B: int) -> _Bucket:
         g = self.runner.graphs[B]
-        return _Bucket(B, B, g.batch, g.flat, StagingPair(g.flat.shape, self.device.type == "cuda"))
+        return _Bucket(B, B, g.batch, g.flat, g.stagings)
 
     def _forward(self, bk: _Bucket) -> None:
         h, f = self.model.dspark_features(bk.fb, self.cache)
