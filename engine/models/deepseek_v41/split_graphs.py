@@ -166,7 +166,7 @@ class DecoderSplitGraphs:
         st = self.static[K]
         self.replays += 1
         self.steps[size, K] += 1
-        staging = st.stagings[self.replays % 2]
+        staging = st.stagings.next()
         n_logits = self.pack(scheduled, K, staging.numpy())
         st.flat.copy_(staging, non_blocking=True)
         fill_pending(st.fb.input_ids, scheduled, pending, (np.cumsum(self.kept(scheduled)) - 1).tolist())
