@@ -19,6 +19,7 @@ DEPTH_CKPT = "{ckpt}/flash-depth-fp8-fp4"
 SWITCH_CKPT = "{{ckpt}}/flash-depth-e{e}-fp8-fp4"  # one per expert count, removed after its step
 SWITCHES = DEPTH[:-1] + ',"cudagraph_mode":"FULL_DECODE_ONLY"}'  # decode graphs only: no mixed-step captures to wait for
 DSPARK_CKPT = "{ckpt}/flash-depth-0731-fp8-fp4"  # V4-Flash depth with 0731's DSpark stages (16 experts)
+DSPARK_E64_CKPT = "{ckpt}/flash-depth-0731-e64-fp8-fp4"  # the same at 64 routed experts
 SHAPED_CKPT = "{ckpt}/flash-shaped-fp8-fp4"  # V4-Flash's layers, 4 of them, as shipped (FP8 + MXFP4)
 SHAPED_0731_CKPT = "{ckpt}/flash-shaped-0731-fp8-fp4"  # the same with 0731's DSpark stages
 TRITON_SWEEP = ("--serve", "--driver", "threads", "--protocol", "grpc", "--stop-timeout", "20", "--out", "{out}")
@@ -352,6 +353,12 @@ SUITE_LIST = [
                 "plain_features_ms / plain_draft_ms / plain_keys_ms: a step that verifies nothing "
                 "(engine/spec/plain_graphs.py); end to end dspark_ungated_* (gate off), dspark_* (served), forced_*, "
                 "*_steps_without_verify, *_backoffs"),
+    Suite("dspark_e64", "The same DSpark figures at 64 routed experts (the draft stages' too), a held-out expert "
+          "count: does the gate keep the overhead at acceptance 0 under 20% where a verify's rows read more experts?",
+          (checkpoint(DSPARK_E64_CKPT, "flash-depth", "--layout", "0731", "--override", '{"n_routed_experts":64}'),
+           Step("tools.bench_spec", ("--method", "dspark", "--model", DSPARK_E64_CKPT, "--batches", "1,8,32",
+                                     "--input-len", "512", "--output-len", "128", "--reps", "5", "--engine-args", SPEC),
+                then_remove="flash-depth-0731-e64-*", timeout_s=480))),
     Suite("profile_spec", "Where does a speculative step's time go at V4-Flash depth (batch 1, k = 3): the host "
           "under cProfile, then the GPU's kernels?",
           tuple(profile(name, *MODEL, "--batch", "1", "--steps", "48", "--rows", "45", *host, "--engine-args",

@@ -161,7 +161,7 @@ def instrument(eng: LLMEngine, rec: Records) -> None:
               lambda _, n, fixes: rec.add(f"{name} rollback graph: compressor states", torch.cat(
                   [t.float().flatten() for t in states()])))
     if spec.plain_steps is not None:
-        def plain(out, batch):
+        def plain(out, batch, pending=None):
             b = spec.plain_steps.bucket(len(batch))
             rec.add(f"DSpark plain-step graph b{b}: logits", out[0])
             rec.add(f"DSpark plain-step graph b{b}: target features", out[1])
