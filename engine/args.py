@@ -69,8 +69,9 @@ class EngineArgs:
     # on any device: on the CPU under TRITON_INTERPRET=1, for tests)
     kernels: str = "auto"
     # programmatic dependent launch for the decode kernels (kernels/pdl.py): auto (on where the GPU and Triton
-    # support it: sm_90+), on, off; DSV4_PDL=1 / 0 overrides it. Off until suite pdl_paths passes on the GPU
-    pdl: str = "off"
+    # support it: sm_90+), on, off; DSV4_PDL=1 / 0 overrides it. Suite pdl_paths checks every served graph
+    # path gives bit for bit what it gives without it
+    pdl: str = "auto"
     # one host's GPUs (docs/PARALLEL.md): attention heads split over tensor_parallel_size ranks,
     # experts too with enable_expert_parallel (else each expert's intermediate slice); gloo on CPU
     tensor_parallel_size: int = 1

@@ -69,7 +69,8 @@ class Records:
 
 def engine_args(model: str, budget: int, max_num_seqs: int, spec: dict | None) -> dict:
     args = {"model": model, "max_model_len": 1024, "max_num_seqs": max_num_seqs, "max_num_batched_tokens": budget,
-            "enable_prefix_caching": False, "seed": 0}
+            "enable_prefix_caching": False, "seed": 0,
+            "async_scheduling": True}  # as served on the GPU; on the CPU too, so the in-flight plain steps run
     if spec is not None:  # speculative steps with prefill run eagerly anyway: no mixed-step graphs to capture
         args |= {"speculative_config": spec, "cudagraph_mode": "FULL_DECODE_ONLY"}
     if torch.cuda.is_available():

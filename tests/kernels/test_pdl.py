@@ -35,7 +35,7 @@ def test_engine_argument_modes_and_env_override(monkeypatch):
     from engine.args import EngineArgs, InvalidEngineArgs
 
     cpu = torch.device("cpu")
-    assert EngineArgs().pdl == "off" and not pdl.available(cpu)
+    assert EngineArgs().pdl == "auto" and not pdl.available(cpu)
     monkeypatch.delenv(pdl.ENV, raising=False)
     try:
         assert pdl.configure("auto", cpu) is False and not pdl.enabled()
