@@ -7,7 +7,9 @@
 Each level runs `locust -f loadtest/locustfile.py` (or `python -m loadtest.threads`) in its own
 process group, closed-loop users (each sends its next request when the last one ends) spread over
 --client-processes (auto: sized from the level), for --duration; then in-flight requests get
---stop-timeout to finish (the rest are cancelled). Every level is checked for the clients being the
+--stop-timeout to finish (the rest are cancelled). Rates count what happened inside the window
+[start + --warmup, end of --duration] and latencies cover the requests sent inside it
+(loadtest.window, the accounting tools.bench_engine --duration shares). Every level is checked for the clients being the
 limit (loadtest.saturation): such a level is marked client-bound and the sweep exits 3 unless
 --allow-client-bound. A level that outlives duration + stop-timeout
 + a grace period is killed (process group, SIGTERM then SIGKILL) and marked so. Triton's metrics
@@ -38,8 +40,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from loadtest import interactivity, saturation, scrape
-from loadtest.measure import ERROR_BACKOFF_S
+from loadtest import interactivity, saturation, scrape, window
 from loadtest.workloads import Length, LoadConfig, WorkloadConfig, resolve_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +50,6 @@ DEFAULT_URLS = {"grpc": ("TRITON_GRPC_URL", "127.0.0.1:8001"), "http": ("TRITON_
                 "openai": ("OPENAI_URL", "127.0.0.1:9000")}
 STARTUP_GRACE_S = 60.0  # Locust's own start (imports, tokenizer) and exit, beyond run + stop timeouts
 PROGRESS_EVERY_S = 10.0
-PERCENTILES = (50, 90, 99)
 
 
 def parse_seconds(text: str) -> float:
@@ -72,21 +72,6 @@ def parse_levels(text: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------ stats
-
-
-def percentiles(values: list[float]) -> dict:
-    """p50/p90/p99 (linear interpolation, as numpy's default), mean, count."""
-    if not values:
-        return {"count": 0}
-    xs = sorted(values)
-
-    def at(q: float) -> float:
-        pos = (len(xs) - 1) * q / 100
-        lo = int(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-    return {**{f"p{q}": at(q) for q in PERCENTILES}, "mean": statistics.fmean(xs), "count": len(xs)}
 
 
 def read_records(path: Path) -> tuple[list[dict], dict]:
@@ -112,58 +97,30 @@ def read_records(path: Path) -> tuple[list[dict], dict]:
     return requests, marks
 
 
-def summarize(requests: list[dict], marks: dict, concurrency: int) -> dict:
-    """One level's figures. Rates count what happened inside the run window (test start until
-    Locust began stopping): requests completed and tokens received in it, over its length.
-    Latencies cover every completed request, the ones finishing during the stop included."""
+def summarize(requests: list[dict], marks: dict, concurrency: int, warmup_s: float = 0.0) -> dict:
+    """One level's figures: counts over every request, rates and latencies over the window
+    (loadtest.window: [start + warm-up, when the users began stopping])."""
     ok = [r for r in requests if r["ok"]]
     errors = [r for r in requests if not r["ok"] and not r["cancelled"]]
     cancelled = [r for r in requests if r["cancelled"]]
-    start = marks.get("start") or min((r["start"] for r in requests), default=0.0)
-    stop = marks.get("stopping") or max((r["start"] + r["e2e_ms"] / 1e3 for r in requests), default=start)
-    window = max(stop - start, 1e-9)
-    tokens_in_window = 0
-    for r in ok + cancelled:
-        counts = r.get("delta_tokens") or [1] * len(r.get("delta_ms", []))
-        tokens_in_window += sum(n for t, n in zip(r.get("delta_ms", []), counts)
-                                if start <= r["start"] + t / 1e3 <= stop)
-    completed_in_window = sum(1 for r in ok if r["start"] + r["e2e_ms"] / 1e3 <= stop)
-    itl = [b - a for r in ok for a, b in zip(r["delta_ms"], r["delta_ms"][1:])]
+    inside = window.figures(requests, window.window_of(requests, marks, warmup_s))
     sent = len(ok) + len(errors)
     return {
         "concurrency": concurrency,
-        "window_s": window,
+        "window_s": inside["window_s"],
+        "warmup_s": inside["warmup_s"],
         "requests": len(ok),
         "errors": len(errors),
         "cancelled": len(cancelled),
         "error_rate": len(errors) / sent if sent else 0.0,
-        "request_per_s": completed_in_window / window,
-        "output_tok_per_s": tokens_in_window / window,
-        "input_tok_per_s": sum(r["prompt_tokens"] for r in ok if r["start"] + r["e2e_ms"] / 1e3 <= stop) / window,
+        "request_per_s": inside["request_per_s"],
+        "output_tok_per_s": inside["output_tok_per_s"],
+        "input_tok_per_s": inside["input_tok_per_s"],
         "output_tokens": sum(r["server_num_output_tokens"] or 0 for r in ok),
         "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in ok) if ok else None,
-        "ttft_ms": percentiles([r["ttft_ms"] for r in ok]),
-        "itl_ms": percentiles(itl),
-        "tpot_ms": percentiles([r["tpot_ms"] for r in ok if r["tpot_ms"] is not None]),
-        "e2e_ms": percentiles([r["e2e_ms"] for r in ok]),
+        **{k: inside[k] for k in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")},
         "error_samples": sorted({r["error"] for r in errors})[:5],
     }
-
-
-def client_saturation(requests: list[dict], marks: dict, concurrency: int, request_per_s: float) -> dict:
-    """loadtest.saturation's check for one level: each user's time in a request (a failed one
-    with the pause after it) against the window, and the client processes' own CPU."""
-    start = marks.get("start") or min((r["start"] for r in requests), default=0.0)
-    stop = marks.get("stopping") or max((r["start"] + r["e2e_ms"] / 1e3 for r in requests), default=start)
-    intervals: dict = {}
-    for r in requests:
-        pause = ERROR_BACKOFF_S if not r["ok"] and not r["cancelled"] else 0.0
-        intervals.setdefault(r.get("user"), []).append((r["start"], r["start"] + r["e2e_ms"] / 1e3 + pause))
-    busy = saturation.users_busy(intervals, stop, start)
-    ok = [r["e2e_ms"] / 1e3 for r in requests if r["ok"]]
-    cpu = [saturation.ProcessCpu(c["pid"], c["cpu_s"], c["wall_s"]) for c in marks.get("cpu", [])]
-    return saturation.check(concurrency, statistics.fmean(ok) if ok else None, 0.0, request_per_s,
-                            busy["busy_ratio"], cpu)
 
 
 # ------------------------------------------------------------------------------------------ locust
@@ -269,8 +226,9 @@ def run_level(args, concurrency: int, url: str, metrics_url: str | None, level_d
     if server is not None and "response_thread_cpu_s" in server:
         server["response_thread_busy"] = server["response_thread_cpu_s"] / elapsed
     requests, marks = read_records(records)
-    summary = summarize(requests, marks, concurrency)
-    sat = client_saturation(requests, marks, concurrency, summary["request_per_s"])
+    summary = summarize(requests, marks, concurrency, args.warmup)
+    sat = window.client_saturation(requests, window.window_of(requests, marks, args.warmup), concurrency,
+                                   summary["request_per_s"], marks.get("cpu", []))
     return {**summary, "client_processes": processes, "saturation": sat, "client_bound": sat["client_bound"],
             "server": server, "driver": run, "failure": level_failure(summary, run),
             "load_avg": {"before": load_before, "after": os.getloadavg()},
@@ -315,7 +273,7 @@ CSV_FIELDS = ["label", "protocol", "workload", "concurrency", "requests", "error
               "output_tok_per_s_per_gpu"] + [
     f"{m}_{p}" for m in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms") for p in ("p50", "p90", "p99", "mean")] + [
     "prefix_hit_ratio", "client_bound", "client_processes", "client_cpu_busiest_cores", "client_cpu_total_cores",
-    "users_busy_ratio", "driver_killed", "driver_elapsed_s", "failure"]
+    "users_busy_ratio", "window_s", "warmup_s", "driver_killed", "driver_elapsed_s", "failure"]
 
 
 def write_outputs(result: dict, out: Path, label: str) -> tuple[Path, Path]:
@@ -367,7 +325,7 @@ def sweep(args, url: str, metrics_url: str | None, server_info: dict, say=print)
         "allow_client_bound": args.allow_client_bound,
         "workload": asdict(workload_config(args)),
         "sampling": {"temperature": args.temperature, "ignore_eos": not args.no_ignore_eos},
-        "duration_s": args.duration, "stop_timeout_s": args.stop_timeout,
+        "duration_s": args.duration, "warmup_s": args.warmup, "stop_timeout_s": args.stop_timeout,
         "server": {"url": url, "metrics_url": metrics_url, **server_info},
         **gpus_of(args, metrics_url),
         "host": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()},
@@ -376,8 +334,9 @@ def sweep(args, url: str, metrics_url: str | None, server_info: dict, say=print)
     }
     levels = args.concurrency
     budget = len(levels) * (args.duration + 5)
+    warm = f" ({args.warmup:g} s warm-up)" if args.warmup else ""
     say(f"sweep {label}: {args.protocol} {args.workload} ({args.driver}) against {url}, levels {levels}, {args.duration:g} s "
-        f"each (about {budget / 60:.1f} min, plus up to {args.stop_timeout:g} s per level for in-flight requests)")
+        f"each{warm} (about {budget / 60:.1f} min, plus up to {args.stop_timeout:g} s per level for in-flight requests)")
     for i, c in enumerate(levels, 1):
         say(f"[{i}/{len(levels)}] concurrency {c} ...")
         level = run_level(args, c, url, metrics_url, out / "raw" / label / f"c{c}", say)
@@ -420,7 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="with --serve: checkpoint dir (default model.json's, the tiny model)")
     p.add_argument("--engine-args", default="{}", help="with --serve: JSON merged into model.json")
     p.add_argument("--concurrency", type=parse_levels, default=parse_levels("1,2,4,8,16,32,64,100,150"))
-    p.add_argument("--duration", type=parse_seconds, default=60.0, help="per level (60, 60s, 2m)")
+    p.add_argument("--duration", type=parse_seconds, default=60.0, help="per level (60, 60s, 2m), the warm-up "
+                   "included")
+    p.add_argument("--warmup", type=parse_seconds, default=0.0, help="the first seconds of each level that the rates "
+                   "and latencies leave out (loadtest.window); below --duration")
     p.add_argument("--stop-timeout", type=parse_seconds, default=30.0,
                    help="after each level, time for in-flight requests to finish before they are cancelled")
     p.add_argument("--workload", choices=["random", "agentic", "prompts"], default="random")
@@ -448,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = argv
+    if not 0 <= args.warmup < args.duration:
+        parser.error(f"--warmup ({args.warmup:g} s) must be below --duration ({args.duration:g} s)")
     args.label = args.label or f"{args.protocol}-{args.workload}" + ("-threads" if args.driver == "threads" else "")
     if not re.fullmatch(r"[\w.-]+", args.label):
         parser.error("--label: letters, digits, '.', '_' and '-' only (it names files)")

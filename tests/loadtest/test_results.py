@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from loadtest import report, scrape
-from loadtest.sweep import parse_levels, parse_seconds, percentiles, read_records, summarize
+from loadtest.sweep import parse_levels, parse_seconds, read_records, summarize
+from loadtest.window import percentiles
 
 T0 = 1_000_000.0
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from loadtest import saturation
-from loadtest.sweep import client_saturation, percentiles, read_records, summarize
+from loadtest.sweep import read_records, summarize
+from loadtest.window import client_saturation, percentiles, window_of
 from tests.loadtest.fake_server import FakeTriton
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +52,7 @@ def test_merged_processes_sum_and_merged_percentiles(tmp_path):
     assert merged["e2e_ms"] == percentiles(e2e)
     assert merged["e2e_ms"]["p50"] == pytest.approx(100.0)  # 9 of 12 samples are 100 ms
     assert merged["e2e_ms"]["p50"] != pytest.approx(sum(p["e2e_ms"]["p50"] for p in parts) / 2)
-    sat = client_saturation(requests, marks, 2, merged["request_per_s"])
+    sat = client_saturation(requests, window_of(requests, marks), 2, merged["request_per_s"], marks["cpu"])
     assert [p["cpu_s"] for p in sat["client_cpu"]["per_process"]] == [2.0, 3.0]
     assert sat["client_cpu"]["total_cores"] == pytest.approx(0.5)
 
