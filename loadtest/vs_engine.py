@@ -5,7 +5,11 @@ through the OpenAI front. Prints the ratio table the `serving_vs_*` suites answe
     python -m loadtest.vs_engine TRITON.json [ENGINE.json] [--openai OPENAI.json] [--json out.json]
 
 A level whose load generator was the limit (loadtest.saturation) is marked: its ratio describes
-the clients, not the server. Missing inputs (a step that failed) leave their columns empty.
+the clients, not the server. So is a ratio whose two runs counted throughput differently (the
+"counted" column): a sweep counts the tokens inside its window (loadtest.window: --duration,
+--warmup); engine-direct does too with --duration, but with --requests-per-user it divides all
+output tokens by the time until the last request finished ("drain"), which at long requests
+differs by tens of percent. Missing inputs (a step that failed) leave their columns empty.
 """
 
 from __future__ import annotations
@@ -15,18 +19,22 @@ import json
 import sys
 from pathlib import Path
 
+from loadtest.window import describe
+
 
 def sweep_levels(path: str | None) -> dict[int, dict]:
     """concurrency -> {tok_s, ttft_p50, itl_p50, e2e_p50, client_bound} of a loadtest.sweep JSON."""
     if not path or not Path(path).exists():
         return {}
     levels = {}
-    for lv in json.loads(Path(path).read_text())["levels"]:
+    sweep = json.loads(Path(path).read_text())
+    counted = describe(sweep["duration_s"], sweep.get("warmup_s", 0.0))
+    for lv in sweep["levels"]:
         if lv.get("failure"):
             continue
         levels[lv["concurrency"]] = {"tok_s": lv["output_tok_per_s"], "ttft_p50": lv["ttft_ms"].get("p50"),
                                      "itl_p50": lv["itl_ms"].get("p50"), "e2e_p50": lv["e2e_ms"].get("p50"),
-                                     "client_bound": bool(lv.get("client_bound"))}
+                                     "client_bound": bool(lv.get("client_bound")), "counted": counted}
     return levels
 
 
@@ -38,14 +46,24 @@ def engine_levels(path: str | None) -> dict[int, dict]:
     for r in json.loads(Path(path).read_text())["results"]:
         if r["mode"] != "online":
             continue
+        window = r.get("window") or {}
+        counted = describe(window["duration_s"], window["warmup_s"]) if r.get("accounting") == "window" else "drain"
         levels[r["concurrency"]] = {"tok_s": r["output_tok_s"], "ttft_p50": r["ttft_ms"].get("p50"),
                                     "itl_p50": r["itl_ms"].get("p50"), "e2e_p50": r["e2e_ms"].get("p50"),
-                                    "client_bound": bool((r.get("saturation") or {}).get("client_bound"))}
+                                    "client_bound": bool((r.get("saturation") or {}).get("client_bound")),
+                                    "counted": counted}
     return levels
 
 
 def ratio(a: dict | None, b: dict | None) -> float | None:
     return a["tok_s"] / b["tok_s"] if a and b and b["tok_s"] else None
+
+
+def counted_apart(pairs: list[tuple[str, dict | None, str, dict | None]]) -> list[str]:
+    """The ratios of a row whose two runs counted throughput differently, e.g. "engine drain / triton
+    window 0+30 s"."""
+    return [f"{na} {a['counted']} / {nb} {b['counted']}" for na, a, nb, b in pairs
+            if a and b and a["counted"] != b["counted"]]
 
 
 def rows(triton: dict, engine: dict, openai: dict) -> list[dict]:
@@ -57,6 +75,9 @@ def rows(triton: dict, engine: dict, openai: dict) -> list[dict]:
                     "triton_vs_engine": ratio(t, e), "openai_tok_s": o and o["tok_s"], "openai_vs_triton": ratio(o, t),
                     "ttft_p50_ms": {"engine": e and e["ttft_p50"], "triton": t and t["ttft_p50"],
                                     "openai": o and o["ttft_p50"]},
+                    "counted": {"engine": e and e["counted"], "triton": t and t["counted"],
+                                "openai": o and o["counted"]},
+                    "counted_apart": counted_apart([("triton", t, "engine", e), ("openai", o, "triton", t)]),
                     "client_bound": bound})
     return out
 
@@ -65,12 +86,14 @@ def table(result: list[dict]) -> str:
     f = lambda v, d=1: "-" if v is None else f"{v:,.{d}f}"
     x = lambda v: "-" if v is None else f"{v:.2f}x"
     lines = ["| users | engine-direct tok/s | Triton tok/s | Triton / engine | OpenAI tok/s | OpenAI / Triton | "
-             "TTFT p50 ms engine / Triton / OpenAI | client-bound |", "|" + " --- |" * 8]
+             "TTFT p50 ms engine / Triton / OpenAI | counted | client-bound |", "|" + " --- |" * 9]
     for r in result:
         ttft = r["ttft_p50_ms"]
+        counted = ("DIFFERENT: " + "; ".join(r["counted_apart"]) if r["counted_apart"]
+                   else " / ".join(dict.fromkeys(v for v in r["counted"].values() if v)))
         lines.append(f"| {r['users']} | {f(r['engine_tok_s'])} | {f(r['triton_tok_s'])} | {x(r['triton_vs_engine'])} | "
                      f"{f(r['openai_tok_s'])} | {x(r['openai_vs_triton'])} | {f(ttft['engine'])} / {f(ttft['triton'])} / "
-                     f"{f(ttft['openai'])} | {', '.join(r['client_bound']) or 'no'} |")
+                     f"{f(ttft['openai'])} | {counted} | {', '.join(r['client_bound']) or 'no'} |")
     return "\n".join(lines)
 
 
@@ -88,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     result = rows(triton, engine, openai)
     print(table(result))
+    if any(r["counted_apart"] for r in result):
+        print("warning: a ratio marked DIFFERENT compares runs that counted throughput differently (see "
+              "docs/LOADTEST.md, \"What a ratio compares\"); rerun engine-direct with the sweep's --duration and --warmup")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": result}, indent=1) + "\n")
     return 0

@@ -55,6 +55,11 @@ class Window:
         return max(self.stop - self.start, 1e-9)
 
 
+def describe(duration_s: float, warmup_s: float) -> str:
+    """A level's accounting in a table cell: "window 5+20 s" (warm-up + counted seconds)."""
+    return f"window {warmup_s:g}+{duration_s - warmup_s:g} s"
+
+
 def end_s(r: dict) -> float:
     return r["start"] + r["e2e_ms"] / 1e3
 

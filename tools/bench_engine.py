@@ -3,7 +3,17 @@ the async API, on random or multi-turn agentic prompts. Prints a table, writes J
 
     python -m tools.bench_engine [--model DIR | --preset tiny|flash-shaped|flash-depth] \
         [--concurrency 1,8,32] [--workload random|agentic] [--input-len 256] [--output-len 64] \
+        [--requests-per-user N | --duration S [--warmup S] [--stop-timeout S]] \
         [--engine-args JSON] [--baseline] [--json out.json]
+
+Online levels run one of two ways, named in each result's `accounting`:
+- "drain" (--requests-per-user N, the default): every user sends N requests (agentic: one
+  conversation); output tok/s = all output tokens / the time until the last one finished.
+- "window" (--duration S): closed-loop users for S seconds, as a loadtest.sweep level
+  (loadtest.engine_direct), read by loadtest.window as the sweep reads its levels: output tok/s
+  counts the tokens that arrived in [start + --warmup, start + S], latencies the requests sent in
+  it; in-flight requests get --stop-timeout to finish, then are cancelled. The result carries the
+  window and every request's record. Compare it with a sweep of the same --duration and --warmup.
 
 Online levels carry the load generator's saturation check (loadtest.saturation): workers idle
 between requests (Little's law) and, with --core-process, this process's CPU; a client-bound
@@ -21,6 +31,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -32,7 +43,7 @@ from engine.llm import LLM, AsyncLLM
 from engine.models.deepseek_v4.random_checkpoint import PRESETS, QUANTS
 from engine.models.registry import load_config
 from engine.request import GenerationRequest, SamplingParams
-from loadtest import saturation
+from loadtest import engine_direct, saturation, window
 
 BASELINE = {"kernels": "ref", "enforce_eager": True, "enable_prefix_caching": False, "async_scheduling": False}
 
@@ -52,9 +63,14 @@ class Result:
     e2e_ms: dict = field(default_factory=dict)
     deltas: int = 0  # streamed deltas with tokens: below output_tokens when a slow consumer got them merged
     saturation: dict = field(default_factory=dict)  # online: was this process the limit (loadtest.saturation)
+    accounting: str = "drain"  # online: "drain" (--requests-per-user) or "window" (--duration; see the docstring)
+    window: dict = field(default_factory=dict)  # "window": its settings and loadtest.window's rates
+    records: list[dict] = field(default_factory=list)  # "window": every request, as the sweep records them
 
     @property
     def output_tok_s(self) -> float:
+        if self.accounting == "window":
+            return self.window["output_tok_per_s"]
         return self.output_tokens / self.duration_s if self.duration_s else 0.0
 
 
@@ -76,15 +92,28 @@ def agentic_conversations(n_conv: int, turns: int, system_len: int, turn_len: in
     whole conversation so far (earlier prompts and stand-in replies) and new text."""
     g = torch.Generator().manual_seed(seed)
     system = torch.randint(5, vocab, (system_len,), generator=g).tolist()
-    convs = []
-    for _ in range(n_conv):
-        history, prompts = list(system), []
-        for _ in range(turns):
-            history = history + torch.randint(5, vocab, (turn_len,), generator=g).tolist()
-            prompts.append(list(history))
-            history = history + torch.randint(5, vocab, (turn_len // 2,), generator=g).tolist()  # the reply
-        convs.append(prompts)
-    return convs
+    return [conversation(g, system, turns, turn_len, vocab) for _ in range(n_conv)]
+
+
+def conversation(g: torch.Generator, system: list[int], turns: int, turn_len: int, vocab: int) -> list[list[int]]:
+    history, prompts = list(system), []
+    for _ in range(turns):
+        history = history + torch.randint(5, vocab, (turn_len,), generator=g).tolist()
+        prompts.append(list(history))
+        history = history + torch.randint(5, vocab, (turn_len // 2,), generator=g).tolist()  # the reply
+    return prompts
+
+
+def user_prompts(args, vocab: int, level: int, user: int) -> Iterator[list[int]]:
+    """--duration mode: one user's endless prompts, its own draws (seeded by level and user); agentic:
+    conversation after conversation over the level's shared system prompt."""
+    g = torch.Generator().manual_seed(level * 100_003 + user + 1)
+    if args.workload == "agentic":
+        system = torch.randint(5, vocab, (args.input_len,), generator=torch.Generator().manual_seed(level)).tolist()
+        while True:
+            yield from conversation(g, system, args.turns, args.turn_len, vocab)
+    while True:
+        yield torch.randint(5, vocab, (args.input_len,), generator=g).tolist()
 
 
 def offline(llm: LLM, prompts: list[list[int]], output_len: int) -> Result:
@@ -148,10 +177,49 @@ async def online(engine: AsyncLLM, workload: str, concurrency: int, jobs: list[l
                   _pct(rec["ttft"]), _pct(rec["itl"]), _pct(rec["e2e"]), rec["deltas"], sat)
 
 
+async def windowed(engine, args, concurrency: int, vocab: int) -> Result:
+    """One --duration level: closed-loop users (loadtest.engine_direct) read with loadtest.window."""
+    level = await engine_direct.closed_loop(
+        engine, concurrency, lambda u: user_prompts(args, vocab, concurrency, u), args.output_len, args.duration,
+        args.stop_timeout, tag=f"{args.workload}-{concurrency}", client_cpu=args.core_process)
+    return window_result(level, args, concurrency)
+
+
+def window_result(level: engine_direct.Level, args, concurrency: int) -> Result:
+    """A --duration level's Result: its rates and latencies as loadtest.sweep's summarize counts them."""
+    reqs, marks = level.requests, level.marks
+    span = window.window_of(reqs, marks, args.warmup)
+    inside = window.figures(reqs, span)
+    ok = [r for r in reqs if r["ok"]]
+    settings = {"duration_s": args.duration, "warmup_s": args.warmup, "stop_timeout_s": args.stop_timeout}
+    counts = {"errors": sum(1 for r in reqs if not r["ok"] and not r["cancelled"]),
+              "cancelled": sum(1 for r in reqs if r["cancelled"]),
+              "error_samples": sorted({r["error"] for r in reqs if r["error"]})[:5]}
+    rates = {k: inside[k] for k in ("window_s", "request_per_s", "output_tok_per_s", "input_tok_per_s")}
+    return Result("online", args.workload, concurrency, requests=len(ok), duration_s=marks["stop"] - marks["start"],
+                  output_tokens=sum(r["server_num_output_tokens"] or 0 for r in ok),
+                  prompt_tokens=sum(r["prompt_tokens"] for r in ok), cached_tokens=level.cached_tokens,
+                  ttft_ms=inside["ttft_ms"], itl_ms=inside["itl_ms"], e2e_ms=inside["e2e_ms"],
+                  deltas=sum(r["deltas"] for r in reqs),
+                  saturation=window.client_saturation(reqs, span, concurrency, inside["request_per_s"],
+                                                      marks.get("cpu", [])),
+                  accounting="window", window={**settings, **rates, **counts, "tpot_ms": inside["tpot_ms"]},
+                  records=[{k: v for k, v in r.items() if k not in ("delta_ms", "delta_tokens")} for r in reqs])
+
+
+def counted(r: Result) -> str:
+    """How a row's rates were counted (the table's "counted" column)."""
+    if r.mode != "online":
+        return "all"
+    if r.accounting == "window":
+        return window.describe(r.window["duration_s"], r.window["warmup_s"])
+    return "drain"
+
+
 def print_table(results: list[Result]) -> None:
-    cols = ["mode", "workload", "conc", "reqs", "out tok/s", "TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms",
+    cols = ["mode", "counted", "workload", "conc", "reqs", "out tok/s", "TTFT p50 ms", "TTFT p90 ms", "ITL p50 ms",
             "E2E p50 ms", "cached %", "client"]
-    rows = [[r.mode, r.workload, r.concurrency, r.requests, f"{r.output_tok_s:.1f}",
+    rows = [[r.mode, counted(r), r.workload, r.concurrency, r.requests, f"{r.output_tok_s:.1f}",
              f"{r.ttft_ms.get('p50', 0):.1f}", f"{r.ttft_ms.get('p90', 0):.1f}", f"{r.itl_ms.get('p50', 0):.2f}",
              f"{r.e2e_ms.get('p50', 0):.1f}", f"{100 * r.cached_tokens / max(r.prompt_tokens, 1):.0f}",
              saturation.describe(r.saturation) if r.saturation else "-"]
@@ -423,7 +491,9 @@ async def run_online(engine_args: dict, args, vocab_hint: list[int]) -> list[Res
     results = []
     try:
         for c in args.concurrency:
-            if args.workload == "agentic":
+            if args.duration:
+                results.append(await windowed(engine, args, c, vocab))
+            elif args.workload == "agentic":
                 convs = agentic_conversations(c, args.turns, args.input_len, args.turn_len, vocab, seed=c)
                 results.append(await online(engine, "agentic", c, convs, args.output_len, args.core_process))
             else:
@@ -437,7 +507,7 @@ async def run_online(engine_args: dict, args, vocab_hint: list[int]) -> list[Res
     return results
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None)
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
@@ -449,7 +519,13 @@ def main() -> int:
                     help="online runs at these concurrencies ('' for none)")
     ap.add_argument("--input-len", type=int, default=128, help="random: prompt tokens; agentic: system prompt")
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--requests-per-user", type=int, default=2)
+    ap.add_argument("--requests-per-user", type=int, default=2, help="online, \"drain\" accounting (the default)")
+    ap.add_argument("--duration", type=float, default=None, help="online, \"window\" accounting: seconds of "
+                    "closed-loop load per level, the warm-up included (as loadtest.sweep's --duration)")
+    ap.add_argument("--warmup", type=float, default=0.0, help="with --duration: the first seconds the rates and "
+                    "latencies leave out (loadtest.window)")
+    ap.add_argument("--stop-timeout", type=float, default=None, help="with --duration: seconds in-flight requests "
+                    "get to finish after it (default 30); the rest are cancelled (their streamed tokens count)")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-len", type=int, default=64)
     ap.add_argument("--offline", type=int, default=0, help="also run N prompts offline")
@@ -468,7 +544,14 @@ def main() -> int:
                     "clients were the limit (loadtest.saturation; the level is still marked)")
     ap.add_argument("--label", default=None)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.duration is not None and not 0 <= args.warmup < args.duration:
+        ap.error(f"--warmup ({args.warmup:g} s) must be at least 0 and below --duration ({args.duration:g} s)")
+    if args.duration is None and (args.warmup or args.stop_timeout is not None):
+        ap.error("--warmup and --stop-timeout go with --duration")
+    args.stop_timeout = 30.0 if args.stop_timeout is None else args.stop_timeout
+    if args.stop_timeout < 0:
+        ap.error("--stop-timeout must be >= 0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # the loader's progress
     engine_args = {"model": resolve_model(args), **json.loads(args.engine_args)}
     if args.core_process:

@@ -52,6 +52,27 @@ def test_summarize_counts_the_window_only():
     assert s["error_samples"] == ["ServerError: UNAVAILABLE"]
 
 
+def test_warmup_leaves_the_first_seconds_out():
+    """Window [start + 2 s, stopping]: tokens and completions before it are not counted, and a request
+    sent during the warm-up is not in the latency percentiles even when it ends inside the window."""
+    marks = {"start": T0, "stopping": T0 + 10.0}
+    records = [
+        rec(0.0, [500.0, 1500.0, 2500.0, 3500.0]),  # sent in the warm-up: its last 2 tokens and its end count
+        rec(3.0, [100.0, 200.0]),                   # inside
+        rec(9.5, [300.0, 800.0]),                   # 1 token inside, ends after the stop
+        rec(1.0, [200.0], ok=False, cancelled=True),  # its one token came in the warm-up
+    ]
+    s = summarize(records, marks, concurrency=2, warmup_s=2.0)
+    assert s["window_s"] == pytest.approx(8.0) and s["warmup_s"] == 2.0
+    assert s["output_tok_per_s"] == pytest.approx((2 + 2 + 1) / 8.0)
+    assert s["request_per_s"] == pytest.approx(2 / 8.0)
+    assert s["ttft_ms"]["count"] == 2 and s["ttft_ms"]["p50"] == pytest.approx(200.0)  # 100 and 300, not 500
+    assert s["e2e_ms"]["count"] == 2 and s["itl_ms"]["count"] == 2
+    assert s["requests"] == 3  # counts still cover every request
+    unwarmed = summarize(records, marks, concurrency=2)
+    assert unwarmed["output_tok_per_s"] == pytest.approx((4 + 2 + 1 + 1) / 10.0) and unwarmed["ttft_ms"]["count"] == 3
+
+
 def test_read_records_skips_a_torn_line(tmp_path):
     path = tmp_path / "r.jsonl"
     lines = [{"kind": "start", "t": 1.0}, {"kind": "request", **rec(0.0, [1.0])}, {"kind": "stopping", "t": 5.0}]
