@@ -50,9 +50,9 @@ class Serving:
     model: str | None  # None: the tiny model, on the CPU
     make_model: Step | None  # draws the checkpoint on a fresh machine
     where: str  # the checkpoint, in the question's words
-    duration: str = "30"  # seconds of each sweep level
-    stop_timeout: str = "20"  # seconds a level's in-flight requests get after its window
-    requests_per_user: str = "4"  # engine-direct: requests each user sends, one after another
+    duration: str = "30"  # seconds of each level's closed-loop load (both legs), the warm-up included
+    warmup: str = "0"  # its first seconds, left out of the rates and latencies (loadtest.window)
+    stop_timeout: str = "20"  # seconds a level's in-flight requests get after it; the rest are cancelled
     timeout_s: int = 300  # each engine-direct run and each sweep
 
 
@@ -60,17 +60,19 @@ def serving_vs_engine(name: str, w: Serving, machine: str, legs: tuple[str, ...]
                       notes: str = "") -> Suite:
     """Through Triton against the same engine called directly ("engine" in legs) and against the OpenAI front
     ("openai"), one workload, level by level; each sweep checks that its clients were not the limit
-    (loadtest.saturation). Engine-direct and Triton run first, so a call cut short still answers the main
-    question; the OpenAI leg sweeps Triton on its own machine too, so its ratio compares runs side by side."""
+    (loadtest.saturation). Every leg runs the same closed-loop window (duration, warm-up, stop timeout) and
+    counts it one way (loadtest.window), so a ratio compares like with like. Engine-direct and Triton run
+    first, so a call cut short still answers the main question; the OpenAI leg sweeps Triton on its own
+    machine too, so its ratio compares runs side by side."""
     shape = ("--concurrency", w.levels, "--input-len", w.input_len, "--output-len", w.output_len)
+    window = ("--duration", w.duration, "--warmup", w.warmup, "--stop-timeout", w.stop_timeout)
     served = (("--model", w.model) if w.model else ()) + ("--engine-args", w.engine_args)
-    sweep_ = ("--serve", *served, *shape, "--duration", w.duration, "--driver", "threads", "--stop-timeout",
-              w.stop_timeout, "--out", "{out}")
+    sweep_ = ("--serve", *served, *shape, *window, "--driver", "threads", "--out", "{out}")
     engine = "engine" in legs
     steps = [] if w.make_model is None else [w.make_model]
     if engine:
         steps.append(Step("tools.bench_engine", (*(("--model", w.model) if w.model else ("--preset", "tiny")),
-                                                 "--core-process", *shape, "--requests-per-user", w.requests_per_user,
+                                                 "--core-process", *shape, *window,
                                                  "--engine-args", w.engine_args, "--json", "{out}/engine_direct.json"),
                           name="engine_direct", json_flag=None, result="{out}/engine_direct.json",
                           timeout_s=w.timeout_s))
@@ -94,16 +96,19 @@ def serving_vs_engine(name: str, w: Serving, machine: str, legs: tuple[str, ...]
     return Suite(name, question, tuple(steps), machine=machine, notes=notes)
 
 
-# 30 s levels: at 10 s the ramp moves the ratio by up to 0.27x between runs (docs/PERF.md)
+# At 10 s levels counted from a cold start the ramp moved the ratio by up to 0.27x between runs (docs/PERF.md):
+# a 5 s warm-up leaves the first prefills out (512 in at 256 users: ~3 s), and 20 s levels keep the suite
+# at ~6 minutes now that engine-direct runs the same window
 SHAPED_SERVING = Serving("1,32,150,256", "512", "64", SHAPED, "{ckpt}/flash-shaped",
                          Step("tools.make_tiny_checkpoint", ("{ckpt}/flash-shaped", "--preset", "flash-shaped",
                                                              "--device", "cuda"),
                               name="checkpoint", json_flag=None, unless_exists="{ckpt}/flash-shaped/config.json"),
-                         "flash-shaped", requests_per_user="12")
-# 1024-token prompts at 150 users take ~75 mixed steps of ~0.19 s (docs/HISTORY.md, depth-s10): a request
-# lasts 10-20 s, so 2 requests per engine-direct user, and 30 s windows with 30 s to finish in-flight requests
+                         "flash-shaped", duration="20", warmup="5")
+# A request lasts ~16 s at 150 users (1024-token prompts; the first 150 prefills are a ~10 s burst): 15 s of
+# warm-up, 30 s counted, and in-flight requests cancelled at the stop (draining them would cost ~16 s a level
+# and leg); latencies then cover the requests sent in the window that finished in it, on both legs alike
 DEPTH_SERVING = Serving("64,150", "1024", "128", DEPTH, DEPTH_CKPT, checkpoint(DEPTH_CKPT, "flash-depth"),
-                        "V4-Flash depth as shipped", stop_timeout="30", requests_per_user="2", timeout_s=330)
+                        "V4-Flash depth as shipped", duration="45", warmup="15", stop_timeout="0", timeout_s=330)
 
 
 def profile(name: str, *args: str, then_remove: str | None = None) -> Step:
@@ -237,7 +242,8 @@ SUITE_LIST = [
     # each fits one 600 s device call (machine start apart): the estimates are the 2026-12-04 runs' step times
     # (checkpoint 17 s, engine-direct 140-150 s of which ~135 s start-up, a sweep ~35 s start-up + its levels)
     serving_vs_engine("serving_vs_engine", SHAPED_SERVING, "h200", legs=("engine",),
-                      notes="about 6 minutes: checkpoint 20 s, engine-direct 170 s, Triton 175 s"),
+                      notes="about 6.5 minutes: checkpoint 20 s, engine-direct ~225 s (~135 s start-up + 4 levels "
+                      "of 20 s), Triton ~135 s (~35 s start-up + 4 levels of 20 s)"),
     Suite("serving_ttft", "Where do one user's first-token milliseconds go through Triton (flash-shaped, 512 in): "
           "engine-direct TTFT, against the client's TTFT through Triton and the model's own split into queue "
           "(up to the core's scheduling) and prefill?",
@@ -263,9 +269,11 @@ SUITE_LIST = [
                 name="hops_8_senders", python="triton", timeout_s=300)),
           notes="about 4 minutes: checkpoint 20 s, two server starts 35 s each, the levels 100 s"),
     serving_vs_engine("serving_vs_openai", SHAPED_SERVING, "h200", legs=("openai",),
-                      notes="about 6 minutes: checkpoint 20 s, Triton 175 s, OpenAI 175 s"),
+                      notes="about 5 minutes: checkpoint 20 s, Triton ~135 s, OpenAI ~135 s"),
     serving_vs_engine("serving_vs_engine_depth", DEPTH_SERVING, "h200", legs=("engine",),
-                      notes="about 8-9 minutes: checkpoint ~60 s, engine-direct ~180 s, Triton ~250 s; alone in a call"),
+                      notes="about 7.5 minutes: checkpoint ~30 s, engine-direct ~275 s (~180 s start-up + 2 levels of "
+                      "15 s warm-up + 30 s counted, in-flight requests cancelled), Triton ~160 s (~55 s start-up, its JIT "
+                      "cache warm, + 2 levels of 45 s); alone in a call"),
     Suite("serving_depth", "At V4-Flash depth as shipped, with 64 users through Triton (1024 in / 128 out, 90 s): "
           "is ITL p50 within 2x of the batch-64 decode step and TTFT p90 within 4x of p50?",
           (checkpoint(DEPTH_CKPT, "flash-depth"),
