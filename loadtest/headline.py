@@ -60,7 +60,7 @@ def flags(level: dict) -> list[str]:
 
 
 def row(level: dict) -> dict:
-    ms = lambda metric, p: (level.get(metric) or {}).get(p)  # noqa: E731
+    ms = lambda metric, p: (level.get(metric) or {}).get(p)
     return {"users": level["concurrency"], "output_tok_per_s": level.get("output_tok_per_s"),
             "output_tok_per_s_per_gpu": level.get("output_tok_per_s_per_gpu"),
             "tok_per_s_per_user": interactivity.tok_per_s_per_user(level),
@@ -78,7 +78,7 @@ def headline(sweeps: list[dict], points: list[float]) -> dict:
 
 
 def table(result: dict) -> str:
-    f = lambda v, d=1: "-" if v is None else f"{v:,.{d}f}"  # noqa: E731
+    f = lambda v, d=1: "-" if v is None else f"{v:,.{d}f}"
     lines = [f"{', '.join(result['labels'])}: {result['workload']['kind']}, {workload_shape(result['workload'])}, "
              f"{result['protocol']}, {result['gpus']} GPU", "",
              "| users | output tok/s | per GPU | tok/s per user | TTFT p50 / p90 ms | ITL p50 ms | E2E p50 ms | "
