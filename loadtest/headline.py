@@ -87,7 +87,7 @@ def table(result: dict) -> str:
         hit = "-" if r["prefix_hit_ratio"] is None else f"{100 * r['prefix_hit_ratio']:.0f}%"
         lines.append(f"| {r['users']} | {f(r['output_tok_per_s'])} | {f(r['output_tok_per_s_per_gpu'])} | "
                      f"{f(r['tok_per_s_per_user'])} | {f(r['ttft_p50_ms'], 0)} / {f(r['ttft_p90_ms'], 0)} | "
-                     f"{f(r['itl_p50_ms'])} | {f(r['e2e_p50_ms'], 0)} | {hit} | {'; '.join(r['flags']) or 'no'} |")
+                     f"{f(r['itl_p50_ms'])} | {f(r['e2e_p50_ms'], 0)} | {hit} | {'; '.join(r['flags']) or '-'} |")
     lines += [""] + ["- " + interactivity.describe_reading(r) for r in result["at"]]
     return "\n".join(lines)
 
