@@ -111,6 +111,84 @@ DEPTH_SERVING = Serving("64,150", "1024", "128", DEPTH, DEPTH_CKPT, checkpoint(D
                         "V4-Flash depth as shipped", duration="45", warmup="15", stop_timeout="0", timeout_s=330)
 
 
+# ---- the headline serving table (issue 40): V4-Flash depth as shipped through Triton, a curve per workload
+# DEPTH with room for an 8K prompt and its 1K reply and 256 users in one batch; prefix caching on, as model.json ships
+CURVE = ('{"max_model_len":10240,"max_num_seqs":256,"block_size":128,"gpu_memory_utilization":0.9,'
+         '"enable_prefix_caching":true}')
+# loadtest.sweep's --warmup S (a level's rates counted from its start + S) comes with the window work: set this
+# True once it is merged, and every curve level stops counting its first warmup_s seconds (its duration holds them)
+SWEEP_HAS_WARMUP = False
+# a fresh machine before the first level: the checkpoint draw (~30 s at 16 experts), the Triton venv
+# (tools/h200_env.sh, ~15 s), the server's start with a cold Triton JIT cache (~180 s; ~55 s warm)
+FRESH_START_S = 225
+LEVEL_OVERHEAD_S = 8  # per level: the client processes' start (the tokenizer's word list), the metrics' settle
+CALL_BUDGET_S = 540  # a 600 s device call less a margin for what the estimate leaves out
+
+
+@dataclass(frozen=True)
+class Curve:
+    """One suite's share of the headline serving table: one workload at some levels through one server.
+    Each level runs duration_s (its warm-up included), then in-flight requests get stop_timeout_s before
+    they are cancelled (their tokens inside the window still count)."""
+
+    name: str  # the suite's; its sweep's label with '-' for '_'
+    levels: str
+    workload: tuple[str, ...]  # loadtest.sweep's workload flags
+    duration_s: int
+    warmup_s: int
+    stop_timeout_s: int
+    sizing: str  # the request time the window is sized from, for the notes
+
+    @property
+    def label(self) -> str:
+        return self.name.replace("_", "-")
+
+    def estimate_s(self) -> int:
+        """The suite's worst case on a fresh machine: every level's whole window and stop timeout."""
+        return FRESH_START_S + len(self.levels.split(",")) * (self.duration_s + self.stop_timeout_s + LEVEL_OVERHEAD_S)
+
+
+def depth_curve(c: Curve, question: str, whole: tuple[Curve, ...] = ()) -> Suite:
+    """The curve's sweep through the real Triton server (client processes sized per level), then its headline
+    table (loadtest.headline: per level, and read at 20 and 50 tok/s per user). whole: the suites one workload's
+    curve is split over, whose sweeps loadtest.headline reads together."""
+    warmup = ("--warmup", str(c.warmup_s)) if SWEEP_HAS_WARMUP else ()
+    levels = sweep(c.label, DEPTH_CKPT, CURVE, "--concurrency", c.levels, *c.workload, "--duration", str(c.duration_s),
+                   "--stop-timeout", str(c.stop_timeout_s), *warmup, timeout_s=c.estimate_s())
+    table = Step("loadtest.headline", (f"{{out}}/{c.label}.json", "--at", "20,50"), name="table", timeout_s=60)
+    counted = (f"{c.duration_s - c.warmup_s} s counted after {c.warmup_s} s of warm-up" if SWEEP_HAS_WARMUP else
+               f"all {c.duration_s} s counted until loadtest.sweep has --warmup ({c.warmup_s} s meant)")
+    curve = (f"; the whole curve: python -m loadtest.headline {' '.join(f'{x.label}.json' for x in whole)}"
+             if whole else "")
+    notes = (f"about {c.estimate_s() / 60:.1f} minutes at worst on a fresh machine (checkpoint, Triton venv and a cold "
+             f"server start ~{FRESH_START_S} s, then each level {c.duration_s} s, up to {c.stop_timeout_s} s for "
+             f"in-flight requests and ~{LEVEL_OVERHEAD_S} s); {c.sizing}: {counted}{curve}")
+    return Suite(c.name, question, (checkpoint(DEPTH_CKPT, "flash-depth"), levels, table), notes=notes)
+
+
+ONE_K = ("--input-len", "1024", "--output-len", "128")
+EIGHT_K = ("--input-len", "8192", "--output-len", "1024")
+# long shared context, then turns as an agent's: each request re-sends the conversation (prefix-cache hits)
+AGENTIC = ("--workload", "agentic", "--system-len", "4096", "--turn-len", "128:384", "--output-len", "128:384",
+           "--turns", "6")
+# 8 and 16 users beside the issue's 1 / 32 / 64: 50 tok/s per user lies between 1 user and 32 at this depth
+# (interactivity_depth: 82 tok/s per user at 1 user, 21 at 32)
+CURVE_1K = Curve("depth_curve_1k", "1,8,16,32,64", ONE_K, 40, 10, 8,
+                 "a request lasts ~2 s at 1 user to ~9 s at 64 (H100, serving_vs_engine_depth)")
+CURVE_1K_HIGH = Curve("depth_curve_1k_high", "150,256", ONE_K, 110, 45, 15,
+                      "a request lasts ~16 s at 150 users, ~30 s at 256, whose first prefills alone (262k tokens at "
+                      "~8k tok/s) take ~30 s")
+CURVE_8K = Curve("depth_curve_8k", "1,8", EIGHT_K, 90, 25, 20,
+                 "1024 decode steps of ~12-16 ms: a request lasts ~14 s at 1 user, ~20 s at 8")
+CURVE_8K_32 = Curve("depth_curve_8k_32", "32", EIGHT_K, 240, 80, 20,
+                    "32 prompts of 8K are ~260k prefill tokens (~35 s) and a request lasts ~50 s")
+CURVE_8K_64 = Curve("depth_curve_8k_64", "64", EIGHT_K, 280, 100, 20,
+                    "64 prompts of 8K are ~520k prefill tokens (~65 s) and a request lasts ~60-90 s")
+CURVE_AGENTIC = Curve("depth_curve_agentic", "8,32,64", AGENTIC, 70, 15, 10,
+                      "a turn (~256 output tokens) lasts ~4 s at 8 users, ~9 s at 64; after the first request only "
+                      "the newest turn is prefilled")
+CURVES_1K, CURVES_8K = (CURVE_1K, CURVE_1K_HIGH), (CURVE_8K, CURVE_8K_32, CURVE_8K_64)
+
 def profile(name: str, *args: str, then_remove: str | None = None) -> Step:
     """tools.profile_decode: kernels by CUDA time (a text table, kept as the step's output)."""
     return Step("tools.profile_decode", args, name=name, json_flag=None, then_remove=then_remove, timeout_s=200)
@@ -293,6 +371,19 @@ SUITE_LIST = [
                  "1024", "--output-len", "128", "--duration", "40", "--stop-timeout", "150", timeout_s=320),
            Step("loadtest.interactivity", ("{out}/depth-optimized.json", "{out}/depth-baseline.json", "--at", "150"),
                 name="ratio", timeout_s=60))),
+    *(depth_curve(c, f"The headline serving table at V4-Flash depth as shipped, through the real Triton server "
+                     f"(closed loop, gRPC streaming, client processes that are not the limit): 1024 in / 128 out at "
+                     f"{c.levels.replace(',', ' / ')} users: output tok/s (per GPU), tok/s per user, TTFT p50 / p90, "
+                     "ITL p50, and the curve read at 20 and 50 tok/s per user?", CURVES_1K)
+      for c in CURVES_1K),
+    *(depth_curve(c, f"The headline serving table at V4-Flash depth as shipped, through Triton: 8K in / 1K out at "
+                     f"{c.levels.replace(',', ' / ')} users: output tok/s (per GPU), tok/s per user, TTFT p50 / p90, "
+                     "ITL p50, and the curve read at 20 and 50 tok/s per user?", CURVES_8K)
+      for c in CURVES_8K),
+    depth_curve(CURVE_AGENTIC, "The headline serving table at V4-Flash depth as shipped, through Triton, on the agentic "
+                "multi-turn workload (a 4096-token system prompt, 6 turns of 128-384 tokens, 128-384-token replies, "
+                "prefix caching on) at 8 / 32 / 64 users: output tok/s (per GPU), tok/s per user, TTFT, the "
+                "prefix-cache hit ratio, and the curve read at 20 and 50 tok/s per user?"),
     Suite("serving_v41", "How does V4.1-Flash-shaped serve through the real Triton server at 1 / 32 / 150 users "
           "(512 in / 64 out)?",
           (checkpoint(V41_CKPT, "v41-flash-shaped"),

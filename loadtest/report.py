@@ -185,15 +185,20 @@ def _load(sweep: dict) -> str:
     return f"; load average {min(loads):.1f}-{max(loads):.1f}" if loads else ""
 
 
+def workload_shape(w: dict) -> str:
+    """A sweep's workload settings in words."""
+    return {"random": f"input {w['input_len']} tokens, output {w['output_len']}",
+            "agentic": f"system prompt {w['system_len']} tokens, user turns {w['turn_len']}, "
+                       f"{w['turns']} turns per conversation, output {w['output_len']}",
+            "prompts": f"prompts from {w['prompts_file']}, output {w['output_len']}"}[w["kind"]]
+
+
 def markdown(sweeps: list[dict], pngs: list[Path] = (), at: float = 150.0) -> str:
     labels = [s["label"] for s in sweeps]
     lines = ["# Load-test report", "", *[f"![{p.stem}]({p.name})" for p in pngs], ""]
     for s in sweeps:
         w = s["workload"]
-        shape = {"random": f"input {w['input_len']} tokens, output {w['output_len']}",
-                 "agentic": f"system prompt {w['system_len']} tokens, user turns {w['turn_len']}, "
-                            f"{w['turns']} turns per conversation, output {w['output_len']}",
-                 "prompts": f"prompts from {w['prompts_file']}, output {w['output_len']}"}[w["kind"]]
+        shape = workload_shape(w)
         server = s["server"]
         engine = (f"started by the sweep, engine args `{json.dumps(server.get('engine_args') or {})}` over "
                   f"model.json's" if server.get("serve") else f"a running server at {server['url']}")

@@ -5,6 +5,11 @@
 # Suites that serve through Triton need .cache/h200 carried (bash tools/h200_env.sh pack): the image's
 # numpy 2 breaks Triton 2.51's stub, so they run from the venv tools/h200_env.sh builds.
 # PRESET=NAME replaces the suites' model preset; checkpoints are drawn on the GPU into /tmp/ckpt and reused.
+# Triton's compiled kernels (cubins, their metadata, the launchers) persist between fresh machines: a carried
+# .cache/triton-jit.tar.xz is unpacked into the cache before the suites and the cache goes back packed as
+# $OUT/triton-jit.tar.xz (copy it to .cache/ for the next call). A fresh machine otherwise spends ~2 minutes
+# compiling the engine's kernels at V4-Flash depth before its first step. The cache lives at one fixed path
+# because Triton's cache groups name their files by absolute path.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1
@@ -15,8 +20,14 @@ if [ -d .cache/h200 ]; then
     || { tail "$OUT/env.log"; exit 1; }
   export BENCH_TRITON_PYTHON=/tmp/tvenv/bin/python
 fi
+export TRITON_CACHE_DIR=/tmp/triton-jit
+[ -f .cache/triton-jit.tar.xz ] && [ ! -d "$TRITON_CACHE_DIR" ] && tar -xJf .cache/triton-jit.tar.xz -C /tmp
 rc=0
 for suite in "$@"; do
   python3 -m benchmarks run "$suite" ${PRESET:+--preset "$PRESET"} --out "$OUT/$suite.json" --ckpt /tmp/ckpt || rc=1
 done
+if [ -d "$TRITON_CACHE_DIR" ]; then  # what a hit needs: metadata, groups, cubins, launchers (not the IRs)
+  (cd /tmp && find triton-jit -type f \( -name '*.json' -o -name '*.cubin' -o -name '*.so' \) -print0 \
+    | tar --null -cJf "$OUT/triton-jit.tar.xz" -T -) || rm -f "$OUT/triton-jit.tar.xz"
+fi
 exit $rc

@@ -66,10 +66,51 @@ def test_cli_writes_the_comparison(tmp_path, capsys):
     b.write_text(json.dumps(sweep("base", [(1, 4.0, 250.0), (32, 10.0, 3200.0)], gpus=4)))
     assert interactivity.main([str(a), str(b), "--at", "150", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    (at150,) = result["at"]
     # per GPU: opt (200, 1600) .. (125, 3000); base (250, 62.5) .. (100, 800)
-    assert result["ratio"] == pytest.approx((1600 + 1400 * 50 / 75) / (62.5 + 737.5 * 100 / 150))
+    assert at150["ratio"] == pytest.approx((1600 + 1400 * 50 / 75) / (62.5 + 737.5 * 100 / 150))
+    assert [c["label"] for c in result["curves"]] == ["opt", "base"]
     assert "opt (4 GPU)" in capsys.readouterr().out
     assert interactivity.main([str(a), str(tmp_path / "missing.json")]) == 1
+
+
+def test_one_curve_read_at_several_points():
+    # per GPU (2 GPUs): (250 tok/s per user, 125) (200, 800) (100, 1600) (40, 1500): past its peak at c=64
+    pts = interactivity.curve(sweep("a", [(1, 4.0, 250.0), (8, 5.0, 1600.0), (32, 10.0, 3200.0),
+                                          (64, 25.0, 3000.0)], gpus=2))
+    inside, level, between, above, below = (interactivity.read(pts, x) for x in (150.0, 200.0, 70.0, 300.0, 20.0))
+    assert inside == {"tok_per_s_per_user": 150.0, "output_tok_per_s_per_gpu": pytest.approx(1200.0),
+                      "lower_bound": False, "note": None}
+    assert level["output_tok_per_s_per_gpu"] == pytest.approx(800.0) and level["note"] is None
+    assert between["output_tok_per_s_per_gpu"] == pytest.approx(1600 + (1500 - 1600) * 30 / 60)
+    # more interactive than every level: nothing, and the note names the most interactive one
+    assert above["output_tok_per_s_per_gpu"] is None and not above["lower_bound"]
+    assert "does not cover 300" in above["note"] and "c=1, 250.0" in above["note"]
+    # less interactive than every level: the best throughput among them (c=32, not the last level), a lower bound
+    assert below["output_tok_per_s_per_gpu"] == pytest.approx(1600.0) and below["lower_bound"]
+    assert "c=64, 40.0" in below["note"] and "c=32, 100.0" in below["note"] and "lower bound" in below["note"]
+    assert interactivity.describe_reading(below).startswith("at 20 tok/s per user: >= 1,600.0 output tok/s per GPU")
+    assert interactivity.read([], 20.0)["note"] == "no level measured"
+
+
+def test_cli_reads_one_sweep_at_several_points(tmp_path, capsys):
+    a, out = tmp_path / "a.json", tmp_path / "read.json"
+    a.write_text(json.dumps(sweep("depth", [(1, 12.0, 80.0), (32, 30.0, 1000.0), (64, 60.0, 1100.0)])))
+    assert interactivity.main([str(a), "--at", "20,50,100", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    (c,) = result["curves"]
+    assert c["label"] == "depth" and [p["concurrency"] for p in c["points"]] == [1, 32, 64]
+    at20, at50, at100 = result["at"]
+    # (83.3 tok/s per user, 80) (33.3, 1000) (16.7, 1100)
+    assert at20["output_tok_per_s_per_gpu"] == pytest.approx(1000 + 100 * (33.333 - 20) / 16.667, rel=1e-3)
+    assert at50["output_tok_per_s_per_gpu"] == pytest.approx(80 + 920 * (83.333 - 50) / 50, rel=1e-3)
+    assert at100["output_tok_per_s_per_gpu"] is None and "does not cover 100" in at100["note"]
+    assert "at 50 tok/s per user: 693.3 output tok/s per GPU" in printed
+    for bad in ("0", "20,x", ""):
+        with pytest.raises(SystemExit) as stop:
+            interactivity.main([str(a), "--at", bad])
+        assert stop.value.code == 2
 
 
 def test_gpu_count_from_tritons_metrics():
