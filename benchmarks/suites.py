@@ -115,9 +115,9 @@ DEPTH_SERVING = Serving("64,150", "1024", "128", DEPTH, DEPTH_CKPT, checkpoint(D
 # DEPTH with room for an 8K prompt and its 1K reply and 256 users in one batch; prefix caching on, as model.json ships
 CURVE = ('{"max_model_len":10240,"max_num_seqs":256,"block_size":128,"gpu_memory_utilization":0.9,'
          '"enable_prefix_caching":true}')
-# loadtest.sweep's --warmup S (a level's rates counted from its start + S) comes with the window work: set this
-# True once it is merged, and every curve level stops counting its first warmup_s seconds (its duration holds them)
-SWEEP_HAS_WARMUP = False
+# loadtest.sweep's --warmup S (loadtest.window: a level's rates counted from its start + S, latencies over the
+# requests sent after it): every curve level leaves out its first warmup_s seconds (its duration holds them)
+SWEEP_HAS_WARMUP = True
 # a fresh machine before the first level: the checkpoint draw (~30 s at 16 experts), the Triton venv
 # (tools/h200_env.sh, ~15 s), the server's start with a cold Triton JIT cache (~180 s; ~55 s warm)
 FRESH_START_S = 225
