@@ -115,9 +115,6 @@ DEPTH_SERVING = Serving("64,150", "1024", "128", DEPTH, DEPTH_CKPT, checkpoint(D
 # DEPTH with room for an 8K prompt and its 1K reply and 256 users in one batch; prefix caching on, as model.json ships
 CURVE = ('{"max_model_len":10240,"max_num_seqs":256,"block_size":128,"gpu_memory_utilization":0.9,'
          '"enable_prefix_caching":true}')
-# loadtest.sweep's --warmup S (loadtest.window: a level's rates counted from its start + S, latencies over the
-# requests sent after it): every curve level leaves out its first warmup_s seconds (its duration holds them)
-SWEEP_HAS_WARMUP = True
 # a fresh machine before the first level: the checkpoint draw (~30 s at 16 experts), the Triton venv
 # (tools/h200_env.sh, ~15 s), the server's start with a cold Triton JIT cache (~180 s; ~55 s warm)
 FRESH_START_S = 225
@@ -152,12 +149,11 @@ def depth_curve(c: Curve, question: str, whole: tuple[Curve, ...] = ()) -> Suite
     """The curve's sweep through the real Triton server (client processes sized per level), then its headline
     table (loadtest.headline: per level, and read at 20 and 50 tok/s per user). whole: the suites one workload's
     curve is split over, whose sweeps loadtest.headline reads together."""
-    warmup = ("--warmup", str(c.warmup_s)) if SWEEP_HAS_WARMUP else ()
+    # every level leaves out its first warmup_s seconds (loadtest.window; its duration holds them)
     levels = sweep(c.label, DEPTH_CKPT, CURVE, "--concurrency", c.levels, *c.workload, "--duration", str(c.duration_s),
-                   "--stop-timeout", str(c.stop_timeout_s), *warmup, timeout_s=c.estimate_s())
+                   "--stop-timeout", str(c.stop_timeout_s), "--warmup", str(c.warmup_s), timeout_s=c.estimate_s())
     table = Step("loadtest.headline", (f"{{out}}/{c.label}.json", "--at", "20,50"), name="table", timeout_s=60)
-    counted = (f"{c.duration_s - c.warmup_s} s counted after {c.warmup_s} s of warm-up" if SWEEP_HAS_WARMUP else
-               f"all {c.duration_s} s counted until loadtest.sweep has --warmup ({c.warmup_s} s meant)")
+    counted = f"{c.duration_s - c.warmup_s} s counted after {c.warmup_s} s of warm-up"
     curve = (f"; the whole curve: python -m loadtest.headline {' '.join(f'{x.label}.json' for x in whole)}"
              if whole else "")
     notes = (f"about {c.estimate_s() / 60:.1f} minutes at worst on a fresh machine (checkpoint, Triton venv and a cold "

@@ -51,10 +51,7 @@ def test_each_sweep_parses_and_its_server_holds_its_requests(curve):
     else:
         longest = high(args.input_len) + high(args.output_len)
     assert longest < engine.max_model_len, (longest, engine.max_model_len)
-    # a warm-up reaches the sweep exactly when loadtest.sweep has the flag: flip SWEEP_HAS_WARMUP with it
-    has_warmup = any("--warmup" in a.option_strings for a in build_parser()._actions)
-    assert suites.SWEEP_HAS_WARMUP == has_warmup
-    assert ("--warmup" in step.args) == has_warmup
+    assert 0 < args.warmup < args.duration  # the sweep's parser took the warm-up, inside the level
     assert curve.estimate_s() <= suites.CALL_BUDGET_S and step.timeout_s <= suites.CALL_BUDGET_S
 
 
