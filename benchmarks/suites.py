@@ -229,6 +229,17 @@ SUITE_LIST = [
           (Step("tools.bench_engine", (*MODEL, "--concurrency", "", "--input-len", "1024", "--floor",
                                        "--steady", "1,32,64,150", "--engine-args", DEPTH), timeout_s=400),),
           preset="flash-depth"),
+    Suite("decode_depth_experts", "The regression check of a decode step at V4-Flash depth as shipped, at two expert "
+          "counts (16 and 64 routed experts): batch 1 / 32 against the floor (the engine as shipped, decode graphs "
+          "only: no mixed-step captures to wait for)?",
+          tuple(step for e in (16, 64) for step in (
+              checkpoint(SWITCH_CKPT.format(e=e), "flash-depth", "--override", f'{{"n_routed_experts":{e}}}',
+                         name=f"checkpoint_e{e}"),
+              Step("tools.bench_engine", ("--model", SWITCH_CKPT.format(e=e), "--concurrency", "", "--input-len",
+                                          "1024", "--floor", "--steady", "1,32", "--engine-args", SWITCHES),
+                   name=f"e{e}", then_remove="flash-depth-e*", timeout_s=300))),
+          notes="about 5 minutes on a fresh machine: per expert count a checkpoint (~30 / ~60 s) and an engine "
+                "start with decode graphs (~60-90 s), then 64 steps a batch"),
     Suite("decode_switches", "At V4-Flash depth as shipped (16 experts), what does each decode switch save per step "
           "at batch 1 / 32 / 150: PDL (kernels/pdl.py), each launch-saving fusion (kernels/fusions.py), all "
           "together; how many kernels per layer does each launch?",
