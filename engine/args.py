@@ -20,6 +20,7 @@ CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "NONE")
 ENGRAM_TABLES = ("auto", "device", "host", "mmap")
 CHUNK_BUDGETS = ("fixed", "adaptive")
 PDL_MODES = ("auto", "on", "off")  # kernels/pdl.py's MODES (not imported: this module stays free of Triton)
+KERNEL_BACKENDS = ("auto", "ref", "rounded", "reordered", "fused")  # kernels.BACKENDS (not imported: no torch)
 _RENAMED = {"swa_decoder_replay": "swa_decoder_trim"}  # earlier names model.json files may still carry
 
 
@@ -65,8 +66,8 @@ class EngineArgs:
     max_logprobs: int = 20
     max_stop_strings: int = 16
     max_stop_string_len: int = 256
-    # auto | ref | rounded (the references rounding as the kernels store: a float32 model) | fused (the kernels
-    # on any device: on the CPU under TRITON_INTERPRET=1, for tests)
+    # auto | ref | rounded (the references rounding as the kernels store: a float32 model) | reordered (rounded,
+    # summing in another order) | fused (the kernels on any device: on the CPU under TRITON_INTERPRET=1, for tests)
     kernels: str = "auto"
     # programmatic dependent launch for the decode kernels (kernels/pdl.py): auto (on where the GPU and Triton
     # support it: sm_90+), on, off; DSV4_PDL=1 / 0 overrides it. Suite pdl_paths checks every served graph
@@ -127,7 +128,7 @@ class EngineArgs:
             (0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]"),
             (self.max_waiting_requests >= 0, "max_waiting_requests must be >= 0"),
             (self.step_timeout_s >= 0, "step_timeout_s must be >= 0 (0: no step watchdog)"),
-            (self.kernels in ("auto", "ref", "rounded", "fused"), "kernels must be 'auto', 'ref', 'rounded' or 'fused'"),
+            (self.kernels in KERNEL_BACKENDS, f"kernels must be one of {KERNEL_BACKENDS}"),
             (self.pdl in PDL_MODES, f"pdl must be one of {PDL_MODES}"),
             (self.cudagraph_mode in CUDAGRAPH_MODES, f"cudagraph_mode must be one of {CUDAGRAPH_MODES}"),
             (self.engram_tables in ENGRAM_TABLES, f"engram_tables must be one of {ENGRAM_TABLES}"),

@@ -6,7 +6,9 @@ spec; V4.1's own ops, `v41_*`: kernels/deepseek_v41/reference.py).
 `DSV4_KERNELS=ref` (or `set_backend("ref")`, the engine argument `kernels`) forces the
 references everywhere; `set_backend("fused")` forces the kernels on any device (tests, with
 TRITON_INTERPRET=1 on the CPU); `set_backend("rounded")`: the references in a float32 model, rounding to
-bf16 where the served kernels store (kernels.reference.set_rounding; the teacher-forced check's reference).
+bf16 where the served kernels store (kernels.reference.set_rounding; the teacher-forced check's reference);
+`set_backend("reordered")`: the same, each contraction summed in another valid order (kernels.reference.
+set_reordered; the teacher-forced check's noise floor).
 """
 
 from __future__ import annotations
@@ -22,17 +24,19 @@ from kernels import reference
 from kernels.deepseek_v41 import reference as v41_reference
 
 Op = TypeVar("Op", bound=Callable)
-BACKENDS = ("auto", "ref", "rounded", "fused")
+BACKENDS = ("auto", "ref", "rounded", "reordered", "fused")
+ROUNDED = ("rounded", "reordered")  # the references in a float32 model, rounding as the served kernels store
 _backend = os.environ.get("DSV4_KERNELS", "auto")
 _references: dict[str, Callable] = {}  # public op name -> its torch reference, filled by _bind
 
 
 def set_backend(name: str) -> None:
     """'auto' (fused on CUDA), 'ref' (torch references only), 'rounded' (the references, rounding as the served
-    kernels store: run them in a float32 model) or 'fused' (kernels everywhere)."""
+    kernels store: run them in a float32 model), 'reordered' (as 'rounded', summing in another order) or 'fused'
+    (kernels everywhere)."""
     global _backend
     if name not in BACKENDS:
-        raise ValueError(f"kernels backend must be 'auto', 'ref', 'rounded' or 'fused', got {name!r}")
+        raise ValueError(f"kernels backend must be one of {BACKENDS}, got {name!r}")
     _backend = name
     _bind()
 
@@ -52,7 +56,7 @@ def op_names() -> tuple[str, ...]:
 
 
 def _fused_table() -> dict[str, Callable]:
-    if _backend in ("ref", "rounded"):
+    if _backend in ("ref", *ROUNDED):
         return {}
     try:
         from kernels import fused
@@ -82,7 +86,8 @@ def _bind() -> None:
     global kv_norm_rope_insert, q_kv_norm_rope, compress_decode, compress_blocks, greedy_pick
     global v41_hc_site_collapse, v41_hc_expand, v41_rms_norm, v41_rope, v41_fake_quant_fp4, v41_fake_quant_fp8
     global v41_router, v41_clamped_swiglu, v41_moe_sum, v41_engram_gate, v41_engram_gather
-    reference.set_rounding(torch.bfloat16 if _backend == "rounded" else None)  # V4 serves in bf16
+    reference.set_rounding(torch.bfloat16 if _backend in ROUNDED else None)  # V4 serves in bf16
+    reference.set_reordered(_backend == "reordered")
     fused = _fused_table()
 
     def op(name: str, ref: Op) -> Op:

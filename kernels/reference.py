@@ -7,6 +7,10 @@ model dtype), so the engine's logits match the reference model.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+from itertools import accumulate
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +32,31 @@ def set_rounding(dtype: torch.dtype | None) -> None:
 
 def rounding() -> torch.dtype | None:
     return _store_dtype
+
+
+# --- accumulation order (kernels.set_backend("reordered"): the teacher-forced check's noise floor) ------------
+# Off: every contraction sums over K as torch does. On: over each half of K apart, the two partials added in float32,
+# and a token's routed expert rows added in the reverse expert order. Both are freedoms the served kernels really
+# have (the FP8 linear's split-K float32 partials, a GEMM's K tiles, flash-decoding's key splits, the MoE's row
+# sums in any order) and neither order is more correct: the rounded references run once each way, and how far they
+# part is what summation order alone moves (tools/teacher_forced_floor.py).
+_reordered = False
+
+
+def set_reordered(on: bool) -> None:
+    global _reordered
+    _reordered = on
+
+
+def over_k(product: Callable, a: torch.Tensor, b: torch.Tensor, dim_a: int, dim_b: int) -> torch.Tensor:
+    """product(a, b), a contraction of a's dim_a with b's dim_b: whole, or reordered, its two halves of K apart,
+    then added (V4's K are multiples of 256: the halves fall on the FP8 128-blocks)."""
+    k = a.shape[dim_a]
+    if not _reordered or k < 2:
+        return product(a, b)
+    h = k // 2
+    return product(a.narrow(dim_a, 0, h), b.narrow(dim_b, 0, h)) + product(a.narrow(dim_a, h, k - h),
+                                                                           b.narrow(dim_b, h, k - h))
 
 
 def stored(t: torch.Tensor) -> torch.Tensor:
@@ -129,7 +158,7 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     """x [T, hc, D] -> (post [T, hc], comb [T, hc, hc], collapsed [T, D])."""
     T, hc, _ = x.shape
     flat = rms_norm_unweighted(x.reshape(T, -1).float(), norm_eps)
-    mixes = F.linear(flat, fn.float())
+    mixes = over_k(F.linear, flat, fn.float(), -1, -1)
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
@@ -163,7 +192,7 @@ def hc_post_pre_norm(h: torch.Tensor, out: torch.Tensor, post: torch.Tensor, com
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
             hc_eps: float, norm_eps: float) -> torch.Tensor:
     flat = rms_norm_unweighted(x.flatten(1).float(), norm_eps)
-    pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    pre = torch.sigmoid(over_k(F.linear, flat, fn.float(), -1, -1) * scale.float() + base.float()) + hc_eps
     return stored((pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype))
 
 
@@ -181,7 +210,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 routed_scaling: float, scoring_func: str, hash_ids: torch.Tensor | None = None):
     """Router gate: scores, selection (bias only for choosing, or a hash table), renormalise, scale.
     Returns (weights [T, k], indices [T, k])."""
-    scores = _scores(stored(F.linear(x, weight)), scoring_func)  # the served GEMM's logits: stored
+    scores = _scores(stored(over_k(F.linear, x, weight, -1, -1)), scoring_func)  # the served GEMM's logits: stored
     if hash_ids is not None:
         indices = hash_ids.long()
     else:
@@ -230,7 +259,8 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dt
 
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """A dense linear; with `scale`, weight is FP8 e4m3 with 128x128 block scales."""
-    return stored(F.linear(_as_served_input(x, weight, scale, weight.shape[0]), dequantize(weight, scale, x.dtype)))
+    x = _as_served_input(x, weight, scale, weight.shape[0])
+    return stored(over_k(F.linear, x, dequantize(weight, scale, x.dtype), -1, -1))
 
 
 def linear_split(x: torch.Tensor, weight: torch.Tensor, split_n: int,
@@ -272,7 +302,8 @@ def router_moe(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tens
 
 
 def mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.linear(swiglu(F.linear(x, w1), F.linear(x, w3), limit), w2)
+    gate, up = over_k(F.linear, x, w1, -1, -1), over_k(F.linear, x, w3, -1, -1)
+    return over_k(F.linear, swiglu(gate, up, limit), w2, -1, -1)
 
 
 def moe_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
@@ -290,15 +321,16 @@ def moe_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.T
     counts = torch.bincount(flat_idx + 1, minlength=w1.shape[0] + 1).tolist()
     token_of = order // indices.shape[1]
     w_sorted = weights.reshape(-1)[order]
-    start = counts.pop(0)
-    for e, n in enumerate(counts):
+    starts = list(accumulate(counts))  # expert e's pairs from starts[e] (the skipped pairs before expert 0's)
+    experts = range(w1.shape[0])
+    for e in reversed(experts) if _reordered else experts:  # each token's rows added in this order
+        n, start = counts[e + 1], starts[e]
         if n == 0:
             continue
         tok = token_of[start:start + n]
         we = [dequantize(w[e], None if sc is None else sc[e], x.dtype) for w, sc in ((w1, s1), (w3, s3), (w2, s2))]
         h = mlp(x[tok], *we, limit) * w_sorted[start:start + n, None]
         out.index_add_(0, tok, h.to(out.dtype))
-        start += n
     out = stored(out)  # the kernels' sum of a token's rows, rounded once, then the shared expert added
     return out if shared is None else stored(out + shared)
 
@@ -309,13 +341,13 @@ def sink_attention(q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sin
                    scale: float) -> torch.Tensor:
     """Shared-KV MQA with per-head sinks. q [..., n, H, d], kv [..., K, d] (key = value),
     allowed [..., n, K] bool -> [..., n, H, d]; leading dims: independent batches (DSpark's blocks)."""
-    logits = torch.einsum("...nhd,...kd->...nhk", q, kv) * scale
+    logits = over_k(partial(torch.einsum, "...nhd,...kd->...nhk"), q, kv, -1, -1) * scale
     logits = logits.masked_fill(~allowed.unsqueeze(-2), float("-inf"))
     sink = sinks.view(-1, 1).expand(*logits.shape[:-1], 1)
     combined = torch.cat([logits, sink.to(torch.promote_types(logits.dtype, sinks.dtype))], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1]
-    return stored(torch.einsum("...nhk,...kd->...nhd", probs.to(kv.dtype), kv))
+    return stored(over_k(partial(torch.einsum, "...nhk,...kd->...nhd"), probs.to(kv.dtype), kv, -1, -2))
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -325,7 +357,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int, scale: to
     x = _as_served_input(x, weight, scale, weight.shape[0] // groups, groups)
     weight = dequantize(weight, scale, x.dtype)
     w = weight.view(groups, -1, x.shape[-1]).transpose(1, 2)  # [G, in/G, r]
-    return stored(torch.bmm(x.transpose(0, 1), w).transpose(0, 1).reshape(T, -1))
+    return stored(over_k(torch.bmm, x.transpose(0, 1), w, -1, 1).transpose(0, 1).reshape(T, -1))
 
 
 # --- compressor + lightning indexer (paper sections 2.3.1-2.3.2) ------------------------------
@@ -435,7 +467,7 @@ def compress_blocks(kv: torch.Tensor, gate: torch.Tensor, plan, state, norm_w: t
 def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, head_dim: int) -> torch.Tensor:
     """Lightning indexer: sum_h w[t,h] * relu(q[t,h] . k[s]) * head_dim^-0.5.
     q [n, Hi, d], keys [E, d], weights [n, Hi] (already scaled by Hi^-0.5) -> [n, E] fp32."""
-    s = torch.einsum("nhd,ed->nhe", q.float(), keys.float())
+    s = over_k(partial(torch.einsum, "nhd,ed->nhe"), q.float(), keys.float(), -1, -1)
     s = F.relu(s) * head_dim**-0.5
     return (s * weights.float().unsqueeze(-1)).sum(dim=1)
 
@@ -462,7 +494,7 @@ def indexer_scores_paged(iq: torch.Tensor, iw: torch.Tensor, index_pool: torch.T
     per_block, d = index_pool.shape[1], index_pool.shape[-1]
     e = torch.arange(n_max, device=iq.device)
     keys = index_pool.view(-1, d)[full_tables[token_seq][:, e // per_block] * per_block + e % per_block]  # [T, n, d]
-    s = torch.einsum("thd,ted->the", iq.float(), keys.float())
+    s = over_k(partial(torch.einsum, "thd,ted->the"), iq.float(), keys.float(), -1, -1)
     scores = (torch.relu(s) * d**-0.5 * iw.float().unsqueeze(-1)).sum(dim=1)
     return scores.masked_fill(e[None] >= ((positions + 1) // ratio)[:, None], float("-inf"))
 

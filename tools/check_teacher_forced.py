@@ -27,12 +27,17 @@ the residual streams' relative error layer by layer, so a bug shows as one layer
 rounding as a gradual drift (`jump`: the layer adding the most; `route_flips`: the layers whose routed
 experts differ, where rounding alone can make a jump).
 
+--floor: then the noise floor (tools/teacher_forced_floor.py): the same scores between references that are all
+correct, on the same tokens (float32 vs rounded: what storage moves; rounded vs `reordered`, the rounded references
+summing in another valid order: what summation order alone moves), and a verdict: the engine against the rounded
+reference "at the noise floor" (within 2x of the second pair's mean KL) or above it.
+
 Memory: both models stay as stored (FP8 / MXFP4); the reference dequantises each weight to float32 when
 it is used, so it needs no float32 copy of the model (its activations and KV cache are float32).
 
     python -m tools.check_teacher_forced --model DIR [--prompts 8] [--steps 256] [--probes 2]
-        [--reference float32,rounded] [--teacher engine|reference] [--engine-args JSON] [--perturb-layer N]
-        [--oracle] [--json F]
+        [--reference float32,rounded] [--floor] [--teacher engine|reference] [--engine-args JSON]
+        [--perturb-layer N] [--oracle] [--json F]
 
 Exit status 1 when a target is missed (top-1 agreement >= --min-agreement, mean KL <= --max-mean-kl) against
 any reference; with --perturb-layer N (a planted bug), 1 unless every probe names layer N as the jump.
@@ -47,6 +52,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,10 +64,12 @@ from engine.runner import GRAPH_BUCKETS
 from tools.bench_engine import random_prompts
 from tools.layer_taps import EMBED, LayerTaps, eager_steps
 
-# The references: every op its torch reference, in a float32 model, eager; `rounded` rounds as the kernels store
-REFERENCES = {kind: {"dtype": "float32", "kernels": "ref" if kind == "float32" else "rounded", "enforce_eager": True,
+# The references: every op its torch reference, in a float32 model, eager; `rounded` rounds as the kernels store;
+# `reordered` is `rounded` summing in another valid order (the noise floor's, tools/teacher_forced_floor.py)
+BACKEND_OF = {"float32": "ref", "rounded": "rounded", "reordered": "reordered"}  # kind -> kernels backend
+REFERENCES = {kind: {"dtype": "float32", "kernels": backend, "enforce_eager": True,
                      "swa_decoder_trim": False}  # V4.1: every row through every layer (the trim approximates)
-              for kind in ("float32", "rounded")}
+              for kind, backend in BACKEND_OF.items()}
 # Both engines: tokens read back every step (so the next one can be forced), no prefix cache (a probe
 # feeds a prompt again: it must run the same path, not a cache hit)
 FORCEABLE = {"async_scheduling": False, "enable_prefix_caching": False}
@@ -87,10 +95,10 @@ def _sized(model: str, n_prompts: int, max_len: int) -> dict:
 
 
 def build_reference(model: str, n_prompts: int, max_len: int, engine_args: dict, kind: str = "float32") -> LLMEngine:
-    """The reference of that kind (REFERENCES), sized as the engine under test; `rounded` also takes its
-    scheduling arguments (it must cut the same steps)."""
+    """The reference of that kind (REFERENCES), sized as the engine under test; `rounded` and `reordered` also
+    take its scheduling arguments (they must cut the same steps)."""
     common = _sized(model, n_prompts, max_len)
-    same_steps = engine_args if kind == "rounded" else {}
+    same_steps = engine_args if BACKEND_OF[kind] in kernels.ROUNDED else {}
     return LLMEngine({**common, **same_steps, **REFERENCES[kind], **FORCEABLE}, detokenize=False)
 
 
@@ -105,9 +113,14 @@ def build_engines(model: str, n_prompts: int, max_len: int, engine_args: dict,
 
 
 def in_engine_steps(ref: LLMEngine) -> bool:
-    """Whether this reference must read the tokens in the engine's schedule (the rounded one: its roundings
+    """Whether this reference must read the tokens in the engine's schedule (the rounded ones: their roundings
     depend on each step's rows) rather than score each sequence in one prefill."""
-    return ref.args.kernels == "rounded"
+    return ref.args.kernels in kernels.ROUNDED
+
+
+def kind_of(ref: LLMEngine) -> str:
+    """The reference's kind (a key of REFERENCES) from its kernels backend."""
+    return next(kind for kind, backend in BACKEND_OF.items() if backend == ref.args.kernels)
 
 
 _runs = iter(range(1 << 30))
@@ -236,37 +249,42 @@ def oracle_rows(model_dir: str, prompts: list[list[int]], tokens: list[list[int]
     return rows
 
 
-def check(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int, probes: int = 2,
-          tie: float = 1e-2, oracle: bool = False, teacher: str = "engine") -> dict:
-    """The whole check on two built engines; returns the report (see the module's docstring). teacher:
-    whose greedy tokens both are fed; oracle: also the reference against transformers (`oracle_rows`)."""
-    t0 = time.monotonic()
-    want: dict[tuple[int, int], torch.Tensor] = {}  # (prompt, step) -> the reference's logits
-    got: dict[tuple[int, int], torch.Tensor] = {}  # the engine's
+@dataclass
+class Fed:
+    """What a check fed both engines and what each predicted: tokens[i] after prompts[i]; want (the reference's)
+    and got (the engine's): (prompt, position) -> the next-token logits, float32 on the host."""
+    prompts: list[list[int]]
+    tokens: list[list[int]]
+    want: dict[tuple[int, int], torch.Tensor]
+    got: dict[tuple[int, int], torch.Tensor]
 
-    def into(store):
-        return lambda i, k, logits: store.__setitem__((i, k), logits.float().cpu())
 
-    if teacher == "reference":
-        tokens = run_forced(ref, prompts, steps, None, into(want))
-        t_ref = time.monotonic() - t0
-        fed = run_forced(test, prompts, steps, tokens, into(got))
-        assert fed == tokens, "the engine under test was not fed the reference's tokens"
-        t_test = time.monotonic() - t0 - t_ref
-    else:
-        tokens = run_forced(test, prompts, steps, None, into(got))
-        t_test = time.monotonic() - t0
-        if in_engine_steps(ref):  # the engine's schedule: its prefill, then one decode step per position
-            run_forced(ref, prompts, steps, tokens, into(want))
-        else:
-            for i, (p, t) in enumerate(zip(prompts, tokens)):
-                scored = score_sequence(ref, p + t[:-1])[len(p) - 1:]
-                want.update(((i, k), scored[k]) for k in range(steps))
-        t_ref = time.monotonic() - t0 - t_test
+def _into(store: dict) -> Callable[[int, int, torch.Tensor], None]:
+    return lambda i, k, logits: store.__setitem__((i, k), logits.float().cpu())
+
+
+def predictions(ref: LLMEngine, prompts: list[list[int]], tokens: list[list[int]]) -> dict[tuple[int, int], torch.Tensor]:
+    """A reference's next-token logits along the given tokens: in the engine's schedule (its prefill, then one
+    decode step per position) where it rounds as the kernels do, else each sequence in one prefill."""
+    want: dict[tuple[int, int], torch.Tensor] = {}
+    if in_engine_steps(ref):
+        run_forced(ref, prompts, len(tokens[0]), tokens, _into(want))
+        return want
+    for i, (p, t) in enumerate(zip(prompts, tokens)):
+        scored = score_sequence(ref, p + t[:-1])[len(p) - 1:]
+        want.update(((i, k), scored[k]) for k in range(len(t)))
+    return want
+
+
+def score(ref: LLMEngine, test: LLMEngine, fed: Fed, probes: int = 2, tie: float = 1e-2) -> dict:
+    """How far test's predictions (fed.got) part from ref's (fed.want) on the same tokens: per position, along
+    the steps, and at the first partings (or the largest KL) layer by layer, each engine run again eagerly (test
+    decoding one token per step, ref the same where it rounds as the kernels do, else in one prefill). The report
+    of the module's docstring, less the timings."""
+    prompts, tokens, want, got = fed.prompts, fed.tokens, fed.want, fed.got
+    steps = len(tokens[0])
     rows = [{"prompt": i, "step": k, **compare_row(want[i, k], got[i, k])} for i, k in sorted(got)]
-    print(f"  {len(rows)} positions: engine {t_test:.1f} s, reference {t_ref:.1f} s", flush=True)
-    report = summarize(rows, tie) | {"prompts": len(prompts), "steps": steps, "teacher": teacher,
-                                     "reference": "rounded" if in_engine_steps(ref) else "float32",
+    report = summarize(rows, tie) | {"prompts": len(prompts), "steps": steps, "reference": kind_of(ref),
                                      "prompt_lens": [len(p) for p in prompts]}
     # drift along the sequence: mean KL and agreement per span of steps
     spans = [(0, 1), (1, 16), (16, 64), (64, steps)]
@@ -278,22 +296,47 @@ def check(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int,
     for i in sorted({p["prompt"] for p in wanted}):
         at = {p["step"] for p in wanted if p["prompt"] == i}
         print(f"  probing prompt {i} at steps {sorted(at)} layer by layer", flush=True)
-        engine_at = decode_states(test, prompts[i], tokens[i], at)
+        test_at = decode_states(test, prompts[i], tokens[i], at)
         ref_steps = decode_states(ref, prompts[i], tokens[i], at) if in_engine_steps(ref) else {}
         for k in sorted(at):
             ref_at = ref_steps.get(k) or prefill_states(ref, prompts[i] + tokens[i][:k])
             row = next(r for r in rows if r["prompt"] == i and r["step"] == k)
-            alone = compare_row(ref_at["logits"], engine_at[k]["logits"])  # the same position, batch 1, eager
+            alone = compare_row(ref_at["logits"], test_at[k]["logits"])  # the same position, batch 1, eager
             report["probes"].append({"prompt": i, "step": k, "agree": row["agree"], "kl": row["kl"],
                                      "margin": row["margin"], "alone_kl": alone["kl"], "alone_agree": alone["agree"],
-                                     **layer_errors(ref_at, engine_at[k])})
+                                     **layer_errors(ref_at, test_at[k])})
+    return report
+
+
+def check(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int, probes: int = 2,
+          tie: float = 1e-2, oracle: bool = False, teacher: str = "engine") -> tuple[dict, Fed]:
+    """The whole check on two built engines -> (the report of the module's docstring, what was fed and
+    predicted). teacher: whose greedy tokens both are fed; oracle: also the reference against transformers
+    (`oracle_rows`)."""
+    t0 = time.monotonic()
+    want: dict[tuple[int, int], torch.Tensor] = {}  # (prompt, step) -> the reference's logits
+    got: dict[tuple[int, int], torch.Tensor] = {}  # the engine's
+    if teacher == "reference":
+        tokens = run_forced(ref, prompts, steps, None, _into(want))
+        t_ref = time.monotonic() - t0
+        fed_tokens = run_forced(test, prompts, steps, tokens, _into(got))
+        assert fed_tokens == tokens, "the engine under test was not fed the reference's tokens"
+        t_test = time.monotonic() - t0 - t_ref
+    else:
+        tokens = run_forced(test, prompts, steps, None, _into(got))
+        t_test = time.monotonic() - t0
+        want = predictions(ref, prompts, tokens)
+        t_ref = time.monotonic() - t0 - t_test
+    print(f"  {len(got)} positions: engine {t_test:.1f} s, reference {t_ref:.1f} s", flush=True)
+    fed = Fed(prompts, tokens, want, got)
+    report = score(ref, test, fed, probes, tie) | {"teacher": teacher}
     report["seconds"] = {"reference": round(t_ref, 1), "engine": round(t_test, 1),
                          "probes": round(time.monotonic() - t0 - t_ref - t_test, 1)}
     if oracle:
         t1 = time.monotonic()
         report["oracle"] = summarize(oracle_rows(ref.args.model, prompts, tokens, want), tie)
         report["seconds"]["oracle"] = round(time.monotonic() - t1, 1)
-    return report
+    return report, fed
 
 
 def switched(engine: LLMEngine, name: str) -> None:
@@ -317,20 +360,16 @@ def switch_verdicts(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], s
     past it "wrong", with the layer the per-layer probe (the first parting position, else the largest KL)
     sees jump. PDL changes the order of launches, not arithmetic: its logits must equal the base's."""
     logits: dict[str, dict] = {}
-
-    def into(store):
-        return lambda i, k, lg: store.__setitem__((i, k), lg.float().cpu())
-
     switched(test, "base")
-    tokens = run_forced(test, prompts, steps, None, into(logits.setdefault("base", {})))
+    tokens = run_forced(test, prompts, steps, None, _into(logits.setdefault("base", {})))
     want: dict = {}
-    run_forced(ref, prompts, steps, tokens, into(want))
+    run_forced(ref, prompts, steps, tokens, _into(want))
     base_rows = [{"prompt": i, "step": k, **compare_row(want[i, k], logits["base"][i, k])} for i, k in sorted(want)]
     out = [{"switch": "base", **summarize(base_rows, 1e-2), "vs_base_max_dlogit": 0.0, "verdict": "-"}]
     for name in names:
         switched(test, name)
         got = logits.setdefault(name, {})
-        run_forced(test, prompts, steps, tokens, into(got))
+        run_forced(test, prompts, steps, tokens, _into(got))
         rows = [{"prompt": i, "step": k, **compare_row(want[i, k], got[i, k])} for i, k in sorted(want)]
         r = summarize(rows, 1e-2)
         dmax = max(float((got[key] - logits["base"][key]).abs().max()) for key in got)
@@ -366,18 +405,33 @@ def perturb_layer(engine: LLMEngine, layer: int, scale: float) -> None:
         w.mul_(scale)
 
 
+def summary_header(first: str, width: int = 8) -> str:
+    return (f"{first:>{width}} | {'top-1':>7} | {'mean KL':>9} | {'p99 KL':>9} | {'max KL':>9} | {'max dlogit':>10} | "
+            "near ties")
+
+
+def summary_line(label: str, s: dict, width: int = 8) -> str:
+    """One `summarize` result as a row of summary_header's table."""
+    return (f"{label:>{width}} | {s['top1_agreement']:7.2%} | {s['mean_kl']:9.2e} | {s['p99_kl']:9.2e} | "
+            f"{s['max_kl']:9.2e} | {s['max_logit_diff']:10.3e} | {s['near_tie_disagreements']}")
+
+
+def probe_line(p: dict) -> str:
+    """One probe of a report: where the two part, layer by layer."""
+    errs = " ".join(f"{e:.1e}" for e in p["layers"])
+    return (f"probe prompt {p['prompt']} step {p['step']} ({'agree' if p['agree'] else 'parted'}, KL {p['kl']:.2e}, "
+            f"margin {p['margin']:.2e}; alone KL {p['alone_kl']:.2e}): jump at layer {p['jump']} "
+            f"(+{p['jump_added']:.2e}); routing flips at layers {p['route_flips']}; embed {p['embed']:.1e}; "
+            f"layers {errs}")
+
+
 def print_report(r: dict, targets: dict) -> None:
     print(f"teacher-forced: {r['prompts']} prompts x {r['steps']} positions, engine vs {r['reference']} references")
-    print(f"{'steps':>8} | {'top-1':>7} | {'mean KL':>9} | {'p99 KL':>9} | {'max KL':>9} | {'max dlogit':>10} | near ties")
+    print(summary_header("steps"))
     for s in r["by_step"] + [{**r, "steps": "all"}]:
-        print(f"{s['steps']:>8} | {s['top1_agreement']:7.2%} | {s['mean_kl']:9.2e} | {s['p99_kl']:9.2e} | "
-              f"{s['max_kl']:9.2e} | {s['max_logit_diff']:10.3e} | {s['near_tie_disagreements']}")
+        print(summary_line(s["steps"], s))
     for p in r["probes"]:
-        errs = " ".join(f"{e:.1e}" for e in p["layers"])
-        print(f"probe prompt {p['prompt']} step {p['step']} ({'agree' if p['agree'] else 'parted'}, KL {p['kl']:.2e}, "
-              f"margin {p['margin']:.2e}; alone KL {p['alone_kl']:.2e}): jump at layer {p['jump']} "
-              f"(+{p['jump_added']:.2e}); routing flips at layers {p['route_flips']}; embed {p['embed']:.1e}; "
-              f"layers {errs}")
+        print(probe_line(p))
     if "oracle" in r:
         o = r["oracle"]
         print(f"reference vs transformers (oracle): top-1 {o['top1_agreement']:.2%}, mean KL {o['mean_kl']:.2e}, "
@@ -400,7 +454,12 @@ def main() -> int:
                     "(it decodes them: one forward per token)")
     ap.add_argument("--reference", default="float32,rounded", help="the references to compare with, in order: "
                     "float32 (scores each sequence in one prefill), rounded (rounds as the served kernels store; "
-                    "reads the tokens in the engine's schedule)")
+                    "reads the tokens in the engine's schedule), reordered (rounded, summing in another order)")
+    ap.add_argument("--floor", action="store_true", help="then the noise floor (tools/teacher_forced_floor.py): "
+                    "the same scores between correct references on the same tokens (float32 vs rounded, rounded "
+                    "vs reordered) and whether the engine against the rounded reference is within 2x of the "
+                    "second; needs rounded in --reference; costs a float32 prefill per prompt and a second "
+                    "rounded reference's run")
     ap.add_argument("--engine-args", default="{}", help="the engine under test's arguments (JSON)")
     ap.add_argument("--perturb-layer", type=int, default=None, help="scale this layer's FFN norm on the "
                     "engine's side by --perturb-scale: the per-layer report must point at it")
@@ -418,9 +477,14 @@ def main() -> int:
     kinds = a.reference.split(",")
     if not kinds or any(k not in REFERENCES for k in kinds):
         ap.error(f"--reference takes a comma-separated list of {tuple(REFERENCES)}, got {a.reference!r}")
+    if a.floor and "rounded" not in kinds:
+        ap.error("--floor judges the engine against the rounded reference: --reference must include rounded")
+    if a.floor and a.switches:
+        ap.error("--floor is for the check, not --switches")
     lens = [a.prompt_len + 29 * i for i in range(a.prompts)]
     engine_args, max_len = json.loads(a.engine_args), max(lens) + a.steps + 1
-    ref, test = build_engines(a.model, a.prompts, max_len, engine_args, kinds[0])
+    order = sorted(kinds, key=lambda k: a.floor and k == "rounded")  # with --floor rounded last: the floor keeps it
+    ref, test = build_engines(a.model, a.prompts, max_len, engine_args, order[0])
     prompts = [p[:n] for p, n in zip(random_prompts(a.prompts, max(lens), ref.cfg.vocab_size, a.seed), lens)]
     if a.perturb_layer is not None:
         perturb_layer(test, a.perturb_layer, a.perturb_scale)
@@ -433,11 +497,11 @@ def main() -> int:
             Path(a.json).write_text(json.dumps({"argv": vars(a), "switches": rows}, indent=2, default=str))
         return 0 if all(r["verdict"] in ("-", "rounding", "identical") for r in rows) else 1
     reports, targets = {}, {}
-    for kind in kinds:
+    for kind in order:
         if ref is None:  # one reference on the device at a time
             ref = build_reference(a.model, a.prompts, max_len, engine_args, kind)
-        r = reports[kind] = check(ref, test, prompts, a.steps, a.probes, a.tie, a.oracle and kind == "float32",
-                                  a.teacher)
+        r, fed = check(ref, test, prompts, a.steps, a.probes, a.tie, a.oracle and kind == "float32", a.teacher)
+        reports[kind] = r
         mine = {f"{kind}: top-1 >= {a.min_agreement:.0%}": r["top1_agreement"] >= a.min_agreement,
                 f"{kind}: mean KL <= {a.max_mean_kl:.0e}": r["mean_kl"] <= a.max_mean_kl}
         if a.perturb_layer is not None:  # a planted bug: the question is whether the probes find it
@@ -445,16 +509,29 @@ def main() -> int:
                                                                               for p in r["probes"])}
         print_report(r, mine)
         targets.update(mine)
+        if a.floor and kind == "rounded":  # the floor starts from this reference and its predictions
+            rounded, rounded_fed = ref, fed
         ref = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    meta = {"model": a.model, "engine_args": test.args.__dict__, "argv": vars(a), "machine": platform.platform(),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "graphs": bool(test.runner.graphs), "kernels": test.args.kernels}
+    floor = {}
+    if a.floor:
+        from tools.teacher_forced_floor import floor_verdict, noise_floor, print_floor, release
+
+        test = None  # the floor needs the engine's tokens, not the engine: two references on the device at most
+        release()
+        pairs = noise_floor(rounded_fed, rounded, lambda kind: build_reference(
+            a.model, a.prompts, max_len, engine_args, kind), tie=a.tie)
+        rounded = None
+        floor = {"floor": {"pairs": pairs, **floor_verdict(reports["rounded"], pairs)}}
+        print_floor(pairs, reports["rounded"], floor["floor"])
     if a.json:
-        meta = {"model": a.model, "engine_args": test.args.__dict__, "argv": vars(a), "machine": platform.platform(),
-                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                "torch": torch.__version__, "graphs": bool(test.runner.graphs), "kernels": test.args.kernels}
         first = reports[kinds[0]]  # the first reference's report at the top level, as before; each under its name
-        Path(a.json).write_text(json.dumps({"meta": meta, "targets": targets, **first, "references": reports},
-                                           indent=2, default=str))
+        Path(a.json).write_text(json.dumps({"meta": meta, "targets": targets, **first, "references": reports,
+                                            **floor}, indent=2, default=str))
         print(f"wrote {a.json}")
     return 0 if all(targets.values()) else 1
 

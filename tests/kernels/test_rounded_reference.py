@@ -66,3 +66,50 @@ def test_rounded_block_ops_are_far_closer_to_the_kernels(rounded):
         far = getattr(ref, name)(*up32)
         ref.set_rounding(torch.bfloat16)
         assert _same(got, near) > 0.3 and _same(got, far) < 0.05, (name, _same(got, near), _same(got, far))
+
+
+@pytest.fixture
+def reordered():
+    before = kernels.backend()
+    kernels.set_backend("reordered")
+    yield
+    kernels.set_backend(before)
+
+
+def test_reordered_sums_the_same_products_in_another_order(reordered):
+    """The noise floor's reference (tools/teacher_forced_floor.py): every contraction over its two halves of K
+    and the MoE's rows in reverse. Without the bf16 stores it must give the same sums up to float32 order
+    (every product counted once) and not bit for bit the same (the order did change); with them, only a few
+    values move (where a stored value sits at a bf16 rounding midpoint), by a bf16 step or a few (a flip inside
+    the MoE passes through its down projection)."""
+    g = torch.Generator().manual_seed(11)
+    T, D, H, E = 32, 1024, 4, 4
+    x = torch.randn(T, D, generator=g)
+    w = torch.randn(512, D, generator=g) / D**0.5
+    gate_up = [torch.randn(E, 64, D, generator=g) / D**0.5 for _ in range(2)]
+    w2 = torch.randn(E, D, 64, generator=g) / 8
+    weights, indices = torch.rand(T, 2, generator=g), torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(T)])
+    kv = torch.randn(40, D, generator=g)
+    cases = {
+        "linear": lambda: ref.linear(x, w),
+        "grouped_linear": lambda: ref.grouped_linear(x.view(T, 2, D // 2), w.view(2 * 512, D // 2), 2),
+        "sink_attention": lambda: ref.sink_attention(x.view(T, 1, D).expand(T, H, D), kv,
+                                                     torch.ones(T, 40, dtype=torch.bool), torch.zeros(H), D**-0.5),
+        "moe_experts": lambda: ref.moe_experts(x, *gate_up, w2, weights, indices, 10.0),
+    }
+    moved = 0
+    for name, run in cases.items():
+        ref.set_rounding(None)
+        reordered_sum = run()
+        ref.set_reordered(False)
+        plain = run()
+        assert torch.allclose(reordered_sum, plain, rtol=1e-5, atol=1e-5), name
+        assert not torch.equal(reordered_sum, plain), name
+        ref.set_rounding(torch.bfloat16)
+        plain = run()
+        ref.set_reordered(True)
+        diff = (run() - plain).abs()
+        assert float(diff.max()) <= float(plain.abs().max()) * 2.0**-6, name  # a few bf16 steps of the largest
+        assert float((diff > 0).float().mean()) < 0.05, name
+        moved += int((diff > 0).sum())
+    assert moved > 0
