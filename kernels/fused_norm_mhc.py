@@ -284,7 +284,7 @@ def _mix_grid(T: int, K: int, tiles: MixTiles) -> tuple[int, int]:
 _pieces_cache: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}  # id(fn) -> (fn, its stamp, pieces)
 
 
-def mix_pieces(fn: torch.Tensor, pieces: int = MIX_PIECES) -> torch.Tensor:
+def mix_pieces(fn: torch.Tensor, pieces: int = 3) -> torch.Tensor:
     """fn [24, K] (fp32) as bf16 pieces [pieces, 24, K], largest first, each the rounded remainder of the ones
     before: their fp32 sum is fn to within its last bit (three pieces). Split once per weight (by tensor identity,
     again when it is written in place): the mixing weights do not change between steps."""
@@ -317,8 +317,9 @@ def _hc_mix_partials(x, fn, tiles: MixTiles | None = None):
     launch = {k: v for k, v in (("num_stages", tiles.stages), ("num_warps", tiles.warps)) if v is not None}
     block_k = min(tiles.block_k, triton.next_power_of_2(K))
     if pieces:
-        _hc_mix_partial_pieces_kernel[grid](x, mix_pieces(fn), part, T, K, k_split, PIECES=MIX_PIECES,
-                                            BLOCK_T=tiles.block_t, BLOCK_K=block_k, DOT_F32=_INTERPRET, **launch, **pdl.options(x))
+        _hc_mix_partial_pieces_kernel[grid](x, mix_pieces(fn, MIX_PIECES), part, T, K, k_split, PIECES=MIX_PIECES,
+                                            BLOCK_T=tiles.block_t, BLOCK_K=block_k, DOT_F32=_INTERPRET, **launch,
+                                            **pdl.options(x))
     else:
         _hc_mix_partial_kernel[grid](x, fn.float().contiguous(), part, T, K, k_split, PRECISION=_PRECISION,
                                      BLOCK_T=tiles.block_t, BLOCK_K=block_k, **launch, **pdl.options(x))
