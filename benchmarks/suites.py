@@ -528,6 +528,14 @@ SUITE_LIST = [
           (Step("tools.bench_kernels", ("--batches", "1,8,32,128,256", "--no-compile"), name="eager",
                 timeout_s=200),
            Step("tools.bench_kernels", ("--batches", "32",), name="compile", timeout_s=240))),
+    Suite("prefill_small_ops", "How far from their floors are prefill's norm + RoPE and mHC mix partials, today's "
+          "kernels against their variants (kernels/variants.py: rope_tiles, mix_bf16x3) at 1 / 32 / 150 / 2048 / "
+          "8192 tokens of V4-Flash's shapes, do the variants give today's values on the GPU, and which tiles are "
+          "fastest at prefill?",
+          (Step("tools.bench_prefill_ops", (), timeout_s=300),),
+          notes="about 2-3 minutes, no checkpoint: the check and the A/B at five sizes (~1 min), the rope rows and "
+                "mix tiles sweeps at 2048 / 8192 tokens (~1-2 min, mostly compiles); a variant becomes the default "
+                "(variants.DEFAULT) where it wins"),
     # ---- several GPUs
     Suite("tp_share", "How long is rank 0's share of V4-Flash as shipped at tensor_parallel_size 8 (collectives "
           "skipped), the compute term of the multi-GPU projection?",

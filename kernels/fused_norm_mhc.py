@@ -7,12 +7,14 @@ Each `*_fused` function has the signature of its torch reference in kernels/refe
 from __future__ import annotations
 
 import os
+import weakref
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, quant_configs
+from kernels import pdl, quant_configs, variants
 from kernels.pdl import wait_and_release
 from kernels.semaphores import semaphores
 
@@ -84,6 +86,39 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, K_SPLIT, PRECISION: tl
         sumsq += tl.sum(x * x, axis=1)
         f = tl.load(fn_ptr + r32[:, None] * K + k[None, :], mask=(r32[:, None] < 24) & kmask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(f), input_precision=PRECISION)
+    acc = tl.where(r32[None, :] == 24, sumsq[:, None], acc)
+    tl.store(part_ptr + (split * T + t[:, None]) * 32 + r32[None, :], acc, mask=tmask[:, None] & (r32[None, :] < 25))
+
+
+@triton.jit(do_not_specialize=["T"])
+def _hc_mix_partial_pieces_kernel(x_ptr, pieces_ptr, part_ptr, T, K, K_SPLIT, PIECES: tl.constexpr,
+                                  BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                                  PDL: tl.constexpr = False):
+    """_hc_mix_partial_kernel's partials from bf16 x and fn's bf16 pieces [PIECES, 24, K] (fn = their sum to fp32
+    precision): one bf16 tensor-core dot per piece, the smallest first, each product exact in fp32 and summed in
+    fp32; the sum of squares in fp32 as there. DOT_F32 (the interpreter, whose bf16 dot is wrong): the same
+    operands as fp32 (exact) in an "ieee" dot, the same products and fp32 sums."""
+    wait_and_release(PDL)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    split = tl.program_id(1)
+    tmask = t < T
+    r32 = tl.arange(0, 32)
+    acc = tl.zeros((BLOCK_T, 32), tl.float32)
+    sumsq = tl.zeros((BLOCK_T,), tl.float32)
+    k_lo = split * K_SPLIT
+    for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        kmask = k < K
+        x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        sumsq += tl.sum(xf * xf, axis=1)
+        for i in tl.static_range(PIECES):
+            f = tl.load(pieces_ptr + ((PIECES - 1 - i) * 24 + r32[:, None]) * K + k[None, :],
+                        mask=(r32[:, None] < 24) & kmask[None, :], other=0.0)
+            if DOT_F32:
+                acc = tl.dot(xf, tl.trans(f.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, tl.trans(f), acc)
     acc = tl.where(r32[None, :] == 24, sumsq[:, None], acc)
     tl.store(part_ptr + (split * T + t[:, None]) * 32 + r32[None, :], acc, mask=tmask[:, None] & (r32[None, :] < 25))
 
@@ -214,24 +249,80 @@ def _hc_finish(x, part, base, scale, out, norm_w, hc_eps, norm_eps, out_eps, sin
 MIX_WIDE_T = 256  # token count from which the mix partials take the prefill tiles
 
 
-def _hc_mix_partials(x, fn):
-    """The split-K partials of the 24 mixes and the sum of squares of x [T, 4, D] (contiguous)."""
+@dataclass(frozen=True)
+class MixTiles:
+    """The mix partials' launch at one size: token tile, K step, programs aimed at, pipeline stages, warps
+    (stages / warps None: Triton's defaults)."""
+
+    block_t: int
+    block_k: int
+    programs: int
+    stages: int | None = None
+    warps: int | None = None
+
+
+# today's kernel: decode's 16-token tiles over up to 64 splits, prefill's 64-token tiles over the splits for
+# 2 programs an SM
+MIX_TILES = {"decode": MixTiles(16, 128, 0), "prefill": MixTiles(64, 128, 2 * quant_configs.SMS)}
+# mix_bf16x3 (kernels/variants.py): the same until the GPU sweep (tools/bench_prefill_ops.py) says otherwise
+MIX_PIECES_TILES = {"decode": MixTiles(16, 128, 0), "prefill": MixTiles(64, 128, 2 * quant_configs.SMS)}
+MIX_PIECES = 3  # bf16 pieces of fn: hi + mid + lo carry fp32's 24 significant bits
+
+
+def _mix_grid(T: int, K: int, tiles: MixTiles) -> tuple[int, int]:
+    """(splits of K, columns per split): decode enough splits to fill the GPU at T = 1 (up to 64); prefill only
+    the splits that give tiles.programs programs (each token tile reads all of fn once from L2, and each split's
+    partials go through memory to the finish kernel)."""
+    block_k = min(tiles.block_k, triton.next_power_of_2(K))
+    n_split = max(1, min(64, triton.cdiv(K, block_k)))
+    if tiles.programs:
+        n_split = max(1, min(n_split, triton.cdiv(tiles.programs, triton.cdiv(T, tiles.block_t))))
+    k_split = triton.cdiv(triton.cdiv(K, n_split), block_k) * block_k
+    return triton.cdiv(K, k_split), k_split
+
+
+_pieces_cache: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}  # id(fn) -> (fn, its stamp, pieces)
+
+
+def mix_pieces(fn: torch.Tensor, pieces: int = 3) -> torch.Tensor:
+    """fn [24, K] (fp32) as bf16 pieces [pieces, 24, K], largest first, each the rounded remainder of the ones
+    before: their fp32 sum is fn to within its last bit (three pieces). Split once per weight (by tensor identity,
+    again when it is written in place): the mixing weights do not change between steps."""
+    key = id(fn)
+    stamp = (None if fn.is_inference() else fn._version, pieces)  # inference tensors keep no version counter
+    hit = _pieces_cache.get(key)
+    if hit is not None and hit[0]() is fn and hit[1] == stamp:
+        return hit[2]
+    rest, out = fn.float(), []
+    for _ in range(pieces):
+        out.append(rest.to(torch.bfloat16))
+        rest = rest - out[-1].float()
+    split = torch.stack(out).contiguous()
+    _pieces_cache[key] = (weakref.ref(fn, lambda _, k=key: _pieces_cache.pop(k, None)), stamp, split)
+    return split
+
+
+def _hc_mix_partials(x, fn, tiles: MixTiles | None = None):
+    """The split-K partials of the 24 mixes and the sum of squares of x [T, 4, D] (contiguous); with the variant
+    mix_bf16x3 and bf16 streams, from fn's bf16 pieces (tiles: a launch to time instead of the table's)."""
     T, hc, D = x.shape
     assert hc == 4, "the fused mHC kernel is written for 4 streams (DeepSeek-V4's hc_mult)"
     K = hc * D
-    BLOCK_K = min(128, triton.next_power_of_2(K))
-    n_split = max(1, min(64, triton.cdiv(K, BLOCK_K)))  # enough programs to fill the GPU at T = 1
-    BLOCK_T = 16
-    if T >= MIX_WIDE_T:  # prefill: wider token tiles and only the splits that fill the GPU (each token tile
-        # reads all of fn once from L2, and each split's partials go through memory to the finish kernel)
-        BLOCK_T = 64
-        n_split = max(1, min(n_split, triton.cdiv(2 * quant_configs.SMS, triton.cdiv(T, BLOCK_T))))
-    k_split = triton.cdiv(triton.cdiv(K, n_split), BLOCK_K) * BLOCK_K
-    n_split = triton.cdiv(K, k_split)
+    pieces = variants.on("mix_bf16x3") and x.dtype == torch.bfloat16
+    if tiles is None:
+        tiles = (MIX_PIECES_TILES if pieces else MIX_TILES)["prefill" if T >= MIX_WIDE_T else "decode"]
+    n_split, k_split = _mix_grid(T, K, tiles)
     part = torch.empty(n_split, T, 32, dtype=torch.float32, device=x.device)
-    _hc_mix_partial_kernel[(triton.cdiv(T, BLOCK_T), n_split)](
-        x, fn.float().contiguous(), part, T, K, k_split, PRECISION=_PRECISION, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K,
-        **pdl.options(x))
+    grid = (triton.cdiv(T, tiles.block_t), n_split)
+    launch = {k: v for k, v in (("num_stages", tiles.stages), ("num_warps", tiles.warps)) if v is not None}
+    block_k = min(tiles.block_k, triton.next_power_of_2(K))
+    if pieces:
+        _hc_mix_partial_pieces_kernel[grid](x, mix_pieces(fn, MIX_PIECES), part, T, K, k_split, PIECES=MIX_PIECES,
+                                            BLOCK_T=tiles.block_t, BLOCK_K=block_k, DOT_F32=_INTERPRET, **launch,
+                                            **pdl.options(x))
+    else:
+        _hc_mix_partial_kernel[grid](x, fn.float().contiguous(), part, T, K, k_split, PRECISION=_PRECISION,
+                                     BLOCK_T=tiles.block_t, BLOCK_K=block_k, **launch, **pdl.options(x))
     return part
 
 

@@ -1,7 +1,9 @@
 """Fused RMSNorm + interleaved RoPE (q per head, kv with the window-cache insert) and plain RoPE.
 
 One program per (token, head) row: the norm's sum of squares over the whole row, then the
-nope slice scaled and the rope slice rotated pairwise (2i, 2i+1), in fp32, cast once.
+nope slice scaled and the rope slice rotated pairwise (2i, 2i+1), in fp32, cast once. With the kernel variant
+rope_tiles (kernels/variants.py) a program takes ROWS consecutive rows instead (tile_rows), loads them once and
+stores them once, coalesced, the pairs split and joined in registers: the same arithmetic per element.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fusions, pdl
+from kernels import fusions, pdl, quant_configs, variants
 from kernels.pdl import wait_and_release
 
 
@@ -75,6 +77,14 @@ def _launch(x, weight, cos, sin, eps, norm, out, slots=None, sin_sign=1.0):
     D, R = x.shape[-1], 2 * cos.shape[-1]
     heads = x[0].numel() // D if x.dim() > 1 else 1
     rows = x.numel() // D
+    if _tiles(D, R) and rows:
+        block_rows = tile_rows(rows)
+        _norm_rope_tile_kernel[(triton.cdiv(rows, block_rows),)](
+            x, weight if weight is not None else x, cos.contiguous(), sin.contiguous(), out,
+            slots if slots is not None else x, rows, D, R, heads, eps, sin_sign, NORM=norm, HAS_W=weight is not None,
+            INSERT=slots is not None, ROWS=block_rows, BLOCK_D=triton.next_power_of_2(D),
+            num_warps=_tile_warps(block_rows, D), **pdl.options(x))
+        return out
     _norm_rope_kernel[(rows,)](x, weight if weight is not None else x, cos.contiguous(), sin.contiguous(), out,
                                slots if slots is not None else x, D, R, heads, eps, sin_sign, NORM=norm,
                                HAS_W=weight is not None, INSERT=slots is not None,
@@ -111,7 +121,97 @@ def q_kv_norm_rope_fused(q: torch.Tensor, kv: torch.Tensor, kv_weight: torch.Ten
     q, kv = q.contiguous(), kv.contiguous()
     out = torch.empty_like(q)
     R, q_rows = 2 * cos.shape[-1], q.numel() // D
+    if _tiles(D, R):
+        block_rows = tile_rows(q_rows)  # the query's rows decide: 64 a token against the latent's one
+        q_progs, kv_rows = triton.cdiv(q_rows, block_rows), kv.numel() // D
+        _q_kv_norm_rope_tile_kernel[(q_progs + triton.cdiv(kv_rows, block_rows),)](
+            q, out, kv, kv_weight, pool, slots, cos.contiguous(), sin.contiguous(), q_rows, kv_rows, q_progs, D, R,
+            q[0].numel() // D, eps, ROWS=block_rows, BLOCK_D=triton.next_power_of_2(D),
+            num_warps=_tile_warps(block_rows, D), **pdl.options(q))
+        return out
     _q_kv_norm_rope_kernel[(q_rows + kv.numel() // D,)](
         q, out, kv, kv_weight, pool, slots, cos.contiguous(), sin.contiguous(), D, R, q[0].numel() // D, q_rows, eps,
         BLOCK_D=triton.next_power_of_2(D), BLOCK_R=triton.next_power_of_2(max(R // 2, 1)), **pdl.options(q))
     return out
+
+
+# --- the rope_tiles variant: [ROWS, D] per program ---------------------------------------------
+
+ROPE_TILE_ROWS = 16  # most rows a program takes (prefill's many rows); a power of two
+ROPE_TILE_PROGRAMS = 4 * quant_configs.SMS  # rows per program halve until there are this many programs
+ROPE_TILE_WARPS = (4, 8)  # warps of a tile up to 4096 elements, and past it
+
+
+def tile_rows(rows: int) -> int:
+    """Rows per program: ROPE_TILE_ROWS, halved while that leaves fewer than ROPE_TILE_PROGRAMS programs (decode's
+    64 query rows get one row each, as the one-row kernel)."""
+    r = ROPE_TILE_ROWS
+    while r > 1 and triton.cdiv(rows, r) < ROPE_TILE_PROGRAMS:
+        r //= 2
+    return r
+
+
+def _tile_warps(block_rows: int, D: int) -> int:
+    return ROPE_TILE_WARPS[block_rows * triton.next_power_of_2(D) > 4096]
+
+
+def _tiles(D: int, R: int) -> bool:
+    """The variant is on and the rope pairs (2i, 2i+1) of the whole row are the rope slice's pairs (an even nope)."""
+    return variants.on("rope_tiles") and (D - R) % 2 == 0
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _norm_rope_tile_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slot_ptr, n_rows, D, R, HEADS, eps, sin_sign,
+                           NORM: tl.constexpr, HAS_W: tl.constexpr, INSERT: tl.constexpr, ROWS: tl.constexpr,
+                           BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    wait_and_release(PDL)
+    _norm_rope_tile(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slot_ptr, tl.program_id(0) * ROWS, n_rows, D, R, HEADS,
+                    eps, sin_sign, NORM, HAS_W, INSERT, ROWS, BLOCK_D)
+
+
+@triton.jit(do_not_specialize=["Q_ROWS", "KV_ROWS", "Q_PROGS"])
+def _q_kv_norm_rope_tile_kernel(q_ptr, q_out_ptr, kv_ptr, kv_w_ptr, pool_ptr, slot_ptr, cos_ptr, sin_ptr, Q_ROWS,
+                                KV_ROWS, Q_PROGS, D, R, HEADS, eps, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                                PDL: tl.constexpr = False):
+    """_q_kv_norm_rope_kernel in tiles: the first Q_PROGS programs the query heads, the rest the K=V latent."""
+    wait_and_release(PDL)
+    pid = tl.program_id(0)
+    if pid < Q_PROGS:
+        _norm_rope_tile(q_ptr, q_ptr, cos_ptr, sin_ptr, q_out_ptr, slot_ptr, pid * ROWS, Q_ROWS, D, R, HEADS, eps,
+                        1.0, True, False, False, ROWS, BLOCK_D)
+    else:
+        _norm_rope_tile(kv_ptr, kv_w_ptr, cos_ptr, sin_ptr, pool_ptr, slot_ptr, (pid - Q_PROGS) * ROWS, KV_ROWS, D, R,
+                        1, eps, 1.0, True, True, True, ROWS, BLOCK_D)
+
+
+@triton.jit
+def _norm_rope_tile(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, slot_ptr, row0, n_rows, D, R, HEADS, eps, sin_sign,
+                    NORM: tl.constexpr, HAS_W: tl.constexpr, INSERT: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """Rows row0 .. row0 + ROWS (those below n_rows; row // HEADS its token): _norm_rope_row's arithmetic on each
+    element, the whole tile loaded once; pair p holds columns (2p, 2p + 1), and the pairs from (D - R) / 2 on
+    are rotated by the token's cos / sin entry p - (D - R) / 2."""
+    HALF: tl.constexpr = BLOCK_D // 2
+    rows = row0 + tl.arange(0, ROWS)
+    rm = rows < n_rows
+    cols = tl.arange(0, BLOCK_D)
+    m = rm[:, None] & (cols[None, :] < D)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    y = x
+    if NORM:
+        y = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+    if HAS_W:
+        y = y * tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)[None, :]
+    ye, yo = tl.split(tl.reshape(y, (ROWS, HALF, 2)))
+    p = tl.arange(0, HALF)
+    first = (D - R) // 2
+    rope = rm[:, None] & ((p >= first) & (p < D // 2))[None, :]
+    cs = (rows // HEADS)[:, None] * (R // 2) + (p - first)[None, :]
+    c = tl.load(cos_ptr + cs, mask=rope, other=1.0).to(tl.float32)
+    s = tl.load(sin_ptr + cs, mask=rope, other=0.0).to(tl.float32) * sin_sign
+    ye, yo = tl.where(rope, ye * c - yo * s, ye), tl.where(rope, yo * c + ye * s, yo)
+    y = tl.reshape(tl.join(ye, yo), (ROWS, BLOCK_D))
+    dst = rows.to(tl.int64)
+    if INSERT:
+        dst = tl.load(slot_ptr + rows, mask=rm, other=0).to(tl.int64)
+    tl.store(out_ptr + dst[:, None] * D + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=m)

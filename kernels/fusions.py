@@ -40,21 +40,22 @@ ALL = ("mega_mhc", "mega_gate", "moe_shared_sum", "swiglu_gemv", "inv_rope_out",
 DEFAULT: tuple[str, ...] = ()  # each measured slower alone on the H200 or not measured yet at depth
 
 
-def _parse(spec: str) -> frozenset[str]:
-    names = ALL if spec.strip() == "all" else tuple(s.strip() for s in spec.split(",") if s.strip())
-    unknown = set(names) - set(ALL)
+def parse(spec: str, choices: tuple[str, ...] = ALL, what: str = "fusions") -> frozenset[str]:
+    """A comma list of switch names (or "all") -> the set; unknown names are a clear error (also kernels/variants.py's)."""
+    names = choices if spec.strip() == "all" else tuple(s.strip() for s in spec.split(",") if s.strip())
+    unknown = set(names) - set(choices)
     if unknown:
-        raise ValueError(f"unknown fusions {sorted(unknown)}: choose from {', '.join(ALL)} (or 'all')")
+        raise ValueError(f"unknown {what} {sorted(unknown)}: choose from {', '.join(choices)} (or 'all')")
     return frozenset(names)
 
 
-_on = _parse(os.environ.get("DSV4_FUSE", ",".join(DEFAULT)))
+_on = parse(os.environ.get("DSV4_FUSE", ",".join(DEFAULT)))
 
 
 def set_fusions(spec: str | tuple[str, ...]) -> None:
     """Turn on exactly these fusions (a comma list, "all", or names); the rest off."""
     global _on
-    _on = _parse(spec if isinstance(spec, str) else ",".join(spec))
+    _on = parse(spec if isinstance(spec, str) else ",".join(spec))
 
 
 def on(name: str) -> bool:

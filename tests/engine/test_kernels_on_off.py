@@ -27,8 +27,9 @@ def test_engine_logits_kernels_on_vs_off(kernels_tiny_dir, single_thread):
 
 def test_engine_logits_with_every_fusion_on(kernels_tiny_dir, single_thread):
     """kernels/fusions.py's launch-saving fusions (Mega-mHC, Mega-Gate, the shared expert in the top-k
-    sum) in a prefill chunk and two decodes: within the same tolerance of the references."""
-    from kernels import fusions
+    sum) and kernels/variants.py's kernel variants (norm + RoPE tiles, bf16 mHC mixing) in a prefill chunk and
+    two decodes: within the same tolerance of the references."""
+    from kernels import fusions, variants
 
     model = load_model(kernels_tiny_dir, torch.bfloat16)
     ids = torch.randint(5, model.cfg.vocab_size, (32,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -37,9 +38,11 @@ def test_engine_logits_with_every_fusion_on(kernels_tiny_dir, single_thread):
         want = incremental_logits(model, ids, chunks=[30])
         kernels.set_backend("fused")
         fusions.set_fusions("all")
+        variants.set_variants("all")
         got = incremental_logits(model, ids, chunks=[30])
     finally:
         kernels.set_backend("auto")
         fusions.set_fusions(fusions.DEFAULT)
+        variants.set_variants(variants.DEFAULT)
     err = (got - want).abs().max(dim=-1).values / want.abs().max()
     assert err.median() <= 2e-2 and err.quantile(0.9) <= 3e-2, err

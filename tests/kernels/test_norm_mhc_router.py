@@ -45,6 +45,57 @@ def test_hc_pre_matches_reference(T, D):
     assert torch.allclose(comb.sum(-2), torch.ones(T, 4), atol=1e-4)  # doubly stochastic columns
 
 
+@pytest.mark.parametrize("T, D", [(1, 24), (17, 40),  # decode's tiles: one token, several token tiles
+                                  (300, 520)])  # the prefill tiles, a partial last tile
+def test_mix_bf16x3_partials_are_fp32_exact_and_equal_the_tf32x3_kernel(T, D):
+    """mix_bf16x3 (kernels/variants.py): fn's three bf16 pieces sum back to fn exactly; the partials of bf16
+    streams equal the fp64 products to fp32 precision, and today's kernel's partials, and hc_pre's outputs
+    equal the reference as today's do. (The interpreter runs the pieces' dots in fp32 "ieee": the same exact
+    products; the GPU's bf16 dots: suite prefill_small_ops.)"""
+    from kernels import fused_norm_mhc, variants
+
+    torch.manual_seed(T + D)
+    x = torch.randn(T, 4, D).bfloat16()
+    fn, base, scale = torch.randn(24, 4 * D) * 0.1, torch.randn(24) * 0.3, torch.rand(3) + 0.5
+    pieces = fused_norm_mhc.mix_pieces(fn)
+    assert pieces.dtype == torch.bfloat16 and pieces.shape == (3, 24, 4 * D)
+    assert torch.equal(pieces.float().sum(0), fn) and not torch.equal(pieces[0].float(), fn)
+    flat = x.double().reshape(T, -1)
+    exact = torch.cat([flat @ fn.double().T, (flat * flat).sum(-1, keepdim=True)], -1)
+    today = fused_norm_mhc._hc_mix_partials(x, fn).sum(0)[:, :25].double()
+    try:
+        variants.set_variants("mix_bf16x3")
+        new = fused_norm_mhc._hc_mix_partials(x, fn).sum(0)[:, :25].double()
+        got = hc_pre_fused(x, fn, base, scale, 1e-6, 1e-6, 20)
+    finally:
+        variants.set_variants(variants.DEFAULT)
+    size = exact.abs().amax(0)
+    assert ((new - exact).abs() / size).max() <= 1e-6 and ((new - today).abs() / size).max() <= 1e-6
+    for g, w in zip(got, ref.hc_pre(x, fn, base, scale, 1e-6, 1e-6, 20)):
+        _close(g, w, x.dtype if g.dtype == x.dtype else torch.float32)
+
+
+def test_mix_pieces_split_once_per_weight_and_again_when_it_changes():
+    """The pieces are cached by the weight tensor (it does not change between steps), refreshed when it is written
+    in place; streams that are not bf16 take today's kernel with the variant on."""
+    from kernels import fused_norm_mhc, variants
+
+    fn = torch.randn(24, 64) * 0.1
+    first = fused_norm_mhc.mix_pieces(fn)
+    assert fused_norm_mhc.mix_pieces(fn) is first
+    fn.mul_(2)
+    assert torch.equal(fused_norm_mhc.mix_pieces(fn).float().sum(0), fn)
+    x = torch.randn(3, 4, 16)
+    want = fused_norm_mhc._hc_mix_partials(x, fn)[..., :25]  # the rest of each row is never written
+    try:
+        variants.set_variants("mix_bf16x3")
+        assert torch.equal(fused_norm_mhc._hc_mix_partials(x, fn)[..., :25], want)
+    finally:
+        variants.set_variants(variants.DEFAULT)
+    with pytest.raises(ValueError, match="unknown kernel variants"):
+        variants.set_variants("rope_tiles,mix_fp64")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_hc_post_matches_reference(dtype):
     T, D = 9, 50
