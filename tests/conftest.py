@@ -18,6 +18,36 @@ if os.environ.get("CUDA_VISIBLE_DEVICES", None) != "" and not os.path.exists("/d
 # threads while other processes held the cores).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+@pytest.fixture(autouse=True)
+def _kernel_switches_restored():
+    """The kernels backend, fusions, variants and PDL are process-wide (an engine's constructor sets its backend):
+    a test that changes one must not change the tests after it in the same worker (they compare against goldens).
+    Restored to what they were before the test (its module's fixtures set up), or to their defaults where the
+    test itself imported kernels."""
+    import sys
+
+    def state():
+        import kernels
+        from kernels import fusions, pdl, variants
+
+        return kernels.backend(), fusions.enabled(), variants.enabled(), pdl.enabled()
+
+    before = state() if "kernels" in sys.modules else None
+    yield
+    if "kernels" not in sys.modules:
+        return
+    import kernels
+    from kernels import fusions, pdl, variants
+
+    backend, fused, varied, launched = before or (os.environ.get("DSV4_KERNELS", "auto"), fusions.DEFAULT,
+                                                  variants.DEFAULT, False)
+    if kernels.backend() != backend:
+        kernels.set_backend(backend)
+    fusions.set_fusions(fused)
+    variants.set_variants(varied)
+    pdl.set_enabled(launched)
+
+
 # Small enough that "prompt longer than max_model_len" is a short string.
 SERVER_ENGINE_ARGS = {"max_model_len": 512, "max_num_seqs": 16}
 

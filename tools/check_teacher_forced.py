@@ -94,19 +94,29 @@ def _sized(model: str, n_prompts: int, max_len: int) -> dict:
     return common
 
 
+def _engine(args: dict) -> LLMEngine:
+    """An engine built without leaving its kernels backend set process-wide (its constructor sets it; each use
+    sets it again through kernels_of)."""
+    before = kernels.backend()
+    try:
+        return LLMEngine(args, detokenize=False)
+    finally:
+        kernels.set_backend(before)
+
+
 def build_reference(model: str, n_prompts: int, max_len: int, engine_args: dict, kind: str = "float32") -> LLMEngine:
     """The reference of that kind (REFERENCES), sized as the engine under test; `rounded` and `reordered` also
     take its scheduling arguments (they must cut the same steps)."""
     common = _sized(model, n_prompts, max_len)
     same_steps = engine_args if BACKEND_OF[kind] in kernels.ROUNDED else {}
-    return LLMEngine({**common, **same_steps, **REFERENCES[kind], **FORCEABLE}, detokenize=False)
+    return _engine({**common, **same_steps, **REFERENCES[kind], **FORCEABLE})
 
 
 def build_engines(model: str, n_prompts: int, max_len: int, engine_args: dict,
                   reference: str = "float32") -> tuple[LLMEngine, LLMEngine]:
     """(reference, engine under test), both sized for n_prompts sequences of max_len tokens."""
     ref = build_reference(model, n_prompts, max_len, engine_args, reference)
-    test = LLMEngine({**_sized(model, n_prompts, max_len), **engine_args, **FORCEABLE}, detokenize=False)
+    test = _engine({**_sized(model, n_prompts, max_len), **engine_args, **FORCEABLE})
     if test.device.type == "cpu":  # decode steps on exactly what a graph replay reads
         test.runner.static_decode_batches([b for b in GRAPH_BUCKETS if b <= n_prompts])
     return ref, test
