@@ -23,6 +23,7 @@ so a decode CUDA graph captures them.
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,20 @@ SKIP = None  # shard_spec: not this rank's (another rank's expert, the head on r
 
 class ParallelConfigError(ValueError):
     """An unsupported parallel layout, refused at start (the message names the argument)."""
+
+
+class CollectiveFailed(RuntimeError):
+    """A tensor-parallel collective raised (gloo: a peer rank's connection closed): a rank is gone or the group
+    is broken, so no later step can run. engine/recovery.py treats it as the engine's death, so the requests in
+    flight fail UNAVAILABLE with the core, not one by one as a step's fault."""
+
+
+@contextmanager
+def _collective(name: str):
+    try:
+        yield
+    except RuntimeError as e:
+        raise CollectiveFailed(f"tensor-parallel {name} failed: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -64,12 +79,14 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.active:
-            torch.distributed.all_reduce(x)
+            with _collective("all_reduce"):
+                torch.distributed.all_reduce(x)
         return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         if self.active:
-            torch.distributed.broadcast(x, src=0)
+            with _collective("broadcast"):
+                torch.distributed.broadcast(x, src=0)
         return x
 
     # --- shapes of this rank's share ----------------------------------------------------------

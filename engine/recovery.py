@@ -17,6 +17,7 @@ import torch
 
 from engine.fault_injection import InjectedFatalFault
 from engine.llm_engine import LLMEngine
+from engine.parallel import CollectiveFailed
 from engine.request import RequestOutput, SamplingParams
 from engine.sequence import Sequence
 
@@ -28,8 +29,8 @@ MAX_SUSPICIONS = 3
 
 
 def is_fatal(exc: BaseException) -> bool:
-    """Errors after which no step can be trusted: the device context is broken."""
-    if isinstance(exc, InjectedFatalFault | MemoryError | SystemError):
+    """Errors after which no step can be trusted: the device context is broken, or a tensor-parallel peer."""
+    if isinstance(exc, InjectedFatalFault | MemoryError | SystemError | CollectiveFailed):
         return True
     accelerator_error = getattr(torch, "AcceleratorError", None)  # torch >= 2.8: CUDA errors
     if accelerator_error is not None and isinstance(exc, accelerator_error):

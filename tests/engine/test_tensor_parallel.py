@@ -28,7 +28,8 @@ from engine.models.deepseek_v4.loader import load_model
 from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
 from engine.models.deepseek_v41.random_checkpoint import write_v41_checkpoint
 from engine.models.weights import WeightsError
-from engine.parallel import ParallelConfigError, TensorParallel
+from engine.parallel import CollectiveFailed, ParallelConfigError, TensorParallel
+from engine.recovery import is_fatal
 from engine.request import GenerationRequest, SamplingParams
 from tests.engine.models.deepseek_v41.oracle import ORACLE
 
@@ -270,3 +271,20 @@ def test_v41_quantized_slices_cut_the_scales_with_them(tmp_path):
         LLMEngine(dict(dtype="float32", model=str(narrow), tensor_parallel_size=2))
     with pytest.raises(WeightsError, match=r"shared_experts\.w[123]\.(weight|scale).*cuts a block of 32"):
         load_v41(narrow, "bfloat16", tp=TensorParallel(0, 2, True), **kept)  # the loader itself, unchecked
+
+
+def test_a_failed_collective_is_the_engines_death(monkeypatch):
+    """A rank killed mid-step closes its gloo connections: the survivors' collective raises at once. That is the
+    engine's death (the core exits, its requests fail UNAVAILABLE and it restarts with all its ranks), not a
+    step fault to retry request by request (which failed them INTERNAL before the rank watcher noticed)."""
+    def closed(*args, **kwargs):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:41234")
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", closed)
+    monkeypatch.setattr(torch.distributed, "broadcast", closed)
+    tp = TensorParallel(0, 2)
+    for collective in (tp.all_reduce, tp.broadcast):
+        with pytest.raises(CollectiveFailed, match="Connection closed by peer") as failed:
+            collective(torch.zeros(2))
+        assert is_fatal(failed.value)
+    assert TensorParallel(0, 1).all_reduce(torch.ones(2)).tolist() == [1.0, 1.0]  # one rank: no collective
