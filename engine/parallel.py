@@ -23,7 +23,6 @@ so a decode CUDA graph captures them.
 from __future__ import annotations
 
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -43,14 +42,6 @@ class CollectiveFailed(RuntimeError):
     """A tensor-parallel collective raised (gloo: a peer rank's connection closed): a rank is gone or the group
     is broken, so no later step can run. engine/recovery.py treats it as the engine's death, so the requests in
     flight fail UNAVAILABLE with the core, not one by one as a step's fault."""
-
-
-@contextmanager
-def _collective(name: str):
-    try:
-        yield
-    except RuntimeError as e:
-        raise CollectiveFailed(f"tensor-parallel {name} failed: {e}") from e
 
 
 @dataclass(frozen=True)
@@ -79,14 +70,18 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.active:
-            with _collective("all_reduce"):
+            try:
                 torch.distributed.all_reduce(x)
+            except RuntimeError as e:
+                raise CollectiveFailed(f"tensor-parallel all_reduce failed: {e}") from e
         return x
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         if self.active:
-            with _collective("broadcast"):
+            try:
                 torch.distributed.broadcast(x, src=0)
+            except RuntimeError as e:
+                raise CollectiveFailed(f"tensor-parallel broadcast failed: {e}") from e
         return x
 
     # --- shapes of this rank's share ----------------------------------------------------------
