@@ -28,6 +28,6 @@ for suite in "$@"; do
 done
 if [ -d "$TRITON_CACHE_DIR" ]; then  # what a hit needs: metadata, groups, cubins, launchers (not the IRs)
   (cd /tmp && find triton-jit -type f \( -name '*.json' -o -name '*.cubin' -o -name '*.so' \) -print0 \
-    | tar --null -cJf "$OUT/triton-jit.tar.xz" -T -) || rm -f "$OUT/triton-jit.tar.xz"
+    | XZ_OPT=-T0 tar --null -cJf "$OUT/triton-jit.tar.xz" -T -) || rm -f "$OUT/triton-jit.tar.xz"
 fi
 exit $rc
