@@ -347,18 +347,23 @@ class LLMEngine:
         sampled = [(seq, n) for seq, n in scheduled if seq.num_computed_tokens + n == seq.num_tokens]
         samplers = [seq for seq, _ in sampled]
         # a mixed step stays in flight too: its prefill chunks that end short of their prompt sample nothing
-        keep = bool(sampled) and self._can_keep_in_flight(sampled)
-        if keep:  # decide on the device, start the copy back, and do not wait for it
-            flight = InFlight.launch(sampled, kernels.greedy_pick(logits))
+        if sampled and self._can_keep_in_flight(sampled):  # decide on the device, do not wait for the copy back
+            return outputs + self.leave_in_flight(scheduled, InFlight.launch(sampled, kernels.greedy_pick(logits)))
         outputs += self.flush()  # the previous step's tokens, while this step runs
         self.scheduler.advance([(s, n) for s, n in scheduled if s.status == Status.RUNNING])
-        if keep:
-            for seq, _ in sampled:
-                if seq.request_id in self.requests:
-                    seq.output_token_ids.append(PENDING_TOKEN)
-            self.pending = flight
-            return outputs
         return outputs + self._sample(samplers, logits)
+
+    def leave_in_flight(self, scheduled: list[tuple[Sequence, int]], flight: InFlight) -> list[RequestOutput]:
+        """The hand-off of a step whose greedy tokens stay on the device (`flight`, launched by the
+        caller): read back the step before while this one runs, advance the scheduler, and hold a
+        pending token in each sampling sequence until the next flush replaces it."""
+        outputs = self.flush()
+        self.scheduler.advance([(s, n) for s, n in scheduled if s.status == Status.RUNNING])
+        for seq, _ in flight.scheduled:
+            if seq.request_id in self.requests:
+                seq.output_token_ids.append(PENDING_TOKEN)
+        self.pending = flight
+        return outputs
 
     def _can_keep_in_flight(self, sampled: list[tuple[Sequence, int]]) -> bool:
         """Every sampling row samples greedily with nothing to mask or report beyond its token, and no

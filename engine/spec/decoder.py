@@ -317,14 +317,8 @@ class SpecDecoder:
         picked = kernels.greedy_pick(logits)
         # nobody drafts, so the tokens are only counted (one row each), never read
         self._propose_dspark(batch, features, {id(s): [PENDING_TOKEN] for s, _ in batch}, set(), graphs)
-        flight = InFlight.launch(batch, picked)  # after the drafter's launch: its staging copy is behind the read-back
-        outputs = eng.flush()  # the step before, while this one runs
-        eng.scheduler.advance([(s, n) for s, n in batch if s.status == Status.RUNNING])
-        for seq, _ in batch:
-            if seq.request_id in eng.requests:
-                seq.output_token_ids.append(PENDING_TOKEN)
-        eng.pending = flight
-        return outputs
+        # launched after the drafter: its staging copy is behind the read-back
+        return eng.leave_in_flight(batch, InFlight.launch(batch, picked))
 
     def _attach_drafts(self, scheduled: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
         """Decodes holding drafts run them too, while the step's token budget and the blocks last."""
