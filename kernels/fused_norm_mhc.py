@@ -263,7 +263,7 @@ class MixTiles:
 
 # today's kernel: decode's 16-token tiles over up to 64 splits, prefill's 64-token tiles over the splits for
 # 4 programs an SM, 2 pipeline stages (the fastest summed over 2048 and 8192 tokens in suite prefill_small_ops'
-# sweep: 87.9 + 341.5 us against 138.0 + 446.3 us at 2 programs an SM and Triton's default stages)
+# sweep: 87.9 + 341.5 us against 138.3 + 457.1 us at 2 programs an SM and Triton's default stages, H100)
 MIX_TILES = {"decode": MixTiles(16, 128, 0), "prefill": MixTiles(64, 128, 4 * quant_configs.SMS, 2, 4)}
 # mix_bf16x3 (kernels/variants.py): the same until the GPU sweep (tools/bench_prefill_ops.py) says otherwise
 MIX_PIECES_TILES = {"decode": MixTiles(16, 128, 0), "prefill": MixTiles(64, 128, 2 * quant_configs.SMS)}
