@@ -95,15 +95,20 @@ def _hc_mix_partial_pieces_kernel(x_ptr, pieces_ptr, part_ptr, T, K, K_SPLIT, PI
                                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
                                   PDL: tl.constexpr = False):
     """_hc_mix_partial_kernel's partials from bf16 x and fn's bf16 pieces [PIECES, 24, K] (fn = their sum to fp32
-    precision): one bf16 tensor-core dot per piece, the smallest first, each product exact in fp32 and summed in
-    fp32; the sum of squares in fp32 as there. DOT_F32 (the interpreter, whose bf16 dot is wrong): the same
-    operands as fp32 (exact) in an "ieee" dot, the same products and fp32 sums."""
+    precision), in one bf16 tensor-core dot per K step: the pieces stacked as the dot's columns (piece p's 24
+    mixes at columns 32p..32p+23, the rest zero), each product exact and each piece's sum kept apart in fp32
+    across K, the pieces added at the end; the sum of squares in fp32 as there. DOT_F32 (the interpreter, whose
+    bf16 dot is wrong): the same operands as fp32 (exact) in an "ieee" dot, the same products and fp32 sums."""
     wait_and_release(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     split = tl.program_id(1)
     tmask = t < T
     r32 = tl.arange(0, 32)
-    acc = tl.zeros((BLOCK_T, 32), tl.float32)
+    tl.static_assert(PIECES <= 4)
+    n = tl.arange(0, 128)  # the dot's columns: piece n // 32, mix n % 32
+    fmask = ((n % 32) < 24) & ((n // 32) < PIECES)
+    frow = (n // 32) * 24 + n % 32
+    acc = tl.zeros((BLOCK_T, 128), tl.float32)
     sumsq = tl.zeros((BLOCK_T,), tl.float32)
     k_lo = split * K_SPLIT
     for k0 in range(k_lo, k_lo + K_SPLIT, BLOCK_K):
@@ -112,17 +117,15 @@ def _hc_mix_partial_pieces_kernel(x_ptr, pieces_ptr, part_ptr, T, K, K_SPLIT, PI
         x = tl.load(x_ptr + t[:, None] * K + k[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
         xf = x.to(tl.float32)
         sumsq += tl.sum(xf * xf, axis=1)
-        for i in tl.static_range(PIECES):
-            f = tl.load(pieces_ptr + ((PIECES - 1 - i) * 24 + r32[:, None]) * K + k[None, :],
-                        mask=(r32[:, None] < 24) & kmask[None, :], other=0.0)
-            if DOT_F32:
-                acc = tl.dot(xf, tl.trans(f.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x, tl.trans(f), acc)
-    acc = tl.where(r32[None, :] == 24, sumsq[:, None], acc)
-    tl.store(part_ptr + (split * T + t[:, None]) * 32 + r32[None, :], acc, mask=tmask[:, None] & (r32[None, :] < 25))
-
-
+        f = tl.load(pieces_ptr + frow[:, None] * K + k[None, :], mask=fmask[:, None] & kmask[None, :], other=0.0)
+        if DOT_F32:
+            acc = tl.dot(xf, tl.trans(f.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(f), acc)
+    mixes = tl.sum(tl.reshape(acc, (BLOCK_T, 4, 32)), axis=1)
+    mixes = tl.where(r32[None, :] == 24, sumsq[:, None], mixes)
+    tl.store(part_ptr + (split * T + t[:, None]) * 32 + r32[None, :], mixes,
+             mask=tmask[:, None] & (r32[None, :] < 25))
 
 
 @triton.jit

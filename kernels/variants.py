@@ -8,9 +8,10 @@ Read at every call: CUDA graphs captured after a change follow it.
   RoPE, q and kv in one launch) over [ROWS, D] tiles, each row loaded once and stored once, coalesced, the rope
   pairs rotated in registers, instead of one program per row with stride-2 loads and stores of the rope slice;
   ROWS from the row count (kernels.fused_rope.tile_rows: one at decode's few rows).
-- mix_bf16x3: mHC's mixing partials (kernels.fused_norm_mhc, hc_pre and V4.1's site collapse) as three bf16
-  tensor-core dots of the bf16 streams with the fp32 mixing weights split once into bf16 hi + mid + lo (exact
-  products, fp32 sums), instead of the streams converted to fp32 and dotted at "tf32x3"; bf16 streams only.
+- mix_bf16x3: mHC's mixing partials (kernels.fused_norm_mhc, hc_pre and V4.1's site collapse) as one bf16
+  tensor-core dot a K step of the bf16 streams with the fp32 mixing weights split once into bf16 hi + mid + lo,
+  stacked as the dot's columns (exact products, fp32 sums), instead of the streams converted to fp32 and dotted
+  at "tf32x3"; bf16 streams only.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import os
 from kernels import fusions
 
 ALL = ("rope_tiles", "mix_bf16x3")
-# neither on: suite prefill_small_ops found mix_bf16x3 wrong on the GPU at the prefill tiles and rope_tiles
-# parting from today's kernel on a few query elements (docs/PERF.md, "Prefill at V4-Flash depth")
+# neither on: suite prefill_small_ops found the first mix_bf16x3 (three chained dots) wrong on the GPU at the
+# prefill tiles, and judged rope_tiles by each element's own last places, which an exactly cancelling pair
+# defeats (docs/PERF.md, "Prefill at V4-Flash depth"); both wait for its next run
 DEFAULT: tuple[str, ...] = ()
 ENV = "DSV4_VARIANTS"
 
