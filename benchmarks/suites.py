@@ -533,9 +533,9 @@ SUITE_LIST = [
           "8192 tokens of V4-Flash's shapes, do the variants give today's values on the GPU, and which tiles are "
           "fastest at prefill?",
           (Step("tools.bench_prefill_ops", (), timeout_s=300),),
-          notes="about 2-3 minutes, no checkpoint: the check and the A/B at five sizes (~1 min), the rope rows and "
-                "mix tiles sweeps at 2048 / 8192 tokens (~1-2 min, mostly compiles); a variant becomes the default "
-                "(variants.DEFAULT) where it wins"),
+          notes="about 1-2 minutes, no checkpoint (41 s on an H100, 2026-12-06): the check and the A/B at five "
+                "sizes, the rope rows and mix tiles sweeps at 2048 / 8192 tokens (every candidate checked); a "
+                "variant becomes the default (variants.DEFAULT) where it is right and wins"),
     # ---- several GPUs
     Suite("tp_share", "How long is rank 0's share of V4-Flash as shipped at tensor_parallel_size 8 (collectives "
           "skipped), the compute term of the multi-GPU projection?",
