@@ -536,6 +536,11 @@ SUITE_LIST = [
           notes="about 1-2 minutes, no checkpoint (41 s on an H100, 2026-12-06): the check and the A/B at five "
                 "sizes, the rope rows and mix tiles sweeps at 2048 / 8192 tokens (every candidate checked); a "
                 "variant becomes the default (variants.DEFAULT) where it is right and wins"),
+    Suite("prefill_unpack", "How close to its memory floor is the MXFP4 experts' unpack to bf16 (the prefill MoE's "
+          "grouped path, once per layer and call: 16 experts of V4-Flash's shape), and which tile is fastest?",
+          (Step("tools.bench_unpack", (), timeout_s=240),),
+          notes="about 1 minute, no checkpoint: the table's tile against the formats' dequantizer, then 22 tiles "
+                "each checked equal and timed; the fastest printed for kernels.mxfp4_unpack.UNPACK_TILES"),
     # ---- several GPUs
     Suite("tp_share", "How long is rank 0's share of V4-Flash as shipped at tensor_parallel_size 8 (collectives "
           "skipped), the compute term of the multi-GPU projection?",

@@ -6,6 +6,7 @@ equals kernels.formats' dequantizer to bf16 exactly. Used by kernels/moe_grouped
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -13,7 +14,20 @@ import triton.language as tl
 
 from kernels.fused_dequant import mxfp4_rows_tile_bf16
 
-_ASM = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")  # the interpreter runs no inline PTX
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_ASM = tl.constexpr(not _INTERPRET)  # the interpreter runs no inline PTX
+
+
+@dataclass(frozen=True)
+class UnpackTiles:
+    """One program's tile (rows x K columns) and warps (None: Triton's default)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    warps: int | None = None
+
+
+UNPACK_TILES = UnpackTiles()  # tools/bench_unpack.py sweeps the candidates (suite prefill_unpack)
 
 
 @triton.jit
@@ -27,18 +41,22 @@ def _mxfp4_unpack_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr,
     tl.store(out_ptr + e * N * K + n[:, None] * K + k[None, :], t, mask=(n < N)[:, None] & (k < K)[None, :])
 
 
-def mxfp4_unpacked(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """weight int8 [E, N, K/2], scale ue8m0 [E, N, K/32] -> bf16 [E, N, K]."""
+def mxfp4_unpacked(weight: torch.Tensor, scale: torch.Tensor, tiles: UnpackTiles | None = None) -> torch.Tensor:
+    """weight int8 [E, N, K/2], scale ue8m0 [E, N, K/32] -> bf16 [E, N, K] (tiles: a launch to time instead of
+    UNPACK_TILES)."""
+    tiles = tiles or UNPACK_TILES
     E, N, KH = weight.shape
     K = 2 * KH
-    if K % 128:
-        raise ValueError(f"MXFP4 unpack: K {K} must be a multiple of 128")
+    if K % tiles.block_k:
+        raise ValueError(f"MXFP4 unpack: K {K} must be a multiple of {tiles.block_k}")
     weight = weight.contiguous()
     if weight.data_ptr() % 16:
         raise ValueError("MXFP4 expert weights must start 16-byte aligned")
     scale = scale.contiguous().view(torch.uint8)
     out = torch.empty(E, N, K, dtype=torch.bfloat16, device=weight.device)
     if E and N:
-        grid = (triton.cdiv(N, 64), K // 128, E)
-        _mxfp4_unpack_kernel[grid](weight, scale, out, N, K, BLOCK_N=64, BLOCK_K=128, ASM=_ASM)
+        grid = (triton.cdiv(N, tiles.block_n), K // tiles.block_k, E)
+        launch = {"num_warps": tiles.warps} if tiles.warps and not _INTERPRET else {}
+        _mxfp4_unpack_kernel[grid](weight, scale, out, N, K, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, ASM=_ASM,
+                                   **launch)
     return out
