@@ -20,11 +20,12 @@ import argparse
 import functools
 import json
 import math
-import os
 import sys
 import time
 
 import torch
+
+from tools.kernel_device import gpu_or_interpreter
 
 D, I, TOPK = 4096, 2048, 6
 PEAK_BF16 = 790e12  # FLOP/s, docs/PERF.md's measured bf16 matmul ceiling
@@ -75,16 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topk", type=int, default=TOPK)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:  # before the kernels' modules load: they read it at import
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    dev = gpu_or_interpreter()  # before the kernels' modules load
+    on_gpu = dev.type == "cuda"
     from kernels import quant_configs
     from kernels import reference as ref
     from kernels.fused_moe import moe_experts_fused
     from kernels.moe_grouped import moe_experts_grouped
     from tools.bench_quant import _experts, _routing
 
-    dev = torch.device("cuda" if on_gpu else "cpu")
     d, i = (int(v) for v in a.dims.split(","))
     k, timed = a.topk, _timer(on_gpu)
     per_expert = [int(r) for r in a.rows_per_expert.split(",") if r]

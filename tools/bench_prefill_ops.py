@@ -36,11 +36,12 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import sys
 import time
 
 import torch
+
+from tools.kernel_device import gpu_or_interpreter
 
 # how far a variant's bf16 output may part from today's at rounding alone: one bf16 last place of the element, or
 # two at its row's RMS. The second is for a sum whose terms cancel (a rope pair, the streams' collapse): it can end
@@ -383,13 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:  # before the kernels' modules load: they read it at import
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    dev = gpu_or_interpreter()  # before the kernels' modules load
+    on_gpu = dev.type == "cuda"
     from kernels import fused_norm_mhc, fused_rope
     from tools.bench_quant import H200
 
-    dev = torch.device("cuda" if on_gpu else "cpu")
     timed, start = _timer(on_gpu), time.perf_counter()
     tokens = [int(t) for t in args.tokens.split(",") if t]
     sweep_tokens = [int(t) for t in args.sweep_tokens.split(",") if t]

@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 
 import torch
+
+from tools.kernel_device import gpu_or_interpreter
 
 
 def candidates():
@@ -59,14 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dims", default="4096,2048", help="D (hidden), I (expert width)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:  # before the kernels' modules load: they read it at import
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    dev = gpu_or_interpreter()  # before the kernels' modules load
+    on_gpu = dev.type == "cuda"
     from kernels import mxfp4_unpack
     from kernels.formats import dequantize_mxfp4
     from kernels.mxfp4_unpack import mxfp4_unpacked
 
-    dev = torch.device("cuda" if on_gpu else "cpu")
     D, I = (int(v) for v in args.dims.split(","))
     weights = layer_weights(args.experts, D, I, dev)
     nbytes = layer_bytes(weights)
