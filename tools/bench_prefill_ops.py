@@ -219,29 +219,53 @@ def worst_element(got: torch.Tensor, today: torch.Tensor, want: torch.Tensor | N
     return out
 
 
+def mix_sums(part: torch.Tensor) -> torch.Tensor:
+    """The split partials [splits, T, 32] summed: each token's 24 mixes and sum of squares, in fp64."""
+    return part.sum(0)[:, :25].double()
+
+
+@dataclasses.dataclass(frozen=True)
+class MixTruth:
+    """What the mix partials are checked against: the fp64 products of x and fn, and each column's largest (the
+    errors are relative to it)."""
+
+    exact: torch.Tensor
+    size: torch.Tensor
+
+    @classmethod
+    def of(cls, x: torch.Tensor, fn: torch.Tensor) -> MixTruth:
+        flat = x.double().reshape(x.shape[0], -1)
+        exact = torch.cat([flat @ fn.double().T, (flat * flat).sum(-1, keepdim=True)], -1)
+        return cls(exact, exact.abs().amax(0).clamp(min=1e-30))
+
+    def rel(self, sums: torch.Tensor) -> torch.Tensor:
+        return (sums - self.exact).abs() / self.size
+
+    def err(self, sums: torch.Tensor) -> float:
+        return self.rel(sums).max().item()
+
+
 def check_and_time_mix(T, args, dev, timed, hw, failures) -> list[dict]:
     from kernels import reference as ref
     from kernels.fused_norm_mhc import _hc_mix_partials, hc_pre_fused
 
     x, fn, base, scale = mix_args(T, 4, args.hidden, dev)
     K = x[0].numel()
-    flat = x.double().reshape(T, -1)
-    exact = torch.cat([flat @ fn.double().T, (flat * flat).sum(-1, keepdim=True)], -1)
-    size = exact.abs().amax(0).clamp(min=1e-30)
+    truth = MixTruth.of(x, fn)
     partials = functools.partial(_hc_mix_partials, x, fn)
     whole = functools.partial(hc_pre_fused, x, fn, base, scale, 1e-6, 1e-6, 20)
     got, times = {}, {}
     for label, variant in (("today", None), ("variant", "mix_bf16x3")):
         with switched(variant):
-            got[label] = (partials().sum(0)[:, :25].double(), _outputs(whole()))
+            got[label] = (mix_sums(partials()), _outputs(whole()))
             times[label] = (timed(partials, _calls(T)), timed(whole, _calls(T)))
-    err = {label: ((p - exact).abs() / size).max().item() for label, (p, _) in got.items()}
+    err = {label: truth.err(sums) for label, (sums, _) in got.items()}
     diagnosis = None
     for label, e in err.items():
         if not e <= MIX_TOL:
             failures.append(f"mix partials T{T} {label}: relative error to fp64 {e:.3g} > {MIX_TOL}")
             if label == "variant":
-                diagnosis = diagnose_mix(x, fn, exact, size, got["variant"][0])
+                diagnosis = diagnose_mix(x, fn, truth, got["variant"][0])
                 failures.append(f"mix partials T{T} variant, where: {diagnosis}")
     (post_a, comb_a, x_a), (post_b, comb_b, x_b) = got["variant"][1], got["today"][1]
     pc = max((post_a - post_b).abs().max().item(), (comb_a - comb_b).abs().max().item())
@@ -263,26 +287,25 @@ def check_and_time_mix(T, args, dev, timed, hw, failures) -> list[dict]:
              "post_comb_diff": pc, "max_bf16_steps": steps, "worst": worst}]
 
 
-def diagnose_mix(x, fn, exact, size, got) -> dict:
+def diagnose_mix(x, fn, truth: MixTruth, got) -> dict:
     """Where the variant's partials are wrong (the worst token and column, how many tokens, whether whole token
     tiles), and its error again with the decode tiles, with one pipeline stage and with PDL switched: which of
     the launch, the pipelined loads or the programmatic launch moves it."""
     from kernels import fused_norm_mhc, pdl
     from kernels.fused_norm_mhc import MIX_PIECES_TILES, MixTiles, _hc_mix_partials
 
-    rel = (got - exact).abs() / size
+    rel = truth.rel(got)
     bad = rel > MIX_TOL
     t, c = divmod(int(rel.argmax()), rel.shape[1])
     tiles = MIX_PIECES_TILES["prefill" if x.shape[0] >= fused_norm_mhc.MIX_WIDE_T else "decode"]
     bad_tokens = bad.any(-1).nonzero().flatten()
-    out = {"token": t, "column": c, "got": got[t, c].item(), "want": exact[t, c].item(),
+    out = {"token": t, "column": c, "got": got[t, c].item(), "want": truth.exact[t, c].item(),
            "tokens_wrong": len(bad_tokens), "token_tiles_wrong": len({int(i) // tiles.block_t for i in bad_tokens}),
            "columns_wrong": bad.any(0).nonzero().flatten().tolist()}
 
     def again(tiles_used: MixTiles | None = None) -> float:
         with switched("mix_bf16x3"):
-            p = _hc_mix_partials(x, fn, tiles_used).sum(0)[:, :25].double()
-        return ((p - exact).abs() / size).max().item()
+            return truth.err(mix_sums(_hc_mix_partials(x, fn, tiles_used)))
 
     out["rel_err_decode_tiles"] = again(MIX_PIECES_TILES["decode"])
     out["rel_err_one_stage"] = again(dataclasses.replace(tiles, stages=1))
@@ -325,17 +348,14 @@ def sweep_mix(tokens, args, dev, timed) -> list[dict]:
     out = []
     for T in tokens:
         x, fn, _, _ = mix_args(T, 4, args.hidden, dev)
-        flat = x.double().reshape(T, -1)
-        exact = torch.cat([flat @ fn.double().T, (flat * flat).sum(-1, keepdim=True)], -1)
-        size = exact.abs().amax(0).clamp(min=1e-30)
+        truth = MixTruth.of(x, fn)
         for label, variant in (("today", None), ("variant", "mix_bf16x3")):
             for tiles in mix_candidates(quant_configs.SMS):
                 row = {"tokens": T, "kernel": label, **dataclasses.asdict(tiles)}
                 try:
                     with switched(variant):
                         call = functools.partial(_hc_mix_partials, x, fn, tiles)
-                        p = call().sum(0)[:, :25].double()
-                        row["rel_err"] = ((p - exact).abs() / size).max().item()
+                        row["rel_err"] = truth.err(mix_sums(call()))
                         row["us"] = timed(call, _calls(T))
                 except Exception as e:  # out of shared memory, say: named, and the rest runs
                     row["error"] = f"{type(e).__name__}: {str(e)[:160]}"

@@ -60,12 +60,9 @@ def test_diagnose_mix_locates_wrong_partials_and_reruns_the_variant_under_other_
     T, D = 300, 40  # the prefill tiles
     torch.manual_seed(1)
     x, fn = torch.randn(T, 4, D).bfloat16(), torch.randn(24, 4 * D) * 0.1
-    flat = x.double().reshape(T, -1)
-    exact = torch.cat([flat @ fn.double().T, (flat * flat).sum(-1, keepdim=True)], -1)
-    size = exact.abs().amax(0)
-    got = _hc_mix_partials(x, fn).sum(0)[:, :25].double()
+    got = bench_prefill_ops.mix_sums(_hc_mix_partials(x, fn))
     got[77, :24] *= 1.1
-    d = bench_prefill_ops.diagnose_mix(x, fn, exact, size, got)
+    d = bench_prefill_ops.diagnose_mix(x, fn, bench_prefill_ops.MixTruth.of(x, fn), got)
     assert d["token"] == 77 and d["tokens_wrong"] == 1 and d["token_tiles_wrong"] == 1
     assert d["columns_wrong"] and max(d["columns_wrong"]) < 24
     assert all(d[k] <= bench_prefill_ops.MIX_TOL for k in d if k.startswith("rel_err_"))
