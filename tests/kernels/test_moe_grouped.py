@@ -9,7 +9,7 @@ from kernels import fused_moe, quant_configs
 from kernels import reference as ref
 from kernels.formats import dequantize_mxfp4
 from kernels.moe_grouped import moe_experts_grouped
-from kernels.mxfp4_unpack import mxfp4_unpacked
+from kernels.mxfp4_unpack import UnpackTiles, mxfp4_unpacked
 from tests.kernels.test_moe import _stored_experts
 
 
@@ -21,6 +21,17 @@ def test_mxfp4_unpack_is_the_dequantizer():
     got = mxfp4_unpacked(q, s)
     assert got.dtype == torch.bfloat16 and got.shape == (3, 40, 256)
     assert torch.equal(got, dequantize_mxfp4(q, s).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("programs", [1, 3, 7, 18, 40])
+def test_grid_limited_unpack_is_the_per_tile_unpack(programs):
+    """A few programs striding over all 18 tiles (3 experts x 3 row tiles x 2 K tiles; rows off the tile) write
+    what one program per tile writes, bit for bit, whether or not the count divides the tiles or exceeds them."""
+    g = torch.Generator().manual_seed(5)
+    q, s = _stored_experts(torch.randn(3, 40, 256, generator=g) * torch.logspace(-3, 2, 256), "mxfp4")
+    q = q.clone()
+    want = mxfp4_unpacked(q, s, UnpackTiles(16, 128))
+    assert torch.equal(mxfp4_unpacked(q, s, UnpackTiles(16, 128, programs=programs)), want)
 
 
 def _experts(fmt, E, D, I, g):
