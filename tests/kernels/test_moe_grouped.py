@@ -8,7 +8,7 @@ import torch
 from kernels import fused_moe, quant_configs
 from kernels import reference as ref
 from kernels.formats import dequantize_mxfp4
-from kernels.moe_grouped import moe_experts_grouped
+from kernels.moe_grouped import moe_experts_grouped, unpack_ahead
 from kernels.mxfp4_unpack import UnpackTiles, mxfp4_unpacked
 from tests.kernels.test_moe import _stored_experts
 
@@ -65,6 +65,23 @@ def test_grouped_moe_matches_reference(fmt, skipped):
     if skipped:
         none = (idx < 0).all(1)
         assert none.any() and got[none].abs().max() == 0
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8", "mxfp4"])
+def test_grouped_moe_on_experts_unpacked_ahead_is_the_same(fmt):
+    """The experts unpacked ahead (the grid-limited launch) give the call's own result exactly."""
+    T, D, I, E, k = 200, 256, 128, 4, 2
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    (w1, w3, w2), scales = _experts(fmt, E, D, I, g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g).to(torch.bfloat16)
+    ahead = unpack_ahead(w1, w3, w2, scales, x.dtype)
+    assert ahead.ready is None and ahead.w2.shape == (E, D, I) and ahead.w1.dtype == torch.bfloat16
+    want = moe_experts_grouped(x, w1, w3, w2, w, idx, 10.0, scales)
+    assert torch.equal(moe_experts_grouped(x, w1, w3, w2, w, idx, 10.0, scales, unpacked=ahead), want)
+    swapped = unpack_ahead(w3, w1, w2, scales, x.dtype)  # the call computes from the handle's tensors
+    assert not torch.equal(moe_experts_grouped(x, w1, w3, w2, w, idx, 10.0, scales, unpacked=swapped), want)
 
 
 def test_dispatch_takes_grouped_path_when_rows_repay_unpacking(monkeypatch):
