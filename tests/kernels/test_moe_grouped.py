@@ -103,6 +103,32 @@ def test_dispatch_takes_grouped_path_when_rows_repay_unpacking(monkeypatch):
     assert not quant_configs.moe_grouped(8192 * 6, 256, 256 * I * D * 2, "mxfp4")  # 4 GB unpacked: fused kernel
 
 
+def test_takes_grouped_is_the_rule_moe_experts_fused_follows(monkeypatch):
+    """With the rule cut to 20 rows per expert: 48 tokens x top-2 over 4 MXFP4 experts go grouped (takes_grouped
+    says so, and the call given experts unpacked ahead computes the same as without), 16 tokens do not, and that
+    call refuses experts unpacked for it (the unpack would be wasted)."""
+    monkeypatch.setattr(fused_moe, "GROUPED_OK", True)
+    monkeypatch.setattr(quant_configs, "MOE_DECODE_MAX_PAIRS", 0)
+    monkeypatch.setitem(quant_configs.MOE_GROUPED_MIN_ROWS, "mxfp4", ((1, 20),))
+    D, I, E, k = 256, 128, 4, 2
+    g = torch.Generator().manual_seed(17)
+    (w1, w3, w2), scales = _experts("mxfp4", E, D, I, g)
+    ahead = unpack_ahead(w1, w3, w2, scales, torch.bfloat16)
+    for T, grouped in ((48, True), (16, False)):
+        x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        w = torch.rand(T, k, generator=g).to(torch.bfloat16)
+        assert fused_moe.takes_grouped(T, x.dtype, x.device, w1, scales, k) == grouped
+        if grouped:
+            want = moe_experts_grouped(x, w1, w3, w2, w, idx, 10.0, scales)
+            assert torch.equal(fused_moe.moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales, unpacked=ahead), want)
+            assert torch.equal(fused_moe.moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales), want)
+        else:
+            with pytest.raises(ValueError, match="does not take the grouped path"):
+                fused_moe.moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales, unpacked=ahead)
+    assert not fused_moe.takes_grouped(48, torch.float32, x.device, w1, scales, k)  # the grouped GEMM runs bf16
+
+
 def test_grouped_rule_reads_the_entry_of_the_call_s_expert_count(monkeypatch):
     """MOE_GROUPED_MIN_ROWS per expert count: the largest listed count at or below the call's experts
     (the first below it), and an entry of None keeps that count on the fused kernels at any size."""
