@@ -64,8 +64,8 @@ def moe_unpack_ahead(x: torch.Tensor, w1, w3, w2, scales, top_k: int):
     """The routed experts of a MoE call on x's rows, started unpacking now for that call (moe_experts / router_moe's
     `unpacked`), so the unpack runs beside what comes first (the layer's attention): with the kernel variant
     unpack_ahead, where the call will run its kernel and take the grouped path (kernels.fused_moe.takes_grouped);
-    else None (the call unpacks, if at all, itself)."""
-    if not (variants.on("unpack_ahead") and runs_kernel("moe_experts", x) and runs_kernel("router_moe", x)):
+    else None (the call unpacks, if at all, itself). Dense experts: None, nothing to unpack."""
+    if scales is None or not (variants.on("unpack_ahead") and runs_kernel("moe_experts", x)):  # router_moe: the same
         return None
     from kernels.fused_moe import takes_grouped
     from kernels.moe_grouped import unpack_ahead

@@ -15,7 +15,9 @@ Read at every call: CUDA graphs captured after a change follow it.
 - unpack_ahead: a prefill MoE call that takes the grouped path (kernels/moe_grouped.py) gets its MXFP4 / FP8 experts
   unpacked to bf16 on a side stream, started before the layer's attention by a grid-limited unpack (kernels.
   mxfp4_unpack.AHEAD_TILES: a few SMs), so the memory-bound unpack runs beside the compute-bound attention and FP8
-  linears instead of after them; the MoE waits on its event. Same bits as the unpack it replaces.
+  linears instead of after them; the MoE waits on its event. Same bits as the unpack it replaces; the three
+  unpacked weights live together from the attention to the MoE (three times the grouped path's one-at-a-time scratch,
+  quant_configs.MOE_GROUPED_MAX_BYTES).
 """
 
 from __future__ import annotations

@@ -129,6 +129,29 @@ def test_takes_grouped_is_the_rule_moe_experts_fused_follows(monkeypatch):
     assert not fused_moe.takes_grouped(48, torch.float32, x.device, w1, scales, k)  # the grouped GEMM runs bf16
 
 
+def test_moe_unpack_ahead_only_where_the_call_unpacks(monkeypatch):
+    """kernels.moe_unpack_ahead (what the model asks before attention) starts an unpack only with the variant on,
+    the MoE's kernel bound (not the CPU's references), quantized experts, and a call that goes grouped."""
+    import kernels
+    from kernels import variants
+
+    monkeypatch.setattr(fused_moe, "GROUPED_OK", True)
+    monkeypatch.setattr(quant_configs, "MOE_DECODE_MAX_PAIRS", 0)
+    monkeypatch.setitem(quant_configs.MOE_GROUPED_MIN_ROWS, "mxfp4", ((1, 20),))
+    D, I, E, k = 256, 128, 4, 2
+    (w1, w3, w2), scales = _experts("mxfp4", E, D, I, torch.Generator().manual_seed(19))
+    x = torch.zeros(48, D, dtype=torch.bfloat16)
+    kernels.set_backend("fused")
+    assert kernels.moe_unpack_ahead(x, w1, w3, w2, scales, k) is None  # variant off
+    variants.set_variants("unpack_ahead")
+    got = kernels.moe_unpack_ahead(x, w1, w3, w2, scales, k)
+    assert torch.equal(got.w1, mxfp4_unpacked(w1, scales[0])) and torch.equal(got.w2, mxfp4_unpacked(w2, scales[2]))
+    assert kernels.moe_unpack_ahead(x[:16], w1, w3, w2, scales, k) is None  # not grouped
+    assert kernels.moe_unpack_ahead(x, got.w1, got.w3, got.w2, None, k) is None  # bf16 experts: nothing to unpack
+    kernels.set_backend("auto")  # CPU tensors: the references, which unpack nothing
+    assert kernels.moe_unpack_ahead(x, w1, w3, w2, scales, k) is None
+
+
 def test_grouped_rule_reads_the_entry_of_the_call_s_expert_count(monkeypatch):
     """MOE_GROUPED_MIN_ROWS per expert count: the largest listed count at or below the call's experts
     (the first below it), and an entry of None keeps that count on the fused kernels at any size."""
