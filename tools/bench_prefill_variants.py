@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-args", default="{}", help="JSON on top of DEPTH and the prefill arguments")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    if a.rounds < 1:
+        ap.error("--rounds: at least 1 counted round")
     sets, shapes = parse_sets(a.sets), parse_shapes(a.shapes)
     engine_args = json.loads(DEPTH) | PREFILL_ARGS | json.loads(a.engine_args)
     llm = LLM(model=a.model, **engine_args)
