@@ -542,14 +542,15 @@ SUITE_LIST = [
           notes="about 1 minute, no checkpoint: the table's tile against the formats' dequantizer, then 22 tiles "
                 "each checked equal and timed; the fastest printed for kernels.mxfp4_unpack.UNPACK_TILES"),
     Suite("prefill_variants", "At V4-Flash depth as shipped, what does each kernel variant (kernels/variants.py: "
-          "unpack_ahead, rope_tiles, mix_bf16x3, all together) do to prefill's time to first token at 1 x 1024, "
+          "rope_tiles, mix_bf16x3, both) do to prefill's time to first token at 1 x 1024, "
           "4 x 1024 and 1 x 8192 tokens, and are the first tokens the same as with none?",
           (checkpoint(DEPTH_CKPT, "flash-depth"),
            Step("tools.bench_prefill_variants", ("--model", DEPTH_CKPT, "--sets",
-                                                 "none,unpack_ahead,rope_tiles,mix_bf16x3,all", "--shapes",
-                                                 "1x1024,4x1024,1x8192", "--rounds", "5"), timeout_s=480)),
+                                                 "none,rope_tiles,mix_bf16x3,all", "--shapes",
+                                                 "1x1024,4x1024,1x8192", "--rounds", "5", "--engine-args",
+                                                 '{"max_model_len":8320}'), timeout_s=480)),
           notes="about 3-4 minutes on a fresh machine: the checkpoint (~30-60 s), an engine start with decode "
-                "graphs only (~90-150 s), then 6 rounds (one warm-up) x 5 sets of the three prefills (~0.1 + 0.3 "
+                "graphs only (~90-150 s), then 6 rounds (one warm-up) x 4 sets of the three prefills (~0.1 + 0.3 "
                 "+ 0.6 s): ~30 s"),
     # ---- several GPUs
     Suite("tp_share", "How long is rank 0's share of V4-Flash as shipped at tensor_parallel_size 8 (collectives "

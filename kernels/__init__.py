@@ -20,7 +20,7 @@ from typing import TypeVar
 
 import torch
 
-from kernels import reference, variants
+from kernels import reference
 from kernels.deepseek_v41 import reference as v41_reference
 
 Op = TypeVar("Op", bound=Callable)
@@ -53,26 +53,6 @@ def reference_of(name: str) -> Callable:
 def op_names() -> tuple[str, ...]:
     """Every public op, in dispatch order (V4's, then V4.1's `v41_*`)."""
     return tuple(_references)
-
-
-def runs_kernel(name: str, x: torch.Tensor) -> bool:
-    """Whether op `name` called on x (its first tensor) runs its fused kernel rather than its reference."""
-    return name in _fused_table() and (_backend == "fused" or x.is_cuda)
-
-
-def moe_unpack_ahead(x: torch.Tensor, w1, w3, w2, scales, top_k: int):
-    """The routed experts of a MoE call on x's rows, started unpacking now for that call (moe_experts / router_moe's
-    `unpacked`), so the unpack runs beside what comes first (the layer's attention): with the kernel variant
-    unpack_ahead, where the call will run its kernel and take the grouped path (kernels.fused_moe.takes_grouped);
-    else None (the call unpacks, if at all, itself). Dense experts: None, nothing to unpack."""
-    if scales is None or not (variants.on("unpack_ahead") and runs_kernel("moe_experts", x)):  # router_moe: the same
-        return None
-    from kernels.fused_moe import takes_grouped
-    from kernels.moe_grouped import unpack_ahead
-
-    if not takes_grouped(x.shape[0], x.dtype, x.device, w1, scales, top_k):
-        return None
-    return unpack_ahead(w1, w3, w2, scales, x.dtype)
 
 
 def _fused_table() -> dict[str, Callable]:

@@ -24,17 +24,12 @@ def _unpack_kernel(w_ptr, s_ptr, out_ptr, N, K, B: tl.constexpr, BLOCK_N: tl.con
     tl.store(out_ptr + n[:, None] * K + k[None, :], (w * s).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def fp8_unpacked(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """weight e4m3 [N, K], scale float32 [cdiv(N, B), cdiv(K, B)] -> [N, K] in `dtype` (out: the tensor to write,
-    allocated by a caller that launches on another stream)."""
+def fp8_unpacked(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight e4m3 [N, K], scale float32 [cdiv(N, B), cdiv(K, B)] -> [N, K] in `dtype`."""
     block = fp8_block_of(weight.shape, scale.shape)
     weight, scale = weight.contiguous(), scale.float().contiguous()
     N, K = weight.shape
-    if out is None:
-        out = torch.empty(N, K, dtype=dtype, device=weight.device)
-    elif out.shape != (N, K) or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"FP8 unpack: out must be a contiguous {dtype} {(N, K)}, got {out.dtype} {tuple(out.shape)}")
+    out = torch.empty(N, K, dtype=dtype, device=weight.device)
     if N and K:
         grid = (triton.cdiv(N, 32), triton.cdiv(K, 128))
         _unpack_kernel[grid](weight, scale, out, N, K, B=block, BLOCK_N=32, BLOCK_K=128)

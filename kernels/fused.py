@@ -90,25 +90,23 @@ def router_topk_switched(x, weight, bias, top_k, routed_scaling, scoring_func, h
 
 
 def router_moe_fused(x, gate_weight, gate_bias, top_k, routed_scaling, scoring_func, hash_ids, w1, w3, w2, limit,
-                     scales=None, shared=None, unpacked=None):
+                     scales=None, shared=None):
     """The router, then the routed experts: with the fusion switch align_in_router (kernels/fusions.py) the router's
     launch also aligns the pairs into the experts' row tiles (its last program: kernels.fused_gate's routers, the
     one router_topk_switched picks), one launch less; not where the router is the reference (the cuBLAS router's
-    hash layers, a gate without bias) or the experts make no alignment (prefill's grouped path). `unpacked`: the
-    experts unpacked ahead for the grouped path (kernels.moe_grouped.unpack_ahead)."""
+    hash layers, a gate without bias) or the experts make no alignment (prefill's grouped path)."""
     mega = fusions.on("mega_gate")
     block_m = None
     if fusions.on("align_in_router") and gate_weight.shape[0] == w1.shape[0] and (
             (hash_ids is None and gate_bias is not None) or (mega and hash_ids is not None)):
-        block_m = aligned_rows(x, w1, scales, top_k)
+        block_m = aligned_rows(x, w1, scales, x.shape[0] * top_k)
     if block_m is None:
         weights, indices = router_topk_switched(x, gate_weight, gate_bias, top_k, routed_scaling, scoring_func, hash_ids)
-        return moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales, shared, unpacked=unpacked)
+        return moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales, shared)
     router = router_topk_fused if mega else router_topk_gemm_fused
     weights, indices, layout = router(x, gate_weight, gate_bias, top_k, routed_scaling, scoring_func, hash_ids,
                                       align_m=block_m)
-    return moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales, shared, aligned=(block_m, layout),
-                             unpacked=unpacked)
+    return moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales, shared, aligned=(block_m, layout))
 
 
 def swiglu_fused(gate, up, limit):

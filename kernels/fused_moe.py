@@ -30,7 +30,7 @@ import triton.language as tl
 from kernels import fusions, pdl, quant_configs
 from kernels.fused_dequant import fp8_rows_tile, mxfp4_rows_parts_bf16, mxfp4_rows_tile, mxfp4_rows_tile_bf16
 from kernels.fused_moe_align import moe_align_fused
-from kernels.moe_grouped import UnpackedExperts, moe_experts_grouped
+from kernels.moe_grouped import moe_experts_grouped
 from kernels.pdl import wait_and_release
 from kernels.semaphores import semaphores, split_k_arrive, split_k_total
 
@@ -282,40 +282,30 @@ def _tiles(cfg: dict, fmt: int, act_dtype: torch.dtype) -> dict:
     return {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "MX": MX_MODES[mx] if fmt == 2 else 0, **_opts(cfg)}
 
 
-def takes_grouped(tokens: int, dtype: torch.dtype, device: torch.device, w1: torch.Tensor, scales, top_k: int) -> bool:
-    """Whether a call without a config goes to kernels/moe_grouped.py (prefill's many rows per expert): `tokens` rows
-    in `dtype` on `device`, top_k experts each, over experts w1 [E, I, D(/2)] as stored (`scales` as
-    moe_experts_fused's). The one rule: moe_experts_fused asks it, and the model before a layer's attention (kernel
-    variant unpack_ahead)."""
-    fmt = weight_format(w1, scales[0] if scales is not None else None)
-    E, I = w1.shape[:2]
-    D = w1.shape[2] * (2 if fmt == 2 else 1)
-    return GROUPED_OK and dtype == torch.bfloat16 and quant_configs.moe_grouped(
-        tokens * top_k, E, E * I * D * 2 if fmt else 0, FORMAT_NAMES[fmt]) and (
-        device.type != "cuda" or quant_configs.hopper(device))
+def _grouped(x, n_pairs: int, E: int, I: int, D: int, fmt: int) -> bool:
+    """Whether a call without a config goes to kernels/moe_grouped.py (prefill's many rows per expert)."""
+    return GROUPED_OK and x.dtype == torch.bfloat16 and quant_configs.moe_grouped(
+        n_pairs, E, E * I * D * 2 if fmt else 0, FORMAT_NAMES[fmt]) and (not x.is_cuda or quant_configs.hopper(x.device))
 
 
-def aligned_rows(x, w1, scales, top_k: int) -> int | None:
+def aligned_rows(x, w1, scales, n_pairs: int) -> int | None:
     """The BLOCK_M of the alignment moe_experts_fused makes for such a call (no config), or None where it makes
     none (the grouped path, no pairs): what a router that aligns the pairs itself must use."""
-    n_pairs = x.shape[0] * top_k
-    if n_pairs == 0 or takes_grouped(x.shape[0], x.dtype, x.device, w1, scales, top_k):
-        return None
     fmt = weight_format(w1, scales[0] if scales is not None else None)
-    return quant_configs.moe_config(x.shape[0], n_pairs, w1.shape[0], FORMAT_NAMES[fmt])["gate_up"]["BLOCK_M"]
+    E, I = w1.shape[:2]
+    if n_pairs == 0 or _grouped(x, n_pairs, E, I, x.shape[1], fmt):
+        return None
+    return quant_configs.moe_config(x.shape[0], n_pairs, E, FORMAT_NAMES[fmt])["gate_up"]["BLOCK_M"]
 
 
 def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, shared=None, config: dict | None = None,
-                      aligned: tuple | None = None, unpacked: UnpackedExperts | None = None):
+                      aligned: tuple | None = None):
     """`config` ({"gate_up": cfg, "down": cfg}, tools/bench_quant.py's sweep) overrides
     kernels/quant_configs.py's entry. `shared`: added in the top-k sum's launch with the fusion switch
     moe_shared_sum (kernels/fusions.py), else by one add after it. `aligned` (BLOCK_M, the alignment's four
-    outputs): the pairs already aligned (by the router's launch: kernels.fused_gate), BLOCK_M aligned_rows'.
-    `unpacked`: the experts from kernels.moe_grouped.unpack_ahead, for a call that takes the grouped path
-    (takes_grouped)."""
+    outputs): the pairs already aligned (by the router's launch: kernels.fused_gate), BLOCK_M aligned_rows'."""
     if shared is not None and not (fusions.on("moe_shared_sum") and shared.is_contiguous()):
-        return moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales, config=config, aligned=aligned,
-                                 unpacked=unpacked) + shared
+        return moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales, config=config, aligned=aligned) + shared
     T, D = x.shape
     E, I = w1.shape[:2]
     k = indices.shape[1]
@@ -330,12 +320,9 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, share
     else:
         s1 = s3 = s2 = w1  # unused pointers
     n_pairs = T * k
-    if config is None and takes_grouped(T, x.dtype, x.device, w1, scales, k):
-        out = moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales, unpacked)
+    if config is None and _grouped(x, n_pairs, E, I, D, fmt):
+        out = moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales)
         return out if shared is None else out + shared
-    if unpacked is not None:  # the unpack was started for a call that turned out not to be grouped: a wasted pass
-        raise ValueError(f"experts unpacked ahead for a MoE call that does not take the grouped path ({T} tokens, "
-                         f"top-{k}, {E} experts{', a config' if config is not None else ''})")
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if n_pairs == 0:
         return out if shared is None else shared.clone()

@@ -16,8 +16,6 @@ computes them and the sum skips them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -25,76 +23,17 @@ import triton.language as tl
 from kernels.deepseek_v41.fused import clamped_swiglu_fused
 from kernels.fp8_unpack import fp8_unpacked
 from kernels.fused_moe_align import moe_align_fused
-from kernels.mxfp4_unpack import AHEAD_TILES, UnpackTiles, mxfp4_unpacked
+from kernels.mxfp4_unpack import mxfp4_unpacked
 
 
-def experts_unpacked(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, tiles: UnpackTiles | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """Stored experts [E, N, K(/2)] -> [E, N, K] in `dtype` (bf16 for the grouped GEMM). tiles: the MXFP4 unpack's
-    launch (None: its table's); out: the [E, N, K] tensor to write (MXFP4: bf16), for quantized experts."""
+def experts_unpacked(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Stored experts [E, N, K(/2)] -> [E, N, K] in `dtype` (bf16 for the grouped GEMM)."""
     if scale is None:
         return w if w.dtype == dtype else w.to(dtype)
     if w.dtype == torch.int8:
-        return mxfp4_unpacked(w, scale, tiles, out).to(dtype)
+        return mxfp4_unpacked(w, scale).to(dtype)
     E, N, K = w.shape
-    flat = None if out is None else out.view(E * N, K)
-    return fp8_unpacked(w.reshape(E * N, K), scale.reshape(-1, scale.shape[-1]), dtype, flat).view(E, N, K)
-
-
-def unpacked_shape(w: torch.Tensor, scale: torch.Tensor | None) -> tuple[int, int, int]:
-    """[E, N, K] of stored experts (MXFP4: two weights a byte)."""
-    E, N, K = w.shape
-    return (E, N, 2 * K) if scale is not None and w.dtype == torch.int8 else (E, N, K)
-
-
-@dataclass(frozen=True)
-class UnpackedExperts:
-    """A layer's routed experts unpacked ahead of its MoE call (unpack_ahead): w1, w3, w2 [E, N, K] in the call's
-    dtype, and the CUDA event they are complete at (None: already complete, as on the CPU)."""
-
-    w1: torch.Tensor
-    w3: torch.Tensor
-    w2: torch.Tensor
-    ready: torch.cuda.Event | None
-
-
-_side_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the unpack's stream, created on first use
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=index)
-    return _side_streams[index]
-
-
-def unpack_ahead(w1, w3, w2, scales, dtype: torch.dtype) -> UnpackedExperts:
-    """Start unpacking the stored experts (w1/w3 [E, I, D(/2)], w2 [E, D, I(/2)], `scales` as moe_experts') for a
-    later moe_experts_grouped call in `dtype`: on CUDA on a side stream with the grid-limited unpack (AHEAD_TILES: a
-    few SMs), so it runs beside the main stream's kernels until the call waits on the event; on the CPU now.
-
-    Fork / join on streams: the side stream waits for the main stream's work so far, and the main stream waits on
-    the recorded event before it reads; CUDA-graph capture records both edges, so a captured step keeps the
-    overlap. The outputs are allocated on the main stream before the fork: the caching allocator ties their
-    memory to the main stream, which frees them only after it has waited on the unpack."""
-    s1, s3, s2 = scales if scales is not None else (None, None, None)
-    weights = ((w1, s1), (w3, s3), (w2, s2))
-    if scales is not None and w1.dtype == torch.int8 and dtype != torch.bfloat16:
-        raise ValueError(f"MXFP4 experts unpack to bf16 (the grouped GEMM's dtype), not {dtype}")
-    if not w1.is_cuda:
-        return UnpackedExperts(*(experts_unpacked(w, s, dtype, AHEAD_TILES) for w, s in weights), None)
-    # dense experts: nothing to unpack (a cast, if any, stays on the main stream)
-    outs = [experts_unpacked(w, s, dtype) if s is None else torch.empty(unpacked_shape(w, s), dtype=dtype,
-                                                                         device=w.device) for w, s in weights]
-    main, side = torch.cuda.current_stream(w1.device), _side_stream(w1.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        for (w, s), out in zip(weights, outs):
-            if s is not None:
-                experts_unpacked(w, s, dtype, AHEAD_TILES, out)
-        ready = torch.cuda.Event()
-        ready.record(side)
-    return UnpackedExperts(*outs, ready)
+    return fp8_unpacked(w.reshape(E * N, K), scale.reshape(-1, scale.shape[-1]), dtype).view(E, N, K)
 
 
 def grouped_mm(a: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -128,27 +67,24 @@ def _weighted_sum_kernel(y_ptr, pos_ptr, idx_ptr, rw_ptr, out_ptr, T, D, TOPK: t
     tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales=None, unpacked: UnpackedExperts | None = None):
+def moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales=None):
     """kernels.reference.moe_experts' signature: x [T, D], w1/w3 [E, I, D(/2)], w2 [E, D, I(/2)] as stored,
-    weights / indices [T, k]; `unpacked`: these experts from unpack_ahead, used instead of unpacking them here."""
+    weights / indices [T, k]."""
     T, D = x.shape
     E = w1.shape[0]
     k = indices.shape[1]
     s1, s3, s2 = scales if scales is not None else (None, None, None)
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     n_pairs = T * k
-    if unpacked is not None and unpacked.ready is not None:
-        torch.cuda.current_stream(x.device).wait_event(unpacked.ready)  # before any return: the outputs' memory
     if n_pairs == 0:
         return out
     idx = indices.reshape(-1).contiguous()
     sorted_ids, expert_end, _, _ = moe_align_fused(idx, E, 16)  # only the order and the ends are used
     rows = x.index_select(0, torch.div(sorted_ids, k, rounding_mode="floor"))
-    # without `unpacked`, one weight unpacked at a time (the scratch quant_configs.MOE_GROUPED_MAX_BYTES bounds)
-    gate = grouped_mm(rows, unpacked.w1 if unpacked else experts_unpacked(w1, s1, x.dtype), expert_end)
-    up = grouped_mm(rows, unpacked.w3 if unpacked else experts_unpacked(w3, s3, x.dtype), expert_end)
+    gate = grouped_mm(rows, experts_unpacked(w1, s1, x.dtype), expert_end)
+    up = grouped_mm(rows, experts_unpacked(w3, s3, x.dtype), expert_end)
     h = clamped_swiglu_fused(gate, up, limit, out_dtype=x.dtype)
-    y = grouped_mm(h, unpacked.w2 if unpacked else experts_unpacked(w2, s2, x.dtype), expert_end)
+    y = grouped_mm(h, experts_unpacked(w2, s2, x.dtype), expert_end)
     pos = torch.empty_like(sorted_ids)  # each pair's row in the sorted order
     pos.scatter_(0, sorted_ids.long(), torch.arange(n_pairs, dtype=pos.dtype, device=x.device))
     rw = weights.reshape(-1).contiguous()

@@ -20,56 +20,30 @@ _ASM = tl.constexpr(not _INTERPRET)  # the interpreter runs no inline PTX
 
 @dataclass(frozen=True)
 class UnpackTiles:
-    """One program's tile (rows x K columns), warps (None: Triton's default) and programs (None: one per tile; a
-    count: that many programs striding over all tiles, which leaves the other SMs to kernels running beside it)."""
+    """One program's tile (rows x K columns) and warps (None: Triton's default)."""
 
     block_n: int = 64
     block_k: int = 128
     warps: int | None = None
-    programs: int | None = None
 
 
 UNPACK_TILES = UnpackTiles()  # tools/bench_unpack.py sweeps the candidates (suite prefill_unpack)
-# the unpack started ahead of the layer's attention (kernel variant unpack_ahead): few programs, so attention keeps
-# most SMs; 32 is a guess until suite prefill_unpack times the program counts on the GPU
-AHEAD_TILES = UnpackTiles(64, 128, programs=32)
-
-
-@triton.jit
-def _unpack_tile(w_ptr, s_ptr, out_ptr, e, n_tile, k_tile, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ASM: tl.constexpr):
-    """Expert e's [BLOCK_N, BLOCK_K] tile (n_tile, k_tile) decoded and stored."""
-    e = e.to(tl.int64)
-    n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    k0 = k_tile * BLOCK_K
-    t = mxfp4_rows_tile_bf16(w_ptr + e * N * (K // 2), s_ptr + e * N * (K // 32), n, k0, N, K, BLOCK_N, BLOCK_K, ASM)
-    k = k0 + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + e * N * K + n[:, None] * K + k[None, :], t, mask=(n < N)[:, None] & (k < K)[None, :])
 
 
 @triton.jit
 def _mxfp4_unpack_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, ASM: tl.constexpr):
-    _unpack_tile(w_ptr, s_ptr, out_ptr, tl.program_id(2), tl.program_id(0), tl.program_id(1), N, K, BLOCK_N, BLOCK_K,
-                 ASM)
+    e = tl.program_id(2).to(tl.int64)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    t = mxfp4_rows_tile_bf16(w_ptr + e * N * (K // 2), s_ptr + e * N * (K // 32), n, k0, N, K, BLOCK_N, BLOCK_K, ASM)
+    k = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + e * N * K + n[:, None] * K + k[None, :], t, mask=(n < N)[:, None] & (k < K)[None, :])
 
 
-@triton.jit
-def _mxfp4_unpack_strided_kernel(w_ptr, s_ptr, out_ptr, N, K, total, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 ASM: tl.constexpr):
-    """Each program takes every num_programs-th tile, K tiles fastest: neighbouring programs read neighbouring
-    bytes."""
-    k_tiles = K // BLOCK_K
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    for t in range(tl.program_id(0), total, tl.num_programs(0)):
-        _unpack_tile(w_ptr, s_ptr, out_ptr, t // (n_tiles * k_tiles), (t // k_tiles) % n_tiles, t % k_tiles, N, K,
-                     BLOCK_N, BLOCK_K, ASM)
-
-
-def mxfp4_unpacked(weight: torch.Tensor, scale: torch.Tensor, tiles: UnpackTiles | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+def mxfp4_unpacked(weight: torch.Tensor, scale: torch.Tensor, tiles: UnpackTiles | None = None) -> torch.Tensor:
     """weight int8 [E, N, K/2], scale ue8m0 [E, N, K/32] -> bf16 [E, N, K] (tiles: a launch to time instead of
-    UNPACK_TILES; out: the bf16 [E, N, K] tensor to write, allocated by a caller that launches on another stream)."""
+    UNPACK_TILES)."""
     tiles = tiles or UNPACK_TILES
     E, N, KH = weight.shape
     K = 2 * KH
@@ -79,17 +53,10 @@ def mxfp4_unpacked(weight: torch.Tensor, scale: torch.Tensor, tiles: UnpackTiles
     if weight.data_ptr() % 16:
         raise ValueError("MXFP4 expert weights must start 16-byte aligned")
     scale = scale.contiguous().view(torch.uint8)
-    if out is None:
-        out = torch.empty(E, N, K, dtype=torch.bfloat16, device=weight.device)
-    elif out.shape != (E, N, K) or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(f"MXFP4 unpack: out must be a contiguous bf16 {(E, N, K)}, got {out.dtype} {tuple(out.shape)}")
+    out = torch.empty(E, N, K, dtype=torch.bfloat16, device=weight.device)
     if E and N:
+        grid = (triton.cdiv(N, tiles.block_n), K // tiles.block_k, E)
         launch = {"num_warps": tiles.warps} if tiles.warps and not _INTERPRET else {}
-        args = dict(BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, ASM=_ASM, **launch)
-        n_tiles, k_tiles = triton.cdiv(N, tiles.block_n), K // tiles.block_k
-        if tiles.programs is None:
-            _mxfp4_unpack_kernel[(n_tiles, k_tiles, E)](weight, scale, out, N, K, **args)
-        else:
-            total = E * n_tiles * k_tiles
-            _mxfp4_unpack_strided_kernel[(min(tiles.programs, total),)](weight, scale, out, N, K, total, **args)
+        _mxfp4_unpack_kernel[grid](weight, scale, out, N, K, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, ASM=_ASM,
+                                   **launch)
     return out

@@ -295,9 +295,8 @@ def norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: 
 def router_moe(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor | None, top_k: int,
                routed_scaling: float, scoring_func: str, hash_ids: torch.Tensor | None, w1: torch.Tensor,
                w3: torch.Tensor, w2: torch.Tensor, limit: float, scales=None,
-               shared: torch.Tensor | None = None, unpacked=None) -> torch.Tensor:
-    """The router, then the routed experts on its pairs (every gate row an expert held here: no other rank's);
-    `unpacked` (the kernels' experts unpacked ahead) is ignored: the reference dequantizes the stored experts."""
+               shared: torch.Tensor | None = None) -> torch.Tensor:
+    """The router, then the routed experts on its pairs (every gate row an expert held here: no other rank's)."""
     weights, indices = router_topk(x, gate_weight, gate_bias, top_k, routed_scaling, scoring_func, hash_ids)
     return moe_experts(x, w1, w3, w2, weights, indices, limit, scales, shared)
 
@@ -309,9 +308,8 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, l
 
 def moe_experts(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
                 weights: torch.Tensor, indices: torch.Tensor, limit: float, scales=None,
-                shared: torch.Tensor | None = None, unpacked=None) -> torch.Tensor:
-    """Routed experts: w1/w3 [E, I, D], w2 [E, D, I]; tokens grouped per expert. `unpacked` (the kernels' experts
-    unpacked ahead) is ignored: each expert is dequantized here. `scales`
+                shared: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts: w1/w3 [E, I, D], w2 [E, D, I]; tokens grouped per expert. `scales`
     (w1, w3, w2 scales): the weights are stored FP8 block ([E, I, D] e4m3) or MXFP4 ([E, I, D/2]
     int8), each expert dequantized to x's dtype when it has tokens. An index of -1 is a pair
     another rank computes (expert parallel): it adds nothing here. `shared` [T, D] (the shared

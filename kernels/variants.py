@@ -12,12 +12,6 @@ Read at every call: CUDA graphs captured after a change follow it.
   tensor-core dot a K step of the bf16 streams with the fp32 mixing weights split once into bf16 hi + mid + lo,
   stacked as the dot's columns (exact products, fp32 sums), instead of the streams converted to fp32 and dotted
   at "tf32x3"; bf16 streams only.
-- unpack_ahead: a prefill MoE call that takes the grouped path (kernels/moe_grouped.py) gets its MXFP4 / FP8 experts
-  unpacked to bf16 on a side stream, started before the layer's attention by a grid-limited unpack (kernels.
-  mxfp4_unpack.AHEAD_TILES: a few SMs), so the memory-bound unpack runs beside the compute-bound attention and FP8
-  linears instead of after them; the MoE waits on its event. Same bits as the unpack it replaces; the three
-  unpacked weights live together from the attention to the MoE (three times the grouped path's one-at-a-time scratch,
-  quant_configs.MOE_GROUPED_MAX_BYTES).
 """
 
 from __future__ import annotations
@@ -26,11 +20,10 @@ import os
 
 from kernels import fusions
 
-ALL = ("rope_tiles", "mix_bf16x3", "unpack_ahead")
+ALL = ("rope_tiles", "mix_bf16x3")
 # neither on: suite prefill_small_ops found the first mix_bf16x3 (three chained dots) wrong on the GPU at the
 # prefill tiles, and judged rope_tiles by each element's own last places, which an exactly cancelling pair
-# defeats (docs/PERF.md, "Prefill at V4-Flash depth"); both wait for its next run. unpack_ahead: not yet timed on
-# the GPU
+# defeats (docs/PERF.md, "Prefill at V4-Flash depth"); both wait for its next run
 DEFAULT: tuple[str, ...] = ()
 ENV = "DSV4_VARIANTS"
 

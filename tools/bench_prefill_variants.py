@@ -2,17 +2,17 @@
 a batch of prompts prefilled together, under each variant set in turn, in one engine load (an engine start at
 V4-Flash depth costs minutes), with a check that each set's first tokens equal the first set's on the same prompts.
 
-    python -m tools.bench_prefill_variants --model CKPT [--sets none,unpack_ahead,rope_tiles,mix_bf16x3,all]
+    python -m tools.bench_prefill_variants --model CKPT [--sets none,rope_tiles,mix_bf16x3,all]
         [--shapes 1x1024,4x1024,1x8192] [--rounds 5] [--engine-args JSON] [--json OUT]   (suite prefill_variants)
 
-A set is "none" (every variant off), "all", or variant names joined by '+' (rope_tiles+unpack_ahead); sets are
+A set is "none" (every variant off), "all", or variant names joined by '+' (rope_tiles+mix_bf16x3); sets are
 separated by ','. A shape NxL is N prompts of L tokens generated to their first token together: the generate
 call's wall time is the batch's time to first token (prompts over max_num_batched_tokens run in chunks, as served).
 
 Prefill runs eagerly (cudagraph_mode FULL_DECODE_ONLY), so a variant switched between generate calls takes effect
 on the next prefill; prefix caching is off, so the same prompts under every set are prefilled whole. Per round and
 shape, fresh random prompts run under every set in turn (rounds interleave the sets, so drift hits all alike),
-after one uncounted warm-up round of every set and shape (first-call compiles, the side stream's creation).
+after one uncounted warm-up round of every set and shape (first-call compiles).
 Tokens that differ are printed, not failed: some variants round differently and random weights flip near-ties.
 """
 
@@ -56,7 +56,7 @@ class Shape:
 
 
 def parse_sets(text: str) -> list[VariantSet]:
-    """'none,unpack_ahead,rope_tiles+unpack_ahead,all' -> the sets; unknown variant names are refused here."""
+    """'none,rope_tiles,rope_tiles+mix_bf16x3,all' -> the sets; unknown variant names are refused here."""
     sets = []
     for name in filter(None, text.split(",")):
         spec = "" if name == "none" else name.replace("+", ",")
@@ -154,7 +154,7 @@ def print_table(rows: list[dict], first: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help='a checkpoint directory ("": the tiny default, a CPU smoke run)')
-    ap.add_argument("--sets", default="none,unpack_ahead,rope_tiles,mix_bf16x3,all",
+    ap.add_argument("--sets", default="none,rope_tiles,mix_bf16x3,all",
                     help="','-separated; within a set, variants joined by '+'; 'none': every variant off")
     ap.add_argument("--shapes", default="1x1024,4x1024,1x8192", help="NxL: N prompts of L tokens, together")
     ap.add_argument("--rounds", type=int, default=5)

@@ -12,11 +12,9 @@ The table's tile checked equal, bit for bit, to kernels.formats' dequantizer fir
 (rows, K columns, warps) its output checked equal to the table's (each weight is decoded alone: the tile
 changes nothing but the launch), then timed in CUDA-graph replays over the
 three matrices of one layer (gate and up [E, I, D], down [E, D, I]). Prints each against the floor and the
-fastest in UNPACK_TILES' form. Then the grid-limited unpack (kernel variant unpack_ahead: AHEAD_TILES' tile, a
-few programs striding over all tiles) at AHEAD_PROGRAMS' counts, each checked equal and timed alone: the bandwidth
-a few SMs reach, which says how many the unpack beside the attention needs. Writes JSON {"copy_TB_s", "rows",
-"best", "ahead"}; exit 1 if a candidate's output differs. Without a GPU it runs under Triton's interpreter on small
-shapes (`--experts 2 --dims 256,128`): the check and the table's form, not the timings.
+fastest in UNPACK_TILES' form; writes JSON {"copy_TB_s", "rows", "best"}; exit 1 if a candidate's output
+differs. Without a GPU it runs under Triton's interpreter on small shapes (`--experts 2 --dims 256,128`):
+the check and the table's form, not the timings.
 """
 
 from __future__ import annotations
@@ -31,21 +29,12 @@ import torch
 
 from tools.kernel_device import gpu_or_interpreter
 
-AHEAD_PROGRAMS = (16, 32, 66, 132)  # a few SMs up to all of an H100 / H200's
-
 
 def candidates():
     from kernels.mxfp4_unpack import UnpackTiles
 
     return [UnpackTiles(n, k, w) for n in (16, 32, 64, 128) for k in (128, 256, 512) for w in (4, 8)
             if n * k <= 32768]
-
-
-def ahead_candidates():
-    """AHEAD_TILES at each of AHEAD_PROGRAMS' program counts."""
-    from kernels.mxfp4_unpack import AHEAD_TILES
-
-    return [dataclasses.replace(AHEAD_TILES, programs=p) for p in AHEAD_PROGRAMS]
 
 
 def layer_weights(E: int, D: int, I: int, dev) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -89,14 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         bw = None
     table = mxfp4_unpack.UNPACK_TILES
     want = [mxfp4_unpacked(w, s, table) for w, s in weights]
-    failures, start = [], time.perf_counter()
+    rows, failures, start = [], [], time.perf_counter()
     for (w, s), out in zip(weights, want):  # the table's tile against the formats' dequantizer, first
         if not torch.equal(out, dequantize_mxfp4(w, s).to(torch.bfloat16)):
             failures.append(f"tiles {table}: output differs from kernels.formats.dequantize_mxfp4's")
-
-    def measured(tiles) -> dict:
-        """The launch's row: equal to the table's output, and on the GPU its time over the layer's matrices."""
+    for tiles in candidates():
         row = dataclasses.asdict(tiles)
+        if min(D, I) % tiles.block_k:
+            continue
         try:
             got = [mxfp4_unpacked(w, s, tiles) for w, s in weights]
             row["equal"] = all(torch.equal(a, b) for a, b in zip(got, want))
@@ -110,21 +99,17 @@ def main(argv: list[str] | None = None) -> int:
                 row["x_floor"] = row["us"] / (nbytes / bw * 1e6)
         except Exception as e:  # a tile that cannot launch is recorded, the sweep goes on
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        rows.append(row)
         print(f"  {tiles}: " + (f"{row['us']:.1f} us, {row['TB_s']:.2f} TB/s, {row['x_floor']:.2f}x floor"
                                 if "us" in row else row.get("error", "equal" if row.get("equal") else "DIFFERS")),
               flush=True)
-        return row
-
-    rows = [measured(t) for t in candidates() if min(D, I) % t.block_k == 0]
-    print("grid-limited (kernel variant unpack_ahead):", flush=True)
-    ahead = [measured(t) for t in ahead_candidates() if min(D, I) % t.block_k == 0]
     timed = [r for r in rows if "us" in r and r["equal"]]
     best = min(timed, key=lambda r: r["us"]) if timed else None
     now = next((r for r in rows if (r["block_n"], r["block_k"], r["warps"]) ==
                 (table.block_n, table.block_k, table.warps or 4)), None)
     result = {"device": torch.cuda.get_device_name() if on_gpu else "cpu", "experts": args.experts, "D": D, "I": I,
               "layer_bytes": nbytes, "copy_TB_s": bw / 1e12 if bw else None, "rows": rows, "best": best,
-              "table": dataclasses.asdict(table), "ahead": ahead, "failures": failures}
+              "table": dataclasses.asdict(table), "failures": failures}
     if best:
         print(f"one layer's unpack ({args.experts} experts, D {D}, I {I}: {nbytes / 1e9:.2f} GB moved, floor "
               f"{nbytes / bw * 1e6:.1f} us at {bw / 1e12:.2f} TB/s): fastest UNPACK_TILES = UnpackTiles("

@@ -1,6 +1,5 @@
 """tools/bench_unpack.py on the CPU (Triton's interpreter, small shapes): the table's tile equals the formats'
-dequantizer, every candidate (and the grid-limited unpack at each program count) the table's output, and the JSON
-holds a row per candidate that fits the shape."""
+dequantizer, every candidate the table's output, and the JSON holds a row per candidate that fits the shape."""
 
 import json
 
@@ -18,8 +17,6 @@ def test_cpu_run_checks_every_candidate_and_writes_rows(tmp_path):
     assert not result["failures"] and result["best"] is None  # nothing timed on the CPU
     fitting = [t for t in bench_unpack.candidates() if 128 % t.block_k == 0]
     assert len(result["rows"]) == len(fitting) and all(r["equal"] for r in result["rows"])
-    assert [r["programs"] for r in result["ahead"]] == list(bench_unpack.AHEAD_PROGRAMS)
-    assert all(r["equal"] for r in result["ahead"])
     assert result["layer_bytes"] == 2 * (2 * 128 * 128 + 2 * 128 * 8 + 2 * 2 * 128 * 256) + (
         2 * 256 * 64 + 2 * 256 * 4 + 2 * 2 * 256 * 128)
 

@@ -238,30 +238,20 @@ class MoE(nn.Module):
         _expert_weights(self, "w2", E, D, inter, fmt)
         self.shared_experts = SharedExpert(cfg, quantized and cfg.fp8_linears, tp)
 
-    def _experts(self) -> tuple:
-        """(w1, w3, w2, scales) of this rank's routed experts as stored (scales None: bf16)."""
-        scales = None if self.experts_w1_scale is None else (self.experts_w1_scale, self.experts_w3_scale,
-                                                             self.experts_w2_scale)
-        return self.experts_w1, self.experts_w3, self.experts_w2, scales
-
-    def unpack_ahead(self, x: torch.Tensor):
-        """The experts started unpacking for this layer's MoE call on x's rows (kernel variant unpack_ahead: beside
-        the attention that comes first), or None where that call does not unpack them."""
-        return K.moe_unpack_ahead(x, *self._experts(), self.cfg.num_experts_per_tok)
-
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, unpacked=None) -> torch.Tensor:
-        """`unpacked`: unpack_ahead's handle for this call."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         hash_ids = self.gate.tid2eid[input_ids] if self.gate.tid2eid is not None else None
         gate = (self.gate.weight, self.gate.bias, cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.scoring_func,
                 hash_ids)
-        *experts, scales = self._experts()
+        experts = (self.experts_w1, self.experts_w3, self.experts_w2)
+        scales = None if self.experts_w1_scale is None else (self.experts_w1_scale, self.experts_w3_scale,
+                                                             self.experts_w2_scale)
         if not self.tp.expert_parallel or self.tp.world == 1:  # every expert here: the router may align the pairs
-            out = K.router_moe(x, *gate, *experts, cfg.swiglu_limit, scales, self.shared_experts(x), unpacked=unpacked)
+            out = K.router_moe(x, *gate, *experts, cfg.swiglu_limit, scales, self.shared_experts(x))
         else:
             weights, indices = K.router_topk(x, *gate)
             out = K.moe_experts(x, *experts, weights, self.tp.local_expert_indices(indices, cfg), cfg.swiglu_limit,
-                                scales, self.shared_experts(x), unpacked=unpacked)  # + shared: in its last launch
+                                scales, self.shared_experts(x))  # + shared: in its last launch
         return self.tp.all_reduce(out)  # tensor parallel: one join per layer
 
 
@@ -303,9 +293,8 @@ class Block(nn.Module):
             x = self.attn_norm(x)
         else:
             h, post, comb, x = self._post_pre(h, pending, "attn", self.attn_norm)
-        unpacked = self.ffn.unpack_ahead(x)  # the MoE's experts unpack beside the attention (the MoE reads x's rows)
         h, post, comb, x = self._post_pre(h, (self.attn(x, fb, cache, ropes), post, comb), "ffn", self.ffn_norm)
-        return h, (self.ffn(x, fb.input_ids, unpacked), post, comb)
+        return h, (self.ffn(x, fb.input_ids), post, comb)
 
 
 class DeepseekV4(ModelFamily):

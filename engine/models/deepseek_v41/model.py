@@ -298,19 +298,7 @@ class MoE(nn.Module):
         _expert_weights(self, "w2", E, D, inter, fmt)
         self.shared_experts = SharedExpert(cfg, fp8, tp)
 
-    def _experts(self) -> tuple:
-        """(w1, w3, w2, scales) of this rank's routed experts as stored (scales None: bf16)."""
-        scales = None if self.experts_w1_scale is None else (self.experts_w1_scale, self.experts_w3_scale,
-                                                             self.experts_w2_scale)
-        return self.experts_w1, self.experts_w3, self.experts_w2, scales
-
-    def unpack_ahead(self, x: torch.Tensor):
-        """The experts started unpacking for this layer's MoE call on x's rows (kernel variant unpack_ahead: beside
-        the attention that comes first), or None where that call does not unpack them."""
-        return K.moe_unpack_ahead(x, *self._experts(), self.cfg.num_experts_per_tok)
-
-    def forward(self, x: torch.Tensor, unpacked=None) -> torch.Tensor:
-        """`unpacked`: unpack_ahead's handle for this call."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         weights, indices = K.v41_router(x, self.gate.weight, self.gate.bias, cfg.num_experts_per_tok,
                                         cfg.routed_scaling_factor, cfg.scoring_func, cfg.gate_temp,
@@ -319,9 +307,10 @@ class MoE(nn.Module):
         # the grouped kernels (weight after w2: equal up to rounding); the CPU's torch loop reads the experts
         # hit on the host, so a forced fused backend (kernels.set_backend("fused")) takes the kernels too
         if x.is_cuda or self.experts_w1_scale is not None or K.backend() == "fused":
-            *experts, scales = self._experts()
-            routed = K.moe_experts(x, *experts, weights.to(x.dtype), indices, cfg.swiglu_limit, scales,
-                                   unpacked=unpacked)
+            scales = None if self.experts_w1_scale is None else (self.experts_w1_scale, self.experts_w3_scale,
+                                                                 self.experts_w2_scale)
+            routed = K.moe_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights.to(x.dtype),
+                                   indices, cfg.swiglu_limit, scales)
         else:
             routed = ops.routed_experts(x, self.experts_w1, self.experts_w3, self.experts_w2, weights, indices,
                                         cfg.swiglu_limit)
@@ -376,12 +365,10 @@ class Block(nn.Module):
         if hasattr(self, "engram"):
             h = self.engram(h, rows.engram[self.layer])
         attn_pre, post, comb, x = self._site("attn", h, pre)
-        x = self.attn_norm(x)
-        unpacked = self.ffn.unpack_ahead(x)  # the MoE's experts unpack beside the attention (the MoE reads x's rows)
-        x = self.attn(x, rows, fb, cache, inv_freq, full_rows)
+        x = self.attn(self.attn_norm(x), rows, fb, cache, inv_freq, full_rows)
         h = K.v41_hc_expand(x, h, post, comb)
         ffn_pre, post, comb, x = self._site("ffn", h, attn_pre)
-        h = K.v41_hc_expand(self.ffn(self.ffn_norm(x), unpacked), h, post, comb)
+        h = K.v41_hc_expand(self.ffn(self.ffn_norm(x)), h, post, comb)
         return h, ffn_pre
 
 
