@@ -137,16 +137,21 @@ def q_kv_norm_rope_fused(q: torch.Tensor, kv: torch.Tensor, kv_weight: torch.Ten
 
 # --- the rope_tiles variant: [ROWS, D] per program ---------------------------------------------
 
-ROPE_TILE_ROWS = 16  # most rows a program takes (prefill's many rows); a power of two
-ROPE_TILE_PROGRAMS = 4 * quant_configs.SMS  # rows per program halve until there are this many programs
+# rows a program takes: ROPE_TILE_ROWS at prefill's many rows, halved while there are fewer than ROPE_TILE_PROGRAMS
+# programs, down to ROPE_TILE_MIN_ROWS (powers of two). From the rows sweep of suite prefill_small_ops (64 query
+# heads of 512): 2 rows fastest at 1-150 tokens (5.6 us at 150 against 7.7 for one row), 8 at 2048-8192 (16 and 32
+# slower); 1 row is no faster anywhere
+ROPE_TILE_ROWS = 8
+ROPE_TILE_MIN_ROWS = 2
+ROPE_TILE_PROGRAMS = 32 * quant_configs.SMS
 ROPE_TILE_WARPS = (4, 8)  # warps of a tile up to 4096 elements, and past it
 
 
 def tile_rows(rows: int) -> int:
-    """Rows per program: ROPE_TILE_ROWS, halved while that leaves fewer than ROPE_TILE_PROGRAMS programs (decode's
-    64 query rows get one row each, as the one-row kernel)."""
+    """Rows per program: ROPE_TILE_ROWS, halved while that leaves fewer than ROPE_TILE_PROGRAMS programs, not below
+    ROPE_TILE_MIN_ROWS (decode's 64 query rows: two a program)."""
     r = ROPE_TILE_ROWS
-    while r > 1 and triton.cdiv(rows, r) < ROPE_TILE_PROGRAMS:
+    while r > ROPE_TILE_MIN_ROWS and triton.cdiv(rows, r) < ROPE_TILE_PROGRAMS:
         r //= 2
     return r
 

@@ -1,5 +1,6 @@
-"""Kernel variants: the same op computed another way, one switch each, off by default (today's kernels), so one
-GPU run can A/B each against the kernel it would replace (suite prefill_small_ops) before it becomes the default.
+"""Kernel variants: the same op computed another way, one switch each, so one GPU run can A/B each against the kernel
+it replaces (suites prefill_small_ops, prefill_variants); a variant is off until that run finds it right and faster,
+then on by default (DEFAULT), its old kernel kept as the A/B's other side.
 Read at every call: CUDA graphs captured after a change follow it.
 
     DSV4_VARIANTS=rope_tiles,mix_bf16x3   (or "all"; unset: DEFAULT)
@@ -7,7 +8,7 @@ Read at every call: CUDA graphs captured after a change follow it.
 - rope_tiles: norm + RoPE (kernels.fused_rope: q per head, the K=V latent into the window cache, plain and inverse
   RoPE, q and kv in one launch) over [ROWS, D] tiles, each row loaded once and stored once, coalesced, the rope
   pairs rotated in registers, instead of one program per row with stride-2 loads and stores of the rope slice;
-  ROWS from the row count (kernels.fused_rope.tile_rows: one at decode's few rows).
+  ROWS from the row count (kernels.fused_rope.tile_rows: two at decode's few rows).
 - mix_bf16x3: mHC's mixing partials (kernels.fused_norm_mhc, hc_pre and V4.1's site collapse) as one bf16
   tensor-core dot a K step of the bf16 streams with the fp32 mixing weights split once into bf16 hi + mid + lo,
   stacked as the dot's columns (exact products, fp32 sums), instead of the streams converted to fp32 and dotted
@@ -21,10 +22,10 @@ import os
 from kernels import fusions
 
 ALL = ("rope_tiles", "mix_bf16x3")
-# neither on: suite prefill_small_ops found the first mix_bf16x3 (three chained dots) wrong on the GPU at the
-# prefill tiles, and judged rope_tiles by each element's own last places, which an exactly cancelling pair
-# defeats (docs/PERF.md, "Prefill at V4-Flash depth"); both wait for its next run
-DEFAULT: tuple[str, ...] = ()
+# rope_tiles on: suite prefill_small_ops finds it within a rounding of the one-row kernels on the GPU and 1.1-1.3x
+# faster from 32 tokens up (no slower at one), prefill_variants 1.03x on the time to first token at depth.
+# mix_bf16x3 off: wrong on the GPU where pipelined at the prefill tiles (kernels/fused_norm_mhc.MIX_PIECES_TILES)
+DEFAULT: tuple[str, ...] = ("rope_tiles",)
 ENV = "DSV4_VARIANTS"
 
 _on = fusions.parse(os.environ.get(ENV, ",".join(DEFAULT)), ALL, "kernel variants")

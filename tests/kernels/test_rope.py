@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import reference as ref
+from kernels import variants
 from kernels.fused_rope import apply_rope_fused, kv_norm_rope_insert_fused, norm_rope_fused
 
 
@@ -67,7 +68,7 @@ def test_q_and_kv_in_one_launch_equal_the_two(T, H):
 
 @contextlib.contextmanager
 def _rope_tiles(monkeypatch, rows):
-    """The variant rope_tiles on, `rows` rows per program whatever the row count (the rule gives one row at
+    """The variant rope_tiles on, `rows` rows per program whatever the row count (the rule gives its fewest at
     these sizes)."""
     from kernels import fused_rope, variants
 
@@ -113,6 +114,7 @@ def test_rope_tiles_write_what_the_row_kernel_writes(monkeypatch, rows, dtype, T
     q, kv, w = torch.randn(T, H, d).to(dtype), torch.randn(T, d).to(dtype), torch.rand(d) + 0.5
     cos, sin = _cos_sin(T, r, dtype)
     slots = torch.randperm(nb * bs)[:T]
+    variants.set_variants(())  # the row kernels (rope_tiles is on by default; the test's fixture restores it)
     want = _every_entry(q, kv, w, cos, sin, slots, (nb, bs, d))
     with _rope_tiles(monkeypatch, rows):
         got = _every_entry(q, kv, w, cos, sin, slots, (nb, bs, d))
@@ -125,10 +127,10 @@ def test_rope_tiles_write_what_the_row_kernel_writes(monkeypatch, rows, dtype, T
     assert (got["kv_insert"].view(-1, d)[untouched] == 7.0).all() and (got["kv_insert"].view(-1, d)[slots] != 7.0).any()
 
 
-def test_rope_tile_rows_one_at_decode_the_widest_at_prefill():
-    from kernels.fused_rope import ROPE_TILE_PROGRAMS, ROPE_TILE_ROWS, tile_rows
+def test_rope_tile_rows_fewest_at_decode_the_widest_at_prefill():
+    from kernels.fused_rope import ROPE_TILE_MIN_ROWS, ROPE_TILE_PROGRAMS, ROPE_TILE_ROWS, tile_rows
 
-    assert tile_rows(64) == 1  # one token's 64 query heads: the one-row programs
+    assert tile_rows(64) == tile_rows(150 * 64) == ROPE_TILE_MIN_ROWS  # decode's batches of 64 query heads a token
     assert tile_rows(2048 * 64) == ROPE_TILE_ROWS
     widths = [tile_rows(n) for n in (1, 64, 2048, 9600, 131072)]
     assert widths == sorted(widths) and all(w & (w - 1) == 0 for w in widths)  # grows with the rows, powers of 2
