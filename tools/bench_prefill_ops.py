@@ -335,7 +335,7 @@ def mix_candidates(sms: int):
     from kernels.fused_norm_mhc import MixTiles
 
     return [MixTiles(bt, bk, p * sms, st, 8 if bt >= 128 else 4) for bt in (64, 128) for bk in (128, 256)
-            for p in (1, 2, 4) for st in (2, 3, 4)]
+            for p in (1, 2, 4) for st in (1, 2, 3, 4)]
 
 
 def sweep_mix(tokens, args, dev, timed) -> list[dict]:

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         bw = None
     table = mxfp4_unpack.UNPACK_TILES
-    want = [mxfp4_unpacked(w, s, table) for w, s in weights]
+    want = [mxfp4_unpacked(w, s) for w, s in weights]  # the table's tile, its K step fitted to each matrix
     rows, failures, start = [], [], time.perf_counter()
     for (w, s), out in zip(weights, want):  # the table's tile against the formats' dequantizer, first
         if not torch.equal(out, dequantize_mxfp4(w, s).to(torch.bfloat16)):

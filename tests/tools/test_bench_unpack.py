@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from kernels.mxfp4_unpack import UnpackTiles, mxfp4_unpacked
+from kernels.mxfp4_unpack import UNPACK_TILES, UnpackTiles, mxfp4_unpacked, table_tiles
 from tools import bench_unpack
 
 
@@ -21,9 +21,11 @@ def test_cpu_run_checks_every_candidate_and_writes_rows(tmp_path):
         2 * 256 * 64 + 2 * 256 * 4 + 2 * 2 * 256 * 128)
 
 
-def test_unpack_refuses_a_k_its_tile_does_not_divide():
-    w = torch.zeros(1, 4, 64, dtype=torch.int8)  # K 128
-    s = torch.full((1, 4, 4), 127, dtype=torch.uint8)
-    assert mxfp4_unpacked(w, s, UnpackTiles(4, 128)).shape == (1, 4, 128)
-    with pytest.raises(ValueError, match="multiple of 256"):
-        mxfp4_unpacked(w, s, UnpackTiles(4, 256))
+def test_unpack_refuses_a_k_its_tile_does_not_divide_and_the_table_fits_its_step():
+    torch.manual_seed(0)
+    w = torch.randint(-128, 128, (1, 4, 96), dtype=torch.int8)  # K 192: the table's 512 halves to 64
+    s = torch.randint(120, 134, (1, 4, 6), dtype=torch.uint8)
+    assert table_tiles(192).block_k == 64 and table_tiles(2304).block_k == 256 and table_tiles(4096) == UNPACK_TILES
+    assert torch.equal(mxfp4_unpacked(w, s), mxfp4_unpacked(w, s, UnpackTiles(4, 64)))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mxfp4_unpacked(w, s, UnpackTiles(4, 128))
