@@ -29,6 +29,7 @@ from engine.llm import LLM
 from engine.request import GenerationRequest, SamplingParams
 from kernels import fusions, pdl
 from tools.bench_engine import decode_floors, random_prompts
+from tools.kernel_device import sync
 
 LOGITS_TOL = 3e-2  # max |difference| / max |logit| between switch sets: 0 where the arithmetic is the same (PDL)
 
@@ -72,11 +73,6 @@ def recapture(runner, size: int) -> None:
     runner._capture([size], torch.cuda.graph_pool_handle())
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def eager_forward(runner, size: int) -> tuple[int | None, torch.Tensor]:
     """One eager decode forward of the bucket's static batch (what its graph holds): the CUDA kernels it
     launches (torch profiler; None without CUPTI or on the CPU) and its logits (the same input under every
@@ -103,12 +99,12 @@ def time_steps(eng, steps: int) -> float:
     for _ in range(4):
         eng.step()
     eng.flush()
-    _sync()
+    sync()
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()
     eng.flush()
-    _sync()
+    sync()
     return (time.perf_counter() - t) / steps * 1e3
 
 

@@ -36,11 +36,7 @@ from engine.models.deepseek_v4.random_checkpoint import PRESETS, QUANTS
 from engine.request import GenerationRequest, SamplingParams
 from tools import mixed_diag
 from tools.bench_engine import _pct, random_prompts, resolve_model, step_paths
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+from tools.kernel_device import sync
 
 
 def set_budget(eng: LLMEngine, budget: int, policy: ChunkBudgetConfig | None = None) -> None:
@@ -165,11 +161,11 @@ def step_times(eng: LLMEngine, budget: int, decoders: int, steps: int, context: 
                                               sampling=SamplingParams(max_tokens=1, temperature=0)))
         eng.step()  # admits the first: from here each step is the decodes + one chunk
         before = step_paths(eng.runner)
-        _sync()
+        sync()
         t = time.perf_counter()
         for _ in range(steps):
             eng.step()
-        _sync()
+        sync()
         row[f"{label}_ms"] = (time.perf_counter() - t) / steps * 1e3
         row[f"{label}_steps"] = {k: v - before[k] for k, v in step_paths(eng.runner).items()}
         for rid in [r for r in eng.requests if r.startswith(f"long-{budget}-{label}-")]:
@@ -182,11 +178,11 @@ def step_times(eng: LLMEngine, budget: int, decoders: int, steps: int, context: 
     finally:
         eng.runner.mixed = mixed
     eng.flush()
-    _sync()
+    sync()
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()
-    _sync()
+    sync()
     row["decode_ms"] = (time.perf_counter() - t) / steps * 1e3
     _drain(eng)
     print(f"  budget {budget}: {decoders} decodes + {chunk} prefill tokens: graph {row['graph_ms']:.1f} ms, "

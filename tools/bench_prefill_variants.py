@@ -32,6 +32,7 @@ from engine.llm import LLM
 from engine.request import SamplingParams
 from kernels import variants
 from tools.bench_engine import random_prompts
+from tools.kernel_device import sync
 
 # decode graphs only (prefill eager, so a switch between calls holds), and nothing reused between the sets' runs
 PREFILL_ARGS = {"cudagraph_mode": "FULL_DECODE_ONLY", "enable_prefix_caching": False}
@@ -76,8 +77,7 @@ def parse_shapes(text: str) -> list[Shape]:
 
 def first_tokens(llm: LLM, prompts: list[list[int]]) -> tuple[float, list[int]]:
     """The batch prefilled to its first tokens: wall ms (the sampled tokens are read back, so the GPU is done)."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # nothing earlier counted
+    sync()  # nothing earlier counted
     t = time.perf_counter()
     done = llm.generate(prompts, FIRST_TOKEN)
     return (time.perf_counter() - t) * 1e3, [c.token_ids[0] for c in done]

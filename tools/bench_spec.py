@@ -48,23 +48,19 @@ from engine.spec.draft_graphs import DraftGraphs
 from engine.spec.dspark_graphs import DSparkGraphs
 from engine.spec.verify_graphs import VerifyGraphs
 from tools.bench_engine import random_prompts, resolve_model
+from tools.kernel_device import sync
 
 ALPHAS = (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 1.0)
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _median_ms(fn, reps: int) -> float:
     fn()
     times = []
     for _ in range(reps):
-        _sync()
+        sync()
         t = time.perf_counter()
         fn()
-        _sync()
+        sync()
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
 
@@ -247,10 +243,10 @@ def _device_ops(fn) -> int | None:
         return None
     from torch.profiler import ProfilerActivity, profile
 
-    _sync()
+    sync()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
-        _sync()
+        sync()
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
@@ -318,11 +314,11 @@ def end_to_end(eng, spec, batch: int, input_len: int, output_len: int, own: str 
         ids = _prefill(eng, batch, input_len, output_len, f"e2e-{batch}", seed=1000 + batch)
         seqs = {r: eng.requests[r].seq for r in ids}
         done = {r: len(s.output_token_ids) for r, s in seqs.items()}
-        _sync()
+        sync()
         t = time.perf_counter()
         while eng.has_unfinished():
             eng.step()
-        _sync()
+        sync()
         dt = time.perf_counter() - t
         tokens = sum(len(s.output_token_ids) - done[r] for r, s in seqs.items())
         res[f"{mode}_tok_s"] = tokens / dt

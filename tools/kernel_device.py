@@ -15,3 +15,9 @@ def gpu_or_interpreter() -> torch.device:
         return torch.device("cuda")
     os.environ.setdefault("TRITON_INTERPRET", "1")
     return torch.device("cpu")
+
+
+def sync() -> None:
+    """Wait for the GPU's queued work before reading a clock (nothing to wait for on the CPU)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
