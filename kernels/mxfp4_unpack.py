@@ -5,9 +5,8 @@ equals kernels.formats' dequantizer to bf16 exactly. Used by kernels/moe_grouped
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -38,7 +37,7 @@ def table_tiles(K: int) -> UnpackTiles:
     block_k = UNPACK_TILES.block_k
     while K % block_k and block_k > 32:
         block_k //= 2
-    return dataclasses.replace(UNPACK_TILES, block_k=block_k)
+    return replace(UNPACK_TILES, block_k=block_k)
 
 
 @triton.jit

@@ -1,5 +1,6 @@
 """Prefill's two small ops far from their floors, today's kernel against its variant (kernels/variants.py), on
-random tensors of V4-Flash's shapes (64 query heads x 512, rope 64; mHC 4 streams x hidden 4096):
+random tensors of V4-Flash's shapes (64 query heads x 512, rope 64; mHC 4 streams x hidden 4096). "today" is the
+kernel the variant replaces (every variant off), also where the variant is now the default (rope_tiles):
 
 - norm + RoPE (variant rope_tiles): the query's (norm_rope), the K=V latent's into the window cache
   (kv_norm_rope_insert), both in one launch (q_kv_norm_rope, fusion q_kv_rope on), the output's inverse RoPE
