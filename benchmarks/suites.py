@@ -263,9 +263,10 @@ SUITE_LIST = [
                                                                name="checkpoint_0731"),
            Step("tools.check_pdl_paths", ("--model", SHAPED_CKPT, "--dspark-model", SHAPED_0731_CKPT),
                 timeout_s=420))),
-    Suite("pdl_chain", "What does programmatic dependent launch save per kernel boundary on this GPU, eagerly and "
-          "in a CUDA graph, with and without a weight prefetch before the wait?",
-          (Step("tools.bench_pdl", (), timeout_s=150),)),
+    Suite("pdl_chain", "What does a kernel boundary cost on this GPU, and how much of it do programmatic dependent "
+          "launch (eagerly and in a CUDA graph, with and without a weight prefetch before the wait) and one "
+          "persistent kernel waiting on dependency counters save, at 8 and 128 programs a link?",
+          (Step("tools.bench_pdl", (), timeout_s=240),)),
     Suite("prefill_ttft", "How far is the one-user TTFT of a 1024-token prompt at V4-Flash depth from its FLOP "
           "floor, and where does a 4 x 1024-token prefill spend its time?",
           (Step("tools.bench_engine", (*MODEL, "--concurrency", "1", "--input-len", "1024", "--output-len", "8",

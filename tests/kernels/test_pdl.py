@@ -29,6 +29,22 @@ def test_chain_matches_torch(w_cols, prefetch):
     assert not torch.allclose(out, chain.x0, atol=0.5)  # the links add
 
 
+def test_persistent_chain_matches_torch():
+    """The persistent chain (one launch, dependency counters between links) computes the rotated chain torch
+    computes; one program here: the interpreter runs programs one after another, so two would wait forever."""
+    for w_cols in (0, 4):
+        chain = Chain(3, 1024, w_cols, "cpu")
+        out = chain.run_persistent()
+        assert torch.allclose(out, chain.expected_persistent(), rtol=1e-4, atol=1e-3)
+        assert not torch.allclose(out, chain.x0, atol=0.5)
+        assert chain.counters.tolist() == [1, 1, 1]  # each link's one arrival
+    bigger = Chain(3, 4096, 0, "cpu")
+    want = bigger.expected_persistent()  # four slices: every link rotates them
+    assert not torch.allclose(want, bigger.expected())
+    with pytest.raises(ValueError, match="whole 1024-element slices"):
+        Chain(2, 1500, 0, "cpu").run_persistent()
+
+
 def test_engine_argument_modes_and_env_override(monkeypatch):
     """`pdl`: auto is off where PDL cannot run (the CPU), on / off as told, DSV4_PDL overrides; a bad value is
     refused with the choices."""
