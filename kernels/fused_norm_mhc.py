@@ -120,8 +120,8 @@ def _hc_mix_partial_pieces_kernel(x_ptr, pieces_ptr, part_ptr, T, K, K_SPLIT, PI
         f = tl.load(pieces_ptr + frow[:, None] * K + k[None, :], mask=fmask[:, None] & kmask[None, :], other=0.0)
         if DOT_F32:
             acc = tl.dot(xf, tl.trans(f.to(tl.float32)), acc, input_precision="ieee")
-        else:  # the dot's operand from the registers sumsq reads (exact), as today's kernel has it: the loaded
-            # tile handed both to the dot and to sumsq was wrong once pipelined (MIX_PIECES_TILES)
+        else:  # the dot's operand from the registers sumsq reads (exact), as today's kernel has it; pipelined
+            # (2-4 stages) the sums are wrong on the GPU either way, so the prefill launch is one stage (MIX_PIECES_TILES)
             acc = tl.dot(xf.to(tl.bfloat16), tl.trans(f), acc)
     mixes = tl.sum(tl.reshape(acc, (BLOCK_T, 4, 32)), axis=1)
     mixes = tl.where(r32[None, :] == 24, sumsq[:, None], mixes)
@@ -266,14 +266,14 @@ class MixTiles:
 
 
 # today's kernel: decode's 16-token tiles over up to 64 splits, prefill's 64-token tiles over the splits for
-# 4 programs an SM, 2 pipeline stages (the fastest summed over 2048 and 8192 tokens in suite prefill_small_ops'
-# sweep: 87.9 + 341.5 us against 138.3 + 457.1 us at 2 programs an SM and Triton's default stages, H100)
-MIX_TILES = {"decode": MixTiles(16, 128, 0), "prefill": MixTiles(64, 128, 4 * quant_configs.SMS, 2, 4)}
-# mix_bf16x3 (kernels/variants.py): one pipeline stage at prefill. Pipelined (2-4 stages, 64-token tiles: the
-# Hopper warpgroup MMA) it was wrong on the GPU at every prefill tile the sweep tried (0.1-0.5 of a column against
-# fp64), right at one stage and at the 16-token decode tiles (suite prefill_small_ops' diagnosis), when the loaded
-# x tile went both to the dot and to the sum of squares; the dot now takes it from registers as today's kernel
-# does, not yet run on a GPU, so the sweep times one to four stages
+# 4 programs an SM, one pipeline stage: suite prefill_small_ops' sweep on the H100, 72.0 / 289.5 us at 2048 / 8192
+# tokens against 86.5 / 347.2 at two stages (the fastest at 2048 tokens, the chunk a step prefills; 132 programs
+# sum less over both sizes, 97.7 + 245.9, but lose at 2048). Stages change the loads' pipelining, not the sums.
+MIX_TILES = {"decode": MixTiles(16, 128, 0), "prefill": MixTiles(64, 128, 4 * quant_configs.SMS, 1, 4)}
+# mix_bf16x3 (kernels/variants.py): one pipeline stage at prefill. Pipelined (2-4 stages) it is wrong on the GPU at
+# every prefill tile the sweep tries (0.15-0.47 of a column against fp64), with the loaded x tile handed to the
+# dot from registers or not; right at one stage (2.5e-6 / 7.7e-6 at 2048 / 8192 tokens) and at the 16-token decode
+# tiles (suite prefill_small_ops, H100)
 MIX_PIECES_TILES = {"decode": MixTiles(16, 128, 0), "prefill": MixTiles(64, 128, 2 * quant_configs.SMS, 1)}
 MIX_PIECES = 3  # bf16 pieces of fn: hi + mid + lo carry fp32's 24 significant bits
 

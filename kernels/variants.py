@@ -24,7 +24,9 @@ from kernels import fusions
 ALL = ("rope_tiles", "mix_bf16x3")
 # rope_tiles on: suite prefill_small_ops finds it within a rounding of the one-row kernels on the GPU and 1.1-1.3x
 # faster from 32 tokens up (no slower at one), prefill_variants 1.03x on the time to first token at depth.
-# mix_bf16x3 off: wrong on the GPU where pipelined at the prefill tiles (kernels/fused_norm_mhc.MIX_PIECES_TILES)
+# mix_bf16x3 off: right on the GPU at its one-stage prefill launch (kernels/fused_norm_mhc.MIX_PIECES_TILES) and
+# 1.15-1.54x faster on the partials, but hc_pre's post / comb part from today's by 1.5e-5 / 6.3e-5 at 2048 / 8192
+# tokens (over the suite's 1e-5) and the time to first token moves 1.005x: not worth the looser sums.
 DEFAULT: tuple[str, ...] = ("rope_tiles",)
 ENV = "DSV4_VARIANTS"
 
