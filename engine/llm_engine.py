@@ -124,6 +124,8 @@ class LLMEngine:
         if self.parallel is not None:
             self.parallel.start(self.cache, runner_kwargs)  # the workers build theirs (and capture) alongside
         self.runner = ModelRunner(self.model, self.cache, **runner_kwargs)
+        if self.runner.mixed is not None:  # prefill chunks cut to these sizes where padding costs more
+            self.scheduler.graph_sizes = list(self.runner.mixed.sizes)
         if self.parallel is not None:
             self.parallel.wait_ready()
             self.runner.workers = self.parallel

@@ -10,6 +10,9 @@ out, the newest running sequence is preempted by recompute: its blocks go back a
 the front, later re-prefilling its prompt plus what it already generated, so its output is unchanged.
 `chunk_budget` (engine/chunk_budget.py) may choose a smaller budget per step from the queue: long
 chunks while few decodes run, short ones while many do; `max_num_batched_tokens` stays the cap.
+Where mixed steps replay CUDA graphs (`graph_sizes`, the runner's), a step's newest prefill chunk is cut
+back to a captured size when the padding would cost more than one more small step
+(engine/graphs/aligned_chunks.py).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections import deque
 
 from engine.cache import KVCache
 from engine.chunk_budget import ChunkBudget, ChunkBudgetConfig
+from engine.graphs.aligned_chunks import aligned
 from engine.sequence import Sequence, Status
 
 
@@ -34,6 +38,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.graph_sizes: list[int] = []  # the mixed-step graphs' token counts (the engine sets them after capture)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -64,6 +69,9 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         scheduled = self._schedule()
+        # prompt_logprobs steps run eagerly (every row's logits): no padding to save
+        if self.graph_sizes and all(s.sampling.prompt_logprobs is None for s, _ in scheduled):
+            scheduled = aligned(scheduled, self.graph_sizes)
         if self.chunk_budget.adaptive:  # the step's makeup times its interval (a fixed budget learns nothing)
             decodes = sum(n == 1 and s.num_computed_tokens + 1 == s.num_tokens for s, n in scheduled)
             self.chunk_budget.scheduled(decodes, sum(n for _, n in scheduled) - decodes)
