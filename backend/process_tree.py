@@ -26,15 +26,35 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def die_with_parent() -> None:
-    """In a child, before exec: SIGTERM when the process that started it dies, so no server
-    outlives its launcher (a preexec_fn; PR_SET_PDEATHSIG)."""
+PARENT_PID_ENV = "DSV4_DIE_WITH_PARENT"  # a Python child's launcher, whose death it should not outlive
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """SIGTERM when the process that started this one dies, so no server outlives its launcher
+    (PR_SET_PDEATHSIG): in a non-Python child before exec (a preexec_fn), or first thing in a Python
+    child, which then exits at once if `parent_pid` is already gone (it died before the call)."""
     try:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
     except Exception:
         pass
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def dies_with_this_process(env: dict) -> dict:
+    """`env` for a Python child that calls die_with_parent_from_env first: no preexec_fn, which runs Python
+    between fork and exec, unsafe in a process with other threads (gRPC's, a test's), where it can hang or
+    abort the child."""
+    return {**env, PARENT_PID_ENV: str(os.getpid())}
+
+
+def die_with_parent_from_env() -> None:
+    """A Python child's first call: die_with_parent(the launcher's pid), where the launcher set one."""
+    pid = os.environ.pop(PARENT_PID_ENV, None)
+    if pid:
+        die_with_parent(int(pid))
 
 
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000
