@@ -4,7 +4,7 @@ A mixed step of T tokens replays the graph of the smallest captured size >= T (e
 every padding token runs through every layer as a real one: its GEMMs, its experts. A prompt one token past a
 size pays for the next size whole: 1025 tokens (a 1024-token text and its BOS) replay the 1536-token graph,
 ~1.5x the 1024-token step (V4-Flash depth on the H100: 102 ms engine-direct for 1024 prompt tokens, 156 ms
-through Triton for the same text with its BOS). Cutting the step's newest prefill chunk back to the size below
+through Triton for the same text with its BOS, which this padding would explain). Cutting the step's newest prefill chunk back to the size below
 moves those tokens to the next step instead, which costs one more small step; so a step is cut only where
 the padding it saves is more than the tokens it moves plus STEP_TOKENS, a small step's time in prefill tokens.
 """

@@ -12,19 +12,15 @@ from engine.request import SamplingParams
 SIZES = mixed_sizes(2048)  # ..., 768, 1024, 1536, 2048: the served budget's graphs
 
 
-def _steps(scheduled):
-    return [(name, n) for name, n in scheduled]
-
-
 def test_a_prompt_one_token_past_a_size_is_cut_back_to_it():
     # 1024 text tokens and the BOS: the 1536-token graph would pad 511 rows
-    assert _steps(aligned([("p", 1025)], SIZES)) == [("p", 1024)]
+    assert aligned([("p", 1025)], SIZES) == [("p", 1024)]
     # decodes keep their token; the prefill chunk gives the 76 tokens past 1024
-    assert _steps(aligned([("d1", 1), ("d2", 1), ("p", 1098)], SIZES)) == [("d1", 1), ("d2", 1), ("p", 1022)]
+    assert aligned([("d1", 1), ("d2", 1), ("p", 1098)], SIZES) == [("d1", 1), ("d2", 1), ("p", 1022)]
     # the newest chunk gives them (the older prompt keeps its progress) ...
-    assert _steps(aligned([("a", 600), ("b", 425)], SIZES)) == [("a", 600), ("b", 424)]
+    assert aligned([("a", 600), ("b", 425)], SIZES) == [("a", 600), ("b", 424)]
     # ... or, too short to give them and keep a token, the one before it
-    assert _steps(aligned([("a", 1080), ("b", 20)], [512, 1024, 2048])) == [("a", 1004), ("b", 20)]
+    assert aligned([("a", 1080), ("b", 20)], [512, 1024, 2048]) == [("a", 1004), ("b", 20)]
 
 
 def test_steps_kept_whole():
