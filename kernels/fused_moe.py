@@ -264,7 +264,11 @@ def _sum_topk_kernel(y_ptr, idx_ptr, out_ptr, add_ptr, T, D, TOPK: tl.constexpr,
 
 
 def _opts(cfg: dict) -> dict:
-    return {} if _INTERPRET else {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3)}
+    """Launch options; "maxnreg" caps ptxas's registers a thread (more blocks an SM, maybe spills)."""
+    if _INTERPRET:
+        return {}
+    cap = {"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}
+    return {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3), **cap}
 
 
 def _tiles(cfg: dict, fmt: int, act_dtype: torch.dtype) -> dict:

@@ -113,6 +113,9 @@ def moe_candidates(rows: int, fmt: str, experts: int = 256) -> list[dict]:
         if fmt == "mxfp4":  # the integer bf16 decode over row tiles x N tiles x warps that keep the accumulators in registers
             alts += [{**base, "MX": "e4m3"}, {**base, "MX": "scaled"}, {**base, "MX": "bf16-parts"},
                      {**base, "MX": "bf16-parts", "num_stages": 7 - base["num_stages"]}]
+            # register caps: at one row gate/up holds 138 registers a thread, so 3 blocks an SM (ncu on the H100,
+            # docs/perf/h100-2026-12-06f/ncu_moe_decode_b1.txt); 128 / 96 give 4 / 5, with what spills they cost
+            alts += [{**base, "maxnreg": cap} for cap in (128, 96)]
             for m in sorted({16, 32, bm, min(64, max(16, bm))}):
                 for n, w, st in ((64, 4, 4), (128, 4, 3), (64, 8, 3), (32, 4, 4), (128, 8, 3)):
                     if m * n * 2 <= 128 * 32 * w:  # gate and up float32 accumulators: <= 64 registers a thread
@@ -179,7 +182,7 @@ def _short(cfg: dict) -> str:
     if "gate_up" in cfg:
         cfg = cfg["gate_up"]
     names = {"variant": "", "BLOCK_M": "m", "BLOCK_N": "n", "BLOCK_K": "k", "SPLIT_K": "s", "GROUP_M": "g",
-             "num_warps": "w", "num_stages": "st", "MX": ""}
+             "num_warps": "w", "num_stages": "st", "MX": "", "maxnreg": "r"}
     return " ".join(f"{names[k]}{v}" for k, v in cfg.items() if k in names) + (" scaled-tile" if cfg.get("SCALE_TILE") else "")
 
 

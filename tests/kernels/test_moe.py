@@ -166,6 +166,16 @@ def test_moe_experts_split_k(fmt, mx):
     assert quant_configs.moe_split_k({}, 192, 32) == 4 and quant_configs.moe_split_k({}, 4096, 32) == 1
 
 
+def test_a_register_cap_reaches_the_launch(monkeypatch):
+    """A config's "maxnreg" (bench_quant's register-capped decode candidates) is a launch option on the GPU; the
+    interpreter takes no launch options."""
+    cfg = {**quant_configs.moe_config(1, 6, 16, "mxfp4")["gate_up"], "maxnreg": 96}
+    assert fused_moe._opts(cfg) == {}
+    monkeypatch.setattr(fused_moe, "_INTERPRET", False)
+    assert fused_moe._opts(cfg) == {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"], "maxnreg": 96}
+    assert "maxnreg" not in fused_moe._opts({k: v for k, v in cfg.items() if k != "maxnreg"})
+
+
 @pytest.mark.parametrize("fused_sum", [True, False])
 def test_shared_expert_added_in_the_topk_sum(fused_sum):
     """moe_shared_sum (kernels/fusions.py): the shared expert's output added in the top-k sum's launch
