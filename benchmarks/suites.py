@@ -268,10 +268,14 @@ SUITE_LIST = [
           "persistent kernel waiting on dependency counters save, at 8 and 128 programs a link?",
           (Step("tools.bench_pdl", (), timeout_s=240),)),
     Suite("prefill_ttft", "How far is the one-user TTFT of a 1024-token prompt at V4-Flash depth from its FLOP "
-          "floor, and where does a 4 x 1024-token prefill spend its time?",
+          "floor, what does one token more cost (1025: a 1024-token text and its BOS, past the 1024-token graph), "
+          "and where does a 4 x 1024-token prefill spend its time?",
           (Step("tools.bench_engine", (*MODEL, "--concurrency", "1", "--input-len", "1024", "--output-len", "8",
                                        "--requests-per-user", "3", "--floor", "--engine-args", DEPTH),
                 timeout_s=300),
+           Step("tools.bench_engine", (*MODEL, "--concurrency", "1", "--input-len", "1025", "--output-len", "8",
+                                       "--requests-per-user", "3", "--engine-args", DEPTH), name="ttft_1025",
+                timeout_s=240),
            profile("profile_prefill", *MODEL, "--batch", "4", "--steps", "1", "--prompt-len", "1024", "--rows", "40",
                    "--ops")),
           preset="flash-depth"),
