@@ -116,6 +116,9 @@ def moe_candidates(rows: int, fmt: str, experts: int = 256) -> list[dict]:
             # register caps: at one row gate/up holds 138 registers a thread, so 3 blocks an SM (ncu on the H100,
             # docs/perf/h100-2026-12-06f/ncu_moe_decode_b1.txt); 128 / 96 give 4 / 5, with what spills they cost
             alts += [{**base, "maxnreg": cap} for cap in (128, 96)]
+            # or half the K step: both decoded weight tiles live in registers at once, so BLOCK_K 64 needs 72
+            # registers (160 at 128, sm_90 compiled offline by tools.sass_report) and half the shared memory
+            alts += [{**base, "BLOCK_K": 64}, {**base, "BLOCK_K": 64, "num_stages": base["num_stages"] + 1}]
             for m in sorted({16, 32, bm, min(64, max(16, bm))}):
                 for n, w, st in ((64, 4, 4), (128, 4, 3), (64, 8, 3), (32, 4, 4), (128, 8, 3)):
                     if m * n * 2 <= 128 * 32 * w:  # gate and up float32 accumulators: <= 64 registers a thread
