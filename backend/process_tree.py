@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -26,13 +27,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-PARENT_PID_ENV = "DSV4_DIE_WITH_PARENT"  # a Python child's launcher, whose death it should not outlive
-
-
 def die_with_parent(parent_pid: int | None = None) -> None:
     """SIGTERM when the process that started this one dies, so no server outlives its launcher
-    (PR_SET_PDEATHSIG): in a non-Python child before exec (a preexec_fn), or first thing in a Python
-    child, which then exits at once if `parent_pid` is already gone (it died before the call)."""
+    (PR_SET_PDEATHSIG); with `parent_pid`, exit at once if that launcher is already gone (it died before
+    the call). Children get it through exec_dying_with_this_process; spawned pool workers call it."""
     try:
         import ctypes
 
@@ -43,18 +41,12 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os._exit(1)
 
 
-def dies_with_this_process(env: dict) -> dict:
-    """`env` for a Python child that calls die_with_parent_from_env first: no preexec_fn, which runs Python
-    between fork and exec, unsafe in a process with other threads (gRPC's, a test's), where it can hang or
-    abort the child."""
-    return {**env, PARENT_PID_ENV: str(os.getpid())}
-
-
-def die_with_parent_from_env() -> None:
-    """A Python child's first call: die_with_parent(the launcher's pid), where the launcher set one."""
-    pid = os.environ.pop(PARENT_PID_ENV, None)
-    if pid:
-        die_with_parent(int(pid))
+def exec_dying_with_this_process(command: list[str], private: bool = False) -> list[str]:
+    """`command` started through backend/child_exec.py: it dies with this process (and, `private`, gets
+    private files and a /dev/shm of its own) without a preexec_fn. The child's environment must put the
+    repository on PYTHONPATH."""
+    return [sys.executable, "-m", "backend.child_exec", *(["--private"] if private else []), str(os.getpid()),
+            "--", *command]
 
 
 CLONE_NEWNS, CLONE_NEWUSER = 0x00020000, 0x10000000

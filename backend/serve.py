@@ -46,10 +46,9 @@ from backend.openai.process import workers_arg
 from backend.ports import PortInUse, check_ports
 from backend.process_tree import (
     descendants,
-    die_with_parent,
+    exec_dying_with_this_process,
     free_port,
     kill_server_tree,
-    private_shm,
     protect_regions,
 )
 from backend.startup_report import HARMLESS_NOTE, harmless, headline, last_lines
@@ -82,7 +81,6 @@ FINALIZE_EXIT_S = 5.0
 EXIT_POLL_S = 0.1
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 OPENAI_LOG = "openai.log"
-NO_PRIVATE_SHM = "warning: no private /dev/shm for tritonserver"
 
 _BACKEND_SHIM = '''\
 # Written by backend.serve: Triton's python backend loads this file as the "deepseek" backend.
@@ -202,19 +200,6 @@ def prepare_repository(src: Path, dst: Path, model: str | None = None, engine_ar
         args.update(engine_args or {})
         model_json.write_text(json.dumps(args, indent=2) + "\n")
     return dst
-
-
-def _server_child_setup() -> None:
-    """In the child, before exec: private files (umask 077), a private /dev/shm for the python
-    backend's regions (process_tree.private_shm; where the system refuses one, the line below
-    lands in the log and protect_regions closes them once the server is ready), and SIGTERM if the
-    launcher dies, so no server outlives it (Triton then drains and stops its stubs)."""
-    os.umask(0o077)
-    why_not = private_shm()
-    if why_not:
-        os.write(1, f"{NO_PRIVATE_SHM}: {why_not}; its regions are readable by other users until it is "
-                    "ready (docs/RELIABILITY.md)\n".encode())
-    die_with_parent()
 
 
 class TritonServer:
@@ -369,11 +354,11 @@ class TritonServer:
         log = open(self.log_path, "a" if restart else "w")  # noqa: SIM115 (closed by the log thread)
         if restart:
             log.write(f"---- restart {restart} ----\n")
+        # private files and /dev/shm, SIGTERM if we die: backend/child_exec.py, then exec into tritonserver
         self.process = subprocess.Popen(
-            self.command(install), env=self.environment(install), cwd=self.workdir,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,  # Ctrl-C reaches us, and we forward SIGTERM
-            preexec_fn=_server_child_setup)
+            exec_dying_with_this_process(self.command(install), private=True), env=self.environment(install),
+            cwd=self.workdir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)  # Ctrl-C reaches us, and we forward SIGTERM
         self._log_thread = threading.Thread(target=self._pump_log, args=(log,), daemon=True)
         self._log_thread.start()
         try:

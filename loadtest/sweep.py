@@ -40,6 +40,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from backend.process_tree import exec_dying_with_this_process
 from loadtest import interactivity, saturation, scrape, window
 from loadtest.workloads import Length, LoadConfig, WorkloadConfig, resolve_tokenizer
 
@@ -126,16 +127,6 @@ def summarize(requests: list[dict], marks: dict, concurrency: int, warmup_s: flo
 # ------------------------------------------------------------------------------------------ locust
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the sweep dies, so no Locust outlives it."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
 def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -158,8 +149,9 @@ def run_driver(cmd: list[str], log_path: Path, records: Path, hard_timeout_s: fl
     t0 = time.monotonic()
     killed = False
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        # SIGTERM if the sweep dies, so no Locust outlives it (no preexec_fn: backend/child_exec.py says why)
+        proc = subprocess.Popen(exec_dying_with_this_process(cmd), cwd=REPO_ROOT, env=env, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             next_progress = t0 + PROGRESS_EVERY_S
             while proc.poll() is None:

@@ -16,7 +16,6 @@ from backend.openai.body_limits import MAX_BODY_BYTES, MAX_JSON_DEPTH
 from backend.openai.forward_limits import ForwardLimits
 from backend.openai.process import API_KEY_ENV, AUTO_WORKERS_MAX, workers_arg
 from backend.openai.readiness import UNRESPONSIVE_AFTER_S
-from backend.process_tree import die_with_parent_from_env
 
 ARGV_ENV = "DSV4_OPENAI_ARGV"  # a worker process's options: uvicorn's workers build the app from an import string
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,7 +70,6 @@ def worker_app():
 
 
 def main(argv: list[str] | None = None) -> int:
-    die_with_parent_from_env()  # SIGTERM with the launcher (set here, not between its fork and exec)
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     # uvicorn's own limit on header + request-line size stays; the body limits are the app's

@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from backend.process_tree import dies_with_this_process, free_port
+from backend.process_tree import exec_dying_with_this_process, free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PORT = 9000
@@ -69,7 +69,7 @@ class OpenAIProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
         log = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 (the child holds it)
         try:
-            self.process = subprocess.Popen(self.command(), env=dies_with_this_process(env), cwd=REPO_ROOT,
+            self.process = subprocess.Popen(exec_dying_with_this_process(self.command()), env=env, cwd=REPO_ROOT,
                                             stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT if log else None)
         finally:

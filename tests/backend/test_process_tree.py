@@ -75,26 +75,30 @@ def test_the_servers_regions_are_never_in_the_hosts_dev_shm(tmp_path):
     assert seen == set()
 
 
-def test_a_python_child_dies_with_its_launcher_without_a_preexec_fn():
-    """dies_with_this_process + die_with_parent_from_env (the OpenAI front's start: no Python between fork and
-    exec): the child gets SIGTERM when its launcher is SIGKILLed, and exits at once if the launcher it was told of
-    is already gone."""
-    child = ("import sys, time; from backend.process_tree import die_with_parent_from_env; "
-             "die_with_parent_from_env(); print('up', flush=True); time.sleep(60)")
-    launcher = ("import os, subprocess, sys, time; from backend.process_tree import dies_with_this_process; "
-                f"p = subprocess.Popen([sys.executable, '-c', {child!r}], env=dies_with_this_process(dict(os.environ)), "
+def test_a_child_dies_with_its_launcher_without_a_preexec_fn():
+    """exec_dying_with_this_process (backend/child_exec.py: the servers' and load processes' start, no Python
+    between fork and exec): the command runs as the same pid, gets SIGTERM when its launcher is SIGKILLed, and
+    never starts if the launcher it was given is already gone."""
+    child = "import time; print('up', flush=True); time.sleep(60)"
+    launcher = ("import subprocess, sys, time; from backend.process_tree import exec_dying_with_this_process; "
+                f"p = subprocess.Popen(exec_dying_with_this_process([sys.executable, '-c', {child!r}]), "
                 "stdout=subprocess.PIPE); print(p.pid, flush=True); print(p.stdout.readline().decode().strip(), "
                 "flush=True); time.sleep(60)")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     outer = subprocess.Popen([sys.executable, "-c", launcher], stdout=subprocess.PIPE, env=env)
     pid = int(outer.stdout.readline())
-    assert outer.stdout.readline().strip() == b"up"  # the child set its death signal and runs
+    assert outer.stdout.readline().strip() == b"up"  # the command runs, exec'd in the pid the launcher holds
+    assert b"-c" in Path(f"/proc/{pid}/cmdline").read_bytes() and b"child_exec" not in Path(
+        f"/proc/{pid}/cmdline").read_bytes()
     outer.kill()
     outer.wait()
     deadline = time.monotonic() + 10
     while alive(pid):
         assert time.monotonic() < deadline, "the child outlived its SIGKILLed launcher"
         time.sleep(0.05)
-    gone = subprocess.run([sys.executable, "-c", child], env={**env, "DSV4_DIE_WITH_PARENT": "1"},
-                          capture_output=True, timeout=30)
+    gone = subprocess.run([sys.executable, "-m", "backend.child_exec", "1", "--", sys.executable, "-c", child],
+                          env=env, capture_output=True, timeout=30)
     assert gone.returncode == 1 and b"up" not in gone.stdout  # pid 1 is not its parent: gone before it started
+    usage = subprocess.run([sys.executable, "-m", "backend.child_exec", "--private", "1"], env=env,
+                           capture_output=True, timeout=30)
+    assert usage.returncode == 2 and b"LAUNCHER_PID -- COMMAND" in usage.stderr
