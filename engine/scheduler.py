@@ -69,9 +69,11 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         scheduled = self._schedule()
-        # prompt_logprobs steps run eagerly (every row's logits): no padding to save
-        if self.graph_sizes and all(s.sampling.prompt_logprobs is None for s, _ in scheduled):
-            scheduled = aligned(scheduled, self.graph_sizes)
+        if self.graph_sizes:
+            cut = aligned(scheduled, self.graph_sizes)
+            # prompt_logprobs steps run eagerly (every row's logits): no padding to save (scanned only for a cut)
+            if cut is not scheduled and all(s.sampling.prompt_logprobs is None for s, _ in scheduled):
+                scheduled = cut
         if self.chunk_budget.adaptive:  # the step's makeup times its interval (a fixed budget learns nothing)
             decodes = sum(n == 1 and s.num_computed_tokens + 1 == s.num_tokens for s, n in scheduled)
             self.chunk_budget.scheduled(decodes, sum(n for _, n in scheduled) - decodes)

@@ -34,9 +34,14 @@ BLOCK = 1024
 
 
 @triton.jit
-def _weights_sum(w_ptr, offs, mask, W_COLS: tl.constexpr):
-    cols = tl.arange(0, W_COLS)
-    return tl.sum(tl.load(w_ptr + offs[:, None] * W_COLS + cols[None, :], mask=mask[:, None], other=0.0), axis=1)
+def _weights_sum(w_ptr, offs, mask, W_COLS: tl.constexpr, CHUNK: tl.constexpr):
+    """Row sums of [BLOCK, W_COLS] weights, CHUNK columns a load (the persistent chain's: a whole tile held across
+    its wait spills, 255 registers at 32 columns; the launches' chains load it whole, CHUNK = W_COLS)."""
+    add = tl.zeros(offs.shape, tl.float32)
+    for c in tl.static_range(0, W_COLS, CHUNK):
+        cols = c + tl.arange(0, CHUNK)
+        add += tl.sum(tl.load(w_ptr + offs[:, None] * W_COLS + cols[None, :], mask=mask[:, None], other=0.0), axis=1)
+    return add
 
 
 @triton.jit
@@ -49,11 +54,11 @@ def _link_kernel(src_ptr, dst_ptr, w_ptr, n, W_COLS: tl.constexpr, BLOCK: tl.con
         wait_and_release(PDL)
         add = tl.full((BLOCK,), 1.0, tl.float32)
     elif PREFETCH:  # the weights no predecessor writes: in flight before the wait
-        add = _weights_sum(w_ptr, offs, mask, W_COLS)
+        add = _weights_sum(w_ptr, offs, mask, W_COLS, W_COLS)
         wait_and_release(PDL)
     else:
         wait_and_release(PDL)
-        add = _weights_sum(w_ptr, offs, mask, W_COLS)
+        add = _weights_sum(w_ptr, offs, mask, W_COLS, W_COLS)
     x = tl.load(src_ptr + offs, mask=mask, other=0.0)
     tl.store(dst_ptr + offs, x + add, mask=mask)
 
@@ -72,13 +77,8 @@ def _persistent_chain_kernel(buf_ptr, w_ptr, cnt_ptr, n, links, W_COLS: tl.const
     for i in range(links):
         if W_COLS == 0:
             add = tl.full((BLOCK,), 1.0, tl.float32)
-        else:  # in column chunks: a whole [BLOCK, W_COLS] tile held across the wait spills (255 registers at 32)
-            CHUNK: tl.constexpr = 8 if W_COLS > 8 else W_COLS
-            add = tl.zeros((BLOCK,), tl.float32)
-            for c in tl.static_range(0, W_COLS, CHUNK):
-                cols = c + tl.arange(0, CHUNK)
-                add += tl.sum(tl.load(w_ptr + i * n * W_COLS + offs[:, None] * W_COLS + cols[None, :],
-                                      mask=mask[:, None], other=0.0), axis=1)
+        else:
+            add = _weights_sum(w_ptr + i * n * W_COLS, offs, mask, W_COLS, 8 if W_COLS > 8 else W_COLS)
         if i > 0:
             while tl.atomic_add(cnt_ptr + i - 1, 0, sem="acquire") < programs:
                 pass

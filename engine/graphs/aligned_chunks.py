@@ -4,9 +4,10 @@ A mixed step of T tokens replays the graph of the smallest captured size >= T (e
 every padding token runs through every layer as a real one: its GEMMs, its experts. A prompt one token past a
 size pays for the next size whole: 1025 tokens (a 1024-token text and its BOS) replay the 1536-token graph,
 ~1.5x the 1024-token step (V4-Flash depth on the H100: 102 ms engine-direct for 1024 prompt tokens, 156 ms
-through Triton for the same text with its BOS, which this padding would explain). Cutting the step's newest prefill chunk back to the size below
-moves those tokens to the next step instead, which costs one more small step; so a step is cut only where
-the padding it saves is more than the tokens it moves plus STEP_TOKENS, a small step's time in prefill tokens.
+through Triton for the same text with its BOS, which this padding would explain). Cutting the step's newest
+prefill chunk back to the size below moves those tokens to the next step instead, which costs one more small
+step; so a step is cut only where the padding it saves is more than the tokens it moves plus STEP_TOKENS, a
+small step's time in prefill tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ STEP_TOKENS = 128
 
 def aligned(scheduled: list, sizes: list[int], step_tokens: int | None = None) -> list:
     """`scheduled` ([(sequence, tokens)], the scheduler's order) with its newest prefill chunk cut by the
-    tokens past the largest captured size below the step's, where the padding that saves is worth it; as is
+    tokens past the largest captured size below the step's, where the padding that saves is worth it; the same list
     otherwise (no graphs, a step past the largest, one that fits a size, too few tokens saved, or no chunk
     that can give them and keep one)."""
     step_tokens = STEP_TOKENS if step_tokens is None else step_tokens
