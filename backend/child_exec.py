@@ -36,8 +36,7 @@ def main(argv: list[str]) -> int:
         if why_not:
             os.write(1, f"{NO_PRIVATE_SHM}: {why_not}; its regions are readable by other users until it is "
                         "ready (docs/RELIABILITY.md)\n".encode())
-    os.execvp(command[0], command)
-    return 127  # not reached: execvp raises where it cannot run COMMAND
+    os.execvp(command[0], command)  # returns never: this process becomes COMMAND, or it raises
 
 
 if __name__ == "__main__":
