@@ -45,7 +45,10 @@ def mxfp4_rows_tile(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: t
 # nibbles j and j + 4 of eight packed values, each moved to bf16's bits as sign << 15 | code << 6,
 # which is the e2m1 value times 2^-126 exactly (code 1, the value 0.5, lands on bf16's subnormal
 # 2^-127); two bf16x2 multiplies by 2^126 and by the group's ue8m0 scale 2^(s-127) finish it, exact.
-_E2M1_BF16_ASM = tl.constexpr("""
+# One multiply by 2^(s-1) ($9) does the same where every scale byte s is at most 128 (weights under 12 in
+# magnitude: bf16's largest exponent), exact there too: the "one_mul" text.
+def _e2m1_bf16_asm(one_mul: bool) -> str:
+    text = """
 {
 .reg .b32 a, b, t, z, big;
 mov.b32 z, 0x80008000;
@@ -82,7 +85,12 @@ fma.rn.bf16x2 t, t, big, z;
 fma.rn.bf16x2 t, t, $9, z;
 mov.b32 {$3, $7}, t;
 }
-""")
+"""
+    return text.replace("fma.rn.bf16x2 t, t, big, z;\n", "") if one_mul else text
+
+
+_E2M1_BF16_ASM = tl.constexpr(_e2m1_bf16_asm(False))
+_E2M1_BF16_ASM_ONE_MUL = tl.constexpr(_e2m1_bf16_asm(True))
 
 
 @triton.jit
@@ -95,27 +103,20 @@ def _bf16_lanes(t, sf):
 
 
 @triton.jit
-def mxfp4_rows_parts_bf16(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
-    """e2m1 pairs [N, K/2] with ue8m0 bytes [N, K/32] -> eight bf16 tiles [BLOCK_N, BLOCK_K / 8], decoded
-    with integer ops (above): the q-th holds value q of every word (K = k0 + 8 w + q). Loaded as 32-bit words, eight values each, 16-byte rows. ASM: the PTX
-    (GPU), else the same bit operations in Triton with the scale applied in float32 (the interpreter
-    runs no inline asm)."""
-    W: tl.constexpr = BLOCK_K // 8
-    G: tl.constexpr = BLOCK_K // 32
-    KW = tl.multiple_of(K // 8, 4)  # K % 32 == 0: whole 16-byte groups per row
-    wd = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, W), 4), 4)
-    nmask = n < N
-    wp = tl.multiple_of(w_ptr.to(tl.pointer_type(tl.int32)), 16)  # the cast forgets the byte pointer's alignment
-    words = tl.load(wp + n[:, None] * KW + wd[None, :],
-                    mask=nmask[:, None] & (wd[None, :] < KW), other=0).to(tl.uint32, bitcast=True)
-    g = k0 // 32 + tl.arange(0, G)
-    sb = tl.load(s_ptr + n[:, None] * (K // 32) + g[None, :], mask=nmask[:, None] & (g[None, :] < K // 32),
-                 other=0).to(tl.uint32)
-    sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, W))  # 4 words per group
+def _words_bf16(words, sb, ASM: tl.constexpr, ONE_MUL: tl.constexpr = False):
+    """Eight values of each uint32 word (nibble q: value q) times 2^(sb - 127), sb the ue8m0 byte as uint32
+    (words' shape): eight bf16 tensors, the q-th value q of every word. ASM: the PTX (GPU), else the same bit
+    operations in Triton with the scale applied in float32 (the interpreter runs no inline asm). ONE_MUL: the
+    PTX's one multiply, for scale bytes <= 128 only."""
     if ASM:
-        sc = sb << 7  # bf16 2^(s-127): the ue8m0 byte is bf16's exponent field
-        o = tl.inline_asm_elementwise(_E2M1_BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, sc | (sc << 16)],
-                                      dtype=(tl.int16,) * 8, is_pure=True, pack=1)
+        if ONE_MUL:
+            sc = (sb + 126) << 7  # bf16 2^(s-1)
+            o = tl.inline_asm_elementwise(_E2M1_BF16_ASM_ONE_MUL, "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+                                          [words, sc | (sc << 16)], dtype=(tl.int16,) * 8, is_pure=True, pack=1)
+        else:
+            sc = sb << 7  # bf16 2^(s-127): the ue8m0 byte is bf16's exponent field
+            o = tl.inline_asm_elementwise(_E2M1_BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, sc | (sc << 16)],
+                                          dtype=(tl.int16,) * 8, is_pure=True, pack=1)
         o0, o1, o2, o3 = (o[0].to(tl.bfloat16, bitcast=True), o[1].to(tl.bfloat16, bitcast=True),
                           o[2].to(tl.bfloat16, bitcast=True), o[3].to(tl.bfloat16, bitcast=True))
         o4, o5, o6, o7 = (o[4].to(tl.bfloat16, bitcast=True), o[5].to(tl.bfloat16, bitcast=True),
@@ -130,9 +131,87 @@ def mxfp4_rows_parts_bf16(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, BLOC
 
 
 @triton.jit
+def mxfp4_rows_parts_bf16(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """e2m1 pairs [N, K/2] with ue8m0 bytes [N, K/32] -> eight bf16 tiles [BLOCK_N, BLOCK_K / 8], decoded
+    with integer ops (above): the q-th holds value q of every word (K = k0 + 8 w + q). Loaded as 32-bit
+    words, eight values each, 16-byte rows."""
+    W: tl.constexpr = BLOCK_K // 8
+    G: tl.constexpr = BLOCK_K // 32
+    KW = tl.multiple_of(K // 8, 4)  # K % 32 == 0: whole 16-byte groups per row
+    wd = tl.max_contiguous(tl.multiple_of(k0 // 8 + tl.arange(0, W), 4), 4)
+    nmask = n < N
+    wp = tl.multiple_of(w_ptr.to(tl.pointer_type(tl.int32)), 16)  # the cast forgets the byte pointer's alignment
+    words = tl.load(wp + n[:, None] * KW + wd[None, :],
+                    mask=nmask[:, None] & (wd[None, :] < KW), other=0).to(tl.uint32, bitcast=True)
+    g = k0 // 32 + tl.arange(0, G)
+    sb = tl.load(s_ptr + n[:, None] * (K // 32) + g[None, :], mask=nmask[:, None] & (g[None, :] < K // 32),
+                 other=0).to(tl.uint32)
+    sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_N, G, 4)), (BLOCK_N, W))  # 4 words per group
+    return _words_bf16(words, sb, ASM)
+
+
+@triton.jit
 def mxfp4_rows_tile_bf16(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
     """The parts above joined into one [BLOCK_N, BLOCK_K] tile in natural K order."""
     o0, o1, o2, o3, o4, o5, o6, o7 = mxfp4_rows_parts_bf16(w_ptr, s_ptr, n, k0, N, K, BLOCK_N, BLOCK_K, ASM)
     # a join's new axis is the last: the outermost join picks the fastest bit of the K offset q
     t = tl.join(tl.join(tl.join(o0, o4), tl.join(o2, o6)), tl.join(tl.join(o1, o5), tl.join(o3, o7)))
     return tl.reshape(t, (BLOCK_N, BLOCK_K))
+
+
+# The "bf16-frag" decode: each thread's values land in the registers wgmma (or mma.sync) reads its A operand from,
+# so the decoded tile goes to the tensor cores without a round trip through shared memory. The MMA's K order
+# within each 128-wide step is permuted instead of the stored bytes: in an A fragment a thread (quad lane l) holds
+# rows r and r + 8 at K offsets 16 j + 8 b2 + 2 l + b0, and in this order those are value 4 b0 + 2 (j % 2) + b2 of
+# word l of the row's 32-value group j // 2 (frag_position below). So every word read is one of the stored row's
+# words and every word's scale is its group's: four 32-bit words and one 32-bit read of the four groups' scale bytes
+# a row per step. The activations come in the same order (to_frag_order; the MoE's hidden h is stored in it by the
+# gate / up kernel), so the products and their sums are the same terms.
+@triton.jit
+def frag_position(k):
+    """The MMA position of stored K k (within its 128-wide step): stored 32 g + 8 l + 4 b0 + 2 jp + b2 is position
+    32 g + 16 jp + 8 b2 + 2 l + b0."""
+    return (k // 128) * 128 + ((k // 32) % 4) * 32 + ((k // 2) % 2) * 16 + (k % 2) * 8 + ((k // 8) % 4) * 2 + (k // 4) % 2
+
+
+def to_frag_order(a):
+    """a [..., K] (K % 128 == 0) with each 128-wide step's columns in the MMA's order (frag_position): what the
+    "bf16-frag" decode multiplies, so its activation tiles load as stored, straight into shared memory."""
+    *lead, k = a.shape
+    v = a.reshape(*lead, k // 128, 4, 4, 2, 2, 2)  # g, l, b0, jp, b2
+    n = len(lead) + 1
+    return v.permute(*range(n), n, n + 3, n + 4, n + 1, n + 2).reshape(a.shape)
+
+
+@triton.jit
+def _frag_group(wp, sw, row, rmask, KW, k0, l4, G: tl.constexpr, ASM: tl.constexpr, ONE_MUL: tl.constexpr):
+    """Word l4 of group G of each row, decoded: [..., b0, b2, jp] (the joins put each new axis last)."""
+    words = tl.load(wp + row * KW + (k0 // 8 + 4 * G) + l4, mask=rmask, other=0).to(tl.uint32, bitcast=True)
+    o0, o1, o2, o3, o4, o5, o6, o7 = _words_bf16(words, (sw >> (8 * G)) & 0xFF, ASM, ONE_MUL)
+    # value q = 4 b0 + 2 jp + b2: the pairs (q, q + 4) are b0's, so each bf16x2 of the decode stays one register
+    return tl.join(tl.join(tl.join(o0, o4), tl.join(o1, o5)), tl.join(tl.join(o2, o6), tl.join(o3, o7)))
+
+
+@triton.jit
+def mxfp4_frag_tile(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, ASM: tl.constexpr, ONE_MUL: tl.constexpr):
+    """e2m1 pairs [N, K/2] with ue8m0 bytes [N, K/32], K % 128 == 0 -> the bf16 [BLOCK_N, 128] tile of rows n
+    (BLOCK_N % 16 == 0, n consecutive) at the K step k0, its columns in the MMA's order (frag_position). ONE_MUL: every
+    scale byte <= 128 (_words_bf16)."""
+    RG: tl.constexpr = BLOCK_N // 16
+    row = tl.reshape(n, (RG, 2, 8))[:, :, :, None]  # [RG, b1, R0, l4]: row 16 RG + 8 b1 + R0
+    rmask = row < N
+    l4 = tl.arange(0, 4)[None, None, None, :]
+    wp = tl.multiple_of(w_ptr.to(tl.pointer_type(tl.int32)), 16)
+    KW = tl.multiple_of(K // 8, 16)
+    # the four groups' scale bytes of the step as one word, read by each of the quad's lanes (the same address):
+    # one full-shaped load keeps every operand of the decode in the layout the MMA wants
+    sp = tl.multiple_of(s_ptr.to(tl.pointer_type(tl.int32)), 4)
+    sw = tl.load(sp + row * tl.multiple_of(K // 128, 4) + k0 // 128 + 0 * l4, mask=rmask, other=0)
+    sw = sw.to(tl.uint32, bitcast=True)
+    f0 = _frag_group(wp, sw, row, rmask, KW, k0, l4, 0, ASM, ONE_MUL)
+    f1 = _frag_group(wp, sw, row, rmask, KW, k0, l4, 1, ASM, ONE_MUL)
+    f2 = _frag_group(wp, sw, row, rmask, KW, k0, l4, 2, ASM, ONE_MUL)
+    f3 = _frag_group(wp, sw, row, rmask, KW, k0, l4, 3, ASM, ONE_MUL)
+    t = tl.join(tl.join(f0, f1), tl.join(f2, f3))  # [RG, b1, R0, l4, b0, b2, jp, g0, g1]
+    t = tl.permute(t, (0, 1, 2, 8, 7, 6, 5, 3, 4))  # [RG, b1, R0, g1, g0, jp, b2, l4, b0]
+    return tl.reshape(t, (BLOCK_N, 128))

@@ -27,8 +27,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fusions, pdl, quant_configs
-from kernels.fused_dequant import fp8_rows_tile, mxfp4_rows_parts_bf16, mxfp4_rows_tile, mxfp4_rows_tile_bf16
+from kernels import fusions, pdl, quant_configs, variants
+from kernels.fused_dequant import (
+    fp8_rows_tile,
+    frag_position,
+    mxfp4_frag_tile,
+    mxfp4_rows_parts_bf16,
+    mxfp4_rows_tile,
+    mxfp4_rows_tile_bf16,
+    to_frag_order,
+)
 from kernels.fused_moe_align import moe_align_fused
 from kernels.moe_grouped import moe_experts_grouped
 from kernels.pdl import wait_and_release
@@ -36,7 +44,9 @@ from kernels.semaphores import semaphores, split_k_arrive, split_k_total
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
 MX_SCALED_OK = not _INTERPRET  # tl.dot_scaled for MXFP4 (tests set it to run the interpreter's dot_scaled)
-MX_MODES = {"e4m3": 0, "scaled": 1, "bf16": 2, "bf16-parts": 3}  # MXFP4 decodes (config "MX")
+# MXFP4 decodes (config "MX"); "bf16-frag-one-mul": "bf16-frag" with one multiply a value pair, right only where every
+# scale byte is at most 128 (kernels/fused_dequant.py, _words_bf16): a candidate for the sweep, chosen by no table
+MX_MODES = {"e4m3": 0, "scaled": 1, "bf16": 2, "bf16-parts": 3, "bf16-frag": 4, "bf16-frag-one-mul": 5}
 GROUPED_OK = not _INTERPRET  # prefill through kernels/moe_grouped.py (tests set it to run that path on the CPU)
 _MX_ASM = tl.constexpr(not _INTERPRET)  # the "bf16" decode's PTX; the interpreter runs the same bit operations in Triton
 
@@ -93,7 +103,12 @@ def _expert_dot(w_ptr, s_ptr, e, n, k0, N, K, xt, W_FMT: tl.constexpr, BLOCK_N: 
     the packed e2m1 bytes and ue8m0 bytes go to tl.dot_scaled as stored, which unpacks them to bf16
     with byte permutes and integer ops (no conversion-unit instructions, which bound the e4m3
     placement at ~0.8 TB/s) and applies each 32-wide group's scale; loads stay 16-byte row-major."""
-    if W_FMT == 2 and MX == 3:
+    if W_FMT == 2 and MX >= 4:
+        e64 = e.to(tl.int64)
+        t = mxfp4_frag_tile(w_ptr + e64 * N * (K // 2), s_ptr + e64 * N * (K // 32), n, k0, N, K, BLOCK_N, _MX_ASM,
+                            MX == 5)
+        res = _dot_wt(t, t, xt, 0, DOT_F32)
+    elif W_FMT == 2 and MX == 3:
         e64 = e.to(tl.int64)
         o0, o1, o2, o3, o4, o5, o6, o7 = mxfp4_rows_parts_bf16(w_ptr + e64 * N * (K // 2), s_ptr + e64 * N * (K // 32),
                                                                n, k0, N, K, BLOCK_N, BLOCK_K, _MX_ASM)
@@ -137,7 +152,7 @@ def _act_tile(a_ptr, rows, valid, k0, K, BLOCK_K: tl.constexpr, MX: tl.constexpr
                 tl.load(base + 2, mask=m, other=0.0), tl.load(base + 3, mask=m, other=0.0),
                 tl.load(base + 4, mask=m, other=0.0), tl.load(base + 5, mask=m, other=0.0),
                 tl.load(base + 6, mask=m, other=0.0), tl.load(base + 7, mask=m, other=0.0))
-    else:
+    else:  # "bf16-frag" (MX >= 4): the activations come in its K order (moe_experts_fused)
         k = k0 + tl.arange(0, BLOCK_K)
         return tl.load(a_ptr + rows[None, :] * K + k[:, None], mask=valid[None, :] & (k[:, None] < K), other=0.0)
 
@@ -153,10 +168,13 @@ def _clamped_swiglu(gate, up, limit):
 @triton.jit
 def _gate_up_tile(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, ws_ptr, tile_ptr, rows, tok, valid, e, n, D, I, limit,
                   pid_k, K_SPLIT, n_pairs, W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, MX: tl.constexpr, SPLITS: tl.constexpr):
+                  BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, MX: tl.constexpr, SPLITS: tl.constexpr,
+                  H_FRAG: tl.constexpr):
     """h[rows, n] = SwiGLU(x[tok] @ w1[e].T, x[tok] @ w3[e].T) for one tile (decode and prefill alike);
     split-K (SPLITS > 1): this program's K range, the last split of the tile adds them and applies
-    the SwiGLU (partials [SPLITS, pairs, 2, I] float32 at ws_ptr)."""
+    the SwiGLU (partials [SPLITS, pairs, 2, I] float32 at ws_ptr). H_FRAG: h's columns stored in the "bf16-frag"
+    down projection's K order (kernels/fused_dequant.py, frag_position)."""
+    hn = frag_position(n) if H_FRAG else n
     acc1 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     acc3 = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     k_lo = pid_k * K_SPLIT
@@ -173,10 +191,10 @@ def _gate_up_tile(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, ws_ptr, tile_ptr
             acc1 = split_k_total(ws_ptr, off, omask, acc1, pid_k, stride, SPLITS)
             acc3 = split_k_total(ws_ptr, off + I, omask, acc3, pid_k, stride, SPLITS)
             h = _clamped_swiglu(acc1, acc3, limit)
-            tl.store(h_ptr + rows[None, :] * I + n[:, None], h.to(h_ptr.dtype.element_ty), mask=omask)
+            tl.store(h_ptr + rows[None, :] * I + hn[:, None], h.to(h_ptr.dtype.element_ty), mask=omask)
     else:
         h = _clamped_swiglu(acc1, acc3, limit)
-        tl.store(h_ptr + rows[None, :] * I + n[:, None], h.to(h_ptr.dtype.element_ty), mask=omask)
+        tl.store(h_ptr + rows[None, :] * I + hn[:, None], h.to(h_ptr.dtype.element_ty), mask=omask)
 
 
 @triton.jit
@@ -215,7 +233,7 @@ def _tile_rows(sorted_ptr, block_expert_ptr, block_start_ptr, expert_end_ptr, pi
 def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, ws_ptr, sem_ptr, sorted_ptr, block_expert_ptr,
                     block_start_ptr, expert_end_ptr, D, I, TOPK, limit, K_SPLIT, n_pairs, W_FMT: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                    MX: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr = False):
+                    MX: tl.constexpr, SPLITS: tl.constexpr, H_FRAG: tl.constexpr = False, PDL: tl.constexpr = False):
     """One (expert tile of BLOCK_M pairs, N tile, K split); acc^T kept [BLOCK_N, BLOCK_M]."""
     wait_and_release(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -225,7 +243,7 @@ def _gate_up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, ws_ptr, sem_pt
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     _gate_up_tile(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, ws_ptr, sem_ptr + pid_m * tl.num_programs(1) + pid_n,
                   rows, rows // TOPK, valid, e, n, D, I, limit, pid_k, K_SPLIT, n_pairs,
-                  W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, MX, SPLITS)
+                  W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32, MX, SPLITS, H_FRAG)
 
 
 @triton.jit
@@ -271,7 +289,9 @@ def _opts(cfg: dict) -> dict:
     return {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3), **cap}
 
 
-def _tiles(cfg: dict, fmt: int, act_dtype: torch.dtype) -> dict:
+def _tiles(cfg: dict, fmt: int, act_dtype: torch.dtype, k_in: int = 0, scale: torch.Tensor | None = None) -> dict:
+    """The launch's tile constants; k_in: the part's K, scale: its MXFP4 scale bytes (the "bf16-frag" decode reads
+    whole 128-wide K steps and each row's four scale bytes as one 32-bit word, else it takes the "bf16" decode)."""
     cfg = {**cfg, **(quant_configs.INTERPRET_MOE if _INTERPRET else {})}
     if fmt == 1 and 128 % cfg["BLOCK_K"] or fmt == 2 and cfg["BLOCK_K"] % 32:
         raise ValueError(f"MoE BLOCK_K {cfg['BLOCK_K']} does not fit the {FORMAT_NAMES[fmt]} scale blocks")
@@ -283,6 +303,9 @@ def _tiles(cfg: dict, fmt: int, act_dtype: torch.dtype) -> dict:
         mx = "e4m3"
     if mx == "bf16-parts" and fmt == 2:  # one K-16 MMA per part: the parts are BLOCK_K / 8 wide
         cfg = {**cfg, "BLOCK_K": max(cfg["BLOCK_K"], 128)}
+    if mx.startswith("bf16-frag") and fmt == 2:
+        frag = k_in % 128 == 0 and cfg["BLOCK_N"] % 16 == 0 and (scale is None or scale.data_ptr() % 4 == 0)
+        cfg, mx = ({**cfg, "BLOCK_K": 128}, mx) if frag else (cfg, "bf16")
     return {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "MX": MX_MODES[mx] if fmt == 2 else 0, **_opts(cfg)}
 
 
@@ -331,11 +354,14 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, share
     if n_pairs == 0:
         return out if shared is None else shared.clone()
     cfg = config or quant_configs.moe_config(T, n_pairs, E, FORMAT_NAMES[fmt])
+    if config is None and fmt == 2 and variants.on("moe_frag"):
+        cfg = {part: {**c, "MX": "bf16-frag"} if c.get("MX") == "bf16" else c for part, c in cfg.items()}
     bm = cfg["gate_up"]["BLOCK_M"]
     if cfg["down"]["BLOCK_M"] != bm:
         raise ValueError(f"MoE gate_up and down share one alignment: BLOCK_M {bm} != {cfg['down']['BLOCK_M']}")
-    gu, dn = _tiles(cfg["gate_up"], fmt, x.dtype), _tiles(cfg["down"], fmt, x.dtype)
+    gu, dn = _tiles(cfg["gate_up"], fmt, x.dtype, D, s1), _tiles(cfg["down"], fmt, x.dtype, I, s2)
     x = x if x.is_contiguous() else x.contiguous()
+    x_in = to_frag_order(x) if gu["MX"] >= 4 else x  # the "bf16-frag" decode's K order (kernels/fused_dequant.py)
     rw = weights.reshape(-1)
     rw = rw if rw.is_contiguous() else rw.contiguous()
     h = torch.empty(n_pairs, I, dtype=x.dtype, device=x.device)
@@ -357,8 +383,9 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, share
         sem = semaphores(x.device, tiles * n_tiles) if splits > 1 else y
         grid = (tiles, n_tiles, splits)
         if part == "gate_up":
-            _gate_up_kernel[grid](x, w1, w3, s1, s3, h, ws, sem, *layout, D, I, k, limit, k_split, n_pairs,
-                                  W_FMT=fmt, BLOCK_M=bm, DOT_F32=_INTERPRET, SPLITS=splits, **gu, **pdl.options(x))
+            _gate_up_kernel[grid](x_in, w1, w3, s1, s3, h, ws, sem, *layout, D, I, k, limit, k_split, n_pairs,
+                                  W_FMT=fmt, BLOCK_M=bm, DOT_F32=_INTERPRET, SPLITS=splits, H_FRAG=dn["MX"] >= 4,
+                                  **gu, **pdl.options(x))
         else:
             _down_kernel[grid](h, w2, s2, y, rw, ws, sem, *layout, D, I, k_split, n_pairs,
                                W_FMT=fmt, BLOCK_M=bm, DOT_F32=_INTERPRET, SPLITS=splits, **dn, **pdl.options(h))

@@ -13,6 +13,9 @@ Read at every call: CUDA graphs captured after a change follow it.
   tensor-core dot a K step of the bf16 streams with the fp32 mixing weights split once into bf16 hi + mid + lo,
   stacked as the dot's columns (exact products, fp32 sums), instead of the streams converted to fp32 and dotted
   at "tf32x3"; bf16 streams only.
+- moe_frag: the fused MoE's MXFP4 tiles that decode with integer ops ("bf16") decode straight into the tensor
+  cores' operand registers instead ("bf16-frag", kernels/fused_dequant.mxfp4_frag_tile): no round trip of the
+  decoded tile through shared memory, the activations and the hidden h in the MMA's K order.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import os
 
 from kernels import fusions
 
-ALL = ("rope_tiles", "mix_bf16x3")
+ALL = ("rope_tiles", "mix_bf16x3", "moe_frag")
 # rope_tiles on: suite prefill_small_ops finds it within a rounding of the one-row kernels on the GPU and 1.1-1.3x
 # faster from 32 tokens up (no slower at one), prefill_variants 1.03x on the time to first token at depth.
 # mix_bf16x3 off: right on the GPU at its one-stage prefill launch (kernels/fused_norm_mhc.MIX_PIECES_TILES) and

@@ -105,20 +105,27 @@ def moe_candidates(rows: int, fmt: str, experts: int = 256) -> list[dict]:
     if rows * k <= quant_configs.MOE_DECODE_MAX_PAIRS:
         bm = quant_configs.moe_fit_block_m(rows, rows * k, experts)
         base = quant_configs.MOE_DECODE[fmt][bm]
-        alts = [base, {**base, "BLOCK_N": base["BLOCK_N"] // 2}, {**base, "BLOCK_N": base["BLOCK_N"] * 2},
-                {**base, "num_warps": 12 - base["num_warps"]}, {**base, "num_stages": 7 - base["num_stages"]},
-                {**base, "SPLIT_K": 1}]  # split-K off: what the K splits of few-row steps buy
-        if bm > 16:
-            alts.append(quant_configs.MOE_DECODE[fmt][16])  # the old re-reading tiles, for the comparison
-        if fmt == "mxfp4":  # the integer bf16 decode over row tiles x N tiles x warps that keep the accumulators in registers
-            alts += [{**base, "MX": "e4m3"}, {**base, "MX": "scaled"}, {**base, "MX": "bf16-parts"},
-                     {**base, "MX": "bf16-parts", "num_stages": 7 - base["num_stages"]}]
+        alts = [base]
+        if fmt == "mxfp4":  # the newest candidates first: a budget cuts the sweep's tail
+            # the decode straight into the MMA's operand registers (kernels/fused_dequant.py, mxfp4_frag_tile): no
+            # round trip through shared memory, ~25% fewer instructions a K step in the loop (sm_90, offline)
+            alts += [{**base, "MX": "bf16-frag"}, {**base, "MX": "bf16-frag", "num_stages": base["num_stages"] + 1},
+                     {**base, "MX": "bf16-frag", "BLOCK_N": base["BLOCK_N"] * 2},
+                     {**base, "MX": "bf16-frag", "maxnreg": 128}, {**base, "MX": "bf16-frag-one-mul"}]
             # register caps: at one row gate/up holds 138 registers a thread, so 3 blocks an SM (ncu on the H100,
             # docs/perf/h100-2026-12-06f/ncu_moe_decode_b1.txt); 128 / 96 give 4 / 5, with what spills they cost
             alts += [{**base, "maxnreg": cap} for cap in (128, 96)]
             # or half the K step: both decoded weight tiles live in registers at once, so BLOCK_K 64 needs 72
             # registers (160 at 128, sm_90 compiled offline by tools.sass_report) and half the shared memory
             alts += [{**base, "BLOCK_K": 64}, {**base, "BLOCK_K": 64, "num_stages": base["num_stages"] + 1}]
+        alts += [{**base, "BLOCK_N": base["BLOCK_N"] // 2}, {**base, "BLOCK_N": base["BLOCK_N"] * 2},
+                 {**base, "num_warps": 12 - base["num_warps"]}, {**base, "num_stages": 7 - base["num_stages"]},
+                 {**base, "SPLIT_K": 1}]  # split-K off: what the K splits of few-row steps buy
+        if bm > 16:
+            alts.append(quant_configs.MOE_DECODE[fmt][16])  # the old re-reading tiles, for the comparison
+        if fmt == "mxfp4":  # the integer bf16 decode over row tiles x N tiles x warps that keep the accumulators in registers
+            alts += [{**base, "MX": "e4m3"}, {**base, "MX": "scaled"}, {**base, "MX": "bf16-parts"},
+                     {**base, "MX": "bf16-parts", "num_stages": 7 - base["num_stages"]}]
             for m in sorted({16, 32, bm, min(64, max(16, bm))}):
                 for n, w, st in ((64, 4, 4), (128, 4, 3), (64, 8, 3), (32, 4, 4), (128, 8, 3)):
                     if m * n * 2 <= 128 * 32 * w:  # gate and up float32 accumulators: <= 64 registers a thread
@@ -289,7 +296,7 @@ def check(device) -> list[str]:
             w, idx = _routing(T, E, k, device, seed=T)
             want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, scales)
             # every MXFP4 decode on the GPU; the interpreter (the CPU test of this check) runs one, tests/kernels all
-            mxs = ("scaled", "e4m3", "bf16") if device.type == "cuda" else ("e4m3",)
+            mxs = ("scaled", "e4m3", "bf16", "bf16-frag") if device.type == "cuda" else ("e4m3",)
             for path, mx in itertools.product(("decode", "sorted"), mxs if fmt == "mxfp4" else ("",)):
                 with _moe_path(path):  # the table's tiles; MXFP4 through every decode (the sweep tries them all)
                     cfg = {part: {**c, "MX": mx} if mx else c

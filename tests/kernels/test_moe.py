@@ -105,7 +105,7 @@ def _stored_experts(w, fmt):
     (70, 256, 64, 6, 6),    # all experts hit by every token
 ])
 @pytest.mark.parametrize("path", ["decode", "sorted"])
-@pytest.mark.parametrize("mx", ["e4m3", "scaled", "bf16", "bf16-parts"])
+@pytest.mark.parametrize("mx", ["e4m3", "scaled", "bf16", "bf16-parts", "bf16-frag"])
 def test_moe_experts_quantized(fmt, T, D, I, E, k, path, mx, monkeypatch):
     """Stored FP8 (128x128 float32 scales) and MXFP4 (1x32 ue8m0) experts, dequantized in registers,
     vs the reference that dequantizes then multiplies. bf16: both sides multiply the same bf16
@@ -139,7 +139,8 @@ def test_moe_experts_quantized(fmt, T, D, I, E, k, path, mx, monkeypatch):
 
 # each stored format's K steps, and "bf16-parts", whose wider BLOCK_K (128) cuts K in other splits; the
 # "bf16" decode is another tile function on e4m3's K steps (test_moe_experts_quantized covers it)
-@pytest.mark.parametrize("fmt, mx", [("dense", "e4m3"), ("fp8", "e4m3"), ("mxfp4", "e4m3"), ("mxfp4", "bf16-parts")])
+@pytest.mark.parametrize("fmt, mx", [("dense", "e4m3"), ("fp8", "e4m3"), ("mxfp4", "e4m3"), ("mxfp4", "bf16-parts"),
+                                     ("mxfp4", "bf16-frag")])
 def test_moe_experts_split_k(fmt, mx):
     """Split-K (the decode's few-row steps): K cut unevenly (5 K steps in 3 splits, the last one
     short), the last split of each tile adds the partials in split order and applies the epilogue
@@ -147,6 +148,8 @@ def test_moe_experts_split_k(fmt, mx):
     from kernels import semaphores
 
     T, D, I, E, k = 3, 320, 192, 8, 2  # the interpreter's BLOCK_K 64: 5 K steps for gate_up, 3 for down
+    if mx == "bf16-frag":  # its 128-wide K steps: 3 for gate_up (one a split), 2 for down
+        D, I = 384, 256
     g = torch.Generator().manual_seed(7)
     x = torch.randn(T, D, generator=g).to(torch.bfloat16)
     raw = [torch.randn(E, I, D, generator=g) / D**0.5, torch.randn(E, I, D, generator=g) / D**0.5,
@@ -273,3 +276,28 @@ def test_mega_gate_aligns_the_pairs_in_its_launch(T, hashed):
     assert torch.equal(gw, want_w) and torch.equal(gi, want_i)
     for got, want in zip(layout, moe_align_fused(gi, E, 16)):
         assert torch.equal(got, want)
+
+
+def test_the_moe_frag_variant_takes_the_frag_decode(monkeypatch):
+    """DSV4_VARIANTS=moe_frag: the tables' integer bf16 decode becomes "bf16-frag" (activations and h in the MMA's K
+    order), the same result as the reference; K off the 128-wide step (I = 160 here) keeps the bf16 decode."""
+    from kernels import variants
+
+    seen = []
+    real = fused_moe._tiles
+    monkeypatch.setattr(fused_moe, "_tiles", lambda cfg, *a: seen.append(cfg["MX"]) or real(cfg, *a))
+    monkeypatch.setattr(variants, "_on", frozenset({"moe_frag"}))
+    T, D, I, E, k = 4, 256, 160, 8, 2
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    w1, s1 = _stored_experts(torch.randn(E, I, D, generator=g) / D**0.5, "mxfp4")
+    w3, s3 = _stored_experts(torch.randn(E, I, D, generator=g) / D**0.5, "mxfp4")
+    w2, s2 = _stored_experts(torch.randn(E, D, I, generator=g) / I**0.5, "mxfp4")
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g).to(torch.bfloat16)
+    want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, (s1, s3, s2))
+    got = moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, (s1, s3, s2))
+    assert (got.float() - want.float()).abs().max() <= 3e-2 * max(want.abs().max().item(), 1.0)
+    assert seen == ["bf16-frag", "bf16-frag"]
+    assert fused_moe._tiles({"BLOCK_N": 32, "BLOCK_K": 64, "MX": "bf16-frag"}, 2, torch.bfloat16, 160)["MX"] == 2
+    assert fused_moe._tiles({"BLOCK_N": 32, "BLOCK_K": 64, "MX": "bf16-frag"}, 2, torch.bfloat16, 256)["MX"] == 4
