@@ -138,8 +138,10 @@ def moe_candidates(rows: int, fmt: str, experts: int = 256) -> list[dict]:
                  (64, 128, 64, 8, 3, "e4m3") if rows <= 4096 else (128, 64, 128, 4, 3, "e4m3"))[:4 if fmt == "mxfp4" else 3]
         cfgs = [{"BLOCK_M": bm, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st,
                  **({"MX": mx} if fmt == "mxfp4" else {})} for bm, n, k, w, st, mx in tiles]
-        if fmt == "mxfp4":  # the integer bf16 decode on the e4m3 winner's tiles
-            cfgs.append({**cfgs[-1], "MX": "bf16"})
+        if fmt == "mxfp4":  # the integer bf16 decode on the e4m3 winner's tiles, and straight into the MMA's registers
+            # on the table's two prefill tiles (128-row / 4 warps: no spill where "bf16" spills 56 bytes, sm_90 offline)
+            cfgs += [{**cfgs[-1], "MX": "bf16"}, {**cfgs[-1], "MX": "bf16-frag"},
+                     {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "MX": "bf16-frag"}]
     return [{"gate_up": c, "down": c} for c in cfgs]
 
 
