@@ -18,6 +18,7 @@ V41_CKPT = "{ckpt}/v41-flash-shaped-fp8-fp4"
 DEPTH_CKPT = "{ckpt}/flash-depth-fp8-fp4"
 SWITCH_CKPT = "{{ckpt}}/flash-depth-e{e}-fp8-fp4"  # one per expert count, removed after its step
 SWITCHES = DEPTH[:-1] + ',"cudagraph_mode":"FULL_DECODE_ONLY"}'  # decode graphs only: no mixed-step captures to wait for
+MOE_FRAG_CONFIGS = "pdl,moe_frag=pdl:1+var:rope_tiles/moe_frag"  # today's decode, then with the MoE's frag decode
 DSPARK_CKPT = "{ckpt}/flash-depth-0731-fp8-fp4"  # V4-Flash depth with 0731's DSpark stages (16 experts)
 DSPARK_E64_CKPT = "{ckpt}/flash-depth-0731-e64-fp8-fp4"  # the same at 64 routed experts
 SHAPED_CKPT = "{ckpt}/flash-shaped-fp8-fp4"  # V4-Flash's layers, 4 of them, as shipped (FP8 + MXFP4)
@@ -255,6 +256,20 @@ SUITE_LIST = [
            Step("tools.bench_decode_switches", ("--model", SWITCH_CKPT.format(e=64), "--configs", "base,pdl,fuse,all",
                                                 "--engine-args", SWITCHES, "--label", "e64"), name="e64",
                 then_remove="flash-depth-e64-*", timeout_s=400))),
+    Suite("decode_moe_frag", "At V4-Flash depth as shipped (16 experts), what does the MoE's MXFP4 decode straight into "
+          "the tensor cores' operand registers (kernel variant moe_frag, kernels/fused_dequant.mxfp4_frag_tile) save "
+          "per decode step at batch 1 / 32 / 150 against today's decode (PDL on both), with the same logits?",
+          (checkpoint(SWITCH_CKPT.format(e=16), "flash-depth", "--override", '{"n_routed_experts":16}'),
+           Step("tools.bench_decode_switches", ("--model", SWITCH_CKPT.format(e=16), "--configs", MOE_FRAG_CONFIGS,
+                                                "--single-batches", "all", "--engine-args", SWITCHES, "--label", "e16"),
+                name="e16", then_remove="flash-depth-e16-*", timeout_s=420)),
+          notes="about 5 minutes on a fresh machine: a checkpoint (~30 s), an engine start with decode graphs "
+                "(~60-90 s), then per batch and config a graph capture and 24 steps"),
+    Suite("decode_moe_frag_e64", "The same at 64 routed experts (more experts a step touches at batch 32 / 150).",
+          (checkpoint(SWITCH_CKPT.format(e=64), "flash-depth", "--override", '{"n_routed_experts":64}'),
+           Step("tools.bench_decode_switches", ("--model", SWITCH_CKPT.format(e=64), "--configs", MOE_FRAG_CONFIGS,
+                                                "--single-batches", "all", "--engine-args", SWITCHES, "--label", "e64"),
+                name="e64", then_remove="flash-depth-e64-*", timeout_s=420))),
     Suite("pdl_paths", "With programmatic dependent launch on, does every served path give what it gives with PDL "
           "off, bit for bit (prefill eager and chunked, mixed-step graphs, decode graphs at batch 1 / 8 / 32, MTP "
           "verify / rollback / draft graphs, DSpark verify / plain-step / drafter / rollback graphs, sampled "

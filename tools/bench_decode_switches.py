@@ -6,11 +6,12 @@ that each switch set's logits agree with the first set's on the same input (exit
     python -m tools.bench_decode_switches --model CKPT [--batches 1,32,150] [--configs base,pdl,fuse,all,...]
                                           [--input-len 1024] [--steps 32] [--json OUT]   (suite decode_switches)
 
-A config is NAME or NAME=pdl:0|1+fuse:LIST (LIST: fusion names joined by '/', "all" or "none");
-the named ones: base (PDL off, no fusion), pdl, fuse (every fusion), all (both), and one per fusion
-(`mega_mhc`, ... : that fusion alone, PDL off; at --single-batches only). Per batch the requests are prefilled once; per config
-the batch's decode graph is captured again under the config's switches, then `steps` engine steps
-are timed (kernels/pdl.py and kernels/fusions.py are read at capture). The floor is
+A config is NAME or NAME=pdl:0|1+fuse:LIST+var:LIST (LIST: names joined by '/', "all" or "none"; var: the kernel
+variants of kernels/variants.py, their default set where a config does not name them); the named ones: base (PDL
+off, no fusion), pdl, fuse (every fusion), all (both), and one per fusion (`mega_mhc`, ... : that fusion alone, PDL
+off; at --single-batches only). Per batch the requests are prefilled once; per config the batch's decode graph is
+captured again under the config's switches, then `steps` engine steps are timed (kernels/pdl.py, kernels/fusions.py
+and kernels/variants.py are read at capture). The floor is
 tools.bench_engine.decode_floors' (weights a step reads / copy bandwidth).
 """
 
@@ -27,38 +28,46 @@ import torch
 from benchmarks.suites import DEPTH
 from engine.llm import LLM
 from engine.request import GenerationRequest, SamplingParams
-from kernels import fusions, pdl
+from kernels import fusions, pdl, variants
 from tools.bench_engine import decode_floors, random_prompts
 from tools.kernel_device import sync
 
 LOGITS_TOL = 3e-2  # max |difference| / max |logit| between switch sets: 0 where the arithmetic is the same (PDL)
 
 
-def parse_config(spec: str) -> tuple[str, bool, tuple[str, ...]]:
-    """'NAME' or 'NAME=pdl:1+fuse:a/b' -> (name, pdl, fusions)."""
+def _names(val: str, every: tuple[str, ...]) -> tuple[str, ...]:
+    return every if val == "all" else () if val in ("", "none") else tuple(val.split("/"))
+
+
+def parse_config(spec: str) -> tuple[str, bool, tuple[str, ...], tuple[str, ...]]:
+    """'NAME' or 'NAME=pdl:1+fuse:a/b+var:c/d' -> (name, pdl, fusions, kernel variants)."""
     name, _, body = spec.partition("=")
     if not body:
         named = {"base": (False, ()), "pdl": (True, ()), "fuse": (False, fusions.ALL), "all": (True, fusions.ALL)}
         named |= {f: (False, (f,)) for f in fusions.ALL}
         if name not in named:
-            raise ValueError(f"unknown config {name!r}: one of {', '.join(named)} or NAME=pdl:0|1+fuse:a/b")
-        return (name, *named[name])
-    on, fuse = False, ()
+            raise ValueError(f"unknown config {name!r}: one of {', '.join(named)} or NAME=pdl:0|1+fuse:a/b+var:c/d")
+        return (name, *named[name], variants.DEFAULT)
+    on, fuse, var = False, (), variants.DEFAULT
     for part in body.split("+"):
         key, _, val = part.partition(":")
         if key == "pdl":
             on = val == "1"
         elif key == "fuse":
-            fuse = fusions.ALL if val == "all" else () if val in ("", "none") else tuple(val.split("/"))
+            fuse = _names(val, fusions.ALL)
+        elif key == "var":
+            var = _names(val, variants.ALL)
         else:
-            raise ValueError(f"config {spec!r}: parts are pdl:0|1 and fuse:LIST")
-    fusions.set_fusions(fuse)  # validates the names
-    return name, on, fuse
+            raise ValueError(f"config {spec!r}: parts are pdl:0|1, fuse:LIST and var:LIST")
+    fusions.parse(",".join(fuse))  # validates the names
+    fusions.parse(",".join(var), variants.ALL, "kernel variants")
+    return name, on, fuse, var
 
 
-def apply(on: bool, fuse: tuple[str, ...]) -> None:
+def apply(on: bool, fuse: tuple[str, ...], var: tuple[str, ...] = variants.DEFAULT) -> None:
     pdl.set_enabled(on)
     fusions.set_fusions(fuse)
+    variants.set_variants(var)
 
 
 def recapture(runner, size: int) -> None:
@@ -108,7 +117,8 @@ def time_steps(eng, steps: int) -> float:
     return (time.perf_counter() - t) / steps * 1e3
 
 
-def run(engine_args: dict, batches: list[int], configs: list[tuple[str, bool, tuple[str, ...]]], input_len: int,
+def run(engine_args: dict, batches: list[int], configs: list[tuple[str, bool, tuple[str, ...], tuple[str, ...]]],
+        input_len: int,
         steps: int, single_batches: set[int] | None = None) -> list[dict]:
     """single_batches: where the one-fusion configs (named after their fusion) run; None: every batch."""
     llm = LLM(**engine_args)
@@ -123,10 +133,10 @@ def run(engine_args: dict, batches: list[int], configs: list[tuple[str, bool, tu
         while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
             eng.step()
         eng.flush()
-        for name, on, fuse in configs:
+        for name, on, fuse, var in configs:
             if single_batches is not None and name in fusions.ALL and b not in single_batches:
                 continue
-            apply(on, fuse)
+            apply(on, fuse, var)
             try:
                 recapture(runner, size)
                 count, diff = None, None
@@ -140,7 +150,7 @@ def run(engine_args: dict, batches: list[int], configs: list[tuple[str, bool, tu
                 rows.append({"batch": b, "config": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                 eng.flush()
                 continue
-            row = {"batch": b, "config": name, "pdl": on, "fusions": list(fuse), "step_ms": ms}
+            row = {"batch": b, "config": name, "pdl": on, "fusions": list(fuse), "variants": list(var), "step_ms": ms}
             if count is not None:
                 row |= {"kernels_per_step": count, "kernels_per_layer": count / layers}
             extra = f", {count} kernels ({count / layers:.1f} per layer)" if count is not None else ""
