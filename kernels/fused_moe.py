@@ -12,8 +12,10 @@ faster (quant_configs.moe_block_m).
 
 Stored expert formats (W_FMT): 0 dense, 1 FP8 e4m3 with 128x128 block scales (Base), 2 MXFP4
 (V4-Flash), decoded in registers (kernels/fused_dequant.py: config "MX": "e4m3", the e4m3 bit
-placement, or "bf16", integer ops straight to bf16), or on the GPU with bf16 activations ("scaled")
-handed packed to tl.dot_scaled. Tiles: kernels/quant_configs.py.
+placement, or "bf16", integer ops straight to bf16; "bf16-frag", the same decode landing in the MMA's
+operand registers, the MMA's K order permuted within each 128-wide step, the activations and h in that
+order), or on the GPU with bf16 activations ("scaled") handed packed to tl.dot_scaled. Tiles:
+kernels/quant_configs.py.
 
 Prefill calls whose experts average enough rows go to kernels/moe_grouped.py instead (the experts unpacked to
 bf16, then torch's grouped GEMM; quant_configs.moe_grouped says when).
