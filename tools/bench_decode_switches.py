@@ -7,7 +7,8 @@ that each switch set's logits agree with the first set's on the same input (exit
                                           [--input-len 1024] [--steps 32] [--json OUT]   (suite decode_switches)
 
 A config is NAME or NAME=pdl:0|1+fuse:LIST+var:LIST (LIST: names joined by '/', "all" or "none"; var: the kernel
-variants of kernels/variants.py, their default set where a config does not name them); the named ones: base (PDL
+variants of kernels/variants.py; where a config does not name them, the set the process started with: DSV4_VARIANTS
+or the default); the named ones: base (PDL
 off, no fusion), pdl, fuse (every fusion), all (both), and one per fusion (`mega_mhc`, ... : that fusion alone, PDL
 off; at --single-batches only). Per batch the requests are prefilled once; per config the batch's decode graph is
 captured again under the config's switches, then `steps` engine steps are timed (kernels/pdl.py, kernels/fusions.py
@@ -47,8 +48,8 @@ def parse_config(spec: str) -> tuple[str, bool, tuple[str, ...], tuple[str, ...]
         named |= {f: (False, (f,)) for f in fusions.ALL}
         if name not in named:
             raise ValueError(f"unknown config {name!r}: one of {', '.join(named)} or NAME=pdl:0|1+fuse:a/b+var:c/d")
-        return (name, *named[name], variants.DEFAULT)
-    on, fuse, var = False, (), variants.DEFAULT
+        return (name, *named[name], variants.enabled())
+    on, fuse, var = False, (), variants.enabled()
     for part in body.split("+"):
         key, _, val = part.partition(":")
         if key == "pdl":
@@ -64,7 +65,7 @@ def parse_config(spec: str) -> tuple[str, bool, tuple[str, ...], tuple[str, ...]
     return name, on, fuse, var
 
 
-def apply(on: bool, fuse: tuple[str, ...], var: tuple[str, ...] = variants.DEFAULT) -> None:
+def apply(on: bool, fuse: tuple[str, ...], var: tuple[str, ...]) -> None:
     pdl.set_enabled(on)
     fusions.set_fusions(fuse)
     variants.set_variants(var)
@@ -118,9 +119,9 @@ def time_steps(eng, steps: int) -> float:
 
 
 def run(engine_args: dict, batches: list[int], configs: list[tuple[str, bool, tuple[str, ...], tuple[str, ...]]],
-        input_len: int,
-        steps: int, single_batches: set[int] | None = None) -> list[dict]:
+        input_len: int, steps: int, single_batches: set[int] | None = None) -> list[dict]:
     """single_batches: where the one-fusion configs (named after their fusion) run; None: every batch."""
+    start_variants = variants.enabled()
     llm = LLM(**engine_args)
     eng = llm.engine
     runner, layers = eng.runner, eng.cfg.num_layers
@@ -162,7 +163,7 @@ def run(engine_args: dict, batches: list[int], configs: list[tuple[str, bool, tu
         for rid in list(eng.requests):
             eng.abort(rid)
         eng.flush()
-    apply(False, ())
+    apply(False, (), start_variants)
     return rows
 
 
@@ -179,7 +180,7 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     configs = [parse_config(c) for c in a.configs.split(",") if c]
-    apply(False, ())
+    apply(False, (), variants.enabled())
     batches = [int(b) for b in a.batches.split(",")]
     engine_args = {"model": a.model, **json.loads(a.engine_args)}
     floors = {f["batch"]: f for f in decode_floors(engine_args, batches)} if torch.cuda.is_available() else {}

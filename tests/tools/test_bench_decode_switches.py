@@ -12,7 +12,7 @@ from tools.bench_decode_switches import parse_config
 
 
 def test_configs_name_pdl_fusions_and_variants():
-    assert parse_config("pdl") == ("pdl", True, (), variants.DEFAULT)  # named configs keep the default variants
+    assert parse_config("pdl") == ("pdl", True, (), variants.enabled())  # unnamed: the variants the process has
     assert parse_config("frag=pdl:1+var:rope_tiles/moe_frag") == ("frag", True, (), ("rope_tiles", "moe_frag"))
     assert parse_config("plain=pdl:0+fuse:none+var:none") == ("plain", False, (), ())
     with pytest.raises(ValueError, match="unknown kernel variants"):
@@ -27,6 +27,6 @@ def test_a_cpu_run_reports_each_config_with_its_variants(tmp_path):
                     "--configs", "pdl,moe_frag=pdl:1+var:rope_tiles/moe_frag", "--engine-args", "{}", "--json", str(out)],
                    check=True, capture_output=True, timeout=300)
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["config"], r["variants"]) for r in rows] == [("pdl", list(variants.DEFAULT)),
+    assert [(r["config"], r["variants"]) for r in rows] == [("pdl", list(variants.enabled())),
                                                             ("moe_frag", ["rope_tiles", "moe_frag"])]
     assert all(r["logits_ok"] for r in rows)
