@@ -2,7 +2,9 @@
 instructions that say whether it took the fast paths (HGMMA: wgmma; HMMA: mma.sync; LDGSTS: cp.async, the
 pipeliner's loads; LDL / STL: spill traffic; BAR: barriers). Triton's wheel carries ptxas and cuobjdump. The local
 Triton may be newer than the GPU image's (3.9 here, 3.6 there): a guide to read before spending device time, not a
-measurement.
+measurement. The image's own compiler runs here too, and then registers match the GPU's (138 for the MoE's decode
+tile, as Nsight Compute measured, where 3.9 says 160): `pip download --no-deps triton==3.6.0`, unzip the wheel into
+DIR, run with PYTHONPATH=DIR:. (the compile needs no GPU; torch stays the venv's).
 
     python -m tools.sass_report kernels.fused_attention:_paged_attention_kernel \\
         --types '*bf16,*bf16,*fp32,*fp32,*fp32,*i64,*i64,*bf16,*i32,i32,*i64,*i32,i32,*i32,*fp32,fp32,i32,i32,i64' \\
