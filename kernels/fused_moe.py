@@ -104,7 +104,8 @@ def _expert_dot(w_ptr, s_ptr, e, n, k0, N, K, xt, W_FMT: tl.constexpr, BLOCK_N: 
     """Expert e's rows n over K step k0 @ xt [BLOCK_K, BM], float32. MX == 1 (MXFP4 "scaled", bf16 xt, GPU):
     the packed e2m1 bytes and ue8m0 bytes go to tl.dot_scaled as stored, which unpacks them to bf16
     with byte permutes and integer ops (no conversion-unit instructions, which bound the e4m3
-    placement at ~0.8 TB/s) and applies each 32-wide group's scale; loads stay 16-byte row-major."""
+    placement at ~0.8 TB/s) and applies each 32-wide group's scale; loads stay 16-byte row-major. MX >= 4
+    ("bf16-frag"): the tile decoded into the MMA's operand registers, its columns in the MMA's K order."""
     if W_FMT == 2 and MX >= 4:
         e64 = e.to(tl.int64)
         t = mxfp4_frag_tile(w_ptr + e64 * N * (K // 2), s_ptr + e64 * N * (K // 32), n, k0, N, K, BLOCK_N, _MX_ASM,
