@@ -24,6 +24,7 @@ bf16, then torch's grouped GEMM; quant_configs.moe_grouped says when).
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
@@ -47,7 +48,9 @@ from kernels.semaphores import semaphores, split_k_arrive, split_k_total
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
 MX_SCALED_OK = not _INTERPRET  # tl.dot_scaled for MXFP4 (tests set it to run the interpreter's dot_scaled)
 # MXFP4 decodes (config "MX"); "bf16-frag-one-mul": "bf16-frag" with one multiply a value pair, right only where every
-# scale byte is at most 128 (kernels/fused_dequant.py, _words_bf16): a candidate for the sweep, chosen by no table
+# scale byte is at most ONE_MUL_MAX_SCALE (kernels/fused_dequant.py, _words_bf16): the variant moe_frag takes it for
+# the weights whose bytes allow it (_frag_mode), no table names it
+ONE_MUL_MAX_SCALE = 128
 MX_MODES = {"e4m3": 0, "scaled": 1, "bf16": 2, "bf16-parts": 3, "bf16-frag": 4, "bf16-frag-one-mul": 5}
 GROUPED_OK = not _INTERPRET  # prefill through kernels/moe_grouped.py (tests set it to run that path on the CPU)
 _MX_ASM = tl.constexpr(not _INTERPRET)  # the "bf16" decode's PTX; the interpreter runs the same bit operations in Triton
@@ -292,6 +295,31 @@ def _opts(cfg: dict) -> dict:
     return {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3), **cap}
 
 
+_scale_max_cache: dict[int, tuple[weakref.ref, int | None, int]] = {}  # id(scale) -> (scale, its stamp, max)
+
+
+def _scale_max(s: torch.Tensor) -> int | None:
+    """The largest ue8m0 byte of an MXFP4 scale tensor, read once per weight (by tensor identity, again after an
+    in-place write); None while a CUDA graph captures a weight never read before (no sync inside a capture)."""
+    key = id(s)
+    stamp = None if s.is_inference() else s._version  # inference tensors keep no version counter
+    hit = _scale_max_cache.get(key)
+    if hit is not None and hit[0]() is s and hit[1] == stamp:
+        return hit[2]
+    if s.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    top = int(s.view(torch.uint8).max())
+    _scale_max_cache[key] = (weakref.ref(s, lambda _, k=key: _scale_max_cache.pop(k, None)), stamp, top)
+    return top
+
+
+def _frag_mode(part_scales: tuple) -> str:
+    """The variant moe_frag's decode for one part (its MXFP4 scale tensors): one multiply a value pair where every
+    scale byte allows it (exact there), else two."""
+    tops = [_scale_max(s) for s in part_scales]
+    return "bf16-frag-one-mul" if all(t is not None and t <= ONE_MUL_MAX_SCALE for t in tops) else "bf16-frag"
+
+
 def _tiles(cfg: dict, fmt: int, act_dtype: torch.dtype, k_in: int = 0, scale: torch.Tensor | None = None) -> dict:
     """The launch's tile constants; k_in: the part's K, scale: its MXFP4 scale bytes (the "bf16-frag" decode reads
     whole 128-wide K steps and each row's four scale bytes as one 32-bit word, else it takes the "bf16" decode)."""
@@ -358,7 +386,8 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, share
         return out if shared is None else shared.clone()
     cfg = config or quant_configs.moe_config(T, n_pairs, E, FORMAT_NAMES[fmt])
     if config is None and fmt == 2 and variants.on("moe_frag"):
-        cfg = {part: {**c, "MX": "bf16-frag"} if c.get("MX") == "bf16" else c for part, c in cfg.items()}
+        mode = {"gate_up": _frag_mode(scales[:2]), "down": _frag_mode(scales[2:])}
+        cfg = {part: {**c, "MX": mode[part]} if c.get("MX") == "bf16" else c for part, c in cfg.items()}
     bm = cfg["gate_up"]["BLOCK_M"]
     if cfg["down"]["BLOCK_M"] != bm:
         raise ValueError(f"MoE gate_up and down share one alignment: BLOCK_M {bm} != {cfg['down']['BLOCK_M']}")

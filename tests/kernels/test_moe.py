@@ -298,6 +298,20 @@ def test_the_moe_frag_variant_takes_the_frag_decode(monkeypatch):
     want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, (s1, s3, s2))
     got = moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, (s1, s3, s2))
     assert (got.float() - want.float()).abs().max() <= 3e-2 * max(want.abs().max().item(), 1.0)
-    assert seen == ["bf16-frag", "bf16-frag"]
+    assert seen == ["bf16-frag-one-mul", "bf16-frag-one-mul"]  # random weights' scale bytes are all <= 128
     assert fused_moe._tiles({"BLOCK_N": 32, "BLOCK_K": 64, "MX": "bf16-frag"}, 2, torch.bfloat16, 160)["MX"] == 2
     assert fused_moe._tiles({"BLOCK_N": 32, "BLOCK_K": 64, "MX": "bf16-frag"}, 2, torch.bfloat16, 256)["MX"] == 4
+
+
+def test_moe_frag_takes_one_multiply_only_where_every_scale_byte_allows_it():
+    """"bf16-frag-one-mul" is exact only while every ue8m0 byte is <= 128: a part with one byte past it keeps two
+    multiplies; the bytes are read once per weight and again after an in-place write."""
+    s = torch.full((4, 8, 2), 127, dtype=torch.uint8)
+    t = s.clone()
+    assert fused_moe._frag_mode((s, t)) == "bf16-frag-one-mul"
+    t[3, 7, 1] = 129
+    assert fused_moe._frag_mode((s, t)) == "bf16-frag"
+    t[3, 7, 1] = 128
+    assert fused_moe._frag_mode((t,)) == "bf16-frag-one-mul"
+    s[0, 0, 0] = 200  # written in place after its first read
+    assert fused_moe._frag_mode((s,)) == "bf16-frag"
