@@ -69,8 +69,11 @@ def test_mix_bf16x3_partials_are_fp32_exact_and_equal_the_tf32x3_kernel(T, D):
         got = hc_pre_fused(x, fn, base, scale, 1e-6, 1e-6, 20)
     finally:
         variants.set_variants(variants.DEFAULT)
-    size = exact.abs().amax(0)
-    assert ((new - exact).abs() / size).max() <= 1e-6 and ((new - today).abs() / size).max() <= 1e-6
+    # fp32 precision of a K-term sum: within K * 2^-24 of the sum of the terms' magnitudes (the worst-case bound;
+    # the summation order, which the interpreter's BLAS picks per machine, moves results inside it, not past it)
+    K = 4 * D
+    bound = K * 2.0**-24 * torch.cat([flat.abs() @ fn.double().abs().T, (flat * flat).sum(-1, keepdim=True)], -1)
+    assert ((new - exact).abs() <= bound).all() and ((new - today).abs() <= 2 * bound).all()
     for g, w in zip(got, ref.hc_pre(x, fn, base, scale, 1e-6, 1e-6, 20)):
         _close(g, w, x.dtype if g.dtype == x.dtype else torch.float32)
 
