@@ -48,8 +48,8 @@ from kernels.semaphores import semaphores, split_k_arrive, split_k_total
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
 MX_SCALED_OK = not _INTERPRET  # tl.dot_scaled for MXFP4 (tests set it to run the interpreter's dot_scaled)
 # MXFP4 decodes (config "MX"); "bf16-frag-one-mul": "bf16-frag" with one multiply a value pair, right only where every
-# scale byte is at most ONE_MUL_MAX_SCALE (kernels/fused_dequant.py, _words_bf16): the variant moe_frag takes it for
-# the weights whose bytes allow it (_frag_mode), no table names it
+# scale byte is at most ONE_MUL_MAX_SCALE (kernels/fused_dequant.py, _words_bf16): _tiles takes it only for weights
+# whose bytes allow it (two multiplies elsewhere), so the variant moe_frag and a sweep may ask for it anywhere
 ONE_MUL_MAX_SCALE = 128
 MX_MODES = {"e4m3": 0, "scaled": 1, "bf16": 2, "bf16-parts": 3, "bf16-frag": 4, "bf16-frag-one-mul": 5}
 GROUPED_OK = not _INTERPRET  # prefill through kernels/moe_grouped.py (tests set it to run that path on the CPU)
@@ -313,16 +313,18 @@ def _scale_max(s: torch.Tensor) -> int | None:
     return top
 
 
-def _frag_mode(part_scales: tuple) -> str:
-    """The variant moe_frag's decode for one part (its MXFP4 scale tensors): one multiply a value pair where every
-    scale byte allows it (exact there), else two."""
-    tops = [_scale_max(s) for s in part_scales]
-    return "bf16-frag-one-mul" if all(t is not None and t <= ONE_MUL_MAX_SCALE for t in tops) else "bf16-frag"
+def _one_mul_ok(scales: tuple) -> bool:
+    """Whether "bf16-frag-one-mul" is exact for a part: every ue8m0 byte of its scale tensors <= ONE_MUL_MAX_SCALE
+    (False where a byte is unknown: none given, or a capture reaching a weight never read)."""
+    tops = [_scale_max(s) for s in scales]
+    return bool(tops) and all(t is not None and t <= ONE_MUL_MAX_SCALE for t in tops)
 
 
-def _tiles(cfg: dict, fmt: int, act_dtype: torch.dtype, k_in: int = 0, scale: torch.Tensor | None = None) -> dict:
-    """The launch's tile constants; k_in: the part's K, scale: its MXFP4 scale bytes (the "bf16-frag" decode reads
-    whole 128-wide K steps and each row's four scale bytes as one 32-bit word, else it takes the "bf16" decode)."""
+def _tiles(cfg: dict, fmt: int, act_dtype: torch.dtype, k_in: int = 0, scales: tuple = ()) -> dict:
+    """The launch's tile constants; k_in: the part's K, scales: its MXFP4 scale tensors as stored (the "bf16-frag"
+    decode reads whole 128-wide K steps and each row's four scale bytes as one 32-bit word, else it takes the "bf16"
+    decode; one multiply a value pair only where every scale byte allows it, whoever asked for it: a table, the
+    variant moe_frag or a sweep)."""
     cfg = {**cfg, **(quant_configs.INTERPRET_MOE if _INTERPRET else {})}
     if fmt == 1 and 128 % cfg["BLOCK_K"] or fmt == 2 and cfg["BLOCK_K"] % 32:
         raise ValueError(f"MoE BLOCK_K {cfg['BLOCK_K']} does not fit the {FORMAT_NAMES[fmt]} scale blocks")
@@ -335,8 +337,10 @@ def _tiles(cfg: dict, fmt: int, act_dtype: torch.dtype, k_in: int = 0, scale: to
     if mx == "bf16-parts" and fmt == 2:  # one K-16 MMA per part: the parts are BLOCK_K / 8 wide
         cfg = {**cfg, "BLOCK_K": max(cfg["BLOCK_K"], 128)}
     if mx.startswith("bf16-frag") and fmt == 2:
-        frag = k_in % 128 == 0 and cfg["BLOCK_N"] % 16 == 0 and (scale is None or scale.data_ptr() % 4 == 0)
+        frag = k_in % 128 == 0 and cfg["BLOCK_N"] % 16 == 0 and all(s.data_ptr() % 4 == 0 for s in scales)
         cfg, mx = ({**cfg, "BLOCK_K": 128}, mx) if frag else (cfg, "bf16")
+        if mx == "bf16-frag-one-mul" and not _one_mul_ok(scales):
+            mx = "bf16-frag"
     return {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "MX": MX_MODES[mx] if fmt == 2 else 0, **_opts(cfg)}
 
 
@@ -385,13 +389,13 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, share
     if n_pairs == 0:
         return out if shared is None else shared.clone()
     cfg = config or quant_configs.moe_config(T, n_pairs, E, FORMAT_NAMES[fmt])
-    if config is None and fmt == 2 and variants.on("moe_frag"):
-        mode = {"gate_up": _frag_mode(scales[:2]), "down": _frag_mode(scales[2:])}
-        cfg = {part: {**c, "MX": mode[part]} if c.get("MX") == "bf16" else c for part, c in cfg.items()}
+    if config is None and fmt == 2 and variants.on("moe_frag"):  # one multiply where the scales allow it (_tiles)
+        cfg = {part: {**c, "MX": "bf16-frag-one-mul"} if c.get("MX") == "bf16" else c for part, c in cfg.items()}
     bm = cfg["gate_up"]["BLOCK_M"]
     if cfg["down"]["BLOCK_M"] != bm:
         raise ValueError(f"MoE gate_up and down share one alignment: BLOCK_M {bm} != {cfg['down']['BLOCK_M']}")
-    gu, dn = _tiles(cfg["gate_up"], fmt, x.dtype, D, s1), _tiles(cfg["down"], fmt, x.dtype, I, s2)
+    stored = tuple(scales) if fmt == 2 else (None,) * 3  # by identity: the byte check is cached per weight
+    gu, dn = _tiles(cfg["gate_up"], fmt, x.dtype, D, stored[:2]), _tiles(cfg["down"], fmt, x.dtype, I, stored[2:])
     x = x if x.is_contiguous() else x.contiguous()
     x_in = to_frag_order(x) if gu["MX"] >= 4 else x  # the "bf16-frag" decode's K order (kernels/fused_dequant.py)
     rw = weights.reshape(-1)

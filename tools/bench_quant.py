@@ -2,6 +2,7 @@
 launch configurations per shape, timed against floors; prints the winners.
 
     python -m tools.bench_quant [--json OUT/quant.json] [--quick] [--budget S]   (suite kernels_quant)
+    python -m tools.bench_quant --mx-ab ...   the MXFP4 MoE only: the table's tile against its frag decodes
     python -m tools.bench_quant --v41 ...   DeepSeek-V4.1-Flash's FP8 linears, 32x32 tiles (suite kernels_fp8)
     python -m tools.bench_quant --write-configs ...   also merges the winners into kernels/configs/*.json
 
@@ -92,6 +93,21 @@ def linear_candidates(m: int) -> list[dict]:
     out += [{"variant": "mma", "BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": w, "num_stages": st}
             for bm, bn, w, st in mma]
     return out
+
+
+# --mx-ab: the table's MXFP4 tile against the same tile decoding into the MMA's operand registers, two multiplies and
+# one a value pair (kernels/fused_dequant.py: mxfp4_frag_tile, _words_bf16)
+MX_AB_MODES = ("bf16-frag", "bf16-frag-one-mul")
+
+
+def moe_ab_candidates(rows: int, experts: int = 256) -> list[dict]:
+    """--mx-ab's candidates: the engine's table tile for this call (quant_configs.moe_config), then the same tile with
+    each of MX_AB_MODES."""
+    from kernels import quant_configs
+
+    table = quant_configs.moe_config(rows, rows * MOE_SHAPE["k"], experts, "mxfp4")
+    return [table, *({part: {**c, "MX": mode} if c.get("MX") == "bf16" else c for part, c in table.items()}
+                     for mode in MX_AB_MODES)]
 
 
 def moe_candidates(rows: int, fmt: str, experts: int = 256) -> list[dict]:
@@ -423,7 +439,8 @@ def measure_moe(case: dict, device, deadline: float) -> dict:
     w, idx = routings[0]
     hit = int(torch.unique(idx).numel())
     want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, scales)
-    res = _sweep(case, moe_candidates(m, case["fmt"], E),
+    candidates = moe_ab_candidates(m, E) if case.get("ab") else moe_candidates(m, case["fmt"], E)
+    res = _sweep(case, candidates,
                  lambda cfg: moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales, config=cfg), want, lambda cfg: 3e-2,
                  lambda cfg: [functools.partial(moe_experts_fused, x, w1, w3, w2, rw, ri, 10.0, scales, config=cfg)
                               for rw, ri in routings], deadline)
@@ -436,6 +453,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="two linear shapes, one prefill size")
     ap.add_argument("--budget", type=float, default=220.0, help="seconds after which remaining candidates are skipped")
     ap.add_argument("--moe-only", action="store_true", help="only the MoE cases (MXFP4 and FP8 experts)")
+    ap.add_argument("--mx-ab", action="store_true",
+                    help="only the MXFP4 MoE, each shape's table tile against MX_AB_MODES on it (each checked against "
+                         "the reference; the other kernels' check skipped): a quick A/B")
     ap.add_argument("--v41", action="store_true", help="DeepSeek-V4.1-Flash's FP8 linears in 32x32 tiles instead")
     ap.add_argument("--write-configs", action="store_true",
                     help="merge the winners into the tuned tables, kernels/configs/*.json (kernels/tuned_configs.py)")
@@ -448,12 +468,16 @@ def main() -> int:
     device = torch.device("cuda")
     start = time.perf_counter()
     deadline = start + args.budget
-    failures = check(device)
-    print(f"check: {'OK' if not failures else 'FAILED'} ({time.perf_counter() - start:.1f} s)", flush=True)
+    failures = [] if args.mx_ab else check(device)
+    print(f"check: {'skipped (--mx-ab)' if args.mx_ab else 'OK' if not failures else 'FAILED'} "
+          f"({time.perf_counter() - start:.1f} s)", flush=True)
     for f in failures:
         print("  MISMATCH", f, flush=True)
     results = []
-    for case in [c for c in cases(args.quick, args.v41) if c["op"] == "moe" or not args.moe_only]:
+    todo = [c for c in cases(args.quick, args.v41) if c["op"] == "moe" or not args.moe_only]
+    if args.mx_ab:
+        todo = [{**c, "ab": True} for c in todo if c["op"] == "moe" and c["fmt"] == "mxfp4"]
+    for case in todo:
         t0 = time.perf_counter()
         try:
             r = (measure_linear if case["op"] == "fp8_linear" else measure_moe)(case, device, deadline)

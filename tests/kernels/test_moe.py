@@ -280,12 +280,13 @@ def test_mega_gate_aligns_the_pairs_in_its_launch(T, hashed):
 
 def test_the_moe_frag_variant_takes_the_frag_decode(monkeypatch):
     """DSV4_VARIANTS=moe_frag: the tables' integer bf16 decode becomes "bf16-frag" (activations and h in the MMA's K
-    order), the same result as the reference; K off the 128-wide step (I = 160 here) keeps the bf16 decode."""
+    order; one multiply a value pair, as these scale bytes allow), the same result as the reference; K off the
+    128-wide step (I = 160 here) keeps the bf16 decode."""
     from kernels import variants
 
     seen = []
     real = fused_moe._tiles
-    monkeypatch.setattr(fused_moe, "_tiles", lambda cfg, *a: seen.append(cfg["MX"]) or real(cfg, *a))
+    monkeypatch.setattr(fused_moe, "_tiles", lambda cfg, *a: seen.append(real(cfg, *a)["MX"]) or real(cfg, *a))
     monkeypatch.setattr(variants, "_on", frozenset({"moe_frag"}))
     T, D, I, E, k = 4, 256, 160, 8, 2
     g = torch.Generator().manual_seed(11)
@@ -298,20 +299,23 @@ def test_the_moe_frag_variant_takes_the_frag_decode(monkeypatch):
     want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, (s1, s3, s2))
     got = moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, (s1, s3, s2))
     assert (got.float() - want.float()).abs().max() <= 3e-2 * max(want.abs().max().item(), 1.0)
-    assert seen == ["bf16-frag-one-mul", "bf16-frag-one-mul"]  # random weights' scale bytes are all <= 128
+    assert seen == [fused_moe.MX_MODES["bf16-frag-one-mul"], fused_moe.MX_MODES["bf16"]]  # down's K: I = 160
     assert fused_moe._tiles({"BLOCK_N": 32, "BLOCK_K": 64, "MX": "bf16-frag"}, 2, torch.bfloat16, 160)["MX"] == 2
     assert fused_moe._tiles({"BLOCK_N": 32, "BLOCK_K": 64, "MX": "bf16-frag"}, 2, torch.bfloat16, 256)["MX"] == 4
 
 
 def test_moe_frag_takes_one_multiply_only_where_every_scale_byte_allows_it():
-    """"bf16-frag-one-mul" is exact only while every ue8m0 byte is <= 128: a part with one byte past it keeps two
-    multiplies; the bytes are read once per weight and again after an in-place write."""
+    """"bf16-frag-one-mul" is exact only while every ue8m0 byte is <= 128: whoever asks for it (the variant, a table,
+    a sweep), a part with one byte past it, or no scales to read, gets two multiplies; the bytes are read once per
+    weight and again after an in-place write."""
+    cfg, mode = {"BLOCK_N": 32, "BLOCK_K": 64, "MX": "bf16-frag-one-mul"}, fused_moe.MX_MODES
     s = torch.full((4, 8, 2), 127, dtype=torch.uint8)
     t = s.clone()
-    assert fused_moe._frag_mode((s, t)) == "bf16-frag-one-mul"
+    assert fused_moe._tiles(cfg, 2, torch.bfloat16, 256, (s, t))["MX"] == mode["bf16-frag-one-mul"]
     t[3, 7, 1] = 129
-    assert fused_moe._frag_mode((s, t)) == "bf16-frag"
+    assert fused_moe._tiles(cfg, 2, torch.bfloat16, 256, (s, t))["MX"] == mode["bf16-frag"]
     t[3, 7, 1] = 128
-    assert fused_moe._frag_mode((t,)) == "bf16-frag-one-mul"
+    assert fused_moe._tiles(cfg, 2, torch.bfloat16, 256, (t,))["MX"] == mode["bf16-frag-one-mul"]
     s[0, 0, 0] = 200  # written in place after its first read
-    assert fused_moe._frag_mode((s,)) == "bf16-frag"
+    assert fused_moe._tiles(cfg, 2, torch.bfloat16, 256, (s,))["MX"] == mode["bf16-frag"]
+    assert fused_moe._tiles(cfg, 2, torch.bfloat16, 256)["MX"] == mode["bf16-frag"]
