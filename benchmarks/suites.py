@@ -520,6 +520,12 @@ SUITE_LIST = [
     Suite("kernels_mxfp4", "How close do the MoE kernels (MXFP4 and FP8 experts) come to their floors at decode "
           "and prefill sizes, per launch config?",
           (Step("tools.bench_quant", ("--moe-only", "--budget", "330"), timeout_s=400),)),
+    Suite("kernels_mx_ab", "Does the MXFP4 MoE decoding straight into the tensor cores' operand registers "
+          "(bf16-frag, two multiplies a value pair or one) beat the engine's table tile on the same launch, at decode "
+          "(1 / 32 / 150 rows; 16 experts, then 256) and prefill (2048 / 8192 tokens), each checked against the "
+          "reference first?",
+          (Step("tools.bench_quant", ("--mx-ab", "--budget", "150"), timeout_s=220),),
+          notes="about 3 minutes; the quick A/B before decode_moe_frag (the same decode at depth, in the engine)"),
     Suite("kernels_quant", "The FP8 GEMM and MoE launch-config sweep: every candidate checked against the torch "
           "reference, timed in CUDA-graph replays against max(bytes, FLOPs) floors.",
           (Step("tools.bench_quant", ("--budget", "220"), timeout_s=300),)),
