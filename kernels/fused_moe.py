@@ -320,6 +320,12 @@ def _one_mul_ok(scales: tuple) -> bool:
     return bool(tops) and all(t is not None and t <= ONE_MUL_MAX_SCALE for t in tops)
 
 
+def with_mx(cfg: dict, mode: str) -> dict:
+    """A {"gate_up", "down"} config whose integer bf16 MXFP4 decodes ("MX": "bf16", what the tables pick) take `mode`
+    instead (the variant moe_frag; bench_quant --mx-ab's candidates)."""
+    return {part: {**c, "MX": mode} if c.get("MX") == "bf16" else c for part, c in cfg.items()}
+
+
 def _tiles(cfg: dict, fmt: int, act_dtype: torch.dtype, k_in: int = 0, scales: tuple = ()) -> dict:
     """The launch's tile constants; k_in: the part's K, scales: its MXFP4 scale tensors as stored (the "bf16-frag"
     decode reads whole 128-wide K steps and each row's four scale bytes as one 32-bit word, else it takes the "bf16"
@@ -390,7 +396,7 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, share
         return out if shared is None else shared.clone()
     cfg = config or quant_configs.moe_config(T, n_pairs, E, FORMAT_NAMES[fmt])
     if config is None and fmt == 2 and variants.on("moe_frag"):  # one multiply where the scales allow it (_tiles)
-        cfg = {part: {**c, "MX": "bf16-frag-one-mul"} if c.get("MX") == "bf16" else c for part, c in cfg.items()}
+        cfg = with_mx(cfg, "bf16-frag-one-mul")
     bm = cfg["gate_up"]["BLOCK_M"]
     if cfg["down"]["BLOCK_M"] != bm:
         raise ValueError(f"MoE gate_up and down share one alignment: BLOCK_M {bm} != {cfg['down']['BLOCK_M']}")

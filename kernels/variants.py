@@ -17,7 +17,7 @@ Read at every call: CUDA graphs captured after a change follow it.
   cores' operand registers instead ("bf16-frag", kernels/fused_dequant.mxfp4_frag_tile): no round trip of the
   decoded tile through shared memory, the activations and the hidden h in the MMA's K order; one multiply a value
   pair instead of two for the weights whose scale bytes are all <= 128 (checked once per weight: kernels/fused_moe.py
-  _frag_mode; every real checkpoint's, whose weights are far under 12 in magnitude).
+  _tiles; every real checkpoint's, whose weights are far under 12 in magnitude).
 """
 
 from __future__ import annotations

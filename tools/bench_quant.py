@@ -104,10 +104,10 @@ def moe_ab_candidates(rows: int, experts: int = 256) -> list[dict]:
     """--mx-ab's candidates: the engine's table tile for this call (quant_configs.moe_config), then the same tile with
     each of MX_AB_MODES."""
     from kernels import quant_configs
+    from kernels.fused_moe import with_mx
 
     table = quant_configs.moe_config(rows, rows * MOE_SHAPE["k"], experts, "mxfp4")
-    return [table, *({part: {**c, "MX": mode} if c.get("MX") == "bf16" else c for part, c in table.items()}
-                     for mode in MX_AB_MODES)]
+    return [table, *(with_mx(table, mode) for mode in MX_AB_MODES)]
 
 
 def moe_candidates(rows: int, fmt: str, experts: int = 256) -> list[dict]:
