@@ -24,7 +24,6 @@ bf16, then torch's grouped GEMM; quant_configs.moe_grouped says when).
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 import triton
@@ -43,6 +42,7 @@ from kernels.fused_dequant import (
 from kernels.fused_moe_align import moe_align_fused
 from kernels.moe_grouped import moe_experts_grouped
 from kernels.pdl import wait_and_release
+from kernels.per_weight import PerWeight
 from kernels.semaphores import semaphores, split_k_arrive, split_k_total
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # bf16 tl.dot is wrong in the interpreter
@@ -295,22 +295,16 @@ def _opts(cfg: dict) -> dict:
     return {"num_warps": cfg.get("num_warps", 4), "num_stages": cfg.get("num_stages", 3), **cap}
 
 
-_scale_max_cache: dict[int, tuple[weakref.ref, int | None, int]] = {}  # id(scale) -> (scale, its stamp, max)
+_scale_max_of = PerWeight()
 
 
 def _scale_max(s: torch.Tensor) -> int | None:
-    """The largest ue8m0 byte of an MXFP4 scale tensor, read once per weight (by tensor identity, again after an
-    in-place write); None while a CUDA graph captures a weight never read before (no sync inside a capture)."""
-    key = id(s)
-    stamp = None if s.is_inference() else s._version  # inference tensors keep no version counter
-    hit = _scale_max_cache.get(key)
-    if hit is not None and hit[0]() is s and hit[1] == stamp:
-        return hit[2]
-    if s.is_cuda and torch.cuda.is_current_stream_capturing():
-        return None
-    top = int(s.view(torch.uint8).max())
-    _scale_max_cache[key] = (weakref.ref(s, lambda _, k=key: _scale_max_cache.pop(k, None)), stamp, top)
-    return top
+    """The largest ue8m0 byte of an MXFP4 scale tensor, read once per weight (kernels/per_weight.py); None while a
+    CUDA graph captures a weight never read before (no sync inside a capture)."""
+    hit = _scale_max_of.get(s)
+    if hit is not None or (s.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return hit
+    return _scale_max_of.put(s, int(s.view(torch.uint8).max()))
 
 
 def _one_mul_ok(scales: tuple) -> bool:

@@ -7,7 +7,6 @@ Each `*_fused` function has the signature of its torch reference in kernels/refe
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +15,7 @@ import triton.language as tl
 
 from kernels import pdl, quant_configs, variants
 from kernels.pdl import wait_and_release
+from kernels.per_weight import PerWeight
 from kernels.semaphores import semaphores
 
 # --- RMSNorm ----------------------------------------------------------------------------------
@@ -290,25 +290,21 @@ def _mix_grid(T: int, K: int, tiles: MixTiles) -> tuple[int, int]:
     return triton.cdiv(K, k_split), k_split
 
 
-_pieces_cache: dict[int, tuple[weakref.ref, tuple, torch.Tensor]] = {}  # id(fn) -> (fn, its stamp, pieces)
+_pieces = PerWeight()
 
 
 def mix_pieces(fn: torch.Tensor, pieces: int = 3) -> torch.Tensor:
     """fn [24, K] (fp32) as bf16 pieces [pieces, 24, K], largest first, each the rounded remainder of the ones
-    before: their fp32 sum is fn to within its last bit (three pieces). Split once per weight (by tensor identity,
+    before: their fp32 sum is fn to within its last bit (three pieces). Split once per weight (kernels/per_weight.py:
     again when it is written in place): the mixing weights do not change between steps."""
-    key = id(fn)
-    stamp = (None if fn.is_inference() else fn._version, pieces)  # inference tensors keep no version counter
-    hit = _pieces_cache.get(key)
-    if hit is not None and hit[0]() is fn and hit[1] == stamp:
-        return hit[2]
+    hit = _pieces.get(fn, pieces)
+    if hit is not None:
+        return hit
     rest, out = fn.float(), []
     for _ in range(pieces):
         out.append(rest.to(torch.bfloat16))
         rest = rest - out[-1].float()
-    split = torch.stack(out).contiguous()
-    _pieces_cache[key] = (weakref.ref(fn, lambda _, k=key: _pieces_cache.pop(k, None)), stamp, split)
-    return split
+    return _pieces.put(fn, torch.stack(out).contiguous(), pieces)
 
 
 def _hc_mix_partials(x, fn, tiles: MixTiles | None = None):
