@@ -11,6 +11,12 @@ DIR, run with PYTHONPATH=DIR:. (the compile needs no GPU; torch stays the venv's
         --const BS=128,RATIO=4,PER_BLOCK=32,HD=512,BLOCK_H=64,BLOCK_N=64,BLOCK_D=512,MODE=2,TOPK=512,NSPLIT=1,DOT_F32=False \\
         --div16 H,W,COMP_OFF --warps 8 --stages 2
 
+    python -m tools.sass_report kernels.fused_moe:_gate_up_kernel --loop \\
+        --types '*bf16,*u8,*u8,*u8,*u8,*bf16,*fp32,*i32,*i32,*i32,*i32,*i32,i32,i32,i32,fp32,i32,i32' \\
+        --const W_FMT=2,BLOCK_M=16,BLOCK_N=64,BLOCK_K=128,DOT_F32=False,MX=4,SPLITS=4,H_FRAG=False,PDL=True \\
+        --div16 D,I,K_SPLIT --warps 4 --stages 3      (the MoE's one-row "bf16-frag" decode: 590 a K step, Triton 3.6)
+
+--loop: the longest loop's instructions by opcode (a K step's cost per thread).
 --types: the non-constexpr arguments in order; pointers are taken as 16-byte aligned (as the launcher specializes
 them on the GPU), and so are the integer arguments named in --div16 (without that hint the loads compile scalar).
 """
@@ -23,6 +29,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 COUNTED = ("HGMMA", "HMMA", "LDGSTS", "LDL", "STL", "BAR")
@@ -41,22 +48,39 @@ def compile_sm90(kernel, types: list[str], consts: dict, div16: set[str], warps:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
-def report(cubin: bytes) -> dict:
-    """Registers, stack bytes and instruction counts of one compiled kernel."""
+_INSTR = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(.*)$", flags=re.M)
+
+
+def _cuobjdump(cubin: bytes, flag: str) -> str:
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([str(tool), "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
-    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, flags=re.M)
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def report(cubin: bytes) -> dict:
+    """Registers, stack bytes and instruction counts of one compiled kernel."""
+    usage = _cuobjdump(cubin, "--dump-resource-usage")
+    ops = [m.group(2) for m in _INSTR.finditer(_cuobjdump(cubin, "--dump-sass"))]
     out = {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
            "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1))}
     out.update({op: sum(o == op for o in ops) for op in COUNTED})
     return out
+
+
+def main_loop(cubin: bytes) -> Counter:
+    """The instructions of the kernel's longest loop (the span of its longest backward branch: a K loop's step),
+    by opcode: what one step costs each thread."""
+    instrs = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in _INSTR.finditer(_cuobjdump(cubin, "--dump-sass"))]
+    spans = [(int(b.group(1), 16), at) for at, op, rest in instrs if op == "BRA"
+             for b in [re.search(r"(0x[0-9a-f]+)", rest)] if b and int(b.group(1), 16) < at]
+    if not spans:
+        return Counter()
+    lo, hi = max(spans, key=lambda sp: sp[1] - sp[0])
+    return Counter(op for at, op, _ in instrs if lo <= at <= hi)
 
 
 def _value(v: str):
@@ -73,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--div16", default="", help="integer arguments to take as multiples of 16")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--loop", action="store_true",
+                    help="also the longest loop's instructions (a K step's, per thread) by opcode, most first")
     a = ap.parse_args(argv)
     module, name = a.kernel.split(":")
     kernel = getattr(importlib.import_module(module), name)
@@ -81,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                             a.stages)
     r = report(compiled.asm["cubin"])
     print(" ".join(f"{k} {v}" for k, v in r.items()) + f" shared_bytes {compiled.metadata.shared}")
+    if a.loop:
+        loop = main_loop(compiled.asm["cubin"])
+        print(f"loop {sum(loop.values())} " + " ".join(f"{op} {n}" for op, n in loop.most_common()))
     return 0
 
 

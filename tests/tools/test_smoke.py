@@ -61,13 +61,17 @@ def test_bench_spec_dspark_runs_on_a_tiny_0731_checkpoint(tmp_path, monkeypatch)
 
 
 def test_sass_report_reads_the_sass_of_a_kernel_compiled_for_sm90():
-    """No GPU needed: Triton's own ptxas and cuobjdump. A bf16 tile product at 4 warps runs on wgmma."""
+    """No GPU needed: Triton's own ptxas and cuobjdump. A bf16 tile product at 4 warps runs on wgmma, its K loop
+    (--loop) holding the MMAs and the next tile's async loads, a part of the kernel's instructions."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the real compiler
-    out = subprocess.run([sys.executable, "-m", "tools.sass_report", "tests.tools.sass_kernels:tile_product",
-                          "--types", "*bf16,*bf16,*fp32,i32", "--const", "BLOCK=64", "--warps", "4", "--stages", "3",
-                          "--div16", "K"], capture_output=True, text=True, env=env, cwd=ROOT, check=True).stdout.split()
-    counts = {k: int(v) for k, v in zip(out[::2], out[1::2])}
+    lines = subprocess.run([sys.executable, "-m", "tools.sass_report", "tests.tools.sass_kernels:tile_product",
+                            "--types", "*bf16,*bf16,*fp32,i32", "--const", "BLOCK=64", "--warps", "4", "--stages", "3",
+                            "--div16", "K", "--loop"], capture_output=True, text=True, env=env, cwd=ROOT,
+                           check=True).stdout.splitlines()
+    counts, loop = ({k: int(v) for k, v in zip(words[::2], words[1::2])} for words in (lines[0].split(), lines[1].split()))
     assert counts["HGMMA"] > 0 and counts["HMMA"] == 0 and counts["LDGSTS"] > 0
+    assert 0 < loop["HGMMA"] <= counts["HGMMA"] and loop.get("LDGSTS", 0) > 0 and loop["loop"] == sum(
+        n for op, n in loop.items() if op != "loop")
 
 
 def test_bench_v41_share_runs_a_tiny_share_and_writes_its_json(tmp_path, monkeypatch):
