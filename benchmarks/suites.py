@@ -186,6 +186,16 @@ CURVE_AGENTIC = Curve("depth_curve_agentic", "8,32,64", AGENTIC, 70, 15, 10,
                       "the newest turn is prefilled")
 CURVES_1K, CURVES_8K = (CURVE_1K, CURVE_1K_HIGH), (CURVE_8K, CURVE_8K_32, CURVE_8K_64)
 
+
+def moe_frag_steps(experts: int) -> tuple[Step, ...]:
+    """A depth checkpoint at this routed-expert count, then today's decode step against moe_frag's in one engine."""
+    ckpt = SWITCH_CKPT.format(e=experts)
+    return (checkpoint(ckpt, "flash-depth", "--override", f'{{"n_routed_experts":{experts}}}'),
+            Step("tools.bench_decode_switches", ("--model", ckpt, "--configs", MOE_FRAG_CONFIGS, "--single-batches",
+                                                 "all", "--engine-args", SWITCHES, "--label", f"e{experts}"),
+                 name=f"e{experts}", then_remove=f"flash-depth-e{experts}-*", timeout_s=420))
+
+
 def profile(name: str, *args: str, then_remove: str | None = None) -> Step:
     """tools.profile_decode: kernels by CUDA time (a text table, kept as the step's output)."""
     return Step("tools.profile_decode", args, name=name, json_flag=None, then_remove=then_remove, timeout_s=200)
@@ -259,17 +269,11 @@ SUITE_LIST = [
     Suite("decode_moe_frag", "At V4-Flash depth as shipped (16 experts), what does the MoE's MXFP4 decode straight into "
           "the tensor cores' operand registers (kernel variant moe_frag, kernels/fused_dequant.mxfp4_frag_tile) save "
           "per decode step at batch 1 / 32 / 150 against today's decode (PDL on both), with the same logits?",
-          (checkpoint(SWITCH_CKPT.format(e=16), "flash-depth", "--override", '{"n_routed_experts":16}'),
-           Step("tools.bench_decode_switches", ("--model", SWITCH_CKPT.format(e=16), "--configs", MOE_FRAG_CONFIGS,
-                                                "--single-batches", "all", "--engine-args", SWITCHES, "--label", "e16"),
-                name="e16", then_remove="flash-depth-e16-*", timeout_s=420)),
+          moe_frag_steps(16),
           notes="about 5 minutes on a fresh machine: a checkpoint (~30 s), an engine start with decode graphs "
                 "(~60-90 s), then per batch and config a graph capture and 24 steps"),
     Suite("decode_moe_frag_e64", "The same at 64 routed experts (more experts a step touches at batch 32 / 150).",
-          (checkpoint(SWITCH_CKPT.format(e=64), "flash-depth", "--override", '{"n_routed_experts":64}'),
-           Step("tools.bench_decode_switches", ("--model", SWITCH_CKPT.format(e=64), "--configs", MOE_FRAG_CONFIGS,
-                                                "--single-batches", "all", "--engine-args", SWITCHES, "--label", "e64"),
-                name="e64", then_remove="flash-depth-e64-*", timeout_s=420))),
+          moe_frag_steps(64)),
     Suite("pdl_paths", "With programmatic dependent launch on, does every served path give what it gives with PDL "
           "off, bit for bit (prefill eager and chunked, mixed-step graphs, decode graphs at batch 1 / 8 / 32, MTP "
           "verify / rollback / draft graphs, DSpark verify / plain-step / drafter / rollback graphs, sampled "

@@ -394,7 +394,7 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, share
     bm = cfg["gate_up"]["BLOCK_M"]
     if cfg["down"]["BLOCK_M"] != bm:
         raise ValueError(f"MoE gate_up and down share one alignment: BLOCK_M {bm} != {cfg['down']['BLOCK_M']}")
-    stored = tuple(scales) if fmt == 2 else (None,) * 3  # by identity: the byte check is cached per weight
+    stored = tuple(scales or ())  # as stored, by identity: the scale-byte check is cached per weight
     gu, dn = _tiles(cfg["gate_up"], fmt, x.dtype, D, stored[:2]), _tiles(cfg["down"], fmt, x.dtype, I, stored[2:])
     x = x if x.is_contiguous() else x.contiguous()
     x_in = to_frag_order(x) if gu["MX"] >= 4 else x  # the "bf16-frag" decode's K order (kernels/fused_dequant.py)
