@@ -1,7 +1,8 @@
 """Prefill MoE with many rows per expert: the routed experts unpacked to bf16 once per call, then torch's
 grouped GEMM (CUTLASS on sm90) over the (token, expert) pairs sorted by expert. Same signature and
 arithmetic as kernels.reference.moe_experts (bf16 GEMM outputs, the clamped SwiGLU, the routing weight
-on the down projection's output), so it is the reference's result up to summation order.
+on the down projection's output), so it is the reference's result up to summation order. Experts whose
+unpacked weights exceed the scratch bound go through in chunks of experts (moe_experts_grouped).
 
 Why: the fused MoE (kernels/fused_moe.py) decodes every weight tile inside its GEMM, which bounds it well
 under the tensor cores' rate at prefill (27% of peak at 2048 tokens: tools/bench_moe_prefill.py,
@@ -20,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import quant_configs
 from kernels.deepseek_v41.fused import clamped_swiglu_fused
 from kernels.fp8_unpack import fp8_unpacked
 from kernels.fused_moe_align import moe_align_fused
@@ -67,24 +69,72 @@ def _weighted_sum_kernel(y_ptr, pos_ptr, idx_ptr, rw_ptr, out_ptr, T, D, TOPK: t
     tl.store(out_ptr + t * D + d, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales=None):
-    """kernels.reference.moe_experts' signature: x [T, D], w1/w3 [E, I, D(/2)], w2 [E, D, I(/2)] as stored,
-    weights / indices [T, k]."""
-    T, D = x.shape
-    E = w1.shape[0]
-    k = indices.shape[1]
+def experts_per_chunk(E: int, I: int, D: int, max_bytes: int) -> int:
+    """How many experts' unpacked weights (bf16 [I, D] each, one weight at a time) fit the scratch bound."""
+    return max(1, min(E, max_bytes // (I * D * 2)))
+
+
+def _experts_mlp(rows, w1, w3, w2, scales, ends, limit):
+    """rows [P, D] grouped by expert (ends: each expert's end) through experts w1 / w3 / w2 as stored, each
+    weight unpacked just before its GEMM -> [P, D] (rows past the last end: not computed)."""
     s1, s3, s2 = scales if scales is not None else (None, None, None)
+    gate = grouped_mm(rows, experts_unpacked(w1, s1, rows.dtype), ends)
+    up = grouped_mm(rows, experts_unpacked(w3, s3, rows.dtype), ends)
+    h = clamped_swiglu_fused(gate, up, limit, out_dtype=rows.dtype)
+    return grouped_mm(h, experts_unpacked(w2, s2, rows.dtype), ends)
+
+
+@triton.jit(do_not_specialize=["D"])
+def _chunk_rows_kernel(src_ptr, dst_ptr, token_ptr, end_ptr, E0, E1, D, GATHER: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r of the chunk of experts [E0, E1), whose pairs are the sorted rows [start, end) (start: expert E0 - 1's
+    end, 0 for the first; end: expert E1 - 1's): GATHER, dst[r] = src[token_ptr[start + r]] (the chunk's rows from
+    row 0); else dst[start + r] = src[r] (its outputs to their sorted rows). Programs past the chunk's rows return
+    at once: the grid covers every pair, the device alone knows how many are the chunk's."""
+    r = tl.program_id(0)
+    start = tl.load(end_ptr + E0 - 1, mask=E0 > 0, other=0)
+    if r >= tl.load(end_ptr + E1 - 1) - start:
+        return
+    d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = d < D
+    if GATHER:
+        row = tl.load(token_ptr + start + r).to(tl.int64)
+        tl.store(dst_ptr + r.to(tl.int64) * D + d, tl.load(src_ptr + row * D + d, mask=m), mask=m)
+    else:
+        tl.store(dst_ptr + (start + r).to(tl.int64) * D + d, tl.load(src_ptr + r.to(tl.int64) * D + d, mask=m),
+                 mask=m)
+
+
+def moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales=None, max_bytes: int | None = None):
+    """kernels.reference.moe_experts' signature: x [T, D], w1/w3 [E, I, D(/2)], w2 [E, D, I(/2)] as stored,
+    weights / indices [T, k]. max_bytes (default quant_configs.MOE_GROUPED_MAX_BYTES): the most one unpacked
+    weight may take; more experts than fit go through in chunks that each fit (the rows of a chunk's experts
+    gathered from an offset the device reads: no host sync), so any expert count runs in bounded scratch."""
+    T, D = x.shape
+    E, I = w1.shape[:2]
+    k = indices.shape[1]
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     n_pairs = T * k
     if n_pairs == 0:
         return out
     idx = indices.reshape(-1).contiguous()
     sorted_ids, expert_end, _, _ = moe_align_fused(idx, E, 16)  # only the order and the ends are used
-    rows = x.index_select(0, torch.div(sorted_ids, k, rounding_mode="floor"))
-    gate = grouped_mm(rows, experts_unpacked(w1, s1, x.dtype), expert_end)
-    up = grouped_mm(rows, experts_unpacked(w3, s3, x.dtype), expert_end)
-    h = clamped_swiglu_fused(gate, up, limit, out_dtype=x.dtype)
-    y = grouped_mm(h, experts_unpacked(w2, s2, x.dtype), expert_end)
+    token_of = torch.div(sorted_ids, k, rounding_mode="floor")
+    chunk = experts_per_chunk(E, I, D, quant_configs.MOE_GROUPED_MAX_BYTES if max_bytes is None else max_bytes)
+    if chunk == E:
+        y = _experts_mlp(x.index_select(0, token_of), w1, w3, w2, scales, expert_end, limit)
+    else:
+        # a chunk's experts own the sorted rows [start, end): gathered to row 0 of a buffer of all the pairs' size,
+        # so the grouped GEMMs' offsets are the chunk's ends less start, and their outputs copied back to the rows
+        y = torch.empty(n_pairs, D, dtype=x.dtype, device=x.device)
+        rows = torch.empty(n_pairs, D, dtype=x.dtype, device=x.device)
+        grid = (n_pairs, triton.cdiv(D, 1024))
+        for e0 in range(0, E, chunk):
+            e1 = min(E, e0 + chunk)
+            _chunk_rows_kernel[grid](x, rows, token_of, expert_end, e0, e1, D, GATHER=True, BLOCK=1024)
+            ends = expert_end[e0:e1] - (expert_end[e0 - 1] if e0 else 0)
+            sc = tuple(s[e0:e1] for s in scales) if scales is not None else None
+            y_c = _experts_mlp(rows, w1[e0:e1], w3[e0:e1], w2[e0:e1], sc, ends.to(expert_end.dtype), limit)
+            _chunk_rows_kernel[grid](y_c, y, token_of, expert_end, e0, e1, D, GATHER=False, BLOCK=1024)
     pos = torch.empty_like(sorted_ids)  # each pair's row in the sorted order
     pos.scatter_(0, sorted_ids.long(), torch.arange(n_pairs, dtype=pos.dtype, device=x.device))
     rw = weights.reshape(-1).contiguous()

@@ -161,7 +161,10 @@ _DECODE_BLOCK_M = sorted(set.intersection(*(set(tiles) for tiles in MOE_DECODE.v
 # 2.1x at 768; the H100's fit says 256); 64 / 128 / 256 experts: suite moe_dispatch on the H100
 # (docs/perf/h100-2026-12-06b/moe_dispatch.json: grouped 1.05-1.31x at 192 rows per expert, ~2x at 512); FP8's is
 # the MXFP4 value, bf16 experts' reasoned (the grouped GEMM reads them as stored, no unpack to repay). Past 32
-# experts MOE_GROUPED_MAX_BYTES keeps calls on the fused kernels whatever the rows.
+# experts MOE_GROUPED_MAX_BYTES keeps calls on the fused kernels whatever the rows: kernels/moe_grouped.py can take
+# them in chunks of experts that each fit, but those fits were measured with every expert unpacked at once, and a
+# chunk adds a copy of its rows each way and a SwiGLU over the whole buffer (suite moe_dispatch times the chunked
+# path at 64-256 experts; from its fit this gate can go).
 MOE_GROUPED_MIN_ROWS: dict[str, tuple[tuple[int, int | None], ...]] = {
     "dense": ((1, 32),),
     "fp8": ((1, 160),),

@@ -5,7 +5,7 @@ bit-exact against the formats' dequantizer; and when the dispatcher takes this p
 import pytest
 import torch
 
-from kernels import fused_moe, quant_configs
+from kernels import fused_moe, moe_grouped, quant_configs
 from kernels import reference as ref
 from kernels.formats import dequantize_mxfp4
 from kernels.moe_grouped import moe_experts_grouped
@@ -83,3 +83,22 @@ def test_grouped_rule_reads_the_entry_of_the_call_s_expert_count(monkeypatch):
     assert [rows(e, "mxfp4") for e in (8, 16, 32, 64, 128, 255, 256, 512)] == [160, 160, 160, 96, 96, 96, None, None]
     assert quant_configs.moe_grouped(100 * 64, 64, 0, "mxfp4") and not quant_configs.moe_grouped(100 * 32, 32, 0, "mxfp4")
     assert not quant_configs.moe_grouped(10_000 * 256, 256, 0, "mxfp4")
+
+
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
+def test_chunked_experts_give_the_unchunked_result(fmt):
+    """More experts than one unpacked weight may hold go through in chunks (max_bytes: 3 experts' weight, so
+    chunks of 3, 3 and 2 over 8 experts): every pair is computed once, by its own expert, the same sums as one
+    chunk; pairs of another rank (-1) and an expert without rows included."""
+    T, D, I, E, k = 200, 256, 128, 8, 3
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    (w1, w3, w2), scales = _experts(fmt, E, D, I, g)
+    idx = torch.stack([torch.randperm(E - 1, generator=g)[:k] for _ in range(T)])
+    idx = torch.where(torch.rand(idx.shape, generator=g) < 0.2, -1, idx)
+    w = torch.rand(T, k, generator=g).to(torch.bfloat16)
+    whole = moe_experts_grouped(x, w1, w3, w2, w, idx, 10.0, scales)
+    chunked = moe_experts_grouped(x, w1, w3, w2, w, idx, 10.0, scales, max_bytes=3 * I * D * 2 + 1)
+    assert torch.equal(chunked, whole)
+    assert moe_grouped.experts_per_chunk(E, I, D, 3 * I * D * 2 + 1) == 3
+    assert moe_grouped.experts_per_chunk(E, I, D, 1) == 1 and moe_grouped.experts_per_chunk(E, I, D, 1 << 40) == E
