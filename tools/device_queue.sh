@@ -9,7 +9,7 @@
 # a machine given back ends the queue with it. Runs as root there (a process of another user would be ended).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-Q=/tmp/device_queue
+Q=${DEVICE_QUEUE_DIR:-/tmp/device_queue}  # one queue a machine
 OUT=${OUT:-out}; mkdir -p "$OUT"
 case "${1:-}" in
   start)

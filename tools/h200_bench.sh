@@ -4,7 +4,7 @@
 # Each suite writes $OUT/SUITE.json (python -m benchmarks report|compare reads it) and a log per step.
 # Suites that serve through Triton need .cache/h200 carried (bash tools/h200_env.sh pack): the image's
 # numpy 2 breaks Triton 2.51's stub, so they run from the venv tools/h200_env.sh builds.
-# PRESET=NAME replaces the suites' model preset; checkpoints are drawn on the GPU into /tmp/ckpt and reused.
+# PRESET=NAME replaces the suites' model preset; checkpoints are drawn on the GPU into CKPT (/tmp/ckpt) and reused.
 # Triton's compiled kernels (cubins, their metadata, the launchers) persist between fresh machines: a carried
 # .cache/triton-jit.tar.xz is unpacked into the cache before the suites and the cache goes back packed as
 # $OUT/triton-jit.tar.xz (copy it to .cache/ for the next call). A fresh machine otherwise spends ~2 minutes
@@ -24,7 +24,7 @@ export TRITON_CACHE_DIR=/tmp/triton-jit
 [ -f .cache/triton-jit.tar.xz ] && [ ! -d "$TRITON_CACHE_DIR" ] && tar -xJf .cache/triton-jit.tar.xz -C /tmp
 rc=0
 for suite in "$@"; do
-  python3 -m benchmarks run "$suite" ${PRESET:+--preset "$PRESET"} --out "$OUT/$suite.json" --ckpt /tmp/ckpt || rc=1
+  python3 -m benchmarks run "$suite" ${PRESET:+--preset "$PRESET"} --out "$OUT/$suite.json" --ckpt "${CKPT:-/tmp/ckpt}" || rc=1
 done
 if [ -d "$TRITON_CACHE_DIR" ]; then  # what a hit needs: metadata, groups, cubins, launchers (not the IRs)
   (cd /tmp && find triton-jit -type f \( -name '*.json' -o -name '*.cubin' -o -name '*.so' \) -print0 \
