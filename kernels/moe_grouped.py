@@ -119,7 +119,8 @@ def moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales=None, max
     idx = indices.reshape(-1).contiguous()
     sorted_ids, expert_end, _, _ = moe_align_fused(idx, E, 16)  # only the order and the ends are used
     token_of = torch.div(sorted_ids, k, rounding_mode="floor")
-    chunk = experts_per_chunk(E, I, D, quant_configs.MOE_GROUPED_MAX_BYTES if max_bytes is None else max_bytes)
+    bound = quant_configs.MOE_GROUPED_MAX_BYTES if max_bytes is None else max_bytes
+    chunk = E if scales is None else experts_per_chunk(E, I, D, bound)  # bf16 experts are read as stored: no scratch
     if chunk == E:
         y = _experts_mlp(x.index_select(0, token_of), w1, w3, w2, scales, expert_end, limit)
     else:
