@@ -19,6 +19,7 @@ DEPTH_CKPT = "{ckpt}/flash-depth-fp8-fp4"
 SWITCH_CKPT = "{{ckpt}}/flash-depth-e{e}-fp8-fp4"  # one per expert count, removed after its step
 SWITCHES = DEPTH[:-1] + ',"cudagraph_mode":"FULL_DECODE_ONLY"}'  # decode graphs only: no mixed-step captures to wait for
 MOE_FRAG_CONFIGS = "pdl,moe_frag=pdl:1+var:rope_tiles/moe_frag"  # today's decode, then with the MoE's frag decode
+BF16_GEMV_CONFIGS = "pdl,bf16_gemv=pdl:1+var:rope_tiles/bf16_gemv"  # today's decode, then bf16 linears as one GEMV
 DSPARK_CKPT = "{ckpt}/flash-depth-0731-fp8-fp4"  # V4-Flash depth with 0731's DSpark stages (16 experts)
 DSPARK_E64_CKPT = "{ckpt}/flash-depth-0731-e64-fp8-fp4"  # the same at 64 routed experts
 SHAPED_CKPT = "{ckpt}/flash-shaped-fp8-fp4"  # V4-Flash's layers, 4 of them, as shipped (FP8 + MXFP4)
@@ -187,11 +188,12 @@ CURVE_AGENTIC = Curve("depth_curve_agentic", "8,32,64", AGENTIC, 70, 15, 10,
 CURVES_1K, CURVES_8K = (CURVE_1K, CURVE_1K_HIGH), (CURVE_8K, CURVE_8K_32, CURVE_8K_64)
 
 
-def moe_frag_steps(experts: int) -> tuple[Step, ...]:
-    """A depth checkpoint at this routed-expert count, then today's decode step against moe_frag's in one engine."""
+def decode_ab_steps(configs: str, experts: int) -> tuple[Step, ...]:
+    """A depth checkpoint at this routed-expert count, then today's decode step against a variant's (configs) in one
+    engine, logits compared."""
     ckpt = SWITCH_CKPT.format(e=experts)
     return (checkpoint(ckpt, "flash-depth", "--override", f'{{"n_routed_experts":{experts}}}'),
-            Step("tools.bench_decode_switches", ("--model", ckpt, "--configs", MOE_FRAG_CONFIGS, "--single-batches",
+            Step("tools.bench_decode_switches", ("--model", ckpt, "--configs", configs, "--single-batches",
                                                  "all", "--engine-args", SWITCHES, "--label", f"e{experts}"),
                  name=f"e{experts}", then_remove=f"flash-depth-e{experts}-*", timeout_s=420))
 
@@ -269,11 +271,17 @@ SUITE_LIST = [
     Suite("decode_moe_frag", "At V4-Flash depth as shipped (16 experts), what does the MoE's MXFP4 decode straight into "
           "the tensor cores' operand registers (kernel variant moe_frag, kernels/fused_dequant.mxfp4_frag_tile) save "
           "per decode step at batch 1 / 32 / 150 against today's decode (PDL on both), with the same logits?",
-          moe_frag_steps(16),
+          decode_ab_steps(MOE_FRAG_CONFIGS, 16),
           notes="about 5 minutes on a fresh machine: a checkpoint (~30 s), an engine start with decode graphs "
                 "(~60-90 s), then per batch and config a graph capture and 24 steps"),
     Suite("decode_moe_frag_e64", "The same at 64 routed experts (more experts a step touches at batch 32 / 150).",
-          moe_frag_steps(64)),
+          decode_ab_steps(MOE_FRAG_CONFIGS, 64)),
+    Suite("decode_bf16_gemv", "At V4-Flash depth as shipped (16 experts), what do the bf16 linears at decode (the "
+          "compressors' and indexer's projections) as one CUDA-core GEMV launch with PDL (kernel variant bf16_gemv) "
+          "save per decode step at batch 1 / 32 / 150 against cuBLAS's split-K GEMM and its reduce, with the same "
+          "logits (batch 32 / 150 past the variant's rows: the same kernels)?",
+          decode_ab_steps(BF16_GEMV_CONFIGS, 16),
+          notes="about 5 minutes on a fresh machine, as decode_moe_frag"),
     Suite("pdl_paths", "With programmatic dependent launch on, does every served path give what it gives with PDL "
           "off, bit for bit (prefill eager and chunked, mixed-step graphs, decode graphs at batch 1 / 8 / 32, MTP "
           "verify / rollback / draft graphs, DSpark verify / plain-step / drafter / rollback graphs, sampled "
@@ -530,6 +538,11 @@ SUITE_LIST = [
           "reference first?",
           (Step("tools.bench_quant", ("--mx-ab", "--budget", "150"), timeout_s=220),),
           notes="about 3 minutes; the quick A/B before decode_moe_frag (the same decode at depth, in the engine)"),
+    Suite("kernels_bf16_gemv", "Is the bf16 GEMV (kernel variant bf16_gemv) right and faster than cuBLAS on V4-Flash's "
+          "bf16 linears at decode (a CSA layer's stacked readers of the attention input, an HCA layer's, the indexer's "
+          "wq_b) at 1 / 2 / 4 / 8 rows, against the bytes' floor?",
+          (Step("tools.bench_bf16_gemv", (), timeout_s=150),),
+          notes="about a minute; then decode_bf16_gemv (the same at depth, in the engine)"),
     Suite("kernels_quant", "The FP8 GEMM and MoE launch-config sweep: every candidate checked against the torch "
           "reference, timed in CUDA-graph replays against max(bytes, FLOPs) floors.",
           (Step("tools.bench_quant", ("--budget", "220"), timeout_s=300),)),

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 
 from kernels import fusions, reference
+from kernels.bf16_gemv import bf16_gemv
+from kernels.bf16_gemv import takes as bf16_gemv_takes
 from kernels.deepseek_v41 import fused as v41
 from kernels.deepseek_v41.engram_gather import engram_gather_fused
 from kernels.formats import fp8_block_of
@@ -39,7 +41,11 @@ from kernels.fused_sample import greedy_pick_fused
 
 
 def linear_fused(x, weight, scale=None):
-    return reference.linear(x, weight) if scale is None else fp8_linear_fused(x, weight, scale)
+    """FP8: kernels/fused_fp8_linear.py; a plain weight: cuBLAS (the reference), or at decode's few rows the GEMV
+    of kernel variant bf16_gemv."""
+    if scale is not None:
+        return fp8_linear_fused(x, weight, scale)
+    return bf16_gemv(x, weight) if bf16_gemv_takes(x, weight) else reference.linear(x, weight)
 
 
 def linear_split_fused(x, weight, split_n, scale=None):

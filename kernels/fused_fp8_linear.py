@@ -241,14 +241,18 @@ def _split_k_store(acc, y_ptr, ws_ptr, tile, pid_k, out, omask, M, N, SPLITS: tl
 
 
 @triton.jit
-def _gemv_weights(w_ptr, s_row, n, nmask, k0, k_hi, K, G: tl.constexpr, B: tl.constexpr):
-    """One K step's weight tile [BLOCK_N, G, B] (e4m3), its k offsets [G, B] and their scales [BLOCK_N, G]."""
+def _gemv_weights(w_ptr, s_row, n, nmask, k0, k_hi, K, G: tl.constexpr, B: tl.constexpr, SCALED: tl.constexpr):
+    """One K step's weight tile [BLOCK_N, G, B] (e4m3; bf16 where not SCALED), its k offsets [G, B] and their
+    scales [BLOCK_N, G] (not SCALED: 1)."""
     k = k0 + tl.arange(0, G)[:, None] * B + tl.arange(0, B)[None, :]
     kmask = k < k_hi
     w = tl.load(w_ptr + n[:, None, None] * K + k[None, :, :], mask=nmask[:, None, None] & kmask[None, :, :],
                 other=0.0)
-    sw = tl.load(s_row[:, None] + k0 // B + tl.arange(0, G)[None, :],
-                 mask=nmask[:, None] & (k0 + tl.arange(0, G) * B < k_hi)[None, :], other=0.0)
+    if SCALED:
+        sw = tl.load(s_row[:, None] + k0 // B + tl.arange(0, G)[None, :],
+                     mask=nmask[:, None] & (k0 + tl.arange(0, G) * B < k_hi)[None, :], other=0.0)
+    else:
+        sw = tl.full((n.shape[0], G), 1.0, tl.float32)
     return w, k, sw
 
 
@@ -264,7 +268,7 @@ def _gemv_step(xg, ug, n, w, k, sw, k_hi, act_limit, ACT: tl.constexpr, nw_ptr, 
 def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STRIDE, ROWS, K_SPLIT, u_ptr,
                  act_limit, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  B: tl.constexpr = 128, ACT: tl.constexpr = False, nw_ptr=None, norm_eps=0.0,
-                 NORM: tl.constexpr = False, PDL: tl.constexpr = False):
+                 NORM: tl.constexpr = False, PDL: tl.constexpr = False, SCALED: tl.constexpr = True):
     """y[m, n-tile] for one activation row m per program, on the CUDA cores: no MMA and no shared
     memory, the weight in 16-byte loads straight to registers ([BLOCK_N, BLOCK_K / B, B]: the last
     axis one scale block, B = 128 in V4, 32 in V4.1), e4m3 -> float32 (F2FP unpack + HADD2.F32), one
@@ -272,7 +276,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STR
     PDL: the program's first weight step is loaded before the grid-dependency wait (no kernel writes
     weights), so its bytes stream while the predecessor finishes. ACT: x is a SwiGLU's gate, u_ptr its up
     (_x_tile: the activation computed in the prologue, no separate SwiGLU launch). NORM: x's RMSNorm (weight
-    nw_ptr) in the prologue, its row's rms read after the wait (no separate RMSNorm launch)."""
+    nw_ptr) in the prologue, its row's rms read after the wait (no separate RMSNorm launch). Not SCALED: a bf16
+    weight, no scales (s_ptr unread; B only the tile's inner width): kernels/bf16_gemv.py."""
     pid_n, m, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     G: tl.constexpr = BLOCK_K // B
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -284,7 +289,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STR
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
     acc = tl.zeros((BLOCK_N,), tl.float32)
     if PDL:  # the first step peeled: its weights in flight across the wait (every split has one step)
-        w, k, sw = _gemv_weights(w_ptr, s_row, n, nmask, k_lo, k_hi, K, G, B)
+        w, k, sw = _gemv_weights(w_ptr, s_row, n, nmask, k_lo, k_hi, K, G, B, SCALED)
         wait_and_release(PDL)
         rstd = tl.sum(_rows_rstd(x_ptr, m + tl.arange(0, 1), tl.full((1,), 1, tl.int1), X_STRIDE, K, norm_eps, NORM),
                       axis=0)
@@ -295,7 +300,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, ws_ptr, sem_ptr, M, N, N1, K, X_STR
                       axis=0)
         k_next = k_lo
     for k0 in range(k_next, k_hi, BLOCK_K):
-        w, k, sw = _gemv_weights(w_ptr, s_row, n, nmask, k0, k_hi, K, G, B)
+        w, k, sw = _gemv_weights(w_ptr, s_row, n, nmask, k0, k_hi, K, G, B, SCALED)
         acc += _gemv_step(xg, ug, n, w, k, sw, k_hi, act_limit, ACT, nw_ptr, rstd, NORM)
     _split_k_store(acc, y_ptr, ws_ptr, sem_ptr + m * tl.num_programs(0) + pid_n, pid_k,
                    _out_offsets(m, n, M, N, N1), nmask, M, N, SPLITS)
@@ -399,7 +404,8 @@ def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None, 
              block: int = FP8_BLOCK, act: tuple | None = None, norm: tuple | None = None):
     """x2 [M, groups * K] (row stride x2.stride(0)), weight [N, K] in `groups` blocks of N / groups rows;
     the MMA GEMV (_dequant_kernel) or, gemv, the CUDA-core one (_gemv_kernel, one row per program).
-    block: the weight's scale block (kernels.formats.fp8_block_of). act: (up, limit): x2 is a SwiGLU's gate.
+    block: the weight's scale block (kernels.formats.fp8_block_of); scale None (gemv only): a bf16 weight, block
+    the K step's inner width. act: (up, limit): x2 is a SwiGLU's gate.
     norm: (weight, eps): x2's RMSNorm is what multiplies W (ungrouped)."""
     M = x2.shape[0]
     N, K = weight.shape
@@ -412,13 +418,15 @@ def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None, 
     ws = torch.empty(split, M, N, dtype=torch.float32, device=y.device) if split > 1 else y
     sem = semaphores(y.device, grid[0] * grid[1]) if split > 1 else y
     up, limit = act if act is not None else (x2, 0.0)
-    args = (x2, weight, scale, y, ws, sem, M, N, N if n1 is None else n1, K, x2.stride(0), N // groups, k_split, up,
-            float(limit), split)
+    if scale is None and not gemv:
+        raise ValueError("only the CUDA-core GEMV takes a weight without scales")
+    args = (x2, weight, weight if scale is None else scale, y, ws, sem, M, N, N if n1 is None else n1, K, x2.stride(0),
+            N // groups, k_split, up, float(limit), split)
     nw, eps = norm if norm is not None else (x2, 0.0)
     prologue = {"ACT": act is not None, "nw_ptr": nw, "norm_eps": float(eps), "NORM": norm is not None}
     if gemv:
         _gemv_kernel[grid](*args, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], B=block, **prologue,
-                           **_launch_opts(cfg), **pdl.options(x2))
+                           SCALED=scale is not None, **_launch_opts(cfg), **pdl.options(x2))
         return
     _dequant_kernel[grid](*args, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                           DOT_F32=_INTERPRET or x2.dtype == torch.float32,

@@ -18,6 +18,9 @@ Read at every call: CUDA graphs captured after a change follow it.
   decoded tile through shared memory, the activations and the hidden h in the MMA's K order; one multiply a value
   pair instead of two for the weights whose scale bytes are all <= 128 (checked once per weight: kernels/fused_moe.py
   _tiles; every real checkpoint's, whose weights are far under 12 in magnitude).
+- bf16_gemv: bf16 linears at up to kernels.bf16_gemv.BF16_GEMV_MAX_ROWS rows (the compressors' and indexer's
+  projections at decode) as one CUDA-core GEMV launch with PDL (kernels/bf16_gemv.py) instead of cuBLAS's split-K
+  GEMM and its reduce; weights over BF16_GEMV_MAX_BYTES (the LM head) stay on cuBLAS.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import os
 
 from kernels import fusions
 
-ALL = ("rope_tiles", "mix_bf16x3", "moe_frag")
+ALL = ("rope_tiles", "mix_bf16x3", "moe_frag", "bf16_gemv")
 # rope_tiles on: suite prefill_small_ops finds it within a rounding of the one-row kernels on the GPU and 1.1-1.3x
 # faster from 32 tokens up (no slower at one), prefill_variants 1.03x on the time to first token at depth.
 # mix_bf16x3 off: right on the GPU at its one-stage prefill launch (kernels/fused_norm_mhc.MIX_PIECES_TILES) and
