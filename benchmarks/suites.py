@@ -19,7 +19,9 @@ DEPTH_CKPT = "{ckpt}/flash-depth-fp8-fp4"
 SWITCH_CKPT = "{{ckpt}}/flash-depth-e{e}-fp8-fp4"  # one per expert count, removed after its step
 SWITCHES = DEPTH[:-1] + ',"cudagraph_mode":"FULL_DECODE_ONLY"}'  # decode graphs only: no mixed-step captures to wait for
 MOE_FRAG_CONFIGS = "pdl,moe_frag=pdl:1+var:rope_tiles/moe_frag"  # today's decode, then with the MoE's frag decode
-BF16_GEMV_CONFIGS = "pdl,bf16_gemv=pdl:1+var:rope_tiles/bf16_gemv"  # today's decode, then bf16 linears as one GEMV
+# today's decode, then each decode variant that is off by default, then both
+DECODE_VARIANT_CONFIGS = ("pdl,moe_frag=pdl:1+var:rope_tiles/moe_frag,bf16_gemv=pdl:1+var:rope_tiles/bf16_gemv,"
+                          "both=pdl:1+var:rope_tiles/moe_frag/bf16_gemv")
 DSPARK_CKPT = "{ckpt}/flash-depth-0731-fp8-fp4"  # V4-Flash depth with 0731's DSpark stages (16 experts)
 DSPARK_E64_CKPT = "{ckpt}/flash-depth-0731-e64-fp8-fp4"  # the same at 64 routed experts
 SHAPED_CKPT = "{ckpt}/flash-shaped-fp8-fp4"  # V4-Flash's layers, 4 of them, as shipped (FP8 + MXFP4)
@@ -195,7 +197,8 @@ def decode_ab_steps(configs: str, experts: int) -> tuple[Step, ...]:
     return (checkpoint(ckpt, "flash-depth", "--override", f'{{"n_routed_experts":{experts}}}'),
             Step("tools.bench_decode_switches", ("--model", ckpt, "--configs", configs, "--single-batches",
                                                  "all", "--engine-args", SWITCHES, "--label", f"e{experts}"),
-                 name=f"e{experts}", then_remove=f"flash-depth-e{experts}-*", timeout_s=420))
+                 name=f"e{experts}", then_remove=f"flash-depth-e{experts}-*",
+                 timeout_s=max(420, 180 + 90 * len(configs.split(",")))))  # an engine start, then ~1.5 min a config
 
 
 def profile(name: str, *args: str, then_remove: str | None = None) -> Step:
@@ -276,12 +279,13 @@ SUITE_LIST = [
                 "(~60-90 s), then per batch and config a graph capture and 24 steps"),
     Suite("decode_moe_frag_e64", "The same at 64 routed experts (more experts a step touches at batch 32 / 150).",
           decode_ab_steps(MOE_FRAG_CONFIGS, 64)),
-    Suite("decode_bf16_gemv", "At V4-Flash depth as shipped (16 experts), what do the bf16 linears at decode (the "
-          "compressors' and indexer's projections) as one CUDA-core GEMV launch with PDL (kernel variant bf16_gemv) "
-          "save per decode step at batch 1 / 32 / 150 against cuBLAS's split-K GEMM and its reduce, with the same "
-          "logits (batch 32 / 150 past the variant's rows: the same kernels)?",
-          decode_ab_steps(BF16_GEMV_CONFIGS, 16),
-          notes="about 5 minutes on a fresh machine, as decode_moe_frag"),
+    Suite("decode_variants", "At V4-Flash depth as shipped (16 experts), what does each decode variant that is off "
+          "by default save per decode step at batch 1 / 32 / 150, alone and together, with the same logits: moe_frag "
+          "(decode_moe_frag's question) and bf16_gemv (the compressors' and indexer's bf16 projections as one "
+          "CUDA-core GEMV launch with PDL instead of cuBLAS's split-K GEMM and its reduce; up to 8 rows, so batch "
+          "32 / 150 run today's kernels there)?",
+          decode_ab_steps(DECODE_VARIANT_CONFIGS, 16),
+          notes="about 7 minutes on a fresh machine: decode_moe_frag's steps with four configs in one engine"),
     Suite("pdl_paths", "With programmatic dependent launch on, does every served path give what it gives with PDL "
           "off, bit for bit (prefill eager and chunked, mixed-step graphs, decode graphs at batch 1 / 8 / 32, MTP "
           "verify / rollback / draft graphs, DSpark verify / plain-step / drafter / rollback graphs, sampled "
@@ -542,7 +546,7 @@ SUITE_LIST = [
           "bf16 linears at decode (a CSA layer's stacked readers of the attention input, an HCA layer's, the indexer's "
           "wq_b) at 1 / 2 / 4 / 8 rows, against the bytes' floor?",
           (Step("tools.bench_bf16_gemv", (), timeout_s=150),),
-          notes="about a minute; then decode_bf16_gemv (the same at depth, in the engine)"),
+          notes="about a minute; then decode_variants (the same at depth, in the engine)"),
     Suite("kernels_quant", "The FP8 GEMM and MoE launch-config sweep: every candidate checked against the torch "
           "reference, timed in CUDA-graph replays against max(bytes, FLOPs) floors.",
           (Step("tools.bench_quant", ("--budget", "220"), timeout_s=300),)),
