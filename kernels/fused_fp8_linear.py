@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl, quant_configs
+from kernels.activations import clamped_swiglu
 from kernels.formats import FP8_BLOCK, fp8_block_of
 from kernels.fp8_unpack import fp8_unpacked
 from kernels.pdl import wait_and_release
@@ -135,10 +136,8 @@ def _x_tile(x_ptr, u_ptr, offs, mask, limit, ACT: tl.constexpr, nw_ptr=None, k=N
     x * rstd * weight in float32 rounded once to x's dtype, as the RMSNorm kernel stores it."""
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     if ACT:
-        a = tl.minimum(x.to(tl.float32), limit)
-        b = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        b = tl.minimum(tl.maximum(b, -limit), limit)
-        x = (a * tl.sigmoid(a) * b).to(x.dtype)
+        x = clamped_swiglu(x.to(tl.float32), tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32),
+                           limit).to(x.dtype)
     if NORM:
         x = (x.to(tl.float32) * rstd * tl.load(nw_ptr + k, mask=mask, other=0.0)).to(x.dtype)
     return x

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels import fusions, pdl, quant_configs, variants
+from kernels.activations import clamped_swiglu
 from kernels.fused_dequant import (
     fp8_rows_tile,
     frag_position,
@@ -164,14 +165,6 @@ def _act_tile(a_ptr, rows, valid, k0, K, BLOCK_K: tl.constexpr, MX: tl.constexpr
 
 
 @triton.jit
-def _clamped_swiglu(gate, up, limit):
-    """DeepSeek-V4's SwiGLU: the gate clamped above at `limit`, the up projection to +-limit."""
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    return gate * tl.sigmoid(gate) * up
-
-
-@triton.jit
 def _gate_up_tile(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, ws_ptr, tile_ptr, rows, tok, valid, e, n, D, I, limit,
                   pid_k, K_SPLIT, n_pairs, W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, MX: tl.constexpr, SPLITS: tl.constexpr,
@@ -196,10 +189,10 @@ def _gate_up_tile(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, ws_ptr, tile_ptr
         if split_k_arrive(ws_ptr, off, omask, acc1, tile_ptr, pid_k, stride, SPLITS):
             acc1 = split_k_total(ws_ptr, off, omask, acc1, pid_k, stride, SPLITS)
             acc3 = split_k_total(ws_ptr, off + I, omask, acc3, pid_k, stride, SPLITS)
-            h = _clamped_swiglu(acc1, acc3, limit)
+            h = clamped_swiglu(acc1, acc3, limit)
             tl.store(h_ptr + rows[None, :] * I + hn[:, None], h.to(h_ptr.dtype.element_ty), mask=omask)
     else:
-        h = _clamped_swiglu(acc1, acc3, limit)
+        h = clamped_swiglu(acc1, acc3, limit)
         tl.store(h_ptr + rows[None, :] * I + hn[:, None], h.to(h_ptr.dtype.element_ty), mask=omask)
 
 

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.activations import clamped_swiglu
 from kernels.deepseek_v41 import reference
 from kernels.fused_fake_quant import fake_quant_fp4_fused, fake_quant_fp8_fused
 from kernels.fused_gate import _SCORING, _router_kernel
@@ -70,10 +71,7 @@ def _pair_kernel(a_ptr, b_ptr, out_ptr, N, limit, OP: tl.constexpr, CLAMP: tl.co
     a = tl.load(a_ptr + i, mask=m, other=0.0).to(tl.float32)
     b = tl.load(b_ptr + i, mask=m, other=0.0).to(tl.float32)
     if OP == 0:
-        if CLAMP:
-            b = tl.minimum(tl.maximum(b, -limit), limit)
-            a = tl.minimum(a, limit)
-        y = a * tl.sigmoid(a) * b
+        y = clamped_swiglu(a, b, limit, CLAMP)
     else:
         y = a + b
     tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty), mask=m)
