@@ -17,11 +17,14 @@ computes them and the sum skips them)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels import quant_configs
+from kernels.activations import clamped_swiglu
 from kernels.deepseek_v41.fused import clamped_swiglu_fused
 from kernels.fp8_unpack import fp8_unpacked
 from kernels.fused_moe_align import moe_align_fused
@@ -74,13 +77,14 @@ def experts_per_chunk(E: int, I: int, D: int, max_bytes: int) -> int:
     return max(1, min(E, max_bytes // (I * D * 2)))
 
 
-def _experts_mlp(rows, w1, w3, w2, scales, ends, limit):
+def _experts_mlp(rows, w1, w3, w2, scales, ends, limit, swiglu=None):
     """rows [P, D] grouped by expert (ends: each expert's end) through experts w1 / w3 / w2 as stored, each
-    weight unpacked just before its GEMM -> [P, D] (rows past the last end: not computed)."""
+    weight unpacked just before its GEMM -> [P, D] (rows past the last end: not computed). swiglu(gate, up) -> h:
+    the activation over the rows that count (default: every row)."""
     s1, s3, s2 = scales if scales is not None else (None, None, None)
     gate = grouped_mm(rows, experts_unpacked(w1, s1, rows.dtype), ends)
     up = grouped_mm(rows, experts_unpacked(w3, s3, rows.dtype), ends)
-    h = clamped_swiglu_fused(gate, up, limit, out_dtype=rows.dtype)
+    h = swiglu(gate, up) if swiglu else clamped_swiglu_fused(gate, up, limit, out_dtype=rows.dtype)
     return grouped_mm(h, experts_unpacked(w2, s2, rows.dtype), ends)
 
 
@@ -102,6 +106,27 @@ def _chunk_rows_kernel(src_ptr, dst_ptr, token_ptr, end_ptr, E0, E1, D, GATHER: 
     else:
         tl.store(dst_ptr + (start + r).to(tl.int64) * D + d, tl.load(src_ptr + r.to(tl.int64) * D + d, mask=m),
                  mask=m)
+
+
+@triton.jit(do_not_specialize=["I"])
+def _chunk_swiglu_kernel(gate_ptr, up_ptr, h_ptr, end_ptr, E0, E1, I, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    """h[r] = the SwiGLU of (gate[r], up[r]) for the chunk's rows r (as _chunk_rows_kernel counts them) only."""
+    r = tl.program_id(0)
+    if r >= tl.load(end_ptr + E1 - 1) - tl.load(end_ptr + E0 - 1, mask=E0 > 0, other=0):
+        return
+    i = r.to(tl.int64) * I + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK) < I
+    h = clamped_swiglu(tl.load(gate_ptr + i, mask=m).to(tl.float32), tl.load(up_ptr + i, mask=m).to(tl.float32),
+                       limit, CLAMP)
+    tl.store(h_ptr + i, h.to(h_ptr.dtype.element_ty), mask=m)
+
+
+def _chunk_swiglu(gate, up, end, e0: int, e1: int, limit: float):
+    h = torch.empty_like(gate)
+    P, I = gate.shape
+    _chunk_swiglu_kernel[(P, triton.cdiv(I, 1024))](gate, up, h, end, e0, e1, I, float(limit), CLAMP=limit > 0,
+                                                    BLOCK=1024)
+    return h
 
 
 def moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales=None, max_bytes: int | None = None):
@@ -134,7 +159,8 @@ def moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales=None, max
             _chunk_rows_kernel[grid](x, rows, token_of, expert_end, e0, e1, D, GATHER=True, BLOCK=1024)
             ends = expert_end[e0:e1] - (expert_end[e0 - 1] if e0 else 0)
             sc = tuple(s[e0:e1] for s in scales) if scales is not None else None
-            y_c = _experts_mlp(rows, w1[e0:e1], w3[e0:e1], w2[e0:e1], sc, ends.to(expert_end.dtype), limit)
+            y_c = _experts_mlp(rows, w1[e0:e1], w3[e0:e1], w2[e0:e1], sc, ends.to(expert_end.dtype), limit,
+                               functools.partial(_chunk_swiglu, end=expert_end, e0=e0, e1=e1, limit=limit))
             _chunk_rows_kernel[grid](y_c, y, token_of, expert_end, e0, e1, D, GATHER=False, BLOCK=1024)
     pos = torch.empty_like(sorted_ids)  # each pair's row in the sorted order
     pos.scatter_(0, sorted_ids.long(), torch.arange(n_pairs, dtype=pos.dtype, device=x.device))
