@@ -163,8 +163,8 @@ _DECODE_BLOCK_M = sorted(set.intersection(*(set(tiles) for tiles in MOE_DECODE.v
 # the MXFP4 value, bf16 experts' reasoned (the grouped GEMM reads them as stored, no unpack to repay). Past 32
 # experts MOE_GROUPED_MAX_BYTES keeps calls on the fused kernels whatever the rows: kernels/moe_grouped.py can take
 # them in chunks of experts that each fit, but those fits were measured with every expert unpacked at once, and a
-# chunk adds a copy of its rows each way and a SwiGLU over the whole buffer (suite moe_dispatch times the chunked
-# path at 64-256 experts; from its fit this gate can go).
+# chunk adds a copy of its rows each way and launches (suite moe_dispatch times the chunked path at 64-256 experts;
+# from its fit this gate can go).
 MOE_GROUPED_MIN_ROWS: dict[str, tuple[tuple[int, int | None], ...]] = {
     "dense": ((1, 32),),
     "fp8": ((1, 160),),
