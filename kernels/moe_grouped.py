@@ -88,15 +88,22 @@ def _experts_mlp(rows, w1, w3, w2, scales, ends, limit, swiglu=None):
     return grouped_mm(h, experts_unpacked(w2, s2, rows.dtype), ends)
 
 
+@triton.jit
+def _chunk_span(end_ptr, E0, E1):
+    """(start, rows) of the chunk of experts [E0, E1) in the sorted pairs: expert E0 - 1's end (0 for the first) and
+    the pairs up to expert E1 - 1's end, read on the device."""
+    start = tl.load(end_ptr + E0 - 1, mask=E0 > 0, other=0)
+    return start, tl.load(end_ptr + E1 - 1) - start
+
+
 @triton.jit(do_not_specialize=["D"])
 def _chunk_rows_kernel(src_ptr, dst_ptr, token_ptr, end_ptr, E0, E1, D, GATHER: tl.constexpr, BLOCK: tl.constexpr):
-    """Row r of the chunk of experts [E0, E1), whose pairs are the sorted rows [start, end) (start: expert E0 - 1's
-    end, 0 for the first; end: expert E1 - 1's): GATHER, dst[r] = src[token_ptr[start + r]] (the chunk's rows from
-    row 0); else dst[start + r] = src[r] (its outputs to their sorted rows). Programs past the chunk's rows return
-    at once: the grid covers every pair, the device alone knows how many are the chunk's."""
+    """Row r of the chunk of experts [E0, E1) (_chunk_span): GATHER, dst[r] = src[token_ptr[start + r]] (the
+    chunk's rows from row 0); else dst[start + r] = src[r] (its outputs to their sorted rows). Programs past the
+    chunk's rows return at once: the grid covers every pair, the device alone knows how many are the chunk's."""
     r = tl.program_id(0)
-    start = tl.load(end_ptr + E0 - 1, mask=E0 > 0, other=0)
-    if r >= tl.load(end_ptr + E1 - 1) - start:
+    start, rows = _chunk_span(end_ptr, E0, E1)
+    if r >= rows:
         return
     d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = d < D
@@ -110,9 +117,10 @@ def _chunk_rows_kernel(src_ptr, dst_ptr, token_ptr, end_ptr, E0, E1, D, GATHER: 
 
 @triton.jit(do_not_specialize=["I"])
 def _chunk_swiglu_kernel(gate_ptr, up_ptr, h_ptr, end_ptr, E0, E1, I, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
-    """h[r] = the SwiGLU of (gate[r], up[r]) for the chunk's rows r (as _chunk_rows_kernel counts them) only."""
+    """h[r] = the SwiGLU of (gate[r], up[r]) for the chunk's rows r (_chunk_span) only."""
     r = tl.program_id(0)
-    if r >= tl.load(end_ptr + E1 - 1) - tl.load(end_ptr + E0 - 1, mask=E0 > 0, other=0):
+    _, rows = _chunk_span(end_ptr, E0, E1)
+    if r >= rows:
         return
     i = r.to(tl.int64) * I + tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK) < I
