@@ -271,21 +271,17 @@ SUITE_LIST = [
            Step("tools.bench_decode_switches", ("--model", SWITCH_CKPT.format(e=64), "--configs", "base,pdl,fuse,all",
                                                 "--engine-args", SWITCHES, "--label", "e64"), name="e64",
                 then_remove="flash-depth-e64-*", timeout_s=400))),
-    Suite("decode_moe_frag", "At V4-Flash depth as shipped (16 experts), what does the MoE's MXFP4 decode straight into "
-          "the tensor cores' operand registers (kernel variant moe_frag, kernels/fused_dequant.mxfp4_frag_tile) save "
-          "per decode step at batch 1 / 32 / 150 against today's decode (PDL on both), with the same logits?",
-          decode_ab_steps(MOE_FRAG_CONFIGS, 16),
-          notes="about 5 minutes on a fresh machine: a checkpoint (~30 s), an engine start with decode graphs "
-                "(~60-90 s), then per batch and config a graph capture and 24 steps"),
-    Suite("decode_moe_frag_e64", "The same at 64 routed experts (more experts a step touches at batch 32 / 150).",
-          decode_ab_steps(MOE_FRAG_CONFIGS, 64)),
     Suite("decode_variants", "At V4-Flash depth as shipped (16 experts), what does each decode variant that is off "
-          "by default save per decode step at batch 1 / 32 / 150, alone and together, with the same logits: moe_frag "
-          "(decode_moe_frag's question) and bf16_gemv (the compressors' and indexer's bf16 projections as one "
+          "by default save per decode step at batch 1 / 32 / 150, alone and together, with the same logits (PDL on "
+          "all): moe_frag (the MoE's MXFP4 decode straight into the tensor cores' operand registers, "
+          "kernels/fused_dequant.mxfp4_frag_tile) and bf16_gemv (the compressors' and indexer's bf16 projections as one "
           "CUDA-core GEMV launch with PDL instead of cuBLAS's split-K GEMM and its reduce; up to 8 rows, so batch "
           "32 / 150 run today's kernels there)?",
           decode_ab_steps(DECODE_VARIANT_CONFIGS, 16),
-          notes="about 7 minutes on a fresh machine: decode_moe_frag's steps with four configs in one engine"),
+          notes="about 7 minutes on a fresh machine: a checkpoint (~30 s), an engine start with decode graphs "
+                "(~60-90 s), then per batch and config a graph capture and 24 steps"),
+    Suite("decode_moe_frag_e64", "decode_variants' moe_frag A/B at 64 routed experts (more experts a step touches at "
+          "batch 32 / 150).", decode_ab_steps(MOE_FRAG_CONFIGS, 64)),
     Suite("pdl_paths", "With programmatic dependent launch on, does every served path give what it gives with PDL "
           "off, bit for bit (prefill eager and chunked, mixed-step graphs, decode graphs at batch 1 / 8 / 32, MTP "
           "verify / rollback / draft graphs, DSpark verify / plain-step / drafter / rollback graphs, sampled "
@@ -541,7 +537,7 @@ SUITE_LIST = [
           "(1 / 32 / 150 rows; 16 experts, then 256) and prefill (2048 / 8192 tokens), each checked against the "
           "reference first?",
           (Step("tools.bench_quant", ("--mx-ab", "--budget", "150"), timeout_s=220),),
-          notes="about 3 minutes; the quick A/B before decode_moe_frag (the same decode at depth, in the engine)"),
+          notes="about 3 minutes; the quick A/B before decode_variants (the same decode at depth, in the engine)"),
     Suite("kernels_bf16_gemv", "Is the bf16 GEMV (kernel variant bf16_gemv) right and faster than cuBLAS on V4-Flash's "
           "bf16 linears at decode (a CSA layer's stacked readers of the attention input, an HCA layer's, the indexer's "
           "wq_b) at 1 / 2 / 4 / 8 rows, against the bytes' floor?",
