@@ -85,11 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.json, "w") as fh:
             json.dump({"rows": rows_out, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"},
                       fh, indent=1)
-    for f in failures:
-        print("  MISMATCH", f, flush=True)
-    if failures:
-        print(f"bench_bf16_gemv: {len(failures)} failure(s)", file=sys.stderr)
-    return 1 if failures else 0
+    from tools.bench_quant import report_failures
+    return report_failures("bench_bf16_gemv", failures)
 
 
 if __name__ == "__main__":

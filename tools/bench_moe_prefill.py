@@ -133,11 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.json, "w") as fh:
             json.dump({"rows": rows, "rule": {str(e): r for e, r in rule.items()}, "fmt": a.fmt, "dims": [d, i],
                        "topk": k, "device": torch.cuda.get_device_name() if on_gpu else "cpu"}, fh, indent=1)
-    for f in failures:
-        print("  MISMATCH", f, flush=True)
-    if failures:
-        print(f"bench_moe_prefill: {len(failures)} failure(s)", file=sys.stderr)
-    return 1 if failures else 0
+    from tools.bench_quant import report_failures
+    return report_failures("bench_moe_prefill", failures)
 
 
 if __name__ == "__main__":

@@ -449,11 +449,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"[{b['total_us']:.1f} us summed; now {now}]", flush=True)
         save()
     print(f"total {time.perf_counter() - start:.1f} s", flush=True)
-    for f in failures:
-        print("  MISMATCH", f, flush=True)
-    if failures:
-        print(f"bench_prefill_ops: {len(failures)} failure(s)", file=sys.stderr)
-    return 1 if failures else 0
+    from tools.bench_quant import report_failures
+    return report_failures("bench_prefill_ops", failures)
 
 
 if __name__ == "__main__":

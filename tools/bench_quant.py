@@ -512,6 +512,11 @@ def finish(tool: str, rows: list[dict], json_path: str | None, failures: list[st
     if json_path:
         with open(json_path, "w") as fh:
             json.dump(rows, fh, indent=1)
+    return report_failures(tool, failures)
+
+
+def report_failures(tool: str, failures: list[str]) -> int:
+    """A run's end: each failure named on stdout, then exit_status."""
     for f in failures:
         print("  MISMATCH", f, flush=True)
     return exit_status(tool, failures)

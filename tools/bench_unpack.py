@@ -120,9 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
-    for f in failures:
-        print("  MISMATCH", f, flush=True)
-    return 1 if failures else 0
+    from tools.bench_quant import report_failures
+    return report_failures("bench_unpack", failures)
 
 
 if __name__ == "__main__":
