@@ -16,11 +16,10 @@ import argparse
 import functools
 import json
 import sys
-import time
 
 import torch
 
-from tools.kernel_device import gpu_or_interpreter
+from tools.kernel_device import call_timer, gpu_or_interpreter
 
 BYTES_PER_S = 4.2e12  # the H200's copy bandwidth (docs/PERF.md's machines): the floor's divisor
 
@@ -34,18 +33,6 @@ def v4_flash_shapes() -> dict[str, tuple[int, int]]:
             "hca_x_readers": (2 * hd, D), "indexer_wq_b": (c["index_n_heads"] * ihd, c["q_lora_rank"])}
 
 
-def _timer(on_gpu: bool):
-    if on_gpu:
-        from tools.bench_quant import _graph_time
-        return lambda fn: _graph_time([fn] * 20) * 1e6
-
-    def wall_us(fn) -> float:  # the interpreter's seconds
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6
-    return wall_us
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench_bf16_gemv", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="1,2,4,8")
@@ -57,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shapes = ({s: tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")} if a.shapes
               else v4_flash_shapes())
-    timed = _timer(dev.type == "cuda")
+    timed = call_timer(dev.type == "cuda", calls=20)
     print("bf16 linear | N x K | rows | cuBLAS us | GEMV us | cuBLAS / GEMV | bytes floor us | GEMV err / bound",
           flush=True)
     rows_out, failures = [], []

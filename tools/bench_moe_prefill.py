@@ -21,11 +21,10 @@ import functools
 import json
 import math
 import sys
-import time
 
 import torch
 
-from tools.kernel_device import gpu_or_interpreter
+from tools.kernel_device import call_timer, gpu_or_interpreter
 
 D, I, TOPK = 4096, 2048, 6
 PEAK_BF16 = 790e12  # FLOP/s, docs/PERF.md's measured bf16 matmul ceiling
@@ -52,19 +51,6 @@ def fit_rule(rows: list[dict]) -> dict[int, int | None]:
     return rule
 
 
-def _timer(on_gpu: bool):
-    if on_gpu:
-        from tools.bench_quant import _graph_time
-
-        return lambda fn: _graph_time([fn]) * 1e6
-
-    def wall_us(fn) -> float:  # the interpreter's seconds: one call after the checked one
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6
-    return wall_us
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench_moe_prefill", description=__doc__.split("\n\n")[0])
     ap.add_argument("--experts", default="16", help="expert counts, e.g. 16,64,128,256")
@@ -85,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     from tools.bench_quant import _experts, _routing
 
     d, i = (int(v) for v in a.dims.split(","))
-    k, timed = a.topk, _timer(on_gpu)
+    k, timed = a.topk, call_timer(on_gpu)
     per_expert = [int(r) for r in a.rows_per_expert.split(",") if r]
     rows, failures = [], []
     print(f"MoE prefill, {a.fmt} experts, D {d} I {i} top-{k}: experts | tokens | rows per expert | fused us "

@@ -5,6 +5,7 @@ TRITON_INTERPRET at import."""
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -21,3 +22,17 @@ def sync() -> None:
     """Wait for the GPU's queued work before reading a clock (nothing to wait for on the CPU)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def call_timer(on_gpu: bool, calls: int = 1):
+    """fn -> microseconds a call: on the GPU `calls` calls captured in one CUDA graph and replayed (launch cost gone,
+    as in the engine's graphs); in the interpreter the wall time of one call (the table's form, not a timing)."""
+    if on_gpu:
+        from tools.bench_quant import _graph_time
+        return lambda fn: _graph_time([fn] * calls) * 1e6
+
+    def wall_us(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e6
+    return wall_us
