@@ -406,6 +406,8 @@ def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None, 
     block: the weight's scale block (kernels.formats.fp8_block_of); scale None (gemv only): a bf16 weight, block
     the K step's inner width. act: (up, limit): x2 is a SwiGLU's gate.
     norm: (weight, eps): x2's RMSNorm is what multiplies W (ungrouped)."""
+    if scale is None and not gemv:
+        raise ValueError("only the CUDA-core GEMV takes a weight without scales")
     M = x2.shape[0]
     N, K = weight.shape
     if gemv:
@@ -417,8 +419,6 @@ def _dequant(x2, weight, scale, y, cfg, groups: int = 1, n1: int | None = None, 
     ws = torch.empty(split, M, N, dtype=torch.float32, device=y.device) if split > 1 else y
     sem = semaphores(y.device, grid[0] * grid[1]) if split > 1 else y
     up, limit = act if act is not None else (x2, 0.0)
-    if scale is None and not gemv:
-        raise ValueError("only the CUDA-core GEMV takes a weight without scales")
     args = (x2, weight, weight if scale is None else scale, y, ws, sem, M, N, N if n1 is None else n1, K, x2.stride(0),
             N // groups, k_split, up, float(limit), split)
     nw, eps = norm if norm is not None else (x2, 0.0)

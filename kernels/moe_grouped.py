@@ -167,7 +167,7 @@ def moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales=None, max
             _chunk_rows_kernel[grid](x, rows, token_of, expert_end, e0, e1, D, GATHER=True, BLOCK=1024)
             ends = expert_end[e0:e1] - (expert_end[e0 - 1] if e0 else 0)
             sc = tuple(s[e0:e1] for s in scales) if scales is not None else None
-            y_c = _experts_mlp(rows, w1[e0:e1], w3[e0:e1], w2[e0:e1], sc, ends.to(expert_end.dtype), limit,
+            y_c = _experts_mlp(rows, w1[e0:e1], w3[e0:e1], w2[e0:e1], sc, ends, limit,
                                functools.partial(_chunk_swiglu, end=expert_end, e0=e0, e1=e1, limit=limit))
             _chunk_rows_kernel[grid](y_c, y, token_of, expert_end, e0, e1, D, GATHER=False, BLOCK=1024)
     pos = torch.empty_like(sorted_ids)  # each pair's row in the sorted order

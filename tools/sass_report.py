@@ -7,9 +7,9 @@ tile, as Nsight Compute measured, where 3.9 says 160): `pip download --no-deps t
 DIR, run with PYTHONPATH=DIR:. (the compile needs no GPU; torch stays the venv's).
 
     python -m tools.sass_report kernels.fused_attention:_paged_attention_kernel \\
-        --types '*bf16,*bf16,*fp32,*fp32,*fp32,*i64,*i64,*bf16,*i32,i32,*i64,*i32,i32,*i32,*fp32,fp32,i32,i32,i64' \\
-        --const BS=128,RATIO=4,PER_BLOCK=32,HD=512,BLOCK_H=64,BLOCK_N=64,BLOCK_D=512,MODE=2,TOPK=512,NSPLIT=1,DOT_F32=False \\
-        --div16 H,W,COMP_OFF --warps 8 --stages 2
+        --types '*bf16,*bf16,*fp32,*fp32,*fp32,*i64,*i64,*bf16,*i32,i32,*i64,*i32,i32,*i32,*fp32,fp32,i32,i32,i64,*fp32,*fp32,*i32' \\
+        --const BS=128,RATIO=4,PER_BLOCK=32,HD=512,BLOCK_H=64,BLOCK_N=64,BLOCK_D=512,MODE=2,TOPK=512,NSPLIT=1,DOT_F32=False,R=0,COMBINE_LAST=False,CB_H=8,CB_D=128,PDL=False \\
+        --div16 H,W,COMP_OFF --warps 8 --stages 2 --loop     (the CSA prefill tile: 2,169 a key step, Triton 3.6)
 
     python -m tools.sass_report kernels.fused_moe:_gate_up_kernel --loop \\
         --types '*bf16,*u8,*u8,*u8,*u8,*bf16,*fp32,*i32,*i32,*i32,*i32,*i32,i32,i32,i32,fp32,i32,i32' \\
@@ -61,20 +61,20 @@ def _cuobjdump(cubin: bytes, flag: str) -> str:
         return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True, check=True).stdout
 
 
-def report(cubin: bytes) -> dict:
-    """Registers, stack bytes and instruction counts of one compiled kernel."""
+def report(cubin: bytes, sass: str) -> dict:
+    """Registers, stack bytes and instruction counts of one compiled kernel (sass: its --dump-sass)."""
     usage = _cuobjdump(cubin, "--dump-resource-usage")
-    ops = [m.group(2) for m in _INSTR.finditer(_cuobjdump(cubin, "--dump-sass"))]
+    ops = [m.group(2) for m in _INSTR.finditer(sass)]
     out = {"registers": int(re.search(r"REG:(\d+)", usage).group(1)),
            "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1))}
     out.update({op: sum(o == op for o in ops) for op in COUNTED})
     return out
 
 
-def main_loop(cubin: bytes) -> Counter:
+def main_loop(sass: str) -> Counter:
     """The instructions of the kernel's longest loop (the span of its longest backward branch: a K loop's step),
     by opcode: what one step costs each thread."""
-    instrs = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in _INSTR.finditer(_cuobjdump(cubin, "--dump-sass"))]
+    instrs = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in _INSTR.finditer(sass)]
     spans = [(int(b.group(1), 16), at) for at, op, rest in instrs if op == "BRA"
              for b in [re.search(r"(0x[0-9a-f]+)", rest)] if b and int(b.group(1), 16) < at]
     if not spans:
@@ -105,10 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     consts = {k: _value(v) for k, v in (kv.split("=") for kv in a.const.split(",") if kv)}
     compiled = compile_sm90(kernel, a.types.split(","), consts, set(filter(None, a.div16.split(","))), a.warps,
                             a.stages)
-    r = report(compiled.asm["cubin"])
+    sass = _cuobjdump(compiled.asm["cubin"], "--dump-sass")
+    r = report(compiled.asm["cubin"], sass)
     print(" ".join(f"{k} {v}" for k, v in r.items()) + f" shared_bytes {compiled.metadata.shared}")
     if a.loop:
-        loop = main_loop(compiled.asm["cubin"])
+        loop = main_loop(sass)
         print(f"loop {sum(loop.values())} " + " ".join(f"{op} {n}" for op, n in loop.most_common()))
     return 0
 
