@@ -547,10 +547,11 @@ SUITE_LIST = [
           (Step("tools.bench_quant", ("--moe-only", "--budget", "330"), timeout_s=400),)),
     Suite("kernels_mx_ab", "Does the MXFP4 MoE decoding straight into the tensor cores' operand registers "
           "(bf16-frag, two multiplies a value pair or one) beat the engine's table tile on the same launch, at decode "
-          "(1 / 32 / 150 rows; 16 experts, then 256) and prefill (2048 / 8192 tokens), each checked against the "
-          "reference first?",
-          (Step("tools.bench_quant", ("--mx-ab", "--budget", "150"), timeout_s=220),),
-          notes="about 3 minutes; the quick A/B before decode_variants (the same decode at depth, in the engine)"),
+          "(1 / 32 / 150 rows; 16 experts, then 256) and prefill (2048 / 8192 tokens; there also two 8-warp tiles "
+          "of twice the work), each checked against the reference first?",
+          (Step("tools.bench_quant", ("--mx-ab", "--budget", "200"), timeout_s=270),),
+          notes="about 4 minutes; the quick A/B before decode_variants (the same decode at depth, in the engine); "
+                "prefill's grouped path to read the fused rows against: moe_dispatch"),
     Suite("kernels_bf16_gemv", "Is the bf16 GEMV (kernel variant bf16_gemv) right and faster than cuBLAS on V4-Flash's "
           "bf16 linears at decode (a CSA layer's stacked readers of the attention input, an HCA layer's, the indexer's "
           "wq_b) at 1 / 2 / 4 / 8 rows, against the bytes' floor?",

@@ -107,7 +107,16 @@ def moe_ab_candidates(rows: int, experts: int = 256) -> list[dict]:
     from kernels.fused_moe import with_mx
 
     table = quant_configs.moe_config(rows, rows * MOE_SHAPE["k"], experts, "mxfp4")
-    return [table, *(with_mx(table, mode) for mode in MX_AB_MODES)]
+    out = [table, *(with_mx(table, mode) for mode in MX_AB_MODES)]
+    if rows * MOE_SHAPE["k"] > quant_configs.MOE_DECODE_MAX_PAIRS:
+        # prefill: the table's tile (128 pairs x 64 weight rows, 4 warps) holds one CTA an SM (118 KB of shared
+        # memory), one warp a scheduler, and decodes each weight once per 128 pairs; two warpgroups over twice the
+        # pairs or the rows decode it half as often with two warps a scheduler (sm_90 offline, Triton 3.6: 691 / 636
+        # instructions a K step for twice the table's 850's work, 8 bytes spilled against 56)
+        tiles = [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "MX": "bf16-frag"}
+                 for bm, bn in ((256, 64), (128, 128))]
+        out += [{"gate_up": c, "down": c} for c in tiles]
+    return out
 
 
 def moe_candidates(rows: int, fmt: str, experts: int = 256) -> list[dict]:
