@@ -274,9 +274,9 @@ SUITE_LIST = [
     Suite("decode_variants", "At V4-Flash depth as shipped (16 experts), what does each decode variant that is off "
           "by default save per decode step at batch 1 / 32 / 150, alone and together, with the same logits (PDL on "
           "all): moe_frag (the MoE's MXFP4 decode straight into the tensor cores' operand registers, "
-          "kernels/fused_dequant.mxfp4_frag_tile) and bf16_gemv (the compressors' and indexer's bf16 projections as one "
-          "CUDA-core GEMV launch with PDL instead of cuBLAS's split-K GEMM and its reduce; up to 8 rows, so batch "
-          "32 / 150 run today's kernels there)?",
+          "kernels/fused_dequant.mxfp4_frag_tile) and bf16_gemv (the compressors' and indexer's bf16 projections and the "
+          "router's gate as one CUDA-core GEMV launch with PDL instead of cuBLAS's split-K GEMM and its reduce; up to "
+          "8 rows, so batch 32 / 150 run today's kernels there)?",
           decode_ab_steps(DECODE_VARIANT_CONFIGS, 16),
           notes="about 7 minutes on a fresh machine: a checkpoint (~30 s), an engine start with decode graphs "
                 "(~60-90 s), then per batch and config a graph capture and 24 steps"),
@@ -554,7 +554,7 @@ SUITE_LIST = [
                 "prefill's grouped path to read the fused rows against: moe_dispatch"),
     Suite("kernels_bf16_gemv", "Is the bf16 GEMV (kernel variant bf16_gemv) right and faster than cuBLAS on V4-Flash's "
           "bf16 linears at decode (a CSA layer's stacked readers of the attention input, an HCA layer's, the indexer's "
-          "wq_b) at 1 / 2 / 4 / 8 rows, against the bytes' floor?",
+          "wq_b, the MoE router's gate at 16 and 256 experts) at 1 / 2 / 4 / 8 rows, against the bytes' floor?",
           (Step("tools.bench_bf16_gemv", (), timeout_s=150),),
           notes="about a minute; then decode_variants (the same at depth, in the engine)"),
     Suite("kernels_quant", "The FP8 GEMM and MoE launch-config sweep: every candidate checked against the torch "

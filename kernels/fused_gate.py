@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.bf16_gemv import bf16_gemv
+from kernels.bf16_gemv import takes as bf16_gemv_takes
 from kernels.fused_moe_align import CHUNK, align_outputs, align_pairs
 from kernels.pdl import wait_and_release
 from kernels.semaphores import semaphores
@@ -145,7 +147,9 @@ def router_topk_gemm_fused(x, weight, bias, top_k, routed_scaling, scoring_func,
             raise ValueError("the router aligns the pairs only for a biased gate without a hash table")
         from kernels.reference import router_topk
         return router_topk(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids)
-    logits = torch.nn.functional.linear(x, weight).contiguous()
+    # the gate GEMM (E x D, 2 MB at V4-Flash's 256 experts) at decode's rows: kernel variant bf16_gemv's one
+    # PDL-aware launch where it takes it, else cuBLAS (a split-K GEMM and its reduce at one row)
+    logits = (bf16_gemv(x, weight) if bf16_gemv_takes(x, weight) else torch.nn.functional.linear(x, weight)).contiguous()
     T, E = logits.shape
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)

@@ -19,7 +19,7 @@ Read at every call: CUDA graphs captured after a change follow it.
   pair instead of two for the weights whose scale bytes are all <= 128 (checked once per weight: kernels/fused_moe.py
   _tiles; every real checkpoint's, whose weights are far under 12 in magnitude).
 - bf16_gemv: bf16 linears at up to kernels.bf16_gemv.BF16_GEMV_MAX_ROWS rows (the compressors' and indexer's
-  projections at decode) as one CUDA-core GEMV launch with PDL (kernels/bf16_gemv.py) instead of cuBLAS's split-K
+  projections and the MoE router's gate at decode) as one CUDA-core GEMV launch with PDL (kernels/bf16_gemv.py) instead of cuBLAS's split-K
   GEMM and its reduce; weights over BF16_GEMV_MAX_BYTES (the LM head) stay on cuBLAS.
 """
 

@@ -1,6 +1,6 @@
 """The bf16 GEMV (kernel variant bf16_gemv, kernels/bf16_gemv.py) against cuBLAS at decode's rows, on V4-Flash's bf16
 linears (from the flash-shaped preset: a CSA layer's stacked readers of the attention input, an HCA layer's, the
-indexer's wq_b): each checked against float64 (within a bf16 rounding), each timed as 20 calls in one CUDA graph
+indexer's wq_b, the MoE router's gate at 16 and 256 experts): each checked against float64 (within a bf16 rounding), each timed as 20 calls in one CUDA graph
 (the GEMV's PDL overlap between calls included, as in a decode step), next to the bytes' floor. Prints a table,
 writes JSON rows.
 
@@ -30,7 +30,9 @@ def v4_flash_shapes() -> dict[str, tuple[int, int]]:
     c = PRESETS["flash-shaped"]
     D, hd, ihd = c["hidden_size"], c["head_dim"], c["index_head_dim"]
     return {"csa_x_readers": (2 * 2 * hd + 2 * 2 * ihd + c["index_n_heads"], D),  # compressor + indexer's, overlapped
-            "hca_x_readers": (2 * hd, D), "indexer_wq_b": (c["index_n_heads"] * ihd, c["q_lora_rank"])}
+            "hca_x_readers": (2 * hd, D), "indexer_wq_b": (c["index_n_heads"] * ihd, c["q_lora_rank"]),
+            # the MoE router's gate (kernels/fused_gate.py) at the depth suites' 16 experts and the model's 256
+            "router_gate_e16": (16, D), "router_gate_e256": (256, D)}
 
 
 def main(argv: list[str] | None = None) -> int:

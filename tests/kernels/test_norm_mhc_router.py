@@ -188,3 +188,30 @@ def test_engine_router_and_composed_mhc_match_the_references(T, hashed):
     args = (h, out, post, comb, fn, base, scale, torch.rand(D) + 0.5, 1e-6, 1e-6, 1e-6, 20)
     for g, want in zip(hc_post_pre_norm_composed(*args), ref.hc_post_pre_norm(*args)):
         _close(g, want, torch.float32)
+
+
+def test_router_gate_through_the_bf16_gemv_where_the_variant_takes_it(monkeypatch):
+    """Kernel variant bf16_gemv on the router's gate (on the GPU at decode's rows; forced here, where it never takes
+    a CPU tensor): the GEMV computes the logits and the router picks the reference's experts and weights. Logits
+    exact in bf16 (multiples of 2^-4) leave no near-tie for a rounding to flip."""
+    import kernels.fused_gate as fg
+
+    calls, real = [], fg.bf16_gemv
+
+    def gemv(x, w):
+        calls.append(tuple(w.shape))
+        return real(x, w)
+
+    monkeypatch.setattr(fg, "bf16_gemv_takes", lambda x, w: True)
+    monkeypatch.setattr(fg, "bf16_gemv", gemv)
+    T, E, k, D = 3, 24, 6, 64
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(-2, 3, (T, D), generator=g).to(torch.bfloat16)
+    w = (torch.randint(-4, 5, (E, D), generator=g) / 16).to(torch.bfloat16)
+    bias = (torch.randint(-4, 5, (E,), generator=g) / 64).float()
+    gw, gi = fg.router_topk_gemm_fused(x, w, bias, k, 1.5, "sqrtsoftplus")
+    rw, ri = ref.router_topk(x, w, bias, k, 1.5, "sqrtsoftplus")
+    assert calls == [(E, D)]
+    order_g, order_r = gi.sort(-1), ri.sort(-1)
+    assert torch.equal(order_g.values, order_r.values)
+    assert torch.allclose(gw.float().gather(1, order_g.indices), rw.float().gather(1, order_r.indices), atol=1e-2)
