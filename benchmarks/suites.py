@@ -337,15 +337,15 @@ SUITE_LIST = [
     # fixed costs (the MXFP4 experts' unpack, ~15 ms a prefill step at depth; the decode rows) over more prompt
     # tokens, at the price of a longer step for the running decodes: the rows say which wins, and what ITL costs
     Suite("mixed_budget_large", "At V4-Flash depth (1024 in / 128 out, 64 and 150 users, the engine's own step loop), "
-          "what do fixed budgets of 4096 and 8192 tokens give against 2048: output tok/s, TTFT p50 / p90, ITL p50 / "
-          "p90?",
+          "what do fixed budgets of 4096 and 8192 tokens give against 2048, and the adaptive budget (ITL target 4x the "
+          "full batch's step) under the 8192 cap: output tok/s, TTFT p50 / p90, ITL p50 / p90?",
           (checkpoint(DEPTH_CKPT, "flash-depth"),
-           Step("tools.bench_mixed", ("--model", DEPTH_CKPT, "--budgets", "2048,4096,8192", "--users", "150,64",
-                                      "--requests-per-user", "2", "--input-len", "1024", "--output-len", "128",
-                                      "--check-budget", "0", "--step-budgets", "", "--engine-args", MIXED),
-                timeout_s=480)),
-          notes="about 7 minutes on a fresh machine: checkpoint ~60 s, engine start with graphs up to 8192 tokens "
-                "~150 s, six rows ~220 s (150 users first: the serving target's level)"),
+           Step("tools.bench_mixed", ("--model", DEPTH_CKPT, "--budgets", "2048,4096,8192", "--policies",
+                                      "fixed,adaptive:4", "--users", "150,64", "--requests-per-user", "2",
+                                      "--input-len", "1024", "--output-len", "128", "--check-budget", "0",
+                                      "--step-budgets", "", "--engine-args", MIXED), timeout_s=540)),
+          notes="about 8 minutes on a fresh machine: checkpoint ~60 s, engine start with graphs up to 8192 tokens "
+                "~150 s, eight rows ~280 s (150 users first: the serving target's level; fixed before adaptive)"),
     Suite("graphs_check", "Do CUDA-graph steps (decode and mixed) equal the same padded batches run eagerly, "
           "and if not, which layer and cache write part first?",
           (Step("tools.bench_mixed", (*MODEL, "--check-only", "--step-budgets", "512", "--budgets", "512",
