@@ -8,7 +8,8 @@ from tools import bench_bf16_gemv
 
 def test_shapes_are_v4_flash_s_bf16_linears():
     assert bench_bf16_gemv.v4_flash_shapes() == {"csa_x_readers": (2624, 4096), "hca_x_readers": (1024, 4096),
-                                                 "indexer_wq_b": (8192, 1024)}
+                                                 "indexer_wq_b": (8192, 1024), "router_gate_e16": (16, 4096),
+                                                 "router_gate_e256": (256, 4096)}
 
 
 def test_cpu_run_checks_the_gemv_and_writes_rows(tmp_path):
