@@ -567,7 +567,7 @@ SUITE_LIST = [
     Suite("moe_dispatch", "From how many rows per expert does the unpacked-expert grouped GEMM beat the fused "
           "MXFP4 MoE kernels at prefill, per expert count (16 / 64 / 128 / 256, top-6, V4-Flash's expert shape), "
           "the rule quant_configs.MOE_GROUPED_MIN_ROWS holds? (Past 32 experts the grouped path runs in chunks of "
-          "experts whose unpacked weights fit its scratch bound, as the engine would run it.)",
+          "experts whose unpacked weights fit its scratch bound, as the engine runs it.)",
           (Step("tools.bench_moe_prefill", ("--experts", "16,64,128,256", "--rows-per-expert",
                                             "16,32,64,96,128,192,256,384,512", "--fmt", "mxfp4"), timeout_s=300),),
           notes="about 3 minutes: weights ~10 s, the kernels' compiles ~1-2 min, 36 sizes x 2 paths in graph "

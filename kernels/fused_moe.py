@@ -337,18 +337,18 @@ def _tiles(cfg: dict, fmt: int, act_dtype: torch.dtype, k_in: int = 0, scales: t
     return {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "MX": MX_MODES[mx] if fmt == 2 else 0, **_opts(cfg)}
 
 
-def _grouped(x, n_pairs: int, E: int, I: int, D: int, fmt: int) -> bool:
+def _grouped(x, n_pairs: int, E: int, fmt: int) -> bool:
     """Whether a call without a config goes to kernels/moe_grouped.py (prefill's many rows per expert)."""
-    return GROUPED_OK and x.dtype == torch.bfloat16 and quant_configs.moe_grouped(
-        n_pairs, E, E * I * D * 2 if fmt else 0, FORMAT_NAMES[fmt]) and (not x.is_cuda or quant_configs.hopper(x.device))
+    return (GROUPED_OK and x.dtype == torch.bfloat16 and quant_configs.moe_grouped(n_pairs, E, FORMAT_NAMES[fmt])
+            and (not x.is_cuda or quant_configs.hopper(x.device)))
 
 
 def aligned_rows(x, w1, scales, n_pairs: int) -> int | None:
     """The BLOCK_M of the alignment moe_experts_fused makes for such a call (no config), or None where it makes
     none (the grouped path, no pairs): what a router that aligns the pairs itself must use."""
     fmt = weight_format(w1, scales[0] if scales is not None else None)
-    E, I = w1.shape[:2]
-    if n_pairs == 0 or _grouped(x, n_pairs, E, I, x.shape[1], fmt):
+    E = w1.shape[0]
+    if n_pairs == 0 or _grouped(x, n_pairs, E, fmt):
         return None
     return quant_configs.moe_config(x.shape[0], n_pairs, E, FORMAT_NAMES[fmt])["gate_up"]["BLOCK_M"]
 
@@ -375,7 +375,7 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, share
     else:
         s1 = s3 = s2 = w1  # unused pointers
     n_pairs = T * k
-    if config is None and _grouped(x, n_pairs, E, I, D, fmt):
+    if config is None and _grouped(x, n_pairs, E, fmt):
         out = moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales)
         return out if shared is None else out + shared
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)

@@ -7,7 +7,7 @@ unpacked weights exceed the scratch bound go through in chunks of experts (moe_e
 Why: the fused MoE (kernels/fused_moe.py) decodes every weight tile inside its GEMM, which bounds it well
 under the tensor cores' rate at prefill (27% of peak at 2048 tokens: tools/bench_moe_prefill.py,
 docs/perf/h200-2026-12-03-s10/moe_prefill.json); unpacking costs one pass over the experts' bytes (write 2 bytes
-per weight), which pays once an expert has enough rows (quant_configs.moe_grouped says when, and caps the unpacked bytes).
+per weight), which pays once an expert has enough rows (quant_configs.moe_grouped says when).
 
 Steps, all on the device without a host sync (CUDA-graph capturable): the alignment kernel's pairs grouped
 by expert and each expert's end offset (kernels/fused_moe_align.py); the pairs' rows gathered; gate and up

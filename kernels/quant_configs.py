@@ -150,25 +150,23 @@ _DECODE_BLOCK_M = sorted(set.intersection(*(set(tiles) for tiles in MOE_DECODE.v
 
 # Prefill MoE through bf16-unpacked experts and torch's grouped GEMM (kernels/moe_grouped.py) once the
 # experts average this many rows per call, per stored format and expert count: unpacking costs a pass over the
-# experts' bytes that the rows must repay (none for bf16 experts), and the unpacked experts of one call must fit
-# MOE_GROUPED_MAX_BYTES: the scratch lives in the engine's 2 GiB activation reserve (engine/llm_engine.py), one
-# weight at a time (16 MXFP4 experts: 256 MiB per weight; 32, one rank's share of V4-Flash at 8-way expert
-# parallelism: 512 MiB; all 256 on one GPU: 4 GiB, the fused kernels).
+# experts' bytes that the rows must repay (none for bf16 experts). Any expert count: the unpacked weights go
+# through in chunks of experts within MOE_GROUPED_MAX_BYTES, the scratch that lives in the engine's 2 GiB
+# activation reserve (engine/llm_engine.py), one weight at a time (16 MXFP4 experts: 256 MiB a weight, one
+# chunk; 32, one rank's share of V4-Flash at 8-way expert parallelism: 512 MiB, one chunk; all 256 on one GPU:
+# 4 GiB, 8 chunks).
 # Entries: (expert count, rows per expert) ascending; a call takes the entry of the largest count <= its experts
 # (below the first, the first's); rows None: the grouped path never wins there. Written from suite
 # moe_dispatch's fit (tools/bench_moe_prefill.py --rows-per-expert, which prints the entry). MXFP4 at 16 experts:
 # docs/perf/h200-2026-12-03-s10/moe_prefill.json (0.80x the fused kernels at 96 rows per expert, 1.25x at 192,
-# 2.1x at 768; the H100's fit says 256); 64 / 128 / 256 experts: suite moe_dispatch on the H100
-# (docs/perf/h100-2026-12-06b/moe_dispatch.json: grouped 1.05-1.31x at 192 rows per expert, ~2x at 512); FP8's is
-# the MXFP4 value, bf16 experts' reasoned (the grouped GEMM reads them as stored, no unpack to repay). Past 32
-# experts MOE_GROUPED_MAX_BYTES keeps calls on the fused kernels whatever the rows: kernels/moe_grouped.py can take
-# them in chunks of experts that each fit, but those fits were measured with every expert unpacked at once, and a
-# chunk adds a copy of its rows each way and launches (suite moe_dispatch times the chunked path at 64-256 experts;
-# from its fit this gate can go).
+# 2.1x at 768; the H100's fit says 192-256: a tie at 192); 64 / 128 / 256 experts, in chunks: suite moe_dispatch
+# on the H100 (docs/perf/h100-2026-12-07/moe_dispatch.json: grouped 1.03 / 0.96 / 1.10x the fused kernels at
+# 192 rows per expert, 1.15 / 1.28 / 1.19x at 256, 1.80 / 1.69 / 1.50x at 512); FP8's is the MXFP4 value, bf16
+# experts' reasoned (the grouped GEMM reads them as stored, no unpack to repay).
 MOE_GROUPED_MIN_ROWS: dict[str, tuple[tuple[int, int | None], ...]] = {
     "dense": ((1, 32),),
     "fp8": ((1, 160),),
-    "mxfp4": ((16, 160), (64, 192), (128, 192), (256, 192)),
+    "mxfp4": ((16, 160), (64, 192), (128, 256), (256, 192)),
 }
 MOE_GROUPED_MAX_BYTES = 512 << 20
 
@@ -179,13 +177,11 @@ def moe_grouped_min_rows(experts: int, fmt: str) -> int | None:
     return next((rows for count, rows in reversed(table) if experts >= count), table[0][1])
 
 
-def moe_grouped(pairs: int, experts: int, unpacked_bytes: int, fmt: str) -> bool:
+def moe_grouped(pairs: int, experts: int, fmt: str) -> bool:
     """Whether a MoE call of `pairs` (token, expert) pairs takes the grouped-GEMM path: a prefill-sized call
-    (past the decode tiles) whose experts average moe_grouped_min_rows' rows, with the largest unpacked
-    weight (`unpacked_bytes`, bf16) under MOE_GROUPED_MAX_BYTES."""
+    (past the decode tiles) whose experts average moe_grouped_min_rows' rows."""
     rows = moe_grouped_min_rows(experts, fmt)
-    return (rows is not None and pairs > MOE_DECODE_MAX_PAIRS and pairs >= rows * experts
-            and unpacked_bytes <= MOE_GROUPED_MAX_BYTES)
+    return rows is not None and pairs > MOE_DECODE_MAX_PAIRS and pairs >= rows * experts
 
 
 # V4's FP8 linears run as cuBLAS's blockwise FP8 GEMM from this many rows (kernels/fused_fp8_linear.py): faster

@@ -99,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                    for name, fn in (("fused", fused), ("grouped", grouped))}
             t_f, t_g = timed(fused), timed(grouped)
             floor = 2 * T * k * 3 * d * i / PEAK_BF16 * 1e6
-            unpacked = E * i * d * 2 if scales else 0
-            pick = "grouped" if quant_configs.moe_grouped(T * k, E, unpacked, a.fmt) else "fused"
+            pick = "grouped" if quant_configs.moe_grouped(T * k, E, a.fmt) else "fused"
             rows.append({"tokens": T, "experts": E, "rows_per_expert": rpe, "fmt": a.fmt, "fused_us": t_f,
                          "grouped_us": t_g, "fused_rel_err": err["fused"], "grouped_rel_err": err["grouped"],
                          "floor_us": floor, "pick": pick})
