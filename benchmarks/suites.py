@@ -18,10 +18,9 @@ V41_CKPT = "{ckpt}/v41-flash-shaped-fp8-fp4"
 DEPTH_CKPT = "{ckpt}/flash-depth-fp8-fp4"
 SWITCH_CKPT = "{{ckpt}}/flash-depth-e{e}-fp8-fp4"  # one per expert count, removed after its step
 SWITCHES = DEPTH[:-1] + ',"cudagraph_mode":"FULL_DECODE_ONLY"}'  # decode graphs only: no mixed-step captures to wait for
-MOE_FRAG_CONFIGS = "pdl,moe_frag=pdl:1+var:rope_tiles/moe_frag"  # today's decode, then with the MoE's frag decode
 # today's decode, then each decode variant that is off by default, then both
-DECODE_VARIANT_CONFIGS = ("pdl,moe_frag=pdl:1+var:rope_tiles/moe_frag,bf16_gemv=pdl:1+var:rope_tiles/bf16_gemv,"
-                          "both=pdl:1+var:rope_tiles/moe_frag/bf16_gemv")
+DECODE_VARIANT_CONFIGS = ("pdl,moe_frag=pdl:1+var:rope_tiles/bf16_gemv/moe_frag,"
+                          "no_bf16_gemv=pdl:1+var:rope_tiles")
 DSPARK_CKPT = "{ckpt}/flash-depth-0731-fp8-fp4"  # V4-Flash depth with 0731's DSpark stages (16 experts)
 DSPARK_E64_CKPT = "{ckpt}/flash-depth-0731-e64-fp8-fp4"  # the same at 64 routed experts
 SHAPED_CKPT = "{ckpt}/flash-shaped-fp8-fp4"  # V4-Flash's layers, 4 of them, as shipped (FP8 + MXFP4)
@@ -271,17 +270,15 @@ SUITE_LIST = [
            Step("tools.bench_decode_switches", ("--model", SWITCH_CKPT.format(e=64), "--configs", "base,pdl,fuse,all",
                                                 "--engine-args", SWITCHES, "--label", "e64"), name="e64",
                 then_remove="flash-depth-e64-*", timeout_s=400))),
-    Suite("decode_variants", "At V4-Flash depth as shipped (16 experts), what does each decode variant that is off "
-          "by default save per decode step at batch 1 / 32 / 150, alone and together, with the same logits (PDL on "
-          "all): moe_frag (the MoE's MXFP4 decode straight into the tensor cores' operand registers, "
-          "kernels/fused_dequant.mxfp4_frag_tile) and bf16_gemv (the compressors' and indexer's bf16 projections and the "
-          "router's gate as one CUDA-core GEMV launch with PDL instead of cuBLAS's split-K GEMM and its reduce; up to "
-          "8 rows, so batch 32 / 150 run today's kernels there)?",
+    Suite("decode_variants", "At V4-Flash depth as shipped (16 experts), per decode step at batch 1 / 32 / 150 with "
+          "the same logits (PDL on all), today's step against it with moe_frag on (off by default: the MoE's MXFP4 "
+          "decode straight into the tensor cores' operand registers, kernels/fused_dequant.mxfp4_frag_tile) and "
+          "without bf16_gemv (on by default: the compressors' and indexer's bf16 projections and the router's gate "
+          "as one CUDA-core GEMV launch with PDL instead of cuBLAS's split-K GEMM and its reduce, up to 4 rows, so "
+          "batch 32 / 150 run cuBLAS there)?",
           decode_ab_steps(DECODE_VARIANT_CONFIGS, 16),
           notes="about 7 minutes on a fresh machine: a checkpoint (~30 s), an engine start with decode graphs "
                 "(~60-90 s), then per batch and config a graph capture and 24 steps"),
-    Suite("decode_moe_frag_e64", "decode_variants' moe_frag A/B at 64 routed experts (more experts a step touches at "
-          "batch 32 / 150).", decode_ab_steps(MOE_FRAG_CONFIGS, 64)),
     Suite("pdl_paths", "With programmatic dependent launch on, does every served path give what it gives with PDL "
           "off, bit for bit (prefill eager and chunked, mixed-step graphs, decode graphs at batch 1 / 8 / 32, MTP "
           "verify / rollback / draft graphs, DSpark verify / plain-step / drafter / rollback graphs, sampled "

@@ -17,8 +17,12 @@ import torch
 from kernels import quant_configs, variants
 from kernels.fused_fp8_linear import _INTERPRET, _dequant
 
-# the rows and weight bytes up to which the variant takes a bf16 linear (the A/B: suite kernels_bf16_gemv)
-BF16_GEMV_MAX_ROWS = 8
+# the rows and weight bytes up to which the variant takes a bf16 linear: the decode step at depth gains at 1 / 2 / 4
+# rows (1.023 / 1.014 / 1.006x) and loses at 8 (0.979x; suite decode_variants' repeats, H100,
+# docs/perf/h100-2026-12-07/bf16_gemv_confirm.json). Alone, call by call (suite kernels_bf16_gemv), it beats cuBLAS
+# at one row on all but the indexer's wq_b (0.90x) and the router's gate at every row count; the step's gain past
+# that is the launches PDL overlaps
+BF16_GEMV_MAX_ROWS = 4
 BF16_GEMV_MAX_BYTES = 64 << 20
 TILES = {"BLOCK_N": 16, "BLOCK_K": 256, "WAVES": 8, "num_warps": 4, "num_stages": 1}
 INNER = 64  # the tile's inner width (the FP8 kernel's scale block): 64 bf16 = 128 bytes a row a sub-step

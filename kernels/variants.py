@@ -19,8 +19,8 @@ Read at every call: CUDA graphs captured after a change follow it.
   pair instead of two for the weights whose scale bytes are all <= 128 (checked once per weight: kernels/fused_moe.py
   _tiles; every real checkpoint's, whose weights are far under 12 in magnitude).
 - bf16_gemv: bf16 linears at up to kernels.bf16_gemv.BF16_GEMV_MAX_ROWS rows (the compressors' and indexer's
-  projections and the MoE router's gate at decode) as one CUDA-core GEMV launch with PDL (kernels/bf16_gemv.py) instead of cuBLAS's split-K
-  GEMM and its reduce; weights over BF16_GEMV_MAX_BYTES (the LM head) stay on cuBLAS.
+  projections and the MoE router's gate at decode) as one CUDA-core GEMV launch with PDL (kernels/bf16_gemv.py)
+  instead of cuBLAS's split-K GEMM and its reduce; weights over BF16_GEMV_MAX_BYTES (the LM head) stay on cuBLAS.
 """
 
 from __future__ import annotations
@@ -35,7 +35,11 @@ ALL = ("rope_tiles", "mix_bf16x3", "moe_frag", "bf16_gemv")
 # mix_bf16x3 off: right on the GPU at its one-stage prefill launch (kernels/fused_norm_mhc.MIX_PIECES_TILES) and
 # 1.15-1.54x faster on the partials, but hc_pre's post / comb part from today's by 1.5e-5 / 6.3e-5 at 2048 / 8192
 # tokens (over the suite's 1e-5) and the time to first token moves 1.005x: not worth the looser sums.
-DEFAULT: tuple[str, ...] = ("rope_tiles",)
+# bf16_gemv on: suite decode_variants and its repeats at V4-Flash depth (H100, docs/perf/h100-2026-12-07/) find
+# the decode step 1.023x faster at batch 1 (11.44 -> 11.18 ms at 16 experts, 1.03x at 64), 1.014x at 2, 1.006x at
+# 4, with logits identical to today's, and 82 fewer launches a step (38.0 -> 36.1 a layer). moe_frag off: 0.93x at
+# batch 1, 0.91x at 32 there (kernels_mx_ab: the MoE's decode 1.3x slower alone).
+DEFAULT: tuple[str, ...] = ("rope_tiles", "bf16_gemv")
 ENV = "DSV4_VARIANTS"
 
 _on = fusions.parse(os.environ.get(ENV, ",".join(DEFAULT)), ALL, "kernel variants")

@@ -31,4 +31,4 @@ def test_which_linears_the_variant_takes():
     assert not bg.fits(1, w.T, torch.bfloat16)  # not contiguous
     head = torch.empty(0, dtype=torch.bfloat16).new_empty((129280, 4096), device="meta")
     assert not bg.fits(1, head, torch.bfloat16)  # the LM head's gigabyte: cuBLAS
-    assert not bg.takes(torch.zeros(1, 4096, dtype=torch.bfloat16), w)  # on the CPU never (and the variant is off)
+    assert not bg.takes(torch.zeros(1, 4096, dtype=torch.bfloat16), w)  # on the CPU never (the variant on or off)
