@@ -569,6 +569,15 @@ SUITE_LIST = [
                                             "16,32,64,96,128,192,256,384,512", "--fmt", "mxfp4"), timeout_s=300),),
           notes="about 3 minutes: weights ~10 s, the kernels' compiles ~1-2 min, 36 sizes x 2 paths in graph "
                 "replays; the fitted entry is printed for quant_configs.MOE_GROUPED_MIN_ROWS"),
+    # kernels_mx_ab's one point (256 experts, 8192 tokens: 192 rows per expert): the 128 x 128 frag tile 11.4 ms,
+    # the table's 16.0, the grouped path 14.7 (H100, docs/perf/h100-2026-12-07/): a fused MoE without the unpack
+    Suite("moe_prefill_tiles", "Do 8-warp fused MXFP4 tiles that decode straight into the MMA's registers (128 pairs "
+          "x 128 weight rows, 256 x 64) beat both the table's fused tile and the unpacked grouped GEMM at prefill, "
+          "and where (16 / 64 / 128 / 256 experts, 64-512 rows per expert, each checked against the reference)?",
+          (Step("tools.bench_moe_prefill", ("--experts", "16,64,128,256", "--rows-per-expert",
+                                            "64,96,128,192,256,384,512", "--fmt", "mxfp4", "--tiles",
+                                            "128x128x128w8s3:bf16-frag,256x64x128w8s3:bf16-frag"), timeout_s=420),),
+          notes="about 6 minutes: moe_dispatch's sizes from 64 rows per expert with two more fused tiles each"),
     Suite("attention", "How fast is the paged attention kernel on a 2048-token chunk (per tile swept) and at "
           "decode sizes with the default dispatch, against its FLOP floor?",
           (Step("tools.bench_attention_prefill", (), timeout_s=330),)),

@@ -3,6 +3,8 @@ on a tiny expert shape writing the rows and the rule."""
 
 import json
 
+import pytest
+
 from tools import bench_moe_prefill
 
 
@@ -30,3 +32,18 @@ def test_cpu_run_checks_both_paths_and_writes_rows_and_rule(tmp_path):
     (row,) = result["rows"]
     assert row["tokens"] == 2 and row["rows_per_expert"] == 2 and row["fused_rel_err"] <= 2e-2
     assert set(result["rule"]) == {"2"}
+
+
+def test_extra_tiles_are_checked_and_timed_beside_the_table_s(tmp_path):
+    """--tiles: each fused tile run at every size against the reference (the frag decode on a K that allows it, the
+    tile's own BLOCK_M); a malformed tile is refused before any work."""
+    assert bench_moe_prefill.parse_tile("128x64x128w8s3:bf16-frag")["down"] == {
+        "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "MX": "bf16-frag"}
+    with pytest.raises(SystemExit):
+        bench_moe_prefill.main(["--tiles", "128x64w8"])
+    out = tmp_path / "moe.json"
+    assert bench_moe_prefill.main(["--dims", "128,128", "--experts", "2", "--topk", "2", "--rows-per-expert", "2",
+                                   "--tiles", "32x32x128w4s2:bf16-frag,16x32x64w4s2", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert set(row["tiles"]) == {"32x32x128w4s2:bf16-frag", "16x32x64w4s2"}
+    assert all(t["rel_err"] <= 2e-2 and t["us"] > 0 for t in row["tiles"].values())
