@@ -19,8 +19,8 @@ DEPTH_CKPT = "{ckpt}/flash-depth-fp8-fp4"
 SWITCH_CKPT = "{{ckpt}}/flash-depth-e{e}-fp8-fp4"  # one per expert count, removed after its step
 SWITCHES = DEPTH[:-1] + ',"cudagraph_mode":"FULL_DECODE_ONLY"}'  # decode graphs only: no mixed-step captures to wait for
 # today's decode, then each decode variant that is off by default, then both
-DECODE_VARIANT_CONFIGS = ("pdl,moe_frag=pdl:1+var:rope_tiles/bf16_gemv/moe_frag,"
-                          "no_bf16_gemv=pdl:1+var:rope_tiles")
+DECODE_VARIANT_CONFIGS = ("pdl,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/moe_gemv,"
+                          "moe_frag=pdl:1+var:rope_tiles/bf16_gemv/moe_frag,no_bf16_gemv=pdl:1+var:rope_tiles")
 DSPARK_CKPT = "{ckpt}/flash-depth-0731-fp8-fp4"  # V4-Flash depth with 0731's DSpark stages (16 experts)
 DSPARK_E64_CKPT = "{ckpt}/flash-depth-0731-e64-fp8-fp4"  # the same at 64 routed experts
 SHAPED_CKPT = "{ckpt}/flash-shaped-fp8-fp4"  # V4-Flash's layers, 4 of them, as shipped (FP8 + MXFP4)

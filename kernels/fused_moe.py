@@ -41,6 +41,8 @@ from kernels.fused_dequant import (
     to_frag_order,
 )
 from kernels.fused_moe_align import moe_align_fused
+from kernels.moe_gemv import moe_experts_gemv
+from kernels.moe_gemv import takes as gemv_takes
 from kernels.moe_grouped import moe_experts_grouped
 from kernels.pdl import wait_and_release
 from kernels.per_weight import PerWeight
@@ -343,12 +345,17 @@ def _grouped(x, n_pairs: int, E: int, fmt: int) -> bool:
             and (not x.is_cuda or quant_configs.hopper(x.device)))
 
 
+def _gemv(x, w1, scales) -> bool:
+    """Whether a call without a config goes to kernels/moe_gemv.py (kernel variant moe_gemv: decode's few rows)."""
+    return variants.on("moe_gemv") and gemv_takes(x.shape[0], w1, scales[0] if scales is not None else None)
+
+
 def aligned_rows(x, w1, scales, n_pairs: int) -> int | None:
     """The BLOCK_M of the alignment moe_experts_fused makes for such a call (no config), or None where it makes
     none (the grouped path, no pairs): what a router that aligns the pairs itself must use."""
     fmt = weight_format(w1, scales[0] if scales is not None else None)
     E = w1.shape[0]
-    if n_pairs == 0 or _grouped(x, n_pairs, E, fmt):
+    if n_pairs == 0 or _grouped(x, n_pairs, E, fmt) or _gemv(x, w1, scales):
         return None
     return quant_configs.moe_config(x.shape[0], n_pairs, E, FORMAT_NAMES[fmt])["gate_up"]["BLOCK_M"]
 
@@ -356,7 +363,7 @@ def aligned_rows(x, w1, scales, n_pairs: int) -> int | None:
 def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, shared=None, config: dict | None = None,
                       aligned: tuple | None = None):
     """`config` ({"gate_up": cfg, "down": cfg}, tools/bench_quant.py's sweep) overrides
-    kernels/quant_configs.py's entry. `shared`: added in the top-k sum's launch with the fusion switch
+    kernels/quant_configs.py's entry; {"gemv": tiles}: the MXFP4 experts as kernels/moe_gemv.py's GEMVs in those tiles. `shared`: added in the top-k sum's launch with the fusion switch
     moe_shared_sum (kernels/fusions.py), else by one add after it. `aligned` (BLOCK_M, the alignment's four
     outputs): the pairs already aligned (by the router's launch: kernels.fused_gate), BLOCK_M aligned_rows'."""
     if shared is not None and not (fusions.on("moe_shared_sum") and shared.is_contiguous()):
@@ -381,6 +388,9 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, share
     out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     if n_pairs == 0:
         return out if shared is None else shared.clone()
+    if config is None and _gemv(x, w1, scales) or config is not None and "gemv" in config:  # a sweep's GEMV tiles
+        y = moe_experts_gemv(x, w1, w3, w2, scales, weights, indices, limit, tiles=(config or {}).get("gemv"))
+        return _sum_topk(y, indices, out, shared)
     cfg = config or quant_configs.moe_config(T, n_pairs, E, FORMAT_NAMES[fmt])
     if config is None and fmt == 2 and variants.on("moe_frag"):  # one multiply where the scales allow it (_tiles)
         cfg = with_mx(cfg, "bf16-frag-one-mul")
@@ -418,8 +428,15 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, share
         else:
             _down_kernel[grid](h, w2, s2, y, rw, ws, sem, *layout, D, I, k_split, n_pairs,
                                W_FMT=fmt, BLOCK_M=bm, DOT_F32=_INTERPRET, SPLITS=splits, **dn, **pdl.options(h))
+    return _sum_topk(y, indices, out, shared)
+
+
+def _sum_topk(y, indices, out, shared):
+    """out [T, D] = each token's k rows of y summed (rows of expert -1 skipped), plus `shared` where given."""
+    T, D = out.shape
     idx = indices.reshape(-1)
     idx = idx if idx.is_contiguous() else idx.contiguous()
-    _sum_topk_kernel[(T, triton.cdiv(D, 1024))](y, idx, out, out if shared is None else shared, T, D, TOPK=k,
-                                                BLOCK=1024, ADD=shared is not None, **pdl.options(y))
+    _sum_topk_kernel[(T, triton.cdiv(D, 1024))](y, idx, out, out if shared is None else shared, T, D,
+                                                TOPK=indices.shape[1], BLOCK=1024, ADD=shared is not None,
+                                                **pdl.options(y))
     return out

@@ -21,6 +21,9 @@ Read at every call: CUDA graphs captured after a change follow it.
 - bf16_gemv: bf16 linears at up to kernels.bf16_gemv.BF16_GEMV_MAX_ROWS rows (the compressors' and indexer's
   projections and the MoE router's gate at decode) as one CUDA-core GEMV launch with PDL (kernels/bf16_gemv.py)
   instead of cuBLAS's split-K GEMM and its reduce; weights over BF16_GEMV_MAX_BYTES (the LM head) stay on cuBLAS.
+- moe_gemv: the MXFP4 MoE at up to kernels.moe_gemv.MOE_GEMV_MAX_ROWS tokens as one GEMV program per (routed pair,
+  N tile, K split) on the CUDA cores (kernels/moe_gemv.py) instead of the MMA kernels' 16-row tiles: no padding,
+  no shared memory, no alignment of the pairs by expert.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import os
 
 from kernels import fusions
 
-ALL = ("rope_tiles", "mix_bf16x3", "moe_frag", "bf16_gemv")
+ALL = ("rope_tiles", "mix_bf16x3", "moe_frag", "bf16_gemv", "moe_gemv")
 # rope_tiles on: suite prefill_small_ops finds it within a rounding of the one-row kernels on the GPU and 1.1-1.3x
 # faster from 32 tokens up (no slower at one), prefill_variants 1.03x on the time to first token at depth.
 # mix_bf16x3 off: right on the GPU at its one-stage prefill launch (kernels/fused_norm_mhc.MIX_PIECES_TILES) and

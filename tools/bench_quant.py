@@ -96,18 +96,23 @@ def linear_candidates(m: int) -> list[dict]:
 
 
 # --mx-ab: the table's MXFP4 tile against the same tile decoding into the MMA's operand registers, two multiplies and
-# one a value pair (kernels/fused_dequant.py: mxfp4_frag_tile, _words_bf16)
+# one a value pair (kernels/fused_dequant.py: mxfp4_frag_tile, _words_bf16); at decode's few rows the GEMVs too
 MX_AB_MODES = ("bf16-frag", "bf16-frag-one-mul")
 
 
 def moe_ab_candidates(rows: int, experts: int = 256) -> list[dict]:
     """--mx-ab's candidates: the engine's table tile for this call (quant_configs.moe_config), then the same tile with
-    each of MX_AB_MODES."""
-    from kernels import quant_configs
+    each of MX_AB_MODES; at decode's few rows the GEMVs of kernels/moe_gemv.py."""
+    from kernels import moe_gemv, quant_configs
     from kernels.fused_moe import with_mx
 
     table = quant_configs.moe_config(rows, rows * MOE_SHAPE["k"], experts, "mxfp4")
     out = [table, *(with_mx(table, mode) for mode in MX_AB_MODES)]
+    if rows <= moe_gemv.MOE_GEMV_MAX_ROWS:
+        # the variant moe_gemv's GEMVs (kernels/moe_gemv.py) in its tile and around it (sm_90 offline, Triton 3.6:
+        # 117 registers at 32 x 256 / 4 warps, 88 at 32 x 128 and 16 x 256, no spills)
+        out += [{"gemv": moe_gemv.TILES | t} for t in ({}, {"BLOCK_K": 128}, {"BLOCK_N": 16},
+                                                       {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8})]
     if rows * MOE_SHAPE["k"] > quant_configs.MOE_DECODE_MAX_PAIRS:
         # prefill: the table's tile (128 pairs x 64 weight rows, 4 warps) holds one CTA an SM (118 KB of shared
         # memory), one warp a scheduler, and decodes each weight once per 128 pairs; two warpgroups over twice the
@@ -216,6 +221,8 @@ def best_table(results: list[dict]) -> dict:
 
 
 def _short(cfg: dict) -> str:
+    if "gemv" in cfg:
+        return "gemv " + _short(cfg["gemv"])
     if "gate_up" in cfg:
         cfg = cfg["gate_up"]
     names = {"variant": "", "BLOCK_M": "m", "BLOCK_N": "n", "BLOCK_K": "k", "SPLIT_K": "s", "GROUP_M": "g",
