@@ -363,8 +363,9 @@ def aligned_rows(x, w1, scales, n_pairs: int) -> int | None:
 def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, shared=None, config: dict | None = None,
                       aligned: tuple | None = None):
     """`config` ({"gate_up": cfg, "down": cfg}, tools/bench_quant.py's sweep) overrides
-    kernels/quant_configs.py's entry; {"gemv": tiles}: the MXFP4 experts as kernels/moe_gemv.py's GEMVs in those tiles. `shared`: added in the top-k sum's launch with the fusion switch
-    moe_shared_sum (kernels/fusions.py), else by one add after it. `aligned` (BLOCK_M, the alignment's four
+    kernels/quant_configs.py's entry; {"gemv": tiles}: the MXFP4 experts as kernels/moe_gemv.py's GEMVs in those
+    tiles. `shared`: added in the top-k sum's launch with the fusion switch moe_shared_sum (kernels/fusions.py),
+    else by one add after it. `aligned` (BLOCK_M, the alignment's four
     outputs): the pairs already aligned (by the router's launch: kernels.fused_gate), BLOCK_M aligned_rows'."""
     if shared is not None and not (fusions.on("moe_shared_sum") and shared.is_contiguous()):
         return moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales, config=config, aligned=aligned) + shared

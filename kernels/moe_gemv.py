@@ -34,7 +34,6 @@ _ASM = tl.constexpr(not _INTERPRET)  # the decode's PTX; the interpreter runs th
 MOE_GEMV_MAX_ROWS = 4  # tokens a call up to which the variant takes it (decode's few rows)
 TILES = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2}
 INTERPRET_TILES = {"BLOCK_N": 16, "BLOCK_K": 64}
-GEMV_WAVES = 4  # programs per SM the K splits aim at: a step's few pairs give a few hundred (pair, N tile) programs
 
 
 @triton.jit
@@ -132,12 +131,10 @@ def takes(tokens: int, w1: torch.Tensor, scale: torch.Tensor | None) -> bool:
 
 
 def _splits(programs: int, k: int, block_k: int) -> tuple[int, int]:
-    """(splits, K per split): splits doubling while the programs stay under GEMV_WAVES a SM and each split keeps
-    at least two K steps."""
+    """(splits, K per split): the MMA kernels' rule (quant_configs.moe_split_k: about MOE_WAVES programs an SM, each
+    split at least two K steps), a step's few pairs giving a few hundred (pair, N tile) programs."""
     steps = triton.cdiv(k, block_k)
-    s = 1
-    while s * programs < GEMV_WAVES * quant_configs.SMS and 4 * s <= steps:
-        s *= 2
+    s = quant_configs.moe_split_k({}, programs, steps)
     if _INTERPRET:
         s = min(max(s, 2), steps)  # the interpreter: the split-K join taken whenever two K steps allow it
     k_split = triton.cdiv(steps, s) * block_k

@@ -478,6 +478,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.write_configs and args.v41:
         ap.error("--write-configs: the tuned tables hold 128x128-block tiles only, not --v41's")
+    if args.write_configs and args.mx_ab:
+        ap.error("--write-configs: --mx-ab is an A/B of kernel variants (its GEMV rows are no table tile)")
     if not torch.cuda.is_available():
         print("bench_quant: needs a CUDA device", file=sys.stderr)
         return 2
