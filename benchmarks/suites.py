@@ -200,6 +200,15 @@ def decode_ab_steps(configs: str, experts: int) -> tuple[Step, ...]:
                  timeout_s=max(420, 180 + 90 * len(configs.split(",")))))  # an engine start, then ~1.5 min a config
 
 
+def closed_loop(budgets: str, policies: str, users: str, timeout_s: int) -> Step:
+    """tools.bench_mixed's chunk-budget rows at V4-Flash depth: 1024 in / 128 out, 2 requests a user, the engine's
+    own step loop, no graph check or step timing."""
+    return Step("tools.bench_mixed", ("--model", DEPTH_CKPT, "--budgets", budgets, "--policies", policies, "--users",
+                                      users, "--requests-per-user", "2", "--input-len", "1024", "--output-len", "128",
+                                      "--check-budget", "0", "--step-budgets", "", "--engine-args", MIXED),
+                timeout_s=timeout_s)
+
+
 def profile(name: str, *args: str, then_remove: str | None = None) -> Step:
     """tools.profile_decode: kernels by CUDA time (a text table, kept as the step's output)."""
     return Step("tools.profile_decode", args, name=name, json_flag=None, then_remove=then_remove, timeout_s=200)
@@ -324,11 +333,7 @@ SUITE_LIST = [
     Suite("mixed_adaptive", "At V4-Flash depth (1024 in / 128 out, 64 and 150 users, the engine's own step loop), "
           "what does the adaptive chunk budget (engine/chunk_budget.py, ITL target 2x and 4x the full batch's "
           "decode step) give against the fixed 2048 budget: output tok/s, TTFT p50 / p90, ITL p50 / p90?",
-          (checkpoint(DEPTH_CKPT, "flash-depth"),
-           Step("tools.bench_mixed", ("--model", DEPTH_CKPT, "--budgets", "2048", "--policies",
-                                      "fixed,adaptive,adaptive:4", "--users", "64,150", "--requests-per-user", "2",
-                                      "--input-len", "1024", "--output-len", "128", "--check-budget", "0",
-                                      "--step-budgets", "", "--engine-args", MIXED), timeout_s=420)),
+          (checkpoint(DEPTH_CKPT, "flash-depth"), closed_loop("2048", "fixed,adaptive,adaptive:4", "64,150", 420)),
           notes="about 7 minutes on a fresh machine: checkpoint ~60 s, engine start ~135 s, six rows ~210 s"),
     # vLLM's and SGLang's servers default to 8192-token chunks on such cards; ours is 2048. A bigger step pays its
     # fixed costs (the MXFP4 experts' unpack, ~15 ms a prefill step at depth; the decode rows) over more prompt
@@ -336,11 +341,7 @@ SUITE_LIST = [
     Suite("mixed_budget_large", "At V4-Flash depth (1024 in / 128 out, 64 and 150 users, the engine's own step loop), "
           "what do fixed budgets of 4096 and 8192 tokens give against 2048, and the adaptive budget (ITL target 4x the "
           "full batch's step) under the 8192 cap: output tok/s, TTFT p50 / p90, ITL p50 / p90?",
-          (checkpoint(DEPTH_CKPT, "flash-depth"),
-           Step("tools.bench_mixed", ("--model", DEPTH_CKPT, "--budgets", "2048,4096,8192", "--policies",
-                                      "fixed,adaptive:4", "--users", "150,64", "--requests-per-user", "2",
-                                      "--input-len", "1024", "--output-len", "128", "--check-budget", "0",
-                                      "--step-budgets", "", "--engine-args", MIXED), timeout_s=540)),
+          (checkpoint(DEPTH_CKPT, "flash-depth"), closed_loop("2048,4096,8192", "fixed,adaptive:4", "150,64", 540)),
           notes="about 8 minutes on a fresh machine: checkpoint ~60 s, engine start with graphs up to 8192 tokens "
                 "~150 s, eight rows ~280 s (150 users first: the serving target's level; fixed before adaptive)"),
     Suite("graphs_check", "Do CUDA-graph steps (decode and mixed) equal the same padded batches run eagerly, "

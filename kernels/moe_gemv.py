@@ -58,17 +58,22 @@ def _rows_dot(acc, w_ptr, s_ptr, a_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, BLOC
 
 
 @triton.jit
+def _program(idx_ptr, BLOCK_N: tl.constexpr):
+    """(N tile, pair, K split, the pair's expert: -1 for another rank's, this program's N rows)."""
+    pid_n, p, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    return pid_n, p, pid_k, tl.load(idx_ptr + p), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
 def _gate_up_gemv_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, h_ptr, ws_ptr, sem_ptr, idx_ptr, D, I, TOPK, limit,
                          K_SPLIT, n_pairs, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          ASM: tl.constexpr, PDL: tl.constexpr = False):
     """h[p, n-tile] = SwiGLU(x[token] @ w1[e].T, x[token] @ w3[e].T) for pair p = (token, expert e)."""
     wait_and_release(PDL)  # the pair's expert comes from the router, the launch before
-    pid_n, p, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    e = tl.load(idx_ptr + p)
+    pid_n, p, pid_k, e, n = _program(idx_ptr, BLOCK_N)
     if e < 0:
         return
     e64 = e.to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w1, w3 = w1_ptr + e64 * I * (D // 2), w3_ptr + e64 * I * (D // 2)
     s1, s3 = s1_ptr + e64 * I * (D // 32), s3_ptr + e64 * I * (D // 32)
     a = x_ptr + (p // TOPK).to(tl.int64) * D
@@ -99,12 +104,10 @@ def _down_gemv_kernel(h_ptr, w2_ptr, s2_ptr, y_ptr, rw_ptr, ws_ptr, sem_ptr, idx
                       PDL: tl.constexpr = False):
     """y[p, n-tile] = routing weight of p * (h[p] @ w2[e].T), float32."""
     wait_and_release(PDL)
-    pid_n, p, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    e = tl.load(idx_ptr + p)
+    pid_n, p, pid_k, e, n = _program(idx_ptr, BLOCK_N)
     if e < 0:
         return
     e64 = e.to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     w2, s2 = w2_ptr + e64 * D * (I // 2), s2_ptr + e64 * D * (I // 32)
     acc = tl.zeros((BLOCK_N, BLOCK_K // 8), tl.float32)
     k_lo = pid_k * K_SPLIT
@@ -145,7 +148,7 @@ def moe_experts_gemv(x, w1, w3, w2, scales, weights, indices, limit, tiles: dict
     """The routed experts' outputs y [pairs, D] (float32, each times its routing weight; rows of expert -1
     untouched) for x [T, D] and the pairs of indices / weights [T, k]: kernels/fused_moe's y, summed per token
     there. scales: the three ue8m0 byte tensors as stored."""
-    cfg = dict(tiles or TILES) | (INTERPRET_TILES if _INTERPRET else {})
+    cfg = dict(tiles) if tiles else TILES | (INTERPRET_TILES if _INTERPRET else {})  # a sweep's tiles as given
     T, D = x.shape
     E, I = w1.shape[:2]
     k = indices.shape[1]

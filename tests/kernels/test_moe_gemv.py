@@ -18,6 +18,14 @@ def _mxfp4_experts(E, D, I, g):
     return (w1.clone(), w3.clone(), w2.clone()), (s1, s3, s2)  # clones: 16-byte aligned storage
 
 
+def _two_tokens(seed, idx, D=256, I=128, E=4):
+    """Two tokens routed to `idx` [2, k] over E MXFP4 experts: x, the experts, their scales, routing weights."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, D, generator=g).to(torch.bfloat16)
+    experts, scales = _mxfp4_experts(E, D, I, g)
+    return x, experts, scales, torch.rand(*idx.shape, generator=g).to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("T, skipped, shared", [(1, False, False), (3, True, False), (4, False, True)])
 def test_gemv_moe_is_the_reference(T, skipped, shared, monkeypatch):
     """Bound: bf16 rounding of h and of the output, float32 sums in another order (the MMA path's own bound)."""
@@ -45,13 +53,11 @@ def test_gemv_moe_is_the_reference(T, skipped, shared, monkeypatch):
 
 def test_the_gemv_joins_k_splits_in_the_last_split():
     """K split in two (the interpreter's choice wherever two K steps allow it): the join gives the one-split sum."""
-    D, I, E, k = 256, 128, 4, 2
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(2, D, generator=g).to(torch.bfloat16)
-    (w1, w3, w2), scales = _mxfp4_experts(E, D, I, g)
     idx = torch.tensor([[0, 3], [2, 0]])
-    w = torch.rand(2, k, generator=g).to(torch.bfloat16)
+    x, (w1, w3, w2), scales, w = _two_tokens(5, idx)
+    D = x.shape[1]
     assert moe_gemv._splits(10, D, moe_gemv.INTERPRET_TILES["BLOCK_K"])[0] == 2
+    assert moe_gemv._splits(10, D, D)[0] == 1
     split = moe_gemv.moe_experts_gemv(x, w1, w3, w2, scales, w, idx, 10.0)
     whole = moe_gemv.moe_experts_gemv(x, w1, w3, w2, scales, w, idx, 10.0, tiles={**moe_gemv.TILES, "BLOCK_K": D})
     assert torch.allclose(split, whole, rtol=1e-5, atol=1e-6)
@@ -72,13 +78,9 @@ def test_which_calls_the_variant_takes(monkeypatch):
 
 def test_a_sweep_config_runs_the_gemv_in_its_tiles():
     """tools/bench_quant.py --mx-ab's GEMV candidates: config {"gemv": tiles} runs kernels/moe_gemv.py whatever the
-    variant says, in those tiles (the interpreter's N and K step shrink them), and gives the reference's result."""
-    D, I, E, k = 256, 128, 4, 2
-    g = torch.Generator().manual_seed(9)
-    x = torch.randn(2, D, generator=g).to(torch.bfloat16)
-    (w1, w3, w2), scales = _mxfp4_experts(E, D, I, g)
+    variant says, in those tiles as given, and gives the reference's result."""
     idx = torch.tensor([[1, 3], [3, 0]])
-    w = torch.rand(2, k, generator=g).to(torch.bfloat16)
+    x, (w1, w3, w2), scales, w = _two_tokens(9, idx)
     got = moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales, config={"gemv": {**moe_gemv.TILES, "BLOCK_N": 16}})
     want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, scales)
     assert (got.float() - want.float()).abs().max() <= 2e-2 * max(want.abs().max().item(), 1.0)
