@@ -267,13 +267,16 @@ SUITE_LIST = [
                    name=f"e{e}", then_remove="flash-depth-e*", timeout_s=300))),
           notes="about 5 minutes on a fresh machine: per expert count a checkpoint (~30 / ~60 s) and an engine "
                 "start with decode graphs (~60-90 s), then 64 steps a batch"),
-    Suite("decode_switches", "At V4-Flash depth as shipped (16 experts), what does each decode switch save per step "
-          "at batch 1 / 32 / 150: PDL (kernels/pdl.py), each launch-saving fusion (kernels/fusions.py), all "
-          "together; how many kernels per layer does each launch?",
+    Suite("decode_switches", "At V4-Flash depth as shipped (16 experts), what does each launch-saving fusion "
+          "(kernels/fusions.py) save per step on today's default step (PDL on) at batch 1 and 150, all of them "
+          "together at 1 / 32 / 150, and PDL off; how many kernels per layer does each launch? (All six together "
+          "saved nothing on 2026-12-06: which of them pays alone?)",
           (checkpoint(SWITCH_CKPT.format(e=16), "flash-depth", "--override", '{"n_routed_experts":16}'),
            Step("tools.bench_decode_switches", ("--model", SWITCH_CKPT.format(e=16), "--engine-args", SWITCHES,
                                                 "--label", "e16"), name="e16", then_remove="flash-depth-e16-*",
-                timeout_s=450))),
+                timeout_s=570)),
+          notes="about 9 minutes on a fresh machine: a checkpoint, an engine start, then 3 configs at 3 batches and "
+                "10 fusions at 2, each a graph capture and 24 steps"),
     Suite("decode_switches_e64", "The same at 64 routed experts: PDL and the fusions off / on together.",
           (checkpoint(SWITCH_CKPT.format(e=64), "flash-depth", "--override", '{"n_routed_experts":64}'),
            Step("tools.bench_decode_switches", ("--model", SWITCH_CKPT.format(e=64), "--configs", "base,pdl,fuse,all",

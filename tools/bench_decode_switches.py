@@ -3,14 +3,15 @@
 memory floor, with the kernels a decode step launches per layer on the GPU (torch profiler) and a check
 that each switch set's logits agree with the first set's on the same input (exit 1 if not).
 
-    python -m tools.bench_decode_switches --model CKPT [--batches 1,32,150] [--configs base,pdl,fuse,all,...]
+    python -m tools.bench_decode_switches --model CKPT [--batches 1,32,150] [--configs pdl,base,all,mega_mhc,...]
                                           [--input-len 1024] [--steps 32] [--json OUT]   (suite decode_switches)
 
 A config is NAME or NAME=pdl:0|1+fuse:LIST+var:LIST (LIST: names joined by '/', "all" or "none"; var: the kernel
 variants of kernels/variants.py; where a config does not name them, the set the process started with: DSV4_VARIANTS
 or the default); the named ones: base (PDL
-off, no fusion), pdl, fuse (every fusion), all (both), and one per fusion (`mega_mhc`, ... : that fusion alone, PDL
-off; at --single-batches only). Per batch the requests are prefilled once; per config the batch's decode graph is
+off, no fusion), pdl (today's default: PDL on, no fusion), fuse (every fusion), all (both), and one per fusion
+(`mega_mhc`, ... : that fusion on today's default step, PDL on; at --single-batches only). The first config is the
+one the others are read against. Per batch the requests are prefilled once; per config the batch's decode graph is
 captured again under the config's switches, then `steps` engine steps are timed (kernels/pdl.py, kernels/fusions.py
 and kernels/variants.py are read at capture). The floor is
 tools.bench_engine.decode_floors' (weights a step reads / copy bandwidth).
@@ -45,7 +46,7 @@ def parse_config(spec: str) -> tuple[str, bool, tuple[str, ...], tuple[str, ...]
     name, _, body = spec.partition("=")
     if not body:
         named = {"base": (False, ()), "pdl": (True, ()), "fuse": (False, fusions.ALL), "all": (True, fusions.ALL)}
-        named |= {f: (False, (f,)) for f in fusions.ALL}
+        named |= {f: (True, (f,)) for f in fusions.ALL}
         if name not in named:
             raise ValueError(f"unknown config {name!r}: one of {', '.join(named)} or NAME=pdl:0|1+fuse:a/b+var:c/d")
         return (name, *named[name], variants.enabled())
@@ -171,7 +172,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help='a checkpoint ("": the tiny default, a CPU smoke run)')
     ap.add_argument("--batches", default="1,32,150")
-    ap.add_argument("--configs", default="base,pdl,fuse,all," + ",".join(fusions.ALL))
+    ap.add_argument("--configs", default="pdl,base,all," + ",".join(fusions.ALL))
     ap.add_argument("--single-batches", default="1,150", help="batches the one-fusion configs run at (all: every one)")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=24)

@@ -13,6 +13,7 @@ from tools.bench_decode_switches import parse_config
 
 def test_configs_name_pdl_fusions_and_variants():
     assert parse_config("pdl") == ("pdl", True, (), variants.enabled())  # unnamed: the variants the process has
+    assert parse_config("mega_gate") == ("mega_gate", True, ("mega_gate",), variants.enabled())  # on today's PDL step
     assert parse_config("frag=pdl:1+var:rope_tiles/moe_frag") == ("frag", True, (), ("rope_tiles", "moe_frag"))
     assert parse_config("plain=pdl:0+fuse:none+var:none") == ("plain", False, (), ())
     with pytest.raises(ValueError, match="unknown kernel variants"):
