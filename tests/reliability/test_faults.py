@@ -17,7 +17,9 @@ from tests.reliability.conftest import MARKER, http_generate, run_grpc
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["The first innocent request", "A second one, a little longer than the first", "Third"]
-GREEDY = dict(max_tokens=64, temperature=0, ignore_eos=True)
+# long enough that the three decode together across several of the metrics' 0.5 s polls (at 64 tokens the window
+# could fall between two polls: the wait below then failed about one run in three)
+GREEDY = dict(max_tokens=256, temperature=0, ignore_eos=True)
 
 
 def _text(responses) -> str:
