@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from tools.bench_quant import _graph_time, finish
+from tools.kernel_device import finish, graph_time
 
 H, HD, W, BS, TOPK = 64, 512, 128, 128, 512
 PEAK_BF16 = 790e12
@@ -83,7 +83,7 @@ def _sizes(mode: str, T: int, start: int, dev, other) -> tuple[list[dict], list[
     rows, err = [], []
     for name, fn in cands:
         diff = (fn().float() - want).abs().max().item()
-        us = _graph_time([fn]) * 1e6
+        us = graph_time([fn]) * 1e6
         rows.append({"mode": mode, "tokens": T, "start": start, "variant": name, "us": us, "diff_vs_default": diff})
         print(f"{mode} T={T} | {name} | {us:.1f} us | diff {diff:.1e}", flush=True)
         if diff > 2e-2:
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             fn = functools.partial(paged_attention_fused, *args, **kw)
             try:
                 diff = (fn().float() - base).abs().max().item()
-                us = _graph_time([fn]) * 1e6
+                us = graph_time([fn]) * 1e6
             except Exception as e:  # noqa: BLE001 - a tile that does not fit the chip's shared memory or registers
                 print(f"{mode} | {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
                 continue

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.json, "w") as fh:
             json.dump({"rows": rows_out, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"},
                       fh, indent=1)
-    from tools.bench_quant import report_failures
+    from tools.kernel_device import report_failures
     return report_failures("bench_bf16_gemv", failures)
 
 

@@ -23,9 +23,9 @@ from tools.bench_quant import (
     V41_BLOCK,
     V41_LINEAR_SHAPES,
     _fp8_weight,
-    _graph_time,
     cdiv,
 )
+from tools.kernel_device import graph_time
 
 
 def blockwise_cublas(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor):
@@ -52,12 +52,12 @@ def time_pair(m: int, n: int, k: int, block: int, device) -> dict:
     fp8s = [(q, s)] + [(q.clone(), s.clone()) for _ in range(copies - 1)]
     bf16s = [w] + [w.clone() for _ in range(max(1, copies // 2) - 1)]  # bf16 is twice the bytes per copy
     err = (fp8_linear_fused(x, q, s).float() - torch.nn.functional.linear(x, w).float()).abs().max().item()
-    t_fp8 = _graph_time([functools.partial(fp8_linear_fused, x, wq, ws) for wq, ws in fp8s])
-    t_bf16 = _graph_time([functools.partial(torch.nn.functional.linear, x, wb) for wb in bf16s])
+    t_fp8 = graph_time([functools.partial(fp8_linear_fused, x, wq, ws) for wq, ws in fp8s])
+    t_bf16 = graph_time([functools.partial(torch.nn.functional.linear, x, wb) for wb in bf16s])
     extra = {}
     variant, cfg = tiles(m, n, k, block=block)
     if variant == "cublas":  # the kernel the engine's dispatch replaces, timed
-        extra["mma_us"] = _graph_time([functools.partial(fp8_linear_fused, x, wq, ws, "mma") for wq, ws in fp8s]) * 1e6
+        extra["mma_us"] = graph_time([functools.partial(fp8_linear_fused, x, wq, ws, "mma") for wq, ws in fp8s]) * 1e6
     if block == 128:  # cuBLAS's own FP8 GEMM on the stored weight, against the act-quant reference
         call, got = blockwise_cublas(x, q, s)
         if call is None:
@@ -65,7 +65,7 @@ def time_pair(m: int, n: int, k: int, block: int, device) -> dict:
         else:
             want = ref.linear_act_quant(x, q, s).float()
             extra["cublas_fp8_rel_err"] = ((got.float() - want).abs().max() / want.abs().max()).item()
-            extra["cublas_fp8_us"] = _graph_time([call]) * 1e6
+            extra["cublas_fp8_us"] = graph_time([call]) * 1e6
     return {"rows": m, "n": n, "k": k, "block": block, "fp8_us": t_fp8 * 1e6, "bf16_us": t_bf16 * 1e6,
             "fp8_over_bf16": t_fp8 / t_bf16, "variant": variant, "config": cfg, "max_abs_diff": err, **extra}
 

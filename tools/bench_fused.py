@@ -21,7 +21,7 @@ Rows (V4-Flash decode shapes at the depth-43 benchmark's 16 experts, batch 1 / 3
 - mega-mHC: hc_post + the next hc_pre + its RMSNorm in two launches vs the three fused ops (four launches).
 - compress: the compressors' multi-row step (prefill chunk, speculative verify) fused vs its torch ops
   (tools/bench_compress.py).
-Times: CUDA-graph replay (tools.bench_quant._graph_time, host overhead out). Floor = bytes / 4.2 TB/s.
+Times: CUDA-graph replay (tools.kernel_device.graph_time, host overhead out). Floor = bytes / 4.2 TB/s.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import time
 import torch
 
 from tools import bench_compress
-from tools.bench_quant import H200, _experts, _graph_time, _rel_err, _routing, exit_status, moe_floor
+from tools.bench_quant import H200, _experts, _rel_err, _routing, moe_floor
+from tools.kernel_device import exit_status, graph_time
 
 ROWS = (1, 32, 150)
 DEPTH_MOE = {"D": 4096, "I": 2048, "E": 16, "k": 6}
@@ -163,7 +164,7 @@ def _row(op: str, shape: str, rows: int, variant: str, seconds: float | None, fl
 
 def _timed(fn_list) -> tuple[float | None, str | None]:
     try:
-        return _graph_time(fn_list), None
+        return graph_time(fn_list), None
     except Exception as e:  # reported in the table; the run goes on
         torch.cuda.synchronize()
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"

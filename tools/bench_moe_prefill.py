@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.json, "w") as fh:
             json.dump({"rows": rows, "rule": {str(e): r for e, r in rule.items()}, "fmt": a.fmt, "dims": [d, i],
                        "topk": k, "device": torch.cuda.get_device_name() if on_gpu else "cpu"}, fh, indent=1)
-    from tools.bench_quant import report_failures
+    from tools.kernel_device import report_failures
     return report_failures("bench_moe_prefill", failures)
 
 

@@ -19,7 +19,7 @@ kernel the variant replaces (every variant off), also where the variant is now t
    partials against the fp64 products (relative to each column's largest, <= MIX_TOL; a variant past it is
    diagnosed: which tokens and columns, and its error again under the decode tiles, one pipeline stage and PDL
    switched), and hc_pre's post / comb within MIX_TOL of today's, its collapsed row within a rounding.
-2. Time, each in CUDA-graph replays (tools.bench_quant._graph_time: host overhead out; the same call replayed,
+2. Time, each in CUDA-graph replays (tools.kernel_device.graph_time: host overhead out; the same call replayed,
    so decode sizes run from L2 as after the op before them), against the floor: bytes / the H200's copy
    bandwidth (tools.bench_quant.H200), the mix also FLOPs / the bf16 peak.
 3. Sweep at --sweep-tokens: the rope tile's rows per program (fused_rope.ROPE_TILE_ROWS, every --tokens size), and
@@ -82,9 +82,9 @@ def switched(variant: str | None, module=None, **constants):
 
 def _timer(on_gpu: bool):
     if on_gpu:
-        from tools.bench_quant import _graph_time
+        from tools.kernel_device import graph_time
 
-        return lambda fn, calls: _graph_time([fn] * calls) * 1e6
+        return lambda fn, calls: graph_time([fn] * calls) * 1e6
 
     def wall_us(fn, calls) -> float:  # the interpreter's seconds: one call after the checked one
         t = time.perf_counter()
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"[{b['total_us']:.1f} us summed; now {now}]", flush=True)
         save()
     print(f"total {time.perf_counter() - start:.1f} s", flush=True)
-    from tools.bench_quant import report_failures
+    from tools.kernel_device import report_failures
     return report_failures("bench_prefill_ops", failures)
 
 

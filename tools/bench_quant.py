@@ -33,6 +33,8 @@ import time
 
 import torch
 
+from tools.kernel_device import exit_status, graph_time
+
 H200 = {"bytes_per_s": 4.2e12, "bf16_flops": 790e12, "fp8_flops": 2 * 790e12}
 DECODE_ROWS = (1, 32, 150)
 PREFILL_ROWS = (2048, 8192)
@@ -346,32 +348,6 @@ def check(device) -> list[str]:
     return failures
 
 
-def _graph_time(calls: list, replays: int = 3) -> float:
-    """Seconds per call: the calls captured in one CUDA graph, replayed; the median replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm the allocator outside the capture
-        for fn in calls[:2]:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e-3 / len(calls))
-    del graph
-    return sorted(times)[len(times) // 2]
-
-
 def _eager_time(calls: list) -> float:
     """Seconds per call launched back to back from Python: includes what the host does per call."""
     for fn in calls[:2]:
@@ -399,7 +375,7 @@ def _sweep(case: dict, candidates: list[dict], run, want, tol_for, calls_for, de
             if not err <= tol:
                 row["error"] = f"mismatch: relative error {err:.3g} > {tol}"
                 continue
-            row["seconds"] = _graph_time(calls_for(cfg))
+            row["seconds"] = graph_time(calls_for(cfg))
         except Exception as e:  # a config that does not compile or run is reported, the sweep goes on
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             if torch.cuda.is_available():
@@ -525,27 +501,6 @@ def main() -> int:
     return exit_status("bench_quant", failures)
 
 
-def finish(tool: str, rows: list[dict], json_path: str | None, failures: list[str]) -> int:
-    """A sweep's end: its rows as JSON (if asked), each failure named, then exit_status."""
-    if json_path:
-        with open(json_path, "w") as fh:
-            json.dump(rows, fh, indent=1)
-    return report_failures(tool, failures)
-
-
-def report_failures(tool: str, failures: list[str]) -> int:
-    """A run's end: each failure named on stdout, then exit_status."""
-    for f in failures:
-        print("  MISMATCH", f, flush=True)
-    return exit_status(tool, failures)
-
-
-def exit_status(tool: str, failures: list[str]) -> int:
-    """1 when a kernel disagreed with its reference (named on stderr), else 0."""
-    if failures:
-        print(f"{tool}: {len(failures)} failure(s)", file=sys.stderr)
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = layer_bytes(weights)
     if on_gpu:
         from tools.bench_engine import copy_bandwidth
-        from tools.bench_quant import _graph_time
+        from tools.kernel_device import graph_time
 
         bw = copy_bandwidth()
     else:
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 failures.append(f"tiles {tiles}: output differs from {table}'s")
             if on_gpu:
                 calls = [lambda w=w, s=s, t=tiles: mxfp4_unpacked(w, s, t) for w, s in weights]
-                row["us"] = _graph_time(calls) * len(calls) * 1e6  # the layer's matrices, all
+                row["us"] = graph_time(calls) * len(calls) * 1e6  # the layer's matrices, all
                 row["TB_s"] = nbytes / row["us"] / 1e6
                 row["x_floor"] = row["us"] / (nbytes / bw * 1e6)
         except Exception as e:  # a tile that cannot launch is recorded, the sweep goes on
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
-    from tools.bench_quant import report_failures
+    from tools.kernel_device import report_failures
     return report_failures("bench_unpack", failures)
 
 
