@@ -48,6 +48,18 @@ def _kernel_switches_restored():
     pdl.set_enabled(launched)
 
 
+@pytest.fixture(autouse=True)
+def _seeded_torch(request):
+    """Each test draws the same random numbers every run (its own seed, from its id): a tolerance that a rare draw
+    breaks shows on the first run, not as one failure in twenty on CI. A test that seeds its own generator is
+    unaffected."""
+    import sys
+    import zlib
+
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
 # Small enough that "prompt longer than max_model_len" is a short string.
 SERVER_ENGINE_ARGS = {"max_model_len": 512, "max_num_seqs": 16}
 
