@@ -18,6 +18,8 @@ V41_CKPT = "{ckpt}/v41-flash-shaped-fp8-fp4"
 DEPTH_CKPT = "{ckpt}/flash-depth-fp8-fp4"
 SWITCH_CKPT = "{{ckpt}}/flash-depth-e{e}-fp8-fp4"  # one per expert count, removed after its step
 SWITCHES = DEPTH[:-1] + ',"cudagraph_mode":"FULL_DECODE_ONLY"}'  # decode graphs only: no mixed-step captures to wait for
+# on the rank share: today's step, every fusion, moe_gemv, then each fusion alone (tools.bench_decode_switches)
+TP_SHARE_SWITCH_CONFIGS = "pdl,all,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/moe_gemv,each"
 # today's decode, then each decode variant that is off by default, then both
 DECODE_VARIANT_CONFIGS = ("pdl,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/moe_gemv,"
                           "moe_frag=pdl:1+var:rope_tiles/bf16_gemv/moe_frag,no_bf16_gemv=pdl:1+var:rope_tiles")
@@ -625,6 +627,18 @@ SUITE_LIST = [
           "skipped), the compute term of the multi-GPU projection?",
           (Step("tools.bench_tp_share", ("--world", "8", "--batches", "1,32,150", "--input-len", "512",
                                          "--chunk", "2048"), timeout_s=420),)),
+    Suite("tp_share_switches", "At rank 0's share of V4-Flash as shipped at tensor_parallel_size 8 (256 experts, 32 "
+          "of them and 8 of 64 heads a rank, collectives skipped), where ~1,500 small kernels a step set the time, "
+          "which launch-saving switches pay: every fusion together and each alone on today's step (PDL on) at "
+          "batch 1, all of them and moe_gemv (the MoE's few rows as CUDA-core GEMVs) at 1 / 32 / 150, the logits "
+          "compared, kernels a layer counted?",
+          (Step("tools.bench_decode_switches", ("--tp-share", "8", "--experts", "256", "--batches", "1,32,150",
+                                                "--single-batches", "1", "--configs", TP_SHARE_SWITCH_CONFIGS,
+                                                "--engine-args", SWITCHES, "--label", "tp8"),
+                name="tp8", timeout_s=570),),
+          notes="about 6-8 minutes on a fresh machine: the share built in memory (~20 s), an engine start with "
+                "decode graphs (~60-90 s), then 3 configs at 3 batches and 10 fusions at batch 1, each a graph "
+                "capture and 24 steps of ~8-35 ms"),
     Suite("v41_share", "How long is rank 0's share of V4.1-Flash at its released size (384 MXFP4 experts, Engram "
           "tables of 384M rows, the rank's rows in host RAM) at tensor_parallel_size 8 and 4 (collectives skipped): "
           "decode at batch 1/32/150 against its floor, TTFT 1K/8K, the Engram gather alone, and what host tables cost against device tables (same rows, same graphs)?",

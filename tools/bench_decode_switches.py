@@ -5,16 +5,22 @@ that each switch set's logits agree with the first set's on the same input (exit
 
     python -m tools.bench_decode_switches --model CKPT [--batches 1,32,150] [--configs pdl,base,all,mega_mhc,...]
                                           [--input-len 1024] [--steps 32] [--json OUT]   (suite decode_switches)
+    python -m tools.bench_decode_switches --tp-share 8 [--experts 256] [--preset flash-depth] ...
+                                          (suite tp_share_switches)
+
+--tp-share N: instead of a checkpoint, rank 0's share of the model at tensor_parallel_size N, built in memory with
+the collectives skipped (tools.bench_tp_share: N-th of the heads and experts, 1 / N of the shared expert, the rest
+replicated): the step where ~1,500 small kernels set the time, so where launch-saving switches should pay most. Its
+floor is the share's weights read over the copy bandwidth, and its "per layer" time includes the LM head's share.
 
 A config is NAME or NAME=pdl:0|1+fuse:LIST+var:LIST (LIST: names joined by '/', "all" or "none"; var: the kernel
 variants of kernels/variants.py; where a config does not name them, the set the process started with: DSV4_VARIANTS
-or the default); the named ones: base (PDL
-off, no fusion), pdl (today's default: PDL on, no fusion), fuse (every fusion), all (both), and one per fusion
-(`mega_mhc`, ... : that fusion on today's default step, PDL on; at --single-batches only). The first config is the
-one the others are read against. Per batch the requests are prefilled once; per config the batch's decode graph is
-captured again under the config's switches, then `steps` engine steps are timed (kernels/pdl.py, kernels/fusions.py
-and kernels/variants.py are read at capture). The floor is
-tools.bench_engine.decode_floors' (weights a step reads / copy bandwidth).
+or the default); the named ones: base (PDL off, no fusion), pdl (today's default: PDL on, no fusion), fuse (every
+fusion), all (both), and one per fusion (`mega_mhc`, ... : that fusion on today's default step, PDL on; at
+--single-batches only; `each`: all of those). The first config is the one the others are read against. Per batch
+the requests are prefilled once; per config the batch's decode graph is captured again under the config's switches,
+then `steps` engine steps are timed (kernels/pdl.py, kernels/fusions.py and kernels/variants.py are read at
+capture). The floor is tools.bench_engine.decode_floors' (weights a step reads / copy bandwidth).
 """
 
 from __future__ import annotations
@@ -64,6 +70,12 @@ def parse_config(spec: str) -> tuple[str, bool, tuple[str, ...], tuple[str, ...]
     fusions.parse(",".join(fuse))  # validates the names
     fusions.parse(",".join(var), variants.ALL, "kernel variants")
     return name, on, fuse, var
+
+
+def parse_configs(specs: str) -> list[tuple[str, bool, tuple[str, ...], tuple[str, ...]]]:
+    """A comma list of configs; "each" stands for one config per fusion (that fusion alone on today's step)."""
+    names = [c for c in specs.split(",") if c]
+    return [parse_config(c) for n in names for c in (fusions.ALL if n == "each" else (n,))]
 
 
 def apply(on: bool, fuse: tuple[str, ...], var: tuple[str, ...]) -> None:
@@ -168,11 +180,32 @@ def run(engine_args: dict, batches: list[int], configs: list[tuple[str, bool, tu
     return rows
 
 
+def share_floors(engine_args: dict, batches: list[int], preset: str, experts: int, quant: str, world: int) -> dict:
+    """Builds rank 0's share (tools.bench_tp_share.share_model), points engine_args at it (with the KV pool
+    tools.bench_tp_share gives it on the GPU) and returns its floors per batch (none on the CPU)."""
+    from tools.bench_engine import copy_bandwidth
+    from tools.bench_tp_share import share_floor, share_model
+
+    cuda = torch.cuda.is_available()
+    folder, model, cfg, tp = share_model(preset, experts, quant, world, "cuda" if cuda else "cpu")
+    engine_args["model"] = str(folder)
+    if not cuda:
+        return {}
+    engine_args.setdefault("kv_cache_memory_bytes", 16 << 30)
+    bandwidth = copy_bandwidth()
+    return {b: {**share_floor(model, cfg, tp, b, bandwidth), "head_ms": 0.0, "num_layers": cfg.num_layers}
+            for b in batches}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help='a checkpoint ("": the tiny default, a CPU smoke run)')
+    ap.add_argument("--model", default=None, help='a checkpoint ("": the tiny default, a CPU smoke run)')
+    ap.add_argument("--tp-share", type=int, default=0, help="time rank 0's share at this tensor_parallel_size instead")
+    ap.add_argument("--experts", type=int, default=256, help="--tp-share: routed experts of the whole model")
+    ap.add_argument("--preset", default="flash-depth", help="--tp-share: the model's shape (a random_checkpoint preset)")
+    ap.add_argument("--quant", default="fp8-fp4", help="--tp-share: the stored formats (the CPU runs bf16)")
     ap.add_argument("--batches", default="1,32,150")
-    ap.add_argument("--configs", default="pdl,base,all," + ",".join(fusions.ALL))
+    ap.add_argument("--configs", default="pdl,base,all,each", help='comma list; "each": every fusion alone')
     ap.add_argument("--single-batches", default="1,150", help="batches the one-fusion configs run at (all: every one)")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=24)
@@ -180,11 +213,16 @@ def main() -> int:
     ap.add_argument("--label", default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    configs = [parse_config(c) for c in a.configs.split(",") if c]
+    if (a.model is None) == (a.tp_share == 0):
+        ap.error("give --model or --tp-share, one of them")
+    configs = parse_configs(a.configs)
     apply(False, (), variants.enabled())
     batches = [int(b) for b in a.batches.split(",")]
     engine_args = {"model": a.model, **json.loads(a.engine_args)}
-    floors = {f["batch"]: f for f in decode_floors(engine_args, batches)} if torch.cuda.is_available() else {}
+    if a.tp_share:
+        floors = share_floors(engine_args, batches, a.preset, a.experts, a.quant, a.tp_share)
+    else:
+        floors = {f["batch"]: f for f in decode_floors(engine_args, batches)} if torch.cuda.is_available() else {}
     singles = None if a.single_batches == "all" else {int(b) for b in a.single_batches.split(",") if b}
     rows = run(engine_args, batches, configs, a.input_len, a.steps, singles)
     base = {r["batch"]: r["step_ms"] for r in rows if r["config"] == configs[0][0] and "step_ms" in r}
@@ -200,8 +238,10 @@ def main() -> int:
               f"{r['layer_ms']:9.3f} ms" + (f"  {r['kernels_per_layer']:.1f} kernels/layer"
                                            if "kernels_per_layer" in r else ""))
     if a.json:
-        meta = {"label": a.label, "engine_args": engine_args, "machine": platform.platform(),
-                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "argv": vars(a)}
+        share = {"world": a.tp_share, "experts": a.experts, "preset": a.preset} if a.tp_share else None
+        meta = {"label": a.label, "engine_args": engine_args, "tp_share": share, "machine": platform.platform(),
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                "torch": torch.__version__, "argv": vars(a)}
         Path(a.json).write_text(json.dumps({"meta": meta, "floors": list(floors.values()), "rows": rows}, indent=1,
                                            default=str))
     return 1 if any("error" in r or not r.get("logits_ok", True) for r in rows) else 0

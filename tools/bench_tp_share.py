@@ -76,6 +76,29 @@ def fill_random(model, cfg, device: str) -> None:
             t.copy_(torch.randn(t.shape, generator=g, device=device).mul_(fan_in**-0.5).to(t.dtype))
 
 
+def share_model(preset: str, experts: int, quant: str, world: int, device: str):
+    """Rank 0's share at tensor_parallel_size `world` (collectives skipped), built in memory, and a model
+    folder (config, tokenizer) whose load by an engine made after this call returns that share:
+    (folder, model, cfg, tp). The CPU runs bf16 whatever `quant` says."""
+    raw = build_config(preset, {"n_routed_experts": experts}, quant if device == "cuda" else "bf16")
+    cfg = parse_config(raw)
+    tp = TensorParallel(0, world, expert_parallel=True, share_only=True)
+    check_parallel(cfg, world, True)
+    model = random_share(cfg, tp, device, torch.bfloat16)
+    folder = Path(tempfile.mkdtemp(prefix="tp-share-"))
+    (folder / "config.json").write_text(json.dumps(raw))
+    write_tokenizer(folder)
+    registry.load_model = lambda *args, **kw: model  # the engine runs the share built above
+    return folder, model, cfg, tp
+
+
+def share_floor(model: DeepseekV4, cfg, tp: TensorParallel, batch: int, copy_bytes_per_s: float) -> dict:
+    """A decode step's floor on this rank: the weights it reads (share_bytes) over the copy bandwidth."""
+    read = share_bytes(model, cfg, tp, batch)["weights_read"]
+    return {"batch": batch, "weight_bytes": read, "copy_TB_s": copy_bytes_per_s / 1e12,
+            "floor_ms": read / copy_bytes_per_s * 1e3}
+
+
 def share_bytes(model: DeepseekV4, cfg, tp: TensorParallel, batch: int) -> dict:
     """Weight bytes a decode step of `batch` tokens reads on this rank: everything but the routed
     experts and the embedding, plus the expected number of its experts the batch hits."""
@@ -132,15 +155,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    raw = build_config(a.preset, {"n_routed_experts": a.experts}, a.quant if device == "cuda" else "bf16")
-    cfg = parse_config(raw)
-    tp = TensorParallel(0, a.world, expert_parallel=True, share_only=True)
-    check_parallel(cfg, a.world, True)
-    model = random_share(cfg, tp, device, torch.bfloat16)
-    tmp = Path(tempfile.mkdtemp(prefix="tp-share-"))
-    (tmp / "config.json").write_text(json.dumps(raw))
-    write_tokenizer(tmp)
-    registry.load_model = lambda *args, **kw: model  # the engine runs the share built above
+    tmp, model, cfg, tp = share_model(a.preset, a.experts, a.quant, a.world, device)
     batches = [int(b) for b in a.batches.split(",")]
     max_len = a.input_len + a.steps + 64
     engine_args = {"model": str(tmp), "max_model_len": max(max_len, a.chunk + 8), "max_num_seqs": max(batches) + 8,

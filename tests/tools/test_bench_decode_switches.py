@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from kernels import variants
-from tools.bench_decode_switches import parse_config
+from kernels import fusions, variants
+from tools.bench_decode_switches import parse_config, parse_configs
 
 
 def test_configs_name_pdl_fusions_and_variants():
@@ -20,6 +20,7 @@ def test_configs_name_pdl_fusions_and_variants():
         parse_config("x=var:moe_fast")
     with pytest.raises(ValueError, match="parts are"):
         parse_config("x=graphs:1")
+    assert [c[0] for c in parse_configs("pdl,each")] == ["pdl", *fusions.ALL]  # each: every fusion alone
 
 
 def test_a_cpu_run_reports_each_config_with_its_variants(tmp_path):
@@ -31,3 +32,22 @@ def test_a_cpu_run_reports_each_config_with_its_variants(tmp_path):
     assert [(r["config"], r["variants"]) for r in rows] == [("pdl", list(variants.enabled())),
                                                             ("moe_frag", ["rope_tiles", "moe_frag"])]
     assert all(r["logits_ok"] for r in rows)
+
+
+def test_a_cpu_run_on_a_rank_share_times_the_share(tmp_path):
+    """--tp-share: rank 0's share built in memory (half the experts of the tiny model here) runs every config; the
+    JSON names the share."""
+    out = tmp_path / "share.json"
+    subprocess.run([sys.executable, "-m", "tools.bench_decode_switches", "--tp-share", "2", "--experts", "8",
+                    "--preset", "tiny", "--batches", "1", "--steps", "2", "--configs", "pdl,all", "--input-len", "32",
+                    "--engine-args", '{"max_model_len":256,"max_num_seqs":8}', "--json", str(out)],
+                   check=True, capture_output=True, timeout=300)
+    got = json.loads(out.read_text())
+    assert got["meta"]["tp_share"] == {"world": 2, "experts": 8, "preset": "tiny"}
+    assert [r["config"] for r in got["rows"]] == ["pdl", "all"] and all(r["logits_ok"] for r in got["rows"])
+
+
+def test_a_checkpoint_or_a_share_one_of_them():
+    done = subprocess.run([sys.executable, "-m", "tools.bench_decode_switches", "--batches", "1"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "--model or --tp-share" in done.stderr
