@@ -650,6 +650,11 @@ SUITE_LIST = [
           "at batch 1 and 150?",
           tuple(profile(f"batch{b}", *MODEL, "--batch", b, "--steps", "48", "--rows", "45") for b in ("1", "150")),
           preset="flash-depth"),
+    Suite("profile_tp_share", "Where does a decode step of rank 0's share of V4-Flash at tensor_parallel_size 8 go "
+          "(256 experts, 32 a rank; collectives skipped), kernel by kernel, at batch 1 and 150?",
+          tuple(profile(f"batch{b}", "--tp-share", "8", "--experts", "256", "--preset", "flash-depth", "--quant",
+                        "fp8-fp4", "--batch", b, "--steps", "48", "--rows", "45") for b in ("1", "150")),
+          notes="about 3 minutes: per batch the share built in memory, an engine start, 48 profiled steps"),
     Suite("profile_prefill", "Where does a 4 x 1024-token prefill go, kernel by kernel, at V4-Flash depth and "
           "on V4.1-Flash-shaped?",
           (profile("v4", "--preset", "flash-depth", "--quant", "fp8-fp4", "--cache-dir", "{ckpt}", "--batch", "4",

@@ -3,6 +3,10 @@ and print the kernels by total CUDA time.
 
     python -m tools.profile_decode [--model DIR | --preset flash-shaped | v41-flash-shaped] [--batch 1] [--steps 200] [--host]
         [--engine-args '{"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}']
+    python -m tools.profile_decode --tp-share 8 --experts 256 --preset flash-depth --quant fp8-fp4 ...
+
+--tp-share N: rank 0's share of the preset at tensor_parallel_size N instead of a checkpoint, built in memory with the
+collectives skipped (tools.bench_tp_share.share_model).
 """
 
 from __future__ import annotations
@@ -38,9 +42,15 @@ def main() -> None:
     ap.add_argument("--ops", action="store_true", help="also the torch ops by the CUDA time of their kernels, with "
                     "input shapes (which op launched an anonymous elementwise or copy kernel)")
     ap.add_argument("--engine-args", default="{}", help="JSON over the defaults below (e.g. a speculative_config)")
+    ap.add_argument("--tp-share", type=int, default=0, help="profile rank 0's share at this tensor_parallel_size")
+    ap.add_argument("--experts", type=int, default=256, help="--tp-share: routed experts of the whole model")
     a = ap.parse_args()
     model = a.model
-    if model is None:
+    if a.tp_share:
+        from tools.bench_tp_share import share_model
+
+        model = str(share_model(a.preset, a.experts, a.quant, a.tp_share, "cuda")[0])
+    elif model is None:
         model = str(Path(a.cache_dir) / (a.preset if a.quant == "bf16" else f"{a.preset}-{a.quant}"))
         if not (Path(model) / "config.json").exists():
             if a.preset in V41_PRESETS:
