@@ -549,9 +549,10 @@ SUITE_LIST = [
           "and prefill sizes, per launch config?",
           (Step("tools.bench_quant", ("--moe-only", "--budget", "330"), timeout_s=400),)),
     Suite("kernels_mx_ab", "Does the MXFP4 MoE decoding straight into the tensor cores' operand registers "
-          "(bf16-frag, two multiplies a value pair or one) beat the engine's table tile on the same launch, at decode "
-          "(1 / 32 / 150 rows; 16 experts, then 256) and prefill (2048 / 8192 tokens; there also two 8-warp tiles "
-          "of twice the work), each checked against the reference first?",
+          "(bf16-frag, two multiplies a value pair or one; bf16-frag16, the same from weights arranged lane-major at "
+          "load: 16-byte copies) or, at one row, as CUDA-core GEMVs (moe_gemv) beat the engine's table tile on the "
+          "same launch, at decode (1 / 32 / 150 rows; 16 experts, then 256) and prefill (2048 / 8192 tokens; there "
+          "also two 8-warp tiles of twice the work), each checked against the reference first?",
           (Step("tools.bench_quant", ("--mx-ab", "--budget", "200"), timeout_s=270),),
           notes="about 4 minutes; the quick A/B before decode_variants (the same decode at depth, in the engine); "
                 "prefill's grouped path to read the fused rows against: moe_dispatch"),

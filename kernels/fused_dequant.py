@@ -187,6 +187,12 @@ def to_frag_order(a):
 def _frag_group(wp, sw, row, rmask, KW, k0, l4, G: tl.constexpr, ASM: tl.constexpr, ONE_MUL: tl.constexpr):
     """Word l4 of group G of each row, decoded: [..., b0, b2, jp] (the joins put each new axis last)."""
     words = tl.load(wp + row * KW + (k0 // 8 + 4 * G) + l4, mask=rmask, other=0).to(tl.uint32, bitcast=True)
+    return _frag_words(words, sw, G, ASM, ONE_MUL)
+
+
+@triton.jit
+def _frag_words(words, sw, G: tl.constexpr, ASM: tl.constexpr, ONE_MUL: tl.constexpr):
+    """Words of group G (sw: each row's four scale bytes of the step as one word) decoded: [..., b0, b2, jp]."""
     o0, o1, o2, o3, o4, o5, o6, o7 = _words_bf16(words, (sw >> (8 * G)) & 0xFF, ASM, ONE_MUL)
     # value q = 4 b0 + 2 jp + b2: the pairs (q, q + 4) are b0's, so each bf16x2 of the decode stays one register
     return tl.join(tl.join(tl.join(o0, o4), tl.join(o1, o5)), tl.join(tl.join(o2, o6), tl.join(o3, o7)))
@@ -212,6 +218,49 @@ def mxfp4_frag_tile(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, ASM: tl.co
     f1 = _frag_group(wp, sw, row, rmask, KW, k0, l4, 1, ASM, ONE_MUL)
     f2 = _frag_group(wp, sw, row, rmask, KW, k0, l4, 2, ASM, ONE_MUL)
     f3 = _frag_group(wp, sw, row, rmask, KW, k0, l4, 3, ASM, ONE_MUL)
+    t = tl.join(tl.join(f0, f1), tl.join(f2, f3))  # [RG, b1, R0, l4, b0, b2, jp, g0, g1]
+    t = tl.permute(t, (0, 1, 2, 8, 7, 6, 5, 3, 4))  # [RG, b1, R0, g1, g0, jp, b2, l4, b0]
+    return tl.reshape(t, (BLOCK_N, 128))
+
+
+# The same decode from weights arranged at load for it ("lane-major", to_lane_major): within each row's 128-wide K
+# step the 16 stored words are reordered so that word l of group g sits at 4 l + g. A quad lane's four words (one
+# per group) are then 16 contiguous bytes, and a row's step one load of 16 words: 16-byte cp.async copies, where the
+# stored order's four loads of four words compile to 8-byte ones (Triton 3.6, sm_90: 24 of them a stage against 6).
+# Nibbles keep their places inside each word, so the decode and the scales are the stored order's.
+def to_lane_major(w):
+    """Packed e2m1 pairs [..., K/2] (K % 128 == 0) -> the same bytes, each 128-value step's words lane-major."""
+    *lead, kb = w.shape
+    if kb % 64:
+        raise ValueError(f"lane-major MXFP4 needs whole 128-value K steps, got K = {2 * kb}")
+    steps = w.contiguous().view(*lead, kb // 64, 4, 4, 4)  # step, group g, lane l, the word's 4 bytes
+    return steps.transpose(-3, -2).contiguous().view(w.shape)
+
+
+@triton.jit
+def mxfp4_frag16_tile(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, ASM: tl.constexpr, ONE_MUL: tl.constexpr):
+    """mxfp4_frag_tile's tile from lane-major weights (to_lane_major): a row's 16 words of the step in one load (each
+    lane's four contiguous), split into the four groups' words, then decoded and joined as mxfp4_frag_tile does."""
+    RG: tl.constexpr = BLOCK_N // 16
+    row = tl.reshape(n, (RG, 2, 8))[:, :, :, None]  # [RG, b1, R0, l4]: row 16 RG + 8 b1 + R0
+    rmask = row < N
+    l4 = tl.arange(0, 4)[None, None, None, :]
+    wp = tl.multiple_of(w_ptr.to(tl.pointer_type(tl.int32)), 16)
+    KW = tl.multiple_of(K // 8, 16)
+    kw0 = tl.multiple_of(k0 // 8, 16)  # k0: a multiple of the 128-wide step (the analysis loses it through // 8)
+    g = tl.arange(0, 4)[None, None, None, None, :]
+    words = tl.load(wp + (row * KW + kw0 + 4 * l4)[:, :, :, :, None] + g, mask=rmask[:, :, :, :, None], other=0)
+    words = tl.reshape(words.to(tl.uint32, bitcast=True), (RG, 2, 8, 4, 2, 2))  # group g = 2 ga + gb
+    e0, e1 = tl.split(words)  # gb
+    w0, w2 = tl.split(e0)  # ga
+    w1, w3 = tl.split(e1)
+    sp = tl.multiple_of(s_ptr.to(tl.pointer_type(tl.int32)), 4)
+    sw = tl.load(sp + row * tl.multiple_of(K // 128, 4) + k0 // 128 + 0 * l4, mask=rmask, other=0)
+    sw = sw.to(tl.uint32, bitcast=True)
+    f0 = _frag_words(w0, sw, 0, ASM, ONE_MUL)
+    f1 = _frag_words(w1, sw, 1, ASM, ONE_MUL)
+    f2 = _frag_words(w2, sw, 2, ASM, ONE_MUL)
+    f3 = _frag_words(w3, sw, 3, ASM, ONE_MUL)
     t = tl.join(tl.join(f0, f1), tl.join(f2, f3))  # [RG, b1, R0, l4, b0, b2, jp, g0, g1]
     t = tl.permute(t, (0, 1, 2, 8, 7, 6, 5, 3, 4))  # [RG, b1, R0, g1, g0, jp, b2, l4, b0]
     return tl.reshape(t, (BLOCK_N, 128))

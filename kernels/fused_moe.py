@@ -34,11 +34,13 @@ from kernels.activations import clamped_swiglu
 from kernels.fused_dequant import (
     fp8_rows_tile,
     frag_position,
+    mxfp4_frag16_tile,
     mxfp4_frag_tile,
     mxfp4_rows_parts_bf16,
     mxfp4_rows_tile,
     mxfp4_rows_tile_bf16,
     to_frag_order,
+    to_lane_major,
 )
 from kernels.fused_moe_align import moe_align_fused
 from kernels.moe_gemv import moe_experts_gemv
@@ -54,7 +56,11 @@ MX_SCALED_OK = not _INTERPRET  # tl.dot_scaled for MXFP4 (tests set it to run th
 # scale byte is at most ONE_MUL_MAX_SCALE (kernels/fused_dequant.py, _words_bf16): _tiles takes it only for weights
 # whose bytes allow it (two multiplies elsewhere), so the variant moe_frag and a sweep may ask for it anywhere
 ONE_MUL_MAX_SCALE = 128
-MX_MODES = {"e4m3": 0, "scaled": 1, "bf16": 2, "bf16-parts": 3, "bf16-frag": 4, "bf16-frag-one-mul": 5}
+MX_MODES = {"e4m3": 0, "scaled": 1, "bf16": 2, "bf16-parts": 3, "bf16-frag": 4, "bf16-frag-one-mul": 5, "bf16-frag16": 6,
+            "bf16-frag16-one-mul": 7}
+# "bf16-frag16": "bf16-frag" from weights arranged lane-major (arrange_lane_major; kernels/fused_dequant.py,
+# mxfp4_frag16_tile). Only those: a call passes such weights with a "bf16-frag16" config for both parts, or fails.
+_lane_major_of = PerWeight()
 GROUPED_OK = not _INTERPRET  # prefill through kernels/moe_grouped.py (tests set it to run that path on the CPU)
 _MX_ASM = tl.constexpr(not _INTERPRET)  # the "bf16" decode's PTX; the interpreter runs the same bit operations in Triton
 
@@ -112,7 +118,12 @@ def _expert_dot(w_ptr, s_ptr, e, n, k0, N, K, xt, W_FMT: tl.constexpr, BLOCK_N: 
     with byte permutes and integer ops (no conversion-unit instructions, which bound the e4m3
     placement at ~0.8 TB/s) and applies each 32-wide group's scale; loads stay 16-byte row-major. MX >= 4
     ("bf16-frag"): the tile decoded into the MMA's operand registers, its columns in the MMA's K order."""
-    if W_FMT == 2 and MX >= 4:
+    if W_FMT == 2 and MX >= 6:  # "bf16-frag16": weights lane-major (to_lane_major)
+        e64 = e.to(tl.int64)
+        t = mxfp4_frag16_tile(w_ptr + e64 * N * (K // 2), s_ptr + e64 * N * (K // 32), n, k0, N, K, BLOCK_N, _MX_ASM,
+                              MX == 7)
+        res = _dot_wt(t, t, xt, 0, DOT_F32)
+    elif W_FMT == 2 and MX >= 4:
         e64 = e.to(tl.int64)
         t = mxfp4_frag_tile(w_ptr + e64 * N * (K // 2), s_ptr + e64 * N * (K // 32), n, k0, N, K, BLOCK_N, _MX_ASM,
                             MX == 5)
@@ -309,6 +320,18 @@ def _one_mul_ok(scales: tuple) -> bool:
     return bool(tops) and all(t is not None and t <= ONE_MUL_MAX_SCALE for t in tops)
 
 
+def arrange_lane_major(w: torch.Tensor) -> torch.Tensor:
+    """Stored MXFP4 expert weights [E, N, K/2] -> a copy arranged lane-major (kernels/fused_dequant.py,
+    to_lane_major), which only the "bf16-frag16" decodes read, marked as such."""
+    arranged = to_lane_major(w)
+    _lane_major_of.put(arranged, True)
+    return arranged
+
+
+def lane_major(w: torch.Tensor) -> bool:
+    return _lane_major_of.get(w) is not None
+
+
 def with_mx(cfg: dict, mode: str) -> dict:
     """A {"gate_up", "down"} config whose integer bf16 MXFP4 decodes ("MX": "bf16", what the tables pick) take `mode`
     instead (the variant moe_frag; bench_quant --mx-ab's candidates)."""
@@ -333,9 +356,12 @@ def _tiles(cfg: dict, fmt: int, act_dtype: torch.dtype, k_in: int = 0, scales: t
         cfg = {**cfg, "BLOCK_K": max(cfg["BLOCK_K"], 128)}
     if mx.startswith("bf16-frag") and fmt == 2:
         frag = k_in % 128 == 0 and cfg["BLOCK_N"] % 16 == 0 and all(s.data_ptr() % 4 == 0 for s in scales)
+        if not frag and mx.startswith("bf16-frag16"):  # its weights are lane-major: no other decode reads them
+            raise ValueError(f"{mx} needs K % 128 == 0 (K = {k_in}), BLOCK_N % 16 == 0 ({cfg['BLOCK_N']}) and "
+                             "4-byte aligned scales")
         cfg, mx = ({**cfg, "BLOCK_K": 128}, mx) if frag else (cfg, "bf16")
-        if mx == "bf16-frag-one-mul" and not _one_mul_ok(scales):
-            mx = "bf16-frag"
+        if mx.endswith("-one-mul") and not _one_mul_ok(scales):
+            mx = mx.removesuffix("-one-mul")
     return {"BLOCK_N": cfg["BLOCK_N"], "BLOCK_K": cfg["BLOCK_K"], "MX": MX_MODES[mx] if fmt == 2 else 0, **_opts(cfg)}
 
 
@@ -383,6 +409,10 @@ def moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales=None, share
     else:
         s1 = s3 = s2 = w1  # unused pointers
     n_pairs = T * k
+    frag16 = config is not None and all(c.get("MX", "").startswith("bf16-frag16") for c in config.values())
+    if fmt == 2 and lane_major(w1) != frag16 or frag16 and not all(lane_major(w) for w in (w1, w3, w2)):
+        raise ValueError("the bf16-frag16 decode reads the MXFP4 experts arranged by arrange_lane_major, a config of "
+                         "it for both parts, and nothing else reads those")
     if config is None and _grouped(x, n_pairs, E, fmt):
         out = moe_experts_grouped(x, w1, w3, w2, weights, indices, limit, scales)
         return out if shared is None else out + shared

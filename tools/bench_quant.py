@@ -98,23 +98,26 @@ def linear_candidates(m: int) -> list[dict]:
 
 
 # --mx-ab: the table's MXFP4 tile against the same tile decoding into the MMA's operand registers, two multiplies and
-# one a value pair (kernels/fused_dequant.py: mxfp4_frag_tile, _words_bf16); at decode's few rows the GEMVs too
-MX_AB_MODES = ("bf16-frag", "bf16-frag-one-mul")
+# one a value pair (kernels/fused_dequant.py: mxfp4_frag_tile, _words_bf16), from the weights as stored and arranged
+# lane-major (mxfp4_frag16_tile: 16-byte copies); at decode's few rows the GEMVs too
+MX_AB_MODES = ("bf16-frag16", "bf16-frag16-one-mul", "bf16-frag", "bf16-frag-one-mul")
 
 
 def moe_ab_candidates(rows: int, experts: int = 256) -> list[dict]:
-    """--mx-ab's candidates: the engine's table tile for this call (quant_configs.moe_config), then the same tile with
-    each of MX_AB_MODES; at decode's few rows the GEMVs of kernels/moe_gemv.py."""
+    """--mx-ab's candidates: the engine's table tile for this call (quant_configs.moe_config), at decode's few rows the
+    GEMVs of kernels/moe_gemv.py, then the table's tile with each of MX_AB_MODES (the newest first: a budget cuts the
+    sweep's tail)."""
     from kernels import moe_gemv, quant_configs
     from kernels.fused_moe import with_mx
 
     table = quant_configs.moe_config(rows, rows * MOE_SHAPE["k"], experts, "mxfp4")
-    out = [table, *(with_mx(table, mode) for mode in MX_AB_MODES)]
+    out = [table]
     if rows <= moe_gemv.MOE_GEMV_MAX_ROWS:
         # the variant moe_gemv's GEMVs (kernels/moe_gemv.py) in its tile and around it (sm_90 offline, Triton 3.6:
         # 117 registers at 32 x 256 / 4 warps, 88 at 32 x 128 and 16 x 256, no spills)
         out += [{"gemv": moe_gemv.TILES | t} for t in ({}, {"BLOCK_K": 128}, {"BLOCK_N": 16},
                                                        {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8})]
+    out += [with_mx(table, mode) for mode in MX_AB_MODES]
     if rows * MOE_SHAPE["k"] > quant_configs.MOE_DECODE_MAX_PAIRS:
         # prefill: the table's tile (128 pairs x 64 weight rows, 4 warps) holds one CTA an SM (118 KB of shared
         # memory), one warp a scheduler, and decodes each weight once per 128 pairs; two warpgroups over twice the
@@ -422,7 +425,7 @@ def measure_linear(case: dict, device, deadline: float) -> dict:
 
 def measure_moe(case: dict, device, deadline: float) -> dict:
     from kernels import reference as ref
-    from kernels.fused_moe import moe_experts_fused
+    from kernels.fused_moe import arrange_lane_major, moe_experts_fused
 
     m, D, I, E, k = case["rows"], case["D"], case["I"], case["E"], case["k"]
     w1, w3, w2, scales = _experts(E, D, I, case["fmt"], device)
@@ -432,9 +435,18 @@ def measure_moe(case: dict, device, deadline: float) -> dict:
     hit = int(torch.unique(idx).numel())
     want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, scales)
     candidates = moe_ab_candidates(m, E) if case.get("ab") else moe_candidates(m, case["fmt"], E)
+    lanes = []  # the experts arranged lane-major, made at the first "bf16-frag16" candidate
+
+    def experts(cfg: dict) -> tuple:
+        if not all(str(c.get("MX", "")).startswith("bf16-frag16") for c in cfg.values()):
+            return w1, w3, w2
+        lanes[:] = lanes or [arrange_lane_major(v) for v in (w1, w3, w2)]
+        return tuple(lanes)
+
     res = _sweep(case, candidates,
-                 lambda cfg: moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales, config=cfg), want, lambda cfg: 3e-2,
-                 lambda cfg: [functools.partial(moe_experts_fused, x, w1, w3, w2, rw, ri, 10.0, scales, config=cfg)
+                 lambda cfg: moe_experts_fused(x, *experts(cfg), w, idx, 10.0, scales, config=cfg), want,
+                 lambda cfg: 3e-2,
+                 lambda cfg: [functools.partial(moe_experts_fused, x, *experts(cfg), rw, ri, 10.0, scales, config=cfg)
                               for rw, ri in routings], deadline)
     return {**res, "experts_hit": hit, "floor": moe_floor(m, hit, D, I, k, case["fmt"])}
 

@@ -140,7 +140,7 @@ def test_moe_experts_quantized(fmt, T, D, I, E, k, path, mx, monkeypatch):
 # each stored format's K steps, and "bf16-parts", whose wider BLOCK_K (128) cuts K in other splits; the
 # "bf16" decode is another tile function on e4m3's K steps (test_moe_experts_quantized covers it)
 @pytest.mark.parametrize("fmt, mx", [("dense", "e4m3"), ("fp8", "e4m3"), ("mxfp4", "e4m3"), ("mxfp4", "bf16-parts"),
-                                     ("mxfp4", "bf16-frag")])
+                                     ("mxfp4", "bf16-frag"), ("mxfp4", "bf16-frag16")])
 def test_moe_experts_split_k(fmt, mx):
     """Split-K (the decode's few-row steps): K cut unevenly (5 K steps in 3 splits, the last one
     short), the last split of each tile adds the partials in split order and applies the epilogue
@@ -148,7 +148,7 @@ def test_moe_experts_split_k(fmt, mx):
     from kernels import semaphores
 
     T, D, I, E, k = 3, 320, 192, 8, 2  # the interpreter's BLOCK_K 64: 5 K steps for gate_up, 3 for down
-    if mx == "bf16-frag":  # its 128-wide K steps: 3 for gate_up (one a split), 2 for down
+    if mx.startswith("bf16-frag"):  # its 128-wide K steps: 3 for gate_up (one a split), 2 for down
         D, I = 384, 256
     g = torch.Generator().manual_seed(7)
     x = torch.randn(T, D, generator=g).to(torch.bfloat16)
@@ -163,10 +163,65 @@ def test_moe_experts_split_k(fmt, mx):
     w = torch.rand(T, k, generator=g).to(torch.bfloat16)
     want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, scales)
     cfg = {part: {**c, "MX": mx, "SPLIT_K": 3} for part, c in quant_configs.moe_config(T, T * k, E, fmt).items()}
-    got = moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, scales, config=cfg)
+    stored = [fused_moe.arrange_lane_major(v) for v in (w1, w3, w2)] if mx == "bf16-frag16" else (w1, w3, w2)
+    got = moe_experts_fused(x, *stored, w, idx, 10.0, scales, config=cfg)
     assert (got.float() - want.float()).abs().max() <= 3e-2 * max(want.abs().max().item(), 1.0)
     assert semaphores.all_zero()
     assert quant_configs.moe_split_k({}, 192, 32) == 4 and quant_configs.moe_split_k({}, 4096, 32) == 1
+
+
+def test_lane_major_puts_word_l_of_group_g_at_4l_plus_g():
+    """to_lane_major reorders whole 32-bit words within each 128-value step (nibbles keep their places in a word):
+    stored word 4 g + l (lane l's word of group g) moves to 4 l + g, so a lane's four words are contiguous."""
+    from kernels.fused_dequant import to_lane_major
+
+    words = torch.arange(2 * 2 * 16, dtype=torch.int32).reshape(2, 32)  # 2 rows x 2 steps of 16 words
+    moved = to_lane_major(words.view(torch.int8)).view(torch.int32)
+    g, l = torch.arange(4).repeat_interleave(4), torch.arange(4).repeat(4)  # stored word i = 4 g + l
+    for step in range(2):
+        assert torch.equal(moved[:, 16 * step + 4 * l + g], words[:, 16 * step + 4 * g + l])
+    with pytest.raises(ValueError, match="whole 128-value K steps"):
+        to_lane_major(torch.zeros(2, 48, dtype=torch.int8))  # K = 96
+
+
+@pytest.mark.parametrize("T, E, k, one_mul", [(1, 8, 2, False), (5, 4, 3, True), (40, 6, 6, False)])
+def test_frag16_decode_of_lane_major_weights_is_the_reference(T, E, k, one_mul):
+    """"bf16-frag16": the MMA-operand decode reading weights arranged lane-major at load (one 16-byte load a row a
+    step), at the 16-, 32- and 64-row tiles, against the reference on the weights as stored."""
+    D, I = 256, 128  # whole 128-value K steps for both parts
+    g = torch.Generator().manual_seed(T + E)
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    (w1, s1), (w3, s3), (w2, s2) = (_stored_experts(torch.randn(E, n, kk, generator=g) / kk**0.5, "mxfp4")
+                                    for n, kk in ((I, D), (I, D), (D, I)))
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g).to(torch.bfloat16)
+    want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, (s1, s3, s2))
+    mode = "bf16-frag16-one-mul" if one_mul else "bf16-frag16"
+    cfg = {part: {**c, "MX": mode} for part, c in quant_configs.moe_config(T, T * k, E, "mxfp4").items()}
+    lanes = [fused_moe.arrange_lane_major(v) for v in (w1, w3, w2)]
+    got = moe_experts_fused(x, *lanes, w, idx, 10.0, (s1, s3, s2), config=cfg)
+    assert (got.float() - want.float()).abs().max() <= 3e-2 * max(want.abs().max().item(), 1.0)
+    assert not torch.equal(lanes[0], w1)  # the arrangement moved words: a decode of the stored order would be wrong
+
+
+def test_lane_major_weights_and_the_frag16_config_go_together():
+    """Nothing but "bf16-frag16" reads lane-major weights, and it reads nothing else: either one without the other,
+    or a shape it cannot take, is a clear error rather than a silently wrong product."""
+    g = torch.Generator().manual_seed(3)
+    E, D, I, T, k = 4, 256, 128, 2, 2
+    (w1, s1), (w3, s3), (w2, s2) = (_stored_experts(torch.randn(E, n, kk, generator=g) / kk**0.5, "mxfp4")
+                                    for n, kk in ((I, D), (I, D), (D, I)))
+    x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    idx, w = torch.tensor([[0, 1], [2, 3]]), torch.ones(T, k, dtype=torch.bfloat16)
+    lanes = [fused_moe.arrange_lane_major(v) for v in (w1, w3, w2)]
+    frag16 = {part: {**c, "MX": "bf16-frag16"} for part, c in quant_configs.moe_config(T, T * k, E, "mxfp4").items()}
+    for args, cfg in (((w1, w3, w2), frag16), ((*lanes,), None), ((*lanes[:2], w2), frag16),
+                      ((*lanes,), {**frag16, "down": {**frag16["down"], "MX": "bf16"}})):
+        with pytest.raises(ValueError, match="arrange_lane_major"):
+            moe_experts_fused(x, *args, w, idx, 10.0, (s1, s3, s2), config=cfg)
+    with pytest.raises(ValueError, match="K % 128 == 0"):
+        fused_moe._tiles({"BLOCK_N": 32, "BLOCK_K": 64, "MX": "bf16-frag16"}, 2, torch.bfloat16, 192)
+    assert fused_moe._tiles({"BLOCK_N": 32, "BLOCK_K": 64, "MX": "bf16-frag16"}, 2, torch.bfloat16, 256)["MX"] == 6
 
 
 def test_a_register_cap_reaches_the_launch(monkeypatch):
