@@ -648,14 +648,20 @@ SUITE_LIST = [
                 for w, check in (("8", ("--check",)), ("4", ())))),  # --check: host tables equal device tables
     # ---- profiles (text tables: the step's output)
     Suite("profile_decode_depth", "Where does a decode step at V4-Flash depth as shipped go, kernel by kernel, "
-          "at batch 1 and 150?",
-          tuple(profile(f"batch{b}", *MODEL, "--batch", b, "--steps", "48", "--rows", "45") for b in ("1", "150")),
+          "at batch 1 and 150, and at batch 1 with PDL off (with it on, a kernel's time includes its wait on the one "
+          "before)?",
+          tuple(profile(name, *MODEL, "--batch", b, "--steps", "48", "--rows", "45", *extra)
+                for name, b, extra in (("batch1", "1", ()), ("batch1_pdl_off", "1", ("--engine-args", '{"pdl":"off"}')),
+                                       ("batch150", "150", ()))),
           preset="flash-depth"),
     Suite("profile_tp_share", "Where does a decode step of rank 0's share of V4-Flash at tensor_parallel_size 8 go "
-          "(256 experts, 32 a rank; collectives skipped), kernel by kernel, at batch 1 and 150?",
-          tuple(profile(f"batch{b}", "--tp-share", "8", "--experts", "256", "--preset", "flash-depth", "--quant",
-                        "fp8-fp4", "--batch", b, "--steps", "48", "--rows", "45") for b in ("1", "150")),
-          notes="about 3 minutes: per batch the share built in memory, an engine start, 48 profiled steps"),
+          "(256 experts, 32 a rank; collectives skipped), kernel by kernel, at batch 1 and 150, and at batch 1 with "
+          "PDL off (with it on, a kernel's time includes its wait on the one before)?",
+          tuple(profile(name, "--tp-share", "8", "--experts", "256", "--preset", "flash-depth", "--quant", "fp8-fp4",
+                        "--batch", b, "--steps", "48", "--rows", "45", *extra)
+                for name, b, extra in (("batch1", "1", ()), ("batch1_pdl_off", "1", ("--engine-args", '{"pdl":"off"}')),
+                                       ("batch150", "150", ()))),
+          notes="about 4 minutes: per step the share built in memory, an engine start, 48 profiled steps"),
     Suite("profile_prefill", "Where does a 4 x 1024-token prefill go, kernel by kernel, at V4-Flash depth and "
           "on V4.1-Flash-shaped?",
           (profile("v4", "--preset", "flash-depth", "--quant", "fp8-fp4", "--cache-dir", "{ckpt}", "--batch", "4",
