@@ -126,3 +126,29 @@ def test_exact_ties_pick_the_same_entries_alone_and_batched(select):
     batched = fn(iq, iw, pool, ft, pos, seq, ratio, topk, int(pos.max()), one_per_seq=True)
     prefill_path = fn(iq, iw, pool, ft, pos, seq, ratio, topk, int(pos.max()))
     assert alone[0].tolist() == batched[0].tolist() == prefill_path[0].tolist() == tied[:topk]
+
+
+@pytest.mark.parametrize("graph_sized", [False, True])
+def test_a_token_that_sees_at_most_topk_entries_picks_them_all_unscored(graph_sized):
+    """Up to topk visible entries the top-k is every one of them whatever they score: the fused path picks them in
+    index order without scoring them (NaN queries here change nothing), deciding per token on the GPU where the
+    rows are sized for a longer sequence (graph_sized: as CUDA graphs call it), while a token that sees more still
+    ranks its entries (the reference's set)."""
+    H, d, ratio, bs, topk = 6, 16, 4, 32, 8
+    iq, iw, pool, ft, pos, seq = _batch(SPECS[1], H, d, ratio, bs, torch.float32, seed=4)
+    max_pos = 400 if graph_sized else int(pos.max())  # 400: rows of 100 entries, past every token here
+    want = ref.indexer_topk(iq, iw, pool, ft, pos, seq, ratio, topk, max_pos)
+    fits = ((pos + 1) // ratio) <= topk
+    assert fits.any() and not fits.all()
+    nan_q = torch.where(fits[:, None, None], float("nan"), iq)  # a fitting token's query never reaches a score
+    got = indexer_topk_fused(nan_q, iw, pool, ft, pos, seq, ratio, topk, max_pos)
+    for t in range(pos.shape[0]):
+        n_vis = (int(pos[t]) + 1) // ratio
+        if fits[t]:
+            assert got[t].tolist() == list(range(n_vis)) + [-1] * (topk - n_vis), t
+        else:
+            assert sorted(got[t].tolist()) == sorted(want[t].tolist()), t
+    short = pos < topk * ratio - 1  # a prefill where no token sees more than topk: no scores at all
+    alone = indexer_topk_fused(torch.full_like(iq[short], float("nan")), iw[short], pool, ft, pos[short], seq[short],
+                               ratio, topk, int(pos[short].max()))
+    assert torch.equal(alone, got[short])
