@@ -20,9 +20,12 @@ SWITCH_CKPT = "{{ckpt}}/flash-depth-e{e}-fp8-fp4"  # one per expert count, remov
 SWITCHES = DEPTH[:-1] + ',"cudagraph_mode":"FULL_DECODE_ONLY"}'  # decode graphs only: no mixed-step captures to wait for
 # on the rank share: today's step, every fusion, moe_gemv, then each fusion alone (tools.bench_decode_switches)
 TP_SHARE_SWITCH_CONFIGS = "pdl,all,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/moe_gemv,each"
-# today's decode, then each decode variant that is off by default, then both
+# today's decode, then each decode variant that is off by default, then today's without bf16_gemv
 DECODE_VARIANT_CONFIGS = ("pdl,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/moe_gemv,"
-                          "moe_frag=pdl:1+var:rope_tiles/bf16_gemv/moe_frag,no_bf16_gemv=pdl:1+var:rope_tiles")
+                          "indexer_select=pdl:1+var:rope_tiles/bf16_gemv/indexer_select,no_bf16_gemv=pdl:1+var:rope_tiles")
+# a server configured for 128K-token contexts: its decode graphs' indexer rows are 32,768 entries wide
+SWITCHES_128K = SWITCHES.replace('"max_model_len":8192', '"max_model_len":131072')
+INDEXER_SELECT_CONFIGS = "pdl,indexer_select=pdl:1+var:rope_tiles/bf16_gemv/indexer_select"
 DSPARK_CKPT = "{ckpt}/flash-depth-0731-fp8-fp4"  # V4-Flash depth with 0731's DSpark stages (16 experts)
 DSPARK_E64_CKPT = "{ckpt}/flash-depth-0731-e64-fp8-fp4"  # the same at 64 routed experts
 SHAPED_CKPT = "{ckpt}/flash-shaped-fp8-fp4"  # V4-Flash's layers, 4 of them, as shipped (FP8 + MXFP4)
@@ -196,10 +199,16 @@ def decode_ab_steps(configs: str, experts: int) -> tuple[Step, ...]:
     engine, logits compared."""
     ckpt = SWITCH_CKPT.format(e=experts)
     return (checkpoint(ckpt, "flash-depth", "--override", f'{{"n_routed_experts":{experts}}}'),
-            Step("tools.bench_decode_switches", ("--model", ckpt, "--configs", configs, "--single-batches",
-                                                 "all", "--engine-args", SWITCHES, "--label", f"e{experts}"),
-                 name=f"e{experts}", then_remove=f"flash-depth-e{experts}-*",
-                 timeout_s=max(420, 180 + 90 * len(configs.split(",")))))  # an engine start, then ~1.5 min a config
+            decode_ab(ckpt, configs, SWITCHES, f"e{experts}", then_remove=f"flash-depth-e{experts}-*"))
+
+
+def decode_ab(ckpt: str, configs: str, engine_args: str, label: str, *extra: str, then_remove: str | None = None
+              ) -> Step:
+    """tools.bench_decode_switches: today's decode step against the configs' in one engine, logits compared."""
+    return Step("tools.bench_decode_switches", ("--model", ckpt, "--configs", configs, "--single-batches", "all",
+                                                "--engine-args", engine_args, "--label", label, *extra),
+                name=label, then_remove=then_remove,
+                timeout_s=max(420, 180 + 90 * len(configs.split(","))))  # an engine start, then ~1.5 min a config
 
 
 def closed_loop(budgets: str, policies: str, users: str, timeout_s: int) -> Step:
@@ -285,14 +294,25 @@ SUITE_LIST = [
                                                 "--engine-args", SWITCHES, "--label", "e64"), name="e64",
                 then_remove="flash-depth-e64-*", timeout_s=400))),
     Suite("decode_variants", "At V4-Flash depth as shipped (16 experts), per decode step at batch 1 / 32 / 150 with "
-          "the same logits (PDL on all), today's step against it with moe_frag on (off by default: the MoE's MXFP4 "
-          "decode straight into the tensor cores' operand registers, kernels/fused_dequant.mxfp4_frag_tile) and "
-          "without bf16_gemv (on by default: the compressors' and indexer's bf16 projections and the router's gate "
-          "as one CUDA-core GEMV launch with PDL instead of cuBLAS's split-K GEMM and its reduce, up to 4 rows, so "
-          "batch 32 / 150 run cuBLAS there)?",
+          "the same logits (PDL on all), today's step against it with moe_gemv on (off by default: the MXFP4 MoE at "
+          "1-4 tokens as CUDA-core GEMVs), with indexer_select on (off by default: the indexer's selection by a "
+          "radix select over what each token sees) and without bf16_gemv (on by default: the compressors' and "
+          "indexer's bf16 projections and the router's gate as one CUDA-core GEMV launch with PDL instead of "
+          "cuBLAS's split-K GEMM and its reduce, up to 4 rows, so batch 32 / 150 run cuBLAS there)?",
           decode_ab_steps(DECODE_VARIANT_CONFIGS, 16),
           notes="about 7 minutes on a fresh machine: a checkpoint (~30 s), an engine start with decode graphs "
                 "(~60-90 s), then per batch and config a graph capture and 24 steps"),
+    Suite("decode_server_128k", "In a server configured for 128K-token contexts (max_model_len 131072: its decode "
+          "graphs' indexer rows are 32,768 entries wide), V4-Flash depth as shipped (16 experts), how long is a decode "
+          "step at 1K-token contexts (batch 1 / 32 / 150) and 8K (batch 1 / 32), today's indexer selection (every "
+          "entry of the row scored, then torch.topk) against indexer_select (what each token sees, a radix select)?",
+          (checkpoint(SWITCH_CKPT.format(e=16), "flash-depth", "--override", '{"n_routed_experts":16}'),
+           decode_ab(SWITCH_CKPT.format(e=16), INDEXER_SELECT_CONFIGS, SWITCHES_128K, "ctx1k"),
+           decode_ab(SWITCH_CKPT.format(e=16), INDEXER_SELECT_CONFIGS, SWITCHES_128K, "ctx8k", "--input-len", "8192",
+                     "--batches", "1,32", then_remove="flash-depth-e16-*")),
+          notes="about 7 minutes on a fresh machine: a checkpoint (~30 s), per context an engine start with decode "
+                "graphs (~60-90 s; the 8K one prefills 32 x 8K tokens, ~30 s), then per batch and config a graph "
+                "capture and 24 steps"),
     Suite("pdl_paths", "With programmatic dependent launch on, does every served path give what it gives with PDL "
           "off, bit for bit (prefill eager and chunked, mixed-step graphs, decode graphs at batch 1 / 8 / 32, MTP "
           "verify / rollback / draft graphs, DSpark verify / plain-step / drafter / rollback graphs, sampled "
@@ -556,6 +576,12 @@ SUITE_LIST = [
           (Step("tools.bench_quant", ("--mx-ab", "--budget", "200"), timeout_s=270),),
           notes="about 4 minutes; the quick A/B before decode_variants (the same decode at depth, in the engine); "
                 "prefill's grouped path to read the fused rows against: moe_dispatch"),
+    Suite("kernels_indexer", "One CSA layer's indexer selection at decode (1 / 32 / 150 tokens): today's (every entry "
+          "of the row scored, then a sort or torch.topk) against indexer_select (each token scores what it sees, a "
+          "radix select), at the row widths of 8K / 128K / 1M-token servers and 1K / 8K / 64K-token contexts, each "
+          "pair checked to pick the same set?",
+          (Step("tools.bench_indexer", (), timeout_s=300),),
+          notes="about 2 minutes: 21 sizes x 2 paths, 8 calls a CUDA graph"),
     Suite("kernels_bf16_gemv", "Is the bf16 GEMV (kernel variant bf16_gemv) right and faster than cuBLAS on V4-Flash's "
           "bf16 linears at decode (a CSA layer's stacked readers of the attention input, an HCA layer's, the indexer's "
           "wq_b, the MoE router's gate at 16 and 256 experts) at 1 / 2 / 4 / 8 rows, against the bytes' floor?",

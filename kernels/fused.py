@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import fusions, reference
+from kernels import fusions, reference, variants
 from kernels.bf16_gemv import bf16_gemv
 from kernels.bf16_gemv import takes as bf16_gemv_takes
 from kernels.deepseek_v41 import fused as v41
@@ -38,6 +38,7 @@ from kernels.fused_rope import (
     q_kv_norm_rope_fused,
 )
 from kernels.fused_sample import greedy_pick_fused
+from kernels.indexer_select import indexer_topk_select
 
 
 def linear_fused(x, weight, scale=None):
@@ -115,6 +116,15 @@ def router_moe_fused(x, gate_weight, gate_bias, top_k, routed_scaling, scoring_f
     return moe_experts_fused(x, w1, w3, w2, weights, indices, limit, scales, shared, aligned=(block_m, layout))
 
 
+def indexer_topk_switched(iq, iw, index_pool, full_tables, positions, token_seq, ratio, topk, max_pos=None,
+                          one_per_seq=False, iw_scale=1.0):
+    """The indexer's selection: scores over the whole row, then the sort or torch.topk (kernels.fused_indexer), or
+    with the kernel variant indexer_select the scores and a radix select over what each token sees
+    (kernels.indexer_select); the same set."""
+    fn = indexer_topk_select if variants.on("indexer_select") else indexer_topk_fused
+    return fn(iq, iw, index_pool, full_tables, positions, token_seq, ratio, topk, max_pos, one_per_seq, iw_scale)
+
+
 def swiglu_fused(gate, up, limit):
     """V4's shared-expert SwiGLU in one launch instead of four: V4.1's kernel (fp32 inside, one rounding
     to the input dtype, where the reference rounds after each op); the reference when nothing clamps."""
@@ -164,7 +174,7 @@ FUSED = {
     "compress_decode": compress_decode_fused,
     "compress_blocks": compress_blocks_fused,
     "indexer_scores_paged": indexer_scores_paged,
-    "indexer_topk": indexer_topk_fused,
+    "indexer_topk": indexer_topk_switched,
     "greedy_pick": greedy_pick_fused,
     "v41_hc_site_collapse": v41.hc_site_collapse_fused,
     "v41_hc_expand": v41.hc_expand_fused,

@@ -34,24 +34,33 @@ def _indexer_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, keys_ptr, ftab_ptr, 
     if SKIP_FIT > 0:
         if n_vis <= SKIP_FIT:
             return
-    valid = e < n_vis
     res = tl.full((BLOCK_E,), -float("inf"), tl.float32)
     if tl.program_id(1) * BLOCK_E < n_vis:
-        s = tl.load(seq_ptr + t)
-        heads = tl.arange(0, BLOCK_H)
-        hmask = heads < H
-        d = tl.arange(0, HD)
-        q = tl.load(q_ptr + (t * H + heads)[:, None] * HD + d[None, :], mask=hmask[:, None], other=0.0)
-        w = tl.load(w_ptr + t * w_stride + heads, mask=hmask, other=0.0).to(tl.float32) * w_scale
-        blk = tl.load(ftab_ptr + s * ftab_stride + e // PER_BLOCK, mask=valid, other=0)
-        k = tl.load(keys_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * HD + d[None, :], mask=valid[:, None],
-                    other=0.0)
-        if DOT_F32:
-            q = q.to(tl.float32)
-            k = k.to(tl.float32)
-        sc = tl.maximum(tl.dot(q, tl.trans(k)), 0.0) * w[:, None]  # [heads, entries]
-        res = tl.where(valid, tl.sum(sc, axis=0) * scale, res)
+        res = score_block(q_ptr, w_ptr, w_stride, w_scale, keys_ptr, ftab_ptr, ftab_stride, seq_ptr, t, e, n_vis, H,
+                          PER_BLOCK, scale, HD, BLOCK_H, DOT_F32)
     tl.store(out_ptr + t * n_max + e, res, mask=e < n_max)
+
+
+@triton.jit
+def score_block(q_ptr, w_ptr, w_stride, w_scale, keys_ptr, ftab_ptr, ftab_stride, seq_ptr, t, e, n_vis, H, PER_BLOCK,
+                scale, HD: tl.constexpr, BLOCK_H: tl.constexpr, DOT_F32: tl.constexpr):
+    """Token t's scores of entries e (-inf where e >= n_vis): its heads as the M side of one dot against the keys,
+    read through its sequence's block table."""
+    valid = e < n_vis
+    s = tl.load(seq_ptr + t)
+    heads = tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, HD)
+    q = tl.load(q_ptr + (t * H + heads)[:, None] * HD + d[None, :], mask=hmask[:, None], other=0.0)
+    w = tl.load(w_ptr + t * w_stride + heads, mask=hmask, other=0.0).to(tl.float32) * w_scale
+    blk = tl.load(ftab_ptr + s * ftab_stride + e // PER_BLOCK, mask=valid, other=0)
+    k = tl.load(keys_ptr + (blk * PER_BLOCK + e % PER_BLOCK)[:, None] * HD + d[None, :], mask=valid[:, None],
+                other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+    sc = tl.maximum(tl.dot(q, tl.trans(k)), 0.0) * w[:, None]  # [heads, entries]
+    return tl.where(valid, tl.sum(sc, axis=0) * scale, -float("inf"))
 
 
 @triton.jit(do_not_specialize=["n"])

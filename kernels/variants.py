@@ -24,6 +24,9 @@ Read at every call: CUDA graphs captured after a change follow it.
 - moe_gemv: the MXFP4 MoE at up to kernels.moe_gemv.MOE_GEMV_MAX_ROWS tokens as one GEMV program per (routed pair,
   N tile, K split) on the CUDA cores (kernels/moe_gemv.py) instead of the MMA kernels' 16-row tiles: no padding,
   no shared memory, no alignment of the pairs by expert.
+- indexer_select: the lightning indexer's selection with each token scoring only the entries it sees and picking
+  its top-k by a radix select over them (kernels/indexer_select.py), instead of scoring the whole row (as wide as
+  the longest sequence a CUDA graph may hold: max_model_len / ratio) and sorting it or running torch.topk over it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import os
 
 from kernels import fusions
 
-ALL = ("rope_tiles", "mix_bf16x3", "moe_frag", "bf16_gemv", "moe_gemv")
+ALL = ("rope_tiles", "mix_bf16x3", "moe_frag", "bf16_gemv", "moe_gemv", "indexer_select")
 # rope_tiles on: suite prefill_small_ops finds it within a rounding of the one-row kernels on the GPU and 1.1-1.3x
 # faster from 32 tokens up (no slower at one), prefill_variants 1.03x on the time to first token at depth.
 # mix_bf16x3 off: right on the GPU at its one-stage prefill launch (kernels/fused_norm_mhc.MIX_PIECES_TILES) and

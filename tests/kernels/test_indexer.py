@@ -4,8 +4,10 @@ several sequences in one packed batch, paged keys, top-k above what is visible, 
 import pytest
 import torch
 
+from kernels import indexer_select
 from kernels import reference as ref
 from kernels.fused_indexer import indexer_scores_paged, indexer_topk_fused
+from kernels.indexer_select import indexer_topk_select
 
 
 def _batch(spec, H, d, ratio, bs, dtype, seed):
@@ -109,7 +111,7 @@ def test_head_weights_as_a_strided_slice_with_their_scale_inside(dtype):
     assert torch.equal(ref.indexer_topk(*args, iw_scale=H**-0.5), ref.indexer_topk(iq, scaled, *args[2:]))
 
 
-@pytest.mark.parametrize("select", ["reference", "fused"])
+@pytest.mark.parametrize("select", ["reference", "fused", "radix"])
 def test_exact_ties_pick_the_same_entries_alone_and_batched(select):
     """Zero keys score exactly 0 (-0.0 with negative head weights): the best entries, tied. A sequence's
     selection must not depend on the batch it runs in (its row padded to a longer sequence's entries):
@@ -121,7 +123,7 @@ def test_exact_ties_pick_the_same_entries_alone_and_batched(select):
     tied = [1, 3, 7, 11, 12, 15, 18]
     per_block = bs // ratio
     pool.view(-1, d)[ref._entry_slots(ft[0], per_block, torch.tensor(tied))] = 0.0
-    fn = ref.indexer_topk if select == "reference" else indexer_topk_fused
+    fn = {"reference": ref.indexer_topk, "fused": indexer_topk_fused, "radix": indexer_topk_select}[select]
     alone = fn(iq[:1], iw[:1], pool, ft, pos[:1], seq[:1], ratio, topk, int(pos[0]), one_per_seq=True)
     batched = fn(iq, iw, pool, ft, pos, seq, ratio, topk, int(pos.max()), one_per_seq=True)
     prefill_path = fn(iq, iw, pool, ft, pos, seq, ratio, topk, int(pos.max()))
@@ -152,3 +154,39 @@ def test_a_token_that_sees_at_most_topk_entries_picks_them_all_unscored(graph_si
     alone = indexer_topk_fused(torch.full_like(iq[short], float("nan")), iw[short], pool, ft, pos[short], seq[short],
                                ratio, topk, int(pos[short].max()))
     assert torch.equal(alone, got[short])
+
+
+@pytest.mark.parametrize("spec", SPECS + [[(300, 2), (500, 1), (7, 30)]])
+@pytest.mark.parametrize("graph_sized", [False, True])
+def test_radix_select_picks_the_reference_set(spec, graph_sized, monkeypatch):
+    """Kernel variant indexer_select: each token scores what it sees and a radix select picks its top-k, the
+    reference's set (ties at the threshold: the lower indices), whatever the row width (graph_sized: rows for a
+    sequence of 2,000 positions, as a CUDA graph's) and across several passes of a token's entries (chunks of 16
+    here). Negative head weights give negative scores, and the relu's zeros give -0.0 against +0.0."""
+    monkeypatch.setattr(indexer_select, "CHUNK", 16)
+    iq, iw, pool, ft, pos, seq = _batch(spec, 6, 16, 4, 32, torch.float32, seed=len(spec) + 11)
+    iw[::2] = -iw[::2].abs()
+    max_pos = 2000 if graph_sized else int(pos.max())
+    for topk in (4, 8):
+        want = ref.indexer_topk(iq, iw, pool, ft, pos, seq, 4, topk, max_pos)
+        got = indexer_topk_select(iq, iw, pool, ft, pos, seq, 4, topk, max_pos)
+        for t in range(pos.shape[0]):
+            row = got[t].tolist()
+            assert sorted(row) == sorted(want[t].tolist()), (topk, t)
+            picks = [v for v in row if v >= 0]
+            assert row[:len(picks)] == sorted(picks)  # picks first, in index order, then the -1 padding
+
+
+def test_the_variant_routes_the_models_selection(monkeypatch):
+    """kernels.indexer_topk (the CUDA dispatch) takes the radix select with the variant on, the fused sort without."""
+    from kernels import fused, variants
+
+    calls = []
+    monkeypatch.setattr(fused, "indexer_topk_select", lambda *a, **k: calls.append("radix"))
+    monkeypatch.setattr(fused, "indexer_topk_fused", lambda *a, **k: calls.append("sort"))
+    args = _batch(SPECS[2], 6, 16, 4, 32, torch.float32, seed=1)
+    for on in (False, True):
+        monkeypatch.setattr(variants, "_on", frozenset({"indexer_select"} if on else ()))
+        fused.indexer_topk_switched(*args, 4, 8, 300)
+    assert calls == ["sort", "radix"]
+    assert fused.FUSED["indexer_topk"] is fused.indexer_topk_switched  # what the model's kernels.indexer_topk runs
