@@ -576,12 +576,13 @@ SUITE_LIST = [
           (Step("tools.bench_quant", ("--mx-ab", "--budget", "200"), timeout_s=270),),
           notes="about 4 minutes; the quick A/B before decode_variants (the same decode at depth, in the engine); "
                 "prefill's grouped path to read the fused rows against: moe_dispatch"),
-    Suite("kernels_indexer", "One CSA layer's indexer selection at decode (1 / 32 / 150 tokens): today's (every entry "
-          "of the row scored, then a sort or torch.topk) against indexer_select (each token scores what it sees, a "
-          "radix select), at the row widths of 8K / 128K / 1M-token servers and 1K / 8K / 64K-token contexts, each "
-          "pair checked to pick the same set?",
+    Suite("kernels_indexer", "One CSA layer's indexer selection at decode (1 / 32 / 150 tokens) and on a prefill chunk "
+          "(the last 2,048 tokens of 2K / 8K / 32K-token prompts): today's (every entry of the row scored, then a "
+          "sort or torch.topk) against indexer_select (each token scores what it sees, a radix select), at the row "
+          "widths of 8K / 128K / 1M-token servers and 1K / 8K / 64K-token contexts, each pair checked to pick the "
+          "same set?",
           (Step("tools.bench_indexer", (), timeout_s=300),),
-          notes="about 2 minutes: 21 sizes x 2 paths, 8 calls a CUDA graph"),
+          notes="about 2 minutes: 24 sizes x 2 paths, 8 calls a CUDA graph"),
     Suite("kernels_bf16_gemv", "Is the bf16 GEMV (kernel variant bf16_gemv) right and faster than cuBLAS on V4-Flash's "
           "bf16 linears at decode (a CSA layer's stacked readers of the attention input, an HCA layer's, the indexer's "
           "wq_b, the MoE router's gate at 16 and 256 experts) at 1 / 2 / 4 / 8 rows, against the bytes' floor?",

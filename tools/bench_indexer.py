@@ -7,7 +7,10 @@ in 128-position blocks of a shared pool read through random tables. Each pair of
 each timed as 8 calls in one CUDA graph (as a decode graph runs it). Prints a table, writes JSON rows.
 
     python -m tools.bench_indexer [--tokens 1,32,150] [--widths 2048,32768,262144] [--contexts 1024,8192,65536]
-                                  [--json out.json]
+                                  [--prefill 2048,8192,32768] [--json out.json]
+
+--prefill: also a prefill chunk's call: the last 2,048 tokens of one sequence of that many positions, rows as wide
+as the sequence's entries (an eager prefill sizes them so), each token seeing its own prefix.
 
 Without a GPU it runs under Triton's interpreter on the CPU on a scaled-down indexer (`--small`): the checks and the
 table, not the timings.
@@ -25,11 +28,27 @@ from tools.kernel_device import call_timer, exit_status, gpu_or_interpreter
 RATIO, BLOCK = 4, 128  # V4-Flash's CSA compression and the cache's positions a block
 
 
+def _compare(args: tuple, heads: int, timed, *paths) -> tuple[bool, list[float]]:
+    """Whether the paths pick the same set for every token, and each one's microseconds a call."""
+    picks = [f(*args, iw_scale=heads**-0.5).sort(dim=1).values for f in paths]
+    same = all(torch.equal(picks[0], p) for p in picks[1:])
+    return same, [timed(lambda f=f: f(*args, iw_scale=heads**-0.5)) for f in paths]
+
+
+def _row(tokens: int, width: int, context: int, us: list[float], same: bool, kind: str = "decode") -> dict:
+    print(f"{kind:>7} | {tokens:>6} | {width:>9} | {context:>7} | {us[0]:>10.1f} | {us[1]:>17.1f} | "
+          f"{us[0] / us[1]:>13.2f}x" + ("" if same else "  MISMATCH"), flush=True)
+    return {"kind": kind, "tokens": tokens, "width": width, "context": context, "today_us": us[0], "select_us": us[1],
+            "same_set": same}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.bench_indexer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="1,32,150", help="decode tokens a call (one sequence each)")
     ap.add_argument("--widths", default="2048,32768,262144", help="entries a row (max_model_len / 4)")
     ap.add_argument("--contexts", default="1024,8192,65536", help="positions each token's sequence holds")
+    ap.add_argument("--prefill", default="2048,8192,32768", help="prompt lengths whose last chunk is timed")
+    ap.add_argument("--chunk", type=int, default=2048, help="a prefill chunk's tokens")
     ap.add_argument("--small", action="store_true", help="8 heads of 16, top-8: the CPU's interpreter run")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -42,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     timed = call_timer(dev.type == "cuda", calls=8)
     g = torch.Generator(device=dev).manual_seed(0)
     rows, failures = [], []
-    print("tokens | row width | context | today's us | indexer_select us | today / select", flush=True)
+    print("   call | tokens | row width | context | today's us | indexer_select us | today / select", flush=True)
     for width in (int(w) for w in a.widths.split(",") if w):
         pool_blocks = min(4096, width // per_block + 1)
         pool = torch.randn(pool_blocks, per_block, dim, device=dev, generator=g).bfloat16()
@@ -56,17 +75,23 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 pos = torch.full((tokens,), context - 1, device=dev)
                 args = (iq, iw, pool, tables, pos, seq, RATIO, topk, width * RATIO - 1)
-                today = indexer_topk_fused(*args, iw_scale=heads**-0.5)
-                select = indexer_topk_select(*args, iw_scale=heads**-0.5)
-                same = torch.equal(today.sort(dim=1).values, select.sort(dim=1).values)
+                same, us = _compare(args, heads, timed, indexer_topk_fused, indexer_topk_select)
                 if not same:
                     failures.append(f"{tokens} tokens, width {width}, context {context}: the sets differ")
-                us = [timed(lambda f=f: f(*args, iw_scale=heads**-0.5)) for f in (indexer_topk_fused,
-                                                                                   indexer_topk_select)]
-                rows.append({"tokens": tokens, "width": width, "context": context, "today_us": us[0],
-                             "select_us": us[1], "same_set": same})
-                print(f"{tokens:>6} | {width:>9} | {context:>7} | {us[0]:>10.1f} | {us[1]:>17.1f} | "
-                      f"{us[0] / us[1]:>13.2f}x" + ("" if same else "  MISMATCH"), flush=True)
+                rows.append(_row(tokens, width, context, us, same))
+    for context in (int(c) for c in a.prefill.split(",") if c):
+        width, tokens = context // RATIO, min(a.chunk, context)
+        pool_blocks = width // per_block + 1
+        pool = torch.randn(pool_blocks, per_block, dim, device=dev, generator=g).bfloat16()
+        table = torch.randperm(pool_blocks, device=dev, generator=g)[None]
+        iq = torch.randn(tokens, heads, dim, device=dev, generator=g).bfloat16()
+        iw = torch.randn(tokens, heads, device=dev, generator=g).bfloat16()
+        pos = torch.arange(context - tokens, context, device=dev)
+        args = (iq, iw, pool, table, pos, torch.zeros_like(pos), RATIO, topk, context - 1)
+        same, us = _compare(args, heads, timed, indexer_topk_fused, indexer_topk_select)
+        if not same:
+            failures.append(f"prefill chunk of {tokens} at {context} positions: the sets differ")
+        rows.append(_row(tokens, width, context, us, same, "prefill"))
     if a.json:
         import json
 
