@@ -48,7 +48,7 @@ def _visible_scores_kernel(q_ptr, w_ptr, w_stride, w_scale, keys_ptr, ftab_ptr, 
             e = b * BLOCK_E + tl.arange(0, BLOCK_E)
             res = score_block(q_ptr, w_ptr, w_stride, w_scale, keys_ptr, ftab_ptr, ftab_stride, seq_ptr, t, e, n_vis,
                               H, PER_BLOCK, scale, HD, BLOCK_H, DOT_F32)
-            tl.store(out_ptr + t * n_max + e, res, mask=e < n_vis)
+            tl.store(out_ptr + t.to(tl.int64) * n_max + e, res, mask=e < n_vis)
 
 
 @triton.jit
