@@ -79,15 +79,23 @@ def _topk_kernel(scores_ptr, pos_ptr, out_ptr, n, RATIO, TOPK: tl.constexpr, BLO
         o = tl.arange(0, OUT_BLOCK)
         tl.store(out_ptr + t * TOPK + o, tl.where(o < n_vis, o, -1).to(tl.int64), mask=o < TOPK)
     else:  # n >= n_vis > TOPK, so BLOCK > TOPK: the sorted row fills every slot
-        e = tl.arange(0, BLOCK)
-        x = tl.load(scores_ptr + t * n + e, mask=e < n, other=-float("inf"))
-        x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties +0.0 (the reference's order)
-        bits = x.to(tl.int32, bitcast=True)
-        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # IEEE order as signed integers
-        packed = (key.to(tl.int64) << 32) | (BLOCK - 1 - e).to(tl.int64)
-        top = tl.sort(packed, descending=True)
-        idx = BLOCK - 1 - (top & 0xFFFFFFFF).to(tl.int32)
-        tl.store(out_ptr + t * TOPK + e, tl.where(idx < n_vis, idx, -1).to(tl.int64), mask=e < TOPK)
+        e, picks = sorted_picks(scores_ptr + t * n, n, n_vis, BLOCK)
+        tl.store(out_ptr + t * TOPK + e, picks, mask=e < TOPK)
+
+
+@triton.jit
+def sorted_picks(row_ptr, n_read, n_vis, BLOCK: tl.constexpr):
+    """A row's first n_read scores (-inf past them) sorted best first, an exact tie to the lower index: (positions
+    0..BLOCK, the entry at each: -1 where it is not one the token sees), as int64."""
+    e = tl.arange(0, BLOCK)
+    x = tl.load(row_ptr + e, mask=e < n_read, other=-float("inf"))
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 ties +0.0 (the reference's order)
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # IEEE order as signed integers
+    packed = (key.to(tl.int64) << 32) | (BLOCK - 1 - e).to(tl.int64)
+    top = tl.sort(packed, descending=True)
+    idx = BLOCK - 1 - (top & 0xFFFFFFFF).to(tl.int32)
+    return e, tl.where(idx < n_vis, idx, -1).to(tl.int64)
 
 
 SORT_MAX = 4096  # rows up to this many entries are sorted in one program; longer ones use torch.topk

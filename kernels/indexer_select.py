@@ -8,6 +8,8 @@ scores only the entries it sees (a few programs a token, each walking blocks of 
 selects in passes over those entries alone:
 
 - at most TOPK seen: every one, in index order, unscored (as fused_indexer does);
+- up to SORT_SEEN: fused_indexer's sort of those entries alone (its cost at an 8K-token server's rows, whatever
+  the server's max_model_len);
 - more: a radix select over the scores' order-preserving 32-bit keys, eight bits a pass (a histogram of the keys
   that match the digits chosen so far: the bucket holding the TOPK-th largest gives the next eight bits), then a
   pass that keeps the keys above that threshold and, of the keys equal to it, the lowest indices (the reference's
@@ -26,11 +28,12 @@ import triton.language as tl
 from kernels import pdl, quant_configs
 from kernels.fused_attention import _INTERPRET
 from kernels.fused_compress import rows_unit_stride
-from kernels.fused_indexer import score_block
+from kernels.fused_indexer import score_block, sorted_picks
 from kernels.pdl import wait_and_release
 
 BLOCK_E = 64  # entries a score block
 CHUNK = 1024  # entries a select pass reads at a time
+SORT_SEEN = 2048  # up to this many entries seen, a token's picks come from one sort of them
 
 
 @triton.jit(do_not_specialize=["ftab_stride", "n_max"])
@@ -60,16 +63,20 @@ def _order_key(x):
 
 @triton.jit(do_not_specialize=["n_max"])
 def _radix_topk_kernel(scores_ptr, pos_ptr, out_ptr, n_max, RATIO, TOPK: tl.constexpr, OUT_BLOCK: tl.constexpr,
-                       CHUNK: tl.constexpr, PDL: tl.constexpr = False):
-    """One token's TOPK picks among the n_vis entries it sees, written in index order (module docstring)."""
+                       CHUNK: tl.constexpr, SORT_SEEN: tl.constexpr, PDL: tl.constexpr = False):
+    """One token's TOPK picks among the n_vis entries it sees (module docstring): all of them, or by a sort of them
+    (best first), or by a radix select (in index order)."""
     wait_and_release(PDL)
     t = tl.program_id(0)
     n_vis = (tl.load(pos_ptr + t) + 1) // RATIO
+    row = scores_ptr + t.to(tl.int64) * n_max
     if n_vis <= TOPK:
         o = tl.arange(0, OUT_BLOCK)
         tl.store(out_ptr + t * TOPK + o, tl.where(o < n_vis, o, -1).to(tl.int64), mask=o < TOPK)
+    elif n_vis <= SORT_SEEN:
+        e, picks = sorted_picks(row, n_vis, n_vis, SORT_SEEN)
+        tl.store(out_ptr + t * TOPK + e, picks, mask=e < TOPK)
     else:
-        row = scores_ptr + t.to(tl.int64) * n_max
         c = tl.arange(0, CHUNK)
         bins = tl.arange(0, 256)
         prefix = tl.zeros((), tl.int64)  # the threshold key's digits chosen so far
@@ -120,5 +127,6 @@ def indexer_topk_select(iq, iw, index_pool, full_tables, positions, token_seq, r
             BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_E=BLOCK_E, DOT_F32=_INTERPRET, num_warps=4,
             **pdl.options(iq))
     _radix_topk_kernel[(T,)](scores, positions, out, scores.shape[1], ratio, TOPK=topk, OUT_BLOCK=triton.next_power_of_2(topk),
-                             CHUNK=CHUNK, num_warps=8, **pdl.options(iq))
+                             CHUNK=CHUNK, SORT_SEEN=max(SORT_SEEN, triton.next_power_of_2(topk)), num_warps=8,
+                             **pdl.options(iq))
     return out

@@ -25,8 +25,9 @@ Read at every call: CUDA graphs captured after a change follow it.
   N tile, K split) on the CUDA cores (kernels/moe_gemv.py) instead of the MMA kernels' 16-row tiles: no padding,
   no shared memory, no alignment of the pairs by expert.
 - indexer_select: the lightning indexer's selection with each token scoring only the entries it sees and picking
-  its top-k by a radix select over them (kernels/indexer_select.py), instead of scoring the whole row (as wide as
-  the longest sequence a CUDA graph may hold: max_model_len / ratio) and sorting it or running torch.topk over it.
+  its top-k from them (kernels/indexer_select.py: a sort up to 2,048 seen, a radix select past), instead of scoring
+  the whole row (as wide as the longest sequence a CUDA graph may hold: max_model_len / ratio) and sorting it or
+  running torch.topk over it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The lightning indexer's selection at decode, one CSA layer's call: today's path (kernels.fused_indexer: every
 entry of a row scored, then a sort up to 4,096 entries or torch.topk past it) against the kernel variant
-indexer_select (kernels.indexer_select: each token scores what it sees, a radix select picks its top-k), at the row
-widths a decode graph gives them (max_model_len / ratio: 8K, 128K and 1M positions are rows of 2,048, 32,768 and
-262,144 entries) and the contexts the tokens see. V4-Flash's indexer (64 heads of 128, top-512, ratio 4), bf16 keys
+indexer_select (kernels.indexer_select: each token scores what it sees and sorts those, or past 2,048 of them
+radix-selects its top-k), at the row widths a decode graph gives them (max_model_len / ratio: 8K, 128K and 1M
+positions are rows of 2,048, 32,768 and 262,144 entries) and the contexts the tokens see. V4-Flash's indexer (64 heads of 128, top-512, ratio 4), bf16 keys
 in 128-position blocks of a shared pool read through random tables. Each pair of paths checked to pick the same set;
 each timed as 8 calls in one CUDA graph (as a decode graph runs it). Prints a table, writes JSON rows.
 
