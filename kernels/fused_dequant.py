@@ -203,8 +203,20 @@ def mxfp4_frag_tile(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, ASM: tl.co
     """e2m1 pairs [N, K/2] with ue8m0 bytes [N, K/32], K % 128 == 0 -> the bf16 [BLOCK_N, 128] tile of rows n
     (BLOCK_N % 16 == 0, n consecutive) at the K step k0, its columns in the MMA's order (frag_position). ONE_MUL: every
     scale byte <= 128 (_words_bf16)."""
+    row, rmask, l4, wp, KW, sw = _frag_operands(w_ptr, s_ptr, n, k0, N, K, BLOCK_N)
+    f0 = _frag_group(wp, sw, row, rmask, KW, k0, l4, 0, ASM, ONE_MUL)
+    f1 = _frag_group(wp, sw, row, rmask, KW, k0, l4, 1, ASM, ONE_MUL)
+    f2 = _frag_group(wp, sw, row, rmask, KW, k0, l4, 2, ASM, ONE_MUL)
+    f3 = _frag_group(wp, sw, row, rmask, KW, k0, l4, 3, ASM, ONE_MUL)
+    return _frag_tile(f0, f1, f2, f3, BLOCK_N)
+
+
+@triton.jit
+def _frag_operands(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr):
+    """The frag decodes' rows [RG, b1, R0, l4] (row 16 RG + 8 b1 + R0, l4 the quad lane), their mask, the lanes, the
+    weights as words and a row's words, and each row's four scale bytes of the step as one word."""
     RG: tl.constexpr = BLOCK_N // 16
-    row = tl.reshape(n, (RG, 2, 8))[:, :, :, None]  # [RG, b1, R0, l4]: row 16 RG + 8 b1 + R0
+    row = tl.reshape(n, (RG, 2, 8))[:, :, :, None]
     rmask = row < N
     l4 = tl.arange(0, 4)[None, None, None, :]
     wp = tl.multiple_of(w_ptr.to(tl.pointer_type(tl.int32)), 16)
@@ -213,11 +225,12 @@ def mxfp4_frag_tile(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, ASM: tl.co
     # one full-shaped load keeps every operand of the decode in the layout the MMA wants
     sp = tl.multiple_of(s_ptr.to(tl.pointer_type(tl.int32)), 4)
     sw = tl.load(sp + row * tl.multiple_of(K // 128, 4) + k0 // 128 + 0 * l4, mask=rmask, other=0)
-    sw = sw.to(tl.uint32, bitcast=True)
-    f0 = _frag_group(wp, sw, row, rmask, KW, k0, l4, 0, ASM, ONE_MUL)
-    f1 = _frag_group(wp, sw, row, rmask, KW, k0, l4, 1, ASM, ONE_MUL)
-    f2 = _frag_group(wp, sw, row, rmask, KW, k0, l4, 2, ASM, ONE_MUL)
-    f3 = _frag_group(wp, sw, row, rmask, KW, k0, l4, 3, ASM, ONE_MUL)
+    return row, rmask, l4, wp, KW, sw.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _frag_tile(f0, f1, f2, f3, BLOCK_N: tl.constexpr):
+    """The four groups' decoded words [RG, b1, R0, l4, b0, b2, jp] as the [BLOCK_N, 128] tile in the MMA's K order."""
     t = tl.join(tl.join(f0, f1), tl.join(f2, f3))  # [RG, b1, R0, l4, b0, b2, jp, g0, g1]
     t = tl.permute(t, (0, 1, 2, 8, 7, 6, 5, 3, 4))  # [RG, b1, R0, g1, g0, jp, b2, l4, b0]
     return tl.reshape(t, (BLOCK_N, 128))
@@ -241,26 +254,16 @@ def to_lane_major(w):
 def mxfp4_frag16_tile(w_ptr, s_ptr, n, k0, N, K, BLOCK_N: tl.constexpr, ASM: tl.constexpr, ONE_MUL: tl.constexpr):
     """mxfp4_frag_tile's tile from lane-major weights (to_lane_major): a row's 16 words of the step in one load (each
     lane's four contiguous), split into the four groups' words, then decoded and joined as mxfp4_frag_tile does."""
-    RG: tl.constexpr = BLOCK_N // 16
-    row = tl.reshape(n, (RG, 2, 8))[:, :, :, None]  # [RG, b1, R0, l4]: row 16 RG + 8 b1 + R0
-    rmask = row < N
-    l4 = tl.arange(0, 4)[None, None, None, :]
-    wp = tl.multiple_of(w_ptr.to(tl.pointer_type(tl.int32)), 16)
-    KW = tl.multiple_of(K // 8, 16)
+    row, rmask, l4, wp, KW, sw = _frag_operands(w_ptr, s_ptr, n, k0, N, K, BLOCK_N)
     kw0 = tl.multiple_of(k0 // 8, 16)  # k0: a multiple of the 128-wide step (the analysis loses it through // 8)
     g = tl.arange(0, 4)[None, None, None, None, :]
     words = tl.load(wp + (row * KW + kw0 + 4 * l4)[:, :, :, :, None] + g, mask=rmask[:, :, :, :, None], other=0)
-    words = tl.reshape(words.to(tl.uint32, bitcast=True), (RG, 2, 8, 4, 2, 2))  # group g = 2 ga + gb
+    words = tl.reshape(words.to(tl.uint32, bitcast=True), (BLOCK_N // 16, 2, 8, 4, 2, 2))  # group g = 2 ga + gb
     e0, e1 = tl.split(words)  # gb
     w0, w2 = tl.split(e0)  # ga
     w1, w3 = tl.split(e1)
-    sp = tl.multiple_of(s_ptr.to(tl.pointer_type(tl.int32)), 4)
-    sw = tl.load(sp + row * tl.multiple_of(K // 128, 4) + k0 // 128 + 0 * l4, mask=rmask, other=0)
-    sw = sw.to(tl.uint32, bitcast=True)
     f0 = _frag_words(w0, sw, 0, ASM, ONE_MUL)
     f1 = _frag_words(w1, sw, 1, ASM, ONE_MUL)
     f2 = _frag_words(w2, sw, 2, ASM, ONE_MUL)
     f3 = _frag_words(w3, sw, 3, ASM, ONE_MUL)
-    t = tl.join(tl.join(f0, f1), tl.join(f2, f3))  # [RG, b1, R0, l4, b0, b2, jp, g0, g1]
-    t = tl.permute(t, (0, 1, 2, 8, 7, 6, 5, 3, 4))  # [RG, b1, R0, g1, g0, jp, b2, l4, b0]
-    return tl.reshape(t, (BLOCK_N, 128))
+    return _frag_tile(f0, f1, f2, f3, BLOCK_N)
