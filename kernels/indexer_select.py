@@ -126,7 +126,9 @@ def indexer_topk_select(iq, iw, index_pool, full_tables, positions, token_seq, r
             token_seq, scores, n, H, ratio, index_pool.shape[1], hd**-0.5, TOPK=topk, HD=hd,
             BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_E=BLOCK_E, DOT_F32=_INTERPRET, num_warps=4,
             **pdl.options(iq))
-    _radix_topk_kernel[(T,)](scores, positions, out, scores.shape[1], ratio, TOPK=topk, OUT_BLOCK=triton.next_power_of_2(topk),
-                             CHUNK=CHUNK, SORT_SEEN=max(SORT_SEEN, triton.next_power_of_2(topk)), num_warps=8,
-                             **pdl.options(iq))
+    # the sort's width: SORT_SEEN, or a narrower row's (as fused_indexer sorts it), never under the picks
+    sort_block = max(triton.next_power_of_2(topk), min(SORT_SEEN, triton.next_power_of_2(n)))
+    _radix_topk_kernel[(T,)](scores, positions, out, scores.shape[1], ratio, TOPK=topk,
+                             OUT_BLOCK=triton.next_power_of_2(topk), CHUNK=CHUNK, SORT_SEEN=sort_block,
+                             num_warps=4 if sort_block <= 1024 else 8, **pdl.options(iq))
     return out
