@@ -193,21 +193,26 @@ def test_flash_shaped_quantized_checkpoint_has_whole_blocks_and_loads(tmp_path):
     assert ffn.experts_w2.shape == (2, 4096, 1024) and model.mtp_weights["mtp.0.e_proj.scale"].shape == (32, 32)
 
 
-@pytest.mark.parametrize("quant, variant", [("fp8", None), ("fp8-fp4", None), ("fp8-fp4", "moe_gemv")])
+@pytest.mark.parametrize("quant, variant", [("fp8", None), ("fp8-fp4", None), ("fp8-fp4", "moe_gemv"),
+                                            ("fp8-fp4", "indexer_select")])
 def test_stored_model_on_fused_kernels_is_within_bf16_of_the_float32_model(quantized, quant, variant, monkeypatch):
     """The model kept as stored in bf16, every fused kernel on (the FP8 linear, the MoE reading FP8 /
     MXFP4; the interpreter on the CPU) vs the same checkpoint dequantized into a float32 model on the
     references: the bf16 tolerance of test_model (median 2e-2, 90th percentile 3e-2 of the logit
     scale). Not vs the bf16 references: the interpreter multiplies the dequantized weights in
     float32, so where Base's float32 scales make bf16 round, it is the closer of the two. variant: a kernel
-    variant on too (moe_gemv: the decodes' MXFP4 MoE as GEMVs, their router aligning nothing)."""
+    variant on too (moe_gemv: the decodes' MXFP4 MoE as GEMVs, their router aligning nothing; indexer_select: the
+    CSA layer's picks by what each token sees, its radix select for the decodes that see more than top-k, 4, here:
+    its sort bound lowered to 4)."""
     import kernels
-    from kernels import fused_moe, variants
+    from kernels import fused, fused_moe, indexer_select, variants
 
     if variant:
         monkeypatch.setattr(variants, "_on", variants._on | {variant})
-        calls, real = [], fused_moe.moe_experts_gemv
-        monkeypatch.setattr(fused_moe, "moe_experts_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        module, name = (fused_moe, "moe_experts_gemv") if variant == "moe_gemv" else (fused, "indexer_topk_select")
+        calls, real = [], getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        monkeypatch.setattr(indexer_select, "SORT_SEEN", 4)
     model = load_model(quantized[quant], torch.bfloat16, quantized=True)
     # a 16-token chunk (groups of both ratios close at 15, the window of 8 slides), then 5 decodes (a
     # ratio-4 group closes at 19); under the interpreter the chunk's rows are most of the time
@@ -222,4 +227,4 @@ def test_stored_model_on_fused_kernels_is_within_bf16_of_the_float32_model(quant
     err = (got - want).abs().max(dim=-1).values / want.abs().max()
     assert err.median() <= 2e-2 and err.quantile(0.9) <= 3e-2, err
     if variant:
-        assert calls, "the decodes took the variant's GEMVs"
+        assert calls, f"the steps took {variant}"
