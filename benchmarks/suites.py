@@ -220,6 +220,11 @@ def closed_loop(budgets: str, policies: str, users: str, timeout_s: int) -> Step
                 timeout_s=timeout_s)
 
 
+# the decode profiles' rows: (step name, batch, extra arguments); under PDL a kernel's time includes its wait
+PROFILE_ROWS = (("batch1", "1", ()), ("batch1_pdl_off", "1", ("--engine-args", '{"pdl":"off"}')),
+                ("batch150", "150", ()))
+
+
 def profile(name: str, *args: str, then_remove: str | None = None) -> Step:
     """tools.profile_decode: kernels by CUDA time (a text table, kept as the step's output)."""
     return Step("tools.profile_decode", args, name=name, json_flag=None, then_remove=then_remove, timeout_s=200)
@@ -295,8 +300,8 @@ SUITE_LIST = [
                 then_remove="flash-depth-e64-*", timeout_s=400))),
     Suite("decode_variants", "At V4-Flash depth as shipped (16 experts), per decode step at batch 1 / 32 / 150 with "
           "the same logits (PDL on all), today's step against it with moe_gemv on (off by default: the MXFP4 MoE at "
-          "1-4 tokens as CUDA-core GEMVs), with indexer_select on (off by default: the indexer's selection by a "
-          "radix select over what each token sees) and without bf16_gemv (on by default: the compressors' and "
+          "1-4 tokens as CUDA-core GEMVs), with indexer_select on (off by default: the indexer's selection from what "
+          "each token sees, sorted, or radix-selected past 2,048 entries) and without bf16_gemv (on by default: the compressors' and "
           "indexer's bf16 projections and the router's gate as one CUDA-core GEMV launch with PDL instead of "
           "cuBLAS's split-K GEMM and its reduce, up to 4 rows, so batch 32 / 150 run cuBLAS there)?",
           decode_ab_steps(DECODE_VARIANT_CONFIGS, 16),
@@ -305,7 +310,7 @@ SUITE_LIST = [
     Suite("decode_server_128k", "In a server configured for 128K-token contexts (max_model_len 131072: its decode "
           "graphs' indexer rows are 32,768 entries wide), V4-Flash depth as shipped (16 experts), how long is a decode "
           "step at 1K-token contexts (batch 1 / 32 / 150) and 8K (batch 1 / 32), today's indexer selection (every "
-          "entry of the row scored, then torch.topk) against indexer_select (what each token sees, a radix select)?",
+          "entry of the row scored, then torch.topk) against indexer_select (what each token sees, sorted)?",
           (checkpoint(SWITCH_CKPT.format(e=16), "flash-depth", "--override", '{"n_routed_experts":16}'),
            decode_ab(SWITCH_CKPT.format(e=16), INDEXER_SELECT_CONFIGS, SWITCHES_128K, "ctx1k"),
            decode_ab(SWITCH_CKPT.format(e=16), INDEXER_SELECT_CONFIGS, SWITCHES_128K, "ctx8k", "--input-len", "8192",
@@ -578,7 +583,8 @@ SUITE_LIST = [
                 "prefill's grouped path to read the fused rows against: moe_dispatch"),
     Suite("kernels_indexer", "One CSA layer's indexer selection at decode (1 / 32 / 150 tokens) and on a prefill chunk "
           "(the last 2,048 tokens of 2K / 8K / 32K-token prompts): today's (every entry of the row scored, then a "
-          "sort or torch.topk) against indexer_select (each token scores what it sees, a radix select), at the row "
+          "sort or torch.topk) against indexer_select (each token scores what it sees, sorts those or past 2,048 "
+          "radix-selects), at the row "
           "widths of 8K / 128K / 1M-token servers and 1K / 8K / 64K-token contexts, each pair checked to pick the "
           "same set?",
           (Step("tools.bench_indexer", (), timeout_s=300),),
@@ -678,16 +684,14 @@ SUITE_LIST = [
           "at batch 1 and 150, and at batch 1 with PDL off (with it on, a kernel's time includes its wait on the one "
           "before)?",
           tuple(profile(name, *MODEL, "--batch", b, "--steps", "48", "--rows", "45", *extra)
-                for name, b, extra in (("batch1", "1", ()), ("batch1_pdl_off", "1", ("--engine-args", '{"pdl":"off"}')),
-                                       ("batch150", "150", ()))),
+                for name, b, extra in PROFILE_ROWS),
           preset="flash-depth"),
     Suite("profile_tp_share", "Where does a decode step of rank 0's share of V4-Flash at tensor_parallel_size 8 go "
           "(256 experts, 32 a rank; collectives skipped), kernel by kernel, at batch 1 and 150, and at batch 1 with "
           "PDL off (with it on, a kernel's time includes its wait on the one before)?",
           tuple(profile(name, "--tp-share", "8", "--experts", "256", "--preset", "flash-depth", "--quant", "fp8-fp4",
                         "--batch", b, "--steps", "48", "--rows", "45", *extra)
-                for name, b, extra in (("batch1", "1", ()), ("batch1_pdl_off", "1", ("--engine-args", '{"pdl":"off"}')),
-                                       ("batch150", "150", ()))),
+                for name, b, extra in PROFILE_ROWS),
           notes="about 4 minutes: per step the share built in memory, an engine start, 48 profiled steps"),
     Suite("profile_prefill", "Where does a 4 x 1024-token prefill go, kernel by kernel, at V4-Flash depth and "
           "on V4.1-Flash-shaped?",
