@@ -618,8 +618,9 @@ SUITE_LIST = [
                                             "64,96,128,192,256,384,512", "--fmt", "mxfp4", "--tiles",
                                             "128x128x128w8s3:bf16-frag,256x64x128w8s3:bf16-frag"), timeout_s=420),),
           notes="about 6 minutes: moe_dispatch's sizes from 64 rows per expert with two more fused tiles each"),
-    Suite("attention", "How fast is the paged attention kernel on a 2048-token chunk (per tile swept) and at "
-          "decode sizes with the default dispatch, against its FLOP floor?",
+    Suite("attention", "How fast is the paged attention kernel on a 2048-token chunk (per tile swept; on CSA "
+          "layers also with attn_offsets, the slots' key rows read from one table) and at decode sizes with the "
+          "default dispatch, against its FLOP floor?",
           (Step("tools.bench_attention_prefill", (), timeout_s=330),)),
     Suite("kernels_fused", "Does every fused kernel match its torch reference on the GPU, and how fast is it "
           "against its floor and the path it replaced?",

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fusions, pdl, quant_configs
+from kernels import fusions, pdl, quant_configs, variants
 from kernels.fused_rope import apply_rope_fused
 from kernels.pdl import wait_and_release
 from kernels.semaphores import semaphores
@@ -37,6 +37,9 @@ from kernels.semaphores import semaphores
 # so under TRITON_INTERPRET the dots run in fp32; on the GPU they stay in the model dtype.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 LOG2E = tl.constexpr(1.4426950408889634)
+# a slot without a key in _slot_offsets' table: odd, where every key row's offset is even (rows of a power-of-two
+# head_dim >= 16 elements, the compressed pool whole 16-byte vectors away, before or after the window pool)
+NO_KEY = tl.constexpr(1)
 
 
 @triton.jit
@@ -64,26 +67,9 @@ def _store_out(out_ptr, o, t, heads, hmask, col0, cos_ptr, sin_ptr, H, HD: tl.co
             tl.store(out_ptr + rows + ev[None, :] + 1, (xo * c + xe * sn).to(out_ptr.dtype.element_ty), mask=m2)
 
 
-@triton.jit(do_not_specialize=["wtab_stride", "ftab_stride"])  # table widths vary per eager step
-def _paged_attention_kernel(
-    q_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, seq_ptr, win_ptr, wtab_ptr, wtab_stride,
-    replay_ptr, ftab_ptr, ftab_stride, sel_ptr, sink_ptr, scale, H, W, COMP_OFF, cos_ptr, sin_ptr,
-    BS: tl.constexpr, RATIO: tl.constexpr, PER_BLOCK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, TOPK: tl.constexpr, NSPLIT: tl.constexpr,
-    DOT_F32: tl.constexpr, R: tl.constexpr = 0, sem_ptr=None, COMBINE_LAST: tl.constexpr = False,
-    CB_H: tl.constexpr = 8, CB_D: tl.constexpr = 128, PDL: tl.constexpr = False,
-):
-    """COMBINE_LAST (NSPLIT > 1): the last split of a (token, head block) to finish joins the partials (a counter
-    per pair at sem_ptr, kernels/semaphores.py), in _combine_kernel's CB_H x CB_D slices: no combine launch."""
-    wait_and_release(PDL)
-    t = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hmask = heads < H
-    col0 = tl.program_id(2) // NSPLIT * BLOCK_D  # axis 2: (column block, split); splits take whole rows
-    dv = col0 + tl.arange(0, BLOCK_D)
-    j = tl.program_id(2) % NSPLIT
-    d = tl.arange(0, HD)
-    q = tl.load(q_ptr + (t * H + heads)[:, None] * HD + d[None, :], mask=hmask[:, None], other=0.0)
+@triton.jit
+def _token_slots(pos_ptr, seq_ptr, replay_ptr, t, W, RATIO: tl.constexpr, MODE: tl.constexpr, TOPK: tl.constexpr):
+    """Token t's sequence, first window position, window slots and slots in all (window, then compressed)."""
     pos = tl.load(pos_ptr + t).to(tl.int32)
     s = tl.load(seq_ptr + t).to(tl.int32)
     lo = tl.maximum(tl.maximum(pos - W + 1, tl.load(replay_ptr + s).to(tl.int32)), 0)
@@ -94,6 +80,73 @@ def _paged_attention_kernel(
         n_all = n_win + (pos + 1) // RATIO
     else:  # CSA: no more picks than visible entries are valid
         n_all = n_win + tl.minimum((pos + 1) // RATIO, TOPK)
+    return s, lo, n_win, n_all
+
+
+@triton.jit
+def _slot_offset(i, valid, t, s, lo, n_win, wtab_ptr, wtab_stride, ftab_ptr, ftab_stride, sel_ptr, COMP_OFF,
+                 BS: tl.constexpr, RATIO: tl.constexpr, PER_BLOCK: tl.constexpr, HD: tl.constexpr, MODE: tl.constexpr,
+                 TOPK: tl.constexpr):
+    """Slots i's key rows as element offsets from the window pool's base (the compressed pool COMP_OFF past it), and
+    which are real (valid, less the CSA picks that are -1 padding)."""
+    in_win = i < n_win
+    p = lo + i
+    wblk = tl.load(wtab_ptr + s * wtab_stride + p // BS, mask=in_win & valid, other=0)
+    off = (wblk * BS + p % BS).to(tl.int64) * HD
+    if MODE != 0:
+        c = i - n_win
+        cmask = valid & (c >= 0)
+        if MODE == 2:
+            e = tl.load(sel_ptr + t * TOPK + c, mask=cmask, other=-1)
+            valid = valid & (in_win | (e >= 0))
+            e = tl.maximum(e, 0)
+        else:
+            e = c
+        cblk = tl.load(ftab_ptr + s * ftab_stride + e // PER_BLOCK, mask=cmask, other=0)
+        off = tl.where(in_win, off, COMP_OFF + (cblk * PER_BLOCK + e % PER_BLOCK).to(tl.int64) * HD)
+    return off, valid
+
+
+@triton.jit(do_not_specialize=["wtab_stride", "ftab_stride"])
+def _slot_offsets_kernel(pos_ptr, seq_ptr, wtab_ptr, wtab_stride, replay_ptr, ftab_ptr, ftab_stride, sel_ptr, offs_ptr,
+                         W, COMP_OFF, S, BS: tl.constexpr, RATIO: tl.constexpr, PER_BLOCK: tl.constexpr,
+                         HD: tl.constexpr, MODE: tl.constexpr, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """offs[t, i] = token t's slot i's key row (_slot_offset), NO_KEY where it has none: once a token, for the
+    attention kernel to read, where each of its threads would work it out for each of its rows at every key step."""
+    wait_and_release(PDL)
+    t = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    s, lo, n_win, n_all = _token_slots(pos_ptr, seq_ptr, replay_ptr, t, W, RATIO, MODE, TOPK)
+    off, valid = _slot_offset(i, i < n_all, t, s, lo, n_win, wtab_ptr, wtab_stride, ftab_ptr, ftab_stride, sel_ptr,
+                              COMP_OFF, BS, RATIO, PER_BLOCK, HD, MODE, TOPK)
+    tl.store(offs_ptr + t.to(tl.int64) * S + i, tl.where(valid, off, NO_KEY), mask=i < S)
+
+
+@triton.jit(do_not_specialize=["wtab_stride", "ftab_stride"])  # table widths vary per eager step
+def _paged_attention_kernel(
+    q_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, pos_ptr, seq_ptr, win_ptr, wtab_ptr, wtab_stride,
+    replay_ptr, ftab_ptr, ftab_stride, sel_ptr, sink_ptr, scale, H, W, COMP_OFF, cos_ptr, sin_ptr,
+    BS: tl.constexpr, RATIO: tl.constexpr, PER_BLOCK: tl.constexpr, HD: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MODE: tl.constexpr, TOPK: tl.constexpr, NSPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr, R: tl.constexpr = 0, sem_ptr=None, COMBINE_LAST: tl.constexpr = False,
+    CB_H: tl.constexpr = 8, CB_D: tl.constexpr = 128, PDL: tl.constexpr = False, offs_ptr=None,
+    OFFS_W: tl.constexpr = 0,
+):
+    """COMBINE_LAST (NSPLIT > 1): the last split of a (token, head block) to finish joins the partials (a counter
+    per pair at sem_ptr, kernels/semaphores.py), in _combine_kernel's CB_H x CB_D slices: no combine launch.
+    OFFS_W > 0: each slot's key row read from offs_ptr ([T, OFFS_W], _slot_offsets_kernel's), not worked out from
+    the tables and picks by every thread for its rows at each key step."""
+    wait_and_release(PDL)
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    col0 = tl.program_id(2) // NSPLIT * BLOCK_D  # axis 2: (column block, split); splits take whole rows
+    dv = col0 + tl.arange(0, BLOCK_D)
+    j = tl.program_id(2) % NSPLIT
+    d = tl.arange(0, HD)
+    q = tl.load(q_ptr + (t * H + heads)[:, None] * HD + d[None, :], mask=hmask[:, None], other=0.0)
+    s, lo, n_win, n_all = _token_slots(pos_ptr, seq_ptr, replay_ptr, t, W, RATIO, MODE, TOPK)
     per_split = tl.cdiv(n_all, NSPLIT)
     s_lo = j * per_split
     s_hi = tl.minimum(s_lo + per_split, n_all)
@@ -104,22 +157,13 @@ def _paged_attention_kernel(
     n_off = tl.arange(0, BLOCK_N)
     for start in range(s_lo, s_hi, BLOCK_N):
         i = start + n_off
-        in_win = i < n_win
         valid = i < s_hi
-        p = lo + i
-        wblk = tl.load(wtab_ptr + s * wtab_stride + p // BS, mask=in_win & valid, other=0)
-        off = (wblk * BS + p % BS).to(tl.int64) * HD
-        if MODE != 0:
-            c = i - n_win
-            cmask = valid & (c >= 0)
-            if MODE == 2:
-                e = tl.load(sel_ptr + t * TOPK + c, mask=cmask, other=-1)
-                valid = valid & (in_win | (e >= 0))
-                e = tl.maximum(e, 0)
-            else:
-                e = c
-            cblk = tl.load(ftab_ptr + s * ftab_stride + e // PER_BLOCK, mask=cmask, other=0)
-            off = tl.where(in_win, off, COMP_OFF + (cblk * PER_BLOCK + e % PER_BLOCK).to(tl.int64) * HD)
+        if OFFS_W > 0:
+            off = tl.load(offs_ptr + t.to(tl.int64) * OFFS_W + i, mask=valid, other=NO_KEY)
+            valid = valid & ((off & 1) == 0)
+        else:
+            off, valid = _slot_offset(i, valid, t, s, lo, n_win, wtab_ptr, wtab_stride, ftab_ptr, ftab_stride, sel_ptr,
+                                      COMP_OFF, BS, RATIO, PER_BLOCK, HD, MODE, TOPK)
         # rows of 16-byte multiples: the axis analysis loses that through the select, and without it no cp.async
         kp = win_ptr + tl.multiple_of(off, 16)
         k = tl.load(kp[:, None] + d[None, :], mask=valid[:, None], other=0.0)
@@ -245,6 +289,28 @@ def splits(rows: int, wgmma: bool) -> int:
     return min(n, 2) if _INTERPRET else n
 
 
+OFFSETS_BLOCK = 128  # slots a program of _slot_offsets_kernel
+
+
+def _slot_offsets(positions, token_seq, window_tables, replay_starts, full_tables, selected, window, comp_off, bs,
+                  ratio, comp_pool, hd, mode, topk):
+    """The kernel variant attn_offsets (kernels/variants.py): every token's slots' key rows, [T, window + topk]
+    int64 element offsets, NO_KEY where a slot has none, for the attention kernel to read. CSA layers only: a window
+    layer's rows are consecutive positions, cheaper worked out than loaded (sm_90 offline, Triton 3.6: 983
+    instructions a key step against 1,205), and an HCA layer's slots grow with the context, not bounded by a step."""
+    T = positions.shape[0]
+    width = window + topk
+    offs = torch.empty(T, width, dtype=torch.int64, device=positions.device)
+    ftab = full_tables if full_tables is not None else window_tables
+    _slot_offsets_kernel[(T, triton.cdiv(width, OFFSETS_BLOCK))](
+        positions, token_seq, window_tables, window_tables.stride(0), replay_starts, ftab,
+        full_tables.stride(0) if full_tables is not None else 0, selected.contiguous() if selected is not None else
+        positions, offs, window, comp_off, width, BS=bs, RATIO=ratio,
+        PER_BLOCK=comp_pool.shape[1] if comp_pool is not None else 1, HD=hd, MODE=mode, TOPK=topk,
+        BLOCK=OFFSETS_BLOCK, **pdl.options(positions))
+    return offs
+
+
 def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, replay_starts, sliding_window,
                           comp_pool, full_tables, ratio, selected, sinks, scale, nsplit: int | None = None,
                           block_h: int | None = None, block_n: int | None = None, num_warps: int | None = None,
@@ -300,6 +366,9 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
     cb_h, cb_d = min(COMBINE_BLOCK_H, block_h), min(COMBINE_BLOCK_D, hd)
     combine_last = nsplit > 1 and fusions.on("combine_last")
     sem = semaphores(q.device, T * head_blocks) if combine_last else sinks
+    offs = _slot_offsets(positions, token_seq, window_tables, replay_starts, full_tables, selected, sliding_window,
+                         comp_off, window_pool.shape[1], max(ratio, 1), comp_pool, hd, mode, topk) if (
+        wgmma and mode == 2 and variants.on("attn_offsets")) else None
     _paged_attention_kernel[(T, head_blocks, hd // block_d * nsplit)](
         q, out, part_m, part_l, part_acc, positions, token_seq, window_pool, window_tables, window_tables.stride(0),
         replay_starts, full_tables if full_tables is not None else window_tables,
@@ -308,7 +377,7 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
         sin, BS=window_pool.shape[1], RATIO=max(ratio, 1), PER_BLOCK=comp_pool.shape[1] if comp_pool is not None else 1,
         HD=hd, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_D=block_d, MODE=mode, TOPK=topk, NSPLIT=nsplit,
         DOT_F32=_INTERPRET, R=rope_r, sem_ptr=sem, COMBINE_LAST=combine_last, CB_H=cb_h, CB_D=cb_d,
-        num_warps=warps, num_stages=stages, **pdl.options(q),
+        num_warps=warps, num_stages=stages, offs_ptr=offs, OFFS_W=0 if offs is None else offs.shape[1], **pdl.options(q),
     )
     if nsplit > 1 and not combine_last:
         _combine_kernel[(T, triton.cdiv(H, cb_h), hd // cb_d)](

@@ -28,6 +28,11 @@ Read at every call: CUDA graphs captured after a change follow it.
   its top-k from them (kernels/indexer_select.py: a sort up to 2,048 seen, a radix select past), instead of scoring
   the whole row (as wide as the longest sequence a CUDA graph may hold: max_model_len / ratio) and sorting it or
   running torch.topk over it.
+- attn_offsets: the paged attention's wgmma tiles (prefill chunks, big decode batches) on CSA layers read each
+  slot's key row from a [tokens, window + top-k] table one small launch writes first
+  (kernels.fused_attention._slot_offsets), instead of every thread working out the rows of its keys from the block
+  tables and the indexer's picks at every key step (sm_90 offline, Triton 3.6: 1,194 instructions a key step
+  against 2,173 on the CSA prefill tile, spills 80 bytes against 232).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import os
 
 from kernels import fusions
 
-ALL = ("rope_tiles", "mix_bf16x3", "moe_frag", "bf16_gemv", "moe_gemv", "indexer_select")
+ALL = ("rope_tiles", "mix_bf16x3", "moe_frag", "bf16_gemv", "moe_gemv", "indexer_select", "attn_offsets")
 # rope_tiles on: suite prefill_small_ops finds it within a rounding of the one-row kernels on the GPU and 1.1-1.3x
 # faster from 32 tokens up (no slower at one), prefill_variants 1.03x on the time to first token at depth.
 # mix_bf16x3 off: right on the GPU at its one-stage prefill launch (kernels/fused_norm_mhc.MIX_PIECES_TILES) and

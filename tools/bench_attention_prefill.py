@@ -6,8 +6,10 @@ plus output columns per program and pipeline stages), each checked
 against the default tiles (which the tests hold to the reference; here the default is checked against the reference
 once) and timed in CUDA-graph replays, next to the FLOP floor. Prints a table (best last), writes JSON.
 
-Then the default dispatch (the 2048-token chunk and decode batches of --decode tokens) and, --against MODULE, another
-implementation of paged_attention_fused (an older kernel, say) at the same sizes, checked against each other.
+On the CSA branch the wgmma tiles are timed again with the kernel variant attn_offsets (each slot's key row read
+from a table written once a call). Then the default dispatch (the 2048-token chunk and decode batches of --decode
+tokens) and, --against MODULE, another implementation of paged_attention_fused (an older kernel, say) at the same
+sizes, checked against each other.
 
     python -m tools.bench_attention_prefill [--tokens 2048] [--start 2048] [--only wgmma] [--decode 1,32,150]
         [--against tools._old_attention] [--json out.json]
@@ -104,9 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: needs a CUDA GPU (the timings are CUDA-graph replays)", file=sys.stderr)
         return 1
     from kernels import reference as ref
+    from kernels import variants
     from kernels.fused_attention import paged_attention_fused
 
-    dev, rows, bad = torch.device("cuda"), [], []
+    dev, rows, bad, today = torch.device("cuda"), [], [], variants.enabled()
     for mode in ("csa", "hca"):
         args, flops = _case(mode, a.tokens, a.start, dev)
         base = paged_attention_fused(*args).float()
@@ -116,21 +119,27 @@ def main(argv: list[str] | None = None) -> int:
         if err > 2e-2:
             bad.append(f"{mode} default tiles vs the reference: {err:.3g}")
         floor = flops / PEAK_BF16 * 1e6
-        cands = [("small", t, dict(nsplit=1, block_h=t[0], block_n=t[1], num_warps=t[2])) for t in SMALL_TILES]
-        cands += [("wgmma", t, dict(wgmma_tiles=t)) for t in WGMMA_TILES]
-        for kernel, tile, kw in cands:
+        cands = [("small", t, dict(nsplit=1, block_h=t[0], block_n=t[1], num_warps=t[2]), ()) for t in SMALL_TILES]
+        cands += [("wgmma", t, dict(wgmma_tiles=t), ()) for t in WGMMA_TILES]
+        if mode == "csa":  # the kernel variant attn_offsets: the slots' key rows read from one table (CSA only)
+            cands += [("wgmma", t, dict(wgmma_tiles=t), ("attn_offsets",)) for t in WGMMA_TILES]
+        for kernel, tile, kw, extra in cands:
             if a.only and kernel != a.only:
                 continue
-            name = f"{kernel} " + " ".join(f"{k}{v}" for k, v in zip("hnwds", tile))
+            name = f"{kernel} " + " ".join(f"{k}{v}" for k, v in zip("hnwds", tile)) + "".join(f" +{v}" for v in extra)
             fn = functools.partial(paged_attention_fused, *args, **kw)
             try:
+                variants.set_variants((*today, *extra))
                 diff = (fn().float() - base).abs().max().item()
                 us = graph_time([fn]) * 1e6
             except Exception as e:  # noqa: BLE001 - a tile that does not fit the chip's shared memory or registers
                 print(f"{mode} | {name} | failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
                 continue
+            finally:
+                variants.set_variants(today)
             rows.append({"mode": mode, "kernel": kernel, "tiles": list(tile), "name": name, "us": us,
-                         "floor_us": floor, "max_abs_diff_vs_default": diff, "tokens": a.tokens, "start": a.start})
+                         "variants": list(extra), "floor_us": floor, "max_abs_diff_vs_default": diff,
+                         "tokens": a.tokens, "start": a.start})
             if diff > 2e-2:
                 bad.append(f"{mode} {name} vs the default tiles: {diff:.3g}")
             print(f"{mode} | {name} | {us:.1f} us | {floor / us:.1%} of FLOP peak | diff {diff:.1e}", flush=True)

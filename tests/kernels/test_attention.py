@@ -175,3 +175,34 @@ def test_combine_by_the_last_split_equals_the_combine_launch(monkeypatch, mode, 
     assert torch.equal(got, want)
     ref_out = ref.paged_attention(*args, inv_rope=kw["inv_rope"])
     assert (got.float() - ref_out.float()).abs().max() <= 2e-2 * ref_out.abs().max()
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
+@pytest.mark.parametrize("wgmma_tiles", [(16, 16, 4, None, 3), (16, 32, 4, 16, 2)])
+def test_slot_offsets_variant_reads_the_same_keys(spec, mode, wgmma_tiles, monkeypatch):
+    """Kernel variant attn_offsets: on CSA layers the wgmma tiles read each slot's key row from the table
+    _slot_offsets writes (the window's rows past replay_start, the picks' rows, NO_KEY for the -1 padding) and give
+    the reference's output; window and HCA layers keep working their rows out in the loop."""
+    import kernels.fused_attention as fa
+    from kernels import variants
+
+    written = []
+    real = fa._slot_offsets
+    monkeypatch.setattr(fa, "_slot_offsets", lambda *a: written.append(real(*a)) or written[-1])
+    monkeypatch.setattr(variants, "_on", variants._on | {"attn_offsets"})
+    H, hd, W, bs, ratio = 5, 32, 16, 16, (0 if mode == "sliding" else 4)
+    q, pos, seq, window, wt, rs, comp, ft, sinks = _setup(spec, H, hd, W, bs, ratio or 1, torch.float32,
+                                                          seed=len(spec))
+    selected = _selection(pos, ratio) if mode == "csa" else None
+    args = (q, pos, seq, window, wt, rs, W, None if mode == "sliding" else comp, ft, ratio, selected, sinks, 32**-0.5)
+    want = ref.paged_attention(*args)
+    got = paged_attention_fused(*args, wgmma_tiles=wgmma_tiles)
+    assert (got.float() - want.float()).abs().max() <= 1e-5 * max(want.abs().max().item(), 1.0)
+    assert len(written) == (mode == "csa")
+    if written:  # one row a token: its window slots, then its picks', NO_KEY (odd) where it has none
+        has_key = written[0] % 2 == 0
+        assert has_key.shape == (pos.shape[0], W + 6)
+        for t in range(pos.shape[0]):
+            n_win = int(pos[t]) + 1 - max(int(pos[t]) - W + 1, int(rs[int(seq[t])]), 0)
+            assert has_key[t].tolist() == [True] * n_win + (selected[t] >= 0).tolist() + [False] * (W - n_win)
