@@ -23,6 +23,9 @@ TP_SHARE_SWITCH_CONFIGS = "pdl,all,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/moe_g
 # today's decode, then each decode variant that is off by default, then today's without bf16_gemv
 DECODE_VARIANT_CONFIGS = ("pdl,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/moe_gemv,"
                           "indexer_select=pdl:1+var:rope_tiles/bf16_gemv/indexer_select,no_bf16_gemv=pdl:1+var:rope_tiles")
+# today's prefill (its default variants), then with each prefill variant that is off, then both
+PREFILL_VARIANT_SETS = ",".join("rope_tiles+bf16_gemv" + extra for extra in
+                                ("", "+attn_offsets", "+indexer_select", "+attn_offsets+indexer_select"))
 # a server configured for 128K-token contexts: its decode graphs' indexer rows are 32,768 entries wide
 SWITCHES_128K = SWITCHES.replace('"max_model_len":8192', '"max_model_len":131072')
 INDEXER_SELECT_CONFIGS = "pdl,indexer_select=pdl:1+var:rope_tiles/bf16_gemv/indexer_select"
@@ -646,12 +649,12 @@ SUITE_LIST = [
           (Step("tools.bench_unpack", (), timeout_s=240),),
           notes="about 1 minute, no checkpoint: the table's tile against the formats' dequantizer, then 22 tiles "
                 "each checked equal and timed; the fastest printed for kernels.mxfp4_unpack.UNPACK_TILES"),
-    Suite("prefill_variants", "At V4-Flash depth as shipped, what does each kernel variant (kernels/variants.py: "
-          "rope_tiles, mix_bf16x3, both) do to prefill's time to first token at 1 x 1024, "
-          "4 x 1024 and 1 x 8192 tokens, and are the first tokens the same as with none?",
+    Suite("prefill_variants", "At V4-Flash depth as shipped, what do the prefill variants that are off "
+          "(kernels/variants.py: attn_offsets, the CSA attention's key rows read from one table; indexer_select, the "
+          "indexer's picks from what each token sees) do to prefill's time to first token at 1 x 1024, 4 x 1024 and "
+          "1 x 8192 tokens against today's default (rope_tiles + bf16_gemv), and are the first tokens the same?",
           (checkpoint(DEPTH_CKPT, "flash-depth"),
-           Step("tools.bench_prefill_variants", ("--model", DEPTH_CKPT, "--sets",
-                                                 "none,rope_tiles,mix_bf16x3,all", "--shapes",
+           Step("tools.bench_prefill_variants", ("--model", DEPTH_CKPT, "--sets", PREFILL_VARIANT_SETS, "--shapes",
                                                  "1x1024,4x1024,1x8192", "--rounds", "5", "--engine-args",
                                                  '{"max_model_len":8320}'), timeout_s=480)),
           notes="about 3-4 minutes on a fresh machine: the checkpoint (~30-60 s), an engine start with decode "
