@@ -3,9 +3,10 @@ kernel with no scales, in place of cuBLAS.
 
 Why: at one row cuBLAS runs a bf16 linear as a split-K GEMM and a separate reduce (two launches a linear: the
 compressors' and indexer's stacked projections, the indexer's wq_b, the MoE router's gate in kernels/fused_gate.py),
-and neither takes part in programmatic dependent launch, so the kernels around them cannot overlap their prologues. The GEMV is one launch (its split-K
-partials joined by the last split to finish), PDL-aware (its first weight step loaded before the grid wait), and
-sums each row's products in float32 as cuBLAS does (another order: a rounding apart).
+and neither takes part in programmatic dependent launch, so the kernels around them cannot overlap their
+prologues. The GEMV is one launch (its split-K partials joined by the last split to finish), PDL-aware (its first
+weight step loaded before the grid wait), and sums each row's products in float32 as cuBLAS does (another order: a
+rounding apart).
 
 Large weights stay on cuBLAS (BF16_GEMV_MAX_BYTES): the LM head (~1 GB) is bandwidth-bound there and one launch."""
 

@@ -293,21 +293,18 @@ OFFSETS_BLOCK = 128  # slots a program of _slot_offsets_kernel
 
 
 def _slot_offsets(positions, token_seq, window_tables, replay_starts, full_tables, selected, window, comp_off, bs,
-                  ratio, comp_pool, hd, mode, topk):
+                  ratio, comp_pool, hd):
     """The kernel variant attn_offsets (kernels/variants.py): every token's slots' key rows, [T, window + topk]
     int64 element offsets, NO_KEY where a slot has none, for the attention kernel to read. CSA layers only: a window
     layer's rows are consecutive positions, cheaper worked out than loaded (sm_90 offline, Triton 3.6: 983
     instructions a key step against 1,205), and an HCA layer's slots grow with the context, not bounded by a step."""
-    T = positions.shape[0]
+    T, topk = positions.shape[0], selected.shape[1]
     width = window + topk
     offs = torch.empty(T, width, dtype=torch.int64, device=positions.device)
-    ftab = full_tables if full_tables is not None else window_tables
     _slot_offsets_kernel[(T, triton.cdiv(width, OFFSETS_BLOCK))](
-        positions, token_seq, window_tables, window_tables.stride(0), replay_starts, ftab,
-        full_tables.stride(0) if full_tables is not None else 0, selected.contiguous() if selected is not None else
-        positions, offs, window, comp_off, width, BS=bs, RATIO=ratio,
-        PER_BLOCK=comp_pool.shape[1] if comp_pool is not None else 1, HD=hd, MODE=mode, TOPK=topk,
-        BLOCK=OFFSETS_BLOCK, **pdl.options(positions))
+        positions, token_seq, window_tables, window_tables.stride(0), replay_starts, full_tables,
+        full_tables.stride(0), selected.contiguous(), offs, window, comp_off, width, BS=bs, RATIO=ratio,
+        PER_BLOCK=comp_pool.shape[1], HD=hd, MODE=2, TOPK=topk, BLOCK=OFFSETS_BLOCK, **pdl.options(positions))
     return offs
 
 
@@ -367,7 +364,7 @@ def paged_attention_fused(q, positions, token_seq, window_pool, window_tables, r
     combine_last = nsplit > 1 and fusions.on("combine_last")
     sem = semaphores(q.device, T * head_blocks) if combine_last else sinks
     offs = _slot_offsets(positions, token_seq, window_tables, replay_starts, full_tables, selected, sliding_window,
-                         comp_off, window_pool.shape[1], max(ratio, 1), comp_pool, hd, mode, topk) if (
+                         comp_off, window_pool.shape[1], ratio, comp_pool, hd) if (
         wgmma and mode == 2 and variants.on("attn_offsets")) else None
     _paged_attention_kernel[(T, head_blocks, hd // block_d * nsplit)](
         q, out, part_m, part_l, part_acc, positions, token_seq, window_pool, window_tables, window_tables.stride(0),

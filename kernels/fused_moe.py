@@ -56,11 +56,10 @@ MX_SCALED_OK = not _INTERPRET  # tl.dot_scaled for MXFP4 (tests set it to run th
 # scale byte is at most ONE_MUL_MAX_SCALE (kernels/fused_dequant.py, _words_bf16): _tiles takes it only for weights
 # whose bytes allow it (two multiplies elsewhere), so the variant moe_frag and a sweep may ask for it anywhere
 ONE_MUL_MAX_SCALE = 128
-MX_MODES = {"e4m3": 0, "scaled": 1, "bf16": 2, "bf16-parts": 3, "bf16-frag": 4, "bf16-frag-one-mul": 5, "bf16-frag16": 6,
-            "bf16-frag16-one-mul": 7}
+MX_MODES = {"e4m3": 0, "scaled": 1, "bf16": 2, "bf16-parts": 3, "bf16-frag": 4, "bf16-frag-one-mul": 5,
+            "bf16-frag16": 6, "bf16-frag16-one-mul": 7}
 # "bf16-frag16": "bf16-frag" from weights arranged lane-major (arrange_lane_major; kernels/fused_dequant.py,
 # mxfp4_frag16_tile). Only those: a call passes such weights with a "bf16-frag16" config for both parts, or fails.
-_lane_major_of = PerWeight()
 GROUPED_OK = not _INTERPRET  # prefill through kernels/moe_grouped.py (tests set it to run that path on the CPU)
 _MX_ASM = tl.constexpr(not _INTERPRET)  # the "bf16" decode's PTX; the interpreter runs the same bit operations in Triton
 
@@ -324,12 +323,12 @@ def arrange_lane_major(w: torch.Tensor) -> torch.Tensor:
     """Stored MXFP4 expert weights [E, N, K/2] -> a copy arranged lane-major (kernels/fused_dequant.py,
     to_lane_major), which only the "bf16-frag16" decodes read, marked as such."""
     arranged = to_lane_major(w)
-    _lane_major_of.put(arranged, True)
+    arranged.lane_major = True  # an attribute of this tensor alone: a view or copy of it is not marked
     return arranged
 
 
 def lane_major(w: torch.Tensor) -> bool:
-    return _lane_major_of.get(w) is not None
+    return getattr(w, "lane_major", False)
 
 
 def with_mx(cfg: dict, mode: str) -> dict:

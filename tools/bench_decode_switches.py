@@ -37,7 +37,8 @@ from benchmarks.suites import DEPTH
 from engine.llm import LLM
 from engine.request import GenerationRequest, SamplingParams
 from kernels import fusions, pdl, variants
-from tools.bench_engine import decode_floors, random_prompts
+from tools.bench_engine import copy_bandwidth, decode_floors, random_prompts
+from tools.bench_tp_share import share_floor, share_model
 from tools.kernel_device import sync
 
 LOGITS_TOL = 3e-2  # max |difference| / max |logit| between switch sets: 0 where the arithmetic is the same (PDL)
@@ -183,9 +184,6 @@ def run(engine_args: dict, batches: list[int], configs: list[tuple[str, bool, tu
 def share_floors(engine_args: dict, batches: list[int], preset: str, experts: int, quant: str, world: int) -> dict:
     """Builds rank 0's share (tools.bench_tp_share.share_model), points engine_args at it (with the KV pool
     tools.bench_tp_share gives it on the GPU) and returns its floors per batch (none on the CPU)."""
-    from tools.bench_engine import copy_bandwidth
-    from tools.bench_tp_share import share_floor, share_model
-
     cuda = torch.cuda.is_available()
     folder, model, cfg, tp = share_model(preset, experts, quant, world, "cuda" if cuda else "cpu")
     engine_args["model"] = str(folder)

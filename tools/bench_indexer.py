@@ -19,6 +19,7 @@ table, not the timings.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import torch
@@ -93,8 +94,6 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(f"prefill chunk of {tokens} at {context} positions: the sets differ")
         rows.append(_row(tokens, width, context, us, same, "prefill"))
     if a.json:
-        import json
-
         with open(a.json, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
                        "heads": heads, "dim": dim, "topk": topk, "rows": rows}, fh, indent=1)
