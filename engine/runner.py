@@ -22,7 +22,15 @@ from engine.graphs.static_batch import new_token_ids
 from engine.models.family import ModelFamily
 from engine.sequence import Sequence
 
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 384, 512)
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """The batch sizes of the decode graphs: the buckets below max_num_seqs and max_num_seqs itself, so every decode
+    batch the scheduler can form replays one. Without the last, a batch between the largest bucket and
+    max_num_seqs (129-150 at 150) ran as a mixed-step graph padded to the next token count (256) or, with mixed
+    graphs off, eagerly."""
+    return [b for b in GRAPH_BUCKETS if b < max_num_seqs] + [max_num_seqs]
 
 
 def _ends(scheduled: list[tuple[Sequence, int]]) -> list[int]:
@@ -66,7 +74,7 @@ class ModelRunner:
             pool = torch.cuda.graph_pool_handle()  # one pool: mixed graphs (the largest) first
             if mixed_sizes:
                 self.mixed = MixedStepGraphs(model, cache, max_model_len, max_num_seqs, mixed_sizes, pool)
-            self._capture([b for b in GRAPH_BUCKETS if b <= max_num_seqs], pool)
+            self._capture(decode_buckets(max_num_seqs), pool)
 
     def build_batch(self, scheduled: list[tuple[Sequence, int]], all_logits: bool = False) -> ForwardBatch:
         """scheduled: (sequence, number of new tokens) in batch order; a sequence's tokens are its

@@ -56,7 +56,6 @@ from engine.models.deepseek_v41.shards import table_span
 from engine.models.stacked_linears import stack_linears
 from engine.parallel import TensorParallel, check_parallel
 from engine.request import GenerationRequest, SamplingParams
-from engine.runner import GRAPH_BUCKETS
 from tools.bench_engine import random_prompts, steady_step_ms
 from tools.bench_tp_share import fill_random
 
@@ -316,8 +315,7 @@ def one_world(world: int, a, device: str) -> dict:
     batches = [int(b) for b in a.batches.split(",")]
     lengths = [int(n) for n in a.ttft.split(",") if n]
     chunk = max(lengths + [2048])
-    # a decode graph for the largest batch too (a bucket at or above it)
-    seqs = next((b for b in GRAPH_BUCKETS if b >= max(batches)), max(batches))
+    seqs = max(batches)  # the runner captures a decode graph at max_num_seqs
     engine_args = {"model": str(tmp), "max_model_len": max(chunk, a.input_len + a.steps + 64) + 64,
                    "max_num_seqs": seqs, "max_num_batched_tokens": chunk, "block_size": 128,
                    "cudagraph_mode": "FULL_DECODE_ONLY", "engram_tables": "host", "kv_gb": a.kv_gb}

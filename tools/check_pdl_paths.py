@@ -42,7 +42,7 @@ import torch
 from engine.graphs.mixed import MixedStepGraphs, mixed_sizes
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest, SamplingParams
-from engine.runner import GRAPH_BUCKETS
+from engine.runner import decode_buckets
 from engine.spec.decoder import dspark_graphs
 from engine.spec.draft_graphs import DraftGraphs
 from engine.spec.verify_graphs import VerifyGraphs
@@ -82,7 +82,7 @@ def static_paths(eng: LLMEngine) -> None:
     """On the CPU (no graphs): the padded static batches every graph set would replay, run eagerly, so the
     same paths run (as the graph tests do: tests/engine/spec/test_verify_graphs.py, test_dspark_graphs.py)."""
     runner, a = eng.runner, eng.args
-    buckets = [b for b in GRAPH_BUCKETS if b <= a.max_num_seqs]
+    buckets = decode_buckets(a.max_num_seqs)
     runner.static_decode_batches(buckets)
     if eng.spec is None:
         runner.mixed = MixedStepGraphs(eng.model, eng.cache, eng.max_model_len, a.max_num_seqs,
@@ -280,7 +280,7 @@ def expected(eng: LLMEngine, batches: list[int]) -> list[str]:
     if spec is None:
         return ["prefill, eager", "prefill, later chunks, eager", "prefill, mixed-step graph",
                 "prefill, later chunks, mixed-step graph", "mixed (prefill + decodes), mixed-step graph",
-                *(f"decode graph b{min(g for g in GRAPH_BUCKETS if g >= b)}" for b in batches)]
+                *(f"decode graph b{min(g for g in eng.runner.graphs if g >= b)}" for b in batches)]
     if spec.dspark is None:
         return ["MTP verify graph", "MTP rollback graph", "MTP draft graph", "sampled tokens"]
     return ["DSpark verify graph", "DSpark rollback graph", "DSpark plain-step graph",

@@ -60,7 +60,7 @@ import torch
 import kernels
 from engine.llm_engine import LLMEngine
 from engine.request import GenerationRequest, SamplingParams
-from engine.runner import GRAPH_BUCKETS
+from engine.runner import decode_buckets
 from tools.bench_engine import random_prompts
 from tools.layer_taps import EMBED, LayerTaps, eager_steps
 
@@ -118,7 +118,7 @@ def build_engines(model: str, n_prompts: int, max_len: int, engine_args: dict,
     ref = build_reference(model, n_prompts, max_len, engine_args, reference)
     test = _engine({**_sized(model, n_prompts, max_len), **engine_args, **FORCEABLE})
     if test.device.type == "cpu":  # decode steps on exactly what a graph replay reads
-        test.runner.static_decode_batches([b for b in GRAPH_BUCKETS if b <= n_prompts])
+        test.runner.static_decode_batches(decode_buckets(n_prompts))
     return ref, test
 
 
@@ -358,7 +358,7 @@ def switched(engine: LLMEngine, name: str) -> None:
     pdl.set_enabled(name == "pdl")
     fusions.set_fusions(() if name in ("base", "pdl") else (name,))
     for size in sorted(engine.runner.graphs) or ([] if torch.cuda.is_available() else
-                                                 [b for b in GRAPH_BUCKETS if b <= engine.args.max_num_seqs]):
+                                                 decode_buckets(engine.args.max_num_seqs)):
         recapture(engine.runner, size)
 
 
