@@ -486,13 +486,21 @@ SUITE_LIST = [
                                        "--input-len", "512", "--output-len", "64", "--requests-per-user", "1",
                                        "--baseline", "--engine-args", SHAPED), name="baseline")),
           preset="flash-shaped"),
-    Suite("async_scheduling", "What does overlapping the host's work with the GPU's step (async scheduling) buy?",
-          tuple(Step("tools.bench_engine", ("--preset", "{preset}", "--cache-dir", "{ckpt}", "--concurrency",
-                                            "1,32,150", "--input-len", "512", "--output-len", "64",
-                                            "--requests-per-user", "1", "--steady", "1,32,150", "--label", name,
-                                            "--engine-args", SHAPED[:-1] + f',"async_scheduling":{flag}}}'),
-                     name=name)
-                for name, flag in (("async", "true"), ("sync", "false"))),
+    Suite("async_scheduling", "What does overlapping the host's work with the GPU's step (async scheduling) buy, "
+          "online and per steady decode step, and per step for sampled requests (temperature 0.8, top-p 0.95: drawn "
+          "on the device, so they stay in flight too)?",
+          (*(Step("tools.bench_engine", ("--preset", "{preset}", "--cache-dir", "{ckpt}", "--concurrency",
+                                         "1,32,150", "--input-len", "512", "--output-len", "64",
+                                         "--requests-per-user", "1", "--steady", "1,32,150", "--label", name,
+                                         "--engine-args", SHAPED[:-1] + f',"async_scheduling":{flag}}}'),
+                  name=name)
+             for name, flag in (("async", "true"), ("sync", "false"))),
+           *(Step("tools.bench_engine", ("--preset", "{preset}", "--cache-dir", "{ckpt}", "--concurrency", "",
+                                         "--input-len", "512", "--steady", "1,32,150", "--sampling",
+                                         '{"temperature":0.8,"top_p":0.95}', "--label", name,
+                                         "--engine-args", SHAPED[:-1] + f',"async_scheduling":{flag}}}'),
+                  name=name)
+             for name, flag in (("sampled_async", "true"), ("sampled_sync", "false")))),
           preset="flash-shaped"),
     Suite("vs_transformers", "How does the engine compare with transformers' eager generate on the same "
           "checkpoint (TTFT of 1024 tokens, decode at batch 1 / 8 / 32)?",

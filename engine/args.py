@@ -56,8 +56,9 @@ class EngineArgs:
     # FULL by default, as vLLM: on the H200 the mixed-step graphs' greedy streams equal the same padded
     # batches run eagerly (suite graphs_check, docs/PERF.md); padding alone moves bf16 ulps, as decode graphs' does
     cudagraph_mode: str = "FULL"
-    # launch decode step N+1 before reading step N's tokens back (greedy steps): the host's
-    # scheduling and output work overlaps the GPU's step. None: on when running on CUDA.
+    # launch decode step N+1 before reading step N's tokens back (steps whose tokens are picked on the device: greedy
+    # or drawn after temperature / top-k / top-p / min-p): the host's scheduling and output work overlaps the GPU's
+    # step. None: on when running on CUDA.
     async_scheduling: bool | None = None
     seed: int = 0
     # vLLM's {"method": "mtp" | "dspark", "num_speculative_tokens": k}, k in 1..3 (engine/spec/config.py); None: off

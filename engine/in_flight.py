@@ -26,7 +26,7 @@ class InFlight:
 
     @classmethod
     def launch(cls, scheduled: list[tuple[Sequence, int]], picked: torch.Tensor) -> InFlight:
-        """picked: kernels.greedy_pick's [3, rows] on the device; start copying it back."""
+        """picked: engine/sampler.pick_on_device's [3, rows] on the device; start copying it back."""
         cuda = picked.is_cuda
         host = torch.empty(picked.shape, dtype=picked.dtype, pin_memory=cuda)
         host.copy_(picked, non_blocking=cuda)

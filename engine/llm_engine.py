@@ -27,7 +27,7 @@ from engine.prefix_cache import PrefixCache
 from engine.prompt_logprobs import prompt_logprob_rows, score
 from engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
 from engine.runner import ModelRunner
-from engine.sampler import Sample, SamplingRow, sample
+from engine.sampler import NO_TOKEN, Sample, SamplingRow, pick_on_device, sample
 from engine.sampling_checks import RequestLimits, bad_words_token_ids, sampling_checks
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence, Status
@@ -350,7 +350,8 @@ class LLMEngine:
         samplers = [seq for seq, _ in sampled]
         # a mixed step stays in flight too: its prefill chunks that end short of their prompt sample nothing
         if sampled and self._can_keep_in_flight(sampled):  # decide on the device, do not wait for the copy back
-            return outputs + self.leave_in_flight(scheduled, InFlight.launch(sampled, kernels.greedy_pick(logits)))
+            return outputs + self.leave_in_flight(scheduled, InFlight.launch(sampled, self.pick_on_device(samplers,
+                                                                                                           logits)))
         outputs += self.flush()  # the previous step's tokens, while this step runs
         self.scheduler.advance([(s, n) for s, n in scheduled if s.status == Status.RUNNING])
         return outputs + self._sample(samplers, logits)
@@ -367,14 +368,21 @@ class LLMEngine:
         self.pending = flight
         return outputs
 
+    def pick_on_device(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """The tokens of a step kept in flight, picked on the device as `_draw` would (engine/sampler.pick_on_device):
+        greedy or drawn, a seeded row at its own step (the previous step's pending token counted)."""
+        return pick_on_device(logits, [s.sampling for s in seqs], [len(s.output_token_ids) for s in seqs],
+                              self.generator)
+
     def _can_keep_in_flight(self, sampled: list[tuple[Sequence, int]]) -> bool:
-        """Every sampling row samples greedily with nothing to mask or report beyond its token, and no
-        sequence can end by length on this token (so the next step may already include it)."""
+        """Every sampling row picks its token with nothing to mask or report beyond it (greedy, or drawn after
+        temperature, min_p, top-k, top-p: engine/sampler.pick_on_device), and no sequence can end by length on this
+        token (so the next step may already include it)."""
         if not self.async_scheduling:
             return False
         for seq, _ in sampled:
             p = seq.sampling
-            if (not p.greedy or p.processes_logits
+            if (p.processes_logits
                     or p.logprobs is not None
                     or len(seq.output_token_ids) < p.min_tokens or len(seq.output_token_ids) + 1 >= p.max_tokens
                     or seq.num_tokens + 1 >= self.max_model_len):
@@ -386,10 +394,15 @@ class LLMEngine:
         flight, self.pending = self.pending, None
         if flight is None:
             return []
-        tokens, logprobs, _ = flight.read()
+        tokens, logprobs, lse = flight.read()
         outputs = []
-        for (seq, _), token, logprob in zip(flight.scheduled, tokens, logprobs):
-            if seq.request_id in self.requests and seq.has_pending_token:  # else: finished or aborted meanwhile
+        for (seq, _), token, logprob, total in zip(flight.scheduled, tokens, logprobs, lse):
+            if seq.request_id not in self.requests or not seq.has_pending_token:  # finished or aborted meanwhile
+                continue
+            if not math.isfinite(total):  # no token to pick (sampler.NO_TOKEN): this request alone fails
+                seq.output_token_ids.pop()
+                outputs.append(self._fail_request(seq, NO_TOKEN))
+            else:
                 outputs += self._process(seq, int(token), logprob, None)
         return outputs
 

@@ -27,6 +27,8 @@ from engine.request import SamplingParams
 MAX_LOGIT_BIAS = 100.0  # vLLM clamps logit_bias to [-100, 100], as OpenAI documents
 _FMAX = torch.finfo(torch.float32).max
 _TINY = torch.finfo(torch.float32).tiny
+NO_TOKEN = ("no token can be sampled: every token is masked (allowed_token_ids, bad_words, min_tokens, a grammar) or "
+            "the logits are NaN")
 
 
 @dataclass
@@ -142,17 +144,60 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return ordered.scatter(-1, order, ordered)
 
 
+def _per_row(values: list, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """A small per-row tensor on `dev` that does not wait for the stream: on CUDA a copy from pageable memory waits
+    for all the stream holds (the step's forward), which would end a step kept in flight; from pinned memory it
+    is queued behind it."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+
+
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution a random row draws from: each row's temperature, min_p, top-k, top-p."""
     V, dev = logits.shape[-1], logits.device
-    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=dev) \
+    temp = _per_row([p.temperature for p in params], torch.float32, dev)
+    top_k = _per_row([p.top_k if 0 < p.top_k < V else V for p in params], torch.long, dev) \
         if any(0 < p.top_k < V for p in params) else None
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev) \
-        if any(p.top_p < 1 for p in params) else None
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev) \
-        if any(p.min_p > 0 for p in params) else None
+    top_p = _per_row([p.top_p for p in params], torch.float32, dev) if any(p.top_p < 1 for p in params) else None
+    min_p = _per_row([p.min_p for p in params], torch.float32, dev) if any(p.min_p > 0 for p in params) else None
     return filter_logits(logits, temp, top_k, top_p, min_p).softmax(-1)
+
+
+def _draw_random(x: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, rand: list[int],
+                 params: list[SamplingParams], steps: list[int], generator: torch.Generator | None):
+    """(tokens, valid) with rows `rand` (their params, their steps: tokens generated so far) drawn from the processed
+    logits x by the exponential race: the engine's generator for unseeded rows, a seeded row's own (seed, step) one."""
+    dev = x.device
+    idx = _per_row(rand, torch.long, dev)
+    probs = sampling_probs(x[idx], params)
+    q = torch.empty_like(probs)
+    if any(p.seed is None for p in params):
+        q.exponential_(generator=generator)
+    for j, p in enumerate(params):
+        if p.seed is not None:
+            q[j].exponential_(generator=_generator(p.seed, steps[j], dev))
+    drawn = (probs / q.clamp_(min=_TINY)).argmax(-1)
+    return tokens.index_copy(0, idx, drawn), valid.index_copy(0, idx, valid[idx] & ~torch.isnan(probs).any(-1))
+
+
+def pick_on_device(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """[3, n] float64 on the device, nothing read back: each row's token as `sample` picks it for a row with nothing
+    to process (no allowed ids, bans, bias, penalties, grammar or logprobs: greedy, or drawn after temperature,
+    min_p, top-k, top-p), its logprob under the raw logits and the raw log-sum-exp, NaN where `sample` would fail
+    the row (NO_TOKEN). What async scheduling keeps in flight (engine/in_flight.py). steps: each row's tokens
+    generated so far (a seeded row's draw)."""
+    raw = logits.float()
+    if all(p.greedy for p in params):
+        return K.greedy_pick(raw)  # an invalid row's log-sum-exp is not finite already
+    x = _finite(raw.clone())  # process_logits of a row with nothing to process
+    lse = raw.logsumexp(-1)
+    valid = torch.isfinite(x).any(-1) & ~torch.isnan(raw).any(-1)
+    rand = [i for i, p in enumerate(params) if not p.greedy]
+    tokens, valid = _draw_random(x, x.argmax(-1), valid, rand, [params[i] for i in rand], [steps[i] for i in rand],
+                                 generator)
+    chosen = raw.gather(1, tokens[:, None])[:, 0] - lse
+    return torch.stack([tokens.double(), chosen.double(), torch.where(valid, lse, float("nan")).double()])
 
 
 def _accept(matcher, token: int) -> bool:
@@ -201,18 +246,8 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gene
         valid = torch.isfinite(x).any(-1) & ~torch.isnan(raw).any(-1)
         rand = [i for i, r in enumerate(rows) if not r.params.greedy]
         if rand:
-            ps = [rows[i].params for i in rand]
-            idx = torch.tensor(rand, device=dev)
-            probs = sampling_probs(x[idx], ps)
-            q = torch.empty_like(probs)
-            if any(p.seed is None for p in ps):
-                q.exponential_(generator=generator)
-            for j, p in enumerate(ps):
-                if p.seed is not None:
-                    q[j].exponential_(generator=_generator(p.seed, rows[rand[j]].step, dev))
-            drawn = (probs / q.clamp_(min=_TINY)).argmax(-1)
-            tokens_dev = tokens_dev.index_copy(0, idx, drawn)
-            valid = valid.index_copy(0, idx, valid[idx] & ~torch.isnan(probs).any(-1))
+            tokens_dev, valid = _draw_random(x, tokens_dev, valid, rand, [rows[i].params for i in rand],
+                                             [rows[i].step for i in rand], generator)
     chosen = raw.gather(1, tokens_dev[:, None])[:, 0] - lse
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     want_row = {i: j for j, i in enumerate(want)}
@@ -233,8 +268,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gene
     out = []
     for i, row in enumerate(rows):
         if not valid[i]:
-            out.append(Sample(0, 0.0, None, error="no token can be sampled: every token is masked "
-                              "(allowed_token_ids, bad_words, min_tokens, a grammar) or the logits are NaN"))
+            out.append(Sample(0, 0.0, None, error=NO_TOKEN))
             continue
         top, rank = None, None
         if row.params.logprobs is not None:

@@ -382,10 +382,11 @@ def per_layer(steady: list[dict], floors: list[dict]) -> list[dict]:
     return rows
 
 
-def steady_step_ms(eng, batch: int, input_len: int, steps: int) -> float:
+def steady_step_ms(eng, batch: int, input_len: int, steps: int, sampling: dict | None = None) -> float:
     """Wall ms per engine step of `batch` requests decoding together, their prompts (random,
-    `input_len` tokens) prefilled before the timing; the requests are aborted after."""
-    sp = SamplingParams(max_tokens=steps + 16, temperature=0, ignore_eos=True)
+    `input_len` tokens) prefilled before the timing; the requests are aborted after. sampling: SamplingParams
+    fields of every request (default greedy)."""
+    sp = SamplingParams(max_tokens=steps + 16, ignore_eos=True, **{"temperature": 0, **(sampling or {})})
     for i, prompt in enumerate(random_prompts(batch, input_len, eng.cfg.vocab_size, seed=batch)):
         eng.add_request(GenerationRequest(f"steady-{batch}-{i}", prompt_token_ids=prompt, sampling=sp))
     while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running):
@@ -405,7 +406,8 @@ def steady_step_ms(eng, batch: int, input_len: int, steps: int) -> float:
     return step_ms
 
 
-def steady_decode(engine_args: dict, batches: list[int], input_len: int, steps: int = 64) -> list[dict]:
+def steady_decode(engine_args: dict, batches: list[int], input_len: int, steps: int = 64,
+                  sampling: dict | None = None) -> list[dict]:
     """Decode alone, no prefill in the steps timed: `batch` requests whose prompts are prefilled
     first, then `steps` engine steps timed on the wall clock (host work, graph replay, sampler and
     the async read-back included). The figure the decode-throughput target is about."""
@@ -413,8 +415,9 @@ def steady_decode(engine_args: dict, batches: list[int], input_len: int, steps: 
     eng, rows = llm.engine, []
     try:
         for b in batches:
-            step_ms = steady_step_ms(eng, b, input_len, steps)
-            rows.append({"batch": b, "input_len": input_len, "step_ms": step_ms, "output_tok_s": b * 1e3 / step_ms})
+            step_ms = steady_step_ms(eng, b, input_len, steps, sampling)
+            rows.append({"batch": b, "input_len": input_len, "step_ms": step_ms, "output_tok_s": b * 1e3 / step_ms,
+                         "sampling": sampling or {"temperature": 0}})
             print(f"  steady decode: batch {b}: {step_ms:.2f} ms/step, {b * 1e3 / step_ms:.0f} tok/s", flush=True)
     finally:
         if eng.parallel is not None:  # one process group per process: the online engine after this one needs it
@@ -537,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-peer", default="", help="also time transformers eager at these batch sizes, e.g. 1,8,32")
     ap.add_argument("--floor", action="store_true", help="report the decode memory floor (GPU)")
     ap.add_argument("--steady", default=None, help="batch sizes: time decode-only steps (after prefill)")
+    ap.add_argument("--sampling", default="{}", help="--steady's requests' SamplingParams fields as JSON, e.g. "
+                    "'{\"temperature\": 0.8, \"top_p\": 0.95}' (default greedy)")
     ap.add_argument("--check-graphs", action="store_true", help="compare CUDA graphs with eager first (GPU)")
     ap.add_argument("--check-kernels", action="store_true", help="compare the default engine with the torch "
                     "references run eagerly first (GPU; --check-graphs does it too)")
@@ -565,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.check_graphs or args.check_kernels:
         extra["check_kernels"] = check_graphs(engine_args, against={"kernels": "ref", "enforce_eager": True})
     if args.steady:
-        extra["steady_decode"] = steady_decode(engine_args, [int(b) for b in args.steady.split(",")], args.input_len)
+        extra["steady_decode"] = steady_decode(engine_args, [int(b) for b in args.steady.split(",")], args.input_len,
+                                               sampling=json.loads(args.sampling))
     if args.floor:
         steady = [int(b) for b in args.steady.split(",")] if args.steady else []
         extra["decode_floor"] = decode_floors(engine_args, sorted(set(args.concurrency) | set(steady)))

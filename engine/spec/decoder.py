@@ -45,7 +45,6 @@ from dataclasses import dataclass
 
 import torch
 
-import kernels
 from engine.args import InvalidEngineArgs
 from engine.forward_batch import ForwardBatch
 from engine.graphs.capture import capture
@@ -314,7 +313,7 @@ class SpecDecoder:
             eng.runner._fill_pending(fb.input_ids, batch, pending, list(range(len(batch))))
             hidden, features = eng.model.dspark_features(fb, eng.cache)
             logits = eng.model.compute_logits(hidden[fb.logits_rows])
-        picked = kernels.greedy_pick(logits)
+        picked = eng.pick_on_device([s for s, _ in batch], logits)
         # nobody drafts, so the tokens are only counted (one row each), never read
         self._propose_dspark(batch, features, {id(s): [PENDING_TOKEN] for s, _ in batch}, set(), graphs)
         # launched after the drafter: its staging copy is behind the read-back

@@ -1,9 +1,10 @@
-"""Async scheduling (a greedy step stays in flight while the next one is scheduled and
-launched; its tokens are read back one call later) changes nothing a user sees: the same
+"""Async scheduling (a step whose tokens are picked on the device, greedy or drawn, stays in flight while the next
+one is scheduled and launched; its tokens are read back one call later) changes nothing a user sees: the same
 tokens, texts, logprobs and finish reasons as the synchronous engine, through chunked
 prefill, preemption, stop conditions found one step late, seeded sampling, prefix caching
 and aborts. On the CPU it runs the same code path (the copy back is simply synchronous)."""
 
+import pytest
 import torch
 
 from engine.llm import LLM
@@ -65,7 +66,7 @@ def test_stops_found_one_step_late_and_mixed_sampling_are_unchanged(tiny_dir):
             text = ref.text
             params.append(SamplingParams(max_tokens=20, temperature=0, stop=[text[len(text) // 2:][:3]] if len(text) > 6
                                          else []))
-        elif kind == 2:  # seeded sampling: no step of this request stays in flight
+        elif kind == 2:  # seeded sampling: its steps stay in flight too, drawn on the device
             params.append(SamplingParams(max_tokens=12, temperature=0.8, seed=i))
         elif kind == 3:
             params.append(SamplingParams(max_tokens=9, temperature=0, logprobs=3))
@@ -88,9 +89,11 @@ def test_prefix_caching_with_replay_is_unchanged(tiny_dir):
         _same(sync, async_)
 
 
-def test_steps_really_stay_in_flight_and_aborts_return_every_block(tiny_dir):
+@pytest.mark.parametrize("sp", [SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+                                SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, ignore_eos=True)],
+                         ids=["greedy", "sampled"])
+def test_steps_really_stay_in_flight_and_aborts_return_every_block(tiny_dir, sp):
     eng = LLMEngine({"model": str(tiny_dir), "dtype": "float32", "max_model_len": 256, "async_scheduling": True})
-    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     for i in range(3):
         eng.add_request(GenerationRequest(f"r{i}", prompt_token_ids=[9 + i] * (10 + 7 * i), sampling=sp))
     in_flight = 0
@@ -118,3 +121,16 @@ def test_a_mixed_step_with_a_partial_prefill_chunk_stays_in_flight(tiny_dir):
     assert eng.pending is not None and [s.request_id for s, _ in eng.pending.scheduled] == ["short"]
     long = next(s for s in eng.scheduler.running if s.request_id == "long")
     assert 0 < long.num_computed_tokens < long.num_prompt_tokens and not long.has_pending_token
+
+
+def test_sampled_batches_are_unchanged_for_seeded_requests(tiny_dir):
+    """Every sampling option that keeps a step in flight (temperature, top-k, top-p, min_p; greedy rows beside them),
+    through chunked prefill: a seeded request draws each token from its own (seed, step) generator, so it gives the
+    synchronous engine's tokens though its previous token is still pending when the next is drawn."""
+    prompts = _prompts(10, 4000, seed=3)
+    kinds = (dict(temperature=0.8), dict(temperature=1.0, top_k=20), dict(temperature=0.7, top_p=0.9),
+             dict(temperature=1.2, min_p=0.05), dict(temperature=0))
+    params = [SamplingParams(max_tokens=14, ignore_eos=True, seed=100 + i, **kinds[i % len(kinds)]) for i in range(10)]
+    sync, *asyncs = _both(tiny_dir, prompts, params, max_num_batched_tokens=64)
+    for async_ in asyncs:
+        _same(sync, async_)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.request import SamplingParams
-from engine.sampler import SamplingRow, filter_logits, process_logits, sample
+from engine.sampler import SamplingRow, filter_logits, pick_on_device, process_logits, sample
 
 V = 97  # awkward on purpose
 
@@ -176,3 +176,33 @@ def test_a_row_with_nothing_left_fails_alone():
     ok, masked, nan = sample(logits, rows)
     assert ok.error is None and ok.token_id == int(logits[0].argmax())
     assert "every token is masked" in masked.error and "NaN" in nan.error
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_the_device_pick_is_the_samplers_pick_for_rows_with_nothing_to_process(seeded):
+    """What a step kept in flight picks (engine/sampler.pick_on_device: no host read) against `sample` on the same
+    rows and generator state: the same tokens and raw logprobs for greedy and drawn rows (temperature, top-k, top-p,
+    min_p; seeded at their step or from the shared generator), and NaN where `sample` fails a row (NaN logits; every
+    token -inf)."""
+    logits = torch.randn(7, V, generator=torch.Generator().manual_seed(3)) * 2
+    logits[5, 9] = float("nan")
+    logits[6] = float("-inf")
+    kinds = (dict(temperature=0), dict(temperature=0.8), dict(temperature=1.0, top_k=5),
+             dict(temperature=0.6, top_p=0.8), dict(temperature=1.3, min_p=0.1), dict(temperature=0.9),
+             dict(temperature=0.9))
+    params = [SamplingParams(**k, seed=40 + i if seeded else None) for i, k in enumerate(kinds)]
+    steps = [3, 0, 7, 1, 2, 4, 5]
+    for trial in range(4):
+        want = sample(logits, [SamplingRow(p, s, [1], [], []) for p, s in zip(params, steps)],
+                      torch.Generator().manual_seed(trial))
+        got = pick_on_device(logits, params, steps, torch.Generator().manual_seed(trial))
+        assert got.shape == (3, 7) and got.dtype == torch.float64
+        assert [w.error is not None for w in want] == [False] * 5 + [True] * 2
+        for i, w in enumerate(want):
+            if w.error is not None:
+                assert torch.isnan(got[2, i]), i
+                continue
+            assert int(got[0, i]) == w.token_id and abs(float(got[1, i]) - w.logprob) < 1e-6, (trial, i)
+            assert torch.isfinite(got[2, i])
+    greedy = pick_on_device(logits[:1], params[:1], steps[:1])  # greedy only: the fused argmax
+    assert int(greedy[0, 0]) == int(logits[0].argmax())
