@@ -350,8 +350,8 @@ class LLMEngine:
         samplers = [seq for seq, _ in sampled]
         # a mixed step stays in flight too: its prefill chunks that end short of their prompt sample nothing
         if sampled and self._can_keep_in_flight(sampled):  # decide on the device, do not wait for the copy back
-            return outputs + self.leave_in_flight(scheduled, InFlight.launch(sampled, self.pick_on_device(samplers,
-                                                                                                           logits)))
+            picked = self.pick_on_device(samplers, logits)
+            return outputs + self.leave_in_flight(scheduled, InFlight.launch(sampled, picked))
         outputs += self.flush()  # the previous step's tokens, while this step runs
         self.scheduler.advance([(s, n) for s, n in scheduled if s.status == Status.RUNNING])
         return outputs + self._sample(samplers, logits)

@@ -190,7 +190,7 @@ def pick_on_device(logits: torch.Tensor, params: list[SamplingParams], steps: li
     raw = logits.float()
     if all(p.greedy for p in params):
         return K.greedy_pick(raw)  # an invalid row's log-sum-exp is not finite already
-    x = _finite(raw.clone())  # process_logits of a row with nothing to process
+    x = _finite(raw)  # process_logits of a row with nothing to process
     lse = raw.logsumexp(-1)
     valid = torch.isfinite(x).any(-1) & ~torch.isnan(raw).any(-1)
     rand = [i for i, p in enumerate(params) if not p.greedy]
