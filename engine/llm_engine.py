@@ -27,7 +27,7 @@ from engine.prefix_cache import PrefixCache
 from engine.prompt_logprobs import prompt_logprob_rows, score
 from engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
 from engine.runner import ModelRunner
-from engine.sampler import NO_TOKEN, Sample, SamplingRow, pick_on_device, sample
+from engine.sampler import NO_TOKEN, Sample, SamplingRow, in_flight_logprobs, pick_on_device, sample
 from engine.sampling_checks import RequestLimits, bad_words_token_ids, sampling_checks
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence, Status
@@ -375,15 +375,14 @@ class LLMEngine:
                               self.generator)
 
     def _can_keep_in_flight(self, sampled: list[tuple[Sequence, int]]) -> bool:
-        """Every sampling row picks its token with nothing to mask or report beyond it (greedy, or drawn after
-        temperature, min_p, top-k, top-p: engine/sampler.pick_on_device), and no sequence can end by length on this
-        token (so the next step may already include it)."""
+        """Every sampling row picks its token with nothing to mask (greedy, or drawn after temperature, min_p, top-k,
+        top-p; logprobs and ranks come back with it: engine/sampler.pick_on_device), and no sequence can end by
+        length on this token (so the next step may already include it)."""
         if not self.async_scheduling:
             return False
         for seq, _ in sampled:
             p = seq.sampling
             if (p.processes_logits
-                    or p.logprobs is not None
                     or len(seq.output_token_ids) < p.min_tokens or len(seq.output_token_ids) + 1 >= p.max_tokens
                     or seq.num_tokens + 1 >= self.max_model_len):
                 return False
@@ -394,16 +393,18 @@ class LLMEngine:
         flight, self.pending = self.pending, None
         if flight is None:
             return []
-        tokens, logprobs, lse = flight.read()
+        host = flight.read()
         outputs = []
-        for (seq, _), token, logprob, total in zip(flight.scheduled, tokens, logprobs, lse):
+        for row, ((seq, _), token, logprob, total) in enumerate(zip(flight.scheduled, *host[:3])):
             if seq.request_id not in self.requests or not seq.has_pending_token:  # finished or aborted meanwhile
                 continue
             if not math.isfinite(total):  # no token to pick (sampler.NO_TOKEN): this request alone fails
                 seq.output_token_ids.pop()
                 outputs.append(self._fail_request(seq, NO_TOKEN))
-            else:
-                outputs += self._process(seq, int(token), logprob, None)
+                continue
+            m = seq.sampling.logprobs
+            top, rank = (None, None) if m is None else in_flight_logprobs(host, row, int(token), logprob, int(m))
+            outputs += self._process(seq, int(token), logprob, top, rank)
         return outputs
 
     def _drop_pending(self) -> None:

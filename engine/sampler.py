@@ -180,24 +180,61 @@ def _draw_random(x: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, ran
     return tokens.index_copy(0, idx, drawn), valid.index_copy(0, idx, valid[idx] & ~torch.isnan(probs).any(-1))
 
 
+def top_logprobs(raw: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, want: list[int], k: int):
+    """Rows `want` of the raw logits [n, V] (fp32): (vLLM's rank of each picked token: how many tokens are at least
+    as likely; the k most likely tokens' logprobs [w, k] and ids [w, k], None for k 0), on the device."""
+    widx = _per_row(want, torch.long, raw.device)
+    lp = raw[widx]
+    ranks = (lp >= lp.gather(1, tokens[widx, None])).sum(-1)
+    if k == 0:
+        return ranks, None, None
+    vals, ids = torch.topk(lp, k)
+    return ranks, vals - lse[widx, None], ids
+
+
+def logprob_entry(token: int, logprob: float, ids: list, vals: list, m: int) -> dict[int, float]:
+    """A step's logprobs entry for a request that asked for m: the m most likely tokens, then the picked one's."""
+    top = {int(t): float(v) for t, v in zip(ids[:m], vals[:m])} if m else {}
+    top[token] = logprob
+    return top
+
+
 def pick_on_device(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
                    generator: torch.Generator | None = None) -> torch.Tensor:
-    """[3, n] float64 on the device, nothing read back: each row's token as `sample` picks it for a row with nothing
-    to process (no allowed ids, bans, bias, penalties, grammar or logprobs: greedy, or drawn after temperature,
+    """[3 (+ 1 + 2k), n] float64 on the device, nothing read back: each row's token as `sample` picks it for a row
+    with nothing to process (no allowed ids, bans, bias, penalties or grammar: greedy, or drawn after temperature,
     min_p, top-k, top-p), its logprob under the raw logits and the raw log-sum-exp, NaN where `sample` would fail
-    the row (NO_TOKEN). What async scheduling keeps in flight (engine/in_flight.py). steps: each row's tokens
-    generated so far (a seeded row's draw)."""
+    the row (NO_TOKEN); where a row asks for logprobs, then every row's rank, k top ids and k top logprobs (k: the
+    most any row asks for; `in_flight_logprobs` reads them). What async scheduling keeps in flight
+    (engine/in_flight.py). steps: each row's tokens generated so far (a seeded row's draw)."""
     raw = logits.float()
     if all(p.greedy for p in params):
-        return K.greedy_pick(raw)  # an invalid row's log-sum-exp is not finite already
-    x = _finite(raw)  # process_logits of a row with nothing to process
-    lse = raw.logsumexp(-1)
-    valid = torch.isfinite(x).any(-1) & ~torch.isnan(raw).any(-1)
-    rand = [i for i, p in enumerate(params) if not p.greedy]
-    tokens, valid = _draw_random(x, x.argmax(-1), valid, rand, [params[i] for i in rand], [steps[i] for i in rand],
-                                 generator)
-    chosen = raw.gather(1, tokens[:, None])[:, 0] - lse
-    return torch.stack([tokens.double(), chosen.double(), torch.where(valid, lse, float("nan")).double()])
+        picked = K.greedy_pick(raw)  # an invalid row's log-sum-exp is not finite already
+        tokens, lse = picked[0].long(), picked[2].float()
+    else:
+        x = _finite(raw)  # process_logits of a row with nothing to process
+        lse = raw.logsumexp(-1)
+        valid = torch.isfinite(x).any(-1) & ~torch.isnan(raw).any(-1)
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        tokens, valid = _draw_random(x, x.argmax(-1), valid, rand, [params[i] for i in rand],
+                                     [steps[i] for i in rand], generator)
+        chosen = raw.gather(1, tokens[:, None])[:, 0] - lse
+        picked = torch.stack([tokens.double(), chosen.double(), torch.where(valid, lse, float("nan")).double()])
+    if all(p.logprobs is None for p in params):
+        return picked
+    k = min(raw.shape[1], max(int(p.logprobs) for p in params if p.logprobs is not None))
+    ranks, vals, ids = top_logprobs(raw, tokens, lse, list(range(len(params))), k)
+    extra = [ranks[None].double()] + ([ids.T.double(), vals.T.double()] if k else [])
+    return torch.cat([picked, *extra])
+
+
+def in_flight_logprobs(host: list[list[float]], row: int, token: int, logprob: float,
+                       m: int) -> tuple[dict[int, float], int]:
+    """A row's (logprobs entry, rank) from pick_on_device's rows read back, for a request that asked for m."""
+    k = (len(host) - 4) // 2
+    ids = [host[4 + c][row] for c in range(k)]
+    vals = [host[4 + k + c][row] for c in range(k)]
+    return logprob_entry(token, logprob, ids, vals, m), int(host[3][row])
 
 
 def _accept(matcher, token: int) -> bool:
@@ -254,15 +291,11 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gene
     ranks = torch.zeros(n, device=dev)
     top_vals = top_ids = None
     if want:
-        widx = torch.tensor(want, device=dev)
-        lp = raw[widx]
-        # vLLM's rank: how many tokens are at least as likely as the sampled one
-        ranks[widx] = (lp >= lp.gather(1, tokens_dev[widx, None])).sum(-1).float()
         k = min(V, max(int(rows[i].params.logprobs) for i in want))
+        ranks_w, vals, ids = top_logprobs(raw, tokens_dev, lse, want, k)
+        ranks[_per_row(want, torch.long, dev)] = ranks_w.float()
         if k > 0:
-            top_vals, top_ids = torch.topk(lp, k)
-            top_vals = (top_vals - lse[widx, None]).cpu().tolist()
-            top_ids = top_ids.cpu().tolist()
+            top_vals, top_ids = vals.cpu().tolist(), ids.cpu().tolist()
     tokens, chosen, valid, ranks = torch.stack([tokens_dev.double(), chosen.double(), valid.double(),
                                                ranks.double()]).tolist()  # the step's host sync
     out = []
@@ -273,9 +306,8 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gene
         top, rank = None, None
         if row.params.logprobs is not None:
             j = want_row[i]
-            m = int(row.params.logprobs)
-            top = {int(t): float(v) for t, v in zip(top_ids[j][:m], top_vals[j][:m])} if m and top_ids else {}
-            top[int(tokens[i])] = chosen[i]
+            top = logprob_entry(int(tokens[i]), chosen[i], top_ids[j] if top_ids else [],
+                                top_vals[j] if top_vals else [], int(row.params.logprobs))
             rank = int(ranks[i])
         if row.grammar is not None and not _accept(row.grammar, int(tokens[i])):
             out.append(Sample(0, 0.0, None, error=f"the grammar refused token {int(tokens[i])}"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.request import SamplingParams
-from engine.sampler import SamplingRow, filter_logits, pick_on_device, process_logits, sample
+from engine.sampler import SamplingRow, filter_logits, in_flight_logprobs, pick_on_device, process_logits, sample
 
 V = 97  # awkward on purpose
 
@@ -206,3 +206,25 @@ def test_the_device_pick_is_the_samplers_pick_for_rows_with_nothing_to_process(s
             assert torch.isfinite(got[2, i])
     greedy = pick_on_device(logits[:1], params[:1], steps[:1])  # greedy only: the fused argmax
     assert int(greedy[0, 0]) == int(logits[0].argmax())
+
+
+@pytest.mark.parametrize("greedy_only", [True, False])
+def test_the_device_pick_carries_the_samplers_logprobs_and_ranks(greedy_only):
+    """Rows that ask for logprobs (0, 1, 4 of them) beside rows that ask for none: the rows pick_on_device adds,
+    read back as a step in flight reads them, give `sample`'s top logprobs and ranks."""
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(9)) * 2
+    asks = (None, 0, 1, 4, None)
+    temps = (0, 0, 0, 0, 0) if greedy_only else (0, 0.9, 0, 1.1, 0.7)
+    params = [SamplingParams(temperature=t, logprobs=m, seed=7 + i) for i, (t, m) in enumerate(zip(temps, asks))]
+    steps = [2, 0, 5, 1, 3]
+    want = sample(logits, [SamplingRow(p, s, [1], [], []) for p, s in zip(params, steps)])
+    host = pick_on_device(logits, params, steps).tolist()
+    assert len(host) == 3 + 1 + 2 * 4
+    for i, (w, m) in enumerate(zip(want, asks)):
+        assert int(host[0][i]) == w.token_id
+        if m is None:
+            assert w.top_logprobs is None
+            continue
+        top, rank = in_flight_logprobs(host, i, w.token_id, host[1][i], m)
+        assert rank == w.rank and list(top) == list(w.top_logprobs), i
+        assert all(abs(top[t] - w.top_logprobs[t]) < 1e-5 for t in top), i
