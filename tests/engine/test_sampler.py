@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from engine.request import SamplingParams
-from engine.sampler import SamplingRow, filter_logits, in_flight_logprobs, pick_on_device, process_logits, sample
+from engine.sampler import (
+    SamplingRow,
+    filter_logits,
+    in_flight_logprobs,
+    pick_on_device,
+    process_logits,
+    sample,
+)
 
 V = 97  # awkward on purpose
 
