@@ -22,7 +22,7 @@ from kernels.fused_compress import compress_decode_fused
 from kernels.fused_compress_blocks import compress_blocks_fused
 from kernels.fused_fp8_linear import fp8_linear_fused, takes_prologue, tiles
 from kernels.fused_gate import router_topk_fused, router_topk_gemm_fused
-from kernels.fused_indexer import indexer_scores_paged, indexer_topk_fused
+from kernels.fused_indexer import SORT_MAX, indexer_scores_paged, indexer_topk_fused
 from kernels.fused_moe import aligned_rows, moe_experts_fused
 from kernels.fused_norm_mhc import (
     hc_post_fused,
@@ -118,11 +118,16 @@ def router_moe_fused(x, gate_weight, gate_bias, top_k, routed_scaling, scoring_f
 
 def indexer_topk_switched(iq, iw, index_pool, full_tables, positions, token_seq, ratio, topk, max_pos=None,
                           one_per_seq=False, iw_scale=1.0):
-    """The indexer's selection: scores over the whole row, then the sort or torch.topk (kernels.fused_indexer), or
-    with the kernel variant indexer_select the scores and a radix select over what each token sees
-    (kernels.indexer_select); the same set."""
-    fn = indexer_topk_select if variants.on("indexer_select") else indexer_topk_fused
-    return fn(iq, iw, index_pool, full_tables, positions, token_seq, ratio, topk, max_pos, one_per_seq, iw_scale)
+    """The indexer's selection, the same set either way: up to SORT_MAX entries a row, scores over the whole row
+    and one sort (kernels.fused_indexer); past it (servers past 16K-token contexts, where that path ran torch.topk
+    over the whole row), or everywhere with the kernel variant indexer_select, scores over what each token sees and
+    a sort or radix select of those (kernels.indexer_select). Measured (suite kernels_indexer, 2026-12-07, H100):
+    past SORT_MAX 1.17-780x faster at decode for 1K-64K contexts and 1.06x on a 32K prompt's chunk; up to it
+    0.82-1.76x, slower at 8K contexts, so the sort stays there."""
+    mp = int(max_pos if max_pos is not None else positions.max())  # one read of the longest position
+    wide = (mp + 1) // ratio > SORT_MAX
+    fn = indexer_topk_select if wide or variants.on("indexer_select") else indexer_topk_fused
+    return fn(iq, iw, index_pool, full_tables, positions, token_seq, ratio, topk, mp, one_per_seq, iw_scale)
 
 
 def swiglu_fused(gate, up, limit):

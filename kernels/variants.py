@@ -26,8 +26,9 @@ Read at every call: CUDA graphs captured after a change follow it.
   no shared memory, no alignment of the pairs by expert.
 - indexer_select: the lightning indexer's selection with each token scoring only the entries it sees and picking
   its top-k from them (kernels/indexer_select.py: a sort up to 2,048 seen, a radix select past), instead of scoring
-  the whole row (as wide as the longest sequence a CUDA graph may hold: max_model_len / ratio) and sorting it or
-  running torch.topk over it.
+  the whole row (as wide as the longest sequence a CUDA graph may hold: max_model_len / ratio) and sorting it. Rows
+  longer than kernels.fused_indexer.SORT_MAX take it without the variant (kernels.fused.indexer_topk_switched:
+  measured faster there at every size); the variant forces it on the shorter rows too, where it measured 0.82-1.76x.
 - attn_offsets: the paged attention's wgmma tiles (prefill chunks, big decode batches) on CSA layers read each
   slot's key row from a [tokens, window + top-k] table one small launch writes first
   (kernels.fused_attention._slot_offsets), instead of every thread working out the rows of its keys from the block

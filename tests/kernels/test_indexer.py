@@ -182,7 +182,9 @@ def test_radix_select_picks_the_reference_set(spec, graph_sized, monkeypatch):
 
 
 def test_the_variant_routes_the_models_selection(monkeypatch):
-    """kernels.indexer_topk (the CUDA dispatch) takes the radix select with the variant on, the fused sort without."""
+    """kernels.indexer_topk (the CUDA dispatch) takes the radix select with the variant on, the fused sort without,
+    and the radix select without the variant where rows are longer than SORT_MAX (a server past 16K-token contexts:
+    the sort path's torch.topk over the whole row measured 1.17-780x slower)."""
     from kernels import fused, variants
 
     calls = []
@@ -192,5 +194,8 @@ def test_the_variant_routes_the_models_selection(monkeypatch):
     for on in (False, True):
         monkeypatch.setattr(variants, "_on", frozenset({"indexer_select"} if on else ()))
         fused.indexer_topk_switched(*args, 4, 8, 300)
-    assert calls == ["sort", "radix"]
+    monkeypatch.setattr(variants, "_on", frozenset())
+    for max_pos in (4 * fused.SORT_MAX - 1, 4 * fused.SORT_MAX + 3):  # rows of SORT_MAX entries, then SORT_MAX + 1
+        fused.indexer_topk_switched(*args, 4, 8, max_pos)
+    assert calls == ["sort", "radix", "sort", "radix"]
     assert fused.FUSED["indexer_topk"] is fused.indexer_topk_switched  # what the model's kernels.indexer_topk runs
