@@ -28,7 +28,6 @@ PREFILL_VARIANT_SETS = ",".join("rope_tiles+bf16_gemv" + extra for extra in
                                 ("", "+attn_offsets", "+indexer_select", "+attn_offsets+indexer_select"))
 # a server configured for 128K-token contexts: its decode graphs' indexer rows are 32,768 entries wide
 SWITCHES_128K = SWITCHES.replace('"max_model_len":8192', '"max_model_len":131072')
-INDEXER_SELECT_CONFIGS = "pdl,indexer_select=pdl:1+var:rope_tiles/bf16_gemv/indexer_select"
 DSPARK_CKPT = "{ckpt}/flash-depth-0731-fp8-fp4"  # V4-Flash depth with 0731's DSpark stages (16 experts)
 DSPARK_E64_CKPT = "{ckpt}/flash-depth-0731-e64-fp8-fp4"  # the same at 64 routed experts
 SHAPED_CKPT = "{ckpt}/flash-shaped-fp8-fp4"  # V4-Flash's layers, 4 of them, as shipped (FP8 + MXFP4)
@@ -303,20 +302,20 @@ SUITE_LIST = [
                 then_remove="flash-depth-e64-*", timeout_s=400))),
     Suite("decode_variants", "At V4-Flash depth as shipped (16 experts), per decode step at batch 1 / 32 / 150 with "
           "the same logits (PDL on all), today's step against it with moe_gemv on (off by default: the MXFP4 MoE at "
-          "1-4 tokens as CUDA-core GEMVs), with indexer_select on (off by default: the indexer's selection from what "
-          "each token sees, sorted, or radix-selected past 2,048 entries) and without bf16_gemv (on by default: the compressors' and "
+          "1-4 tokens as CUDA-core GEMVs), with indexer_select on (by default only for rows past 4,096 entries; this "
+          "8K server's are 2,048: the indexer's selection from what each token sees, sorted) and without bf16_gemv (on by default: the compressors' and "
           "indexer's bf16 projections and the router's gate as one CUDA-core GEMV launch with PDL instead of "
           "cuBLAS's split-K GEMM and its reduce, up to 4 rows, so batch 32 / 150 run cuBLAS there)?",
           decode_ab_steps(DECODE_VARIANT_CONFIGS, 16),
           notes="about 7 minutes on a fresh machine: a checkpoint (~30 s), an engine start with decode graphs "
                 "(~60-90 s), then per batch and config a graph capture and 24 steps"),
     Suite("decode_server_128k", "In a server configured for 128K-token contexts (max_model_len 131072: its decode "
-          "graphs' indexer rows are 32,768 entries wide), V4-Flash depth as shipped (16 experts), how long is a decode "
-          "step at 1K-token contexts (batch 1 / 32 / 150) and 8K (batch 1 / 32), today's indexer selection (every "
-          "entry of the row scored, then torch.topk) against indexer_select (what each token sees, sorted)?",
+          "graphs' indexer rows are 32,768 entries wide, so the selection scores what each token sees: the default past "
+          "4,096 entries), V4-Flash depth as shipped (16 experts), how long is a decode step at 1K-token contexts "
+          "(batch 1 / 32 / 150) and 8K (batch 1 / 32)? (Against an 8K server's step: decode_variants' pdl row.)",
           (checkpoint(SWITCH_CKPT.format(e=16), "flash-depth", "--override", '{"n_routed_experts":16}'),
-           decode_ab(SWITCH_CKPT.format(e=16), INDEXER_SELECT_CONFIGS, SWITCHES_128K, "ctx1k"),
-           decode_ab(SWITCH_CKPT.format(e=16), INDEXER_SELECT_CONFIGS, SWITCHES_128K, "ctx8k", "--input-len", "8192",
+           decode_ab(SWITCH_CKPT.format(e=16), "pdl", SWITCHES_128K, "ctx1k"),
+           decode_ab(SWITCH_CKPT.format(e=16), "pdl", SWITCHES_128K, "ctx8k", "--input-len", "8192",
                      "--batches", "1,32", then_remove="flash-depth-e16-*")),
           notes="about 7 minutes on a fresh machine: a checkpoint (~30 s), per context an engine start with decode "
                 "graphs (~60-90 s; the 8K one prefills 32 x 8K tokens, ~30 s), then per batch and config a graph "
