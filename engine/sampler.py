@@ -180,16 +180,16 @@ def _draw_random(x: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, ran
     return tokens.index_copy(0, idx, drawn), valid.index_copy(0, idx, valid[idx] & ~torch.isnan(probs).any(-1))
 
 
-def top_logprobs(raw: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, want: list[int], k: int):
-    """Rows `want` of the raw logits [n, V] (fp32): (vLLM's rank of each picked token: how many tokens are at least
-    as likely; the k most likely tokens' logprobs [w, k] and ids [w, k], None for k 0), on the device."""
-    widx = _per_row(want, torch.long, raw.device)
-    lp = raw[widx]
-    ranks = (lp >= lp.gather(1, tokens[widx, None])).sum(-1)
+def top_logprobs(raw: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor | None, k: int):
+    """Rows `rows` (an index tensor on the device; None: every row, no copy) of the raw logits [n, V] (fp32): (vLLM's
+    rank of each picked token: how many tokens are at least as likely; the k most likely tokens' logprobs [w, k] and
+    ids [w, k], None for k 0), on the device."""
+    lp, tokens, lse = (raw, tokens, lse) if rows is None else (raw[rows], tokens[rows], lse[rows])
+    ranks = (lp >= lp.gather(1, tokens[:, None])).sum(-1)
     if k == 0:
         return ranks, None, None
     vals, ids = torch.topk(lp, k)
-    return ranks, vals - lse[widx, None], ids
+    return ranks, vals - lse[:, None], ids
 
 
 def logprob_entry(token: int, logprob: float, ids: list, vals: list, m: int) -> dict[int, float]:
@@ -223,7 +223,7 @@ def pick_on_device(logits: torch.Tensor, params: list[SamplingParams], steps: li
     if all(p.logprobs is None for p in params):
         return picked
     k = min(raw.shape[1], max(int(p.logprobs) for p in params if p.logprobs is not None))
-    ranks, vals, ids = top_logprobs(raw, tokens, lse, list(range(len(params))), k)
+    ranks, vals, ids = top_logprobs(raw, tokens, lse, None, k)
     extra = [ranks[None].double()] + ([ids.T.double(), vals.T.double()] if k else [])
     return torch.cat([picked, *extra])
 
@@ -292,8 +292,9 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gene
     top_vals = top_ids = None
     if want:
         k = min(V, max(int(rows[i].params.logprobs) for i in want))
-        ranks_w, vals, ids = top_logprobs(raw, tokens_dev, lse, want, k)
-        ranks[_per_row(want, torch.long, dev)] = ranks_w.float()
+        widx = _per_row(want, torch.long, dev)
+        ranks_w, vals, ids = top_logprobs(raw, tokens_dev, lse, widx, k)
+        ranks[widx] = ranks_w.float()
         if k > 0:
             top_vals, top_ids = vals.cpu().tolist(), ids.cpu().tolist()
     tokens, chosen, valid, ranks = torch.stack([tokens_dev.double(), chosen.double(), valid.double(),
