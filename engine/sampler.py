@@ -3,12 +3,14 @@
 One step: the raw logits give the logprobs (vLLM's default `raw_logprobs`); then
 allowed_token_ids, banned ids (bad words, min_tokens' stop ids), logit_bias, the penalties
 (presence, frequency, repetition); greedy rows take the argmax; the others divide by their
-temperature, apply min_p, top-k, top-p and draw by the exponential race (vLLM's
-`probs / Exp(1)` argmax). Every option is a tensor built for the batch; the only per-request
-Python work is building those index lists, and a generator per seeded row.
+temperature, apply min_p, top-k, top-p (kernels.reference.sample_filter) and draw by inverting
+their cumulative distribution at one uniform a row (K.sample_draw: on CUDA a kernel that finds
+top-k's and top-p's cuts without sorting the vocabulary). Every option is a tensor built for the
+batch; the only per-request Python work is building those index lists.
 
-A seeded request draws token i from a generator seeded by (seed, i), so its tokens do not
-depend on batch mates, step boundaries or preemption.
+A seeded request draws token i at a uniform hashed from (seed, i), so its tokens do not depend on
+batch mates, step boundaries, preemption or the device; the others draw theirs from the engine's
+generator, on the device.
 
 Values validation lets through stay finite in float32 (temperatures below SAMPLING_EPS are
 greedy; overflow is clamped). A row with no token left to pick (every token masked, or NaN
@@ -23,9 +25,9 @@ import torch
 
 import kernels as K
 from engine.request import SamplingParams
+from kernels.reference import finite_logits, sample_filter
 
 MAX_LOGIT_BIAS = 100.0  # vLLM clamps logit_bias to [-100, 100], as OpenAI documents
-_FMAX = torch.finfo(torch.float32).max
 _TINY = torch.finfo(torch.float32).tiny
 NO_TOKEN = ("no token can be sampled: every token is masked (allowed_token_ids, bad_words, min_tokens, a grammar) or "
             "the logits are NaN")
@@ -62,8 +64,12 @@ def bad_word_bans(bad_words_token_ids: list[list[int]], output_ids: list[int]) -
     return bans
 
 
-def _generator(seed: int, step: int, device: torch.device) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed((int(seed) * 1_000_003 + step) % (2**63 - 1))
+def seeded_uniform(seed: int, step: int) -> float:
+    """A seeded request's uniform for its token `step`, in [0, 1): splitmix64 of (seed, step), its 53 high bits."""
+    z = (int(seed) * 1_000_003 + step + 0x9E3779B97F4A7C15) % 2**64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2**64
+    return ((z ^ (z >> 31)) >> 11) / 2**53
 
 
 def _pad(lists: list[list[int]], pad: int, device) -> torch.Tensor:
@@ -115,33 +121,16 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
         x -= torch.tensor([p.frequency_penalty for p in ps], device=dev)[:, None] * out_counts
         x -= torch.tensor([p.presence_penalty for p in ps], device=dev)[:, None] * (out_counts > 0)
         logits[idx] = x
-    return _finite(logits)
-
-
-def _finite(x: torch.Tensor) -> torch.Tensor:
-    """NaN is never picked; +inf (overflow) becomes the largest float, -inf (masked) stays."""
-    return torch.nan_to_num(x, nan=float("-inf"), posinf=_FMAX, neginf=float("-inf"))
+    return finite_logits(logits)
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
                   top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
-    """Temperature, then min_p, then top-k and top-p as vLLM applies them; rows [n, V] fp32.
+    """Temperature, then min_p, then top-k and top-p as vLLM applies them (kernels.reference.sample_filter); rows
+    [n, V] fp32, the dropped tokens -inf (the others shifted: the top one is 0).
     top_k: [n] in 1..V (V: off); top_p: [n] in (0, 1] (1: off); min_p: [n] (0: off)."""
-    x = _finite(logits / temperature[:, None])
-    if min_p is not None:
-        probs = x.softmax(-1)
-        x = x.masked_fill(probs < min_p[:, None] * probs.amax(-1, keepdim=True), float("-inf"))
-    if top_k is None and top_p is None:
-        return x
-    ordered, order = x.sort(-1, descending=False)
-    if top_k is not None:  # ties with the k-th value stay
-        kth = ordered.gather(1, (x.shape[-1] - top_k).long()[:, None])
-        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    if top_p is not None:  # drop the low tail whose mass stays within 1 - top_p; the top token always stays
-        tail = ordered.softmax(-1).cumsum(-1) <= 1 - top_p[:, None]
-        tail[:, -1] = False
-        ordered = ordered.masked_fill(tail, float("-inf"))
-    return ordered.scatter(-1, order, ordered)
+    d, keep = sample_filter(logits, temperature, top_k, top_p, min_p)
+    return d.masked_fill(~keep, float("-inf"))
 
 
 def _per_row(values: list, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
@@ -152,32 +141,40 @@ def _per_row(values: list, dtype: torch.dtype, dev: torch.device) -> torch.Tenso
     return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
 
 
-def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The distribution a random row draws from: each row's temperature, min_p, top-k, top-p."""
-    V, dev = logits.shape[-1], logits.device
+def _filters(params: list[SamplingParams], V: int, dev: torch.device):
+    """Each row's (temperature, top_k, top_p, min_p) as per-row tensors; an option no row uses: None."""
     temp = _per_row([p.temperature for p in params], torch.float32, dev)
     top_k = _per_row([p.top_k if 0 < p.top_k < V else V for p in params], torch.long, dev) \
         if any(0 < p.top_k < V for p in params) else None
     top_p = _per_row([p.top_p for p in params], torch.float32, dev) if any(p.top_p < 1 for p in params) else None
     min_p = _per_row([p.min_p for p in params], torch.float32, dev) if any(p.min_p > 0 for p in params) else None
-    return filter_logits(logits, temp, top_k, top_p, min_p).softmax(-1)
+    return temp, top_k, top_p, min_p
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution a random row draws from: each row's temperature, min_p, top-k, top-p."""
+    return filter_logits(logits, *_filters(params, logits.shape[-1], logits.device)).softmax(-1)
+
+
+def _uniforms(params: list[SamplingParams], steps: list[int], generator: torch.Generator | None,
+              dev: torch.device) -> torch.Tensor:
+    """[w] float64 in [0, 1): a seeded row's from (seed, step), the others' from the generator on the device."""
+    seeded = [j for j, p in enumerate(params) if p.seed is not None]
+    own = _per_row([seeded_uniform(params[j].seed, steps[j]) for j in seeded], torch.float64, dev)
+    if len(seeded) == len(params):
+        return own
+    u = torch.rand(len(params), dtype=torch.float64, device=dev, generator=generator)
+    return u.index_copy(0, _per_row(seeded, torch.long, dev), own) if seeded else u
 
 
 def _draw_random(x: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, rand: list[int],
                  params: list[SamplingParams], steps: list[int], generator: torch.Generator | None):
     """(tokens, valid) with rows `rand` (their params, their steps: tokens generated so far) drawn from the processed
-    logits x by the exponential race: the engine's generator for unseeded rows, a seeded row's own (seed, step) one."""
+    logits x (K.sample_draw)."""
     dev = x.device
     idx = _per_row(rand, torch.long, dev)
-    probs = sampling_probs(x[idx], params)
-    q = torch.empty_like(probs)
-    if any(p.seed is None for p in params):
-        q.exponential_(generator=generator)
-    for j, p in enumerate(params):
-        if p.seed is not None:
-            q[j].exponential_(generator=_generator(p.seed, steps[j], dev))
-    drawn = (probs / q.clamp_(min=_TINY)).argmax(-1)
-    return tokens.index_copy(0, idx, drawn), valid.index_copy(0, idx, valid[idx] & ~torch.isnan(probs).any(-1))
+    drawn = K.sample_draw(x, idx, *_filters(params, x.shape[-1], dev), _uniforms(params, steps, generator, dev))
+    return tokens.index_copy(0, idx, drawn.clamp(min=0)), valid.index_copy(0, idx, valid[idx] & (drawn >= 0))
 
 
 def top_logprobs(raw: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor, rows: torch.Tensor | None, k: int):
@@ -212,11 +209,12 @@ def pick_on_device(logits: torch.Tensor, params: list[SamplingParams], steps: li
         picked = K.greedy_pick(raw)  # an invalid row's log-sum-exp is not finite already
         tokens, lse = picked[0].long(), picked[2].float()
     else:
-        x = _finite(raw)  # process_logits of a row with nothing to process
+        # what process_logits leaves of a row with nothing to process is the raw row with NaN as -inf and +inf as
+        # the largest float: the draw reads raw rows so; a row's lse is NaN where one is NaN, -inf where all are
         lse = raw.logsumexp(-1)
-        valid = torch.isfinite(x).any(-1) & ~torch.isnan(raw).any(-1)
+        valid = lse > float("-inf")
         rand = [i for i, p in enumerate(params) if not p.greedy]
-        tokens, valid = _draw_random(x, x.argmax(-1), valid, rand, [params[i] for i in rand],
+        tokens, valid = _draw_random(raw, raw.argmax(-1), valid, rand, [params[i] for i in rand],
                                      [steps[i] for i in rand], generator)
         chosen = raw.gather(1, tokens[:, None])[:, 0] - lse
         picked = torch.stack([tokens.double(), chosen.double(), torch.where(valid, lse, float("nan")).double()])

@@ -84,6 +84,7 @@ def _bind() -> None:
     global norm_linear, router_moe
     global indexer_scores, indexer_scores_paged, indexer_topk, paged_attention, pool_blocks, norm_rope
     global kv_norm_rope_insert, q_kv_norm_rope, compress_decode, compress_blocks, greedy_pick
+    global sample_draw
     global v41_hc_site_collapse, v41_hc_expand, v41_rms_norm, v41_rope, v41_fake_quant_fp4, v41_fake_quant_fp8
     global v41_router, v41_clamped_swiglu, v41_moe_sum, v41_engram_gate, v41_engram_gather
     reference.set_rounding(torch.bfloat16 if _backend in ROUNDED else None)  # V4 serves in bf16
@@ -127,6 +128,7 @@ def _bind() -> None:
     compress_decode = op("compress_decode", reference.compress_decode)
     compress_blocks = op("compress_blocks", reference.compress_blocks)
     greedy_pick = op("greedy_pick", reference.greedy_pick)
+    sample_draw = op("sample_draw", reference.sample_draw)
     # DeepSeek-V4.1's ops whose arithmetic differs from V4's
     v41_hc_site_collapse = op("v41_hc_site_collapse", v41_reference.hc_site_collapse)
     v41_hc_expand = op("v41_hc_expand", v41_reference.hc_expand)

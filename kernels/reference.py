@@ -594,3 +594,54 @@ def greedy_pick(logits: torch.Tensor) -> torch.Tensor:
     lse = torch.logsumexp(logits.float(), dim=-1)
     mx, idx = logits.float().max(dim=-1)
     return torch.stack([idx.double(), (mx - lse).double(), lse.double()])
+
+
+# --- drawing a sampled token (engine/sampler.py) -------------------------------------------------------------------
+_FMAX = torch.finfo(torch.float32).max
+
+
+def finite_logits(x: torch.Tensor) -> torch.Tensor:
+    """NaN is never picked; +inf (overflow) becomes the largest float, -inf (masked) stays."""
+    return torch.nan_to_num(x, nan=float("-inf"), posinf=_FMAX, neginf=float("-inf"))
+
+
+def sample_filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                  top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a sampled row may draw, vLLM's options in vLLM's order, rows [n, V]: (d, keep), d = y - max(y) in float32
+    for y = logits / temperature, keep the tokens left after min_p (keep y's probability >= min_p x the top one's),
+    top-k (the k largest; ties with the k-th stay) and top-p (the largest tokens whose probability strictly above
+    them, among those left, is below top_p: ties go together; the top token always stays). top_k: [n] in 1..V (V:
+    off); top_p: [n] in (0, 1] (1: off); min_p: [n] (0: off); None: off for every row. Sums are float64."""
+    y = finite_logits(finite_logits(logits.float()) / temperature[:, None])
+    top = y.amax(-1, keepdim=True)
+    d = torch.where(top > float("-inf"), y - top, float("-inf"))  # a row with nothing finite keeps nothing
+    e = d.exp()
+    keep = d > float("-inf")
+    if min_p is not None:
+        keep &= e >= min_p[:, None]
+    if top_k is not None:  # fewer left than k: the k-th is -inf, nothing more goes
+        ordered = d.masked_fill(~keep, float("-inf")).sort(-1, descending=True).values
+        keep &= d >= ordered.gather(1, (top_k.long() - 1).clamp(0, d.shape[-1] - 1)[:, None])
+    if top_p is not None:
+        ordered = d.masked_fill(~keep, float("-inf")).sort(-1, descending=True).values
+        w = ordered.exp().double()
+        above = w.cumsum(-1) - w  # the mass strictly above each entry in this order: a tie's first entry's
+        within = (above < top_p.double()[:, None] * w.sum(-1, keepdim=True)) | (top_p[:, None] >= 1)
+        last = (within.sum(-1, keepdim=True) - 1).clamp(min=0)
+        keep &= d >= ordered.gather(1, last)
+    return d, keep
+
+
+def sample_draw(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+                top_p: torch.Tensor | None, min_p: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of logits [n, V] drawn after sample_filter (each option [w] for those rows) by the inverse of their
+    cumulative distribution in token order at u [w] in [0, 1) (float64): the first token whose kept mass up to it
+    (float64) exceeds u x the row's kept mass. [w] int64; -1 where nothing is left to draw."""
+    d, keep = sample_filter(logits[rows], temperature, top_k, top_p, min_p)
+    w = torch.where(keep, d.exp(), 0).double()
+    cum = w.cumsum(-1)
+    total = cum[:, -1]
+    token = (cum <= (u.double() * total)[:, None]).sum(-1)  # the first entry past the target
+    last_kept = torch.where(keep, torch.arange(d.shape[-1], device=d.device), -1).amax(-1)
+    token = torch.minimum(token, last_kept)  # a target rounded up to the total
+    return torch.where(total > 0, token, -1)
