@@ -21,8 +21,11 @@ SWITCHES = DEPTH[:-1] + ',"cudagraph_mode":"FULL_DECODE_ONLY"}'  # decode graphs
 # on the rank share: today's step, every fusion, moe_gemv, then each fusion alone (tools.bench_decode_switches)
 TP_SHARE_SWITCH_CONFIGS = "pdl,all,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/moe_gemv,each"
 # today's decode, then each decode variant that is off by default, then today's without bf16_gemv
+# today's step last again (pdl_again): at batch 150 the last config ran fastest in two runs (1.10x, 1.14x), so a gap
+# under the drift between the first and the last row is not the variant's
 DECODE_VARIANT_CONFIGS = ("pdl,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/moe_gemv,"
-                          "indexer_select=pdl:1+var:rope_tiles/bf16_gemv/indexer_select,no_bf16_gemv=pdl:1+var:rope_tiles")
+                          "indexer_select=pdl:1+var:rope_tiles/bf16_gemv/indexer_select,no_bf16_gemv=pdl:1+var:rope_tiles,"
+                          "pdl_again=pdl:1+var:rope_tiles/bf16_gemv")
 # today's prefill (its default variants), then with each prefill variant that is off, then both
 PREFILL_VARIANT_SETS = ",".join("rope_tiles+bf16_gemv" + extra for extra in
                                 ("", "+attn_offsets", "+indexer_select", "+attn_offsets+indexer_select"))
@@ -305,7 +308,8 @@ SUITE_LIST = [
           "1-4 tokens as CUDA-core GEMVs), with indexer_select on (by default only for rows past 4,096 entries; this "
           "8K server's are 2,048: the indexer's selection from what each token sees, sorted) and without bf16_gemv (on by default: the compressors' and "
           "indexer's bf16 projections and the router's gate as one CUDA-core GEMV launch with PDL instead of "
-          "cuBLAS's split-K GEMM and its reduce, up to 4 rows, so batch 32 / 150 run cuBLAS there)?",
+          "cuBLAS's split-K GEMM and its reduce, up to 4 rows, so batch 32 / 150 run cuBLAS there), then today's "
+          "again (the drift over the run)?",
           decode_ab_steps(DECODE_VARIANT_CONFIGS, 16),
           notes="about 7 minutes on a fresh machine: a checkpoint (~30 s), an engine start with decode graphs "
                 "(~60-90 s), then per batch and config a graph capture and 24 steps"),
@@ -599,6 +603,12 @@ SUITE_LIST = [
           "same set?",
           (Step("tools.bench_indexer", (), timeout_s=300),),
           notes="about 2 minutes: 24 sizes x 2 paths, 8 calls a CUDA graph"),
+    Suite("kernels_sample_draw", "A sampled row's draw at V4-Flash's vocabulary (129,280) for 1 / 32 / 150 rows: the "
+          "kernel (kernels/fused_draw.py: top-k's and top-p's cuts found by searching values, no sort) against its "
+          "torch reference (sort, cumsum), for temperature alone, top-p 0.95, top-k 50, both, min_p 0.05, each "
+          "checked to draw the same token from the same kept set?",
+          (Step("tools.bench_sample_draw", (), timeout_s=200),),
+          notes="about a minute; bf16-rounded rows (ties) with a few likely tokens"),
     Suite("kernels_bf16_gemv", "Is the bf16 GEMV (kernel variant bf16_gemv) right and faster than cuBLAS on V4-Flash's "
           "bf16 linears at decode (a CSA layer's stacked readers of the attention input, an HCA layer's, the indexer's "
           "wq_b, the MoE router's gate at 16 and 256 experts) at 1 / 2 / 4 / 8 rows, against the bytes' floor?",

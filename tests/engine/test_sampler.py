@@ -16,6 +16,7 @@ from engine.sampler import (
     pick_on_device,
     process_logits,
     sample,
+    seeded_uniform,
 )
 
 V = 97  # awkward on purpose
@@ -235,3 +236,11 @@ def test_the_device_pick_carries_the_samplers_logprobs_and_ranks(greedy_only):
         top, rank = in_flight_logprobs(host, i, w.token_id, host[1][i], m)
         assert rank == w.rank and list(top) == list(w.top_logprobs), i
         assert all(abs(top[t] - w.top_logprobs[t]) < 1e-5 for t in top), i
+
+
+def test_seeded_uniforms_depend_on_seed_and_step_alone():
+    """A seeded request's draw at token i: a uniform hashed from (seed, i), spread evenly over [0, 1)."""
+    u = torch.tensor([seeded_uniform(seed, step) for seed in range(100) for step in range(100)], dtype=torch.float64)
+    assert u.min() >= 0 and u.max() < 1 and len(set(u.tolist())) == len(u)
+    assert abs(u.mean().item() - 0.5) < 0.01 and torch.histc(u, bins=10, min=0, max=1).min() > 900
+    assert seeded_uniform(7, 3) == seeded_uniform(7, 3) != seeded_uniform(7, 4)

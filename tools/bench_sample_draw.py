@@ -1,0 +1,96 @@
+"""The sampled rows' draw on the GPU: K.sample_draw's kernel against its torch reference (the same tokens and cuts
+but where rounding decides) and both timed, at V-Flash's vocabulary, per batch and sampling options.
+
+    python -m tools.bench_sample_draw [--batches 1 32 150] [--vocab 129280] [--json F]
+On a machine without CUDA it runs on the CPU (Triton's interpreter; --small: the search's small sizes), a check of
+the tool, not a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from kernels import reference as ref
+from kernels.fused_draw import sample_draw_fused
+
+OPTIONS = {  # name: (temperature, top_k, top_p, min_p)
+    "temperature": (0.8, None, None, None),
+    "top_p 0.95": (0.8, None, 0.95, None),
+    "top_k 50": (0.8, 50, None, None),
+    "top_k 50 + top_p 0.9": (0.8, 50, 0.9, None),
+    "min_p 0.05": (0.8, None, None, 0.05),
+}
+
+
+SMALL = dict(block=64, search_block=16, probes=2, cap=8)
+
+
+def _time(fn, reps: int = 20) -> float:
+    """ms a call: CUDA events on the GPU, the wall clock once on the CPU."""
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 150])
+    ap.add_argument("--vocab", type=int, default=129280)
+    ap.add_argument("--small", action="store_true", help="the search's small sizes (a CPU check of the tool)")
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sizes = SMALL if a.small else {}
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows_out = []
+    print(f"{'batch':>5} {'options':<22} {'torch ms':>9} {'kernel ms':>9} {'speedup':>8} {'same tok':>9} {'same cut':>9}")
+    for n in a.batches:
+        # LM-like rows: a few likely tokens over a long tail, in bf16 as the lm_head stores them (ties happen)
+        logits = (torch.randn(n, a.vocab, device=dev, generator=g) * 2.5).bfloat16().float()
+        logits[:, :8] += torch.rand(n, 8, device=dev, generator=g) * 12
+        rows = torch.arange(n, device=dev)
+        u = torch.rand(n, dtype=torch.float64, device=dev, generator=g)
+        for name, (t, k, p, m) in OPTIONS.items():
+            temp = torch.full((n,), t, device=dev)
+            top_k = torch.full((n,), k, device=dev, dtype=torch.long) if k else None
+            top_p = torch.full((n,), p, device=dev) if p else None
+            min_p = torch.full((n,), m, device=dev) if m else None
+            args = (logits, rows, temp, top_k, top_p, min_p, u)
+            cuts = torch.empty(n, device=dev)
+            got = sample_draw_fused(*args, cuts=cuts, **sizes)
+            want = ref.sample_draw(*args)
+            d, keep = ref.sample_filter(logits, temp, top_k, top_p, min_p)
+            kept = (d > float("-inf")) & (d >= cuts[:, None])
+            if min_p is not None:
+                kept &= d.exp() >= min_p[:, None]
+            same_tok = (got == want).float().mean().item()
+            same_cut = (kept == keep).all(-1).float().mean().item()
+            t_ref = _time(lambda: ref.sample_draw(*args))
+            t_ker = _time(lambda: sample_draw_fused(*args, **sizes))
+            print(f"{n:>5} {name:<22} {t_ref:>9.3f} {t_ker:>9.3f} {t_ref / t_ker:>7.1f}x {same_tok:>9.3f} {same_cut:>9.3f}")
+            rows_out.append(dict(batch=n, options=name, torch_ms=t_ref, kernel_ms=t_ker, same_token=same_tok,
+                                 same_cut=same_cut))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"vocab": a.vocab, "rows": rows_out, "device": torch.cuda.get_device_name() if dev.type == "cuda"
+                       else "cpu (interpreter)"}, f, indent=1)
+    return rows_out
+
+
+if __name__ == "__main__":
+    main()
