@@ -160,7 +160,7 @@ def _uniforms(params: list[SamplingParams], steps: list[int], generator: torch.G
               dev: torch.device) -> torch.Tensor:
     """[w] float64 in [0, 1): a seeded row's from (seed, step), the others' from the generator on the device."""
     seeded = [j for j, p in enumerate(params) if p.seed is not None]
-    own = _per_row([seeded_uniform(params[j].seed, steps[j]) for j in seeded], torch.float64, dev)
+    own = _per_row([seeded_uniform(params[j].seed, steps[j]) for j in seeded], torch.float64, dev) if seeded else None
     if len(seeded) == len(params):
         return own
     u = torch.rand(len(params), dtype=torch.float64, device=dev, generator=generator)
