@@ -25,7 +25,7 @@ TP_SHARE_SWITCH_CONFIGS = "pdl,all,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/moe_g
 # under the drift between the first and the last row is not the variant's
 DECODE_VARIANT_CONFIGS = ("pdl,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/moe_gemv,"
                           "indexer_select=pdl:1+var:rope_tiles/bf16_gemv/indexer_select,no_bf16_gemv=pdl:1+var:rope_tiles,"
-                          "pdl_again=pdl:1+var:rope_tiles/bf16_gemv")
+                          "fp8_cublas_mid=pdl:1+var:rope_tiles/bf16_gemv/fp8_cublas_mid,pdl_again=pdl:1+var:rope_tiles/bf16_gemv")
 # today's prefill (its default variants), then with each prefill variant that is off, then both
 PREFILL_VARIANT_SETS = ",".join("rope_tiles+bf16_gemv" + extra for extra in
                                 ("", "+attn_offsets", "+indexer_select", "+attn_offsets+indexer_select"))
@@ -308,8 +308,9 @@ SUITE_LIST = [
           "1-4 tokens as CUDA-core GEMVs), with indexer_select on (by default only for rows past 4,096 entries; this "
           "8K server's are 2,048: the indexer's selection from what each token sees, sorted) and without bf16_gemv (on by default: the compressors' and "
           "indexer's bf16 projections and the router's gate as one CUDA-core GEMV launch with PDL instead of "
-          "cuBLAS's split-K GEMM and its reduce, up to 4 rows, so batch 32 / 150 run cuBLAS there), then today's "
-          "again (the drift over the run)?",
+          "cuBLAS's split-K GEMM and its reduce, up to 4 rows, so batch 32 / 150 run cuBLAS there), with fp8_cublas_mid "
+          "(cuBLAS's blockwise FP8 GEMM for the FP8 linears from 128 rows, not 256: batch 150), then today's again "
+          "(the drift over the run)?",
           decode_ab_steps(DECODE_VARIANT_CONFIGS, 16),
           notes="about 7 minutes on a fresh machine: a checkpoint (~30 s), an engine start with decode graphs "
                 "(~60-90 s), then per batch and config a graph capture and 24 steps"),

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import pdl, quant_configs
+from kernels import pdl, quant_configs, variants
 from kernels.activations import clamped_swiglu
 from kernels.formats import FP8_BLOCK, fp8_block_of
 from kernels.fp8_unpack import fp8_unpacked
@@ -448,6 +448,11 @@ def _mma(x2, weight, scale, y, cfg, n1: int | None = None, block: int = FP8_BLOC
                       **pdl.options(q))
 
 
+def cublas_min_rows() -> int:
+    """Rows from which a V4 FP8 linear takes cuBLAS's blockwise GEMM (kernel variant fp8_cublas_mid: from fewer)."""
+    return quant_configs.FP8_CUBLAS_MID_ROWS if variants.on("fp8_cublas_mid") else quant_configs.FP8_CUBLAS_MIN_ROWS
+
+
 def tiles(m: int, n: int, k: int, variant: str | None = None, config: dict | None = None,
           block: int = FP8_BLOCK) -> tuple[str, dict]:
     """(variant, config) of one call: `config` (a sweep's) or the table's for the shape; a variant asked for by
@@ -459,7 +464,7 @@ def tiles(m: int, n: int, k: int, variant: str | None = None, config: dict | Non
     if variant == "mma" and block < MMA_MIN_BLOCK and not asked:
         variant = "unpacked"
     if variant in ("mma", "dequant") and block == FP8_BLOCK and not asked and CUBLAS_OK \
-            and m >= quant_configs.FP8_CUBLAS_MIN_ROWS and k % CUBLAS_K_ALIGN == 0 and n % FP8_BLOCK == 0 \
+            and m >= cublas_min_rows() and k % CUBLAS_K_ALIGN == 0 and n % FP8_BLOCK == 0 \
             and quant_configs.hopper():
         variant = "cublas"
     if variant not in VARIANTS:

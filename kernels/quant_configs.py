@@ -188,6 +188,7 @@ def moe_grouped(pairs: int, experts: int, fmt: str) -> bool:
 # than the table's pick for all four V4 linears at 256-2048 rows, not for wq_a at 128 (tools/bench_fp8_vs_bf16.py
 # --only v4, docs/perf/h200-2026-12-03-s10/fp8_cublas.json)
 FP8_CUBLAS_MIN_ROWS = 256
+FP8_CUBLAS_MID_ROWS = 128  # kernel variant fp8_cublas_mid's bound (a decode batch of 128 and more)
 
 INTERPRET_LINEAR = {"dequant": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 2},
                     "gemv": {"BLOCK_N": 16, "BLOCK_K": 128, "SPLIT_K": 2},

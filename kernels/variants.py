@@ -34,6 +34,10 @@ Read at every call: CUDA graphs captured after a change follow it.
   (kernels.fused_attention._slot_offsets), instead of every thread working out the rows of its keys from the block
   tables and the indexer's picks at every key step (sm_90 offline, Triton 3.6: 1,194 instructions a key step
   against 2,173 on the CSA prefill tile, spills 80 bytes against 232).
+- fp8_cublas_mid: cuBLAS's blockwise FP8 GEMM (the "cublas" variant of kernels/fused_fp8_linear.py: activations
+  quantized 1x128 as DeepSeek's own inference does, then torch's scaled_mm) for V4's FP8 linears from
+  quant_configs.FP8_CUBLAS_MID_ROWS rows instead of FP8_CUBLAS_MIN_ROWS: a decode step of 128-255 sequences (batch
+  150's profile, H100: the tables' MMA GEMV and "mma" kernel took 11.6 of its 41 ms).
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ import os
 
 from kernels import fusions
 
-ALL = ("rope_tiles", "mix_bf16x3", "moe_frag", "bf16_gemv", "moe_gemv", "indexer_select", "attn_offsets")
+ALL = ("rope_tiles", "mix_bf16x3", "moe_frag", "bf16_gemv", "moe_gemv", "indexer_select", "attn_offsets",
+       "fp8_cublas_mid")
 # rope_tiles on: suite prefill_small_ops finds it within a rounding of the one-row kernels on the GPU and 1.1-1.3x
 # faster from 32 tokens up (no slower at one), prefill_variants 1.03x on the time to first token at depth.
 # mix_bf16x3 off: right on the GPU at its one-stage prefill launch (kernels/fused_norm_mhc.MIX_PIECES_TILES) and

@@ -372,6 +372,11 @@ def test_cublas_variant_where_rows_shape_and_device_allow(monkeypatch):
     assert tiles(2048, 4096, 256)[0] == "mma"  # a K of 2 scale blocks (shared_w2's shard at 8-way)
     assert tiles(2048, 4096, 4096, variant="mma")[0] == "mma"
     assert tiles(2048, 4096, 4096, block=32)[0] == "unpacked"
+    from kernels import variants
+    mid = quant_configs.FP8_CUBLAS_MID_ROWS
+    assert tiles(mid, 1024, 4096)[0] == "dequant"
+    monkeypatch.setattr(variants, "_on", variants._on | {"fp8_cublas_mid"})  # kernel variant fp8_cublas_mid
+    assert tiles(mid, 1024, 4096)[0] == "cublas" and tiles(mid - 1, 1024, 4096)[0] == "dequant"
     monkeypatch.setattr(quant_configs, "hopper", lambda device=None: False)
     assert tiles(2048, 4096, 4096)[0] == "mma"
 
