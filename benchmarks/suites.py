@@ -607,8 +607,8 @@ SUITE_LIST = [
     Suite("kernels_sample_draw", "A sampled row's draw at V4-Flash's vocabulary (129,280) for 1 / 32 / 150 rows: the "
           "kernel (kernels/fused_draw.py: top-k's and top-p's cuts found by searching values, no sort) against its "
           "torch reference (sort, cumsum), for temperature alone, top-p 0.95, top-k 50, both, min_p 0.05, each "
-          "checked to draw the same token from the same kept set?",
-          (Step("tools.bench_sample_draw", (), timeout_s=200),),
+          "checked to draw the same token from the same kept set? Which of the kernel's sizes is fastest at 1 / 150 rows?",
+          (Step("tools.bench_sample_draw", ("--sweep",), timeout_s=240),),
           notes="about a minute; bf16-rounded rows (ties) with a few likely tokens"),
     Suite("kernels_bf16_gemv", "Is the bf16 GEMV (kernel variant bf16_gemv) right and faster than cuBLAS on V4-Flash's "
           "bf16 linears at decode (a CSA layer's stacked readers of the attention input, an HCA layer's, the indexer's "

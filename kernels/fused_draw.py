@@ -25,6 +25,7 @@ BLOCK = 4096  # entries a pass reads at a time (a gathering or block-summing pas
 SEARCH_BLOCK = 256  # a search pass's, which keeps per-entry partials for each probe and reduces once a pass
 NP = 8  # probes a search pass tests
 CAP = 2048  # entries a search gathers and sorts to resolve
+NUM_WARPS = 8
 MAX_PASSES = 48  # a bound the narrowing never reaches (each pass splits the bracket's distinct values)
 
 
@@ -249,10 +250,11 @@ def _per_row(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def sample_draw_fused(logits: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor,
                       top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None,
                       u: torch.Tensor, cuts: torch.Tensor | None = None, block: int = BLOCK,
-                      search_block: int = SEARCH_BLOCK, probes: int = NP, cap: int = CAP) -> torch.Tensor:
+                      search_block: int = SEARCH_BLOCK, probes: int = NP, cap: int = CAP,
+                      num_warps: int = NUM_WARPS) -> torch.Tensor:
     """kernels.reference.sample_draw: [w] int64 tokens, -1 where nothing is left. `cuts` ([w] float32), if given,
     receives each row's cut in d (the kept tokens: kept by min_p and d >= cut; -inf: none); block / probes / cap
-    / search_block change the passes' sizes (tests walk every branch on small rows with them)."""
+    / search_block / num_warps change the passes' sizes (tests walk every branch on small rows with them)."""
     w, V = rows.shape[0], logits.shape[-1]
     dev = logits.device
     out = torch.empty(w, dtype=torch.long, device=dev)
@@ -270,5 +272,5 @@ def sample_draw_fused(logits: torch.Tensor, rows: torch.Tensor, temperature: tor
         _per_row(min_p if min_p is not None else temperature, torch.float32), _per_row(u, torch.float64), out, cuts,
         gathered, sums,
         HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None, BLOCK=block,
-        SB=search_block, NP=probes, CAP=cap, NBLOCKS=nblocks, MAX_PASSES=MAX_PASSES, num_warps=8)
+        SB=search_block, NP=probes, CAP=cap, NBLOCKS=nblocks, MAX_PASSES=MAX_PASSES, num_warps=num_warps)
     return out

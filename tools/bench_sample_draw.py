@@ -1,7 +1,9 @@
 """The sampled rows' draw on the GPU: K.sample_draw's kernel against its torch reference (the same tokens and cuts
 but where rounding decides) and both timed, at V-Flash's vocabulary, per batch and sampling options.
 
-    python -m tools.bench_sample_draw [--batches 1 32 150] [--vocab 129280] [--json F]
+    python -m tools.bench_sample_draw [--batches 1 32 150] [--vocab 129280] [--sweep] [--json F]
+--sweep: also the kernel's sizes (block, search block, probes, cap, warps) on top-p and top-k + top-p at the fewest
+and the most rows, each checked as above.
 On a machine without CUDA it runs on the CPU (Triton's interpreter; --small: the search's small sizes), a check of
 the tool, not a timing.
 """
@@ -27,6 +29,9 @@ OPTIONS = {  # name: (temperature, top_k, top_p, min_p)
 
 
 SMALL = dict(block=64, search_block=16, probes=2, cap=8)
+SWEEP = [dict(block=b, search_block=sb, probes=p, cap=c, num_warps=w) for b, sb, p, c, w in
+         ((4096, 256, 8, 2048, 8), (2048, 128, 8, 1024, 8), (2048, 128, 4, 1024, 8), (2048, 128, 4, 1024, 4),
+          (2048, 256, 16, 1024, 8), (1024, 64, 4, 512, 4), (4096, 512, 8, 2048, 16))]
 
 
 def _time(fn, reps: int = 20) -> float:
@@ -47,11 +52,37 @@ def _time(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
+def sweep(dev: torch.device, vocab: int, g: torch.Generator, batches: list[int], only: dict | None) -> list[dict]:
+    """The kernel's sizes (only: just that one, the CPU check) on top-p 0.95 and top-k 50 + top-p 0.9, at the
+    fewest and the most rows of `batches`."""
+    out = []
+    print(f"{'batch':>5} {'options':<22} {'block/sb/probes/cap/warps':<26} {'ms':>7} {'same tok':>9}")
+    for n in sorted({min(batches), max(batches)}):
+        logits = (torch.randn(n, vocab, device=dev, generator=g) * 2.5).bfloat16().float()
+        logits[:, :8] += torch.rand(n, 8, device=dev, generator=g) * 12
+        rows = torch.arange(n, device=dev)
+        u = torch.rand(n, dtype=torch.float64, device=dev, generator=g)
+        temp = torch.full((n,), 0.8, device=dev)
+        for name, top_k, top_p in (("top_p 0.95", None, 0.95), ("top_k 50 + top_p 0.9", 50, 0.9)):
+            args = (logits, rows, temp, torch.full((n,), top_k, device=dev, dtype=torch.long) if top_k else None,
+                    torch.full((n,), top_p, device=dev), None, u)
+            want = ref.sample_draw(*args)
+            for sizes in [only] if only else SWEEP:
+                same = (sample_draw_fused(*args, **sizes) == want).float().mean().item()
+                ms = _time(lambda: sample_draw_fused(*args, **sizes))
+                label = "/".join(str(sizes.get(k, "-")) for k in ("block", "search_block", "probes", "cap",
+                                                                    "num_warps"))
+                print(f"{n:>5} {name:<22} {label:<26} {ms:>7.3f} {same:>9.3f}")
+                out.append(dict(batch=n, options=name, sizes=sizes, kernel_ms=ms, same_token=same))
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 150])
     ap.add_argument("--vocab", type=int, default=129280)
     ap.add_argument("--small", action="store_true", help="the search's small sizes (a CPU check of the tool)")
+    ap.add_argument("--sweep", action="store_true", help="also the kernel's sizes at the fewest and most rows")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -85,6 +116,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"{n:>5} {name:<22} {t_ref:>9.3f} {t_ker:>9.3f} {t_ref / t_ker:>7.1f}x {same_tok:>9.3f} {same_cut:>9.3f}")
             rows_out.append(dict(batch=n, options=name, torch_ms=t_ref, kernel_ms=t_ker, same_token=same_tok,
                                  same_cut=same_cut))
+    if a.sweep:
+        rows_out += sweep(dev, a.vocab, g, a.batches, SMALL if a.small else None)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"vocab": a.vocab, "rows": rows_out, "device": torch.cuda.get_device_name() if dev.type == "cuda"

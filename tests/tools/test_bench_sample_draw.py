@@ -5,7 +5,8 @@ from tools import bench_sample_draw
 
 
 def test_the_tool_checks_every_option(tmp_path):
-    rows = bench_sample_draw.main(["--small", "--batches", "3", "--vocab", "257", "--json", str(tmp_path / "d.json")])
-    assert [r["options"] for r in rows] == list(bench_sample_draw.OPTIONS)
-    assert all(r["same_token"] == 1.0 and r["same_cut"] == 1.0 for r in rows), rows
+    rows = bench_sample_draw.main(["--small", "--batches", "3", "--vocab", "257", "--sweep",
+                                   "--json", str(tmp_path / "d.json")])
+    assert [r["options"] for r in rows[:5]] == list(bench_sample_draw.OPTIONS) and len(rows) == 5 + 2
+    assert all(r["same_token"] == 1.0 and r.get("same_cut", 1.0) == 1.0 for r in rows), rows
     assert (tmp_path / "d.json").exists()
