@@ -29,9 +29,17 @@ class Launcher:
              str(drain_s), "--engine-args", json.dumps(engine_args or ENGINE_ARGS), *flags],
             cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.output: list[str] = []
-        threading.Thread(target=lambda: self.output.extend(self.process.stdout), daemon=True).start()
+        self.reader = threading.Thread(target=lambda: self.output.extend(self.process.stdout), daemon=True)
+        self.reader.start()
         self.shm_prefix = f"dsv4_{self.process.pid}_{self.http_port}_"
         self.readies = 0
+
+    def wait_exit(self, timeout_s: float) -> int:
+        """The launcher's exit code, once what it printed last is read too (the reader thread can lag behind the
+        exit on a loaded machine; it ends at the pipe's end, or gives up after 10 s where a child holds the pipe)."""
+        code = self.process.wait(timeout_s)
+        self.reader.join(10)
+        return code
 
     def log(self) -> str:
         """What the launcher printed (tritonserver's log included)."""

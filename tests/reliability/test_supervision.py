@@ -89,7 +89,7 @@ def test_a_crashed_server_and_a_killed_openai_front_are_cleaned_up_and_restarted
 
         second = launcher.server_pids()
         launcher.process.send_signal(signal.SIGTERM)
-        assert launcher.process.wait(60) == 0, launcher.tail()
+        assert launcher.wait_exit(60) == 0, launcher.tail()
         assert _gone(second, 10) and not launcher.regions(), (launcher.server_pids(), launcher.regions())
     finally:
         launcher.close()
@@ -106,7 +106,7 @@ def test_no_restart_exits_1_and_leaves_nothing(tmp_path):
         launcher.wait_ready()
         pids = launcher.server_pids()
         _crash(launcher)
-        assert launcher.process.wait(60) == 1, launcher.tail()
+        assert launcher.wait_exit(60) == 1, launcher.tail()
         assert "not restarting: --no-restart" in launcher.tail()
         assert _gone(pids, 5) and not launcher.regions(), (launcher.server_pids(), launcher.regions())
     finally:
