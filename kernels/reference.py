@@ -619,11 +619,14 @@ def sample_filter(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     keep = d > float("-inf")
     if min_p is not None:
         keep &= e >= min_p[:, None]
+    if top_k is None and top_p is None:
+        return d, keep
+    ordered = d.masked_fill(~keep, float("-inf")).sort(-1, descending=True).values  # one sort serves both
     if top_k is not None:  # fewer left than k: the k-th is -inf, nothing more goes
-        ordered = d.masked_fill(~keep, float("-inf")).sort(-1, descending=True).values
-        keep &= d >= ordered.gather(1, (top_k.long() - 1).clamp(0, d.shape[-1] - 1)[:, None])
+        kth = ordered.gather(1, (top_k.long() - 1).clamp(0, d.shape[-1] - 1)[:, None])
+        keep &= d >= kth
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))  # still in order: what top-k dropped is its tail
     if top_p is not None:
-        ordered = d.masked_fill(~keep, float("-inf")).sort(-1, descending=True).values
         w = ordered.exp().double()
         above = w.cumsum(-1) - w  # the mass strictly above each entry in this order: a tie's first entry's
         within = (above < top_p.double()[:, None] * w.sum(-1, keepdim=True)) | (top_p[:, None] >= 1)
