@@ -372,18 +372,24 @@ class LLMEngine:
         """The tokens of a step kept in flight, picked on the device as `_draw` would (engine/sampler.pick_on_device):
         greedy or drawn, a seeded row at its own step (the previous step's pending token counted)."""
         return pick_on_device(logits, [s.sampling for s in seqs], [len(s.output_token_ids) for s in seqs],
-                              self.generator)
+                              self.generator, [self._bans(s) for s in seqs])
+
+    def _bans(self, seq: Sequence) -> list[int]:
+        """The ids this sequence may not draw now: its stop ids (EOS and stop_token_ids) until min_tokens."""
+        if len(seq.output_token_ids) >= seq.sampling.min_tokens:
+            return []
+        return sorted(self.requests[seq.request_id].eos_ids | set(seq.sampling.stop_token_ids))
 
     def _can_keep_in_flight(self, sampled: list[tuple[Sequence, int]]) -> bool:
-        """Every sampling row picks its token with nothing to mask (greedy, or drawn after temperature, min_p, top-k,
-        top-p; logprobs and ranks come back with it: engine/sampler.pick_on_device), and no sequence can end by
-        length on this token (so the next step may already include it)."""
+        """Every sampling row picks its token without the tokens generated so far (greedy, or drawn after
+        temperature, min_p, top-k, top-p; allowed ids, logit_bias and min_tokens' bans applied; logprobs and ranks come
+        back with it: engine/sampler.pick_on_device; penalties, bad words and grammars need the previous step's token),
+        and no sequence can end by length on this token (so the next step may already include it)."""
         if not self.async_scheduling:
             return False
         for seq, _ in sampled:
             p = seq.sampling
-            if (p.processes_logits
-                    or len(seq.output_token_ids) < p.min_tokens or len(seq.output_token_ids) + 1 >= p.max_tokens
+            if (p.processes_with_history or len(seq.output_token_ids) + 1 >= p.max_tokens
                     or seq.num_tokens + 1 >= self.max_model_len):
                 return False
         return True
@@ -426,9 +432,8 @@ class LLMEngine:
         if len(live) < len(samplers):
             samplers, logits = [samplers[i] for i in live], logits[live]
         self.last_logits = dict(zip((s.request_id for s in samplers), logits))  # measurements read these
-        rows = [SamplingRow(s.sampling, len(s.output_token_ids), s.prompt_token_ids, s.output_token_ids,
-                            sorted(self.requests[s.request_id].eos_ids | set(s.sampling.stop_token_ids))
-                            if len(s.output_token_ids) < s.sampling.min_tokens else [], s.grammar) for s in samplers]
+        rows = [SamplingRow(s.sampling, len(s.output_token_ids), s.prompt_token_ids, s.output_token_ids, self._bans(s),
+                            s.grammar) for s in samplers]
         return samplers, sample(logits, rows, self.generator, self.grammars)
 
     def _emit(self, seq: Sequence, smp: Sample) -> list[RequestOutput]:

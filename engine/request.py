@@ -67,6 +67,13 @@ class SamplingParams:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     @property
+    def processes_with_history(self) -> bool:
+        """Changes the logits by the tokens generated so far (penalties, bad words, a grammar): the sampler needs the
+        previous step's token on the host (async scheduling reads that step back first)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.bad_words_token_ids or self.structured_outputs is not None)
+
+    @property
     def processes_logits(self) -> bool:
         """Anything beyond temperature / top-k / top-p / min-p that changes the logits."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0

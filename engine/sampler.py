@@ -88,25 +88,26 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     """In place on fp32 logits [n, V]: allowed ids, bans, logit_bias, penalties (vLLM's order)."""
     n, V = logits.shape
     dev = logits.device
+    long = torch.long  # index lists go through pinned memory (_per_row): a step kept in flight processes them too
     allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
     if allowed:
         keep = torch.zeros(len(allowed), V, dtype=torch.bool, device=dev)
         ri = [j for j, (_, ids) in enumerate(allowed) for _ in ids]
         ci = [t for _, ids in allowed for t in ids]
-        keep[torch.tensor(ri, dtype=torch.long, device=dev), torch.tensor(ci, dtype=torch.long, device=dev)] = True
-        idx = torch.tensor([i for i, _ in allowed], device=dev)
+        keep[_per_row(ri, long, dev), _per_row(ci, long, dev)] = True
+        idx = _per_row([i for i, _ in allowed], long, dev)
         logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
     bans = [(i, t) for i, r in enumerate(rows) for t in
             r.banned + (bad_word_bans(r.params.bad_words_token_ids, r.output_ids) if r.params.bad_words_token_ids else [])]
     if bans:
         ri, ci = zip(*bans)
-        logits[torch.tensor(ri, device=dev), torch.tensor(ci, device=dev)] = float("-inf")
+        logits[_per_row(list(ri), long, dev), _per_row(list(ci), long, dev)] = float("-inf")
     bias = [(i, int(t), max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(b))))
             for i, r in enumerate(rows) if r.params.logit_bias for t, b in r.params.logit_bias.items()]
     if bias:
         ri, ci, vals = zip(*bias)
-        logits.index_put_((torch.tensor(ri, device=dev), torch.tensor(ci, device=dev)),
-                          torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+        logits.index_put_((_per_row(list(ri), long, dev), _per_row(list(ci), long, dev)),
+                          _per_row(list(vals), logits.dtype, dev), accumulate=True)
     pen = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty
            or r.params.repetition_penalty != 1.0]
     if pen:
@@ -197,25 +198,34 @@ def logprob_entry(token: int, logprob: float, ids: list, vals: list, m: int) -> 
 
 
 def pick_on_device(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+                   generator: torch.Generator | None = None, bans: list[list[int]] | None = None) -> torch.Tensor:
     """[3 (+ 1 + 2k), n] float64 on the device, nothing read back: each row's token as `sample` picks it for a row
-    with nothing to process (no allowed ids, bans, bias, penalties or grammar: greedy, or drawn after temperature,
-    min_p, top-k, top-p), its logprob under the raw logits and the raw log-sum-exp, NaN where `sample` would fail
+    whose processing needs no token generated so far (allowed ids, logit_bias, `bans`: min_tokens' stop ids; no
+    penalties, bad words or grammar: SamplingParams.processes_with_history) greedy, or drawn after temperature,
+    min_p, top-k, top-p, its logprob under the raw logits and the raw log-sum-exp, NaN where `sample` would fail
     the row (NO_TOKEN); where a row asks for logprobs, then every row's rank, k top ids and k top logprobs (k: the
     most any row asks for; `in_flight_logprobs` reads them). What async scheduling keeps in flight
     (engine/in_flight.py). steps: each row's tokens generated so far (a seeded row's draw)."""
+    if any(p.processes_with_history for p in params):
+        raise ValueError("a row processed by the tokens generated so far is picked by `sample`, not on the device")
+    bans = bans or [[] for _ in params]
     raw = logits.float()
-    if all(p.greedy for p in params):
+    processed = any(p.processes_logits for p in params) or any(bans)
+    if all(p.greedy for p in params) and not processed:
         picked = K.greedy_pick(raw)  # an invalid row's log-sum-exp is not finite already
         tokens, lse = picked[0].long(), picked[2].float()
     else:
-        # what process_logits leaves of a row with nothing to process is the raw row with NaN as -inf and +inf as
-        # the largest float: the draw reads raw rows so; a row's lse is NaN where one is NaN, -inf where all are
+        # unprocessed, the raw row is what process_logits would leave (NaN as -inf, +inf as the largest float; the
+        # draw reads it so); a row's lse is NaN where one of its logits is
         lse = raw.logsumexp(-1)
-        valid = lse > float("-inf")
+        x = process_logits(raw.clone(), [SamplingRow(p, s, [], [], b) for p, s, b in zip(params, steps, bans)]) \
+            if processed else raw
+        valid = (torch.isfinite(x).any(-1) & ~torch.isnan(lse)) if processed else lse > float("-inf")
         rand = [i for i, p in enumerate(params) if not p.greedy]
-        tokens, valid = _draw_random(raw, raw.argmax(-1), valid, rand, [params[i] for i in rand],
-                                     [steps[i] for i in rand], generator)
+        tokens = x.argmax(-1)
+        if rand:
+            tokens, valid = _draw_random(x, tokens, valid, rand, [params[i] for i in rand], [steps[i] for i in rand],
+                                         generator)
         chosen = raw.gather(1, tokens[:, None])[:, 0] - lse
         picked = torch.stack([tokens.double(), chosen.double(), torch.where(valid, lse, float("nan")).double()])
     if all(p.logprobs is None for p in params):

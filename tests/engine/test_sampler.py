@@ -216,6 +216,34 @@ def test_the_device_pick_is_the_samplers_pick_for_rows_with_nothing_to_process(s
     assert int(greedy[0, 0]) == int(logits[0].argmax())
 
 
+@pytest.mark.parametrize("seeded", [True, False])
+def test_the_device_pick_applies_bias_allowed_ids_and_bans(seeded):
+    """Processing that needs no token generated so far (logit_bias, allowed_token_ids, min_tokens' stop ids) is
+    applied on the device too: `sample`'s tokens and raw logprobs, greedy and drawn, and NaN where every token is
+    masked; processing by history (penalties, bad words) is refused."""
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(4)) * 2
+    top = logits.argmax(-1).tolist()
+    kinds = (dict(temperature=0, logit_bias={str((top[0] + 1) % V): 50.0}), dict(temperature=0),
+             dict(temperature=0.8, allowed_token_ids=[3, 5, top[2]]), dict(temperature=0.9, top_k=4),
+             dict(temperature=0, allowed_token_ids=[top[4]]), dict(temperature=1.1, logit_bias={"7": -100.0}))
+    bans = [[], [top[1], 2], [], [top[3]], [top[4]], []]  # row 4: its one allowed token banned: nothing to pick
+    params = [SamplingParams(**k, seed=60 + i if seeded else None) for i, k in enumerate(kinds)]
+    steps = [1, 0, 4, 2, 0, 3]
+    for trial in range(3):
+        want = sample(logits, [SamplingRow(p, s, [1], [], b) for p, s, b in zip(params, steps, bans)],
+                      torch.Generator().manual_seed(trial))
+        got = pick_on_device(logits, params, steps, torch.Generator().manual_seed(trial), bans)
+        assert [w.error is not None for w in want] == [False] * 4 + [True, False]
+        for i, w in enumerate(want):
+            if w.error is not None:
+                assert torch.isnan(got[2, i]), i
+                continue
+            assert int(got[0, i]) == w.token_id and abs(float(got[1, i]) - w.logprob) < 1e-6, (trial, i)
+    assert int(got[0, 0]) == (top[0] + 1) % V and int(got[0, 1]) != top[1] and int(got[0, 2]) in (3, 5, top[2])
+    with pytest.raises(ValueError, match="generated so far"):
+        pick_on_device(logits[:1], [SamplingParams(temperature=0, presence_penalty=1.0)], [0])
+
+
 @pytest.mark.parametrize("greedy_only", [True, False])
 def test_the_device_pick_carries_the_samplers_logprobs_and_ranks(greedy_only):
     """Rows that ask for logprobs (0, 1, 4 of them) beside rows that ask for none: the rows pick_on_device adds,
