@@ -27,7 +27,15 @@ from engine.prefix_cache import PrefixCache
 from engine.prompt_logprobs import prompt_logprob_rows, score
 from engine.request import GenerationRequest, InvalidRequest, RequestOutput, SamplingParams
 from engine.runner import ModelRunner
-from engine.sampler import NO_TOKEN, Sample, SamplingRow, in_flight_logprobs, pick_on_device, sample
+from engine.sampler import (
+    NO_TOKEN,
+    Sample,
+    SamplingRow,
+    device_rows,
+    in_flight_logprobs,
+    pick_on_device,
+    sample,
+)
 from engine.sampling_checks import RequestLimits, bad_words_token_ids, sampling_checks
 from engine.scheduler import Scheduler
 from engine.sequence import PENDING_TOKEN, Sequence, Status
@@ -371,8 +379,19 @@ class LLMEngine:
     def pick_on_device(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """The tokens of a step kept in flight, picked on the device as `_draw` would (engine/sampler.pick_on_device):
         greedy or drawn, a seeded row at its own step (the previous step's pending token counted)."""
-        return pick_on_device(logits, [s.sampling for s in seqs], [len(s.output_token_ids) for s in seqs],
-                              self.generator, [self._bans(s) for s in seqs])
+        rows = [SamplingRow(s.sampling, len(s.output_token_ids), s.prompt_token_ids, s.output_token_ids, self._bans(s))
+                for s in seqs]
+        return pick_on_device(logits, rows, self.generator, self._pending_tokens(seqs))
+
+    def _pending_tokens(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """[rows] on the device: each sequence's token of the step in flight (-1: none), for the penalties to count;
+        None where no row has a penalty or a pending token."""
+        flight = self.pending
+        if flight is None or not any(s.sampling.penalized and s.has_pending_token for s in seqs):
+            return None
+        at = device_rows([flight.rows.get(id(s), -1) if s.has_pending_token else -1 for s in seqs], torch.long,
+                         flight.token_ids.device)
+        return torch.where(at >= 0, flight.token_ids[at.clamp(min=0)], -1)
 
     def _bans(self, seq: Sequence) -> list[int]:
         """The ids this sequence may not draw now: its stop ids (EOS and stop_token_ids) until min_tokens."""

@@ -68,16 +68,20 @@ class SamplingParams:
 
     @property
     def processes_with_history(self) -> bool:
-        """Changes the logits by the tokens generated so far (penalties, bad words, a grammar): the sampler needs the
-        previous step's token on the host (async scheduling reads that step back first)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.bad_words_token_ids or self.structured_outputs is not None)
+        """Changes the logits by the values of the tokens generated so far, read on the host (bad words, a grammar):
+        the sampler needs the previous step's token there (async scheduling reads that step back first; the
+        penalties only count tokens, which the device does)."""
+        return bool(self.bad_words_token_ids or self.structured_outputs is not None)
+
+    @property
+    def penalized(self) -> bool:
+        """Presence, frequency or repetition penalty: the logits change by the counts of tokens seen."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def processes_logits(self) -> bool:
         """Anything beyond temperature / top-k / top-p / min-p that changes the logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.bad_words_token_ids or self.allowed_token_ids is not None
+        return bool(self.penalized or self.logit_bias or self.bad_words_token_ids or self.allowed_token_ids is not None
                     or self.structured_outputs is not None)
 
 

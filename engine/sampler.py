@@ -25,6 +25,7 @@ import torch
 
 import kernels as K
 from engine.request import SamplingParams
+from engine.sequence import PENDING_TOKEN
 from kernels.reference import finite_logits, sample_filter
 
 MAX_LOGIT_BIAS = 100.0  # vLLM clamps logit_bias to [-100, 100], as OpenAI documents
@@ -74,7 +75,7 @@ def seeded_uniform(seed: int, step: int) -> float:
 
 def _pad(lists: list[list[int]], pad: int, device) -> torch.Tensor:
     width = max(map(len, lists), default=0)
-    return torch.tensor([x + [pad] * (width - len(x)) for x in lists], dtype=torch.long, device=device)
+    return device_rows([x + [pad] * (width - len(x)) for x in lists], torch.long, device)
 
 
 def _counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -84,43 +85,47 @@ def _counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return counts[:, :vocab]
 
 
-def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """In place on fp32 logits [n, V]: allowed ids, bans, logit_bias, penalties (vLLM's order)."""
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow], pending: torch.Tensor | None = None) -> torch.Tensor:
+    """In place on fp32 logits [n, V]: allowed ids, bans, logit_bias, penalties (vLLM's order). pending: [n] each
+    row's token of the step still in flight, on the device (-1: none), which its output ids hold as PENDING_TOKEN:
+    the penalties count it there."""
     n, V = logits.shape
     dev = logits.device
-    long = torch.long  # index lists go through pinned memory (_per_row): a step kept in flight processes them too
+    long = torch.long  # index lists go through pinned memory (device_rows): a step kept in flight processes them too
     allowed = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
     if allowed:
         keep = torch.zeros(len(allowed), V, dtype=torch.bool, device=dev)
         ri = [j for j, (_, ids) in enumerate(allowed) for _ in ids]
         ci = [t for _, ids in allowed for t in ids]
-        keep[_per_row(ri, long, dev), _per_row(ci, long, dev)] = True
-        idx = _per_row([i for i, _ in allowed], long, dev)
+        keep[device_rows(ri, long, dev), device_rows(ci, long, dev)] = True
+        idx = device_rows([i for i, _ in allowed], long, dev)
         logits[idx] = logits[idx].masked_fill(~keep, float("-inf"))
     bans = [(i, t) for i, r in enumerate(rows) for t in
             r.banned + (bad_word_bans(r.params.bad_words_token_ids, r.output_ids) if r.params.bad_words_token_ids else [])]
     if bans:
         ri, ci = zip(*bans)
-        logits[_per_row(list(ri), long, dev), _per_row(list(ci), long, dev)] = float("-inf")
+        logits[device_rows(list(ri), long, dev), device_rows(list(ci), long, dev)] = float("-inf")
     bias = [(i, int(t), max(-MAX_LOGIT_BIAS, min(MAX_LOGIT_BIAS, float(b))))
             for i, r in enumerate(rows) if r.params.logit_bias for t, b in r.params.logit_bias.items()]
     if bias:
         ri, ci, vals = zip(*bias)
-        logits.index_put_((_per_row(list(ri), long, dev), _per_row(list(ci), long, dev)),
-                          _per_row(list(vals), logits.dtype, dev), accumulate=True)
-    pen = [i for i, r in enumerate(rows) if r.params.presence_penalty or r.params.frequency_penalty
-           or r.params.repetition_penalty != 1.0]
+        logits.index_put_((device_rows(list(ri), long, dev), device_rows(list(ci), long, dev)),
+                          device_rows(list(vals), logits.dtype, dev), accumulate=True)
+    pen = [i for i, r in enumerate(rows) if r.params.penalized]
     if pen:
-        idx = torch.tensor(pen, device=dev)
+        idx = device_rows(pen, long, dev)
         ps = [rows[i].params for i in pen]
-        out_counts = _counts(_pad([rows[i].output_ids for i in pen], V, dev), V)
+        out = _pad([[t for t in rows[i].output_ids if t != PENDING_TOKEN] for i in pen], V, dev)
+        if pending is not None:  # a column more: the step in flight's token, or the pad
+            out = torch.cat([out, torch.where(pending[idx] >= 0, pending[idx], V)[:, None]], 1)
+        out_counts = _counts(out, V)
         seen = (_counts(_pad([rows[i].prompt_ids for i in pen], V, dev), V) > 0) | (out_counts > 0)
-        rep = torch.tensor([max(p.repetition_penalty, _TINY) for p in ps], device=dev)[:, None]
+        rep = device_rows([max(p.repetition_penalty, _TINY) for p in ps], torch.float32, dev)[:, None]
         x = logits[idx]
         rep = torch.where(seen, rep, 1.0)
         x = torch.where(x > 0, x / rep, x * rep)
-        x -= torch.tensor([p.frequency_penalty for p in ps], device=dev)[:, None] * out_counts
-        x -= torch.tensor([p.presence_penalty for p in ps], device=dev)[:, None] * (out_counts > 0)
+        x -= device_rows([p.frequency_penalty for p in ps], torch.float32, dev)[:, None] * out_counts
+        x -= device_rows([p.presence_penalty for p in ps], torch.float32, dev)[:, None] * (out_counts > 0)
         logits[idx] = x
     return finite_logits(logits)
 
@@ -134,7 +139,7 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return d.masked_fill(~keep, float("-inf"))
 
 
-def _per_row(values: list, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+def device_rows(values: list, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
     """A small per-row tensor on `dev` that does not wait for the stream: on CUDA a copy from pageable memory waits
     for all the stream holds (the step's forward), which would end a step kept in flight; from pinned memory it
     is queued behind it."""
@@ -144,11 +149,11 @@ def _per_row(values: list, dtype: torch.dtype, dev: torch.device) -> torch.Tenso
 
 def _filters(params: list[SamplingParams], V: int, dev: torch.device):
     """Each row's (temperature, top_k, top_p, min_p) as per-row tensors; an option no row uses: None."""
-    temp = _per_row([p.temperature for p in params], torch.float32, dev)
-    top_k = _per_row([p.top_k if 0 < p.top_k < V else V for p in params], torch.long, dev) \
+    temp = device_rows([p.temperature for p in params], torch.float32, dev)
+    top_k = device_rows([p.top_k if 0 < p.top_k < V else V for p in params], torch.long, dev) \
         if any(0 < p.top_k < V for p in params) else None
-    top_p = _per_row([p.top_p for p in params], torch.float32, dev) if any(p.top_p < 1 for p in params) else None
-    min_p = _per_row([p.min_p for p in params], torch.float32, dev) if any(p.min_p > 0 for p in params) else None
+    top_p = device_rows([p.top_p for p in params], torch.float32, dev) if any(p.top_p < 1 for p in params) else None
+    min_p = device_rows([p.min_p for p in params], torch.float32, dev) if any(p.min_p > 0 for p in params) else None
     return temp, top_k, top_p, min_p
 
 
@@ -161,11 +166,11 @@ def _uniforms(params: list[SamplingParams], steps: list[int], generator: torch.G
               dev: torch.device) -> torch.Tensor:
     """[w] float64 in [0, 1): a seeded row's from (seed, step), the others' from the generator on the device."""
     seeded = [j for j, p in enumerate(params) if p.seed is not None]
-    own = _per_row([seeded_uniform(params[j].seed, steps[j]) for j in seeded], torch.float64, dev) if seeded else None
+    own = device_rows([seeded_uniform(params[j].seed, steps[j]) for j in seeded], torch.float64, dev) if seeded else None
     if len(seeded) == len(params):
         return own
     u = torch.rand(len(params), dtype=torch.float64, device=dev, generator=generator)
-    return u.index_copy(0, _per_row(seeded, torch.long, dev), own) if seeded else u
+    return u.index_copy(0, device_rows(seeded, torch.long, dev), own) if seeded else u
 
 
 def _draw_random(x: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, rand: list[int],
@@ -173,7 +178,7 @@ def _draw_random(x: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor, ran
     """(tokens, valid) with rows `rand` (their params, their steps: tokens generated so far) drawn from the processed
     logits x (K.sample_draw)."""
     dev = x.device
-    idx = _per_row(rand, torch.long, dev)
+    idx = device_rows(rand, torch.long, dev)
     drawn = K.sample_draw(x, idx, *_filters(params, x.shape[-1], dev), _uniforms(params, steps, generator, dev))
     return tokens.index_copy(0, idx, drawn.clamp(min=0)), valid.index_copy(0, idx, valid[idx] & (drawn >= 0))
 
@@ -197,20 +202,20 @@ def logprob_entry(token: int, logprob: float, ids: list, vals: list, m: int) -> 
     return top
 
 
-def pick_on_device(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
-                   generator: torch.Generator | None = None, bans: list[list[int]] | None = None) -> torch.Tensor:
+def pick_on_device(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
+                   pending: torch.Tensor | None = None) -> torch.Tensor:
     """[3 (+ 1 + 2k), n] float64 on the device, nothing read back: each row's token as `sample` picks it for a row
-    whose processing needs no token generated so far (allowed ids, logit_bias, `bans`: min_tokens' stop ids; no
-    penalties, bad words or grammar: SamplingParams.processes_with_history) greedy, or drawn after temperature,
-    min_p, top-k, top-p, its logprob under the raw logits and the raw log-sum-exp, NaN where `sample` would fail
-    the row (NO_TOKEN); where a row asks for logprobs, then every row's rank, k top ids and k top logprobs (k: the
-    most any row asks for; `in_flight_logprobs` reads them). What async scheduling keeps in flight
-    (engine/in_flight.py). steps: each row's tokens generated so far (a seeded row's draw)."""
+    whose processing needs no token value on the host (allowed ids, bans, logit_bias, the penalties, counting the
+    token still in flight from `pending` as process_logits does; no bad words or grammar:
+    SamplingParams.processes_with_history), greedy or drawn after temperature, min_p, top-k, top-p, its logprob
+    under the raw logits and the raw log-sum-exp, NaN where `sample` would fail the row (NO_TOKEN); where a row asks
+    for logprobs, then every row's rank, k top ids and k top logprobs (k: the most any row asks for;
+    `in_flight_logprobs` reads them). What async scheduling keeps in flight (engine/in_flight.py)."""
+    params = [r.params for r in rows]
     if any(p.processes_with_history for p in params):
-        raise ValueError("a row processed by the tokens generated so far is picked by `sample`, not on the device")
-    bans = bans or [[] for _ in params]
+        raise ValueError("a row processed by the values of its tokens so far is picked by `sample`, not on the device")
     raw = logits.float()
-    processed = any(p.processes_logits for p in params) or any(bans)
+    processed = any(p.processes_logits or r.banned for p, r in zip(params, rows))
     if all(p.greedy for p in params) and not processed:
         picked = K.greedy_pick(raw)  # an invalid row's log-sum-exp is not finite already
         tokens, lse = picked[0].long(), picked[2].float()
@@ -218,14 +223,13 @@ def pick_on_device(logits: torch.Tensor, params: list[SamplingParams], steps: li
         # unprocessed, the raw row is what process_logits would leave (NaN as -inf, +inf as the largest float; the
         # draw reads it so); a row's lse is NaN where one of its logits is
         lse = raw.logsumexp(-1)
-        x = process_logits(raw.clone(), [SamplingRow(p, s, [], [], b) for p, s, b in zip(params, steps, bans)]) \
-            if processed else raw
+        x = process_logits(raw.clone(), rows, pending) if processed else raw
         valid = (torch.isfinite(x).any(-1) & ~torch.isnan(lse)) if processed else lse > float("-inf")
         rand = [i for i, p in enumerate(params) if not p.greedy]
         tokens = x.argmax(-1)
         if rand:
-            tokens, valid = _draw_random(x, tokens, valid, rand, [params[i] for i in rand], [steps[i] for i in rand],
-                                         generator)
+            tokens, valid = _draw_random(x, tokens, valid, rand, [params[i] for i in rand],
+                                         [rows[i].step for i in rand], generator)
         chosen = raw.gather(1, tokens[:, None])[:, 0] - lse
         picked = torch.stack([tokens.double(), chosen.double(), torch.where(valid, lse, float("nan")).double()])
     if all(p.logprobs is None for p in params):
@@ -300,7 +304,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gene
     top_vals = top_ids = None
     if want:
         k = min(V, max(int(rows[i].params.logprobs) for i in want))
-        widx = _per_row(want, torch.long, dev)
+        widx = device_rows(want, torch.long, dev)
         ranks_w, vals, ids = top_logprobs(raw, tokens_dev, lse, widx, k)
         ranks[widx] = ranks_w.float()
         if k > 0:

@@ -18,6 +18,7 @@ from engine.sampler import (
     sample,
     seeded_uniform,
 )
+from engine.sequence import PENDING_TOKEN
 
 V = 97  # awkward on purpose
 
@@ -203,7 +204,8 @@ def test_the_device_pick_is_the_samplers_pick_for_rows_with_nothing_to_process(s
     for trial in range(4):
         want = sample(logits, [SamplingRow(p, s, [1], [], []) for p, s in zip(params, steps)],
                       torch.Generator().manual_seed(trial))
-        got = pick_on_device(logits, params, steps, torch.Generator().manual_seed(trial))
+        got = pick_on_device(logits, [SamplingRow(p, s, [1], [], []) for p, s in zip(params, steps)],
+                             torch.Generator().manual_seed(trial))
         assert got.shape == (3, 7) and got.dtype == torch.float64
         assert [w.error is not None for w in want] == [False] * 5 + [True] * 2
         for i, w in enumerate(want):
@@ -212,7 +214,7 @@ def test_the_device_pick_is_the_samplers_pick_for_rows_with_nothing_to_process(s
                 continue
             assert int(got[0, i]) == w.token_id and abs(float(got[1, i]) - w.logprob) < 1e-6, (trial, i)
             assert torch.isfinite(got[2, i])
-    greedy = pick_on_device(logits[:1], params[:1], steps[:1])  # greedy only: the fused argmax
+    greedy = pick_on_device(logits[:1], [SamplingRow(params[0], steps[0], [1], [], [])])  # greedy only: the fused argmax
     assert int(greedy[0, 0]) == int(logits[0].argmax())
 
 
@@ -232,7 +234,8 @@ def test_the_device_pick_applies_bias_allowed_ids_and_bans(seeded):
     for trial in range(3):
         want = sample(logits, [SamplingRow(p, s, [1], [], b) for p, s, b in zip(params, steps, bans)],
                       torch.Generator().manual_seed(trial))
-        got = pick_on_device(logits, params, steps, torch.Generator().manual_seed(trial), bans)
+        got = pick_on_device(logits, [SamplingRow(p, s, [1], [], b) for p, s, b in zip(params, steps, bans)],
+                             torch.Generator().manual_seed(trial))
         assert [w.error is not None for w in want] == [False] * 4 + [True, False]
         for i, w in enumerate(want):
             if w.error is not None:
@@ -240,8 +243,32 @@ def test_the_device_pick_applies_bias_allowed_ids_and_bans(seeded):
                 continue
             assert int(got[0, i]) == w.token_id and abs(float(got[1, i]) - w.logprob) < 1e-6, (trial, i)
     assert int(got[0, 0]) == (top[0] + 1) % V and int(got[0, 1]) != top[1] and int(got[0, 2]) in (3, 5, top[2])
-    with pytest.raises(ValueError, match="generated so far"):
-        pick_on_device(logits[:1], [SamplingParams(temperature=0, presence_penalty=1.0)], [0])
+    with pytest.raises(ValueError, match="tokens so far"):
+        pick_on_device(logits[:1], [SamplingRow(SamplingParams(temperature=0, bad_words_token_ids=[[3]]), 0, [1], [],
+                                                [])])
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+def test_the_device_pick_counts_the_pending_token_in_the_penalties(seeded):
+    """A step kept in flight picks the next token before the previous one is on the host (its output ids hold
+    PENDING_TOKEN, its value is on the device): the penalties count it from there, as `sample` counts it once it is
+    read back."""
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(8)) * 2
+    top = logits.argmax(-1).tolist()
+    kinds = (dict(temperature=0, presence_penalty=50.0), dict(temperature=0, frequency_penalty=20.0),
+             dict(temperature=0.3, repetition_penalty=1e4), dict(temperature=0, repetition_penalty=2.0))
+    params = [SamplingParams(**k, seed=80 + i if seeded else None) for i, k in enumerate(kinds)]
+    prompts, outputs = [[1, 2], [3], [4], [top[3]]], [[], [7], [5], []]
+    pending = [top[0], top[1], top[2], -1]  # each pending token its row's most likely; row 3: nothing pending
+    held = [o + ([PENDING_TOKEN] if t >= 0 else []) for o, t in zip(outputs, pending)]
+    known = [o + ([t] if t >= 0 else []) for o, t in zip(outputs, pending)]
+    for trial in range(3):
+        want = sample(logits, [SamplingRow(p, len(o), q, o, []) for p, q, o in zip(params, prompts, known)],
+                      torch.Generator().manual_seed(trial))
+        got = pick_on_device(logits, [SamplingRow(p, len(o), q, o, []) for p, q, o in zip(params, prompts, held)],
+                             torch.Generator().manual_seed(trial), torch.tensor(pending))
+        assert [int(t) for t in got[0]] == [w.token_id for w in want], trial
+    assert all(int(got[0, i]) != top[i] for i in range(3))  # the pending top token penalized away
 
 
 @pytest.mark.parametrize("greedy_only", [True, False])
@@ -254,7 +281,7 @@ def test_the_device_pick_carries_the_samplers_logprobs_and_ranks(greedy_only):
     params = [SamplingParams(temperature=t, logprobs=m, seed=7 + i) for i, (t, m) in enumerate(zip(temps, asks))]
     steps = [2, 0, 5, 1, 3]
     want = sample(logits, [SamplingRow(p, s, [1], [], []) for p, s in zip(params, steps)])
-    host = pick_on_device(logits, params, steps).tolist()
+    host = pick_on_device(logits, [SamplingRow(p, s, [1], [], []) for p, s in zip(params, steps)]).tolist()
     assert len(host) == 3 + 1 + 2 * 4
     for i, (w, m) in enumerate(zip(want, asks)):
         assert int(host[0][i]) == w.token_id
