@@ -1,7 +1,7 @@
 """A sampled row's token without sorting its vocabulary: kernels.reference.sample_draw in one program a row.
 
 torch's way (sort the row, softmax, cumsum, scatter back) sorts [rows, V] float32 whenever a row asks for top-k or
-top-p: at 150 rows x 129,280 that cost ~3.6 ms a step on the H100 (a 43-layer decode step is ~45 ms). Here each
+top-p: at 150 rows x 129,280 that cost ~3.6 ms a step on the H100 (a 43-layer decode step is ~41 ms). Here each
 program reads its row a few times:
  1. the largest y = x / T (and the smallest finite one);
  2. top-k's k-th largest, then top-p's cut, each a search over values: a pass counts (top-p: weighs) the kept
@@ -31,7 +31,7 @@ MAX_PASSES = 48  # a bound the narrowing never reaches (each pass splits the bra
 
 @triton.jit
 def _scaled(base, cols, V, T):
-    """y = x / T as the reference's _finite(_finite(x) / T): NaN -> -inf, +inf and overflow -> FMAX."""
+    """y = x / T as kernels.reference.sample_filter scales it: NaN -> -inf, +inf and overflow -> FMAX."""
     x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
     x = tl.where(x != x, float("-inf"), tl.minimum(x, FMAX))
     return tl.minimum(x / T, FMAX)
