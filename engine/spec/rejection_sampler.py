@@ -61,6 +61,6 @@ def rejection_sample(target_probs: torch.Tensor, draft_ids: torch.Tensor, num_dr
     if k:
         d = draft_ids.gather(1, accepted.clamp(max=k - 1)[:, None])[:, 0]
         p[rows[rejected], d[rejected]] = 0  # max(0, p - onehot(d)), unnormalised
-    race = torch.empty_like(p).exponential_(generator=generator)  # the sampler's probs / Exp(1) draw
+    race = torch.empty_like(p).exponential_(generator=generator)  # p / Exp(1) argmax: an exact draw from p unnormalised
     final = (p / race.clamp_(min=_TINY)).argmax(-1)
     return _emit(draft_ids, accepted, final), accepted
