@@ -68,10 +68,10 @@ class SamplingParams:
 
     @property
     def processes_with_history(self) -> bool:
-        """Changes the logits by the values of the tokens generated so far, read on the host (bad words, a grammar):
-        the sampler needs the previous step's token there (async scheduling reads that step back first; the
-        penalties only count tokens, which the device does)."""
-        return bool(self.bad_words_token_ids or self.structured_outputs is not None)
+        """Changes the logits by the values of the tokens generated so far, read on the host (a bad word of several
+        tokens, a grammar): the sampler needs the previous step's token there (async scheduling reads that step back
+        first; a one-token bad word is always banned, and the penalties only count tokens, which the device does)."""
+        return any(len(w) > 1 for w in self.bad_words_token_ids or []) or self.structured_outputs is not None
 
     @property
     def penalized(self) -> bool:

@@ -93,7 +93,8 @@ def test_prefix_caching_with_replay_is_unchanged(tiny_dir):
                                 SamplingParams(max_tokens=30, temperature=0.9, top_p=0.95, ignore_eos=True),
                                 SamplingParams(max_tokens=30, temperature=0, logprobs=2, ignore_eos=True),
                                 SamplingParams(max_tokens=30, temperature=0.7, logit_bias={"9": 3.0},
-                                               allowed_token_ids=list(range(5, 400)), min_tokens=20),
+                                               allowed_token_ids=list(range(5, 400)), min_tokens=20,
+                                               bad_words_token_ids=[[9], [10]]),
                                 SamplingParams(max_tokens=30, temperature=0, presence_penalty=0.5, frequency_penalty=0.3,
                                                repetition_penalty=1.2, ignore_eos=True)],
                          ids=["greedy", "sampled", "logprobs", "bias_allowed_min_tokens", "penalties"])
@@ -130,19 +131,20 @@ def test_a_mixed_step_with_a_partial_prefill_chunk_stays_in_flight(tiny_dir):
 
 def test_sampled_batches_are_unchanged_for_seeded_requests(tiny_dir):
     """Every sampling option that keeps a step in flight (temperature, top-k, top-p, min_p; greedy rows beside them;
-    logprobs asked for or not; logit_bias, allowed ids, min_tokens; penalties, which count the token still in flight on
-    the device), through chunked prefill: a seeded request draws
+    logprobs asked for or not; logit_bias, allowed ids, min_tokens, one-token bad words; penalties, which count the
+    token still in flight on the device), through chunked prefill: a seeded request draws
     each token at its own (seed, step) uniform, so it gives the synchronous engine's tokens though its previous token
     is still pending when the next is drawn."""
-    prompts = _prompts(14, 4000, seed=3)
+    prompts = _prompts(15, 4000, seed=3)
     kinds = (dict(temperature=0.8), dict(temperature=1.0, top_k=20), dict(temperature=0.7, top_p=0.9),
              dict(temperature=1.2, min_p=0.05), dict(temperature=0), dict(temperature=0.9, logit_bias={"11": 4.0}),
              dict(temperature=0, allowed_token_ids=list(range(100, 160))),
              dict(temperature=0.6, min_tokens=10, ignore_eos=False),
              dict(temperature=0, presence_penalty=1.5, frequency_penalty=0.5),
-             dict(temperature=0.9, repetition_penalty=1.8, frequency_penalty=0.4))
+             dict(temperature=0.9, repetition_penalty=1.8, frequency_penalty=0.4),
+             dict(temperature=0.8, bad_words_token_ids=[[13], [14]]))
     params = [SamplingParams(**{"max_tokens": 14, "ignore_eos": True, "seed": 100 + i, "logprobs": (None, 2, 0)[i % 3],
-                                **kinds[i % len(kinds)]}) for i in range(14)]
+                                **kinds[i % len(kinds)]}) for i in range(15)]
     sync, *asyncs = _both(tiny_dir, prompts, params, max_num_batched_tokens=64)
     for async_ in asyncs:
         _same(sync, async_)

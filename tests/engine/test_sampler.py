@@ -244,8 +244,10 @@ def test_the_device_pick_applies_bias_allowed_ids_and_bans(seeded):
             assert int(got[0, i]) == w.token_id and abs(float(got[1, i]) - w.logprob) < 1e-6, (trial, i)
     assert int(got[0, 0]) == (top[0] + 1) % V and int(got[0, 1]) != top[1] and int(got[0, 2]) in (3, 5, top[2])
     with pytest.raises(ValueError, match="tokens so far"):
-        pick_on_device(logits[:1], [SamplingRow(SamplingParams(temperature=0, bad_words_token_ids=[[3]]), 0, [1], [],
-                                                [])])
+        pick_on_device(logits[:1], [SamplingRow(SamplingParams(temperature=0, bad_words_token_ids=[[3, 4]]), 0, [1],
+                                                [], [])])
+    one_token = SamplingRow(SamplingParams(temperature=0, bad_words_token_ids=[[top[0]]]), 0, [1], [PENDING_TOKEN], [])
+    assert int(pick_on_device(logits[:1], [one_token])[0, 0]) == sample(logits[:1], [one_token])[0].token_id != top[0]
 
 
 @pytest.mark.parametrize("seeded", [True, False])
