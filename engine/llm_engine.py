@@ -400,10 +400,10 @@ class LLMEngine:
         return sorted(self.requests[seq.request_id].eos_ids | set(seq.sampling.stop_token_ids))
 
     def _can_keep_in_flight(self, sampled: list[tuple[Sequence, int]]) -> bool:
-        """Every sampling row picks its token without the tokens generated so far (greedy, or drawn after
-        temperature, min_p, top-k, top-p; allowed ids, logit_bias and min_tokens' bans applied; logprobs and ranks come
-        back with it: engine/sampler.pick_on_device; penalties, bad words and grammars need the previous step's token),
-        and no sequence can end by length on this token (so the next step may already include it)."""
+        """Every sampling row picks its token without the previous step's token on the host (greedy, or drawn after
+        temperature, min_p, top-k, top-p; allowed ids, logit_bias, bans and penalties applied; logprobs and ranks come
+        back with it: engine/sampler.pick_on_device; bad words of several tokens and grammars need that token), and no
+        sequence can end by length on this token (so the next step may already include it)."""
         if not self.async_scheduling:
             return False
         for seq, _ in sampled:

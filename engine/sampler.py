@@ -202,6 +202,24 @@ def logprob_entry(token: int, logprob: float, ids: list, vals: list, m: int) -> 
     return top
 
 
+def _processed_pick(raw: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None,
+                    pending: torch.Tensor | None = None):
+    """(tokens, raw log-sum-exp, valid) on the device for rows that are not all plain greedy: process_logits where a
+    row has something to process (pending: as process_logits takes it), then the argmax or the draw. A row with
+    nothing to process is read raw: process_logits would only map NaN to -inf and +inf to the largest float, which
+    the argmax's validity and the draw do themselves; a row's lse is NaN where one of its logits is."""
+    lse = raw.logsumexp(-1)
+    processed = any(r.params.processes_logits or r.banned for r in rows)
+    x = process_logits(raw.clone(), rows, pending) if processed else raw
+    valid = (torch.isfinite(x).any(-1) & ~torch.isnan(lse)) if processed else lse > float("-inf")
+    tokens = x.argmax(-1)
+    rand = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if rand:
+        tokens, valid = _draw_random(x, tokens, valid, rand, [rows[i].params for i in rand],
+                                     [rows[i].step for i in rand], generator)
+    return tokens, lse, valid
+
+
 def pick_on_device(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Generator | None = None,
                    pending: torch.Tensor | None = None) -> torch.Tensor:
     """[3 (+ 1 + 2k), n] float64 on the device, nothing read back: each row's token as `sample` picks it for a row
@@ -215,21 +233,11 @@ def pick_on_device(logits: torch.Tensor, rows: list[SamplingRow], generator: tor
     if any(p.processes_with_history for p in params):
         raise ValueError("a row processed by the values of its tokens so far is picked by `sample`, not on the device")
     raw = logits.float()
-    processed = any(p.processes_logits or r.banned for p, r in zip(params, rows))
-    if all(p.greedy for p in params) and not processed:
+    if all(map(_plain, rows)):
         picked = K.greedy_pick(raw)  # an invalid row's log-sum-exp is not finite already
         tokens, lse = picked[0].long(), picked[2].float()
     else:
-        # unprocessed, the raw row is what process_logits would leave (NaN as -inf, +inf as the largest float; the
-        # draw reads it so); a row's lse is NaN where one of its logits is
-        lse = raw.logsumexp(-1)
-        x = process_logits(raw.clone(), rows, pending) if processed else raw
-        valid = (torch.isfinite(x).any(-1) & ~torch.isnan(lse)) if processed else lse > float("-inf")
-        rand = [i for i, p in enumerate(params) if not p.greedy]
-        tokens = x.argmax(-1)
-        if rand:
-            tokens, valid = _draw_random(x, tokens, valid, rand, [params[i] for i in rand],
-                                         [rows[i].step for i in rand], generator)
+        tokens, lse, valid = _processed_pick(raw, rows, generator, pending)
         chosen = raw.gather(1, tokens[:, None])[:, 0] - lse
         picked = torch.stack([tokens.double(), chosen.double(), torch.where(valid, lse, float("nan")).double()])
     if all(p.logprobs is None for p in params):
@@ -289,14 +297,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow], generator: torch.Gene
         tokens_dev, lse = picked[0].long(), picked[2].float()
         valid = torch.isfinite(lse)
     else:
-        lse = raw.logsumexp(-1)
-        x = process_logits(raw.clone(), rows)
-        tokens_dev = x.argmax(-1)
-        valid = torch.isfinite(x).any(-1) & ~torch.isnan(raw).any(-1)
-        rand = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if rand:
-            tokens_dev, valid = _draw_random(x, tokens_dev, valid, rand, [rows[i].params for i in rand],
-                                             [rows[i].step for i in rand], generator)
+        tokens_dev, lse, valid = _processed_pick(raw, rows, generator)
     chosen = raw.gather(1, tokens_dev[:, None])[:, 0] - lse
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     want_row = {i: j for j, i in enumerate(want)}

@@ -34,6 +34,13 @@ SWEEP = [dict(block=b, search_block=sb, probes=p, cap=c, num_warps=w) for b, sb,
           (2048, 256, 16, 1024, 8), (1024, 64, 4, 512, 4), (4096, 512, 8, 2048, 16))]
 
 
+def _rows(n: int, vocab: int, dev: torch.device, g: torch.Generator) -> torch.Tensor:
+    """LM-like rows: a few likely tokens over a long tail, in bf16 as the lm_head stores them (ties happen)."""
+    logits = (torch.randn(n, vocab, device=dev, generator=g) * 2.5).bfloat16().float()
+    logits[:, :8] += torch.rand(n, 8, device=dev, generator=g) * 12
+    return logits
+
+
 def _time(fn, reps: int = 20) -> float:
     """ms a call: CUDA events on the GPU, the wall clock once on the CPU."""
     if not torch.cuda.is_available():
@@ -58,8 +65,7 @@ def sweep(dev: torch.device, vocab: int, g: torch.Generator, batches: list[int],
     out = []
     print(f"{'batch':>5} {'options':<22} {'block/sb/probes/cap/warps':<26} {'ms':>7} {'same tok':>9}")
     for n in sorted({min(batches), max(batches)}):
-        logits = (torch.randn(n, vocab, device=dev, generator=g) * 2.5).bfloat16().float()
-        logits[:, :8] += torch.rand(n, 8, device=dev, generator=g) * 12
+        logits = _rows(n, vocab, dev, g)
         rows = torch.arange(n, device=dev)
         u = torch.rand(n, dtype=torch.float64, device=dev, generator=g)
         temp = torch.full((n,), 0.8, device=dev)
@@ -91,9 +97,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows_out = []
     print(f"{'batch':>5} {'options':<22} {'torch ms':>9} {'kernel ms':>9} {'speedup':>8} {'same tok':>9} {'same cut':>9}")
     for n in a.batches:
-        # LM-like rows: a few likely tokens over a long tail, in bf16 as the lm_head stores them (ties happen)
-        logits = (torch.randn(n, a.vocab, device=dev, generator=g) * 2.5).bfloat16().float()
-        logits[:, :8] += torch.rand(n, 8, device=dev, generator=g) * 12
+        logits = _rows(n, a.vocab, dev, g)
         rows = torch.arange(n, device=dev)
         u = torch.rand(n, dtype=torch.float64, device=dev, generator=g)
         for name, (t, k, p, m) in OPTIONS.items():
