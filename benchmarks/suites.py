@@ -604,12 +604,14 @@ SUITE_LIST = [
           "same set?",
           (Step("tools.bench_indexer", (), timeout_s=300),),
           notes="about 2 minutes: 24 sizes x 2 paths, 8 calls a CUDA graph"),
-    Suite("kernels_sample_draw", "A sampled row's draw at V4-Flash's vocabulary (129,280) for 1 / 32 / 150 rows: the "
-          "kernel (kernels/fused_draw.py: top-k's and top-p's cuts found by searching values, no sort) against its "
-          "torch reference (sort, cumsum), for temperature alone, top-p 0.95, top-k 50, both, min_p 0.05, each "
-          "checked to draw the same token from the same kept set? Which of the kernel's sizes is fastest at 1 / 150 rows?",
-          (Step("tools.bench_sample_draw", ("--sweep",), timeout_s=240),),
-          notes="about a minute; bf16-rounded rows (ties) with a few likely tokens"),
+    Suite("kernels_sample_draw", "A sampled row's draw at V4-Flash's vocabulary (129,280) for 1-150 rows: the "
+          "kernels (kernels/fused_draw.py, one program a row; kernels/fused_draw_wide.py, a row over many programs: "
+          "top-k's and top-p's cuts found by searching values, no sort) against their torch reference (sort, "
+          "cumsum), as CUDA-graph replays, for temperature alone, top-p 0.95, top-k 50, both, min_p 0.05, each "
+          "checked to draw the same token from the same kept set? Where does each win (kernels.fused."
+          "DRAW_SEARCH_MIN_ROWS, kernel variant draw_wide)? Which of the one-program kernel's sizes is fastest?",
+          (Step("tools.bench_sample_draw", ("--sweep",), timeout_s=300),),
+          notes="a few minutes; bf16-rounded rows (ties) with a few likely tokens"),
     Suite("kernels_bf16_gemv", "Is the bf16 GEMV (kernel variant bf16_gemv) right and faster than cuBLAS on V4-Flash's "
           "bf16 linears at decode (a CSA layer's stacked readers of the attention input, an HCA layer's, the indexer's "
           "wq_b, the MoE router's gate at 16 and 256 experts) at 1 / 2 / 4 / 8 rows, against the bytes' floor?",

@@ -21,6 +21,7 @@ from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
 from kernels.fused_compress_blocks import compress_blocks_fused
 from kernels.fused_draw import sample_draw_fused
+from kernels.fused_draw_wide import sample_draw_wide
 from kernels.fused_fp8_linear import fp8_linear_fused, takes_prologue, tiles
 from kernels.fused_gate import router_topk_fused, router_topk_gemm_fused
 from kernels.fused_indexer import SORT_MAX, indexer_scores_paged, indexer_topk_fused
@@ -67,6 +68,8 @@ DRAW_SEARCH_MIN_ROWS = 32
 def sample_draw_switched(logits, rows, temperature, top_k, top_p, min_p, u):
     if (top_k is None and top_p is None) or rows.shape[0] >= DRAW_SEARCH_MIN_ROWS:
         return sample_draw_fused(logits, rows, temperature, top_k, top_p, min_p, u)
+    if variants.on("draw_wide"):
+        return sample_draw_wide(logits, rows, temperature, top_k, top_p, min_p, u)
     return reference.sample_draw(logits, rows, temperature, top_k, top_p, min_p, u)
 
 

@@ -1,4 +1,5 @@
-"""The sampled rows' draw (kernels/fused_draw.py, under TRITON_INTERPRET=1) against its torch reference
+"""The sampled rows' draw (kernels/fused_draw.py, one program a row, and kernels/fused_draw_wide.py, a row over many
+programs; under TRITON_INTERPRET=1) against its torch reference
 (kernels.reference.sample_draw / sample_filter): the same token and the same kept set (its cut) for every option
 alone and together, on sizes that walk each branch of the search (several probe passes, the gathered and sorted
 bracket, a bracket of one value, fewer kept than k), with ties, NaN, +inf and all -inf rows; and the reference's own
@@ -13,9 +14,16 @@ import torch
 
 from kernels import reference as ref
 from kernels.fused_draw import sample_draw_fused
+from kernels.fused_draw_wide import sample_draw_wide
 
 SIZES = [dict(block=64, search_block=16, probes=2, cap=8), dict(block=128, search_block=32, probes=4, cap=32),
          dict(block=256, search_block=64, probes=8, cap=128)]
+# the wide draw: one pass launched (most searches finish in the row program), two, three with wider segments
+WIDE_SIZES = [dict(segment=64, block=32, search_block=16, probes=2, passes=1, cap=8),
+              dict(segment=128, block=64, search_block=32, probes=4, passes=2, cap=32),
+              dict(segment=256, block=128, search_block=64, probes=8, passes=3, cap=128)]
+DRAWS = [(sample_draw_fused, s) for s in SIZES] + [(sample_draw_wide, s) for s in WIDE_SIZES]
+DRAW_IDS = [f"one-program-{i}" for i in range(len(SIZES))] + [f"wide-{i}" for i in range(len(WIDE_SIZES))]
 OPTIONS = ["temperature", "top_k", "top_p", "min_p", "all"]
 
 
@@ -65,10 +73,11 @@ def _kept_by(x, temp, min_p, cuts):
     return kept & (d.exp() >= min_p[:, None]) if min_p is not None else kept
 
 
-@pytest.mark.parametrize("size", range(len(SIZES)))
+@pytest.mark.parametrize("size", range(len(DRAWS)), ids=DRAW_IDS)
 @pytest.mark.parametrize("ties", [False, True])
 def test_the_kernel_draws_the_references_token_from_the_references_set(size, ties):
     V, n = 301, 10
+    draw, sizes = DRAWS[size]
     x = _rows(n, V, seed=size + 10 * ties, ties=ties)
     u = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(size))
     rows = torch.arange(n)
@@ -76,7 +85,7 @@ def test_the_kernel_draws_the_references_token_from_the_references_set(size, tie
     for which in OPTIONS:
         temp, top_k, top_p, min_p = _options(n, V, which, seed=size)
         cuts = torch.empty(n)
-        got = sample_draw_fused(x, rows, temp, top_k, top_p, min_p, u, cuts=cuts, **SIZES[size])
+        got = draw(x, rows, temp, top_k, top_p, min_p, u, cuts=cuts, **sizes)
         want = ref.sample_draw(x, rows, temp, top_k, top_p, min_p, u)
         keep = ref.sample_filter(x, temp, top_k, top_p, min_p)[1]
         decided = _decided(x, temp, top_k, top_p, min_p, u)
@@ -90,7 +99,8 @@ def test_the_kernel_draws_the_references_token_from_the_references_set(size, tie
     assert checked >= 0.9 * n * len(OPTIONS)
 
 
-def test_rows_of_nan_inf_and_nothing():
+@pytest.mark.parametrize("draw, sizes", [DRAWS[0], DRAWS[-3]], ids=["one-program", "wide"])
+def test_rows_of_nan_inf_and_nothing(draw, sizes):
     V = 200
     x = _rows(5, V, seed=3, ties=False)
     x[0, 7] = float("nan")  # NaN is never drawn
@@ -103,17 +113,18 @@ def test_rows_of_nan_inf_and_nothing():
     top_k, top_p = torch.full((5,), 5), torch.full((5,), 0.9)
     u = torch.tensor([0.3, 0.999, 0.5, 0.5, 0.0], dtype=torch.float64)
     for args in [(None, None, None), (top_k, top_p, torch.full((5,), 0.01))]:
-        got = sample_draw_fused(x, rows, temp, *args, u, **SIZES[0])
+        got = draw(x, rows, temp, *args, u, **sizes)
         assert got.tolist() == ref.sample_draw(x, rows, temp, *args, u).tolist()
         assert got[0] != 7 and got[1] == 11 and got[2] == -1 and got[3] == 50
 
 
-def test_rows_are_picked_by_index():
+@pytest.mark.parametrize("draw, sizes", [DRAWS[1], DRAWS[-2]], ids=["one-program", "wide"])
+def test_rows_are_picked_by_index(draw, sizes):
     x = _rows(6, 150, seed=4, ties=False)
     rows = torch.tensor([4, 1])
     temp, top_p = torch.tensor([1.0, 0.6]), torch.tensor([0.9, 0.9])
     u = torch.tensor([0.25, 0.75], dtype=torch.float64)
-    got = sample_draw_fused(x, rows, temp, None, top_p, None, u, **SIZES[1])
+    got = draw(x, rows, temp, None, top_p, None, u, **sizes)
     assert got.tolist() == [ref.sample_draw(x[r:r + 1], torch.tensor([0]), temp[j:j + 1], None, top_p[j:j + 1], None,
                                             u[j:j + 1]).item() for j, r in enumerate(rows.tolist())]
 
@@ -130,10 +141,10 @@ def test_ties_at_the_edges_stay_together():
     _, keep = ref.sample_filter(x, one, None, torch.tensor([p_top * 1.01]), None)
     assert keep[0].tolist() == [True, True, True, True, False]
     for args in [(torch.tensor([2]), None), (None, torch.tensor([p_top * 1.01]))]:
-        cuts = torch.empty(1)
-        sample_draw_fused(x, torch.tensor([0]), one, *args, None, torch.tensor([0.5], dtype=torch.float64),
-                          cuts=cuts, **SIZES[0])
-        assert cuts.item() == -1.0
+        for draw, sizes in (DRAWS[0], DRAWS[-3]):
+            cuts = torch.empty(1)
+            draw(x, torch.tensor([0]), one, *args, None, torch.tensor([0.5], dtype=torch.float64), cuts=cuts, **sizes)
+            assert cuts.item() == -1.0
 
 
 def test_the_inverse_distribution_follows_the_probabilities():
