@@ -608,8 +608,8 @@ SUITE_LIST = [
           "kernels (kernels/fused_draw.py, one program a row; kernels/fused_draw_wide.py, a row over many programs: "
           "top-k's and top-p's cuts found by searching values, no sort) against their torch reference (sort, "
           "cumsum), as CUDA-graph replays, for temperature alone, top-p 0.95, top-k 50, both, min_p 0.05, each "
-          "checked to draw the same token from the same kept set? Where does each win (kernels.fused."
-          "DRAW_SEARCH_MIN_ROWS, kernel variant draw_wide)? Which of the one-program kernel's sizes is fastest?",
+          "checked to draw the same token from the same kept set? Which is fastest where (K.sample_draw runs the wide "
+          "one)? Which of the one-program kernel's sizes is fastest?",
           (Step("tools.bench_sample_draw", ("--sweep",), timeout_s=300),),
           notes="a few minutes; bf16-rounded rows (ties) with a few likely tokens"),
     Suite("kernels_bf16_gemv", "Is the bf16 GEMV (kernel variant bf16_gemv) right and faster than cuBLAS on V4-Flash's "

@@ -20,7 +20,6 @@ from kernels.formats import fp8_block_of
 from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
 from kernels.fused_compress_blocks import compress_blocks_fused
-from kernels.fused_draw import sample_draw_fused
 from kernels.fused_draw_wide import sample_draw_wide
 from kernels.fused_fp8_linear import fp8_linear_fused, takes_prologue, tiles
 from kernels.fused_gate import router_topk_fused, router_topk_gemm_fused
@@ -56,21 +55,6 @@ def linear_split_fused(x, weight, split_n, scale=None):
     if scale is None:
         return reference.linear_split(x, weight, split_n)
     return fp8_linear_fused(x, weight, scale, split_n=split_n)
-
-
-# The draw's kernel (kernels/fused_draw.py) where it was measured faster than the torch reference's sort
-# (kernels_sample_draw, H100, 2026-12-07, docs/perf/h100-2026-12-07c/): temperature and min_p alone 2.0-7.0x at 1-150
-# rows; with top-k or top-p 1.6-3.1x from 32 rows, 0.6-0.7x at one (one program a row: its searches on one
-# multiprocessor)
-DRAW_SEARCH_MIN_ROWS = 32
-
-
-def sample_draw_switched(logits, rows, temperature, top_k, top_p, min_p, u):
-    if (top_k is None and top_p is None) or rows.shape[0] >= DRAW_SEARCH_MIN_ROWS:
-        return sample_draw_fused(logits, rows, temperature, top_k, top_p, min_p, u)
-    if variants.on("draw_wide"):
-        return sample_draw_wide(logits, rows, temperature, top_k, top_p, min_p, u)
-    return reference.sample_draw(logits, rows, temperature, top_k, top_p, min_p, u)
 
 
 GROUPED_ONE_LAUNCH_MAX_T = 32  # wo_a in one launch up to here, one launch per group past it (tools/bench_fused.py)
@@ -198,7 +182,9 @@ FUSED = {
     "indexer_scores_paged": indexer_scores_paged,
     "indexer_topk": indexer_topk_switched,
     "greedy_pick": greedy_pick_fused,
-    "sample_draw": sample_draw_switched,
+    # a row over many programs at every batch: faster than one program a row (kernels/fused_draw.py) and torch's
+    # sort at 1-150 rows for every option (kernels_sample_draw, H100, 2026-12-07, docs/perf/h100-2026-12-07d/)
+    "sample_draw": sample_draw_wide,
     "v41_hc_site_collapse": v41.hc_site_collapse_fused,
     "v41_hc_expand": v41.hc_expand_fused,
     "v41_rms_norm": v41.rms_norm_fused,

@@ -38,9 +38,6 @@ Read at every call: CUDA graphs captured after a change follow it.
   quantized 1x128 as DeepSeek's own inference does, then torch's scaled_mm) for V4's FP8 linears from
   quant_configs.FP8_CUBLAS_MID_ROWS rows instead of FP8_CUBLAS_MIN_ROWS: a decode step of 128-255 sequences (batch
   150's profile, H100: the tables' MMA GEMV and "mma" kernel took 11.6 of its 41 ms).
-- draw_wide: a sampled draw with top-k or top-p at fewer than kernels.fused.DRAW_SEARCH_MIN_ROWS rows as a row over
-  many programs (kernels/fused_draw_wide.py: a segment of the vocabulary a program, the searches' sums combined by
-  a one-program-a-row launch) instead of the torch reference's sort (one program a row was slower there).
 """
 
 from __future__ import annotations
@@ -50,7 +47,7 @@ import os
 from kernels import fusions
 
 ALL = ("rope_tiles", "mix_bf16x3", "moe_frag", "bf16_gemv", "moe_gemv", "indexer_select", "attn_offsets",
-       "fp8_cublas_mid", "draw_wide")
+       "fp8_cublas_mid")
 # rope_tiles on: suite prefill_small_ops finds it within a rounding of the one-row kernels on the GPU and 1.1-1.3x
 # faster from 32 tokens up (no slower at one), prefill_variants 1.03x on the time to first token at depth.
 # mix_bf16x3 off: right on the GPU at its one-stage prefill launch (kernels/fused_norm_mhc.MIX_PIECES_TILES) and

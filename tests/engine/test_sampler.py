@@ -301,3 +301,26 @@ def test_seeded_uniforms_depend_on_seed_and_step_alone():
     assert u.min() >= 0 and u.max() < 1 and len(set(u.tolist())) == len(u)
     assert abs(u.mean().item() - 0.5) < 0.01 and torch.histc(u, bins=10, min=0, max=1).min() > 900
     assert seeded_uniform(7, 3) == seeded_uniform(7, 3) != seeded_uniform(7, 4)
+
+
+def test_the_kernels_draw_is_the_references():
+    """The engine's draw through the fused kernels (K.sample_draw: kernels/fused_draw_wide.py, under the interpreter)
+    picks the reference backend's tokens for every sampling option, seeded rows and rows drawn from the generator."""
+    import kernels
+
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(8)) * 2
+    kinds = (dict(temperature=0.8), dict(temperature=1.0, top_k=5), dict(temperature=0.6, top_p=0.8),
+             dict(temperature=1.3, min_p=0.1), dict(temperature=0.9, top_k=20, top_p=0.7, min_p=0.02),
+             dict(temperature=0.7, top_p=0.5))
+    rows = [SamplingRow(SamplingParams(**k, seed=7 + i if i % 2 else None), i, [1], [], []) for i, k in
+            enumerate(kinds)]
+    picked = {}
+    try:
+        for backend in ("ref", "fused"):
+            kernels.set_backend(backend)
+            picked[backend] = [[s.token_id for s in sample(logits, rows, torch.Generator().manual_seed(trial))]
+                               for trial in (0,)]
+        assert kernels.sample_draw.__module__ == "kernels.fused_draw_wide"
+    finally:
+        kernels.set_backend("auto")
+    assert picked["fused"] == picked["ref"]
