@@ -156,18 +156,23 @@ _DECODE_BLOCK_M = sorted(set.intersection(*(set(tiles) for tiles in MOE_DECODE.v
 # chunk; 32, one rank's share of V4-Flash at 8-way expert parallelism: 512 MiB, one chunk; all 256 on one GPU:
 # 4 GiB, 8 chunks).
 # Entries: (expert count, rows per expert) ascending; a call takes the entry of the largest count <= its experts
-# (below the first, the first's); rows None: the grouped path never wins there. Written from suite
-# moe_dispatch's fit (tools/bench_moe_prefill.py --rows-per-expert, which prints the entry). MXFP4 at 16 experts:
-# docs/perf/h200-2026-12-03-s10/moe_prefill.json (0.80x the fused kernels at 96 rows per expert, 1.25x at 192,
-# 2.1x at 768; the H100's fit says 192-256: a tie at 192); 64 / 128 / 256 experts, in chunks: suite moe_dispatch
-# on the H100 (docs/perf/h100-2026-12-07/moe_dispatch.json: grouped 1.03 / 0.96 / 1.10x the fused kernels at
-# 192 rows per expert, 1.15 / 1.28 / 1.19x at 256, 1.80 / 1.69 / 1.50x at 512); FP8's is the MXFP4 value, bf16
-# experts' reasoned (the grouped GEMM reads them as stored, no unpack to repay).
+# (below the first, the first's); rows None: the grouped path never wins there. Written from the fit of suites
+# moe_dispatch / moe_prefill_tiles (tools/bench_moe_prefill.py --rows-per-expert, which prints the entry). MXFP4,
+# against MOE_PREFILL_FRAG's tile from MOE_FRAG_MIN_ROWS (docs/perf/h100-2026-12-07d/moe_prefill_tiles.json, H100):
+# the fused tile 1.03-1.26x the grouped path at 192-256 rows per expert at 16-256 experts and at 384 at 256
+# experts; the grouped path 1.05-1.17x it from 384 (16-128 experts) and at 512 (256). FP8's is the MXFP4 value of
+# before the frag tile (160), bf16 experts' reasoned (the grouped GEMM reads them as stored, no unpack to repay).
 MOE_GROUPED_MIN_ROWS: dict[str, tuple[tuple[int, int | None], ...]] = {
     "dense": ((1, 32),),
     "fp8": ((1, 160),),
-    "mxfp4": ((16, 160), (64, 192), (128, 256), (256, 192)),
+    "mxfp4": ((16, 384), (64, 384), (128, 384), (256, 512)),
 }
+# MXFP4 prefill from this many rows per expert on: a 128 x 128 tile of 8 warps with 128-wide K steps decoding the
+# weights straight into the MMA's operand registers ("bf16-frag", kernels/fused_dequant.py) instead of the table's
+# tiles: 1.12-1.39x them at 96-256 rows per expert at 64-256 experts (suite moe_prefill_tiles, H100, 2026-12-07,
+# docs/perf/h100-2026-12-07d/); at 16 experts 1.00x at 96, 0.88x at 128, 1.17-1.19x at 192-256; 0.99-1.01x at 64.
+MOE_FRAG_MIN_ROWS = 96
+MOE_PREFILL_FRAG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3, "MX": "bf16-frag"}
 MOE_GROUPED_MAX_BYTES = 512 << 20
 
 
@@ -207,6 +212,8 @@ def moe_config(tokens: int, pairs: int, experts: int, fmt: str) -> dict:
     """{"gate_up": config, "down": config} for one MoE call; both share BLOCK_M (one alignment)."""
     if pairs <= MOE_DECODE_MAX_PAIRS:
         return _both(MOE_DECODE[fmt][moe_block_m(tokens, pairs, experts, fmt)])
+    if fmt == "mxfp4" and pairs >= MOE_FRAG_MIN_ROWS * experts:
+        return _both(MOE_PREFILL_FRAG)
     for max_pairs, cfg in MOE_PREFILL[fmt]:
         if max_pairs is None or pairs <= max_pairs:
             return cfg

@@ -374,3 +374,28 @@ def test_moe_frag_takes_one_multiply_only_where_every_scale_byte_allows_it():
     s[0, 0, 0] = 200  # written in place after its first read
     assert fused_moe._tiles(cfg, 2, torch.bfloat16, 256, (s,))["MX"] == mode["bf16-frag"]
     assert fused_moe._tiles(cfg, 2, torch.bfloat16, 256)["MX"] == mode["bf16-frag"]
+
+
+def test_prefill_takes_the_frag_tile_from_its_rows_per_expert(monkeypatch):
+    """A prefill-sized MXFP4 call averaging quant_configs.MOE_FRAG_MIN_ROWS rows per expert runs the 128 x 128 tile
+    decoding into the MMA's registers (the dispatch's own config, no config passed), as the reference; fewer rows
+    keep the table's tile and decode."""
+    seen = []
+    real = fused_moe._tiles
+    monkeypatch.setattr(fused_moe, "_tiles", lambda cfg, *a: seen.append((cfg["BLOCK_M"], real(cfg, *a)["MX"]))
+                        or real(cfg, *a))
+    monkeypatch.setattr(quant_configs, "MOE_DECODE_MAX_PAIRS", 0)  # prefill tiles at the interpreter's sizes
+    D, I, E, k = 256, 128, 2, 2
+    g = torch.Generator().manual_seed(12)
+    w1, s1 = _stored_experts(torch.randn(E, I, D, generator=g) / D**0.5, "mxfp4")
+    w3, s3 = _stored_experts(torch.randn(E, I, D, generator=g) / D**0.5, "mxfp4")
+    w2, s2 = _stored_experts(torch.randn(E, D, I, generator=g) / I**0.5, "mxfp4")
+    for T in (quant_configs.MOE_FRAG_MIN_ROWS, quant_configs.MOE_FRAG_MIN_ROWS - 1):  # k = E: T rows per expert
+        x = torch.randn(T, D, generator=g).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+        w = torch.rand(T, k, generator=g).to(torch.bfloat16)
+        want = ref.moe_experts(x, w1, w3, w2, w, idx, 10.0, (s1, s3, s2))
+        got = moe_experts_fused(x, w1, w3, w2, w, idx, 10.0, (s1, s3, s2))
+        assert (got.float() - want.float()).abs().max() <= 3e-2 * max(want.abs().max().item(), 1.0)
+    frag = fused_moe.MX_MODES["bf16-frag"]
+    assert seen[:2] == [(128, frag), (128, frag)] and all(mx != frag for _, mx in seen[2:]), seen

@@ -72,8 +72,8 @@ def test_dispatch_takes_grouped_path_when_rows_repay_unpacking(monkeypatch):
     assert calls == [1024]
     assert not quant_configs.moe_grouped(900, 16, "dense")  # decode tiles
     assert quant_configs.moe_grouped(2048, 16, "dense") and not quant_configs.moe_grouped(1536, 16, "mxfp4")
-    # all 256 experts on one GPU (4 GB unpacked: 8 chunks): from 192 rows per expert, not below
-    assert quant_configs.moe_grouped(8192 * 6, 256, "mxfp4") and not quant_configs.moe_grouped(8000 * 6, 256, "mxfp4")
+    # all 256 experts on one GPU (4 GB unpacked: 8 chunks): from 512 rows per expert, not below
+    assert quant_configs.moe_grouped(512 * 256, 256, "mxfp4") and not quant_configs.moe_grouped(511 * 256, 256, "mxfp4")
 
 
 def test_grouped_rule_reads_the_entry_of_the_call_s_expert_count(monkeypatch):

@@ -45,7 +45,9 @@ def test_fp8_linear_config_per_shape(m, n, k, want):
     (150, 16, "fp8", _moe(128, 64, 128, 8, 3)),
     (150, 16, "dense", _moe(32, 64, 128, 4, 3)),
     (2048, 256, "mxfp4", _moe(64, 128, 64, 8, 3, "bf16")),
-    (8192, 256, "mxfp4", _moe(128, 64, 128, 4, 3, "bf16")),
+    (8192, 256, "mxfp4", _moe(128, 128, 128, 8, 3, "bf16-frag")),  # 192 rows per expert: the frag tile
+    (4096, 64, "mxfp4", _moe(128, 128, 128, 8, 3, "bf16-frag")),  # 384 (the grouped path's, where it dispatches)
+    (1000, 64, "mxfp4", _moe(64, 128, 64, 8, 3, "bf16")),  # 94: the table's
     (8192, 256, "fp8", _moe(64, 128, 64, 8, 3)),  # no measured prefill entry: the default tiles
 ])
 def test_moe_config_per_shape(tokens, experts, fmt, want):
