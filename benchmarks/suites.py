@@ -19,16 +19,17 @@ DEPTH_CKPT = "{ckpt}/flash-depth-fp8-fp4"
 SWITCH_CKPT = "{{ckpt}}/flash-depth-e{e}-fp8-fp4"  # one per expert count, removed after its step
 SWITCHES = DEPTH[:-1] + ',"cudagraph_mode":"FULL_DECODE_ONLY"}'  # decode graphs only: no mixed-step captures to wait for
 # on the rank share: today's step, every fusion, moe_gemv, then each fusion alone (tools.bench_decode_switches)
-TP_SHARE_SWITCH_CONFIGS = "pdl,all,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/moe_gemv,each"
-# today's decode, then each decode variant that is off by default, then today's without bf16_gemv
-# today's step last again (pdl_again): at batch 150 the last config ran fastest in two runs (1.10x, 1.14x), so a gap
-# under the drift between the first and the last row is not the variant's
-DECODE_VARIANT_CONFIGS = ("pdl,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/moe_gemv,"
-                          "indexer_select=pdl:1+var:rope_tiles/bf16_gemv/indexer_select,no_bf16_gemv=pdl:1+var:rope_tiles,"
-                          "fp8_cublas_mid=pdl:1+var:rope_tiles/bf16_gemv/fp8_cublas_mid,pdl_again=pdl:1+var:rope_tiles/bf16_gemv")
-# today's prefill (its default variants), then with each prefill variant that is off, then both
-PREFILL_VARIANT_SETS = ",".join("rope_tiles+bf16_gemv" + extra for extra in
-                                ("", "+attn_offsets", "+indexer_select", "+attn_offsets+indexer_select"))
+TP_SHARE_SWITCH_CONFIGS = "pdl,all,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/attn_offsets/moe_gemv,each"
+# today's decode, then each decode variant that is off by default, then today's without each that is on (attn_offsets
+# runs on the wgmma tiles, which batch 150 takes), then
+# today's step last again (pdl_again): at batch 150 the last config ran fastest in three runs (1.10x, 1.14x, 1.06x), so
+# a gap under the drift between the first and the last row is not the variant's
+_TODAY = "rope_tiles/bf16_gemv/attn_offsets"
+DECODE_VARIANT_CONFIGS = (f"pdl,moe_gemv=pdl:1+var:{_TODAY}/moe_gemv,indexer_select=pdl:1+var:{_TODAY}/indexer_select,"
+                          "no_bf16_gemv=pdl:1+var:rope_tiles/attn_offsets,no_attn_offsets=pdl:1+var:rope_tiles/bf16_gemv,"
+                          f"fp8_cublas_mid=pdl:1+var:{_TODAY}/fp8_cublas_mid,pdl_again=pdl:1+var:{_TODAY}")
+# today's prefill (its default variants), then without attn_offsets, then with indexer_select (off)
+PREFILL_VARIANT_SETS = "rope_tiles+bf16_gemv+attn_offsets,rope_tiles+bf16_gemv,rope_tiles+bf16_gemv+attn_offsets+indexer_select"
 # a server configured for 128K-token contexts: its decode graphs' indexer rows are 32,768 entries wide
 SWITCHES_128K = SWITCHES.replace('"max_model_len":8192', '"max_model_len":131072')
 DSPARK_CKPT = "{ckpt}/flash-depth-0731-fp8-fp4"  # V4-Flash depth with 0731's DSpark stages (16 experts)
@@ -308,7 +309,9 @@ SUITE_LIST = [
           "1-4 tokens as CUDA-core GEMVs), with indexer_select on (by default only for rows past 4,096 entries; this "
           "8K server's are 2,048: the indexer's selection from what each token sees, sorted) and without bf16_gemv (on by default: the compressors' and "
           "indexer's bf16 projections and the router's gate as one CUDA-core GEMV launch with PDL instead of "
-          "cuBLAS's split-K GEMM and its reduce, up to 4 rows, so batch 32 / 150 run cuBLAS there), with fp8_cublas_mid "
+          "cuBLAS's split-K GEMM and its reduce, up to 4 rows, so batch 32 / 150 run cuBLAS there), without "
+          "attn_offsets (on by default: the CSA attention's wgmma tiles, batch 150's, read the key rows from one "
+          "table a launch writes first), with fp8_cublas_mid "
           "(cuBLAS's blockwise FP8 GEMM for the FP8 linears from 128 rows, not 256: batch 150), then today's again "
           "(the drift over the run)?",
           decode_ab_steps(DECODE_VARIANT_CONFIGS, 16),
@@ -669,10 +672,10 @@ SUITE_LIST = [
           (Step("tools.bench_unpack", (), timeout_s=240),),
           notes="about 1 minute, no checkpoint: the table's tile against the formats' dequantizer, then 22 tiles "
                 "each checked equal and timed; the fastest printed for kernels.mxfp4_unpack.UNPACK_TILES"),
-    Suite("prefill_variants", "At V4-Flash depth as shipped, what do the prefill variants that are off "
-          "(kernels/variants.py: attn_offsets, the CSA attention's key rows read from one table; indexer_select, the "
-          "indexer's picks from what each token sees) do to prefill's time to first token at 1 x 1024, 4 x 1024 and "
-          "1 x 8192 tokens against today's default (rope_tiles + bf16_gemv), and are the first tokens the same?",
+    Suite("prefill_variants", "At V4-Flash depth as shipped, what do today's default (rope_tiles + bf16_gemv + "
+          "attn_offsets: the CSA attention's key rows read from one table) without attn_offsets, and with "
+          "indexer_select (off: the indexer's picks from what each token sees) do to prefill's time to first token "
+          "at 1 x 1024, 4 x 1024 and 1 x 8192 tokens, and are the first tokens the same?",
           (checkpoint(DEPTH_CKPT, "flash-depth"),
            Step("tools.bench_prefill_variants", ("--model", DEPTH_CKPT, "--sets", PREFILL_VARIANT_SETS, "--shapes",
                                                  "1x1024,4x1024,1x8192", "--rounds", "5", "--engine-args",

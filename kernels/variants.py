@@ -57,7 +57,11 @@ ALL = ("rope_tiles", "mix_bf16x3", "moe_frag", "bf16_gemv", "moe_gemv", "indexer
 # the decode step 1.023x faster at batch 1 (11.44 -> 11.18 ms at 16 experts, 1.03x at 64), 1.014x at 2, 1.006x at
 # 4, with logits identical to today's, and 82 fewer launches a step (38.0 -> 36.1 a layer). moe_frag off: 0.93x at
 # batch 1, 0.91x at 32 there (kernels_mx_ab: the MoE's decode 1.3x slower alone).
-DEFAULT: tuple[str, ...] = ("rope_tiles", "bf16_gemv")
+# attn_offsets on: suite attention (H100, docs/perf/h100-2026-12-07d/) finds the CSA attention of a 2,048-token
+# chunk 1.53x faster (1,200.3 -> 784.4 us on today's tile), the output identical; prefill_variants' first tokens
+# identical, its fastest of 5 rounds 1.02 / 1.05 / 1.08x at 1 x 1024, 4 x 1024, 1 x 8192 tokens (medians 1.03 /
+# 0.95 / 0.96x: eager prefill's spread); at decode (batch 150's wgmma tiles) not timed: decode_variants A/Bs it.
+DEFAULT: tuple[str, ...] = ("rope_tiles", "bf16_gemv", "attn_offsets")
 ENV = "DSV4_VARIANTS"
 
 _on = fusions.parse(os.environ.get(ENV, ",".join(DEFAULT)), ALL, "kernel variants")
