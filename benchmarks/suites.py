@@ -21,7 +21,7 @@ SWITCHES = DEPTH[:-1] + ',"cudagraph_mode":"FULL_DECODE_ONLY"}'  # decode graphs
 # on the rank share: today's step, every fusion, moe_gemv, then each fusion alone (tools.bench_decode_switches)
 TP_SHARE_SWITCH_CONFIGS = "pdl,all,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/attn_offsets/moe_gemv,each"
 # today's decode, then each decode variant that is off by default, then today's without each that is on (attn_offsets
-# runs on the wgmma tiles, which batch 150 takes), then
+# runs on the wgmma tiles, which batches from 16 take), then
 # today's step last again (pdl_again): at batch 150 the last config ran fastest in three runs (1.10x, 1.14x, 1.06x), so
 # a gap under the drift between the first and the last row is not the variant's
 _TODAY = "rope_tiles/bf16_gemv/attn_offsets"
@@ -310,7 +310,7 @@ SUITE_LIST = [
           "8K server's are 2,048: the indexer's selection from what each token sees, sorted) and without bf16_gemv (on by default: the compressors' and "
           "indexer's bf16 projections and the router's gate as one CUDA-core GEMV launch with PDL instead of "
           "cuBLAS's split-K GEMM and its reduce, up to 4 rows, so batch 32 / 150 run cuBLAS there), without "
-          "attn_offsets (on by default: the CSA attention's wgmma tiles, batch 150's, read the key rows from one "
+          "attn_offsets (on by default: the CSA attention's wgmma tiles, from 16 tokens, read the key rows from one "
           "table a launch writes first), with fp8_cublas_mid "
           "(cuBLAS's blockwise FP8 GEMM for the FP8 linears from 128 rows, not 256: batch 150), then today's again "
           "(the drift over the run)?",

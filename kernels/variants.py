@@ -60,7 +60,7 @@ ALL = ("rope_tiles", "mix_bf16x3", "moe_frag", "bf16_gemv", "moe_gemv", "indexer
 # attn_offsets on: suite attention (H100, docs/perf/h100-2026-12-07d/) finds the CSA attention of a 2,048-token
 # chunk 1.53x faster (1,200.3 -> 784.4 us on today's tile), the output identical; prefill_variants' first tokens
 # identical, its fastest of 5 rounds 1.02 / 1.05 / 1.08x at 1 x 1024, 4 x 1024, 1 x 8192 tokens (medians 1.03 /
-# 0.95 / 0.96x: eager prefill's spread); at decode (batch 150's wgmma tiles) not timed: decode_variants A/Bs it.
+# 0.95 / 0.96x: eager prefill's spread); at decode (the wgmma tiles from 16 tokens) not timed: decode_variants A/Bs it.
 DEFAULT: tuple[str, ...] = ("rope_tiles", "bf16_gemv", "attn_offsets")
 ENV = "DSV4_VARIANTS"
 
