@@ -588,6 +588,15 @@ SUITE_LIST = [
           (Step("tools.bench_fused", ("--only", "fp8"), name="fused_fp8", timeout_s=300),
            Step("tools.bench_fp8_vs_bf16", ("--rows", "1,32,256,1024,2048"), timeout_s=200),
            Step("tools.bench_quant", ("--v41", "--quick", "--budget", "130"), name="sweep_v41", timeout_s=200))),
+    Suite("kernels_fp8_mid", "Which tiles of the FP8 linear kernels are fastest for V4's four FP8 linears at a big "
+          "decode batch's 96-256 rows (128-row tiles beside the 64-row ones the tables hold; at 150 rows the tables' "
+          "kernels measured slower than bf16 cuBLAS reading twice the bytes), each checked against the reference, "
+          "against cuBLAS's blockwise FP8 and bf16 on the same weights?",
+          (Step("tools.bench_quant", ("--linear-rows", "96,128,150,192,256", "--budget", "420"), name="sweep",
+                timeout_s=480),
+           Step("tools.bench_fp8_vs_bf16", ("--rows", "96,128,150,192,256", "--only", "v4"), name="vs_cublas",
+                timeout_s=200)),
+          notes="5-8 minutes; `--write-configs` on the sweep's command merges its winners into the tables"),
     Suite("kernels_mxfp4", "How close do the MoE kernels (MXFP4 and FP8 experts) come to their floors at decode "
           "and prefill sizes, per launch config?",
           (Step("tools.bench_quant", ("--moe-only", "--budget", "330"), timeout_s=400),)),

@@ -4,6 +4,7 @@ launch configurations per shape, timed against floors; prints the winners.
     python -m tools.bench_quant [--json OUT/quant.json] [--quick] [--budget S]   (suite kernels_quant)
     python -m tools.bench_quant --mx-ab ...   the MXFP4 MoE only: the table's tile against its frag decodes
     python -m tools.bench_quant --v41 ...   DeepSeek-V4.1-Flash's FP8 linears, 32x32 tiles (suite kernels_fp8)
+    python -m tools.bench_quant --linear-rows 96,128,150,192,256 ...   V4's FP8 linears alone (suite kernels_fp8_mid)
     python -m tools.bench_quant --write-configs ...   also merges the winners into kernels/configs/*.json
 
 1. Check (fails the run, exit 1): the block-scaled FP8 linear, both variants (the "mma" one on the
@@ -80,9 +81,19 @@ def moe_floor(rows: int, experts_hit: int, D: int, I: int, k: int, fmt: str, hw:
 
 
 def linear_candidates(m: int) -> list[dict]:
-    """Decode: the dequant GEMV (N tile x split-K x warps x stages) and the small mma tiles;
-    prefill: mma tiles from 64x128 to 128x256."""
+    """Decode: the dequant GEMV (N tile x split-K x warps x stages) and the small mma tiles; 65-256 rows (a big
+    decode batch, where one 64-row tile re-reads and re-converts each weight tile per 64 rows): also 128-row tiles of
+    both; prefill: mma tiles from 64x128 to 128x256."""
     out = []
+    if 64 < m <= 256:
+        for bm, bn, bk, w, st in ((64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 128, 128, 8, 4), (128, 32, 128, 4, 4),
+                                  (128, 64, 128, 4, 3), (128, 64, 128, 8, 4), (128, 128, 128, 8, 3)):
+            out.append({"variant": "dequant", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 0,
+                        "num_warps": w, "num_stages": st})
+        out += [{"variant": "mma", "BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": w, "num_stages": st}
+                for bm, bn, w, st in ((64, 128, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3), (128, 64, 4, 4),
+                                      (128, 64, 8, 3), (128, 128, 8, 4))]
+        return out
     if m <= 256:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
         for bn, bk, w, st, split in ((64, 128, 4, 4, 0), (32, 128, 4, 4, 0), (128, 128, 4, 3, 0), (128, 128, 8, 4, 0),
@@ -180,9 +191,13 @@ def moe_candidates(rows: int, fmt: str, experts: int = 256) -> list[dict]:
     return [{"gate_up": c, "down": c} for c in cfgs]
 
 
-def cases(quick: bool = False, v41: bool = False) -> list[dict]:
+def cases(quick: bool = False, v41: bool = False, linear_rows: tuple[int, ...] = ()) -> list[dict]:
     """Every swept shape: FP8 linears and MoE (mxfp4 at all rows, fp8 experts at decode); decode first.
-    v41: V4.1-Flash's FP8 linears in 32x32 tiles only (its MXFP4 experts run V4's MoE kernel)."""
+    v41: V4.1-Flash's FP8 linears in 32x32 tiles only (its MXFP4 experts run V4's MoE kernel).
+    linear_rows: only V4's FP8 linears, at these rows."""
+    if linear_rows:
+        return [{"op": "fp8_linear", "name": name, "rows": m, "n": n, "k": k}
+                for m in linear_rows for name, (n, k) in LINEAR_SHAPES.items()]
     rows = DECODE_ROWS + (PREFILL_ROWS[:1] if quick else PREFILL_ROWS)
     if v41:
         return [{"op": "fp8_linear", "name": name, "rows": m, "n": n, "k": k, "block": V41_BLOCK}
@@ -461,6 +476,7 @@ def main() -> int:
                     help="only the MXFP4 MoE, each shape's table tile against MX_AB_MODES on it (each checked against "
                          "the reference; the other kernels' check skipped): a quick A/B")
     ap.add_argument("--v41", action="store_true", help="DeepSeek-V4.1-Flash's FP8 linears in 32x32 tiles instead")
+    ap.add_argument("--linear-rows", default="", help="only V4's FP8 linears, at these rows (e.g. 96,128,150,192,256)")
     ap.add_argument("--write-configs", action="store_true",
                     help="merge the winners into the tuned tables, kernels/configs/*.json (kernels/tuned_configs.py)")
     args = ap.parse_args()
@@ -480,7 +496,8 @@ def main() -> int:
     for f in failures:
         print("  MISMATCH", f, flush=True)
     results = []
-    todo = [c for c in cases(args.quick, args.v41) if c["op"] == "moe" or not args.moe_only]
+    linear_rows = tuple(int(r) for r in args.linear_rows.split(",") if r)
+    todo = [c for c in cases(args.quick, args.v41, linear_rows) if c["op"] == "moe" or not args.moe_only]
     if args.mx_ab:
         todo = [{**c, "ab": True} for c in todo if c["op"] == "moe" and c["fmt"] == "mxfp4"]
     for case in todo:
