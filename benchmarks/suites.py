@@ -259,6 +259,17 @@ SUITE_LIST = [
                                                "--prompts", "4", "--steps", "32", "--engine-args",
                                                '{"cudagraph_mode":"FULL_DECODE_ONLY"}'),
                 name="v4_depth_switches", timeout_s=540))),
+    Suite("teacher_forced_variants", "At V4-Flash depth as shipped, is each kernel variant that decode_variants "
+          "finds faster but not bit-equal only rounding or wrong: moe_gemv on (1.08x at batch 1, its logits 6.1e-2 "
+          "from today's), fp8_cublas_mid on, today's without attn_offsets / bf16_gemv, each against the path without "
+          "it and the rounded reference on the same tokens (4 prompts x 32 positions)?",
+          (checkpoint(DEPTH_CKPT, "flash-depth"),
+           Step("tools.check_teacher_forced", ("--model", DEPTH_CKPT, "--switches",
+                                               "moe_gemv,fp8_cublas_mid,no_attn_offsets,no_bf16_gemv", "--reference",
+                                               "rounded", "--prompts", "4", "--steps", "32", "--engine-args",
+                                               '{"cudagraph_mode":"FULL_DECODE_ONLY"}'),
+                name="v4_depth_variants", timeout_s=540)),
+          notes="5-8 minutes; a variant within 1.25x the base path's mean KL to the reference is rounding"),
     Suite("teacher_forced_v41", "The same teacher-forced check on the V4.1-Flash-shaped engine as shipped (FP8 "
           "32x32 linears kept as stored, MXFP4 experts, decoder trim on), then with decoder trim off (what the "
           "kernels and graphs alone move).",

@@ -349,14 +349,33 @@ def check(ref: LLMEngine, test: LLMEngine, prompts: list[list[int]], steps: int,
     return report, fed
 
 
+def switch_names(spec: str) -> list[str]:
+    """--switches: "all" (pdl and every fusion), or names: "pdl", a fusion of kernels/fusions.py, a kernel variant of
+    kernels/variants.py (turned on over the default variants) or "no_" and a default one (turned off)."""
+    from kernels import fusions, variants
+
+    if spec == "all":
+        return ["pdl", *fusions.ALL]
+    names = spec.split(",")
+    known = {"pdl", *fusions.ALL, *variants.ALL, *(f"no_{v}" for v in variants.DEFAULT)}
+    if bad := [n for n in names if n not in known]:
+        raise ValueError(f"unknown switches {bad}: pdl, a fusion {fusions.ALL}, a variant {variants.ALL}, or no_ and "
+                         f"a default variant {variants.DEFAULT}")
+    return names
+
+
 def switched(engine: LLMEngine, name: str) -> None:
-    """The engine under test with one decode switch alone on ("base": none; "pdl": kernels/pdl.py; else a
-    fusion of kernels/fusions.py), its decode graphs captured again (they hold the kernels at capture)."""
-    from kernels import fusions, pdl
+    """The engine under test with one decode switch alone ("base": none, the default variants; "pdl": kernels/pdl.py;
+    a fusion of kernels/fusions.py; a kernel variant on, or "no_" one of the default variants off), its decode graphs
+    captured again (they hold the kernels at capture)."""
+    from kernels import fusions, pdl, variants
     from tools.bench_decode_switches import recapture
 
     pdl.set_enabled(name == "pdl")
-    fusions.set_fusions(() if name in ("base", "pdl") else (name,))
+    fusions.set_fusions((name,) if name in fusions.ALL else ())
+    on = set(variants.DEFAULT) - {name.removeprefix("no_")} if name.startswith("no_") else \
+        set(variants.DEFAULT) | ({name} if name in variants.ALL else set())
+    variants.set_variants(tuple(v for v in variants.ALL if v in on))
     for size in sorted(engine.runner.graphs) or ([] if torch.cuda.is_available() else
                                                  decode_buckets(engine.args.max_num_seqs)):
         recapture(engine.runner, size)
@@ -479,8 +498,9 @@ def main() -> int:
     ap.add_argument("--oracle", action="store_true", help="also compare the reference with transformers' "
                     "DeepseekV4ForCausalLM (V4 only; float32 weights: where they fit)")
     ap.add_argument("--switches", default="", help="instead of the check: each decode switch alone (pdl, a "
-                    "fusion of kernels/fusions.py, or 'all': pdl and every fusion) against the base path and the "
-                    "first --reference: rounding or wrong, and where (switch_verdicts); exit 1 if any is wrong")
+                    "fusion of kernels/fusions.py, a kernel variant on or no_VARIANT off, or 'all': pdl and every "
+                    "fusion) against the base path and the first --reference: rounding or wrong, and where "
+                    "(switch_verdicts); exit 1 if any is wrong")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -491,6 +511,10 @@ def main() -> int:
         ap.error("--floor judges the engine against the rounded reference: --reference must include rounded")
     if a.floor and a.switches:
         ap.error("--floor is for the check, not --switches")
+    try:
+        names = switch_names(a.switches) if a.switches else []
+    except ValueError as e:
+        ap.error(str(e))
     lens = [a.prompt_len + 29 * i for i in range(a.prompts)]
     engine_args, max_len = json.loads(a.engine_args), max(lens) + a.steps + 1
     order = sorted(kinds, key=lambda k: a.floor and k == "rounded")  # with --floor rounded last: the floor keeps it
@@ -499,8 +523,6 @@ def main() -> int:
     if a.perturb_layer is not None:
         perturb_layer(test, a.perturb_layer, a.perturb_scale)
     if a.switches:
-        from kernels import fusions
-        names = ["pdl", *fusions.ALL] if a.switches == "all" else a.switches.split(",")
         rows = switch_verdicts(ref, test, prompts, a.steps, names)
         print_verdicts(rows, kinds[0])
         if a.json:

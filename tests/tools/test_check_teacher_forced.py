@@ -67,10 +67,30 @@ def test_switch_verdicts_smoke():
     steps, lens = 2, (9, 14)
     ref, test = build_engines("", len(lens), max(lens) + steps + 1, {}, "rounded")
     prompts = [p[:n] for p, n in zip(random_prompts(len(lens), max(lens), ref.cfg.vocab_size, seed=1), lens)]
-    rows = switch_verdicts(ref, test, prompts, steps, ["pdl", "mega_mhc"])
-    assert [r["switch"] for r in rows] == ["base", "pdl", "mega_mhc"]
-    assert [r["verdict"] for r in rows] == ["-", "identical", "rounding"]
+    rows = switch_verdicts(ref, test, prompts, steps, ["pdl", "mega_mhc", "moe_gemv", "no_attn_offsets"])
+    assert [r["switch"] for r in rows] == ["base", "pdl", "mega_mhc", "moe_gemv", "no_attn_offsets"]
+    assert [r["verdict"] for r in rows] == ["-", "identical", "rounding", "rounding", "rounding"]
     assert rows[2]["mean_kl"] == rows[0]["mean_kl"] and rows[0]["positions"] == len(lens) * steps
+
+
+def test_a_switch_is_a_fusion_or_a_kernel_variant_alone():
+    """--switches names: a kernel variant goes on over the default ones, no_ and a default one goes off, a fusion
+    alone with the default variants; the base path ends with the defaults again; an unknown name is refused."""
+    from kernels import fusions, variants
+    from tools.check_teacher_forced import switch_names, switched
+
+    _, test = build_engines("", 1, 16, {}, "rounded")
+    seen = {}
+    for name in ["moe_gemv", "no_attn_offsets", "mega_mhc", "base"]:
+        switched(test, name)
+        seen[name] = (variants.enabled(), fusions.enabled())
+    default = tuple(v for v in variants.ALL if v in variants.DEFAULT)
+    assert seen["moe_gemv"] == (tuple(v for v in variants.ALL if v in {*default, "moe_gemv"}), ())
+    assert seen["no_attn_offsets"] == (tuple(v for v in default if v != "attn_offsets"), ())
+    assert seen["mega_mhc"] == (default, ("mega_mhc",)) and seen["base"] == (default, ())
+    assert switch_names("pdl,moe_gemv,no_bf16_gemv") == ["pdl", "moe_gemv", "no_bf16_gemv"]
+    with pytest.raises(ValueError, match="unknown switches"):
+        switch_names("no_moe_gemv")  # moe_gemv is not on by default: nothing to turn off
 
 
 def test_noise_floor_holds_an_engine_that_only_sums_in_another_order_and_not_a_planted_bug():
