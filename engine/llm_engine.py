@@ -172,6 +172,7 @@ class LLMEngine:
         while self.has_unfinished():
             self.step()
         self._warm_indexer_widths()
+        self._warm_draw()
         self.counters = dict.fromkeys(self.counters, 0)
         self.iteration_tokens = [[0, 0] for _ in range(ITERATION_TOKEN_BUCKETS)]
         if self.spec is not None:
@@ -196,6 +197,19 @@ class LLMEngine:
             pos = torch.full((1,), n * ratio - 1, device=dev)
             kernels.indexer_topk(iq, iw, pool, table, pos, seq, ratio, cfg.index_topk, n * ratio - 1)
             n *= 2
+
+    def _warm_draw(self) -> None:
+        """The sampled draw's kernels (K.sample_draw) are compiled per set of options a batch uses (temperature alone,
+        with top-k, top-p, min_p: eight): compile them all now, not in the first sampled request's step (the warm-up
+        requests are greedy)."""
+        dev = self.device
+        logits = torch.zeros(1, self.cfg.vocab_size, device=dev)
+        rows, u = torch.zeros(1, dtype=torch.long, device=dev), torch.full((1,), 0.5, dtype=torch.float64, device=dev)
+        one = torch.ones(1, device=dev)
+        for top_k in (None, torch.full((1,), 2, dtype=torch.long, device=dev)):
+            for top_p in (None, one / 2):
+                for min_p in (None, one / 10):
+                    kernels.sample_draw(logits, rows, one, top_k, top_p, min_p, u)
 
     # --- construction -------------------------------------------------------------------------
 

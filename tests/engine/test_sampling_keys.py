@@ -131,3 +131,21 @@ def test_logprob_ranks_are_vllms_count_over_the_vocabulary(llm):
     expected = [int((raw.log_softmax(-1) >= raw.log_softmax(-1)[t]).sum()) for raw, t in zip(raws, tokens)]
     assert ranks == expected and len(ranks) == 8
     assert max(ranks) > 2, "the test needs a sampled token outside the top-n"
+
+
+def test_the_warm_up_compiles_every_set_of_draw_options(llm, monkeypatch):
+    """A GPU engine's warm-up runs K.sample_draw once for each set of options a sampled batch may use (its kernels are
+    compiled per set), on the model's vocabulary; here the reference runs the same calls."""
+    import kernels
+
+    seen = []
+    real = kernels.sample_draw
+
+    def record(logits, rows, temperature, top_k, top_p, min_p, u):
+        seen.append((logits.shape[-1], top_k is not None, top_p is not None, min_p is not None))
+        return real(logits, rows, temperature, top_k, top_p, min_p, u)
+
+    monkeypatch.setattr(kernels, "sample_draw", record)
+    llm.engine._warm_draw()
+    V = llm.engine.cfg.vocab_size
+    assert sorted(seen) == sorted((V, k, p, m) for k in (False, True) for p in (False, True) for m in (False, True))
