@@ -82,17 +82,18 @@ def moe_floor(rows: int, experts_hit: int, D: int, I: int, k: int, fmt: str, hw:
 
 def linear_candidates(m: int) -> list[dict]:
     """Decode: the dequant GEMV (N tile x split-K x warps x stages) and the small mma tiles; 65-256 rows (a big
-    decode batch, where one 64-row tile re-reads and re-converts each weight tile per 64 rows): also 128-row tiles of
-    both; prefill: mma tiles from 64x128 to 128x256."""
+    decode batch, where one 64-row tile re-reads and re-converts each weight tile per 64 rows): also 128- and 256-row
+    tiles of both; prefill: mma tiles from 64x128 to 128x256."""
     out = []
     if 64 < m <= 256:
         for bm, bn, bk, w, st in ((64, 64, 128, 4, 4), (64, 128, 128, 4, 3), (64, 128, 128, 8, 4), (128, 32, 128, 4, 4),
-                                  (128, 64, 128, 4, 3), (128, 64, 128, 8, 4), (128, 128, 128, 8, 3)):
+                                  (128, 64, 128, 4, 3), (128, 64, 128, 8, 4), (128, 128, 128, 8, 3),
+                                  (256, 64, 128, 8, 3)):  # one row tile for up to 256 (sm_90 offline: no spills)
             out.append({"variant": "dequant", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": 0,
                         "num_warps": w, "num_stages": st})
         out += [{"variant": "mma", "BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": 8, "num_warps": w, "num_stages": st}
                 for bm, bn, w, st in ((64, 128, 4, 4), (64, 64, 4, 4), (128, 128, 8, 3), (128, 64, 4, 4),
-                                      (128, 64, 8, 3), (128, 128, 8, 4))]
+                                      (128, 64, 8, 3), (128, 128, 8, 4), (256, 64, 8, 3))]
         return out
     if m <= 256:
         bm = 16 if m <= 16 else 32 if m <= 32 else 64
