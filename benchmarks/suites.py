@@ -607,7 +607,8 @@ SUITE_LIST = [
                 timeout_s=480),
            Step("tools.bench_fp8_vs_bf16", ("--rows", "96,128,150,192,256", "--only", "v4"), name="vs_cublas",
                 timeout_s=200)),
-          notes="5-8 minutes; `--write-configs` on the sweep's command merges its winners into the tables"),
+          notes="5-8 minutes; `--write-configs` on the sweep's command merges its 150-row winners into the tables' "
+                "65-512-row entries (kernels/tuned_configs.ROW_BOUNDS; cuBLAS takes 256 rows and more)"),
     Suite("kernels_mxfp4", "How close do the MoE kernels (MXFP4 and FP8 experts) come to their floors at decode "
           "and prefill sizes, per launch config?",
           (Step("tools.bench_quant", ("--moe-only", "--budget", "330"), timeout_s=400),)),
