@@ -53,11 +53,43 @@ def python_for(step: Step) -> str:
     return sys.executable
 
 
-def run_step(step: Step, values: dict[str, str], work: Path) -> dict:
+# A checkpoint is drawn only with this much free on its disk: V4-Flash depth at 64 routed experts is ~25 GB, and
+# a queue of suites leaves theirs behind (a 64 GB machine ran out after three)
+CKPT_FREE_BYTES = 40 << 30
+CHECKPOINT_TOOL = "tools.make_tiny_checkpoint"
+
+
+def make_room(ckpt: Path, keep: set[str], need: int = CKPT_FREE_BYTES) -> list[str]:
+    """Remove checkpoints under `ckpt` that the running suite does not name (`keep`: their directory names), least
+    recently written first, until its disk has `need` bytes free. Returns the names removed."""
+    if not ckpt.is_dir():
+        return []
+    removed = []
+    others = sorted((p for p in ckpt.iterdir() if p.is_dir() and p.name not in keep), key=lambda p: p.stat().st_mtime)
+    for path in others:
+        if shutil.disk_usage(ckpt).free >= need:
+            break
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path.name)
+    return removed
+
+
+def suite_checkpoints(suite: Suite, values: dict[str, str]) -> set[str]:
+    """The directory names under {ckpt} that a suite's steps name."""
+    root = values["ckpt"].rstrip("/") + "/"
+    return {fill(a, values)[len(root):].split("/")[0] for s in suite.steps for a in s.args
+            if fill(a, values).startswith(root)}
+
+
+def run_step(step: Step, values: dict[str, str], work: Path, keep: set[str] = frozenset()) -> dict:
+    """keep: the checkpoints the suite names (a checkpoint drawn makes room by removing others)."""
     args = [fill(a, values) for a in step.args]
     row: dict = {"name": step.key, "tool": step.tool}
     if step.unless_exists and Path(fill(step.unless_exists, values)).exists():
         return row | {"argv": args, "skipped": "exists: " + fill(step.unless_exists, values)}
+    if step.tool == CHECKPOINT_TOOL and (removed := make_room(Path(values["ckpt"]), keep)):
+        print(f"== {step.key}: removed checkpoints {removed} for disk room", flush=True)
+        row["removed_checkpoints"] = removed
     json_path = None
     if step.json_flag:
         json_path = Path(tempfile.mkstemp(prefix=f"{step.key}-", suffix=".json", dir=work)[1])
@@ -109,7 +141,8 @@ def run_suite(suite: Suite, preset: str | None = None, work: Path = Path("out"),
     values = {"suite": suite.name, "out": str(work.resolve()), "ckpt": ckpt, "preset": preset or suite.preset or "",
               "python": sys.executable}
     started = datetime.datetime.now(datetime.UTC)
-    steps = [run_step(step, values, work) for step in suite.steps]
+    keep = suite_checkpoints(suite, values)
+    steps = [run_step(step, values, work, keep) for step in suite.steps]
     return {"suite": suite.name, "question": suite.question,
             "date": started.isoformat(timespec="seconds").replace("+00:00", "Z"),
             "machine": {"device": device_name(), "host": platform.node(), "platform": platform.platform(),

@@ -74,3 +74,30 @@ def test_suite_names_tools_that_exist_and_fills_every_placeholder(name):
         uses_preset |= "preset" in fields
         assert step.python in ("engine", "triton")
     assert uses_preset == (suite.preset is not None) and suite.machine in ("h200", "cpu")
+
+
+def test_a_checkpoint_draw_makes_room_by_removing_checkpoints_the_suite_does_not_name(tmp_path, monkeypatch):
+    """Before drawing a checkpoint the runner removes others under {ckpt}, oldest first, until the disk has room,
+    never one its suite names; with room enough it removes nothing."""
+    import os
+    from types import SimpleNamespace
+
+    from benchmarks import runner
+
+    ckpt = tmp_path / "ckpt"
+    for i, name in enumerate(["old", "mine", "newer", "newest"]):
+        (ckpt / name).mkdir(parents=True)
+        os.utime(ckpt / name, (1000 + i, 1000 + i))
+    suite = Suite("s", "?", (Step("tools.make_tiny_checkpoint", ("{ckpt}/mine", "--preset", "tiny")),
+                             Step("tools.bench_engine", ("--model", "{ckpt}/mine/x",))))
+    values = {"ckpt": str(ckpt), "suite": "s"}
+    keep = runner.suite_checkpoints(suite, values)
+    assert keep == {"mine"}
+
+    def usage(path):  # each removal frees 30 GB
+        return SimpleNamespace(free=(4 - len(list(ckpt.iterdir()))) * (30 << 30))
+
+    monkeypatch.setattr(runner.shutil, "disk_usage", usage)
+    assert runner.make_room(ckpt, keep, need=50 << 30) == ["old", "newer"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["mine", "newest"]
+    assert runner.make_room(ckpt, keep, need=50 << 30) == []
