@@ -76,7 +76,7 @@ def _kept_by(x, temp, min_p, cuts):
 @pytest.mark.parametrize("size", range(len(DRAWS)), ids=DRAW_IDS)
 @pytest.mark.parametrize("ties", [False, True])
 def test_the_kernel_draws_the_references_token_from_the_references_set(size, ties):
-    V, n = 301, 10
+    V, n = 301, 8
     draw, sizes = DRAWS[size]
     x = _rows(n, V, seed=size + 10 * ties, ties=ties)
     u = torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(size))
