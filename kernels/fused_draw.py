@@ -57,7 +57,7 @@ def probe_values(a, b, j, NP: tl.constexpr):
 
 @triton.jit
 def pass_sums(base, start, end, V, T, top, minp, cut, lo, hi, t, BY_COUNT: tl.constexpr, SB: tl.constexpr,
-               NP: tl.constexpr):
+              NP: tl.constexpr):
     """Over entries [start, end) kept and in the bracket [lo, hi): per probe t_j the count (and, not BY_COUNT, the
     mass) at or above it, the smallest there and the largest below it; and the bracket's count, mass, smallest and
     largest. Per-lane partials, reduced once: a reduction across the program costs a barrier."""
@@ -92,7 +92,7 @@ def pass_sums(base, start, end, V, T, top, minp, cut, lo, hi, t, BY_COUNT: tl.co
 
 @triton.jit
 def narrow(t, j, lo, hi, above_n, above_m, target, known, k, p, n_ge, m_ge, min_ge, max_lt, n_in, m_in, min_in,
-            max_in, BY_COUNT: tl.constexpr, NP: tl.constexpr):
+           max_in, BY_COUNT: tl.constexpr, NP: tl.constexpr):
     """A search pass's sums (pass_sums over the whole row) -> the probe interval that holds the answer v, the
     smallest value whose statistic (count / mass) at or above any value past it is below the target (a probe t with
     stat(>= t) < target has v < t, else v >= t): (lo, hi, above_n, above_m, inside, target, a, b, done, answer),
@@ -164,14 +164,14 @@ def _cut(base, V, T, top, minp, cut, k, p, a, b, gathered,
     program. [a, b]: where to probe first."""
     none = tl.zeros((), tl.int32)  # typed: the search's loop carries these
     return cut_from(base, V, T, top, minp, cut, k, p, -float("inf") + 0.0 * a, float("inf") + 0.0 * a, none,
-                     tl.zeros((), tl.float64), none, tl.zeros((), tl.float64), none != 0, a, b, gathered,
-                     BY_COUNT, BLOCK, SB, NP, CAP, MAX_PASSES)
+                    tl.zeros((), tl.float64), none, tl.zeros((), tl.float64), none != 0, a, b, gathered,
+                    BY_COUNT, BLOCK, SB, NP, CAP, MAX_PASSES)
 
 
 @triton.jit
 def cut_from(base, V, T, top, minp, cut, k, p, lo, hi, above_n, above_m, inside, target, known, a, b, gathered,
-              BY_COUNT: tl.constexpr, BLOCK: tl.constexpr, SB: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
-              MAX_PASSES: tl.constexpr):
+             BY_COUNT: tl.constexpr, BLOCK: tl.constexpr, SB: tl.constexpr, NP: tl.constexpr, CAP: tl.constexpr,
+             MAX_PASSES: tl.constexpr):
     """_cut's search from a state narrow left (known) or from the start: passes until the bracket holds one
     value or at most CAP entries, which are gathered, sorted and resolved."""
     j = tl.arange(0, NP)

@@ -269,10 +269,10 @@ def _row_resolve_kernel(x_ptr, stride, V, rows_ptr, temp_ptr, state_ptr, count_p
         else:
             base, T = _row(x_ptr, stride, rows_ptr, temp_ptr, r)
             answer = cut_from(base, V, T, tl.load(st + TOP).to(tl.float32), tl.load(st + MINP).to(tl.float32),
-                               tl.load(st + CUT).to(tl.float32), k, tl.load(st + P).to(tl.float32),
-                               tl.load(st + LO).to(tl.float32), tl.load(st + HI).to(tl.float32), above_n, above_m,
-                               inside, target, known, a, b, gathered_ptr + r.to(tl.int64) * CAP, BY_COUNT, BLOCK,
-                               SB, NP, CAP, MAX_PASSES)
+                              tl.load(st + CUT).to(tl.float32), k, tl.load(st + P).to(tl.float32),
+                              tl.load(st + LO).to(tl.float32), tl.load(st + HI).to(tl.float32), above_n, above_m,
+                              inside, target, known, a, b, gathered_ptr + r.to(tl.int64) * CAP, BY_COUNT, BLOCK,
+                              SB, NP, CAP, MAX_PASSES)
         tl.store(st + CUT, tl.maximum(tl.load(st + CUT), answer.to(tl.float64)))
     tl.store(count_ptr + r, 0)
     if NEXT_TOP_P:
