@@ -125,10 +125,14 @@ def _row_start_kernel(part_ptr, state_ptr, count_ptr, topk_ptr, topp_ptr, minp_p
     tl.store(st + TOP, top.to(tl.float64))
     tl.store(st + LOW, low.to(tl.float64))
     tl.store(st + CUT, -float("inf"))
+    k = tl.full((), V, tl.float64)  # off unless asked: every field a later launch loads is written
     if HAS_TOP_K:
-        tl.store(st + K, tl.load(topk_ptr + r).to(tl.float64))
+        k = tl.load(topk_ptr + r).to(tl.float64)
+    tl.store(st + K, k)
+    p = tl.full((), 1.0, tl.float64)
     if HAS_TOP_P:
-        tl.store(st + P, tl.load(topp_ptr + r).to(tl.float64))
+        p = tl.load(topp_ptr + r).to(tl.float64)
+    tl.store(st + P, p)
     minp = 0.0
     if HAS_MIN_P:
         minp = tl.load(minp_ptr + r)
