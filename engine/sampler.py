@@ -208,11 +208,15 @@ def _processed_pick(raw: torch.Tensor, rows: list[SamplingRow], generator: torch
     row has something to process (pending: as process_logits takes it), then the argmax or the draw. A row with
     nothing to process is read raw: process_logits would only map NaN to -inf and +inf to the largest float, which
     the argmax's validity and the draw do themselves; a row's lse is NaN where one of its logits is."""
-    lse = raw.logsumexp(-1)
-    processed = any(r.params.processes_logits or r.banned for r in rows)
-    x = process_logits(raw.clone(), rows, pending) if processed else raw
-    valid = (torch.isfinite(x).any(-1) & ~torch.isnan(lse)) if processed else lse > float("-inf")
-    tokens = x.argmax(-1)
+    if any(r.params.processes_logits or r.banned for r in rows):
+        lse = raw.logsumexp(-1)
+        x = process_logits(raw.clone(), rows, pending)
+        valid = torch.isfinite(x).any(-1) & ~torch.isnan(lse)
+        tokens = x.argmax(-1)
+    else:  # the raw argmax and log-sum-exp in one pass (NaN in a row: its lse NaN, so not valid)
+        picked = K.greedy_pick(raw)
+        x, tokens, lse = raw, picked[0].long(), picked[2].float()
+        valid = lse > float("-inf")
     rand = [i for i, r in enumerate(rows) if not r.params.greedy]
     if rand:
         tokens, valid = _draw_random(x, tokens, valid, rand, [rows[i].params for i in rand],
