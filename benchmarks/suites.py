@@ -363,6 +363,21 @@ SUITE_LIST = [
            profile("profile_prefill", *MODEL, "--batch", "4", "--steps", "1", "--prompt-len", "1024", "--rows", "40",
                    "--ops")),
           preset="flash-depth"),
+    Suite("prefill_ttft_experts", "How far is the one-user TTFT of a 1024-token prompt at V4-Flash depth from its "
+          "FLOP floor at 64 routed experts (96 rows per expert: the MoE's frag tile) beside 16 (384: the grouped "
+          "path), and of an 8,192-token prompt at both (issue 40's 1.6x target)?",
+          tuple(step for e in (16, 64) for step in (
+              checkpoint(SWITCH_CKPT.format(e=e), "flash-depth", "--override", f'{{"n_routed_experts":{e}}}',
+                         name=f"checkpoint_e{e}"),
+              Step("tools.bench_engine", ("--model", SWITCH_CKPT.format(e=e), "--concurrency", "1", "--input-len",
+                                          "1024", "--output-len", "8", "--requests-per-user", "3", "--floor",
+                                          "--engine-args", DEPTH), name=f"e{e}_1k", timeout_s=300),
+              Step("tools.bench_engine", ("--model", SWITCH_CKPT.format(e=e), "--concurrency", "1", "--input-len",
+                                          "8192", "--output-len", "8", "--requests-per-user", "2", "--floor",
+                                          "--engine-args", DEPTH.replace('"max_model_len":8192', '"max_model_len":8320')),
+                   name=f"e{e}_8k", then_remove="flash-depth-e*",
+                   timeout_s=300))),
+          notes="about 8 minutes on a fresh machine: per expert count a checkpoint and two engine starts"),
     Suite("quant_vs_bf16_depth", "Does V4-Flash as shipped (FP8 + MXFP4) decode faster than the same depth in bf16, "
           "online and per step against each floor?",
           tuple(Step("tools.bench_engine", ("--preset", "{preset}", "--quant", q, "--cache-dir", "{ckpt}",
