@@ -8,6 +8,7 @@ from benchmarks.suite import Step, Suite
 
 # Engine arguments shared by several suites
 DEPTH = '{"max_model_len":8192,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}'
+DEPTH_8K = DEPTH.replace('"max_model_len":8192', '"max_model_len":8320')  # an 8,192-token prompt and its outputs
 SHAPED = '{"max_model_len":8192,"max_num_seqs":256,"block_size":128,"gpu_memory_utilization":0.6}'
 V41 = '{"max_model_len":4096,"max_num_seqs":32,"block_size":128,"gpu_memory_utilization":0.9}'
 V41_SERVE = '{"max_model_len":4096,"max_num_seqs":160,"block_size":128,"gpu_memory_utilization":0.9}'
@@ -200,11 +201,17 @@ CURVE_AGENTIC = Curve("depth_curve_agentic", "8,32,64", AGENTIC, 70, 15, 10,
 CURVES_1K, CURVES_8K = (CURVE_1K, CURVE_1K_HIGH), (CURVE_8K, CURVE_8K_32, CURVE_8K_64)
 
 
+def expert_checkpoint(experts: int, name: str = "checkpoint") -> Step:
+    """V4-Flash depth as shipped at this routed-expert count (SWITCH_CKPT)."""
+    return checkpoint(SWITCH_CKPT.format(e=experts), "flash-depth", "--override",
+                      f'{{"n_routed_experts":{experts}}}', name=name)
+
+
 def decode_ab_steps(configs: str, experts: int) -> tuple[Step, ...]:
     """A depth checkpoint at this routed-expert count, then today's decode step against a variant's (configs) in one
     engine, logits compared."""
     ckpt = SWITCH_CKPT.format(e=experts)
-    return (checkpoint(ckpt, "flash-depth", "--override", f'{{"n_routed_experts":{experts}}}'),
+    return (expert_checkpoint(experts),
             decode_ab(ckpt, configs, SWITCHES, f"e{experts}", then_remove=f"flash-depth-e{experts}-*"))
 
 
@@ -293,8 +300,7 @@ SUITE_LIST = [
           "counts (16 and 64 routed experts): batch 1 / 32 against the floor (the engine as shipped, decode graphs "
           "only: no mixed-step captures to wait for)?",
           tuple(step for e in (16, 64) for step in (
-              checkpoint(SWITCH_CKPT.format(e=e), "flash-depth", "--override", f'{{"n_routed_experts":{e}}}',
-                         name=f"checkpoint_e{e}"),
+              expert_checkpoint(e, name=f"checkpoint_e{e}"),
               Step("tools.bench_engine", ("--model", SWITCH_CKPT.format(e=e), "--concurrency", "", "--input-len",
                                           "1024", "--floor", "--steady", "1,32", "--engine-args", SWITCHES),
                    name=f"e{e}", then_remove="flash-depth-e*", timeout_s=300))),
@@ -304,14 +310,14 @@ SUITE_LIST = [
           "(kernels/fusions.py) save per step on today's default step (PDL on) at batch 1 and 150, all of them "
           "together at 1 / 32 / 150, and PDL off; how many kernels per layer does each launch? (All six together "
           "saved nothing on 2026-12-06: which of them pays alone?)",
-          (checkpoint(SWITCH_CKPT.format(e=16), "flash-depth", "--override", '{"n_routed_experts":16}'),
+          (expert_checkpoint(16),
            Step("tools.bench_decode_switches", ("--model", SWITCH_CKPT.format(e=16), "--engine-args", SWITCHES,
                                                 "--label", "e16"), name="e16", then_remove="flash-depth-e16-*",
                 timeout_s=570)),
           notes="about 9 minutes on a fresh machine: a checkpoint, an engine start, then 3 configs at 3 batches and "
                 "10 fusions at 2, each a graph capture and 24 steps"),
     Suite("decode_switches_e64", "The same at 64 routed experts: PDL and the fusions off / on together.",
-          (checkpoint(SWITCH_CKPT.format(e=64), "flash-depth", "--override", '{"n_routed_experts":64}'),
+          (expert_checkpoint(64),
            Step("tools.bench_decode_switches", ("--model", SWITCH_CKPT.format(e=64), "--configs", "base,pdl,fuse,all",
                                                 "--engine-args", SWITCHES, "--label", "e64"), name="e64",
                 then_remove="flash-depth-e64-*", timeout_s=400))),
@@ -332,7 +338,7 @@ SUITE_LIST = [
           "graphs' indexer rows are 32,768 entries wide, so the selection scores what each token sees: the default past "
           "4,096 entries), V4-Flash depth as shipped (16 experts), how long is a decode step at 1K-token contexts "
           "(batch 1 / 32 / 150) and 8K (batch 1 / 32)? (Against an 8K server's step: decode_variants' pdl row.)",
-          (checkpoint(SWITCH_CKPT.format(e=16), "flash-depth", "--override", '{"n_routed_experts":16}'),
+          (expert_checkpoint(16),
            decode_ab(SWITCH_CKPT.format(e=16), "pdl", SWITCHES_128K, "ctx1k"),
            decode_ab(SWITCH_CKPT.format(e=16), "pdl", SWITCHES_128K, "ctx8k", "--input-len", "8192",
                      "--batches", "1,32", then_remove="flash-depth-e16-*")),
@@ -367,16 +373,12 @@ SUITE_LIST = [
           "FLOP floor at 64 routed experts (96 rows per expert: the MoE's frag tile) beside 16 (384: the grouped "
           "path), and of an 8,192-token prompt at both (issue 40's 1.6x target)?",
           tuple(step for e in (16, 64) for step in (
-              checkpoint(SWITCH_CKPT.format(e=e), "flash-depth", "--override", f'{{"n_routed_experts":{e}}}',
-                         name=f"checkpoint_e{e}"),
-              Step("tools.bench_engine", ("--model", SWITCH_CKPT.format(e=e), "--concurrency", "1", "--input-len",
-                                          "1024", "--output-len", "8", "--requests-per-user", "3", "--floor",
-                                          "--engine-args", DEPTH), name=f"e{e}_1k", timeout_s=300),
-              Step("tools.bench_engine", ("--model", SWITCH_CKPT.format(e=e), "--concurrency", "1", "--input-len",
-                                          "8192", "--output-len", "8", "--requests-per-user", "2", "--floor",
-                                          "--engine-args", DEPTH.replace('"max_model_len":8192', '"max_model_len":8320')),
-                   name=f"e{e}_8k", then_remove="flash-depth-e*",
-                   timeout_s=300))),
+              expert_checkpoint(e, name=f"checkpoint_e{e}"),
+              *(Step("tools.bench_engine", ("--model", SWITCH_CKPT.format(e=e), "--concurrency", "1", "--input-len",
+                                            str(n), "--output-len", "8", "--requests-per-user", reqs, "--floor",
+                                            "--engine-args", DEPTH_8K), name=f"e{e}_{n}",
+                     then_remove="flash-depth-e*" if n == 8192 else None, timeout_s=300)
+                for n, reqs in ((1024, "3"), (8192, "2"))))),
           notes="about 8 minutes on a fresh machine: per expert count a checkpoint and two engine starts"),
     Suite("quant_vs_bf16_depth", "Does V4-Flash as shipped (FP8 + MXFP4) decode faster than the same depth in bf16, "
           "online and per step against each floor?",

@@ -72,6 +72,13 @@ def _open(st):
 
 
 @triton.jit
+def _probing(active, known, inside, a, b, CAP: tl.constexpr):
+    """Whether a search pass is still needed (_open's state): the search active and its bracket neither one value nor
+    small enough to gather."""
+    return active & ~(known & ((inside <= CAP) | (a == b)))
+
+
+@triton.jit
 def _seg_extremes_kernel(x_ptr, stride, V, rows_ptr, temp_ptr, part_ptr, S, SEGMENT: tl.constexpr,
                          BLOCK: tl.constexpr):
     r, s = tl.program_id(0), tl.program_id(1)
@@ -152,7 +159,7 @@ def _seg_pass_kernel(x_ptr, stride, V, rows_ptr, temp_ptr, state_ptr, sums_ptr, 
     r, s = tl.program_id(0), tl.program_id(1)
     st = state_ptr + r * STATE
     active, known, inside, a, b = _open(st)
-    if active & ~(known & ((inside <= CAP) | (a == b))):
+    if _probing(active, known, inside, a, b, CAP):
         base, T = _row(x_ptr, stride, rows_ptr, temp_ptr, r)
         j = tl.arange(0, NP)
         t = probe_values(a, b, j, NP)
@@ -184,7 +191,7 @@ def _row_narrow_kernel(state_ptr, sums_ptr, S, BY_COUNT: tl.constexpr, SP: tl.co
     st = state_ptr + r * STATE
     j = tl.arange(0, NP)
     active, known, inside, a, b = _open(st)
-    if active & ~(known & ((inside <= CAP) | (a == b))):
+    if _probing(active, known, inside, a, b, CAP):
         si = tl.arange(0, SP)
         seg = sums_ptr + (r * S + si[:, None]) * 8 * NP + j[None, :]
         ok = (si < S)[:, None] & (j >= 0)[None, :]
