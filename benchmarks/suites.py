@@ -26,7 +26,7 @@ TP_SHARE_SWITCH_CONFIGS = "pdl,all,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/attn_
 # today's step last again (pdl_again): at batch 150 the last config ran fastest in three runs (1.10x, 1.14x, 1.06x), so
 # a gap under the drift between the first and the last row is not the variant's
 _TODAY = "rope_tiles/bf16_gemv/attn_offsets"
-DECODE_VARIANT_CONFIGS = (f"pdl,moe_gemv=pdl:1+var:{_TODAY}/moe_gemv,indexer_select=pdl:1+var:{_TODAY}/indexer_select,"
+DECODE_VARIANT_CONFIGS = (f"pdl,moe_gemv=pdl:1+var:{_TODAY}/moe_gemv,wo_a_one_launch=pdl:1+var:{_TODAY}/wo_a_one_launch,"
                           "no_bf16_gemv=pdl:1+var:rope_tiles/attn_offsets,no_attn_offsets=pdl:1+var:rope_tiles/bf16_gemv,"
                           f"fp8_cublas_mid=pdl:1+var:{_TODAY}/fp8_cublas_mid,pdl_again=pdl:1+var:{_TODAY}")
 # today's prefill (its default variants), then without attn_offsets, then with indexer_select (off)
@@ -323,8 +323,8 @@ SUITE_LIST = [
                 then_remove="flash-depth-e64-*", timeout_s=400))),
     Suite("decode_variants", "At V4-Flash depth as shipped (16 experts), per decode step at batch 1 / 32 / 150 with "
           "the same logits (PDL on all), today's step against it with moe_gemv on (off by default: the MXFP4 MoE at "
-          "1-4 tokens as CUDA-core GEMVs), with indexer_select on (by default only for rows past 4,096 entries; this "
-          "8K server's are 2,048: the indexer's selection from what each token sees, sorted) and without bf16_gemv (on by default: the compressors' and "
+          "1-4 tokens as CUDA-core GEMVs), with wo_a_one_launch on (wo_a's per-group launches at 33-255 rows as one "
+          "launch of the same programs: batch 150) and without bf16_gemv (on by default: the compressors' and "
           "indexer's bf16 projections and the router's gate as one CUDA-core GEMV launch with PDL instead of "
           "cuBLAS's split-K GEMM and its reduce, up to 4 rows, so batch 32 / 150 run cuBLAS there), without "
           "attn_offsets (on by default: the CSA attention's wgmma tiles, from 16 tokens, read the key rows from one "

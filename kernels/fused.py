@@ -21,7 +21,7 @@ from kernels.fused_attention import paged_attention_fused
 from kernels.fused_compress import compress_decode_fused
 from kernels.fused_compress_blocks import compress_blocks_fused
 from kernels.fused_draw_wide import sample_draw_wide
-from kernels.fused_fp8_linear import fp8_linear_fused, takes_prologue, tiles
+from kernels.fused_fp8_linear import fp8_linear_fused, per_group_split, takes_prologue, tiles
 from kernels.fused_gate import router_topk_fused, router_topk_gemm_fused
 from kernels.fused_indexer import SORT_MAX, indexer_scores_paged, indexer_topk_fused
 from kernels.fused_moe import aligned_rows, moe_experts_fused
@@ -63,8 +63,10 @@ GROUPED_ONE_LAUNCH_MAX_T = 32  # wo_a in one launch up to here, one launch per g
 def grouped_linear_fused(x, weight, groups, scale=None):
     """FP8 wo_a: all groups in one launch at small batches, one launch per group at larger ones (where
     it measured faster: tools/bench_fused.py's wo_a rows, docs/perf/h200-2026-12-01-s5/fused.log, 3.2-3.4x at
-    1 / 32 rows, 0.83x at 150), and from the cuBLAS rows (V4's blocks) one call that runs
-    cuBLAS per group on x in place; needs whole scale blocks (128 V4, 32 V4.1) per group."""
+    1 / 32 rows, 0.83x at 150: that one launch split K for all groups' tiles, so fewer splits and longer K ranges;
+    kernel variant wo_a_one_launch launches the per-group programs, splits and all, at once), and from the cuBLAS
+    rows (V4's blocks) one call that runs cuBLAS per group on x in place; needs whole scale blocks (128 V4, 32
+    V4.1) per group."""
     rows = weight.shape[0] // groups
     block = None if scale is None else fp8_block_of(weight.shape, scale.shape)
     if scale is None or rows % block:
@@ -72,6 +74,9 @@ def grouped_linear_fused(x, weight, groups, scale=None):
     m = x.numel() // (groups * x.shape[-1])
     if m <= GROUPED_ONE_LAUNCH_MAX_T or tiles(m, rows, x.shape[-1], block=block)[0] == "cublas":
         return fp8_linear_fused(x, weight, scale, groups=groups)  # cuBLAS: one call, each group read in place
+    one = per_group_split(m, rows, x.shape[-1], block) if variants.on("wo_a_one_launch") else None
+    if one is not None:  # the per-group launches' programs in one launch: no concatenation, one launch's tail
+        return fp8_linear_fused(x, weight, scale, config=one, groups=groups)
     blk = rows // block
     return torch.cat([fp8_linear_fused(x[:, g], weight[g * rows:(g + 1) * rows], scale[g * blk:(g + 1) * blk])
                       for g in range(groups)], dim=-1)

@@ -483,6 +483,17 @@ def group_tiles(cfg: dict, rows: int) -> dict:
     return {**cfg, "BLOCK_N": math.gcd(rows, cfg["BLOCK_N"])}
 
 
+def per_group_split(m: int, rows: int, k: int, block: int = FP8_BLOCK) -> dict | None:
+    """The tiles a grouped linear's per-group call of m rows takes (one group of `rows` rows), its K split pinned
+    (SPLIT_K): one grouped launch with them runs the per-group launches' programs, each the same K range in the same
+    split order (the same sums), side by side. None where that call is no GEMV ("mma", cuBLAS) or its tile would
+    straddle two groups."""
+    variant, cfg = tiles(m, rows, k, block=block)
+    if variant != "dequant" or rows % cfg["BLOCK_N"]:
+        return None
+    return {**cfg, "variant": variant, "SPLIT_K": _split_k(cfg, m, rows, k)}
+
+
 def takes_prologue(m: int, weight: torch.Tensor, scale: torch.Tensor) -> bool:
     """Whether fp8_linear_fused computes a SwiGLU (`act`) or an RMSNorm (`norm`) in its prologue at m rows: the
     GEMV variants do."""
@@ -517,8 +528,6 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if split_n is not None and (groups > 1 or not 0 < split_n < N):
         raise ValueError(f"split_n must be in (0, {N}) for an ungrouped linear, got {split_n} (groups {groups})")
     x2 = x.reshape(-1, groups * K)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
     M = x2.shape[0]
     if M == 0:
         return _outputs(torch.empty(0, dtype=x.dtype, device=x.device), lead, M, N, split_n)
@@ -530,6 +539,11 @@ def fp8_linear_fused(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         cfg = group_tiles(cfg, N // groups)
     if (act is not None or norm is not None) and variant not in ("dequant", "gemv"):
         raise ValueError(f"a prologue needs the gemv or dequant variant, not {variant!r} (takes_prologue)")
+    if not x2.is_contiguous() and (x2.stride(-1) != 1 or act is not None or variant in ("mma", "unpacked")):
+        # the GEMVs and cuBLAS's activation quantization read rows at any stride (wo_a's per-group calls pass one
+        # group's columns in place: a copy a group each step, 8 launches a layer, saved); a SwiGLU's up shares x's
+        # row offsets, and "mma" / "unpacked" read x as [M, K]
+        x2 = x2.contiguous()
     if norm is not None:
         norm = (norm[0].float().contiguous(), norm[1])
     if act is not None:

@@ -38,6 +38,11 @@ Read at every call: CUDA graphs captured after a change follow it.
   quantized 1x128 as DeepSeek's own inference does, then torch's scaled_mm) for V4's FP8 linears from
   quant_configs.FP8_CUBLAS_MID_ROWS rows instead of FP8_CUBLAS_MIN_ROWS: a decode step of 128-255 sequences (batch
   150's profile, H100: the tables' MMA GEMV and "mma" kernel took 11.6 of its 41 ms).
+- wo_a_one_launch: the grouped output projection wo_a at GROUPED_ONE_LAUNCH_MAX_T to the cuBLAS rows (decode
+  batches of 33-255) as one launch of the programs its per-group launches run (kernels.fused.grouped_linear_fused:
+  each group's tiles and K splits as that group's call picks them, so the same sums), writing the [rows, groups x
+  R] output in place, instead of a launch per group and a concatenation: 8 launches a layer fewer, one launch's
+  tail instead of eight.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import os
 from kernels import fusions
 
 ALL = ("rope_tiles", "mix_bf16x3", "moe_frag", "bf16_gemv", "moe_gemv", "indexer_select", "attn_offsets",
-       "fp8_cublas_mid")
+       "fp8_cublas_mid", "wo_a_one_launch")
 # rope_tiles on: suite prefill_small_ops finds it within a rounding of the one-row kernels on the GPU and 1.1-1.3x
 # faster from 32 tokens up (no slower at one), prefill_variants 1.03x on the time to first token at depth.
 # mix_bf16x3 off: right on the GPU at its one-stage prefill launch (kernels/fused_norm_mhc.MIX_PIECES_TILES) and

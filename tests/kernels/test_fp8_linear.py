@@ -130,6 +130,71 @@ def test_grouped_linear_dispatch_one_launch_or_per_group(m):
     assert got.shape == (m, groups * rows) and (got - want).abs().max() <= 0.1 * want.abs().max()
 
 
+def test_wo_a_in_one_launch_is_the_per_group_launches_result_bit_for_bit():
+    """Kernel variant wo_a_one_launch: past GROUPED_ONE_LAUNCH_MAX_T rows one grouped launch of the per-group calls'
+    tiles and K splits gives their concatenated outputs exactly (the same programs, the same sums), without the
+    concatenation; the per-group path equals the reference."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kernels import variants
+    from kernels.fused import GROUPED_ONE_LAUNCH_MAX_T, grouped_linear_fused
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    m, groups, rows, k = GROUPED_ONE_LAUNCH_MAX_T + 1, 3, 128, 256
+    x, q, s = _grouped_case(m, groups, rows, k, seed=5)
+    saved = variants.enabled()
+    try:
+        variants.set_variants(tuple(v for v in saved if v != "wo_a_one_launch"))
+        with Ops() as per_group:
+            want = grouped_linear_fused(x, q, groups, s)
+        variants.set_variants((*saved, "wo_a_one_launch"))
+        with Ops() as one:
+            got = grouped_linear_fused(x, q, groups, s)
+    finally:
+        variants.set_variants(saved)
+    assert torch.equal(got, want)
+    ref_out = ref.grouped_linear(x, q, groups, s).float()
+    assert (want.float() - ref_out).abs().max() <= 0.05 * ref_out.abs().max()
+    assert "cat.default" in per_group.names and "cat.default" not in one.names
+
+
+@pytest.mark.parametrize("variant, m", [("gemv", GEMV_ROWS), ("dequant", 33), ("mma", 5)])
+def test_rows_at_a_stride_give_the_contiguous_rows_result_and_the_gemvs_copy_nothing(variant, m):
+    """x with a row stride wider than its K (one wo_a group's columns, as grouped_linear_fused's per-group calls
+    pass them): the same output as the rows copied out, bit for bit; the GEMVs read the rows in place (no copy
+    kernel before them), "mma" (which reads x as [M, K]) copies first."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x, q, s = _case(m, 256, 384, ue8m0=True)
+    wide = torch.randn(m, 3, 384, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    wide[:, 1] = x.to(torch.bfloat16)
+    strided = wide[:, 1]
+    assert not strided.is_contiguous()
+    with Ops() as ops:
+        got = fp8_linear_fused(strided, q, s, variant=variant)
+    want = fp8_linear_fused(strided.contiguous(), q, s, variant=variant)
+    assert torch.equal(got, want)
+    copied = any(n.startswith("clone") for n in ops.names)  # .contiguous() (the interpreter's launches copy_)
+    assert copied == (variant == "mma")
+
+
 @pytest.mark.parametrize("variant", ["dequant", "gemv", "mma"])
 @pytest.mark.parametrize("m, n1, n2, k", [(1, 128, 72, 192), (19, 100, 156, 128)])
 def test_split_linear_one_launch_matches_two_linears(variant, m, n1, n2, k):
