@@ -102,12 +102,11 @@ class TensorParallel:
     def local_shared_width(self, cfg: DeepseekConfig) -> int:
         return cfg.moe_intermediate_size * cfg.n_shared_experts // self.world
 
-    def local_expert_indices(self, indices: torch.Tensor, cfg: DeepseekConfig) -> torch.Tensor:
-        """Global routed expert ids -> this rank's (-1: another rank's expert, skipped)."""
-        if not self.expert_parallel or self.world == 1:
-            return indices
-        lo, hi = self.span(cfg.n_routed_experts)
-        return torch.where((indices >= lo) & (indices < hi), indices - lo, -1)
+    def expert_span(self, cfg: DeepseekConfig) -> tuple[int, int] | None:
+        """The routed experts this rank holds, [lo, hi) of the global ids, where it holds some but not all (expert
+        parallel); None where every expert is here. The routers take it (expert_span) and give this rank's ids,
+        -1 for another rank's expert (kernels.reference.local_experts)."""
+        return self.span(cfg.n_routed_experts) if self.expert_parallel and self.world > 1 else None
 
 
 SINGLE = TensorParallel()

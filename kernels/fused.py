@@ -95,19 +95,20 @@ def hc_post_pre_norm_composed(h, out, post, comb, fn, base, scale, norm_w, hc_ep
     return new, post2, comb2, rms_norm_fused(x, norm_w, out_eps)
 
 
-def router_topk_switched(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids=None):
+def router_topk_switched(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids=None, expert_span=None):
     """cuBLAS GEMM + one router kernel (measured faster alone), or Mega-Gate's one launch with the fusion
     switch mega_gate (kernels/fusions.py; hash layers in that launch too)."""
     fn = router_topk_fused if fusions.on("mega_gate") else router_topk_gemm_fused
-    return fn(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids)
+    return fn(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids, expert_span=expert_span)
 
 
 def router_moe_fused(x, gate_weight, gate_bias, top_k, routed_scaling, scoring_func, hash_ids, w1, w3, w2, limit,
                      scales=None, shared=None):
     """The router, then the routed experts: with the fusion switch align_in_router (kernels/fusions.py) the router's
     launch also aligns the pairs into the experts' row tiles (its last program: kernels.fused_gate's routers, the
-    one router_topk_switched picks), one launch less; not where the router is the reference (the cuBLAS router's
-    hash layers, a gate without bias) or the experts make no alignment (prefill's grouped path)."""
+    one router_topk_switched picks), one launch less; not for the cuBLAS router's hash layers or a gate without bias
+    (the router aligns every gate row's pairs after a top-k), nor where the experts make no alignment (prefill's
+    grouped path)."""
     mega = fusions.on("mega_gate")
     block_m = None
     if fusions.on("align_in_router") and gate_weight.shape[0] == w1.shape[0] and (

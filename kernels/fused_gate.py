@@ -34,9 +34,12 @@ ALIGN_CHUNK = tl.constexpr(CHUNK)  # the alignment's pairs per loop step (kernel
 
 @triton.jit
 def _route_token(logits_ptr, bias_ptr, hash_ptr, w_ptr, idx_ptr, t, E, scaling, K: tl.constexpr, KP: tl.constexpr,
-                 SCORING: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr, VOLATILE: tl.constexpr):
-    """Token t's row of logits [E] -> its k weights and expert ids. VOLATILE: the logits were stored by
-    other programs of this launch (Mega-Gate), so read from L2, never a stale L1 line."""
+                 SCORING: tl.constexpr, EP: tl.constexpr, HASH: tl.constexpr, VOLATILE: tl.constexpr,
+                 span_lo=0, span_hi=0, SPAN: tl.constexpr = False):
+    """Token t's row of logits [E] -> its k weights (stored in w_ptr's dtype, rounded as `.to` rounds) and expert
+    ids. VOLATILE: the logits were stored by other programs of this launch (Mega-Gate), so read from L2, never a
+    stale L1 line. SPAN: the ids as kernels.reference.local_experts gives them for [span_lo, span_hi) (expert
+    parallel: this rank's experts counted from span_lo, -1 for another rank's)."""
     e = tl.arange(0, EP)
     m = e < E
     x = tl.load(logits_ptr + t * E + e, mask=m, other=0.0, volatile=VOLATILE).to(tl.float32)
@@ -64,6 +67,8 @@ def _route_token(logits_ptr, bias_ptr, hash_ptr, w_ptr, idx_ptr, t, E, scaling, 
             sel = tl.where(e == i, -float("inf"), sel)
     ws = tl.where(kr < K, ws, 0.0)
     ws = ws / (tl.sum(ws, axis=0) + 1e-20) * scaling
+    if SPAN:
+        ids = tl.where((ids >= span_lo) & (ids < span_hi), ids - span_lo, -1)
     tl.store(w_ptr + t * K + kr, ws, mask=kr < K)
     tl.store(idx_ptr + t * K + kr, ids, mask=kr < K)
 
@@ -73,9 +78,10 @@ def _gate_kernel(x_ptr, g_ptr, bias_ptr, hash_ptr, logits_ptr, sem_ptr, w_ptr, i
                  K: tl.constexpr, KP: tl.constexpr, SCORING: tl.constexpr, HASH: tl.constexpr, EP: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
                  work_ptr=None, sorted_ptr=None, expert_end_ptr=None, block_expert_ptr=None, block_start_ptr=None,
-                 max_blocks=0, ALIGN_M: tl.constexpr = 0, ALIGN_EP: tl.constexpr = 1, PDL: tl.constexpr = False):
+                 max_blocks=0, ALIGN_M: tl.constexpr = 0, ALIGN_EP: tl.constexpr = 1, span_lo=0, span_hi=0,
+                 SPAN: tl.constexpr = False, PDL: tl.constexpr = False):
     """ALIGN_M > 0: the last token tile to be routed (a counter past the tiles' own) then aligns every pair
-    (_router_kernel's)."""
+    (_router_kernel's). SPAN: local ids (_route_token's)."""
     wait_and_release(PDL)
     pid_e, pid_t = tl.program_id(0), tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -100,7 +106,7 @@ def _gate_kernel(x_ptr, g_ptr, bias_ptr, hash_ptr, logits_ptr, sem_ptr, w_ptr, i
             tok = pid_t * BLOCK_T + i
             if tok < T:
                 _route_token(logits_ptr, bias_ptr, hash_ptr, w_ptr, idx_ptr, tok, E, scaling, K, KP, SCORING, EP, HASH,
-                             True)
+                             True, span_lo, span_hi, SPAN)
         if ALIGN_M > 0:
             _align_if_last(sem_ptr + tl.num_programs(1), tl.num_programs(1), idx_ptr, work_ptr, sorted_ptr,
                            expert_end_ptr, block_expert_ptr, block_start_ptr, T * K, E, max_blocks, ALIGN_M, ALIGN_EP)
@@ -122,47 +128,66 @@ def _align_if_last(sem_ptr, arrivals, idx_ptr, work_ptr, sorted_ptr, expert_end_
 def _router_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, scaling, K: tl.constexpr, KP: tl.constexpr,
                    SCORING: tl.constexpr, BLOCK_E: tl.constexpr, sem_ptr=None, work_ptr=None, sorted_ptr=None,
                    expert_end_ptr=None, block_expert_ptr=None, block_start_ptr=None, max_blocks=0,
-                   ALIGN_M: tl.constexpr = 0, ALIGN_EP: tl.constexpr = 1, PDL: tl.constexpr = False):
+                   ALIGN_M: tl.constexpr = 0, ALIGN_EP: tl.constexpr = 1, span_lo=0, span_hi=0,
+                   SPAN: tl.constexpr = False, hash_ptr=None, HASH: tl.constexpr = False, PDL: tl.constexpr = False):
     """One token's route from the logits cuBLAS wrote before this launch (so plain loads). ALIGN_M > 0: the
     last program to finish (one counter at sem_ptr) then aligns every token's pairs into ALIGN_M-row tiles
-    (kernels/fused_moe_align.py's one program), instead of the MoE's alignment launch."""
+    (kernels/fused_moe_align.py's one program), instead of the MoE's alignment launch. SPAN: local ids
+    (_route_token's). HASH: a hash layer's experts given (hash_ptr [T, K]), their scores gathered."""
     wait_and_release(PDL)
-    _route_token(logits_ptr, bias_ptr, bias_ptr, w_ptr, idx_ptr, tl.program_id(0), E, scaling, K, KP, SCORING, BLOCK_E,
-                 False, False)
+    _route_token(logits_ptr, bias_ptr, hash_ptr, w_ptr, idx_ptr, tl.program_id(0), E, scaling, K, KP, SCORING, BLOCK_E,
+                 HASH, False, span_lo, span_hi, SPAN)
     if ALIGN_M > 0:
         _align_if_last(sem_ptr, tl.num_programs(0), idx_ptr, work_ptr, sorted_ptr, expert_end_ptr, block_expert_ptr,
                        block_start_ptr, tl.num_programs(0) * K, E, max_blocks, ALIGN_M, ALIGN_EP)
 
 
+def _span_args(expert_span: tuple[int, int] | None, align_m: int | None) -> dict:
+    """The routers' SPAN arguments: local ids for [lo, hi) (kernels.reference.local_experts), in the launch that
+    routes (no elementwise launches after it); the alignment covers every gate row, so not with align_m."""
+    if expert_span is None:
+        return {}
+    if align_m is not None:
+        raise ValueError("the router aligns the pairs of every gate row: no expert_span with align_m")
+    return {"span_lo": expert_span[0], "span_hi": expert_span[1], "SPAN": True}
+
+
 def router_topk_gemm_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids=None,
-                           align_m: int | None = None):
+                           align_m: int | None = None, expert_span: tuple[int, int] | None = None):
     """The engine's router: the gate GEMM on cuBLAS, then one program per token for scores, bias,
     top-k and renormalisation; hash layers gather in torch. Faster than Mega-Gate on the H200 at every
     batch measured (tools/bench_fused.py's Mega-Gate rows and the depth profile, docs/perf/h200-2026-12-01-s5/).
     align_m (not for hash layers or a gate without bias): also the ids' MoE alignment into align_m-row tiles
     (kernels.fused_moe_align.moe_align_fused's four outputs, every gate row an expert), from the same launch:
-    returns (weights, ids, alignment)."""
-    if hash_ids is not None or bias is None:
-        if align_m is not None:
-            raise ValueError("the router aligns the pairs only for a biased gate without a hash table")
+    returns (weights, ids, alignment). expert_span: kernels.reference.router_topk's. The weights come out in x's
+    dtype from the launch that routes (no cast launch after it). Hash layers (hash_ids: tid2eid's experts) gather
+    and renormalise their scores in the same one program per token (not torch's seven launches)."""
+    span = _span_args(expert_span, align_m)
+    hashed = hash_ids is not None
+    if align_m is not None and (hashed or bias is None):
+        raise ValueError("the router aligns the pairs only for a biased gate without a hash table")
+    if bias is None and not hashed:
         from kernels.reference import router_topk
-        return router_topk(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids)
+        return router_topk(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids, expert_span)
     # the gate GEMM (E x D, 2 MB at V4-Flash's 256 experts) at decode's rows: kernel variant bf16_gemv's one
     # PDL-aware launch where it takes it, else cuBLAS (a split-K GEMM and its reduce at one row)
     logits = (bf16_gemv(x, weight) if bf16_gemv_takes(x, weight) else torch.nn.functional.linear(x, weight)).contiguous()
     T, E = logits.shape
-    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    w = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
-    route = (logits, bias.float().contiguous(), w, idx, E, routed_scaling)
+    route = (logits, logits if bias is None else bias.float().contiguous(), w, idx, E, routed_scaling)
     consts = {"K": top_k, "KP": triton.next_power_of_2(top_k), "SCORING": _SCORING[scoring_func],
-              "BLOCK_E": triton.next_power_of_2(E), **pdl.options(logits)}
+              "BLOCK_E": triton.next_power_of_2(E), **span, **pdl.options(logits)}
+    if hashed:
+        consts.update(hash_ptr=hash_ids.contiguous(), HASH=True)
     if align_m is None:
-        _router_kernel[(T,)](*route, **consts)
-        return w.to(x.dtype), idx
+        if T:
+            _router_kernel[(T,)](*route, **consts)
+        return w, idx
     layout, align = _alignment(T * top_k, E, align_m, x.device)
     if T:
         _router_kernel[(T,)](*route, sem_ptr=semaphores(x.device, 1), **align, **consts)
-    return w.to(x.dtype), idx, layout
+    return w, idx, layout
 
 
 def _alignment(n_pairs: int, E: int, align_m: int, device) -> tuple[tuple, dict]:
@@ -174,22 +199,24 @@ def _alignment(n_pairs: int, E: int, align_m: int, device) -> tuple[tuple, dict]
         "ALIGN_EP": triton.next_power_of_2(E + 1)}
 
 
-def router_topk_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids=None, align_m: int | None = None):
+def router_topk_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids=None, align_m: int | None = None,
+                      expert_span: tuple[int, int] | None = None):
     """Mega-Gate. align_m: also the ids' alignment, as router_topk_gemm_fused's, from the same launch (hash
-    layers too): returns (weights, ids, alignment)."""
+    layers too): returns (weights, ids, alignment). expert_span and the weights' dtype: router_topk_gemm_fused's."""
+    span = _span_args(expert_span, align_m)
     if hash_ids is None and bias is None:
         if align_m is not None:
             raise ValueError("Mega-Gate aligns the pairs only for a biased gate or a hash table")
         from kernels.reference import router_topk  # a gate with neither bias nor table: the reference
-        return router_topk(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids)
+        return router_topk(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids, expert_span)
     x = x if x.is_contiguous() else x.contiguous()
     T, D = x.shape
     E = weight.shape[0]
-    w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    w = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     layout, align = _alignment(T * top_k, E, align_m, x.device) if align_m is not None else (None, {})
     if T == 0:
-        return (w.to(x.dtype), idx) if align_m is None else (w.to(x.dtype), idx, layout)
+        return (w, idx) if align_m is None else (w, idx, layout)
     logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(E, BLOCK_E), triton.cdiv(T, BLOCK_T))
     hashed = hash_ids is not None
@@ -198,5 +225,5 @@ def router_topk_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash
                        T, D, E, routed_scaling, K=top_k, KP=triton.next_power_of_2(top_k),
                        SCORING=_SCORING[scoring_func], HASH=hashed, EP=triton.next_power_of_2(E), BLOCK_T=BLOCK_T,
                        BLOCK_E=BLOCK_E, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(D)),
-                       DOT_F32=x.dtype == torch.float32 or _INTERPRET, **align, **pdl.options(x))
-    return (w.to(x.dtype), idx) if align_m is None else (w.to(x.dtype), idx, layout)
+                       DOT_F32=x.dtype == torch.float32 or _INTERPRET, **align, **span, **pdl.options(x))
+    return (w, idx) if align_m is None else (w, idx, layout)

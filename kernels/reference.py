@@ -206,10 +206,19 @@ def _scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
+def local_experts(indices: torch.Tensor, span: tuple[int, int]) -> torch.Tensor:
+    """Global routed expert ids -> those of the experts in [span[0], span[1]) counted from span[0] (one rank's under
+    expert parallelism); -1 for the others (another rank's: the MoE skips them)."""
+    lo, hi = span
+    return torch.where((indices >= lo) & (indices < hi), indices - lo, -1)
+
+
 def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
-                routed_scaling: float, scoring_func: str, hash_ids: torch.Tensor | None = None):
+                routed_scaling: float, scoring_func: str, hash_ids: torch.Tensor | None = None,
+                expert_span: tuple[int, int] | None = None):
     """Router gate: scores, selection (bias only for choosing, or a hash table), renormalise, scale.
-    Returns (weights [T, k], indices [T, k])."""
+    Returns (weights [T, k], indices [T, k]); expert_span (lo, hi): the indices as local_experts gives them
+    (selection and weights over every expert, as before)."""
     scores = _scores(stored(over_k(F.linear, x, weight, -1, -1)), scoring_func)  # the served GEMM's logits: stored
     if hash_ids is not None:
         indices = hash_ids.long()
@@ -217,7 +226,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         indices = torch.topk(scores + bias, top_k, dim=-1, sorted=False).indices
     w = scores.gather(1, indices)
     w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return stored(w * routed_scaling), indices
+    return stored(w * routed_scaling), indices if expert_span is None else local_experts(indices, expert_span)
 
 
 def moe_align(indices: torch.Tensor, num_experts: int, block_m: int):

@@ -32,6 +32,7 @@ from engine.llm import LLM
 from engine.models.deepseek_v4.config import parse_config
 from engine.models.deepseek_v4.model import DeepseekV4
 from engine.models.deepseek_v4.random_checkpoint import PRESETS, build_config, write_tokenizer
+from engine.models.stacked_linears import stack_linears
 from engine.parallel import TensorParallel, check_parallel
 from engine.request import GenerationRequest, SamplingParams
 from tools.bench_engine import random_prompts, steady_decode
@@ -49,6 +50,7 @@ def random_share(cfg, tp: TensorParallel, device: str, dtype: torch.dtype) -> De
     fill_random(model, cfg, device)
     model.main_inv_freq = cfg.main_rope.inv_freq().to(device)
     model.compress_inv_freq = cfg.compress_rope.inv_freq().to(device)
+    stack_linears(model)  # as the loader does: linears reading one input in one launch
     return model.eval()
 
 

@@ -4,6 +4,7 @@ launches them (CPU, no GPU needed): the budget a decode CUDA graph replays.
     python -m tools.count_decode_ops [--model DIR | --preset v41-tiny] [--dtype bfloat16] [--by-kind] [--json OUT]
     python -m tools.count_decode_ops --preset tiny --quant fp8-fp4 --override '{"hidden_size": 256, ...}'
     python -m tools.count_decode_ops --preset tiny --quant fp8-fp4 --fuse all   (the launch-saving fusions on)
+    python -m tools.count_decode_ops --preset tiny --tp-share 2   (rank 0's share with expert parallelism, bf16)
 
 One model forward on the decode path's static batch of 1 (what a graph captures) runs with every op
 the CUDA dispatch (kernels/fused.py) binds to a Triton kernel running that kernel (under Triton's
@@ -168,16 +169,34 @@ def _on_layer(model, counter) -> list:
 
 def count(model_dir: str, dtype: torch.dtype, prompt_len: int = 40) -> dict:
     from engine.models import registry
+
+    if registry.family(model_dir).Model.supports_decoder_trim:  # DeepSeek-V4.1: its own cache and layer kinds
+        model = registry.load_model(model_dir, dtype, decoder_trim=False)
+        return count_model(model, model.cache_class(model.cfg, 16, 64, 64, 2, dtype), layer_kind, prompt_len)
+    return count_model(*_v4(model_dir, dtype), prompt_len)
+
+
+def tp_share(preset: str, override: dict, world: int, dtype: torch.dtype):
+    """Rank 0's share of a V4 preset at tensor_parallel_size `world` with expert parallelism (tools.bench_tp_share's,
+    collectives skipped, bf16 weights on the CPU), its cache and layer kinds: count_model's arguments."""
+    from engine.cache import KVCache
+    from engine.models.deepseek_v4.config import parse_config
+    from engine.models.deepseek_v4.random_checkpoint import build_config
+    from engine.parallel import TensorParallel, check_parallel
+    from tools.bench_tp_share import random_share
+
+    cfg = parse_config(build_config(preset, override, "bf16"))
+    check_parallel(cfg, world, True)
+    model = random_share(cfg, TensorParallel(0, world, expert_parallel=True, share_only=True), "cpu", dtype)
+    return model, KVCache(model.cfg, 16, 64, 64, 2, dtype), layer_kind_v4
+
+
+def count_model(model, cache, kind_of, prompt_len: int = 40) -> dict:
     from engine.request import SamplingParams
     from engine.runner import ModelRunner
     from engine.sequence import Sequence
 
     torch.set_num_threads(1)
-    if registry.family(model_dir).Model.supports_decoder_trim:  # DeepSeek-V4.1: its own cache and layer kinds
-        model = registry.load_model(model_dir, dtype, decoder_trim=False)
-        cache, kind_of = model.cache_class(model.cfg, 16, 64, 64, 2, dtype), layer_kind
-    else:
-        model, cache, kind_of = _v4(model_dir, dtype)
     cfg = model.cfg
     runner = ModelRunner(model, cache, max_model_len=512)
     runner.static_decode_batches([1])
@@ -243,19 +262,24 @@ def main() -> None:
     ap.add_argument("--by-kind", action="store_true", help="each layer kind's ops by source (its first layer)")
     ap.add_argument("--fuse", default=None, help="kernels/fusions.py's switches for the count (a comma list, all, "
                                                   "none; default: DSV4_FUSE's)")
+    ap.add_argument("--tp-share", type=int, default=0, help="V4 presets: rank 0's share at this tensor_parallel_size "
+                                                            "with expert parallelism (collectives skipped)")
     a = ap.parse_args()
     if a.fuse is not None:
         from kernels import fusions
         fusions.set_fusions("" if a.fuse == "none" else a.fuse)
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model
-        if model is None and a.preset.startswith("v41"):
+        if a.tp_share:
+            res = count_model(*tp_share(a.preset, json.loads(a.override), a.tp_share, getattr(torch, a.dtype)))
+        elif model is None and a.preset.startswith("v41"):
             from engine.models.deepseek_v41.random_checkpoint import write_v41_checkpoint
             model = str(write_v41_checkpoint(Path(tmp) / a.preset, a.preset))
         elif model is None:
             from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
             model = str(write_checkpoint(Path(tmp) / a.preset, a.preset, override=json.loads(a.override), quant=a.quant))
-        res = count(model, getattr(torch, a.dtype))
+        if not a.tp_share:
+            res = count(model, getattr(torch, a.dtype))
     from kernels import fusions
     print(f"kernels per decode step (batch 1, {a.dtype}, the CUDA dispatch, fusions: "
           f"{','.join(fusions.enabled()) or 'none'}): {res['total']}")

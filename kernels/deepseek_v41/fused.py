@@ -42,21 +42,22 @@ def rope_fused(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return _rope_launch(x, None, cos, sin, 0.0, False, torch.empty_like(x), sin_sign=-1.0 if inverse else 1.0)
 
 
-def router_fused(x, weight, bias, top_k, scaling, scoring_func, gate_temp, renorm):
+def router_fused(x, weight, bias, top_k, scaling, scoring_func, gate_temp, renorm, expert_span=None):
     """V4.1's noaux router: the fp32 gate GEMM (cuBLAS), then V4's one program per token for scores,
-    bias, top-k, renormalisation and scale. Without renormalisation (V4's kernel always renormalises):
-    the reference."""
+    bias, top-k, renormalisation and scale (and expert_span's local ids: kernels.reference.router_topk's). Without
+    renormalisation (V4's kernel always renormalises): the reference."""
     if not (renorm and top_k > 1) or bias is None or x.shape[0] == 0:
-        return reference.router(x, weight, bias, top_k, scaling, scoring_func, gate_temp, renorm)
+        return reference.router(x, weight, bias, top_k, scaling, scoring_func, gate_temp, renorm, expert_span)
     logits = F.linear(x.float(), weight.float())
     if gate_temp != 1.0:
         logits = logits / gate_temp
     T, E = logits.shape
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    span = {} if expert_span is None else {"span_lo": expert_span[0], "span_hi": expert_span[1], "SPAN": True}
     _router_kernel[(T,)](logits, bias.float().contiguous(), w, idx, E, scaling, K=top_k,
                          KP=triton.next_power_of_2(top_k), SCORING=_SCORING[scoring_func],
-                         BLOCK_E=triton.next_power_of_2(E))
+                         BLOCK_E=triton.next_power_of_2(E), **span)
     return w, idx
 
 

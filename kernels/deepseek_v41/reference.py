@@ -14,6 +14,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kernels.reference import local_experts
+
 # --- norms, RoPE --------------------------------------------------------------------------------
 
 
@@ -139,8 +141,10 @@ def hc_expand(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, com
 
 
 def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, scaling: float,
-           scoring_func: str, gate_temp: float, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """noaux_tc: fp32 scores; the bias steers selection only. -> (weights [T, k] fp32, indices)."""
+           scoring_func: str, gate_temp: float, renorm: bool,
+           expert_span: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """noaux_tc: fp32 scores; the bias steers selection only. -> (weights [T, k] fp32, indices; with expert_span
+    (lo, hi) the indices as kernels.reference.local_experts gives them)."""
     logits = F.linear(x.float(), weight.float()) / gate_temp
     if scoring_func == "sqrtsoftplus":
         scores = torch.sqrt(F.softplus(logits))
@@ -152,7 +156,7 @@ def router(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int
     w = scores.gather(1, indices)
     if renorm and top_k > 1:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return w * scaling, indices
+    return w * scaling, indices if expert_span is None else local_experts(indices, expert_span)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float,

@@ -165,6 +165,38 @@ def test_mega_mhc_in_one_launch_equals_the_two_launches(T, D):
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("mega", [False, True])
+@pytest.mark.parametrize("hashed", [False, True])
+def test_routers_give_one_ranks_local_ids_and_x_dtype_weights_from_the_routing_launch(mega, hashed):
+    """expert_span (lo, hi), expert parallelism's rank: the ids of experts in [lo, hi) counted from lo and -1 for the
+    others (kernels.reference.local_experts of the ids without it), the weights unchanged; bf16 activations get
+    bf16 weights (the route's float32 weights rounded in the launch), the reference's within bf16. With the
+    alignment (every gate row) a span is refused."""
+    from kernels.fused_gate import router_topk_fused, router_topk_gemm_fused
+
+    router = router_topk_fused if mega else router_topk_gemm_fused
+    torch.manual_seed(11)
+    T, E, k, D, span = 9, 32, 6, 64, (8, 16)
+    x, w, bias = torch.randn(T, D).bfloat16(), (torch.randn(E, D) / D**0.5).bfloat16(), torch.randn(E) * 0.1
+    hash_ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]) if hashed else None
+    gate = (w, None if hashed else bias, k, 1.5, "sqrtsoftplus", hash_ids)
+    w_all, i_all = router(x, *gate)
+    w_span, i_span = router(x, *gate, expert_span=span)
+    assert w_all.dtype == torch.bfloat16 and torch.equal(w_span, w_all)
+    assert torch.equal(i_span, ref.local_experts(i_all, span))
+    assert (i_span == -1).any() and ((i_span >= 0) & (i_span < span[1] - span[0])).any()
+    rw, ri = ref.router_topk(x, *gate, expert_span=span)
+    r_all = ref.router_topk(x, *gate)[1]
+    assert torch.equal(ri, ref.local_experts(r_all, span))
+    order_g, order_r = i_all.sort(-1), r_all.sort(-1)  # global ids: no ties to order
+    assert torch.equal(order_g.values, order_r.values)
+    assert torch.allclose(w_span.float().gather(1, order_g.indices), rw.float().gather(1, order_r.indices),
+                          atol=1e-2)
+    if not hashed:
+        with pytest.raises(ValueError, match="expert_span"):
+            router(x, *gate, align_m=16, expert_span=span)
+
+
 @pytest.mark.parametrize("T", [1, 5])
 @pytest.mark.parametrize("hashed", [False, True])
 def test_engine_router_and_composed_mhc_match_the_references(T, hashed):

@@ -249,9 +249,9 @@ class MoE(nn.Module):
         if not self.tp.expert_parallel or self.tp.world == 1:  # every expert here: the router may align the pairs
             out = K.router_moe(x, *gate, *experts, cfg.swiglu_limit, scales, self.shared_experts(x))
         else:
-            weights, indices = K.router_topk(x, *gate)
-            out = K.moe_experts(x, *experts, weights, self.tp.local_expert_indices(indices, cfg), cfg.swiglu_limit,
-                                scales, self.shared_experts(x))  # + shared: in its last launch
+            weights, indices = K.router_topk(x, *gate, expert_span=self.tp.expert_span(cfg))  # this rank's ids
+            out = K.moe_experts(x, *experts, weights, indices, cfg.swiglu_limit, scales,
+                                self.shared_experts(x))  # + shared: in its last launch
         return self.tp.all_reduce(out)  # tensor parallel: one join per layer
 
 

@@ -302,8 +302,7 @@ class MoE(nn.Module):
         cfg = self.cfg
         weights, indices = K.v41_router(x, self.gate.weight, self.gate.bias, cfg.num_experts_per_tok,
                                         cfg.routed_scaling_factor, cfg.scoring_func, cfg.gate_temp,
-                                        cfg.norm_topk_prob)
-        indices = self.tp.local_expert_indices(indices, cfg)  # -1: another rank's expert
+                                        cfg.norm_topk_prob, self.tp.expert_span(cfg))  # -1: another rank's expert
         # the grouped kernels (weight after w2: equal up to rounding); the CPU's torch loop reads the experts
         # hit on the host, so a forced fused backend (kernels.set_backend("fused")) takes the kernels too
         if x.is_cuda or self.experts_w1_scale is not None or K.backend() == "fused":

@@ -8,6 +8,7 @@ import kernels
 from kernels import fused
 from kernels import reference as ref_v4
 from kernels.deepseek_v41 import reference as ref
+from kernels.reference import local_experts
 
 # bf16: Triton's interpreter truncates float32 -> bf16 casts (the GPU rounds to nearest), so a value cast
 # twice (V4.1's norm) can sit two bf16 steps off the reference here: 2e-2 of the scale, as tests/kernels/* use
@@ -146,6 +147,13 @@ def test_router_matches_reference(scoring, T, E, k, D, temp):
     no_renorm = fused.FUSED["v41_router"](x, w, bias, k, 2.5, scoring, temp, False)
     for g, want in zip(no_renorm, ref.router(x, w, bias, k, 2.5, scoring, temp, False)):
         assert torch.equal(g, want)
+    span = (E // 4, E // 2)  # expert parallelism's rank: its experts' ids counted from span[0], -1 for the others
+    for renorm in (True, False):
+        sw, si = fused.FUSED["v41_router"](x, w, bias, k, 2.5, scoring, temp, renorm, span)
+        aw, ai = fused.FUSED["v41_router"](x, w, bias, k, 2.5, scoring, temp, renorm)
+        assert torch.equal(sw, aw) and torch.equal(si, local_experts(ai, span))
+        assert torch.equal(ref.router(x, w, bias, k, 2.5, scoring, temp, renorm, span)[1],
+                           local_experts(ref.router(x, w, bias, k, 2.5, scoring, temp, renorm)[1], span))
 
 
 @pytest.mark.parametrize("limit", [10.0, 0.0])
