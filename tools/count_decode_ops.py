@@ -5,8 +5,9 @@ launches them (CPU, no GPU needed): the budget a decode CUDA graph replays.
     python -m tools.count_decode_ops --preset tiny --quant fp8-fp4 --override '{"hidden_size": 256, ...}'
     python -m tools.count_decode_ops --preset tiny --quant fp8-fp4 --fuse all   (the launch-saving fusions on)
     python -m tools.count_decode_ops --preset tiny --tp-share 2   (rank 0's share with expert parallelism, bf16)
+    python -m tools.count_decode_ops --preset tiny --quant fp8-fp4 --batch 40   (the paths a bigger batch takes)
 
-One model forward on the decode path's static batch of 1 (what a graph captures) runs with every op
+One model forward on the decode path's static batch (1, or --batch; what a graph captures) runs with every op
 the CUDA dispatch (kernels/fused.py) binds to a Triton kernel running that kernel (under Triton's
 interpreter), and the routed experts through the fused MoE as on CUDA. Counted: every aten op that
 launches work (views and allocations excluded), charged to the innermost engine/ or kernels/
@@ -134,7 +135,12 @@ def layer_kind_v4(cfg, i: int) -> str:
     return ("window" if not r else f"r{r}") + (" +hash" if i < cfg.num_hash_layers else "")
 
 
-def _v4(model_dir: str, dtype: torch.dtype):
+def _pool(batch: int) -> tuple[int, int, int, int]:
+    """The cache's block size, window and full blocks and sequences for a decode batch of `batch` 40-token prompts."""
+    return 16, 8 * batch + 56, 8 * batch + 56, batch + 1
+
+
+def _v4(model_dir: str, dtype: torch.dtype, batch: int = 1):
     """A DeepSeek-V4 checkpoint in its stored formats (as CUDA keeps them), its cache, its layer kinds."""
     import json as _json
 
@@ -143,7 +149,7 @@ def _v4(model_dir: str, dtype: torch.dtype):
 
     quantized = bool(_json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config"))
     model = load_model(model_dir, dtype, quantized=quantized)
-    return model, KVCache(model.cfg, 16, 64, 64, 2, dtype), layer_kind_v4
+    return model, KVCache(model.cfg, *_pool(batch), dtype), layer_kind_v4
 
 
 def _on_layer(model, counter) -> list:
@@ -167,16 +173,16 @@ def _on_layer(model, counter) -> list:
     return [h.remove for h in hooks]
 
 
-def count(model_dir: str, dtype: torch.dtype, prompt_len: int = 40) -> dict:
+def count(model_dir: str, dtype: torch.dtype, prompt_len: int = 40, batch: int = 1) -> dict:
     from engine.models import registry
 
     if registry.family(model_dir).Model.supports_decoder_trim:  # DeepSeek-V4.1: its own cache and layer kinds
         model = registry.load_model(model_dir, dtype, decoder_trim=False)
-        return count_model(model, model.cache_class(model.cfg, 16, 64, 64, 2, dtype), layer_kind, prompt_len)
-    return count_model(*_v4(model_dir, dtype), prompt_len)
+        return count_model(model, model.cache_class(model.cfg, *_pool(batch), dtype), layer_kind, prompt_len, batch)
+    return count_model(*_v4(model_dir, dtype, batch), prompt_len, batch)
 
 
-def tp_share(preset: str, override: dict, world: int, dtype: torch.dtype):
+def tp_share(preset: str, override: dict, world: int, dtype: torch.dtype, batch: int = 1):
     """Rank 0's share of a V4 preset at tensor_parallel_size `world` with expert parallelism (tools.bench_tp_share's,
     collectives skipped, bf16 weights on the CPU), its cache and layer kinds: count_model's arguments."""
     from engine.cache import KVCache
@@ -188,10 +194,11 @@ def tp_share(preset: str, override: dict, world: int, dtype: torch.dtype):
     cfg = parse_config(build_config(preset, override, "bf16"))
     check_parallel(cfg, world, True)
     model = random_share(cfg, TensorParallel(0, world, expert_parallel=True, share_only=True), "cpu", dtype)
-    return model, KVCache(model.cfg, 16, 64, 64, 2, dtype), layer_kind_v4
+    return model, KVCache(model.cfg, *_pool(batch), dtype), layer_kind_v4
 
 
-def count_model(model, cache, kind_of, prompt_len: int = 40) -> dict:
+def count_model(model, cache, kind_of, prompt_len: int = 40, batch: int = 1) -> dict:
+    """The launches of one decode step of `batch` sequences (prompts of prompt_len tokens, prefilled first)."""
     from engine.request import SamplingParams
     from engine.runner import ModelRunner
     from engine.sequence import Sequence
@@ -199,13 +206,16 @@ def count_model(model, cache, kind_of, prompt_len: int = 40) -> dict:
     torch.set_num_threads(1)
     cfg = model.cfg
     runner = ModelRunner(model, cache, max_model_len=512)
-    runner.static_decode_batches([1])
-    seq = Sequence("t", [5 + (7 * j) % 200 for j in range(prompt_len)], SamplingParams())
-    cache.allocate(seq.blocks, 0, prompt_len)
-    out = runner.run([(seq, prompt_len)])
-    seq.num_computed_tokens = seq.compress_from = prompt_len
-    seq.output_token_ids.append(int(out[-1].argmax()))
-    cache.allocate(seq.blocks, prompt_len - cfg.sliding_window + 1, prompt_len + 1)
+    runner.static_decode_batches([batch])
+    seqs = [Sequence(f"t{i}", [5 + (7 * j + i) % 200 for j in range(prompt_len)], SamplingParams())
+            for i in range(batch)]
+    for seq in seqs:
+        cache.allocate(seq.blocks, 0, prompt_len)
+    out = runner.run([(seq, prompt_len) for seq in seqs])
+    for i, seq in enumerate(seqs):
+        seq.num_computed_tokens = seq.compress_from = prompt_len
+        seq.output_token_ids.append(int(out[i].argmax()))  # one logits row a sequence: its last
+        cache.allocate(seq.blocks, prompt_len - cfg.sliding_window + 1, prompt_len + 1)
 
     counter = _Count()
     saved = {name: getattr(kernels, name) for name in fused.FUSED}
@@ -226,7 +236,7 @@ def count_model(model, cache, kind_of, prompt_len: int = 40) -> dict:
             with counter:
                 return forward(*a, **k)
         model.forward = counted
-        runner.run([(seq, 1)])
+        runner.run([(seq, 1) for seq in seqs])
     finally:
         model.forward = forward
         v41_ops.routed_experts = moe
@@ -262,6 +272,7 @@ def main() -> None:
     ap.add_argument("--by-kind", action="store_true", help="each layer kind's ops by source (its first layer)")
     ap.add_argument("--fuse", default=None, help="kernels/fusions.py's switches for the count (a comma list, all, "
                                                   "none; default: DSV4_FUSE's)")
+    ap.add_argument("--batch", type=int, default=1, help="sequences in the decode step (paths some batches take)")
     ap.add_argument("--tp-share", type=int, default=0, help="V4 presets: rank 0's share at this tensor_parallel_size "
                                                             "with expert parallelism (collectives skipped)")
     a = ap.parse_args()
@@ -271,7 +282,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model
         if a.tp_share:
-            res = count_model(*tp_share(a.preset, json.loads(a.override), a.tp_share, getattr(torch, a.dtype)))
+            res = count_model(*tp_share(a.preset, json.loads(a.override), a.tp_share, getattr(torch, a.dtype), a.batch),
+                              batch=a.batch)
         elif model is None and a.preset.startswith("v41"):
             from engine.models.deepseek_v41.random_checkpoint import write_v41_checkpoint
             model = str(write_v41_checkpoint(Path(tmp) / a.preset, a.preset))
@@ -279,9 +291,9 @@ def main() -> None:
             from engine.models.deepseek_v4.random_checkpoint import write_checkpoint
             model = str(write_checkpoint(Path(tmp) / a.preset, a.preset, override=json.loads(a.override), quant=a.quant))
         if not a.tp_share:
-            res = count(model, getattr(torch, a.dtype))
+            res = count(model, getattr(torch, a.dtype), batch=a.batch)
     from kernels import fusions
-    print(f"kernels per decode step (batch 1, {a.dtype}, the CUDA dispatch, fusions: "
+    print(f"kernels per decode step (batch {a.batch}, {a.dtype}, the CUDA dispatch, fusions: "
           f"{','.join(fusions.enabled()) or 'none'}): {res['total']}")
     print(f"{'source':<52} {'kernels':>7}")
     for src, n in list(res["by_source"].items())[:a.rows]:

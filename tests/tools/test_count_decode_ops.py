@@ -24,3 +24,24 @@ def test_a_rank_share_launches_what_the_whole_model_launches_a_layer_and_routers
         shared = share["by_kind_source"][kind]
         assert shared["kernels.router_topk (fused)"] + shared["kernels.moe_experts (fused)"] == 7, kind
     assert not any("local_experts" in s or "parallel." in s for s in share["by_source"])
+
+
+def test_a_bigger_batch_counts_the_paths_it_takes(tmp_path):
+    """--batch: the step of 33 sequences takes wo_a's per-group calls (past GROUPED_ONE_LAUNCH_MAX_T rows), a launch
+    a group and the concatenation, each group's columns read in place (no copy kernel before them); with kernel
+    variant wo_a_one_launch one launch. A one-layer model with wo_a groups of whole 128-row scale blocks (its FP8
+    kernels, not the reference's dequantized weight)."""
+    from kernels import variants
+    from kernels.fused import GROUPED_ONE_LAUNCH_MAX_T
+
+    override = {"o_lora_rank": 256, "num_hidden_layers": 1, "compress_ratios": [0, 0]}  # 2 groups of 128 rows
+    model = str(write_checkpoint(tmp_path / "tiny", "tiny", override=override, quant="fp8-fp4"))
+    batch = GROUPED_ONE_LAUNCH_MAX_T + 1
+    per_group = c.count(model, torch.bfloat16, batch=batch)["by_kind_source"]["window +hash"]
+    saved = variants.enabled()
+    try:
+        variants.set_variants((*saved, "wo_a_one_launch"))
+        one = c.count(model, torch.bfloat16, batch=batch)["by_kind_source"]["window +hash"]
+    finally:
+        variants.set_variants(saved)
+    assert per_group["kernels.grouped_linear (fused)"] == 2 + 1 and one["kernels.grouped_linear (fused)"] == 1
