@@ -5,6 +5,7 @@ on the e4m3 values (the same products); the tensor-core instruction itself runs 
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import reference as ref
 from kernels.formats import (
@@ -22,6 +23,18 @@ SHAPES = [(1, 128, 128), (1, 200, 72), (7, 256, 384), (19, 130, 257), (64, 64, 1
 # The gemv runs one program per activation row, each row on its own: 3 rows check the row indexing
 # as well as 19 or 64 do, at a fraction of the interpreter's time; N and K stay awkward.
 GEMV_ROWS = 3
+
+
+class OpNames(TorchDispatchMode):
+    """The aten ops a call dispatches, by name (a copy shows as clone, a concatenation as cat)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def _case(m, n, k, ue8m0, seed=0):
@@ -134,29 +147,18 @@ def test_wo_a_in_one_launch_is_the_per_group_launches_result_bit_for_bit():
     """Kernel variant wo_a_one_launch: past GROUPED_ONE_LAUNCH_MAX_T rows one grouped launch of the per-group calls'
     tiles and K splits gives their concatenated outputs exactly (the same programs, the same sums), without the
     concatenation; the per-group path equals the reference."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from kernels import variants
     from kernels.fused import GROUPED_ONE_LAUNCH_MAX_T, grouped_linear_fused
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
 
     m, groups, rows, k = GROUPED_ONE_LAUNCH_MAX_T + 1, 3, 128, 256
     x, q, s = _grouped_case(m, groups, rows, k, seed=5)
     saved = variants.enabled()
     try:
         variants.set_variants(tuple(v for v in saved if v != "wo_a_one_launch"))
-        with Ops() as per_group:
+        with OpNames() as per_group:
             want = grouped_linear_fused(x, q, groups, s)
         variants.set_variants((*saved, "wo_a_one_launch"))
-        with Ops() as one:
+        with OpNames() as one:
             got = grouped_linear_fused(x, q, groups, s)
     finally:
         variants.set_variants(saved)
@@ -171,23 +173,12 @@ def test_rows_at_a_stride_give_the_contiguous_rows_result_and_the_gemvs_copy_not
     """x with a row stride wider than its K (one wo_a group's columns, as grouped_linear_fused's per-group calls
     pass them): the same output as the rows copied out, bit for bit; the GEMVs read the rows in place (no copy
     kernel before them), "mma" (which reads x as [M, K]) copies first."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
     x, q, s = _case(m, 256, 384, ue8m0=True)
     wide = torch.randn(m, 3, 384, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
     wide[:, 1] = x.to(torch.bfloat16)
     strided = wide[:, 1]
     assert not strided.is_contiguous()
-    with Ops() as ops:
+    with OpNames() as ops:
         got = fp8_linear_fused(strided, q, s, variant=variant)
     want = fp8_linear_fused(strided.contiguous(), q, s, variant=variant)
     assert torch.equal(got, want)
