@@ -153,7 +153,12 @@ def moe_candidates(rows: int, fmt: str, experts: int = 256) -> list[dict]:
         bm = quant_configs.moe_fit_block_m(rows, rows * k, experts)
         base = quant_configs.MOE_DECODE[fmt][bm]
         alts = [base]
-        if fmt == "mxfp4":  # the newest candidates first: a budget cuts the sweep's tail
+        # the K splits beside the auto rule's (quant_configs.moe_split_k: ~MOE_WAVES programs an SM): at one row
+        # gate/up ran 2.26 waves at 3 blocks an SM (ncu, H100), a last wave a quarter full; 2 splits give one
+        # wave, 8 give more bytes in flight per SM (the newest candidates first: a budget cuts the sweep's tail)
+        if rows <= 32:
+            alts += [{**base, "SPLIT_K": s} for s in (2, 8)]
+        if fmt == "mxfp4":
             # the decode straight into the MMA's operand registers (kernels/fused_dequant.py, mxfp4_frag_tile): no
             # round trip through shared memory, ~25% fewer instructions a K step in the loop (sm_90, offline)
             alts += [{**base, "MX": "bf16-frag"}, {**base, "MX": "bf16-frag", "num_stages": base["num_stages"] + 1},
