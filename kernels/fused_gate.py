@@ -155,7 +155,7 @@ def _span_args(expert_span: tuple[int, int] | None, align_m: int | None) -> dict
 def router_topk_gemm_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash_ids=None,
                            align_m: int | None = None, expert_span: tuple[int, int] | None = None):
     """The engine's router: the gate GEMM on cuBLAS, then one program per token for scores, bias,
-    top-k and renormalisation; hash layers gather in torch. Faster than Mega-Gate on the H200 at every
+    top-k and renormalisation. Faster than Mega-Gate on the H200 at every
     batch measured (tools/bench_fused.py's Mega-Gate rows and the depth profile, docs/perf/h200-2026-12-01-s5/).
     align_m (not for hash layers or a gate without bias): also the ids' MoE alignment into align_m-row tiles
     (kernels.fused_moe_align.moe_align_fused's four outputs, every gate row an expert), from the same launch:
