@@ -235,7 +235,7 @@ def closed_loop(budgets: str, policies: str, users: str, timeout_s: int) -> Step
 
 # the decode profiles' rows: (step name, batch, extra arguments); under PDL a kernel's time includes its wait
 PROFILE_ROWS = (("batch1", "1", ()), ("batch1_pdl_off", "1", ("--engine-args", '{"pdl":"off"}')),
-                ("batch150", "150", ()))
+                ("batch150", "150", ()), ("batch150_pdl_off", "150", ("--engine-args", '{"pdl":"off"}')))
 
 
 def profile(name: str, *args: str, then_remove: str | None = None) -> Step:
@@ -746,14 +746,13 @@ SUITE_LIST = [
                 for w, check in (("8", ("--check",)), ("4", ())))),  # --check: host tables equal device tables
     # ---- profiles (text tables: the step's output)
     Suite("profile_decode_depth", "Where does a decode step at V4-Flash depth as shipped go, kernel by kernel, "
-          "at batch 1 and 150, and at batch 1 with PDL off (with it on, a kernel's time includes its wait on the one "
-          "before)?",
+          "at batch 1 and 150, with PDL on and off (with it on, a kernel's time includes its wait on the one before)?",
           tuple(profile(name, *MODEL, "--batch", b, "--steps", "48", "--rows", "45", *extra)
                 for name, b, extra in PROFILE_ROWS),
           preset="flash-depth"),
     Suite("profile_tp_share", "Where does a decode step of rank 0's share of V4-Flash at tensor_parallel_size 8 go "
-          "(256 experts, 32 a rank; collectives skipped), kernel by kernel, at batch 1 and 150, and at batch 1 with "
-          "PDL off (with it on, a kernel's time includes its wait on the one before)?",
+          "(256 experts, 32 a rank; collectives skipped), kernel by kernel, at batch 1 and 150, with PDL on and off "
+          "(with it on, a kernel's time includes its wait on the one before)?",
           tuple(profile(name, "--tp-share", "8", "--experts", "256", "--preset", "flash-depth", "--quant", "fp8-fp4",
                         "--batch", b, "--steps", "48", "--rows", "45", *extra)
                 for name, b, extra in PROFILE_ROWS),
