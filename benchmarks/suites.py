@@ -19,15 +19,18 @@ V41_CKPT = "{ckpt}/v41-flash-shaped-fp8-fp4"
 DEPTH_CKPT = "{ckpt}/flash-depth-fp8-fp4"
 SWITCH_CKPT = "{{ckpt}}/flash-depth-e{e}-fp8-fp4"  # one per expert count, removed after its step
 SWITCHES = DEPTH[:-1] + ',"cudagraph_mode":"FULL_DECODE_ONLY"}'  # decode graphs only: no mixed-step captures to wait for
-# on the rank share: today's step, every fusion, moe_gemv, then each fusion alone (tools.bench_decode_switches)
-TP_SHARE_SWITCH_CONFIGS = "pdl,all,moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/attn_offsets/moe_gemv,each"
+# on the rank share: today's step, every fusion, today's without moe_gemv, then each fusion alone
+# (tools.bench_decode_switches)
+TP_SHARE_SWITCH_CONFIGS = "pdl,all,no_moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/attn_offsets,each"
 # today's decode, then each decode variant that is off by default, then today's without each that is on (attn_offsets
 # runs on the wgmma tiles, which batches from 16 take), then
 # today's step last again (pdl_again): at batch 150 the last config ran fastest in three runs (1.10x, 1.14x, 1.06x), so
 # a gap under the drift between the first and the last row is not the variant's
-_TODAY = "rope_tiles/bf16_gemv/attn_offsets"
-DECODE_VARIANT_CONFIGS = (f"pdl,moe_gemv=pdl:1+var:{_TODAY}/moe_gemv,wo_a_one_launch=pdl:1+var:{_TODAY}/wo_a_one_launch,"
-                          "no_bf16_gemv=pdl:1+var:rope_tiles/attn_offsets,no_attn_offsets=pdl:1+var:rope_tiles/bf16_gemv,"
+_TODAY = "rope_tiles/bf16_gemv/attn_offsets/moe_gemv"
+DECODE_VARIANT_CONFIGS = ("pdl,no_moe_gemv=pdl:1+var:rope_tiles/bf16_gemv/attn_offsets,"
+                          f"wo_a_one_launch=pdl:1+var:{_TODAY}/wo_a_one_launch,"
+                          "no_bf16_gemv=pdl:1+var:rope_tiles/attn_offsets/moe_gemv,"
+                          "no_attn_offsets=pdl:1+var:rope_tiles/bf16_gemv/moe_gemv,"
                           f"fp8_cublas_mid=pdl:1+var:{_TODAY}/fp8_cublas_mid,pdl_again=pdl:1+var:{_TODAY}")
 # today's prefill (its default variants), then without attn_offsets, then with indexer_select (off)
 PREFILL_VARIANT_SETS = "rope_tiles+bf16_gemv+attn_offsets,rope_tiles+bf16_gemv,rope_tiles+bf16_gemv+attn_offsets+indexer_select"
@@ -267,12 +270,12 @@ SUITE_LIST = [
                                                '{"cudagraph_mode":"FULL_DECODE_ONLY"}'),
                 name="v4_depth_switches", timeout_s=540))),
     Suite("teacher_forced_variants", "At V4-Flash depth as shipped, is each kernel variant that decode_variants "
-          "finds faster but not bit-equal only rounding or wrong: moe_gemv on (1.08x at batch 1, its logits 6.1e-2 "
-          "from today's), fp8_cublas_mid on, today's without attn_offsets / bf16_gemv, each against the path without "
+          "finds faster but not bit-equal only rounding or wrong: fp8_cublas_mid on, today's without moe_gemv / "
+          "attn_offsets / bf16_gemv (moe_gemv on by default since this suite called it rounding), each against the path without "
           "it and the rounded reference on the same tokens (4 prompts x 32 positions)?",
           (checkpoint(DEPTH_CKPT, "flash-depth"),
            Step("tools.check_teacher_forced", ("--model", DEPTH_CKPT, "--switches",
-                                               "moe_gemv,fp8_cublas_mid,no_attn_offsets,no_bf16_gemv", "--reference",
+                                               "no_moe_gemv,fp8_cublas_mid,no_attn_offsets,no_bf16_gemv", "--reference",
                                                "rounded", "--prompts", "4", "--steps", "32", "--engine-args",
                                                '{"cudagraph_mode":"FULL_DECODE_ONLY"}'),
                 name="v4_depth_variants", timeout_s=540)),
@@ -322,7 +325,7 @@ SUITE_LIST = [
                                                 "--engine-args", SWITCHES, "--label", "e64"), name="e64",
                 then_remove="flash-depth-e64-*", timeout_s=400))),
     Suite("decode_variants", "At V4-Flash depth as shipped (16 experts), per decode step at batch 1 / 32 / 150 with "
-          "the same logits (PDL on all), today's step against it with moe_gemv on (off by default: the MXFP4 MoE at "
+          "the same logits (PDL on all), today's step against it without moe_gemv (on by default: the MXFP4 MoE at "
           "1-4 tokens as CUDA-core GEMVs), with wo_a_one_launch on (wo_a's per-group launches at 33-255 rows as one "
           "launch of the same programs: batch 150) and without bf16_gemv (on by default: the compressors' and "
           "indexer's bf16 projections and the router's gate as one CUDA-core GEMV launch with PDL instead of "
@@ -729,7 +732,8 @@ SUITE_LIST = [
     Suite("tp_share_switches", "At rank 0's share of V4-Flash as shipped at tensor_parallel_size 8 (256 experts, 32 "
           "of them and 8 of 64 heads a rank, collectives skipped), where ~1,500 small kernels a step set the time, "
           "which launch-saving switches pay: every fusion together and each alone on today's step (PDL on) at "
-          "batch 1, all of them and moe_gemv (the MoE's few rows as CUDA-core GEMVs) at 1 / 32 / 150, the logits "
+          "batch 1, all of them and today's without moe_gemv (on by default: the MoE's few rows as CUDA-core GEMVs) "
+          "at 1 / 32 / 150, the logits "
           "compared, kernels a layer counted?",
           (Step("tools.bench_decode_switches", ("--tp-share", "8", "--experts", "256", "--batches", "1,32,150",
                                                 "--single-batches", "1", "--configs", TP_SHARE_SWITCH_CONFIGS,

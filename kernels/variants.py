@@ -66,7 +66,11 @@ ALL = ("rope_tiles", "mix_bf16x3", "moe_frag", "bf16_gemv", "moe_gemv", "indexer
 # chunk 1.53x faster (1,200.3 -> 784.4 us on today's tile), the output identical; prefill_variants' first tokens
 # identical, its fastest of 5 rounds 1.02 / 1.05 / 1.08x at 1 x 1024, 4 x 1024, 1 x 8192 tokens (medians 1.03 /
 # 0.95 / 0.96x: eager prefill's spread); at decode (the wgmma tiles from 16 tokens) not timed: decode_variants A/Bs it.
-DEFAULT: tuple[str, ...] = ("rope_tiles", "bf16_gemv", "attn_offsets")
+# moe_gemv on: decode_variants (H100, docs/perf/h100-2026-12-07e/) 10.20 -> 9.43 ms at batch 1 (1.081x; 1.083x the run
+# before), 1.00x at 32 / 150 (it takes 1-4 tokens); the rank share's batch 1 1.040x (tp_share_switches); its logits
+# 0.18 from today's, which teacher_forced_variants calls rounding: mean KL to the rounded reference 4.32e-2 against
+# the base path's 4.42e-2, top-1 44.5% against 46.9% (4 prompts x 32 positions).
+DEFAULT: tuple[str, ...] = ("rope_tiles", "bf16_gemv", "attn_offsets", "moe_gemv")
 ENV = "DSV4_VARIANTS"
 
 _on = fusions.parse(os.environ.get(ENV, ",".join(DEFAULT)), ALL, "kernel variants")

@@ -71,9 +71,11 @@ def test_which_calls_the_variant_takes(monkeypatch):
     assert not moe_gemv.takes(1, w.to(torch.bfloat16), None)  # bf16 experts: the MMA kernels
     assert not moe_gemv.takes(1, torch.zeros(8, 2048, 1000, dtype=torch.int8), s)  # K off the 32-value groups
     x = torch.zeros(1, 4096, dtype=torch.bfloat16)
-    assert not fused_moe._gemv(x, w, (s, s, s))  # off by default
+    assert fused_moe._gemv(x, w, (s, s, s)) == ("moe_gemv" in variants.DEFAULT)  # on by default
     monkeypatch.setattr(variants, "_on", frozenset({"moe_gemv"}))
     assert fused_moe._gemv(x, w, (s, s, s))
+    monkeypatch.setattr(variants, "_on", frozenset())
+    assert not fused_moe._gemv(x, w, (s, s, s))
 
 
 def test_a_sweep_config_runs_the_gemv_in_its_tiles():

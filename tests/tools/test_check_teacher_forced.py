@@ -81,16 +81,16 @@ def test_a_switch_is_a_fusion_or_a_kernel_variant_alone():
 
     _, test = build_engines("", 1, 16, {}, "rounded")
     seen = {}
-    for name in ["moe_gemv", "no_attn_offsets", "mega_mhc", "base"]:
+    for name in ["fp8_cublas_mid", "no_attn_offsets", "mega_mhc", "base"]:
         switched(test, name)
         seen[name] = (variants.enabled(), fusions.enabled())
     default = tuple(v for v in variants.ALL if v in variants.DEFAULT)
-    assert seen["moe_gemv"] == (tuple(v for v in variants.ALL if v in {*default, "moe_gemv"}), ())
+    assert seen["fp8_cublas_mid"] == (tuple(v for v in variants.ALL if v in {*default, "fp8_cublas_mid"}), ())
     assert seen["no_attn_offsets"] == (tuple(v for v in default if v != "attn_offsets"), ())
     assert seen["mega_mhc"] == (default, ("mega_mhc",)) and seen["base"] == (default, ())
-    assert switch_names("pdl,moe_gemv,no_bf16_gemv") == ["pdl", "moe_gemv", "no_bf16_gemv"]
+    assert switch_names("pdl,fp8_cublas_mid,no_bf16_gemv") == ["pdl", "fp8_cublas_mid", "no_bf16_gemv"]
     with pytest.raises(ValueError, match="unknown switches"):
-        switch_names("no_moe_gemv")  # moe_gemv is not on by default: nothing to turn off
+        switch_names("no_fp8_cublas_mid")  # fp8_cublas_mid is not on by default: nothing to turn off
 
 
 def test_noise_floor_holds_an_engine_that_only_sums_in_another_order_and_not_a_planted_bug():
