@@ -70,7 +70,7 @@ ALL = ("rope_tiles", "mix_bf16x3", "moe_frag", "bf16_gemv", "moe_gemv", "indexer
 # before), 1.00x at 32 / 150 (it takes 1-4 tokens); the rank share's batch 1 1.040x (tp_share_switches); its logits
 # 0.18 from today's, which teacher_forced_variants calls rounding: mean KL to the rounded reference 4.32e-2 against
 # the base path's 4.42e-2, top-1 44.5% against 46.9% (4 prompts x 32 positions).
-DEFAULT: tuple[str, ...] = ("rope_tiles", "bf16_gemv", "attn_offsets", "moe_gemv")
+DEFAULT: tuple[str, ...] = ("rope_tiles", "bf16_gemv", "moe_gemv", "attn_offsets")  # ALL's order
 ENV = "DSV4_VARIANTS"
 
 _on = fusions.parse(os.environ.get(ENV, ",".join(DEFAULT)), ALL, "kernel variants")

@@ -26,12 +26,12 @@ def _moe(bm, bn, bk, w, st, mx=None):
     (1, 1024, 4096, _GEMV),  # wq_a: the one-row gemv
     (32, 1024, 4096, _dq(32, 32, 4, 4)),
     (4097, 1024, 4096, _mm(128, 64, 4, 4)),
-    (150, 2048, 4096, _dq(64, 128, 4, 3)),  # shared_w1
+    (150, 2048, 4096, _mm(64, 64, 4, 4)),  # shared_w1: the mma kernel from 65 rows (kernels_fp8_mid)
     (2048, 4096, 8192, _mm(128, 128, 8, 3)),  # wo_b
     (1, 32768, 1024, _mm(64, 128, 4, 4)),  # wq_b: no gemv row
     (8192, 32768, 1024, _mm(64, 128, 4, 4)),
     (1, 1536, 4096, _GEMV),  # the stacked wq_a + wkv: wq_a's tiles
-    (65, 4096, 4096, _dq(64, 128, 4, 3)),  # the stacked w1 + w3: shared_w1's
+    (65, 4096, 4096, _mm(64, 64, 4, 4)),  # the stacked w1 + w3: shared_w1's
     (1, 512, 4096, _GEMV),  # no entry: the defaults
     (513, 512, 4096, _mm(128, 128, 8, 4)),
 ])
