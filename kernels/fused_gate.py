@@ -142,7 +142,7 @@ def _router_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, E, scaling, K: tl.const
                        block_start_ptr, tl.num_programs(0) * K, E, max_blocks, ALIGN_M, ALIGN_EP)
 
 
-def _span_args(expert_span: tuple[int, int] | None, align_m: int | None) -> dict:
+def span_args(expert_span: tuple[int, int] | None, align_m: int | None = None) -> dict:
     """The routers' SPAN arguments: local ids for [lo, hi) (kernels.reference.local_experts), in the launch that
     routes (no elementwise launches after it); the alignment covers every gate row, so not with align_m."""
     if expert_span is None:
@@ -162,7 +162,7 @@ def router_topk_gemm_fused(x, weight, bias, top_k, routed_scaling, scoring_func,
     returns (weights, ids, alignment). expert_span: kernels.reference.router_topk's. The weights come out in x's
     dtype from the launch that routes (no cast launch after it). Hash layers (hash_ids: tid2eid's experts) gather
     and renormalise their scores in the same one program per token (not torch's seven launches)."""
-    span = _span_args(expert_span, align_m)
+    span = span_args(expert_span, align_m)
     hashed = hash_ids is not None
     if align_m is not None and (hashed or bias is None):
         raise ValueError("the router aligns the pairs only for a biased gate without a hash table")
@@ -203,7 +203,7 @@ def router_topk_fused(x, weight, bias, top_k, routed_scaling, scoring_func, hash
                       expert_span: tuple[int, int] | None = None):
     """Mega-Gate. align_m: also the ids' alignment, as router_topk_gemm_fused's, from the same launch (hash
     layers too): returns (weights, ids, alignment). expert_span and the weights' dtype: router_topk_gemm_fused's."""
-    span = _span_args(expert_span, align_m)
+    span = span_args(expert_span, align_m)
     if hash_ids is None and bias is None:
         if align_m is not None:
             raise ValueError("Mega-Gate aligns the pairs only for a biased gate or a hash table")

@@ -13,7 +13,7 @@ from kernels import pdl
 from kernels.activations import clamped_swiglu
 from kernels.deepseek_v41 import reference
 from kernels.fused_fake_quant import fake_quant_fp4_fused, fake_quant_fp8_fused
-from kernels.fused_gate import _SCORING, _router_kernel
+from kernels.fused_gate import _SCORING, _router_kernel, span_args
 from kernels.fused_norm_mhc import _rms_norm_kernel, _rows, hc_post_fused, hc_site_collapse_fused
 from kernels.fused_rope import _launch as _rope_launch
 from kernels.pdl import wait_and_release
@@ -54,10 +54,9 @@ def router_fused(x, weight, bias, top_k, scaling, scoring_func, gate_temp, renor
     T, E = logits.shape
     w = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
-    span = {} if expert_span is None else {"span_lo": expert_span[0], "span_hi": expert_span[1], "SPAN": True}
     _router_kernel[(T,)](logits, bias.float().contiguous(), w, idx, E, scaling, K=top_k,
                          KP=triton.next_power_of_2(top_k), SCORING=_SCORING[scoring_func],
-                         BLOCK_E=triton.next_power_of_2(E), **span)
+                         BLOCK_E=triton.next_power_of_2(E), **span_args(expert_span))
     return w, idx
 
 
